@@ -1,0 +1,212 @@
+"""Plain NumPy attention: the yardstick every cuflash kernel is measured against.
+
+Two roles, one code path:
+
+* ``dtype=np.float64`` (default) is the *reference*: exact-as-practical attention with float64 inputs,
+  float64 accumulation and no intermediate rounding.
+* ``dtype`` of float32, float16 or bfloat16 is an *emulation of a low-precision implementation*: the inputs
+  and every intermediate a kernel has to materialise in that format (the scores S, the probabilities P, the
+  output O; in the backward also dP, dS and the gradients) are rounded to ``dtype``, while sums run in the
+  accumulator a GPU would use (float32 for float16/bfloat16 tensor-core MMAs, the dtype itself otherwise).
+  FlashAttention's own test suite judges a kernel by how far this low-precision result strays from the
+  reference (see ``cuflash._tolerance``), so the emulation is deliberately *as coarse as* a straightforward
+  implementation in that precision, not finer: it rounds S, which a fused kernel keeps in float32 registers.
+
+Conventions (the same as FlashAttention 2):
+
+* q is (batch, seqlen_q, nheads, headdim); k and v are (batch, seqlen_k, nheads_k, headdim).
+* Grouped/multi-query attention: ``nheads % nheads_k == 0`` and query head ``h`` reads kv head
+  ``h // (nheads // nheads_k)``.
+* ``causal=True`` aligns the mask to the bottom-right corner of the score matrix: query row ``i`` sees key
+  ``j`` iff ``j <= i + seqlen_k - seqlen_q``. With ``seqlen_q > seqlen_k`` the first ``seqlen_q - seqlen_k``
+  rows see no key at all.
+* A query row that sees no key (those rows, or any row when ``seqlen_k == 0``) has output 0 and
+  log-sum-exp ``-inf``: the empty sum of exponentials is 0 and its logarithm is ``-inf``. Its gradients are
+  0. Nothing is ever NaN, which is the behaviour FlashAttention documents and users ask for.
+* lse is the natural log-sum-exp of the *scaled* scores, shape (batch, nheads, seqlen_q), in the
+  accumulator dtype (float64 for the reference, float32 for every low-precision emulation, matching the
+  float32 LSE a kernel writes).
+
+Memory: the score matrix is formed one (batch, kv head) at a time, i.e. (group, seqlen_q, seqlen_k) values
+in the accumulator dtype, so long sequences cost time, not a (batch, nheads, seqlen_q, seqlen_k) array.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:  # ml_dtypes registers "bfloat16" with NumPy; it is needed only for bfloat16 emulation.
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a test extra
+    _ml_dtypes = None
+
+__all__ = ["attention_reference", "attention_backward_reference", "resolve_dtype", "accumulator_dtype"]
+
+
+def resolve_dtype(dtype) -> np.dtype:
+    """Normalise a dtype spec (np.float16, "bfloat16", ml_dtypes.bfloat16, ...) to one the reference supports."""
+    if isinstance(dtype, str) and dtype == "bfloat16" and _ml_dtypes is None:
+        raise ValueError("bfloat16 emulation needs the ml_dtypes package")
+    resolved = np.dtype(dtype)
+    supported = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)]
+    if _ml_dtypes is not None:
+        supported.append(np.dtype(_ml_dtypes.bfloat16))
+    if resolved not in supported:
+        raise ValueError(f"unsupported dtype {resolved}; expected one of {[str(d) for d in supported]}")
+    return resolved
+
+
+def accumulator_dtype(dtype) -> np.dtype:
+    """The format sums run in: float64 for the reference, float32 for everything narrower (tensor-core MMAs
+    accumulate float16/bfloat16 products in float32)."""
+    return np.dtype(np.float64) if resolve_dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _round(x: np.ndarray, dtype: np.dtype, acc: np.dtype) -> np.ndarray:
+    """Round ``x`` to ``dtype`` (round-to-nearest-even, as a GPU conversion does) and hand it back in ``acc``."""
+    if dtype == acc:
+        return x.astype(acc, copy=False)
+    return x.astype(dtype).astype(acc)
+
+
+def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "expected q (batch, seqlen_q, nheads, headdim) and k, v (batch, seqlen_k, nheads_k, headdim); "
+            f"got ndims {q.ndim}, {k.ndim}, {v.ndim}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_k, seqlen_k, nheads_k, headdim_k = k.shape
+    if batch_k != batch:
+        raise ValueError(f"batch mismatch: q has {batch}, k/v have {batch_k}")
+    if headdim_k != headdim:
+        raise ValueError(f"head dim mismatch: q has {headdim}, k/v have {headdim_k}")
+    if headdim == 0:
+        raise ValueError("headdim must be at least 1")
+    if nheads_k == 0:
+        if nheads != 0:
+            raise ValueError(f"nheads_k is 0 but nheads is {nheads}")
+    elif nheads % nheads_k != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    return batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
+
+
+def _visible_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """(seqlen_q, seqlen_k) bool: which keys each query row attends to."""
+    if not causal:
+        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    rows = np.arange(seqlen_q)[:, None]
+    cols = np.arange(seqlen_k)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _group_heads(x: np.ndarray, b: int, kv_head: int, group: int) -> np.ndarray:
+    """Query-side tensor (batch, seqlen_q, nheads, d) -> (group, seqlen_q, d) for the heads that read ``kv_head``."""
+    return x[b, :, kv_head * group:(kv_head + 1) * group, :].transpose(1, 0, 2)
+
+
+def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc: np.dtype):
+    """Masked softmax of one (group, seqlen_q, seqlen_k) block of already-scaled scores (in ``acc``).
+
+    Returns (P rounded to ``dtype``, lse in ``acc``). Rows without a visible key get P = 0 and lse = -inf;
+    the row maximum of such a row is replaced by 0 before subtracting so no inf - inf NaN ever forms.
+    """
+    masked = np.where(visible, scores, -np.inf)
+    row_max = np.max(masked, axis=-1, keepdims=True, initial=-np.inf)
+    safe_max = np.where(np.isfinite(row_max), row_max, 0.0).astype(acc)
+    unnormalised = np.exp(masked - safe_max)  # exp(-inf) = 0 on masked entries
+    row_sum = np.sum(unnormalised, axis=-1, keepdims=True)
+    has_key = row_sum > 0
+    probabilities = unnormalised / np.where(has_key, row_sum, 1.0).astype(acc)
+    with np.errstate(divide="ignore"):
+        lse = np.where(has_key, safe_max + np.log(np.where(has_key, row_sum, 1.0)), -np.inf).astype(acc)
+    return _round(probabilities, dtype, acc), lse[..., 0]
+
+
+def _forward_block(qg, kb, vb, visible, scale, dtype, acc):
+    """One (batch, kv head) block: qg (group, sq, d), kb/vb (sk, d), all already rounded and in ``acc``."""
+    scores = _round((qg @ kb.T) * acc.type(scale), dtype, acc)
+    probabilities, lse = _softmax_block(scores, visible, dtype, acc)
+    out = _round(probabilities @ vb, dtype, acc)
+    return probabilities, out, lse
+
+
+def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
+    """Inputs rounded to ``dtype`` (a no-op for data already in it), held in the accumulator format."""
+    return [_round(np.asarray(a), dtype, acc) for a in arrays]
+
+
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, dtype=np.float64):
+    """Attention forward. Returns ``(out, lse)``.
+
+    out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
+    ``softmax_scale`` defaults to 1/sqrt(headdim). See the module docstring for masking, GQA and the
+    low-precision emulation that ``dtype`` selects.
+    """
+    dtype = resolve_dtype(dtype)
+    acc = accumulator_dtype(dtype)
+    q, k, v = _prepare((q, k, v), dtype, acc)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    visible = _visible_keys(seqlen_q, seqlen_k, causal)
+
+    out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
+    group = nheads // nheads_k if nheads_k else 0
+    for b in range(batch):
+        for kv_head in range(nheads_k):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            qg = _group_heads(q, b, kv_head, group)
+            _, out_g, lse_g = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible, scale, dtype, acc)
+            out[b, :, heads, :] = out_g.transpose(1, 0, 2)
+            lse[b, heads, :] = lse_g
+    return out.astype(dtype), lse
+
+
+def attention_backward_reference(
+    dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, dtype=np.float64
+):
+    """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``.
+
+    With grouped heads, dk and dv of a kv head are the sums over the query heads that read it. Rows that see no
+    key contribute nothing and receive zero dq. The math is FlashAttention 2's: P recomputed from q and k,
+    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q.
+    In the low-precision emulation P, O, dP and dS are rounded to ``dtype`` as a kernel feeding them to MMAs
+    would, D and the group sums stay in the accumulator, and each gradient is rounded once at the end.
+    """
+    dtype = resolve_dtype(dtype)
+    acc = accumulator_dtype(dtype)
+    dout, q, k, v = _prepare((dout, q, k, v), dtype, acc)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    scale = _scale(softmax_scale, headdim)
+    visible = _visible_keys(seqlen_q, seqlen_k, causal)
+
+    dq = np.zeros(q.shape, dtype=acc)
+    dk = np.zeros(k.shape, dtype=acc)
+    dv = np.zeros(v.shape, dtype=acc)
+    group = nheads // nheads_k if nheads_k else 0
+    for b in range(batch):
+        for kv_head in range(nheads_k):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            qg = _group_heads(q, b, kv_head, group)
+            dog = _group_heads(dout, b, kv_head, group)
+            kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
+            probabilities, out_g, _ = _forward_block(qg, kb, vb, visible, scale, dtype, acc)
+            # (group, sk, d) per query head, summed over the group in the accumulator before one rounding.
+            dv[b, :, kv_head, :] = (probabilities.transpose(0, 2, 1) @ dog).sum(axis=0)
+            dprobabilities = _round(dog @ vb.T, dtype, acc)
+            delta = np.sum(dog * out_g, axis=-1, keepdims=True)
+            dscores = _round(probabilities * (dprobabilities - delta), dtype, acc)
+            dq[b, :, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
+            dk[b, :, kv_head, :] = (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
+    return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
