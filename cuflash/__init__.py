@@ -1,0 +1,16 @@
+"""cuflash: FlashAttention-1/2 kernels in raw CUDA C++ for CuPy and JAX.
+
+    import cuflash
+    out = cuflash.attention(q, k, v, causal=True)                 # fa2 by default
+    out, lse = cuflash.attention(q, k, v, return_lse=True, algorithm="fa1")
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse)
+
+NumPy arrays run on the CPU simulator, CuPy arrays (and CUDA arrays of other
+libraries, via DLPack) on the GPU. JAX users: ``cuflash.jax.attention``.
+"""
+
+from .api import attention, attention_backward
+from .kernels.plans import available_algorithms
+
+__all__ = ["attention", "attention_backward", "available_algorithms"]
+__version__ = "0.1.0"

@@ -1,0 +1,209 @@
+"""The public API: ``cuflash.attention`` and ``cuflash.attention_backward``.
+
+Layout (batch, seqlen, nheads, headdim), the layout of FlashAttention and of
+``jax.nn.dot_product_attention``. Where the arrays live picks where kernels run:
+
+- NumPy arrays (and CPU arrays of other libraries, through DLPack) run on the
+  CPU simulator: the same CUDA sources, every thread a fiber. Slow, exact to the
+  CUDA programming model; this is how the library is tested without a GPU.
+- CuPy arrays run on their GPU; other arrays with ``__dlpack__`` on a CUDA device
+  (JAX, PyTorch) go through CuPy without a copy.
+
+Results come back in the input's array type. Inputs whose last dimension is not
+contiguous (or with negative strides) are copied once; everything else is used
+in place through its strides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _validation as V
+from .backends.program import run_program
+from .kernels import plans
+
+_DL_CPU = 1
+_DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+class _Placement:
+    """Which backend runs the call, and how to hand results back in the caller's array type."""
+
+    def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
+        kinds = []
+        for name, array in zip(names, arrays):
+            kinds.append((name, _array_kind(name, array)))
+        native = {kind for _, kind in kinds if kind in ("numpy", "cupy")}
+        if len(native) > 1:
+            first = {kind: name for name, kind in reversed(kinds)}
+            raise TypeError(
+                f"{first['numpy']} is a NumPy array but {first['cupy']} is a CuPy array: "
+                "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
+            )
+        self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
+        self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
+        on_gpu = {_is_cupy(a) for a in self.arrays}
+        if len(on_gpu) > 1:
+            raise TypeError("all arrays must be on the same device: some are on the CPU and some on a CUDA GPU")
+        self.on_gpu = on_gpu.pop()
+        if self.on_gpu:
+            devices = {name: a.device.id for name, a in zip(names, self.arrays)}
+            if len(set(devices.values())) > 1:
+                raise ValueError(f"all arrays must be on the same GPU, got devices {devices}")
+            self.device_id = next(iter(devices.values()))
+
+    @staticmethod
+    def _import(name: str, array: Any, kind: str) -> Any:
+        if kind != "dlpack":
+            return array
+        device_type, _ = array.__dlpack_device__()
+        if device_type == _DL_CPU:
+            return np.from_dlpack(array)
+        if device_type in _DL_CUDA:
+            import cupy
+
+            return cupy.from_dlpack(array)
+        raise TypeError(f"{name} is on a DLPack device of type {device_type}; only CPU and CUDA are supported")
+
+    def backend(self):
+        if self.on_gpu:
+            from .backends.cupy_gpu import CupyBackend
+
+            return CupyBackend(self.device_id)
+        from .backends.simulator import SimulatorBackend
+
+        return SimulatorBackend()
+
+    def export(self, result: Any) -> Any:
+        """Hand a result back in the array type the caller passed (zero-copy through DLPack)."""
+        if self.foreign_type is None:
+            return result
+        module = self.foreign_type.__module__.split(".")[0]
+        if module == "torch":
+            import torch
+
+            return torch.from_dlpack(result)
+        if module in ("jax", "jaxlib"):
+            import jax.numpy as jnp
+
+            return jnp.from_dlpack(result)
+        return result
+
+
+def _array_kind(name: str, array: Any) -> str:
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    if _is_cupy(array):
+        return "cupy"
+    if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
+        return "dlpack"
+    raise TypeError(f"{name} must be a NumPy or CuPy array or support DLPack, got {type(array).__name__}")
+
+
+def _is_cupy(array: Any) -> bool:
+    return type(array).__module__.split(".")[0] == "cupy"
+
+
+def _contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    result = []
+    for array in arrays:
+        if V.needs_copy(array):
+            module = np if isinstance(array, np.ndarray) else __import__("cupy")
+            array = module.ascontiguousarray(array)
+        result.append(array)
+    return tuple(result)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    algorithm: str = "fa2",
+    return_lse: bool = False,
+) -> Any:
+    """Scaled dot-product attention softmax(scale * q k^T) v.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
+    with nheads a multiple of nheads_k (GQA/MQA); dtype float16, bfloat16 or float32
+    (all equal), head dim 1..256. ``causal`` masks with the diagonal aligned to the
+    bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q; a query
+    row that sees no key gets output 0 and lse -inf. ``softmax_scale`` defaults to
+    1/sqrt(headdim). ``algorithm``: "fa2" (default), "fa1" or "standard".
+
+    Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
+    the log-sum-exp of the scaled scores of each query row.
+    """
+    placement = _Placement(("q", "k", "v"), (q, k, v))
+    q, k, v = placement.arrays
+    problem = V.check_qkv(q, k, v, causal=causal)
+    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+    return_lse = V.check_bool("return_lse", return_lse)
+    program_family = plans.family(algorithm)
+    q, k, v = _contiguous_last_dim((q, k, v))
+
+    backend = placement.backend()
+    out = backend.empty(tuple(q.shape), q.dtype)
+    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+    if problem.seqlen_k == 0:
+        # No key at all: every row sees no key (the kernels' rule, without a launch).
+        out[...] = 0
+        lse[...] = -np.inf
+    elif out.size:
+        program = program_family.forward_program(problem)
+        run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    out, lse = placement.export(out), placement.export(lse)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    algorithm: str = "fa2",
+    deterministic: bool = False,
+) -> tuple[Any, Any, Any]:
+    """Gradients (dq, dk, dv) of ``attention`` given dout = dL/dout.
+
+    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
+    q, k, v, causal and softmax_scale. dq is like q; dk, dv are like k, v (for GQA/MQA
+    they sum over the query heads of a group). ``deterministic=True`` asks for
+    bitwise-reproducible gradients (the fa2 backward otherwise accumulates dq with
+    float32 atomics, whose order varies between runs on a GPU).
+    """
+    names = ("dout", "q", "k", "v", "out", "lse")
+    placement = _Placement(names, (dout, q, k, v, out, lse))
+    dout, q, k, v, out, lse = placement.arrays
+    problem = V.check_qkv(q, k, v, causal=causal, deterministic=deterministic)
+    V.check_like("dout", dout, "q", q)
+    V.check_like("out", out, "q", q)
+    V.check_lse(lse, problem)
+    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+    program_family = plans.family(algorithm)
+    dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
+    if not (lse.flags.c_contiguous):
+        lse = np.ascontiguousarray(lse) if isinstance(lse, np.ndarray) else __import__("cupy").ascontiguousarray(lse)
+
+    backend = placement.backend()
+    dq = backend.empty(tuple(q.shape), q.dtype)
+    dk = backend.empty(tuple(k.shape), k.dtype)
+    dv = backend.empty(tuple(v.shape), v.dtype)
+    if problem.seqlen_k == 0 or problem.seqlen_q == 0:
+        # Nothing attends to anything: all gradients are zero.
+        for grad in (dq, dk, dv):
+            grad[...] = 0
+    elif dq.size:
+        program = program_family.backward_program(problem)
+        arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        run_program(backend, program, problem, scale, arrays)
+    return placement.export(dq), placement.export(dk), placement.export(dv)

@@ -1,0 +1,47 @@
+"""CuPy arrays on a CUDA GPU.
+
+Deliberately thin: the launch plan, parameter packing and scratch layout are the
+shared ones (cuflash.backends.program); this file only allocates with CuPy,
+loads the cubin NVRTC produced for the device's architecture (byte for byte the
+one the compile report describes) and launches it on the current stream.
+Covered by tests marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..kernels.plans import LaunchPlan
+
+
+class CupyBackend:
+    name = "cupy"
+
+    def __init__(self, device_id: int):
+        import cupy
+
+        self._cupy = cupy
+        self.device_id = device_id
+        # compute_capability is a string such as "80" or "90".
+        self.arch = "sm_" + cupy.cuda.Device(device_id).compute_capability
+
+    def empty_scratch(self, shape: tuple[int, ...]):
+        return self._cupy.empty(shape, dtype=np.float32)
+
+    def zeros(self, shape: tuple[int, ...]):
+        return self._cupy.zeros(shape, dtype=np.float32)
+
+    def empty(self, shape: tuple[int, ...], dtype):
+        return self._cupy.empty(shape, dtype=dtype)
+
+    def address(self, array) -> int:
+        return int(array.data.ptr)
+
+    def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence) -> None:
+        from ..kernels import nvrtc
+
+        compiled = nvrtc.compile_instance(plan.kernel, self.arch)
+        function = nvrtc.load_function(compiled, dynamic_smem_bytes=plan.dynamic_smem_bytes)
+        function(plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes)

@@ -1,0 +1,37 @@
+"""NumPy arrays on the CPU simulator: the backend every test in CI runs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..kernels.plans import LaunchPlan
+
+# Scratch the program does not zero is filled with NaN, the way the simulator
+# fills shared memory: a kernel that reads an element it never wrote shows it.
+_UNWRITTEN = np.float32(np.nan)
+
+
+class SimulatorBackend:
+    name = "simulator"
+
+    def empty_scratch(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.full(shape, _UNWRITTEN, dtype=np.float32)
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        # Outputs too start as NaN: an element a kernel forgets to write is visible.
+        out = np.empty(shape, dtype=dtype)
+        out.view(np.uint8).fill(0xFF)
+        return out
+
+    def address(self, array: np.ndarray) -> int:
+        return int(array.ctypes.data)
+
+    def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[np.ndarray]) -> None:
+        from .. import sim
+
+        sim.launch(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes, params, buffers)
