@@ -8,6 +8,7 @@ CuPy and JAX arrays (abstract values at trace time included).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from .kernels.plans import ELEMENT_DTYPES, Problem
@@ -31,10 +32,9 @@ def check_bool(name: str, value: Any) -> bool:
 def check_softmax_scale(softmax_scale: Any, headdim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}") from None
+    if isinstance(softmax_scale, (bool, str, bytes)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
     return scale
