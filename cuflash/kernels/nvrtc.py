@@ -1,0 +1,642 @@
+"""The NVRTC compile pipeline: kernel instance + GPU arch -> cached CUBIN and its resource usage.
+
+Everything here runs without a GPU or a CUDA driver. NVRTC is called through
+ctypes on ``libnvrtc.so.13`` from the ``nvidia-cuda-nvrtc`` wheel, because every
+CuPy compile entry point asks the (absent) device for its architecture. Only
+``load_function`` needs a GPU, and it loads the very CUBIN bytes this module
+cached, so what a GPU runs is exactly what CI compiled and measured.
+
+Resource numbers (registers, spills, stack, static shared memory) come only from
+the ptxas report NVRTC writes into the program log with ``-Xptxas=-v``.
+
+Options and why:
+  -arch=sm_XX      a real architecture, so NVRTC runs ptxas and can emit a CUBIN
+                   and the ptxas report (compute_XX would stop at PTX).
+  -std=c++17       the language level the simulator's g++ build shares.
+  -Xptxas=-v       the resource report parsed below.
+  -lineinfo        source lines in the CUBIN for profilers; it does not change code.
+  -DNDEBUG         release build, as on the simulator side.
+  no -default-device: an unannotated function stays host-only, as under nvcc,
+                   so a kernel calling a helper that lacks __device__ fails here
+                   instead of compiling only for NVRTC.
+  no --use_fast_math: kernels choose their approximations explicitly through the
+                   arch layer; everything else keeps IEEE semantics.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .._paths import CUDA_SRC, cache_dir
+from .catalog import KernelInstance
+
+# Bump when the cache entry layout or the meaning of a stored field changes.
+CACHE_FORMAT = 1
+
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-Xptxas=-v", "-lineinfo", "-DNDEBUG")
+
+# Kernel source suffixes whose text can reach a compile (sources and headers).
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC is missing or one of its API calls failed outside compilation itself."""
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected one kernel instance for one arch; carries the full program log."""
+
+    def __init__(self, instance: KernelInstance, arch: str, log: str):
+        # The same positional args as the constructor, so it pickles across processes.
+        super().__init__(instance, arch, log)
+        self.instance = instance
+        self.arch = arch
+        self.log = log
+
+    def __str__(self) -> str:
+        return (
+            f"NVRTC failed to compile {self.instance.name_expr} from {self.instance.source} for {self.arch}:\n"
+            f"{self.log.rstrip()}"
+        )
+
+
+class PtxasReportError(RuntimeError):
+    """The program log lacks the ptxas resource lines for a compiled function."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reported for one entry function (numbers copied from the log)."""
+
+    registers: int
+    barriers: int
+    stack_frame_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    static_smem_bytes: int
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    instance: KernelInstance
+    arch: str
+    cubin: bytes
+    lowered_name: str
+    log: str
+    resources: Resources
+    cubin_path: str  # the cache file holding exactly these bytes (what load_function loads)
+    compile_seconds: float  # NVRTC wall time when this entry was built (not the cache lookup)
+
+    @property
+    def warnings(self) -> list[str]:
+        """Compiler warnings in the log (ptxas info lines excluded)."""
+        return [line for line in self.log.splitlines() if re.search(r"\bwarning\b", line, re.IGNORECASE)]
+
+
+# ---------------------------------------------------------------------------
+# Locating the CUDA wheels.
+
+
+def _nvidia_wheel_dirs() -> list[Path]:
+    """site-packages/nvidia/cu13 directories of the installed NVIDIA wheels."""
+    try:
+        import nvidia  # namespace package shared by the nvidia-cuda-* wheels
+    except ImportError:
+        return []
+    return [Path(p) / "cu13" for p in getattr(nvidia, "__path__", [])]
+
+
+def _find_in_wheels(relative: str) -> Path | None:
+    for root in _nvidia_wheel_dirs():
+        candidate = root / relative
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def nvrtc_library_path() -> Path:
+    override = os.environ.get("CUFLASH_NVRTC_LIB")
+    if override:
+        return Path(override)
+    found = _find_in_wheels("lib/libnvrtc.so.13")
+    if found is None:
+        raise NvrtcError(
+            "libnvrtc.so.13 not found: install the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc) "
+            "or point CUFLASH_NVRTC_LIB at the library"
+        )
+    return found
+
+
+def cuda_include_dir() -> Path:
+    """Where cuda_fp16.h / cuda_bf16.h live (the nvidia-cuda-runtime wheel); CUFLASH_CUDA_INCLUDE overrides."""
+    override = os.environ.get("CUFLASH_CUDA_INCLUDE")
+    if override:
+        return Path(override)
+    found = _find_in_wheels("include/cuda_fp16.h")
+    if found is None:
+        raise NvrtcError(
+            "cuda_fp16.h not found: install the nvidia-cuda-runtime wheel (pip install nvidia-cuda-runtime) "
+            "or point CUFLASH_CUDA_INCLUDE at a CUDA include directory"
+        )
+    return found.parent
+
+
+# ---------------------------------------------------------------------------
+# ctypes bindings.
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def _nvrtc() -> ctypes.CDLL:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = nvrtc_library_path()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as err:
+                raise NvrtcError(f"cannot load NVRTC from {path}: {err}") from err
+            c_char_pp = ctypes.POINTER(ctypes.c_char_p)
+            prog_p = ctypes.POINTER(ctypes.c_void_p)
+            signatures = {
+                "nvrtcGetErrorString": ([ctypes.c_int], ctypes.c_char_p),
+                "nvrtcVersion": ([ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+                "nvrtcCreateProgram": (
+                    [prog_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, c_char_pp, c_char_pp],
+                    ctypes.c_int,
+                ),
+                "nvrtcDestroyProgram": ([prog_p], ctypes.c_int),
+                "nvrtcAddNameExpression": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
+                "nvrtcCompileProgram": ([ctypes.c_void_p, ctypes.c_int, c_char_pp], ctypes.c_int),
+                "nvrtcGetLoweredName": ([ctypes.c_void_p, ctypes.c_char_p, c_char_pp], ctypes.c_int),
+                "nvrtcGetProgramLogSize": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+                "nvrtcGetProgramLog": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
+                "nvrtcGetCUBINSize": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+                "nvrtcGetCUBIN": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
+            }
+            for name, (argtypes, restype) in signatures.items():
+                function = getattr(lib, name)
+                function.argtypes = argtypes
+                function.restype = restype
+            _lib = lib
+        return _lib
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        message = _nvrtc().nvrtcGetErrorString(result)
+        raise NvrtcError(f"{call} failed: {message.decode() if message else result}")
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+# Calls of nvrtcCompileProgram made by this process (cache hits do not count).
+_nvrtc_compiles = 0
+
+
+def nvrtc_compile_count() -> int:
+    """How many programs this process has handed to NVRTC (tests use it to prove cache hits)."""
+    return _nvrtc_compiles
+
+
+def _program_log(lib: ctypes.CDLL, program: ctypes.c_void_p) -> str:
+    size = ctypes.c_size_t()
+    _check(lib.nvrtcGetProgramLogSize(program, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+    buffer = ctypes.create_string_buffer(size.value)
+    _check(lib.nvrtcGetProgramLog(program, buffer), "nvrtcGetProgramLog")
+    return buffer.value.decode("utf-8", errors="replace")
+
+
+def _run_nvrtc(instance: KernelInstance, arch: str, options: Sequence[str]) -> tuple[bytes, str, str]:
+    """One NVRTC program for one instance: returns (cubin, lowered name, log) or raises CompileError."""
+    global _nvrtc_compiles
+    lib = _nvrtc()
+    source_path = instance.source_path.resolve()
+    source = source_path.read_bytes()
+    program = ctypes.c_void_p()
+    # The absolute path as the program name: NVRTC then resolves quoted includes
+    # relative to the source file's own folder (as nvcc does) and diagnostics
+    # name the real file.
+    _check(
+        lib.nvrtcCreateProgram(ctypes.byref(program), source, str(source_path).encode(), 0, None, None),
+        "nvrtcCreateProgram",
+    )
+    try:
+        name_expr = instance.name_expr.encode()
+        _check(lib.nvrtcAddNameExpression(program, name_expr), f"nvrtcAddNameExpression({instance.name_expr!r})")
+        encoded = [option.encode() for option in options]
+        argv = (ctypes.c_char_p * len(encoded))(*encoded)
+        _nvrtc_compiles += 1
+        result = lib.nvrtcCompileProgram(program, len(encoded), argv)
+        log = _program_log(lib, program)
+        if result != 0:
+            reason = lib.nvrtcGetErrorString(result).decode()
+            raise CompileError(instance, arch, log if log.strip() else reason)
+        lowered = ctypes.c_char_p()
+        _check(
+            lib.nvrtcGetLoweredName(program, name_expr, ctypes.byref(lowered)),
+            f"nvrtcGetLoweredName({instance.name_expr!r})",
+        )
+        size = ctypes.c_size_t()
+        _check(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        return cubin.raw, lowered.value.decode(), log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+# ---------------------------------------------------------------------------
+# The ptxas report.
+
+_ENTRY_RE = re.compile(r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>[^']+)'")
+_PROPERTIES_RE = re.compile(r"Function properties for (?P<name>\S+)")
+_FRAME_RE = re.compile(
+    r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads"
+)
+_USED_RE = re.compile(r"Used (?P<registers>\d+) registers")
+_BARRIERS_RE = re.compile(r"used (?P<barriers>\d+) barriers")
+_SMEM_RE = re.compile(r"(?P<smem>\d+) bytes smem")
+
+
+def parse_resources(log: str, lowered_name: str, arch: str) -> Resources:
+    """Resources of entry function ``lowered_name`` from an ``-Xptxas=-v`` program log.
+
+    ptxas writes, per entry function:
+        Compiling entry function '<name>' for 'sm_80'
+        Function properties for <name>
+            N bytes stack frame, N bytes spill stores, N bytes spill loads
+        Used N registers, used N barriers[, N bytes smem][, ...]
+    It leaves out "bytes smem" when the function has no static shared memory,
+    so that one field alone may be absent (meaning 0); every other line must be there.
+    """
+    lines = log.splitlines()
+    start = None
+    for index, line in enumerate(lines):
+        match = _ENTRY_RE.search(line)
+        if match and match["name"] == lowered_name:
+            if match["arch"] != arch:
+                raise PtxasReportError(f"ptxas compiled {lowered_name} for {match['arch']}, expected {arch}")
+            start = index
+            break
+    if start is None:
+        raise PtxasReportError(f"no ptxas report for entry function {lowered_name} in the log:\n{log}")
+    end = next((i for i in range(start + 1, len(lines)) if _ENTRY_RE.search(lines[i])), len(lines))
+    section = lines[start:end]
+
+    frame = None
+    for index, line in enumerate(section):
+        match = _PROPERTIES_RE.search(line)
+        if match and match["name"] == lowered_name and index + 1 < len(section):
+            frame = _FRAME_RE.search(section[index + 1])
+            break
+    used_line = next((line for line in section if _USED_RE.search(line)), None)
+    if frame is None or used_line is None:
+        raise PtxasReportError(f"incomplete ptxas report for {lowered_name}:\n" + "\n".join(section))
+    barriers = _BARRIERS_RE.search(used_line)
+    smem = _SMEM_RE.search(used_line)
+    return Resources(
+        registers=int(_USED_RE.search(used_line)["registers"]),
+        barriers=int(barriers["barriers"]) if barriers else 0,
+        stack_frame_bytes=int(frame["stack"]),
+        spill_store_bytes=int(frame["stores"]),
+        spill_load_bytes=int(frame["loads"]),
+        static_smem_bytes=int(smem["smem"]) if smem else 0,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Cache keys.
+
+# path -> (stat signature, digest): re-hash a tree only when a file in it changed.
+_tree_digests: dict[str, tuple[tuple, str]] = {}
+_tree_lock = threading.Lock()
+
+
+def _source_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+
+
+def _tree_digest(root: Path) -> str:
+    """Hash of every kernel source/header under root (relative path + contents)."""
+    files = _source_files(root)
+    signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = str(root.resolve())
+    with _tree_lock:
+        cached = _tree_digests.get(key)
+        if cached and cached[0] == signature:
+            return cached[1]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    value = digest.hexdigest()
+    with _tree_lock:
+        _tree_digests[key] = (signature, value)
+    return value
+
+
+def _include_dir_identity(include_dir: Path) -> str:
+    """Version of the headers behind -I<include_dir> (cuda_fp16.h etc. change between releases)."""
+    marker = (include_dir / "cuda_fp16.h").resolve()
+    for distribution in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13"):
+        try:
+            dist = metadata.distribution(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        for file in dist.files or ():
+            if file.name == "cuda_fp16.h" and Path(str(dist.locate_file(file))).resolve() == marker:
+                return f"{distribution}=={dist.version}"
+    # Not the wheel (an override): hash the headers themselves.
+    return _tree_digest(include_dir)
+
+
+def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise ValueError(f"arch must be a real architecture like 'sm_80' or 'sm_90a', got {arch!r}")
+    return [f"-arch={arch}", *COMPILE_OPTIONS, *(f"-I{d}" for d in include_dirs)]
+
+
+def _include_dirs() -> list[Path]:
+    return [CUDA_SRC.resolve(), cuda_include_dir().resolve()]
+
+
+def cache_key(instance: KernelInstance, arch: str) -> str:
+    include_dirs = _include_dirs()
+    source_path = instance.source_path.resolve()
+    parts = {
+        "format": CACHE_FORMAT,
+        "cuda_src": _tree_digest(CUDA_SRC),
+        "source": str(source_path),
+        "source_text": hashlib.sha256(source_path.read_bytes()).hexdigest(),
+        "name_expr": instance.name_expr,
+        "arch": arch,
+        "options": compile_options(arch, include_dirs),
+        "cuda_headers": _include_dir_identity(include_dirs[1]),
+        "nvrtc": nvrtc_version(),
+    }
+    # A source outside cuda_src/ (test kernels) may include its neighbours.
+    if CUDA_SRC.resolve() not in source_path.parents:
+        parts["source_dir"] = _tree_digest(source_path.parent)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
+
+
+# ---------------------------------------------------------------------------
+# The disk cache: <key>.cubin and <key>.json (the json is written last and
+# records the cubin's hash, so a complete json means a complete entry).
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _load_entry(instance: KernelInstance, arch: str, directory: Path, key: str) -> CompiledKernel | None:
+    try:
+        record = json.loads((directory / f"{key}.json").read_text())
+        cubin = (directory / f"{key}.cubin").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if record.get("format") != CACHE_FORMAT or hashlib.sha256(cubin).hexdigest() != record.get("cubin_sha256"):
+        return None
+    return CompiledKernel(
+        instance=instance,
+        arch=arch,
+        cubin=cubin,
+        lowered_name=record["lowered_name"],
+        log=record["log"],
+        resources=Resources(**record["resources"]),
+        cubin_path=str(directory / f"{key}.cubin"),
+        compile_seconds=record["compile_seconds"],
+    )
+
+
+def compile_instance(instance: KernelInstance, arch: str) -> CompiledKernel:
+    """Compile one kernel instance for one arch, through the disk cache.
+
+    Safe when several processes ask for the same entry at once: one compiles
+    under an flock on the entry's lock file; the others wait and then read it.
+    """
+    key = cache_key(instance, arch)
+    directory = cache_dir("nvrtc")
+    cached = _load_entry(instance, arch, directory, key)
+    if cached is not None:
+        return cached
+    locks = directory / "locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _load_entry(instance, arch, directory, key)
+        if cached is not None:
+            return cached
+        options = compile_options(arch, _include_dirs())
+        started = time.perf_counter()
+        cubin, lowered_name, log = _run_nvrtc(instance, arch, options)
+        seconds = time.perf_counter() - started
+        resources = parse_resources(log, lowered_name, arch)
+        record = {
+            "format": CACHE_FORMAT,
+            "instance": {"source": instance.source, "name_expr": instance.name_expr},
+            "arch": arch,
+            "options": options,
+            "lowered_name": lowered_name,
+            "log": log,
+            "resources": asdict(resources),
+            "compile_seconds": seconds,
+            "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+        }
+        _write_atomically(directory / f"{key}.cubin", cubin)
+        _write_atomically(directory / f"{key}.json", json.dumps(record, indent=1).encode())
+    return CompiledKernel(
+        instance=instance,
+        arch=arch,
+        cubin=cubin,
+        lowered_name=lowered_name,
+        log=log,
+        resources=resources,
+        cubin_path=str(directory / f"{key}.cubin"),
+        compile_seconds=seconds,
+    )
+
+
+def _compile_or_error(task: tuple[KernelInstance, str]) -> CompiledKernel | CompileError:
+    try:
+        return compile_instance(*task)
+    except CompileError as err:
+        return err
+
+
+def compile_many(
+    instances: Iterable[KernelInstance],
+    archs: Iterable[str],
+    jobs: int | None = None,
+    *,
+    return_errors: bool = False,
+) -> list[CompiledKernel | CompileError]:
+    """Compile every (instance, arch) pair, instance-major, in ``jobs`` processes (default 2).
+
+    Results come back in input order. A CompileError is raised (the first one,
+    after all pairs were tried) unless return_errors, which puts it in its slot.
+    Processes, not threads: a crash inside NVRTC then takes down one worker, not
+    the caller; workers are spawned, so a parent that loaded threads (JAX) is safe.
+    """
+    tasks = [(instance, arch) for instance in instances for arch in archs]
+    jobs = 2 if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if jobs == 1 or len(tasks) <= 1:
+        results = [_compile_or_error(task) for task in tasks]
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
+            results = list(pool.map(_compile_or_error, tasks))
+    if not return_errors:
+        for result in results:
+            if isinstance(result, CompileError):
+                raise result
+    return results
+
+
+# ---------------------------------------------------------------------------
+# SASS inspection.
+
+
+def cuobjdump_path() -> Path | None:
+    """cuobjdump: CUFLASH_CUOBJDUMP, else the nvidia-cuda-cuobjdump wheel, else PATH."""
+    override = os.environ.get("CUFLASH_CUOBJDUMP")
+    if override:
+        return Path(override)
+    found = _find_in_wheels("bin/cuobjdump")
+    if found is not None:
+        return found
+    on_path = shutil.which("cuobjdump")
+    return Path(on_path) if on_path else None
+
+
+def nvdisasm_path(cuobjdump: Path | None = None) -> Path | None:
+    """nvdisasm, which cuobjdump 13 runs for --dump-sass: CUFLASH_NVDISASM, beside cuobjdump,
+    the nvidia-cuda-nvdisasm wheel, else PATH."""
+    override = os.environ.get("CUFLASH_NVDISASM")
+    if override:
+        return Path(override)
+    candidates = []
+    if cuobjdump is not None:
+        candidates.append(cuobjdump.parent / "nvdisasm")
+    wheel = _find_in_wheels("bin/nvdisasm")
+    if wheel is not None:
+        candidates.append(wheel)
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    on_path = shutil.which("nvdisasm")
+    return Path(on_path) if on_path else None
+
+
+class SassError(RuntimeError):
+    """cuobjdump ran but did not produce SASS for the function."""
+
+
+def dump_sass(compiled: CompiledKernel) -> str | None:
+    """SASS of the compiled function, or None when cuobjdump or nvdisasm is not installed."""
+    cuobjdump = cuobjdump_path()
+    nvdisasm = nvdisasm_path(cuobjdump)
+    if cuobjdump is None or nvdisasm is None:
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin_file = Path(compiled.cubin_path)
+        if not cubin_file.exists() or cubin_file.read_bytes() != compiled.cubin:
+            cubin_file = Path(scratch) / "kernel.cubin"
+            cubin_file.write_bytes(compiled.cubin)
+        environment = dict(os.environ, NVDISASM_PATH=str(nvdisasm.parent))
+        run = subprocess.run(
+            [str(cuobjdump), "--dump-sass", "--function", compiled.lowered_name, str(cubin_file)],
+            capture_output=True,
+            text=True,
+            env=environment,
+        )
+    # cuobjdump exits 0 with only a warning when the function is absent: insist on its header.
+    if run.returncode != 0 or f"Function : {compiled.lowered_name}" not in run.stdout:
+        raise SassError(
+            f"cuobjdump gave no SASS for {compiled.lowered_name} ({compiled.arch}); exit {run.returncode}\n"
+            f"{run.stderr}{run.stdout}"
+        )
+    return run.stdout
+
+
+# An opcode column entry: HMMA, optionally with modifiers (HMMA.16816.F32.BF16).
+# HFMA2.MMA (a plain FMA on the MMA pipe) must not match.
+_HMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.MULTILINE)
+
+
+def uses_hmma(compiled: CompiledKernel) -> bool | None:
+    """True if the function's SASS has a tensor-core HMMA, False if not, None without cuobjdump/nvdisasm."""
+    sass = dump_sass(compiled)
+    if sass is None:
+        return None
+    return bool(_HMMA_RE.search(sass))
+
+
+# ---------------------------------------------------------------------------
+# Loading on a GPU (CuPy backend).
+
+# Dynamic shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_SMEM_LIMIT_BYTES = 48 * 1024
+
+_loaded: dict[tuple[str, str, int], object] = {}
+_loaded_lock = threading.Lock()
+
+
+def load_function(compiled: CompiledKernel, dynamic_smem_bytes: int | None = None):
+    """The cupy RawKernel for this compiled instance on the current device (cached per device).
+
+    Loads the cached CUBIN file itself (RawModule(path=...)), so the GPU runs
+    the bytes CI compiled. ``dynamic_smem_bytes`` defaults to the launch plan's
+    value; when static + dynamic shared memory exceeds 48 KB, the function's max
+    dynamic shared memory attribute is raised, which CUDA requires before launch.
+    """
+    import cupy
+
+    if dynamic_smem_bytes is None:
+        from . import plans
+
+        dynamic_smem_bytes = plans.dynamic_smem_bytes(compiled.instance)
+    device = cupy.cuda.Device().id
+    key = (compiled.cubin_path, compiled.lowered_name, device)
+    with _loaded_lock:
+        function = _loaded.get(key)
+        if function is None:
+            if Path(compiled.cubin_path).read_bytes() != compiled.cubin:
+                raise RuntimeError(f"{compiled.cubin_path} no longer holds the compiled bytes of {compiled.instance}")
+            module = cupy.RawModule(path=compiled.cubin_path)
+            function = module.get_function(compiled.lowered_name)
+            _loaded[key] = function
+        if compiled.resources.static_smem_bytes + dynamic_smem_bytes > DEFAULT_SMEM_LIMIT_BYTES:
+            if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
+                function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
+    return function
