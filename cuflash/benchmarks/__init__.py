@@ -1,0 +1,1 @@
+"""Benchmarks: `python3 -m cuflash.benchmarks --help`."""
