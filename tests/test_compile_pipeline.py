@@ -1,0 +1,411 @@
+"""The NVRTC compile pipeline and the compile report, on probe kernels in tests/compile_kernels/.
+
+No GPU is needed (except the one test marked gpu): NVRTC compiles to CUBIN on
+the CPU and ptxas's report and cuobjdump's SASS are read from its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuflash.kernels import nvrtc, report
+from cuflash.kernels.catalog import KernelInstance
+
+REPO = Path(__file__).resolve().parent.parent
+PROBES = Path(__file__).resolve().parent / "compile_kernels" / "probe_kernels.cu"
+ARCHS = ["sm_80", "sm_90"]
+
+
+def probe(name_expr: str, source: Path = PROBES) -> KernelInstance:
+    return KernelInstance(str(source), name_expr)
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache for the module's read-only tests (each probe compiles once per worker)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("cuflash_cache")))
+        yield
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "nvrtc"
+
+
+needs_sass = pytest.mark.skipif(
+    nvrtc.cuobjdump_path() is None or nvrtc.nvdisasm_path(nvrtc.cuobjdump_path()) is None,
+    reason="cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)",
+)
+
+
+# ---- compiling and resources ------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("name_expr", "mangled_prefix", "smem"), [
+    ("static_smem_probe<__half, 100>", "_Z17static_smem_probeI6__halfLi100E", 200),
+    ("static_smem_probe<float, 96>", "_Z17static_smem_probeIfLi96E", 384),
+])
+def test_template_instance_compiles_with_resources(shared_cache, arch, name_expr, mangled_prefix, smem):
+    compiled = nvrtc.compile_instance(probe(name_expr), arch)
+    assert compiled.cubin[:4] == b"\x7fELF"
+    assert compiled.lowered_name.startswith(mangled_prefix)
+    assert f"Compiling entry function '{compiled.lowered_name}' for '{arch}'" in compiled.log
+    assert compiled.resources.registers > 0
+    assert compiled.resources.barriers == 1  # the one __syncthreads
+    assert compiled.resources.static_smem_bytes == smem  # Elements * sizeof(T)
+    assert compiled.resources.spill_store_bytes == compiled.resources.spill_load_bytes == 0
+    assert Path(compiled.cubin_path).read_bytes() == compiled.cubin
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_register_cap_forces_spills_while_indexed_array_only_uses_stack(shared_cache, arch):
+    capped = nvrtc.compile_instance(probe("register_pressure_probe<64, 32>"), arch).resources
+    uncapped = nvrtc.compile_instance(probe("register_pressure_probe<64, 255>"), arch).resources
+    assert capped.registers <= 32 < uncapped.registers
+    assert capped.spill_store_bytes > 0 and capped.spill_load_bytes > 0
+    # The dynamically indexed 64-float array lives in local memory either way:
+    # stack frame, but no spills, when registers are not capped.
+    assert uncapped.spill_store_bytes == uncapped.spill_load_bytes == 0
+    assert uncapped.stack_frame_bytes >= 64 * 4
+    assert capped.stack_frame_bytes > uncapped.stack_frame_bytes
+
+
+def test_parser_picks_the_named_function_and_rejects_a_missing_one(shared_cache):
+    compiled = nvrtc.compile_instance(probe("static_smem_probe<float, 96>"), "sm_80")
+    other = nvrtc.compile_instance(probe("register_pressure_probe<64, 32>"), "sm_80")
+    # Two reports in one log, as when a source file holds several kernels.
+    combined = other.log + compiled.log
+    assert nvrtc.parse_resources(combined, compiled.lowered_name, "sm_80") == compiled.resources
+    assert nvrtc.parse_resources(combined, other.lowered_name, "sm_80") == other.resources
+    with pytest.raises(nvrtc.PtxasReportError, match="no ptxas report"):
+        nvrtc.parse_resources(compiled.log, other.lowered_name, "sm_80")
+    with pytest.raises(nvrtc.PtxasReportError, match="expected sm_90"):
+        nvrtc.parse_resources(compiled.log, compiled.lowered_name, "sm_90")
+    truncated = "\n".join(line for line in compiled.log.splitlines() if "Used" not in line)
+    with pytest.raises(nvrtc.PtxasReportError, match="incomplete"):
+        nvrtc.parse_resources(truncated, compiled.lowered_name, "sm_80")
+
+
+def test_compile_error_names_instance_and_arch_with_full_log(fresh_cache):
+    instance = probe("float_only_probe<double>")
+    with pytest.raises(nvrtc.CompileError) as caught:
+        nvrtc.compile_instance(instance, "sm_90")
+    error = caught.value
+    assert error.instance == instance and error.arch == "sm_90"
+    assert 'static assertion failed with "float_only_probe wants float"' in error.log
+    assert "with T=double" in error.log
+    message = str(error)
+    assert "float_only_probe<double>" in message and "sm_90" in message and error.log.strip() in message
+    # Failures are not cached.
+    assert not list(fresh_cache.glob("*.json"))
+    # The same template with a valid argument compiles.
+    assert nvrtc.compile_instance(probe("float_only_probe<float>"), "sm_90").resources.registers > 0
+
+
+def test_compile_error_pickles_for_worker_processes():
+    import pickle
+
+    error = nvrtc.CompileError(probe("x<1>"), "sm_80", "log text")
+    clone = pickle.loads(pickle.dumps(error))
+    assert (clone.instance, clone.arch, clone.log) == (error.instance, error.arch, error.log)
+
+
+def test_bad_arch_is_rejected_before_compiling():
+    with pytest.raises(ValueError, match="real architecture"):
+        nvrtc.compile_options("compute_80", [])
+
+
+# ---- the disk cache ------------------------------------------------------------
+
+
+def test_second_compile_is_a_cache_hit(fresh_cache, monkeypatch):
+    instance = probe("static_smem_probe<__half, 100>")
+    before = nvrtc.nvrtc_compile_count()
+    first = nvrtc.compile_instance(instance, "sm_80")
+    assert nvrtc.nvrtc_compile_count() == before + 1
+    assert len(list(fresh_cache.glob("*.cubin"))) == 1 and len(list(fresh_cache.glob("*.json"))) == 1
+
+    # A hit must not reach NVRTC at all.
+    def no_compiling(*args):
+        raise AssertionError("NVRTC called on a cache hit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(nvrtc, "_run_nvrtc", no_compiling)
+        second = nvrtc.compile_instance(instance, "sm_80")
+    assert second == first
+    assert nvrtc.nvrtc_compile_count() == before + 1
+    # Another arch is another entry.
+    nvrtc.compile_instance(instance, "sm_90")
+    assert nvrtc.nvrtc_compile_count() == before + 2
+
+
+def test_cache_hit_in_another_process(fresh_cache):
+    instance = probe("static_smem_probe<__half, 100>")
+    first = nvrtc.compile_instance(instance, "sm_90")
+    script = (
+        "from cuflash.kernels import nvrtc\n"
+        "from cuflash.kernels.catalog import KernelInstance\n"
+        f"c = nvrtc.compile_instance(KernelInstance({str(PROBES)!r}, {instance.name_expr!r}), 'sm_90')\n"
+        "print(nvrtc.nvrtc_compile_count(), c.cubin_path)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True).stdout
+    count, path = out.split()
+    assert count == "0" and path == first.cubin_path
+
+
+def test_source_edit_or_corrupt_entry_recompiles(fresh_cache, tmp_path):
+    source = tmp_path / "kernels" / "probe.cu"
+    source.parent.mkdir()
+    source.write_text(PROBES.read_text())
+    instance = probe("static_smem_probe<float, 96>", source)
+    first = nvrtc.compile_instance(instance, "sm_80")
+    count = nvrtc.nvrtc_compile_count()
+
+    # A header next to a source outside cuda_src/ is part of the key.
+    (source.parent / "unused_neighbour.cuh").write_text("// changes the key\n")
+    nvrtc.compile_instance(instance, "sm_80")
+    assert nvrtc.nvrtc_compile_count() == count + 1
+
+    # The kernel text itself.
+    source.write_text(source.read_text().replace("__shared__ T staging[Elements];", "__shared__ T staging[Elements + 4];"))
+    edited = nvrtc.compile_instance(instance, "sm_80")
+    assert nvrtc.nvrtc_compile_count() == count + 2
+    assert (first.resources.static_smem_bytes, edited.resources.static_smem_bytes) == (384, 400)
+
+    # A cubin that no longer matches its record is rebuilt, not trusted.
+    Path(edited.cubin_path).write_bytes(b"garbage")
+    rebuilt = nvrtc.compile_instance(instance, "sm_80")
+    assert nvrtc.nvrtc_compile_count() == count + 3
+    assert rebuilt.cubin == edited.cubin == Path(rebuilt.cubin_path).read_bytes()
+
+
+def test_cache_key_covers_cuda_src_headers(monkeypatch, tmp_path):
+    instance = probe("static_smem_probe<float, 96>")
+    before = nvrtc.cache_key(instance, "sm_80")
+    assert nvrtc.cache_key(instance, "sm_80") == before
+    assert nvrtc.cache_key(instance, "sm_90") != before
+    assert nvrtc.cache_key(probe("static_smem_probe<float, 97>"), "sm_80") != before
+    # A copy of cuda_src/ with one extra header: a different key.
+    import shutil
+
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(nvrtc.CUDA_SRC, copy)
+    monkeypatch.setattr(nvrtc, "CUDA_SRC", copy)
+    assert nvrtc.cache_key(instance, "sm_80") != before  # the include path changed
+    same_tree = nvrtc.cache_key(instance, "sm_80")
+    (copy / "common" / "new_header.cuh").write_text("#pragma once\n")
+    assert nvrtc.cache_key(instance, "sm_80") != same_tree
+
+
+def test_concurrent_compiles_of_one_entry_agree(fresh_cache):
+    instance = probe("register_pressure_probe<16, 255>")
+    results = nvrtc.compile_many([instance, instance, instance], ["sm_80"], jobs=2)
+    assert len({r.cubin for r in results}) == 1
+    assert len(list(fresh_cache.glob("*.cubin"))) == 1
+    assert not list(fresh_cache.glob("*.tmp"))
+    # Threads in one process, too.
+    outputs = []
+    threads = [threading.Thread(target=lambda: outputs.append(nvrtc.compile_instance(instance, "sm_90"))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outputs) == 3 and len({o.cubin for o in outputs}) == 1
+
+
+def test_compile_many_keeps_order_and_collects_errors(fresh_cache):
+    good = probe("static_smem_probe<float, 96>")
+    bad = probe("float_only_probe<double>")
+    results = nvrtc.compile_many([good, bad], ARCHS, jobs=2, return_errors=True)
+    assert [(r.instance, r.arch) for r in results] == [(good, "sm_80"), (good, "sm_90"), (bad, "sm_80"), (bad, "sm_90")]
+    assert [type(r) for r in results] == [nvrtc.CompiledKernel] * 2 + [nvrtc.CompileError] * 2
+    with pytest.raises(nvrtc.CompileError) as caught:
+        nvrtc.compile_many([good, bad], ["sm_80"], jobs=1)
+    assert caught.value.instance == bad
+
+
+# ---- SASS ---------------------------------------------------------------------------
+
+
+@needs_sass
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hmma_found_only_where_the_kernel_uses_mma(shared_cache, arch):
+    assert nvrtc.uses_hmma(nvrtc.compile_instance(probe("mma_probe<0>"), arch)) is True
+    assert nvrtc.uses_hmma(nvrtc.compile_instance(probe("half_fma_probe<0>"), arch)) is False
+
+
+@needs_sass
+def test_sass_of_a_missing_function_is_an_error_not_false(shared_cache):
+    compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")
+    import dataclasses
+
+    renamed = dataclasses.replace(compiled, lowered_name="_Z13not_in_cubinv")
+    with pytest.raises(nvrtc.SassError):
+        nvrtc.uses_hmma(renamed)
+
+
+def test_hmma_is_none_without_cuobjdump(shared_cache, monkeypatch, tmp_path):
+    compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")
+    monkeypatch.delenv("CUFLASH_CUOBJDUMP", raising=False)
+    monkeypatch.delenv("CUFLASH_NVDISASM", raising=False)
+    monkeypatch.setattr(nvrtc, "_nvidia_wheel_dirs", lambda: [])
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no system tools either
+    assert nvrtc.cuobjdump_path() is None
+    assert nvrtc.uses_hmma(compiled) is None
+
+
+def test_system_cuda_tools_are_not_needed():
+    """Everything comes from the pip wheels: NVRTC, headers and (when installed) cuobjdump."""
+    assert "site-packages" in str(nvrtc.nvrtc_library_path()) or os.environ.get("CUFLASH_NVRTC_LIB")
+    assert (nvrtc.cuda_include_dir() / "cuda_bf16.h").exists()
+    tool = nvrtc.cuobjdump_path()
+    if tool is not None and not os.environ.get("CUFLASH_CUOBJDUMP"):
+        assert "site-packages" in str(tool) or "/usr/local" not in str(tool)
+
+
+# ---- the report ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def probe_catalog(monkeypatch):
+    """A fake catalog of probe kernels and a fake launch plan."""
+    instances = [probe("static_smem_probe<float, 96>"), probe("mma_probe<0>")]
+    smem = {instances[0]: 100 * 1024, instances[1]: 0}
+    monkeypatch.setattr(report.catalog, "all_instances", lambda: list(instances))
+    monkeypatch.setattr(report.plans, "dynamic_smem_bytes", lambda instance: smem[instance])
+    return instances, smem
+
+
+def test_report_json_rows(shared_cache, probe_catalog, capsys):
+    assert report.main(["--arch", "sm_80", "sm_90", "--json", "--jobs", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [tuple(row) for row in rows] == [report.JSON_KEYS] * 4
+    by_key = {(row["kernel"], row["arch"]): row for row in rows}
+    smem_row = by_key[("static_smem_probe<float, 96>", "sm_90")]
+    assert smem_row["static_smem_bytes"] == 384 and smem_row["dynamic_smem_bytes"] == 100 * 1024
+    assert smem_row["registers"] > 0 and smem_row["spill_store_bytes"] == 0
+    tools = nvrtc.cuobjdump_path() is not None and nvrtc.nvdisasm_path(nvrtc.cuobjdump_path()) is not None
+    assert by_key[("mma_probe<0>", "sm_80")]["hmma"] is (True if tools else None)
+    assert by_key[("static_smem_probe<float, 96>", "sm_80")]["hmma"] is (False if tools else None)
+
+
+def test_report_table_and_occupancy(shared_cache, probe_catalog, capsys):
+    assert report.main(["--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "static_smem_probe<float, 96>" in out and "mma_probe<0>" in out and "blocks/SM (smem)" in out
+    rows, errors = report.build_report(["sm_80"], jobs=1)
+    assert not errors
+    smem_row = rows[0]
+    # 384 static + 100 KB dynamic + 1 KB reserved per block: one block fits in 164 KB.
+    assert smem_row.blocks_per_sm_by_smem == 1
+    registers = smem_row.compiled.resources.registers
+    per_warp = -(-registers * 32 // 256) * 256
+    assert smem_row.warps_per_sm_by_registers == min(64, 65536 // per_warp)
+
+
+def test_report_fails_on_compile_error_or_oversized_smem(shared_cache, probe_catalog, monkeypatch, capsys):
+    instances, smem = probe_catalog
+    bad = probe("float_only_probe<double>")
+    monkeypatch.setattr(report.catalog, "all_instances", lambda: [*instances, bad])
+    assert report.main(["--arch", "sm_80", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)) == 2  # the good rows still print
+    assert "float_only_probe<double>" in captured.err and "static assertion failed" in captured.err
+
+    monkeypatch.setattr(report.catalog, "all_instances", lambda: list(instances))
+    smem[instances[0]] = 200 * 1024  # above sm_80's 163 KB per block, within sm_90's 227 KB
+    assert report.main(["--arch", "sm_80"]) == 1
+    assert "sm_80 allows 166912" in capsys.readouterr().err
+    assert report.main(["--arch", "sm_90"]) == 0
+
+
+def test_report_command_line_on_the_real_catalog():
+    """`python -m cuflash.kernels report --json` on whatever the catalog holds now (default cache)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(
+        [sys.executable, "-m", "cuflash.kernels", "report", "--arch", "sm_80", "sm_90", "--json"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert all(tuple(row) == report.JSON_KEYS for row in rows)
+    from cuflash.kernels import catalog
+
+    assert len(rows) == 2 * len(catalog.all_instances())
+
+
+# ---- loading on a GPU ----------------------------------------------------------------------
+
+
+class _FakeFunction:
+    def __init__(self, name):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 0
+
+
+def _fake_cupy(device_id, loads):
+    class RawModule:
+        def __init__(self, *, path):
+            self.path = path
+            loads.append(path)
+
+        def get_function(self, name):
+            return _FakeFunction(name)
+
+    return types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=device_id[0])))
+
+
+def test_load_function_loads_cached_cubin_and_raises_smem_limit(shared_cache, monkeypatch):
+    compiled = nvrtc.compile_instance(probe("static_smem_probe<float, 96>"), "sm_80")
+    device, loads = [0], []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(device, loads))
+    monkeypatch.setattr(nvrtc, "_loaded", {})
+
+    small = nvrtc.load_function(compiled, dynamic_smem_bytes=1024)
+    assert loads == [compiled.cubin_path] and small.name == compiled.lowered_name
+    assert small.max_dynamic_shared_size_bytes == 0  # under 48 KB: no opt-in needed
+    # 384 static + 48 KB - 100 dynamic crosses 48 KB in total: opt in.
+    big = nvrtc.load_function(compiled, dynamic_smem_bytes=48 * 1024 - 100)
+    assert big is small and loads == [compiled.cubin_path]
+    assert big.max_dynamic_shared_size_bytes == 48 * 1024 - 100
+    device[0] = 1
+    other_device = nvrtc.load_function(compiled, dynamic_smem_bytes=0)
+    assert other_device is not small and len(loads) == 2
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs a CUDA GPU")
+def test_loaded_cubin_runs_on_gpu(shared_cache):
+    import cupy
+
+    arch = "sm_" + cupy.cuda.Device().compute_capability  # e.g. "80"
+    compiled = nvrtc.compile_instance(probe("register_pressure_probe<16, 255>"), arch)
+    kernel = nvrtc.load_function(compiled, dynamic_smem_bytes=0)
+    threads = 64
+    values = np.random.default_rng(0).standard_normal(threads * 16).astype(np.float32)
+    output = cupy.zeros(threads, dtype=cupy.float32)
+    kernel((1,), (threads,), (cupy.asarray(values), output, np.int32(0)))
+    expected = (values.reshape(threads, 16).astype(np.float64) * np.arange(1, 17)).sum(axis=1)
+    np.testing.assert_allclose(cupy.asnumpy(output), expected, rtol=1e-5, atol=1e-5)
