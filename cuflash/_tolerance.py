@@ -101,9 +101,11 @@ def check_close(name: str, actual, ref64, lowp, factor: float, atol: float = 0.0
 
     if ref.size == 0:
         return CloseCheck(0.0, 0.0, 0.0)
-    error = np.where(ref_finite, np.abs(actual64 - ref), 0.0)
-    lowp_error = float(np.max(np.where(ref_finite, np.abs(low - ref), 0.0)))
-    ref_max = float(np.max(np.where(ref_finite, np.abs(ref), 0.0)))
+    # Special values matched above; zero them on all three sides so no inf - inf is ever formed.
+    actual64, ref, low = (np.where(ref_finite, x, 0.0) for x in (actual64, ref, low))
+    error = np.abs(actual64 - ref)
+    lowp_error = float(np.max(np.abs(low - ref)))
+    ref_max = float(np.max(np.abs(ref)))
     bound = factor * lowp_error + atol + _floor(np.asarray(lowp).dtype, ref_max)
     where = np.unravel_index(int(np.argmax(error)), error.shape)
     max_error = float(error[where])
