@@ -1,0 +1,243 @@
+// FlashAttention-1 forward: Algorithm 1 of Dao et al., "FlashAttention: Fast and
+// Memory-Efficient Exact Attention with IO-Awareness" (2022), as written there:
+// the K/V loop is the outer one, and the running output O and softmax
+// statistics l, m live in global memory, read, rescaled and written back at
+// every step. (FA2 swaps the loops and keeps O, l, m on chip; this kernel is
+// the baseline that shows why.)
+//
+// What it computes, per (batch b, query head h), with kv head h / (nheads / nheads_k):
+//   out = softmax(scale * Q K^T, masked) V     (element type T)
+//   lse = log(rowsum(exp(scale * Q K^T)))       (float32; -inf for a row that sees no key)
+//
+// Work partition
+//   grid  = (nheads, batch): one thread block per (b, h), as in the paper.
+//   block = 128 threads (fa1::kThreads), SIMT float32 math (tensor cores come later).
+//   Tiles: Br query rows x Bc keys, head dim padded to the compiled HeadDim (the
+//   launch plan runs head dim d on the smallest compiled HeadDim >= d; columns
+//   d..HeadDim-1 are zero in shared memory and never touch global memory).
+//   Br, Bc come from the paper's rule Bc = ceil(M / 4d), Br = min(Bc, d), evaluated
+//   per compiled head dim by the launch plan (cuflash/kernels/families/fa1.py).
+//   for j over K/V blocks seen by some Q block:            (outer, Tc blocks)
+//     K_j, V_j -> shared memory
+//     for i over Q blocks that see block j:                (inner, Tr blocks)
+//       Q_i -> shared memory; S = Q_i K_j^T (thread per score, strided over Br x Bc)
+//       one thread per row: m~ = rowmax S, P~ = exp(S - m~), l~ = rowsum P~, reads
+//         l_i, m_i from global, m_new = max(m_i, m~), l_new = e^(m_i-m_new) l_i + e^(m~-m_new) l~,
+//         writes l_i, m_i back (lse instead at the row block's last visit)
+//       thread per output element (strided over Br x HeadDim): reads O_i from
+//         global, O_i = (l_i e^(m_i-m_new) O_i + e^(m~-m_new) P~ V_j) / l_new, writes it back
+//         (to `out` in element type at the row block's last visit)
+//   O, l, m are float32 scratch (out_accum, row_sum, row_max), zero-filled by the
+//   program: that memset is line 2 of Algorithm 1 (O = 0, l = 0). m starts at 0,
+//   not -inf; a row whose stored l is 0 has seen nothing yet and its stored m is
+//   read as -inf, so no separate -inf initialisation pass is needed. row_max holds
+//   m in log2 units (see exponentials below).
+//
+// Exponentials: exp2 with the scale folded (arch::exp2_approx, ex2.approx.ftz),
+// like FA2: scores are kept as s2 = q.k * scale * log2(e), and
+// exp(scale q.k - x) = exp2(s2 - x log2 e). One FMUL per score and one MUFU.EX2 per
+// exponential, instead of expf's range reduction; ex2.approx is within 2 ulp,
+// far below the float16/bfloat16 rounding of the result, and maps -inf to +0.
+// m is stored in those log2 units so that rescaling never converts it back and
+// forth (at |s2| ~ 1e4 a round trip through natural units would move m by an ulp
+// of 1e-3 and scale O and l by that much).
+//
+// Masking and rows that see no key
+//   Causal (bottom-right aligned, row i sees key j iff j <= i + seqlen_k - seqlen_q):
+//   K/V blocks wholly above the diagonal are skipped for that Q block
+//   (fa1::visible_kv_blocks), crossing blocks and the partial last block are
+//   masked element-wise (score -inf). A block row max of -inf gives P~ = 0 (no
+//   exp2(-inf - -inf) = NaN); a row whose l is still 0 gets O = 0. A Q block that
+//   sees no K/V block at all (seqlen_k == 0, or causal rows above the diagonal)
+//   writes out = 0 and lse = -inf directly; a row that sees no key inside a
+//   visited block ends with l = 0, hence out = 0 and lse = -inf. Nothing divides
+//   by zero, so finite inputs never produce NaN/Inf, also with |scale q.k| ~ 1e4.
+//
+// Cost (per launch; e = sizeof(T), d = headdim, B = batch, H = nheads)
+//   Tr = ceil(seqlen_q / Br), Tc = ceil(seqlen_k / Bc), rows_i = min(Br, seqlen_q - i Br),
+//   n_i = K/V blocks Q block i sees (Tc without the causal mask),
+//   visits  V = sum_i n_i rows_i                 (= Tc seqlen_q without the mask)
+//   revisits W = sum_i max(n_i - 1, 0) rows_i    (= (Tc - 1) seqlen_q without the mask)
+//   Global bytes read    = B H [ 2 seqlen_k d e  +  V (d e + 4 (d + 2)) ]        (seqlen_q > 0)
+//                          K_j, V_j once per K/V block; Q_i, O_i, l_i, m_i once per visit
+//   Global bytes written = B H [ W 4 (d + 2)  +  seqlen_q (d e + 4) ]
+//                          O_i, l_i, m_i once per K/V block but the last, where out
+//                          and lse are written instead (once per row, also for rows
+//                          that see no block)
+//   This is Algorithm 1's Theta(Tc N d) traffic: O, l, m move once per K/V block.
+//   FLOPs: 4 HeadDim Br Bc per visited (i, j) tile pair (S and P~ V_j; masked
+//   scores skip their dot product), plus O(Br Bc) exponentials.
+// Deterministic: no atomics, every sum in a fixed order, so reruns are bitwise equal.
+#include "fa1_common.cuh"
+
+namespace cuflash {
+
+template <int HeadDim, int BlockRows, int BlockCols>
+struct Fa1ForwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockRows = BlockRows;  // Br
+  static constexpr int kBlockCols = BlockCols;  // Bc
+  static constexpr int kThreads = fa1::kThreads;
+  static constexpr int kTileStride = HeadDim + 1;    // floats per row of a d-wide tile
+  static constexpr int kScoreStride = BlockCols + 1;  // floats per row of S / P~ (odd: row walks by
+                                                      // the per-row threads hit distinct banks)
+  // Shared memory layout, in floats.
+  static constexpr int kQ = 0;                                  // Q_i   Br x HeadDim
+  static constexpr int kK = kQ + BlockRows * kTileStride;       // K_j   Bc x HeadDim
+  static constexpr int kV = kK + BlockCols * kTileStride;       // V_j   Bc x HeadDim
+  static constexpr int kScores = kV + BlockCols * kTileStride;  // S, then P~   Br x Bc
+  static constexpr int kOldWeight = kScores + BlockRows * kScoreStride;  // l_i e^(m_i-m_new) / l_new
+  static constexpr int kNewWeight = kOldWeight + BlockRows;              // e^(m~-m_new) / l_new
+  static constexpr int kSmemFloats = kNewWeight + BlockRows;
+  static constexpr unsigned kSmemBytes = kSmemFloats * sizeof(float);
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
+  static_assert(BlockRows >= 1 && BlockRows <= kThreads, "one thread per query row runs the online softmax");
+  static_assert(BlockCols >= 1, "a K/V block holds at least one key");
+};
+
+template <class T, int HeadDim, int BlockRows, int BlockCols>
+__global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forward_kernel(const AttentionParams p) {
+  static_assert(is_element_type<T>::value, "fa1_forward_kernel: T is float, __half or __nv_bfloat16");
+  using Traits = Fa1ForwardTraits<HeadDim, BlockRows, BlockCols>;
+  constexpr int kTS = Traits::kTileStride;
+  constexpr int kSS = Traits::kScoreStride;
+  constexpr float kLn2 = 0.693147180559945309f;
+
+  CUFLASH_DYNAMIC_SMEM(smem_bytes);
+  if (arch::dynamic_smem_size() < Traits::kSmemBytes) __trap();
+  float* const smem = reinterpret_cast<float*>(smem_bytes);
+  float* const q_tile = smem + Traits::kQ;
+  float* const k_tile = smem + Traits::kK;
+  float* const v_tile = smem + Traits::kV;
+  float* const scores = smem + Traits::kScores;
+  float* const old_weight = smem + Traits::kOldWeight;
+  float* const new_weight = smem + Traits::kNewWeight;
+
+  const int tid = threadIdx.x;
+  const int head = blockIdx.x;
+  const int batch = blockIdx.y;
+  const int kv_head = head / (p.nheads / p.nheads_k);
+  const int d = p.headdim;
+  const int num_q_blocks = fa1::ceil_div(p.seqlen_q, BlockRows);
+
+  const T* const q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
+  const T* const k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
+  const T* const v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + kv_head * p.v_stride.head;
+  T* const out = static_cast<T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
+  const long long stats_base = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  float* const lse = p.lse + stats_base;
+  float* const row_max = p.row_max + stats_base;
+  float* const row_sum = p.row_sum + stats_base;
+  // out_accum is dense (batch, seqlen_q, nheads, headdim): row r of this head starts at
+  // o_accum + r * o_row_stride.
+  const long long o_row_stride = static_cast<long long>(p.nheads) * d;
+  float* const o_accum = p.out_accum + static_cast<long long>(batch) * p.seqlen_q * o_row_stride + head * d;
+
+  // Q blocks that see no K/V block at all: their rows' final values, now.
+  for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
+    if (fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block) != 0) continue;
+    const int row0 = q_block * BlockRows;
+    const int rows = min(BlockRows, p.seqlen_q - row0);
+    for (int e = tid; e < rows * d; e += fa1::kThreads)
+      arch::store(out + (row0 + e / d) * p.out_stride.row + e % d, from_float<T>(0.f));
+    for (int r = tid; r < rows; r += fa1::kThreads) arch::store(lse + row0 + r, fa1::neg_inf());
+  }
+
+  const int kv_blocks_seen = num_q_blocks ? fa1::visible_kv_blocks<BlockRows, BlockCols>(p, num_q_blocks - 1) : 0;
+  for (int kv_block = 0; kv_block < kv_blocks_seen; ++kv_block) {
+    const int key0 = kv_block * BlockCols;
+    const int keys = min(BlockCols, p.seqlen_k - key0);
+    __syncthreads();  // the previous K_j, V_j are no longer read
+    fa1::load_tile<BlockCols, HeadDim>(k_tile, k + key0 * p.k_stride.row, p.k_stride.row, keys, d);
+    fa1::load_tile<BlockCols, HeadDim>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row, keys, d);
+
+    for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
+      const int visible = fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block);
+      if (kv_block >= visible) continue;  // wholly above the diagonal: skipped
+      const bool last_visit = kv_block == visible - 1;
+      const int row0 = q_block * BlockRows;
+      const int rows = min(BlockRows, p.seqlen_q - row0);
+
+      __syncthreads();  // the previous Q_i, P~ and weights are no longer read
+      fa1::load_tile<BlockRows, HeadDim>(q_tile, q + row0 * p.q_stride.row, p.q_stride.row, rows, d);
+      __syncthreads();
+
+      // S = Q_i K_j^T in log2 units; -inf where masked (and in padding rows/cols).
+      for (int e = tid; e < BlockRows * BlockCols; e += fa1::kThreads) {
+        const int r = e / BlockCols;
+        const int c = e % BlockCols;
+        float s = fa1::neg_inf();
+        if (r < rows && c < keys && fa1::key_visible(p, row0 + r, key0 + c)) {
+          const float* qr = q_tile + r * kTS;
+          const float* kc = k_tile + c * kTS;
+          float dot = 0.f;
+#pragma unroll 8
+          for (int x = 0; x < HeadDim; ++x) dot += qr[x] * kc[x];
+          s = dot * p.softmax_scale_log2;
+        }
+        scores[r * kSS + c] = s;
+      }
+      __syncthreads();
+
+      // Online softmax, one thread per row: P~ in place of S, the two rescaling weights,
+      // and l, m (or lse) back to global memory.
+      if (tid < rows) {
+        float* srow = scores + tid * kSS;
+        float block_max = fa1::neg_inf();
+        for (int c = 0; c < BlockCols; ++c) block_max = fmaxf(block_max, srow[c]);
+        float block_sum = 0.f;
+        if (block_max == fa1::neg_inf()) {
+          for (int c = 0; c < BlockCols; ++c) srow[c] = 0.f;
+        } else {
+          for (int c = 0; c < BlockCols; ++c) {
+            const float prob = arch::exp2_approx(srow[c] - block_max);
+            srow[c] = prob;
+            block_sum += prob;
+          }
+        }
+        const int row = row0 + tid;
+        const float old_sum = arch::load(row_sum + row);
+        const float stored_max = arch::load(row_max + row);
+        const float old_max = old_sum > 0.f ? stored_max : fa1::neg_inf();
+        const float new_max = fmaxf(old_max, block_max);
+        float old_scale = 0.f, new_scale = 0.f;
+        if (new_max != fa1::neg_inf()) {
+          old_scale = old_sum > 0.f ? arch::exp2_approx(old_max - new_max) * old_sum : 0.f;
+          new_scale = block_max != fa1::neg_inf() ? arch::exp2_approx(block_max - new_max) : 0.f;
+        }
+        const float new_sum = old_scale + new_scale * block_sum;
+        const float inv_sum = new_sum > 0.f ? 1.f / new_sum : 0.f;
+        old_weight[tid] = old_scale * inv_sum;
+        new_weight[tid] = new_scale * inv_sum;
+        if (last_visit) {
+          arch::store(lse + row, new_sum > 0.f ? (new_max + log2f(new_sum)) * kLn2 : fa1::neg_inf());
+        } else {
+          arch::store(row_sum + row, new_sum);
+          arch::store(row_max + row, new_max);
+        }
+      }
+      __syncthreads();
+
+      // O_i = old_weight O_i + new_weight P~ V_j, read from and written to global memory.
+      for (int e = tid; e < BlockRows * HeadDim; e += fa1::kThreads) {
+        const int r = e / HeadDim;
+        const int c = e % HeadDim;
+        if (r >= rows || c >= d) continue;
+        const float* prow = scores + r * kSS;
+        float pv = 0.f;
+#pragma unroll 8
+        for (int x = 0; x < BlockCols; ++x) pv += prow[x] * v_tile[x * kTS + c];
+        float* o = o_accum + (row0 + r) * o_row_stride + c;
+        const float o_new = old_weight[r] * arch::load(o) + new_weight[r] * pv;
+        if (last_visit) {
+          arch::store(out + (row0 + r) * p.out_stride.row + c, from_float<T>(o_new));
+        } else {
+          arch::store(o, o_new);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,251 @@
+"""FlashAttention-1 (Algorithm 1 forward, Algorithm 4 backward of the FlashAttention paper).
+
+Kernels: cuda_src/kernels/fa1_forward.cu, fa1_backward.cu (their opening comments give the
+work partition and the exact global-memory traffic, which ``forward_traffic`` /
+``backward_traffic`` below restate for the tests).
+
+Tile sizes. The paper sizes its blocks from the on-chip memory M (in floats):
+Bc = ceil(M / 4d), Br = min(Bc, d). We evaluate that rule once per compiled head dim
+and write the result down as a fixed table (``TILES``). M is chosen so that every
+block fits in 48 KiB of shared memory, the per-block amount a launch gets on sm_80
+and sm_90 without raising the opt-in limit (so several blocks share an SM):
+  forward  M = 12288 floats (48 KiB): it keeps Q_i, K_j, V_j (3 d-wide tiles) + S
+  backward M =  6144 floats (24 KiB): it keeps Q_i, dO_i, K_j, V_j, dK_j, dV_j (6) + P, dS
+The kernels hold tiles in float32, hence floats and not elements. tests/test_fa1.py
+checks the table against the rule and the 48 KiB bound.
+
+Head dims. Compiled for 32, 64, ..., 256 (multiples of 32). Head dim d runs on the
+smallest compiled one >= d: the kernels zero columns d..HeadDim-1 in shared memory and
+never load or store them in global memory (so traffic scales with d, not HeadDim).
+
+GQA/MQA backward: each query-head block writes float32 dK/dV partials (dk_accum,
+dv_accum) and fa1_gqa_reduce_kernel sums each group in head order; MHA writes dk/dv
+directly. The backward is deterministic either way (no atomics), so ``deterministic``
+changes nothing here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..catalog import CXX_ELEMENT_TYPES, KernelInstance
+from ..plans import ELEMENT_DTYPES, LaunchPlan, Problem, Program, Scratch, ceil_div
+
+NAME = "fa1"
+
+FORWARD_SOURCE = "kernels/fa1_forward.cu"
+BACKWARD_SOURCE = "kernels/fa1_backward.cu"
+
+THREADS = 128  # fa1::kThreads
+REDUCE_THREADS = 256  # fa1_gqa_reduce_kernel's block
+SMEM_LIMIT_BYTES = 48 * 1024  # per block without the opt-in attribute
+FORWARD_BUDGET_FLOATS = 12288  # the paper's M for the forward
+BACKWARD_BUDGET_FLOATS = 6144  # the paper's M for the backward
+FLOAT_BYTES = 4
+
+
+def paper_block_sizes(head_dim: int, budget_floats: int) -> tuple[int, int]:
+    """(Br, Bc) by the FlashAttention paper's rule: Bc = ceil(M / 4d), Br = min(Bc, d)."""
+    block_cols = math.ceil(budget_floats / (4 * head_dim))
+    return min(block_cols, head_dim), block_cols
+
+
+@dataclass(frozen=True)
+class Fa1Tile:
+    """One kernel's tile shape: Br query rows x Bc keys over a compiled head dim."""
+
+    head_dim: int  # compiled (padded) head dim
+    block_rows: int  # Br
+    block_cols: int  # Bc
+    backward: bool
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"compiled head dims are multiples of 32 in 32..256, got {self.head_dim}")
+        if not 1 <= self.block_rows <= THREADS:
+            raise ValueError(f"Br must be in 1..{THREADS} (one thread per query row), got {self.block_rows}")
+        if self.block_cols < 1:
+            raise ValueError(f"Bc must be >= 1, got {self.block_cols}")
+        if self.smem_bytes > SMEM_LIMIT_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory > {SMEM_LIMIT_BYTES}")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Fa1ForwardTraits / Fa1BackwardTraits::kSmemBytes (the kernels trap on less)."""
+        tile_stride = self.head_dim + 1
+        score_stride = self.block_cols + 1
+        br, bc, hd = self.block_rows, self.block_cols, self.head_dim
+        if self.backward:
+            floats = 2 * br * tile_stride + 2 * bc * tile_stride + 2 * bc * hd + 2 * br * score_stride + 2 * br
+        else:
+            floats = br * tile_stride + 2 * bc * tile_stride + br * score_stride + 2 * br
+        return floats * FLOAT_BYTES
+
+
+# Compiled head dim -> (forward tile, backward tile): the paper's rule at the budgets above.
+TILES: dict[int, tuple[Fa1Tile, Fa1Tile]] = {
+    hd: (Fa1Tile(hd, fbr, fbc, False), Fa1Tile(hd, bbr, bbc, True))
+    for hd, (fbr, fbc), (bbr, bbc) in (
+        #     forward Br, Bc   backward Br, Bc
+        (32, (32, 96), (32, 48)),
+        (64, (48, 48), (24, 24)),
+        (96, (32, 32), (16, 16)),
+        (128, (24, 24), (12, 12)),
+        (160, (20, 20), (10, 10)),
+        (192, (16, 16), (8, 8)),
+        (224, (14, 14), (7, 7)),
+        (256, (12, 12), (6, 6)),
+    )
+}
+HEAD_DIMS = tuple(sorted(TILES))
+
+
+def compiled_head_dim(headdim: int) -> int:
+    """The smallest compiled head dim >= headdim (the kernel predicates the tail)."""
+    for hd in HEAD_DIMS:
+        if headdim <= hd:
+            if headdim < 1:
+                raise ValueError(f"fa1: head dim must be >= 1, got {headdim}")
+            return hd
+    raise ValueError(f"fa1: head dim {headdim} > {HEAD_DIMS[-1]}, the largest compiled one")
+
+
+def _kernel(source: str, name: str, dtype: str, tile: Fa1Tile) -> KernelInstance:
+    cxx = CXX_ELEMENT_TYPES[dtype]
+    return KernelInstance(
+        source, f"cuflash::{name}<{cxx}, {tile.head_dim}, {tile.block_rows}, {tile.block_cols}>"
+    )
+
+
+def forward_kernel(dtype: str, head_dim: int) -> KernelInstance:
+    return _kernel(FORWARD_SOURCE, "fa1_forward_kernel", dtype, TILES[head_dim][0])
+
+
+def backward_kernel(dtype: str, head_dim: int) -> KernelInstance:
+    return _kernel(BACKWARD_SOURCE, "fa1_backward_kernel", dtype, TILES[head_dim][1])
+
+
+def gqa_reduce_kernel(dtype: str) -> KernelInstance:
+    return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa1_gqa_reduce_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
+
+
+def _smem_table() -> dict[KernelInstance, int]:
+    table = {}
+    for dtype in ELEMENT_DTYPES:
+        for hd, (fwd, bwd) in TILES.items():
+            table[forward_kernel(dtype, hd)] = fwd.smem_bytes
+            table[backward_kernel(dtype, hd)] = bwd.smem_bytes
+        table[gqa_reduce_kernel(dtype)] = 0
+    return table
+
+
+_SMEM = _smem_table()
+
+
+def instances() -> list[KernelInstance]:
+    return list(_SMEM)
+
+
+def dynamic_smem_bytes(instance: KernelInstance) -> int:
+    return _SMEM[instance]
+
+
+def forward_program(problem: Problem) -> Program:
+    hd = compiled_head_dim(problem.headdim)
+    kernel = forward_kernel(problem.dtype, hd)
+    # seqlen_q == 0: nothing to write, an empty grid. seqlen_k == 0 still launches:
+    # every row then sees no key and the kernel writes out = 0, lse = -inf.
+    grid = (problem.nheads, problem.batch, 1 if problem.seqlen_q else 0)
+    rows = (problem.batch, problem.nheads, problem.seqlen_q)
+    return Program(
+        launches=(LaunchPlan(kernel, grid, (THREADS, 1, 1), _SMEM[kernel]),),
+        scratch=(
+            # Algorithm 1, line 2: O = 0, l = 0 (m = 0 is read as -inf while l = 0).
+            Scratch("out_accum", (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim), zero_init=True),
+            Scratch("row_sum", rows, zero_init=True),
+            Scratch("row_max", rows, zero_init=True),
+        ),
+    )
+
+
+def backward_program(problem: Problem) -> Program:
+    hd = compiled_head_dim(problem.headdim)
+    kernel = backward_kernel(problem.dtype, hd)
+    grouped = problem.nheads != problem.nheads_k
+    anything = problem.seqlen_q > 0 or problem.seqlen_k > 0
+    launches = [LaunchPlan(kernel, (problem.nheads, problem.batch, 1 if anything else 0), (THREADS, 1, 1), _SMEM[kernel])]
+    scratch = [
+        # Algorithm 4, line 6: dQ = 0 in global memory.
+        Scratch("dq_accum", (1, problem.batch, problem.seqlen_q, problem.nheads, problem.headdim), zero_init=True),
+    ]
+    if grouped:
+        partial = (problem.batch, problem.seqlen_k, problem.nheads, problem.headdim)
+        # Every element is written by its query head's block before the reduction reads it.
+        scratch += [Scratch("dk_accum", partial), Scratch("dv_accum", partial)]
+        per_batch = problem.seqlen_k * problem.nheads_k * problem.headdim
+        reduce = gqa_reduce_kernel(problem.dtype)
+        launches.append(
+            LaunchPlan(reduce, (ceil_div(per_batch, REDUCE_THREADS), problem.batch, 1), (REDUCE_THREADS, 1, 1), 0)
+        )
+    return Program(launches=tuple(launches), scratch=tuple(scratch))
+
+
+# ---------------------------------------------------------------------------
+# The kernels' global-memory traffic (their opening comments), for tests and benchmarks.
+
+
+def _visits(problem: Problem, block_rows: int, block_cols: int) -> list[tuple[int, int]]:
+    """(rows_i, n_i) per Q block: its row count and how many K/V blocks it sees."""
+    sq, sk = problem.seqlen_q, problem.seqlen_k
+    num_kv_blocks = ceil_div(sk, block_cols)
+    result = []
+    for q_block in range(ceil_div(sq, block_rows)):
+        rows = min(block_rows, sq - q_block * block_rows)
+        if problem.causal:
+            last_key = q_block * block_rows + rows - 1 + sk - sq
+            seen = 0 if last_key < 0 else min(num_kv_blocks, last_key // block_cols + 1)
+        else:
+            seen = num_kv_blocks
+        result.append((rows, seen))
+    return result
+
+
+def _element_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def forward_traffic(problem: Problem) -> tuple[int, int]:
+    """(bytes read, bytes written) by the forward launch, per fa1_forward.cu's formula."""
+    if problem.seqlen_q == 0:
+        return 0, 0
+    tile = TILES[compiled_head_dim(problem.headdim)][0]
+    e, d = _element_bytes(problem.dtype), problem.headdim
+    visits = _visits(problem, tile.block_rows, tile.block_cols)
+    row_visits = sum(rows * seen for rows, seen in visits)
+    row_revisits = sum(rows * max(seen - 1, 0) for rows, seen in visits)
+    heads = problem.batch * problem.nheads
+    read = heads * (2 * problem.seqlen_k * d * e + row_visits * (d * e + 4 * (d + 2)))
+    written = heads * (row_revisits * 4 * (d + 2) + problem.seqlen_q * (d * e + 4))
+    return read, written
+
+
+def backward_traffic(problem: Problem) -> list[tuple[int, int]]:
+    """(bytes read, bytes written) per backward launch, per fa1_backward.cu's formulas."""
+    tile = TILES[compiled_head_dim(problem.headdim)][1]
+    e, d = _element_bytes(problem.dtype), problem.headdim
+    grouped = problem.nheads != problem.nheads_k
+    visits = _visits(problem, tile.block_rows, tile.block_cols)
+    row_visits = sum(rows * seen for rows, seen in visits)
+    row_revisits = sum(rows * max(seen - 1, 0) for rows, seen in visits)
+    heads = problem.batch * problem.nheads
+    kv_bytes = 2 * problem.seqlen_k * d * e if problem.seqlen_q else 0
+    dkv_element = 4 if grouped else e
+    read = heads * (kv_bytes + row_visits * (3 * d * e + 4 + 4 * d))
+    written = heads * (row_revisits * 4 * d + problem.seqlen_q * d * e + 2 * problem.seqlen_k * d * dkv_element)
+    result = [(read, written)]
+    if grouped:
+        result.append(
+            (heads * problem.seqlen_k * d * 8, problem.batch * problem.nheads_k * problem.seqlen_k * d * 2 * e)
+        )
+    return result
