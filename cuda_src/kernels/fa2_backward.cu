@@ -1,0 +1,379 @@
+// FlashAttention-2 backward (Dao 2023, Algorithm 2), SIMT float32 math. Three kernels:
+//
+// 1. fa2_dout_dot_out_kernel<T>: the pre-pass D = rowsum(dO * O) into `dout_dot_out`
+//    (batch, nheads, seqlen_q). grid = (ceil(seqlen_q / 16), nheads, batch), 128 threads; a
+//    warp per row, lanes over 4-element chunks of the head dim, one shuffle reduction.
+//    Reads 2 * B * H * Sq * d * es bytes, writes 4 * B * H * Sq.
+//
+// 2. fa2_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (ceil(seqlen_k / BlockN),
+//    nheads_k, batch). A block owns one K/V block (BlockN keys) of one kv head: K_j, V_j are
+//    loaded into shared memory once and dK_j, dV_j are accumulated in registers for the
+//    whole kernel. It loops over the query heads of its group (GQA/MQA: the group's dK/dV sum
+//    happens on chip, in a fixed order, with no float32 dk/dv scratch and no extra reduction
+//    kernel; the price is group-fold fewer blocks in flight for MQA-like shapes) and, per head,
+//    over the Q blocks that see the K/V block (under causal: from the first Q block with a row
+//    at or below the diagonal; earlier blocks are skipped unread). Per Q block i:
+//        load Q_i, dO_i (shared memory), lse_i (as base-2 lse * log2 e), D_i
+//        S = Q_i K_j^T, dP = dO_i V_j^T                          (mma_nt, block-wide tiling)
+//        P = exp2(S * scale_log2 - lse2) (0 where masked), dS = P * (dP - D)  -> shared memory
+//        dV_j += P^T dO_i, dK_j += dS^T Q_i                      (mma_tn, keys x head dim)
+//        dQ_i += dS K_j -> float32 dq_accum                      (mma_nn, rows x head dim)
+//    dq update: num_dq_splits == 1: red.global.add.f32 (arch::atomic_add) into one
+//    zero-initialised slice; blocks of different K/V blocks race on it, so the float32 sum
+//    order (and the last bits) may vary between runs. num_dq_splits == number of K/V blocks
+//    (deterministic=True): K/V block j owns slice j and writes it with plain stores (every
+//    element it covers exactly once), and kernel 3 sums the slices in index order.
+//    At the end dK_j * scale and dV_j are written in the element type.
+//
+// 3. fa2_convert_dq_kernel<T, BlockN>: dq = scale * sum of the dq_accum slices a row touched,
+//    in slice order; grid = (ceil(seqlen_q / 16), nheads, batch), 128 threads over (row,
+//    4-dim chunk). A row reads slice j only if it sees a key of K/V block j (in split mode) or
+//    any key (single slice), so rows that see no key get exactly 0 and no slice element that
+//    no kernel wrote is ever read (the deterministic slices need no zero fill).
+//
+// What it costs (es = sizeof(T), d = headdim, M = BlockM, N = BlockN, G = nheads / nheads_k):
+//   kernel 2, per block (b, kv head, j) with keys_j = min(N, Sk - j N), for each of its G heads
+//   and each Q block i it visits (rows_i = min(M, Sq - i M)):
+//     reads  2 * keys_j * d * es                      (K_j, V_j once)
+//          + sum_i rows_i * (2 * d * es + 8)          (Q_i, dO_i, lse_i, D_i)
+//          + sum_i rows_i * d * 4     [atomic mode: red.add reads what it adds to]
+//     writes sum_i rows_i * d * 4                     (dq_accum: red.add or store)
+//          + 2 * keys_j * d * es                      (dK_j, dV_j once)
+//   Without causal: Q, dO are read ceil(Sk / N) times and K, V once per kv head.
+//   kernel 3: reads 4 * d per row and slice it sums, writes d * es per row.
+//   FLOPs: 2.5x the forward's (5 products of 2 * Sq * Sk * d each; 4 of them are the FA2
+//   backward's own, the fifth is recomputing S).
+//   Deterministic mode cost: dq_accum grows from B * Sq * H * d to ceil(Sk / N) * B * Sq * H * d
+//   floats (e.g. Sk = 4096, N = 64: 64 slices), kernel 2 writes the same number of bytes
+//   (stores instead of reductions, so it reads 4 * d bytes per row and K/V block less), and
+//   kernel 3 reads every slice a row touched instead of one: + 4 d bytes per row per extra
+//   slice. Nothing else changes (same tiles, no semaphores, no serialisation).
+//
+// Tiles (Python table, cuflash/kernels/families/fa2.py): BlockM = 32 rows per Q step,
+// BlockN = 64 keys up to head dim 128 and 32 above; 8 warps where the thread tiles divide
+// evenly (head dims 64, 128, 256), 4 otherwise. FA2's head-dim-128 backward uses 64 x 128
+// with 8 warps and 16-bit tiles; this SIMT version keeps every tile in float32 shared memory
+// (K, V, Q, dO, P, dS), so the tiles are halved to fit 119 KB at head dim 128 and 142 KB at
+// 256 (sm_80 allows 163 KB), and each thread's dK + dV slice (2 * BlockN * D / threads floats)
+// stays at 64 registers or less at head dims 64 and 128.
+//
+// Shared memory (floats): K, V [BlockN][D+4]; Q, dO [BlockM][D+4]; P, dS [BlockM][BlockN+4];
+// lse2, D [BlockM].
+//
+// Masking and empty rows: P = 0 wherever the key is not visible (causal, bottom-right aligned,
+// or past the last key) and for rows past the last query; a row that saw no key in the
+// forward has lse = -inf, which becomes lse2 = +inf here so P = exp2(-inf) = 0 (never
+// exp2(+inf) * 0). Its dS, and so its dQ and its share of dK, dV, are exact zeros.
+// Requires softmax_scale > 0 (the API validates it).
+#include "arch/arch.cuh"
+#include "kernels/fa2_tiles.cuh"
+
+namespace cuflash {
+namespace fa2 {
+
+// Kernel traits of the backward: tile sizes, warps, the three thread tilings, smem layout.
+template <int HeadDim, int BlockM, int BlockN, int Warps>
+struct BackwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kThreads = Warps * 32;
+
+  // S and dP: BlockM x BlockN, granule = one row / one key.
+  using STile = ThreadTile<BlockM, BlockN, kThreads>;
+  // dK and dV: BlockN x HeadDim, granules = chunks of 4 keys x 4 dims.
+  using KvTile = ThreadTile<BlockN / 4, HeadDim / 4, kThreads>;
+  // dQ: BlockM x HeadDim, granules = one row x a chunk of 4 dims.
+  using QTile = ThreadTile<BlockM, HeadDim / 4, kThreads>;
+
+  static constexpr int kRowStride = HeadDim + 4;
+  static constexpr int kPStride = BlockN + 4;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + BlockN * kRowStride;
+  static constexpr int kQOffset = kVOffset + BlockN * kRowStride;
+  static constexpr int kDoOffset = kQOffset + BlockM * kRowStride;
+  static constexpr int kPOffset = kDoOffset + BlockM * kRowStride;
+  static constexpr int kDsOffset = kPOffset + BlockM * kPStride;
+  static constexpr int kLseOffset = kDsOffset + BlockM * kPStride;
+  static constexpr int kDOffset = kLseOffset + BlockM;
+  static constexpr int kSmemFloats = kDOffset + BlockM;
+  static constexpr int kSmemBytes = kSmemFloats * 4;
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
+  static_assert(BlockM % 4 == 0 && BlockN % 32 == 0 && BlockM <= kThreads, "tile shape");
+};
+
+// The pre-pass and convert kernels: 128 threads over 16 query rows per block.
+struct RowKernel {
+  static constexpr int kThreads = 128;
+  static constexpr int kRows = 16;
+};
+
+// Slices of dq_accum that query row `row` reads back: [0, count). In split mode
+// (num_dq_splits > 1) slice j holds K/V block j's part and exists for the row when the row
+// sees a key of block j; otherwise the single slice holds every block's part.
+template <int BlockN>
+__device__ __forceinline__ int dq_slices_of_row(const AttentionParams& p, int row) {
+  const int keys_seen = p.is_causal ? min(p.seqlen_k, row + 1 + p.seqlen_k - p.seqlen_q) : p.seqlen_k;
+  if (keys_seen <= 0) return 0;
+  return p.num_dq_splits > 1 ? ceil_div(keys_seen, BlockN) : 1;
+}
+
+}  // namespace fa2
+
+// ---- 1. D = rowsum(dO * O) ------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_kernel(const AttentionParams p) {
+  static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
+  constexpr int kWarps = fa2::RowKernel::kThreads / 32;
+  if (blockDim.x != fa2::RowKernel::kThreads) __trap();
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int lane = threadIdx.x % 32;
+  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride.batch + head * p.dout_stride.head;
+  const T* out = static_cast<const T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
+  float* dot = p.dout_dot_out + (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  const int row_end = min(p.seqlen_q, (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);
+  for (int row = blockIdx.x * fa2::RowKernel::kRows + threadIdx.x / 32; row < row_end; row += kWarps) {
+    float sum = 0.f;
+    for (int dim0 = lane * 4; dim0 < p.headdim; dim0 += 128) {
+      const float4 x = fa2::load_chunk4(dout + row * p.dout_stride.row + dim0, p.headdim - dim0);
+      const float4 y = fa2::load_chunk4(out + row * p.out_stride.row + dim0, p.headdim - dim0);
+      sum = fmaf(x.x, y.x, sum);
+      sum = fmaf(x.y, y.y, sum);
+      sum = fmaf(x.z, y.z, sum);
+      sum = fmaf(x.w, y.w, sum);
+    }
+    sum = fa2::group_sum<32>(sum);
+    if (lane == 0) arch::store(dot + row, sum);
+  }
+}
+
+// ---- 2. dK, dV (and dQ into dq_accum) per K/V block ------------------------------------------
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+__global__ void __launch_bounds__(Warps * 32) fa2_backward_kernel(const AttentionParams p) {
+  static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
+  using Tr = fa2::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
+  using STile = typename Tr::STile;
+  using KvTile = typename Tr::KvTile;
+  using QTile = typename Tr::QTile;
+  constexpr int kThreads = Tr::kThreads;
+
+  CUFLASH_DYNAMIC_SMEM(smem_bytes);
+  const bool split_dq = p.num_dq_splits > 1;
+  if (arch::dynamic_smem_size() < Tr::kSmemBytes || blockDim.x != kThreads || p.headdim > HeadDim ||
+      p.headdim < 1 || (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
+    __trap();
+  float* smem = reinterpret_cast<float*>(smem_bytes);
+  float* k_tile = smem + Tr::kKOffset;
+  float* v_tile = smem + Tr::kVOffset;
+  float* q_tile = smem + Tr::kQOffset;
+  float* do_tile = smem + Tr::kDoOffset;
+  float* p_tile = smem + Tr::kPOffset;
+  float* ds_tile = smem + Tr::kDsOffset;
+  float* lse2_rows = smem + Tr::kLseOffset;
+  float* dot_rows = smem + Tr::kDOffset;
+
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int d = p.headdim;
+  const int group = p.nheads / p.nheads_k;
+  const int key0 = n_block * BlockN;
+  const int block_keys = min(BlockN, p.seqlen_k - key0);
+  const float scale_log2 = p.softmax_scale_log2;
+  const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
+
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + key0 * p.k_stride.row +
+               kv_head * p.k_stride.head;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + key0 * p.v_stride.row +
+               kv_head * p.v_stride.head;
+  fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k, p.k_stride.row, block_keys, d, tid, kThreads);
+  fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, d, tid, kThreads);
+
+  // This thread's tiles. S / dP: rows s_row + i * kThreadsM, keys s_key + j * kThreadsN.
+  const int s_row = tid / STile::kThreadsN;
+  const int s_key = tid % STile::kThreadsN;
+  // dK / dV: key chunks kv_key + i * kThreadsM, dim chunks kv_dim + j * kThreadsN.
+  const int kv_key = tid / KvTile::kThreadsN;
+  const int kv_dim = tid % KvTile::kThreadsN;
+  // dQ: rows q_row + i * kThreadsM, dim chunks q_dim + j * kThreadsN.
+  const int q_row = tid / QTile::kThreadsN;
+  const int q_dim = tid % QTile::kThreadsN;
+
+  float acc_dk[KvTile::kM][4][KvTile::kN][4];
+  float acc_dv[KvTile::kM][4][KvTile::kN][4];
+#pragma unroll
+  for (int i = 0; i < KvTile::kM; ++i)
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int j = 0; j < KvTile::kN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
+
+  const int m_block_begin = fa2::first_q_block_seeing<BlockM>(p, key0);
+  const int m_block_end = fa2::ceil_div(p.seqlen_q, BlockM);
+  for (int h = 0; h < group; ++h) {
+    const int head = kv_head * group + h;
+    const T* q_head = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
+    const T* do_head = static_cast<const T*>(p.dout) + batch * p.dout_stride.batch + head * p.dout_stride.head;
+    const long long row_base = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+    // dq_accum is (slices, batch, seqlen_q, nheads, d); this block writes slice n_block (split mode) or 0.
+    float* dq_head = p.dq_accum +
+                     ((static_cast<long long>(split_dq ? n_block : 0) * p.batch + batch) * p.seqlen_q * p.nheads +
+                      head) * d;
+    const long long dq_row_stride = static_cast<long long>(p.nheads) * d;
+
+    for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+      const int row0 = m_block * BlockM;
+      const int block_rows = min(BlockM, p.seqlen_q - row0);
+      __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS
+      fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row,
+                                                      block_rows, d, tid, kThreads);
+      fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
+                                                      p.dout_stride.row, block_rows, d, tid, kThreads);
+      if (tid < BlockM) {
+        float lse2 = fa2::pos_inf();  // rows past the end: P = 0
+        float dot = 0.f;
+        if (tid < block_rows) {
+          const float lse = arch::load(p.lse + row_base + row0 + tid);
+          // lse = -inf: the row saw no key in the forward; +inf makes its P exactly 0.
+          lse2 = lse == fa2::neg_inf() ? fa2::pos_inf() : lse * fa2::kLog2e;
+          dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
+        }
+        lse2_rows[tid] = lse2;
+        dot_rows[tid] = dot;
+      }
+      __syncthreads();
+
+      // S = Q K^T and dP = dO V^T, then P and dS, for this thread's rows x keys.
+      {
+        float s[STile::kM][STile::kN], dp[STile::kM][STile::kN];
+#pragma unroll
+        for (int i = 0; i < STile::kM; ++i)
+#pragma unroll
+          for (int j = 0; j < STile::kN; ++j) s[i][j] = dp[i][j] = 0.f;
+        fa2::mma_nt<STile::kM, STile::kN>(s, q_tile + s_row * Tr::kRowStride, STile::kThreadsM * Tr::kRowStride,
+                                          k_tile + s_key * Tr::kRowStride, STile::kThreadsN * Tr::kRowStride,
+                                          k_extent);
+        fa2::mma_nt<STile::kM, STile::kN>(dp, do_tile + s_row * Tr::kRowStride,
+                                          STile::kThreadsM * Tr::kRowStride, v_tile + s_key * Tr::kRowStride,
+                                          STile::kThreadsN * Tr::kRowStride, k_extent);
+        const bool needs_mask = fa2::tile_needs_mask<BlockM, BlockN>(p, row0, key0);
+#pragma unroll
+        for (int i = 0; i < STile::kM; ++i) {
+          const int r = s_row + i * STile::kThreadsM;
+          const float lse2 = lse2_rows[r];
+          const float dot = dot_rows[r];
+#pragma unroll
+          for (int j = 0; j < STile::kN; ++j) {
+            const int c = s_key + j * STile::kThreadsN;
+            float prob = arch::exp2_approx(fmaf(s[i][j], scale_log2, -lse2));
+            if (needs_mask && !fa2::key_visible(p, row0 + r, key0 + c)) prob = 0.f;
+            p_tile[r * Tr::kPStride + c] = prob;
+            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot);
+          }
+        }
+      }
+      __syncthreads();
+
+      // dV += P^T dO, dK += dS^T Q over this Q block's rows.
+      fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dv, p_tile + kv_key * 4, Tr::kPStride, KvTile::kThreadsM * 4,
+                                                  do_tile + kv_dim * 4, Tr::kRowStride, KvTile::kThreadsN * 4);
+      fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dk, ds_tile + kv_key * 4, Tr::kPStride,
+                                                  KvTile::kThreadsM * 4, q_tile + kv_dim * 4, Tr::kRowStride,
+                                                  KvTile::kThreadsN * 4);
+
+      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale).
+      {
+        float acc_dq[QTile::kM][QTile::kN][4];
+#pragma unroll
+        for (int i = 0; i < QTile::kM; ++i)
+#pragma unroll
+          for (int j = 0; j < QTile::kN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[i][j][e] = 0.f;
+        fa2::mma_nn<QTile::kM, QTile::kN, BlockN>(acc_dq, ds_tile + q_row * Tr::kPStride,
+                                                  QTile::kThreadsM * Tr::kPStride, k_tile + q_dim * 4,
+                                                  Tr::kRowStride, QTile::kThreadsN * 4);
+#pragma unroll
+        for (int i = 0; i < QTile::kM; ++i) {
+          const int r = q_row + i * QTile::kThreadsM;
+          if (r >= block_rows) continue;
+          float* dq_row = dq_head + (row0 + r) * dq_row_stride;
+#pragma unroll
+          for (int j = 0; j < QTile::kN; ++j) {
+            const int dim0 = (q_dim + j * QTile::kThreadsN) * 4;
+            if (dim0 >= d) continue;
+            if (split_dq) {
+              fa2::store_chunk4(dq_row + dim0, acc_dq[i][j], d - dim0);
+            } else {
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                if (dim0 + e < d) arch::atomic_add(dq_row + dim0 + e, acc_dq[i][j][e]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads), once.
+  T* dk = static_cast<T*>(p.dk) + batch * p.dk_stride.batch + kv_head * p.dk_stride.head;
+  T* dv = static_cast<T*>(p.dv) + batch * p.dv_stride.batch + kv_head * p.dv_stride.head;
+#pragma unroll
+  for (int i = 0; i < KvTile::kM; ++i)
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int key = (kv_key + i * KvTile::kThreadsM) * 4 + a;
+      if (key >= block_keys) continue;
+#pragma unroll
+      for (int j = 0; j < KvTile::kN; ++j) {
+        const int dim0 = (kv_dim + j * KvTile::kThreadsN) * 4;
+        if (dim0 >= d) continue;
+        float x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = acc_dk[i][a][j][e] * p.softmax_scale;
+        fa2::store_chunk4(dk + (key0 + key) * p.dk_stride.row + dim0, x, d - dim0);
+        fa2::store_chunk4(dv + (key0 + key) * p.dv_stride.row + dim0, acc_dv[i][a][j], d - dim0);
+      }
+    }
+}
+
+// ---- 3. dq = scale * sum of dq_accum slices -------------------------------------------------
+template <class T, int BlockN>
+__global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kernel(const AttentionParams p) {
+  static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
+  if (blockDim.x != fa2::RowKernel::kThreads ||
+      (p.num_dq_splits > 1 && p.num_dq_splits != fa2::ceil_div(p.seqlen_k, BlockN)))
+    __trap();
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int d = p.headdim;
+  const int chunks_per_row = fa2::ceil_div(d, 4);
+  const int row0 = blockIdx.x * fa2::RowKernel::kRows;
+  const int rows = min(fa2::RowKernel::kRows, p.seqlen_q - row0);
+  const long long slice_stride = static_cast<long long>(p.batch) * p.seqlen_q * p.nheads * d;
+  T* dq = static_cast<T*>(p.dq) + batch * p.dq_stride.batch + head * p.dq_stride.head;
+  for (int c = threadIdx.x; c < rows * chunks_per_row; c += fa2::RowKernel::kThreads) {
+    const int row = row0 + c / chunks_per_row;
+    const int dim0 = (c % chunks_per_row) * 4;
+    const float* accum = p.dq_accum + ((static_cast<long long>(batch) * p.seqlen_q + row) * p.nheads + head) * d + dim0;
+    const int slices = fa2::dq_slices_of_row<BlockN>(p, row);
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < slices; ++j) {  // fixed order: bitwise reproducible
+      const float4 x = fa2::load_chunk4(accum + j * slice_stride, d - dim0);
+      sum[0] += x.x;
+      sum[1] += x.y;
+      sum[2] += x.z;
+      sum[3] += x.w;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum[e] *= p.softmax_scale;
+    fa2::store_chunk4(dq + row * p.dq_stride.row + dim0, sum, d - dim0);
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,251 @@
+// FlashAttention-2 forward (Dao 2023, Algorithm 1), SIMT float32 math.
+//
+// What it does: out = softmax(scale * Q K^T [masked]) V and lse = logsumexp of the scaled
+// scores, per (batch, query head), for element types float / __half / __nv_bfloat16.
+//
+// How it partitions work
+//   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one
+//           head; query head h reads kv head h / (nheads / nheads_k) (GQA / MQA).
+//   block = Warps x 32 threads. Each warp owns BlockM / Warps consecutive query rows for the
+//           whole kernel: their running max m, running sum l and un-normalised O stay in its
+//           registers, so no softmax statistic ever goes through shared memory between warps
+//           (FA2's change from FA1, which split K/V across warps and reduced through smem).
+//   Inside a warp, lanes form 4 x 8 (rows x columns): lane (r, c) owns rows r, r + 4, ... of
+//   the warp's rows; of the S tile the keys c, c + 8, ...; of O the head-dim chunks
+//   4c..4c+3, 4c+32..4c+35, ... The 8 lanes of a row reduce its max / sum with 3 shuffles.
+//   Loop: the Q block is loaded once into shared memory; then for each visible K/V block
+//   (last to first, as FA2, so the masked blocks come first): load K_j, V_j into shared
+//   memory (all warps), S = Q K_j^T (mma_nt), mask if the block crosses the diagonal or the
+//   end of the keys, online softmax in base 2 with the scale folded into one FMA
+//   (p = exp2(s * scale_log2 - m * scale_log2)), rescale O by exp2(m_old - m_new), stage P in
+//   the warp's own shared-memory slab (each lane needs whole rows of P for P V, and they
+//   are spread over the 8 lanes of the row group) and O += P V_j (mma_nn). O is divided by
+//   l once, after the loop, and written with lse = m * scale + log(l).
+//
+// Tiles (Python table, cuflash/kernels/families/fa2.py): BlockM x BlockN = 64 x 64 for head
+// dim <= 64, 64 x 32 up to 192, 64 x 32 with 8 warps for 256. FA2's tensor-core traits keep
+// 32 query rows per warp with 16-bit Q fragments in registers; a SIMT thread holds its
+// operands in float32 and its own O slice (rows x head dim / 8 floats) plus S (rows x
+// BlockN / 8), so the rows per warp are halved (16; 8 at head dim 256) to stay far from 255
+// registers, and BlockN shrinks with the head dim to keep K + V + Q + P in shared memory
+// small enough for two blocks per SM up to head dim 128.
+//
+// Shared memory (floats): Q [BlockM][D+4], K [BlockN][D+4], V [BlockN][D+4],
+// P [Warps][BlockM/Warps][BlockN+4] (see fa2_tiles.cuh for the +4).
+//
+// What it costs, per launch, with es = sizeof(T), d = headdim, M = BlockM, N = BlockN,
+// and for each Q block (b, h, i) with rows_i = min(M, seqlen_q - i M) and
+// n_i = number of K/V blocks it sees (ceil(seqlen_k / N), fewer under causal):
+//   global bytes read    = sum over Q blocks with n_i > 0 of
+//                            rows_i * d * es                      (Q, once)
+//                          + 2 * min(n_i * N, seqlen_k) * d * es  (K and V, once per Q block)
+//   global bytes written = batch * nheads * seqlen_q * (d * es + 4)  (O and lse, once)
+//   Without causal: reads = B H Sq d es + 2 B H ceil(Sq / M) Sk d es, FA2's formula.
+//   FLOPs: 4 * B * H * Sq * Sk * d (about half with causal), run on the compiled head dim
+//   (the zero padding between d and D is multiplied too, the reduction over the head dim
+//   stops at d rounded up to 4).
+//
+// Masking and empty rows: causal is aligned to the bottom-right corner (row i sees key j iff
+// j <= i + seqlen_k - seqlen_q). K/V blocks wholly above the diagonal are never loaded;
+// blocks crossing it or the end of the keys are masked element-wise (s = -inf). A Q block
+// that sees no key at all (or seqlen_k == 0) loads nothing and writes out = 0, lse = -inf; a
+// row inside a block that sees no key keeps m = -inf, l = 0 and gets the same. The running
+// max uses 0 in place of -inf when forming m * scale_log2, so -inf - -inf never appears.
+// Large logits are safe: the exponent s * scale_log2 - m * scale_log2 is <= 0 up to rounding.
+// Requires softmax_scale > 0 (the API validates it).
+#include "arch/arch.cuh"
+#include "kernels/fa2_tiles.cuh"
+
+namespace cuflash {
+namespace fa2 {
+
+// Kernel traits of the forward: tile sizes, warps, thread tiles, shared-memory layout.
+template <int HeadDim, int BlockM, int BlockN, int Warps>
+struct ForwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kWarps = Warps;
+  static constexpr int kThreads = Warps * 32;
+  static constexpr int kRowsPerWarp = BlockM / Warps;
+
+  // Lanes as 4 rows x 8 columns: the S tile (granule = one key) and the O tile (granule = a
+  // chunk of 4 head-dim columns) use the same row assignment, so a lane rescales exactly the
+  // O rows whose statistics it holds.
+  static constexpr int kLaneCols = 8;
+  using STile = ThreadTile<kRowsPerWarp, BlockN, 32, kLaneCols>;
+  using OTile = ThreadTile<kRowsPerWarp, HeadDim / 4, 32, kLaneCols>;
+  static constexpr int kRowsPerThread = STile::kM;
+  static constexpr int kKeysPerThread = STile::kN;
+  static constexpr int kDimChunksPerThread = OTile::kN;
+
+  static constexpr int kRowStride = HeadDim + 4;  // Q, K, V tiles
+  static constexpr int kPStride = BlockN + 4;     // P slabs
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + BlockM * kRowStride;
+  static constexpr int kVOffset = kKOffset + BlockN * kRowStride;
+  static constexpr int kPOffset = kVOffset + BlockN * kRowStride;
+  static constexpr int kSmemFloats = kPOffset + BlockM * kPStride;
+  static constexpr int kSmemBytes = kSmemFloats * 4;
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
+  static_assert(BlockM % Warps == 0 && BlockN % 32 == 0, "tile shape");
+  static_assert(OTile::kThreadsM == STile::kThreadsM, "S and O must share the row assignment");
+};
+
+}  // namespace fa2
+
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+__global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const AttentionParams p) {
+  static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
+  using Tr = fa2::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
+  constexpr int TM = Tr::kRowsPerThread;
+  constexpr int TN = Tr::kKeysPerThread;
+  constexpr int TC = Tr::kDimChunksPerThread;
+  constexpr int kLaneRows = Tr::STile::kThreadsM;
+  constexpr int kLaneCols = Tr::kLaneCols;
+
+  CUFLASH_DYNAMIC_SMEM(smem_bytes);
+  // The plan (Python) and these traits must agree on the launch shape; a mismatch is a bug.
+  if (arch::dynamic_smem_size() < Tr::kSmemBytes || blockDim.x != Tr::kThreads || p.headdim > HeadDim ||
+      p.headdim < 1)
+    __trap();
+  float* smem = reinterpret_cast<float*>(smem_bytes);
+
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int lane_row = lane / kLaneCols;
+  const int lane_col = lane % kLaneCols;
+  const int d = p.headdim;
+  const int kv_head = head / (p.nheads / p.nheads_k);
+
+  const int row0 = m_block * BlockM;
+  if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
+  const int block_rows = min(BlockM, p.seqlen_q - row0);
+  const int n_blocks = fa2::kv_blocks_seen<BlockN>(p, row0 + block_rows);
+
+  // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  const int first_row = row0 + warp_row0 + lane_row;
+
+  float acc_o[TM][TC][4];
+  float row_max[TM];  // running max of the raw scores q.k (unscaled)
+  float row_sum[TM];  // this lane's part of the running sum l (the 8 lanes are summed at the end)
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    row_max[i] = fa2::neg_inf();
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < TC; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[i][j][e] = 0.f;
+  }
+
+  if (n_blocks > 0) {
+    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + row0 * p.q_stride.row +
+                 head * p.q_stride.head;
+    const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
+    const T* v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + kv_head * p.v_stride.head;
+    float* q_tile = smem + Tr::kQOffset;
+    float* k_tile = smem + Tr::kKOffset;
+    float* v_tile = smem + Tr::kVOffset;
+    float* p_slab = smem + Tr::kPOffset + warp_row0 * Tr::kPStride;
+
+    fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q, p.q_stride.row, block_rows, d, threadIdx.x,
+                                                    Tr::kThreads);
+    const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
+    const float scale_log2 = p.softmax_scale_log2;
+
+    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+      const int key0 = n_block * BlockN;
+      const int block_keys = min(BlockN, p.seqlen_k - key0);
+      __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
+      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k + key0 * p.k_stride.row, p.k_stride.row,
+                                                      block_keys, d, threadIdx.x, Tr::kThreads);
+      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row,
+                                                      block_keys, d, threadIdx.x, Tr::kThreads);
+      __syncthreads();
+
+      // S = Q K_j^T for this lane's rows x keys.
+      float s[TM][TN];
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
+      fa2::mma_nt<TM, TN>(s, q_tile + (warp_row0 + lane_row) * Tr::kRowStride, kLaneRows * Tr::kRowStride,
+                          k_tile + lane_col * Tr::kRowStride, kLaneCols * Tr::kRowStride, k_extent);
+
+      if (fa2::tile_needs_mask<BlockM, BlockN>(p, row0, key0)) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j)
+            if (!fa2::key_visible(p, first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols))
+              s[i][j] = fa2::neg_inf();
+      }
+
+      // Online softmax, base 2, scale folded into the exponent's FMA.
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        float block_max = s[i][0];
+#pragma unroll
+        for (int j = 1; j < TN; ++j) block_max = fmaxf(block_max, s[i][j]);
+        block_max = fa2::group_max<kLaneCols>(block_max);
+        const float new_max = fmaxf(row_max[i], block_max);
+        // A row with no visible key so far keeps new_max = -inf: use 0 so p = exp2(-inf) = 0.
+        const float max_scaled = new_max == fa2::neg_inf() ? 0.f : new_max * scale_log2;
+        const float correction =
+            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(fmaf(row_max[i], scale_log2, -max_scaled));
+        row_max[i] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          s[i][j] = arch::exp2_approx(fmaf(s[i][j], scale_log2, -max_scaled));
+          sum += s[i][j];
+        }
+        row_sum[i] = fmaf(row_sum[i], correction, sum);
+#pragma unroll
+        for (int j = 0; j < TC; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[i][j][e] *= correction;
+      }
+
+      // Stage P in the warp's slab: P V needs whole rows, spread over the row group's 8 lanes.
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+          p_slab[(lane_row + i * kLaneRows) * Tr::kPStride + lane_col + j * kLaneCols] = s[i][j];
+      __syncwarp();
+      fa2::mma_nn<TM, TC, BlockN>(acc_o, p_slab + lane_row * Tr::kPStride, kLaneRows * Tr::kPStride,
+                                  v_tile + lane_col * 4, Tr::kRowStride, kLaneCols * 4);
+      // The next write to the slab comes after the next iteration's __syncthreads().
+    }
+  }
+
+  // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf.
+  T* out = static_cast<T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
+  float* lse = p.lse + (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const float l = fa2::group_sum<kLaneCols>(row_sum[i]);
+    const int row = first_row + i * kLaneRows;
+    if (row >= p.seqlen_q) continue;
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int j = 0; j < TC; ++j) {
+      const int dim0 = (lane_col + j * kLaneCols) * 4;
+      if (dim0 >= d) continue;
+      float o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = acc_o[i][j][e] * inv_l;
+      fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
+    }
+    if (lane_col == 0) arch::store(lse + row, l > 0.f ? fmaf(row_max[i], p.softmax_scale, logf(l)) : fa2::neg_inf());
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,273 @@
+// fa2_tiles.cuh: the building blocks the FA2 forward and backward kernels share.
+//
+//  - the causal geometry (which K/V blocks a Q block sees, and back),
+//  - moving (rows x head dim) tiles between global memory and float32 shared
+//    memory, 4 elements at a time (one 16-byte float4 / 8-byte half4 access
+//    when the address allows it, element by element at a ragged tail),
+//  - three register-blocked SIMT products over float32 shared-memory tiles:
+//        mma_nt:  C[m][n] += sum_k A[m][k] * B[n][k]   (S = Q K^T, dP = dO V^T)
+//        mma_nn:  C[m][n] += sum_k A[m][k] * B[k][n]   (O += P V,  dQ = dS K)
+//        mma_tn:  C[m][n] += sum_k A[k][m] * B[k][n]   (dV += P^T dO, dK += dS^T Q)
+//    Each thread owns a small tile of C in registers; operands are read from
+//    shared memory as float4, so one load feeds 4 (mma_nt: along k) or 4 x TM
+//    (mma_nn / mma_tn: along n) FMAs. These are the SIMT stand-ins for FA2's
+//    mma.sync tiles (a later issue replaces them with tensor-core fragments).
+//
+// Shared-memory tiles are float32 row-major with a row stride of (width + 4)
+// floats. Why +4: the widths are multiples of 32 floats, so without padding the
+// same column of 8 consecutive rows would sit in one bank quad; with +4 they
+// fall in 8 different quads, and a float4 read of one column by 8 lanes (one
+// shared-memory phase of a 128-bit access) is conflict-free. Reads of one row
+// by many lanes are broadcasts.
+//
+// Everything here lives in namespace cuflash::fa2: the simulator links every
+// kernel family into one library, so helper names must not collide.
+#pragma once
+
+#include "arch/arch.cuh"
+
+namespace cuflash {
+namespace fa2 {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// log2(e): natural-log quantities (the saved LSE) times this are base-2 quantities.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---- causal geometry ---------------------------------------------------------------------
+// Causal is aligned to the bottom-right corner: query row i sees key j iff j <= i + seqlen_k - seqlen_q.
+
+// Number of K/V blocks (of BlockN keys) that the query rows [row_begin, row_end) see:
+// blocks past the last key of the last row are wholly above the diagonal and skipped.
+template <int BlockN>
+__device__ __forceinline__ int kv_blocks_seen(const AttentionParams& p, int row_end) {
+  const int num_kv_blocks = ceil_div(p.seqlen_k, BlockN);
+  if (!p.is_causal) return num_kv_blocks;
+  const int keys_seen = row_end + p.seqlen_k - p.seqlen_q;  // last row's last key + 1
+  if (keys_seen <= 0) return 0;
+  return min(num_kv_blocks, ceil_div(keys_seen, BlockN));
+}
+
+// First Q block (of BlockM rows) with a row that sees key `key`: earlier Q blocks are
+// wholly above the diagonal for every key >= `key`.
+template <int BlockM>
+__device__ __forceinline__ int first_q_block_seeing(const AttentionParams& p, int key) {
+  if (!p.is_causal) return 0;
+  const int first_row = key - (p.seqlen_k - p.seqlen_q);
+  return first_row <= 0 ? 0 : first_row / BlockM;
+}
+
+// Whether the tile rows [row0, row0 + BlockM) x keys [key0, key0 + BlockN) needs an
+// element-wise mask: it crosses the diagonal, or runs past the last key.
+template <int BlockM, int BlockN>
+__device__ __forceinline__ bool tile_needs_mask(const AttentionParams& p, int row0, int key0) {
+  if (key0 + BlockN > p.seqlen_k) return true;
+  return p.is_causal && key0 + BlockN - 1 > row0 + p.seqlen_k - p.seqlen_q;
+}
+
+__device__ __forceinline__ bool key_visible(const AttentionParams& p, int row, int key) {
+  return key < p.seqlen_k && (!p.is_causal || key <= row + p.seqlen_k - p.seqlen_q);
+}
+
+// ---- global <-> shared, 4 elements at a time ---------------------------------------------
+
+// Four consecutive elements moved as one global access (16 bytes for float, 8 for 16-bit types).
+template <class T>
+struct alignas(4 * sizeof(T)) Chunk4 {
+  T v[4];
+};
+
+template <class T>
+__device__ __forceinline__ bool chunk_aligned(const T* p) {
+  return (reinterpret_cast<unsigned long long>(p) & (sizeof(Chunk4<T>) - 1)) == 0;
+}
+
+// x[0..3] = src[0..3] as float; only the first `valid` elements are read, the rest are 0.
+// A full, aligned chunk is one vector load; a ragged tail (head dim not a multiple of 4, or
+// strides that break alignment) falls back to element loads. Either way exactly
+// min(valid, 4) elements are read, so the traffic formulas count elements, not accesses.
+template <class T>
+__device__ __forceinline__ float4 load_chunk4(const T* src, int valid) {
+  float x[4] = {0.f, 0.f, 0.f, 0.f};
+  if (valid >= 4 && chunk_aligned(src)) {
+    const Chunk4<T> c = arch::load(reinterpret_cast<const Chunk4<T>*>(src));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = to_float(c.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < valid) x[e] = to_float(arch::load(src + e));
+  }
+  return make_float4(x[0], x[1], x[2], x[3]);
+}
+
+// dst[0..min(valid,4)) = x (converted to T); nothing past `valid` is written.
+template <class T>
+__device__ __forceinline__ void store_chunk4(T* dst, const float (&x)[4], int valid) {
+  if (valid >= 4 && chunk_aligned(dst)) {
+    Chunk4<T> c;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c.v[e] = from_float<T>(x[e]);
+    arch::store(reinterpret_cast<Chunk4<T>*>(dst), c);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < valid) arch::store(dst + e, from_float<T>(x[e]));
+  }
+}
+
+__device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void sts4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+// tile[r][c] (row stride Stride floats) = rows[r * row_stride + c] as float for r < Rows,
+// c < Width; zero where r >= valid_rows or c >= headdim. The zeros matter: shared memory
+// starts as garbage (NaN in the simulator) and the products run over the whole padded
+// tile, so the padding must contribute exact zeros. `threads` threads starting at
+// `thread` share the work; consecutive threads take consecutive 4-element chunks of a row
+// (coalesced along the contiguous head dim).
+template <int Rows, int Width, int Stride, class T>
+__device__ __forceinline__ void load_tile(float* tile, const T* rows, long long row_stride, int valid_rows,
+                                          int headdim, int thread, int threads) {
+  static_assert(Width % 4 == 0 && Stride % 4 == 0, "tiles move in float4 chunks");
+  constexpr int kChunksPerRow = Width / 4;
+  for (int c = thread; c < Rows * kChunksPerRow; c += threads) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < valid_rows) x = load_chunk4(rows + r * row_stride + col, headdim - col);
+    sts4(tile + r * Stride + col, x);
+  }
+}
+
+// ---- register-blocked products over shared-memory tiles ----------------------------------
+//
+// Thread-tile mapping. Threads of one product form a ThreadsM x ThreadsN grid (thread t is
+// (t / ThreadsN, t % ThreadsN), so a warp spans few rows and many columns: its A reads are
+// broadcasts). A granule is a single row/column (Granule = 1) or a float4 chunk of 4
+// (Granule = 4); a thread owns granules g0, g0 + Threads, g0 + 2 * Threads, ... along each
+// axis (strided, so neighbouring threads touch neighbouring granules at the same time).
+
+// The widest ThreadsN <= 32 (one warp wide at most) that tiles an M x N granule grid
+// evenly with `threads` threads; 0 if none does (a static_assert reports it).
+__host__ __device__ constexpr int pick_threads_n(int m_granules, int n_granules, int threads) {
+  for (int tn = 32; tn >= 1; tn /= 2)
+    if (n_granules % tn == 0 && threads % tn == 0 && m_granules % (threads / tn) == 0) return tn;
+  return 0;
+}
+
+template <int MGranules, int NGranules, int Threads, int ForcedThreadsN = 0>
+struct ThreadTile {
+  static constexpr int kThreadsN =
+      ForcedThreadsN ? ForcedThreadsN : pick_threads_n(MGranules, NGranules, Threads);
+  static_assert(kThreadsN > 0 && Threads % kThreadsN == 0, "no even thread tiling for this tile");
+  static constexpr int kThreadsM = Threads / kThreadsN;
+  static_assert(MGranules % kThreadsM == 0 && NGranules % kThreadsN == 0, "uneven thread tiling");
+  static constexpr int kM = MGranules / kThreadsM;  // granules per thread along M
+  static constexpr int kN = NGranules / kThreadsN;  // granules per thread along N
+};
+
+// acc[i][j] += sum_{k < k_extent} A(i)[k] * B(j)[k], where A(i) = a + i * a_step and
+// B(j) = b + j * b_step are rows contiguous along k (16-byte aligned, k_extent % 4 == 0).
+template <int TM, int TN>
+__device__ __forceinline__ void mma_nt(float (&acc)[TM][TN], const float* a, int a_step, const float* b,
+                                       int b_step, int k_extent) {
+#pragma unroll 2
+  for (int k = 0; k < k_extent; k += 4) {
+    float4 av[TM], bv[TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) av[i] = lds4(a + i * a_step + k);
+#pragma unroll
+    for (int j = 0; j < TN; ++j) bv[j] = lds4(b + j * b_step + k);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        float s = acc[i][j];
+        s = fmaf(av[i].x, bv[j].x, s);
+        s = fmaf(av[i].y, bv[j].y, s);
+        s = fmaf(av[i].z, bv[j].z, s);
+        s = fmaf(av[i].w, bv[j].w, s);
+        acc[i][j] = s;
+      }
+  }
+}
+
+__device__ __forceinline__ void fma4(float (&acc)[4], float a, float4 b) {
+  acc[0] = fmaf(a, b.x, acc[0]);
+  acc[1] = fmaf(a, b.y, acc[1]);
+  acc[2] = fmaf(a, b.z, acc[2]);
+  acc[3] = fmaf(a, b.w, acc[3]);
+}
+
+__device__ __forceinline__ float component(float4 v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+// acc[i][j][0..3] += sum_{k < K} A(i)[k] * B[k][chunk j], where A(i) = a + i * a_step is a
+// row contiguous along k and B[k][chunk j] = b + k * ldb + j * b_chunk_step is a float4.
+template <int TM, int TC, int K>
+__device__ __forceinline__ void mma_nn(float (&acc)[TM][TC][4], const float* a, int a_step, const float* b,
+                                       int ldb, int b_chunk_step) {
+  static_assert(K % 4 == 0, "reduction in steps of 4");
+#pragma unroll 2
+  for (int k = 0; k < K; k += 4) {
+    float4 av[TM];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) av[i] = lds4(a + i * a_step + k);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      float4 bv[TC];
+#pragma unroll
+      for (int j = 0; j < TC; ++j) bv[j] = lds4(b + (k + kk) * ldb + j * b_chunk_step);
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TC; ++j) fma4(acc[i][j], component(av[i], kk), bv[j]);
+    }
+  }
+}
+
+// acc[i][e][j][0..3] += sum_{k < K} A[k][chunk i][e] * B[k][chunk j], where
+// A[k][chunk i] = a + k * lda + i * a_chunk_step and B[k][chunk j] = b + k * ldb + j * b_chunk_step.
+template <int TCM, int TCN, int K>
+__device__ __forceinline__ void mma_tn(float (&acc)[TCM][4][TCN][4], const float* a, int lda, int a_chunk_step,
+                                       const float* b, int ldb, int b_chunk_step) {
+#pragma unroll 2
+  for (int k = 0; k < K; ++k) {
+    float4 av[TCM], bv[TCN];
+#pragma unroll
+    for (int i = 0; i < TCM; ++i) av[i] = lds4(a + k * lda + i * a_chunk_step);
+#pragma unroll
+    for (int j = 0; j < TCN; ++j) bv[j] = lds4(b + k * ldb + j * b_chunk_step);
+#pragma unroll
+    for (int i = 0; i < TCM; ++i)
+#pragma unroll
+      for (int j = 0; j < TCN; ++j) {
+        fma4(acc[i][0][j], av[i].x, bv[j]);
+        fma4(acc[i][1][j], av[i].y, bv[j]);
+        fma4(acc[i][2][j], av[i].z, bv[j]);
+        fma4(acc[i][3][j], av[i].w, bv[j]);
+      }
+  }
+}
+
+// Butterfly reductions over the Lanes (a power of two <= 32) consecutive lanes that share a
+// row; every one of them ends with the result, summed in the same order on every rerun.
+template <int Lanes>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int m = Lanes / 2; m >= 1; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+template <int Lanes>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int m = Lanes / 2; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+}  // namespace fa2
+}  // namespace cuflash

@@ -1,0 +1,346 @@
+"""FlashAttention-2 (Dao 2023) as a kernel family: SIMT forward and backward.
+
+Kernels: ``cuda_src/kernels/fa2_forward.cu`` and ``cuda_src/kernels/fa2_backward.cu`` (their opening comments give
+the work partition, the traffic formulas and the masking rules); shared pieces in ``fa2_tiles.cuh``.
+
+Programs
+  forward:  one launch, ``fa2_forward_kernel`` over (Q blocks, nheads, batch); writes out and lse.
+  backward: ``fa2_dout_dot_out_kernel`` (D = rowsum(dO * O) into ``dout_dot_out``), ``fa2_backward_kernel`` over
+            (K/V blocks, nheads_k, batch) (dK, dV on chip, dQ into float32 ``dq_accum``), then
+            ``fa2_convert_dq_kernel`` (dq = scale * sum of dq_accum slices, in the element type).
+
+Deterministic backward: ``deterministic=True`` gives ``dq_accum`` one slice per K/V block (``num_dq_splits`` =
+ceil(seqlen_k / block_n)); K/V block j stores its dQ part into slice j without atomics and the convert kernel sums
+each row's slices in index order. Cost: dq_accum memory grows by that factor (seqlen_k 4096, block_n 64: 64x, e.g.
+2 GiB instead of 32 MiB for batch 1, 16 heads, seqlen 4096, head dim 128); global traffic barely changes (the
+backward kernel stores 4 bytes where an atomic reads and writes 4 each; the convert kernel reads 4 bytes per slice a
+row touched instead of 4 once). With a single K/V block the one slice is already written by one block only, so the
+program keeps the zero-filled atomic slice.
+
+GQA/MQA backward: a block loops over the query heads of its kv head, so dK/dV of a group are summed on chip in a
+fixed order (no per-query-head float32 dk/dv scratch, no reduction kernel, K/V read once per kv head); the cost is
+nheads / nheads_k fewer blocks in flight.
+
+Head dims: instances are compiled for FA2's head dims 32, 64, 96, 128, 192, 256; a head dim 1..256 runs on the
+smallest compiled one >= it. The kernels read and write only the first ``headdim`` columns (tails are predicated
+and zero-filled in shared memory), so their traffic is exact in the real head dim; the reductions over the head dim
+stop at headdim rounded up to 4, the other products run over the padded width.
+
+Besides the KernelFamily protocol this module exports the kernels' exact global traffic (``forward_traffic`` and
+``backward_traffic``), which the tests compare with the simulator's byte counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..catalog import CXX_ELEMENT_TYPES, KernelInstance
+from ..plans import LaunchPlan, Problem, Program, Scratch, ceil_div
+
+NAME = "fa2"
+FORWARD_SOURCE = "kernels/fa2_forward.cu"
+BACKWARD_SOURCE = "kernels/fa2_backward.cu"
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEADDIM = HEAD_DIMS[-1]
+
+# The largest dynamic shared memory a block may opt into on the oldest target (sm_80: 163 KB).
+SM80_MAX_DYNAMIC_SMEM = 163 * 1024
+# CUDA's limits on gridDim.x and on gridDim.y / gridDim.z.
+_MAX_GRID_X = 2**31 - 1
+_MAX_GRID_YZ = 65535
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_F32 = 4
+
+# The pre-pass and convert kernels: 128 threads over 16 rows (fa2::RowKernel in fa2_backward.cu).
+ROW_KERNEL_THREADS = 128
+ROW_KERNEL_ROWS = 16
+
+
+def _pick_threads_n(m_granules: int, n_granules: int, threads: int) -> int:
+    """Mirror of fa2::pick_threads_n (fa2_tiles.cuh): the widest thread-column count <= 32 that tiles evenly."""
+    tn = 32
+    while tn >= 1:
+        if n_granules % tn == 0 and threads % tn == 0 and m_granules % (threads // tn) == 0:
+            return tn
+        tn //= 2
+    return 0
+
+
+@dataclass(frozen=True)
+class ForwardTraits:
+    """fa2::ForwardTraits: tile sizes and warps of the forward kernel (rows per warp = block_m / warps)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HEADDIM:
+            raise ValueError(f"compiled head dims are multiples of 32 up to {MAX_HEADDIM}, got {self.head_dim}")
+        if self.block_m % self.warps:
+            raise ValueError("each warp owns block_m / warps query rows")
+        rows_per_warp = self.block_m // self.warps
+        if rows_per_warp % 4:
+            raise ValueError("a warp's lanes are 4 row groups x 8 columns: rows per warp must be a multiple of 4")
+        if self.block_n % 32:
+            raise ValueError("block_n must be a multiple of 32 (8 lane columns, float4 P rows)")
+        if self.threads > 1024:
+            raise ValueError("CUDA blocks hold at most 1024 threads")
+        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # float32 Q [block_m][D+4], K and V [block_n][D+4], per-warp P slabs [block_m][block_n+4].
+        row = self.head_dim + 4
+        return _F32 * (self.block_m * row + 2 * self.block_n * row + self.block_m * (self.block_n + 4))
+
+    def instance(self, dtype: str) -> KernelInstance:
+        return KernelInstance(
+            FORWARD_SOURCE,
+            f"cuflash::fa2_forward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps}>",
+        )
+
+
+@dataclass(frozen=True)
+class BackwardTraits:
+    """fa2::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HEADDIM:
+            raise ValueError(f"compiled head dims are multiples of 32 up to {MAX_HEADDIM}, got {self.head_dim}")
+        if self.block_m % 4 or self.block_n % 32 or self.block_m > self.threads:
+            raise ValueError("block_m must be a multiple of 4 and at most the thread count; block_n of 32")
+        if self.threads > 1024:
+            raise ValueError("CUDA blocks hold at most 1024 threads")
+        # The three thread tilings of the .cu (S/dP, dK/dV, dQ) must divide evenly.
+        for name, m, n in (
+            ("S/dP", self.block_m, self.block_n),
+            ("dK/dV", self.block_n // 4, self.head_dim // 4),
+            ("dQ", self.block_m, self.head_dim // 4),
+        ):
+            if not _pick_threads_n(m, n, self.threads):
+                raise ValueError(f"{self}: no even {name} thread tiling with {self.threads} threads")
+        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # float32 K, V [block_n][D+4]; Q, dO [block_m][D+4]; P, dS [block_m][block_n+4]; lse2, D [block_m].
+        row = self.head_dim + 4
+        return _F32 * (
+            2 * self.block_n * row + 2 * self.block_m * row + 2 * self.block_m * (self.block_n + 4) + 2 * self.block_m
+        )
+
+    def instance(self, dtype: str) -> KernelInstance:
+        return KernelInstance(
+            BACKWARD_SOURCE,
+            f"cuflash::fa2_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps}>",
+        )
+
+    def convert_instance(self, dtype: str) -> KernelInstance:
+        return _convert_dq_instance(dtype, self.block_n)
+
+
+# The launch choice per compiled head dim (the why is in the .cu opening comments): FA2's tiles halved where a
+# SIMT thread would otherwise hold too many float32 registers or the float32 tiles too much shared memory.
+FORWARD_TRAITS = {
+    32: ForwardTraits(32, block_m=64, block_n=64, warps=4),
+    64: ForwardTraits(64, block_m=64, block_n=64, warps=4),
+    96: ForwardTraits(96, block_m=64, block_n=32, warps=4),
+    128: ForwardTraits(128, block_m=64, block_n=32, warps=4),
+    192: ForwardTraits(192, block_m=64, block_n=32, warps=4),
+    256: ForwardTraits(256, block_m=64, block_n=32, warps=8),
+}
+BACKWARD_TRAITS = {
+    32: BackwardTraits(32, block_m=32, block_n=64, warps=4),
+    64: BackwardTraits(64, block_m=32, block_n=64, warps=8),
+    96: BackwardTraits(96, block_m=32, block_n=64, warps=4),
+    128: BackwardTraits(128, block_m=32, block_n=64, warps=8),
+    192: BackwardTraits(192, block_m=32, block_n=32, warps=4),
+    256: BackwardTraits(256, block_m=32, block_n=32, warps=8),
+}
+assert tuple(FORWARD_TRAITS) == HEAD_DIMS and tuple(BACKWARD_TRAITS) == HEAD_DIMS
+
+
+def compiled_head_dim(headdim: int) -> int:
+    """The smallest compiled head dim >= headdim (the kernel predicates the rest)."""
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"fa2 supports head dims 1..{MAX_HEADDIM}, got {headdim}")
+    return next(h for h in HEAD_DIMS if h >= headdim)
+
+
+def forward_traits(headdim: int) -> ForwardTraits:
+    return FORWARD_TRAITS[compiled_head_dim(headdim)]
+
+
+def backward_traits(headdim: int) -> BackwardTraits:
+    return BACKWARD_TRAITS[compiled_head_dim(headdim)]
+
+
+def _dout_dot_out_instance(dtype: str) -> KernelInstance:
+    return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_dout_dot_out_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
+
+
+def _convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
+    # Templated on block_n only: in split mode slice j is K/V block j, whatever the head dim.
+    return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_convert_dq_kernel<{CXX_ELEMENT_TYPES[dtype]}, {block_n}>")
+
+
+def instances() -> list[KernelInstance]:
+    found: list[KernelInstance] = []
+    for dtype in CXX_ELEMENT_TYPES:
+        found += [traits.instance(dtype) for traits in FORWARD_TRAITS.values()]
+        found += [traits.instance(dtype) for traits in BACKWARD_TRAITS.values()]
+        found.append(_dout_dot_out_instance(dtype))
+        found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in BACKWARD_TRAITS.values()})]
+    return found
+
+
+def dynamic_smem_bytes(instance: KernelInstance) -> int:
+    for dtype in CXX_ELEMENT_TYPES:
+        for traits in FORWARD_TRAITS.values():
+            if instance == traits.instance(dtype):
+                return traits.smem_bytes
+        for traits in BACKWARD_TRAITS.values():
+            if instance == traits.instance(dtype):
+                return traits.smem_bytes
+    if instance in instances():
+        return 0  # the pre-pass and convert kernels use no shared memory
+    raise KeyError(f"{instance} is not an fa2 kernel")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans.
+
+
+def _check_grid(grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    if grid[0] > _MAX_GRID_X or grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
+        raise ValueError(f"fa2 grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
+    return grid
+
+
+def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
+    grid = (ceil_div(problem.seqlen_q, ROW_KERNEL_ROWS), problem.nheads, problem.batch)
+    return LaunchPlan(kernel, _check_grid(grid), (ROW_KERNEL_THREADS, 1, 1), 0)
+
+
+def forward_program(problem: Problem) -> Program:
+    traits = forward_traits(problem.headdim)
+    grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
+    launch = LaunchPlan(traits.instance(problem.dtype), _check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
+    return Program(launches=(launch,))
+
+
+def num_dq_splits(problem: Problem) -> int:
+    """dq_accum slices: one per K/V block when deterministic (and there is more than one), else 1."""
+    kv_blocks = ceil_div(problem.seqlen_k, backward_traits(problem.headdim).block_n)
+    return kv_blocks if problem.deterministic and kv_blocks > 1 else 1
+
+
+def backward_program(problem: Problem) -> Program:
+    traits = backward_traits(problem.headdim)
+    splits = num_dq_splits(problem)
+    main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
+    launches = (
+        _row_kernel_launch(_dout_dot_out_instance(problem.dtype), problem),
+        LaunchPlan(traits.instance(problem.dtype), _check_grid(main_grid), (traits.threads, 1, 1), traits.smem_bytes),
+        _row_kernel_launch(traits.convert_instance(problem.dtype), problem),
+    )
+    scratch = (
+        Scratch("dout_dot_out", (problem.batch, problem.nheads, problem.seqlen_q)),
+        # A single slice is accumulated with atomics and must start at 0; split slices are only ever stored to
+        # (and read back only where stored), so they are left unfilled.
+        Scratch(
+            "dq_accum",
+            (splits, problem.batch, problem.seqlen_q, problem.nheads, problem.headdim),
+            zero_init=splits == 1,
+        ),
+    )
+    return Program(launches=launches, scratch=scratch, num_dq_splits=splits)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact global traffic of each launch (what the simulator's counters must show), from the formulas in the
+# kernels' opening comments.
+
+
+class Traffic(NamedTuple):
+    read: int
+    written: int
+
+
+def _rows(total: int, block: int, index: int) -> int:
+    return min(block, total - index * block)
+
+
+def _keys_seen(problem: Problem, row_end: int) -> int:
+    """Keys 0..n-1 visible to the query rows below row_end (its last row sees the most)."""
+    if not problem.causal:
+        return problem.seqlen_k
+    return max(0, min(problem.seqlen_k, row_end + problem.seqlen_k - problem.seqlen_q))
+
+
+def forward_traffic(problem: Problem) -> Traffic:
+    traits = forward_traits(problem.headdim)
+    es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
+    read = 0
+    for i in range(ceil_div(problem.seqlen_q, traits.block_m)):
+        rows = _rows(problem.seqlen_q, traits.block_m, i)
+        keys = _keys_seen(problem, i * traits.block_m + rows)
+        if keys:
+            # K/V blocks are whole blocks up to the last one seen, clipped at seqlen_k.
+            keys_read = min(problem.seqlen_k, ceil_div(keys, traits.block_n) * traits.block_n)
+            read += rows * d * es + 2 * keys_read * d * es
+    heads = problem.batch * problem.nheads
+    written = heads * problem.seqlen_q * (d * es + _F32)
+    return Traffic(read * heads, written)
+
+
+def backward_traffic(problem: Problem) -> tuple[Traffic, Traffic, Traffic]:
+    """(pre-pass, main kernel, convert kernel)."""
+    traits = backward_traits(problem.headdim)
+    es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
+    sq, sk = problem.seqlen_q, problem.seqlen_k
+    bh = problem.batch * problem.nheads
+    splits = num_dq_splits(problem)
+    pre = Traffic(2 * bh * sq * d * es, bh * sq * _F32)
+
+    read = written = 0
+    for j in range(ceil_div(sk, traits.block_n)):
+        keys = _rows(sk, traits.block_n, j)
+        first_row = j * traits.block_n - (sk - sq) if problem.causal else 0
+        first_block = max(0, first_row) // traits.block_m
+        rows = sum(_rows(sq, traits.block_m, i) for i in range(first_block, ceil_div(sq, traits.block_m)))
+        read += 2 * keys * d * es + rows * (2 * d * es + 2 * _F32) * problem.group_size
+        dq_bytes = rows * d * _F32 * problem.group_size
+        written += dq_bytes + 2 * keys * d * es
+        if splits == 1:
+            read += dq_bytes  # red.add reads what it adds to
+    main = Traffic(read * problem.batch * problem.nheads_k, written * problem.batch * problem.nheads_k)
+
+    slices_read = 0
+    for row in range(sq):
+        keys = _keys_seen(problem, row + 1)
+        if keys:
+            slices_read += ceil_div(keys, traits.block_n) if splits > 1 else 1
+    convert = Traffic(bh * slices_read * d * _F32, bh * sq * d * es)
+    return pre, main, convert
