@@ -27,8 +27,10 @@ Conventions (the same as FlashAttention 2):
   accumulator dtype (float64 for the reference, float32 for every low-precision emulation, matching the
   float32 LSE a kernel writes).
 
-Memory: the score matrix is formed one (batch, kv head) at a time, i.e. (group, seqlen_q, seqlen_k) values
-in the accumulator dtype, so long sequences cost time, not a (batch, nheads, seqlen_q, seqlen_k) array.
+Memory: the score matrix is formed one block at a time - one batch entry, one kv head with the query heads
+that read it, and as many query rows as fit ``_BLOCK_ELEMENTS`` scores - so long sequences cost time, not a
+(batch, nheads, seqlen_q, seqlen_k) array. Every row sees all its keys within a block, so chunking changes
+no result.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ try:  # ml_dtypes registers "bfloat16" with NumPy; it is needed only for bfloat1
     import ml_dtypes as _ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes is a test extra
     _ml_dtypes = None
+
+# Largest score block formed at once (values in the accumulator dtype): 2**22 float64 values are 32 MiB, so
+# a long-sequence reference costs time, not memory.
+_BLOCK_ELEMENTS = 1 << 22
 
 __all__ = ["attention_reference", "attention_backward_reference", "resolve_dtype", "accumulator_dtype"]
 
@@ -95,22 +101,36 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int
     return batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
 
 
-def _visible_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """(seqlen_q, seqlen_k) bool: which keys each query row attends to."""
+def _visible_keys(rows: range, seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """(len(rows), seqlen_k) bool: which keys the query rows ``rows`` attend to."""
     if not causal:
-        return np.ones((seqlen_q, seqlen_k), dtype=bool)
-    rows = np.arange(seqlen_q)[:, None]
+        return np.ones((len(rows), seqlen_k), dtype=bool)
+    row_index = np.arange(rows.start, rows.stop)[:, None]
     cols = np.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    return cols <= row_index + (seqlen_k - seqlen_q)
+
+
+def _blocks(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):
+    """Yield (b, kv_head, query heads slice, query rows range): the units the score matrix is formed in.
+
+    Rows are chunked so that one block's scores stay under ``_BLOCK_ELEMENTS`` values.
+    """
+    group = nheads // nheads_k if nheads_k else 0
+    rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, group * seqlen_k))
+    for b in range(batch):
+        for kv_head in range(nheads_k):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            for start in range(0, seqlen_q, rows_per_block):
+                yield b, kv_head, heads, range(start, min(start + rows_per_block, seqlen_q))
 
 
 def _scale(softmax_scale, headdim: int) -> float:
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _group_heads(x: np.ndarray, b: int, kv_head: int, group: int) -> np.ndarray:
-    """Query-side tensor (batch, seqlen_q, nheads, d) -> (group, seqlen_q, d) for the heads that read ``kv_head``."""
-    return x[b, :, kv_head * group:(kv_head + 1) * group, :].transpose(1, 0, 2)
+def _group_rows(x: np.ndarray, b: int, heads: slice, rows: range) -> np.ndarray:
+    """Query-side tensor (batch, seqlen_q, nheads, d) -> (group, len(rows), d) for one block."""
+    return x[b, rows.start:rows.stop, heads, :].transpose(1, 0, 2)
 
 
 def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc: np.dtype):
@@ -132,7 +152,7 @@ def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc
 
 
 def _forward_block(qg, kb, vb, visible, scale, dtype, acc):
-    """One (batch, kv head) block: qg (group, sq, d), kb/vb (sk, d), all already rounded and in ``acc``."""
+    """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``."""
     scores = _round((qg @ kb.T) * acc.type(scale), dtype, acc)
     probabilities, lse = _softmax_block(scores, visible, dtype, acc)
     out = _round(probabilities @ vb, dtype, acc)
@@ -156,18 +176,14 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     q, k, v = _prepare((q, k, v), dtype, acc)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
     scale = _scale(softmax_scale, headdim)
-    visible = _visible_keys(seqlen_q, seqlen_k, causal)
-
     out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
-    group = nheads // nheads_k if nheads_k else 0
-    for b in range(batch):
-        for kv_head in range(nheads_k):
-            heads = slice(kv_head * group, (kv_head + 1) * group)
-            qg = _group_heads(q, b, kv_head, group)
-            _, out_g, lse_g = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible, scale, dtype, acc)
-            out[b, :, heads, :] = out_g.transpose(1, 0, 2)
-            lse[b, heads, :] = lse_g
+    for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
+        visible = _visible_keys(rows, seqlen_q, seqlen_k, causal)
+        qg = _group_rows(q, b, heads, rows)
+        _, out_g, lse_g = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible, scale, dtype, acc)
+        out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
+        lse[b, heads, rows.start:rows.stop] = lse_g
     return out.astype(dtype), lse
 
 
@@ -189,24 +205,21 @@ def attention_backward_reference(
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     scale = _scale(softmax_scale, headdim)
-    visible = _visible_keys(seqlen_q, seqlen_k, causal)
-
     dq = np.zeros(q.shape, dtype=acc)
     dk = np.zeros(k.shape, dtype=acc)
     dv = np.zeros(v.shape, dtype=acc)
-    group = nheads // nheads_k if nheads_k else 0
-    for b in range(batch):
-        for kv_head in range(nheads_k):
-            heads = slice(kv_head * group, (kv_head + 1) * group)
-            qg = _group_heads(q, b, kv_head, group)
-            dog = _group_heads(dout, b, kv_head, group)
-            kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
-            probabilities, out_g, _ = _forward_block(qg, kb, vb, visible, scale, dtype, acc)
-            # (group, sk, d) per query head, summed over the group in the accumulator before one rounding.
-            dv[b, :, kv_head, :] = (probabilities.transpose(0, 2, 1) @ dog).sum(axis=0)
-            dprobabilities = _round(dog @ vb.T, dtype, acc)
-            delta = np.sum(dog * out_g, axis=-1, keepdims=True)
-            dscores = _round(probabilities * (dprobabilities - delta), dtype, acc)
-            dq[b, :, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
-            dk[b, :, kv_head, :] = (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
+    for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
+        visible = _visible_keys(rows, seqlen_q, seqlen_k, causal)
+        qg = _group_rows(q, b, heads, rows)
+        dog = _group_rows(dout, b, heads, rows)
+        kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
+        probabilities, out_g, _ = _forward_block(qg, kb, vb, visible, scale, dtype, acc)
+        # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
+        # gradients are rounded to ``dtype`` once, at the end.
+        dv[b, :, kv_head, :] += (probabilities.transpose(0, 2, 1) @ dog).sum(axis=0)
+        dprobabilities = _round(dog @ vb.T, dtype, acc)
+        delta = np.sum(dog * out_g, axis=-1, keepdims=True)
+        dscores = _round(probabilities * (dprobabilities - delta), dtype, acc)
+        dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
+        dk[b, :, kv_head, :] += (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)

@@ -28,6 +28,7 @@ from cuflash._tolerance import (
     forward_references,
     low_precision_dtype,
 )
+import cuflash.reference as reference_module
 from cuflash.reference import attention_backward_reference, attention_reference
 
 jax = pytest.importorskip("jax")
@@ -190,6 +191,17 @@ def test_rows_without_keys_give_zero_gradient_and_no_nan():
     np.testing.assert_array_equal(dv, dv_masked)
 
 
+def test_row_blocking_changes_nothing(monkeypatch):
+    # The reference forms at most _BLOCK_ELEMENTS scores at once; forcing blocks of a few rows (not dividing
+    # seqlen_q) must give the same answers up to float64 summation order in dk/dv.
+    q, k, v, dout = _inputs(11, 2, 37, 29, 4, 2, 16)
+    whole = [attention_reference(q, k, v, causal=True), attention_backward_reference(dout, q, k, v, causal=True)]
+    monkeypatch.setattr(reference_module, "_BLOCK_ELEMENTS", 2 * 29 * 5)  # group 2 x seqlen_k 29 x 5 rows
+    blocked = [attention_reference(q, k, v, causal=True), attention_backward_reference(dout, q, k, v, causal=True)]
+    for a, b in zip([*whole[0], *whole[1]], [*blocked[0], *blocked[1]]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     "batch,seqlen_q,seqlen_k,nheads,nheads_k",
     [(2, 0, 5, 2, 1), (2, 5, 0, 2, 1), (0, 5, 5, 2, 1), (2, 5, 5, 0, 0), (2, 5, 5, 0, 2)],
@@ -236,7 +248,8 @@ def test_low_precision_emulation_is_close_but_not_exact(causal):
         grads_lp = attention_backward_reference(dout, q, k, v, causal=causal, dtype=dtype)
         assert all(g.dtype == dtype for g in grads_lp)
         errors[np.dtype(dtype).name] = [
-            float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip((out_lp, lse_lp, *grads_lp), (out, lse, *grads))
+            float(np.max(np.abs(a.astype(np.float64) - b)))
+            for a, b in zip((out_lp, lse_lp, *grads_lp), (out, lse, *grads))
         ]
     for name, errs in errors.items():
         assert all(e > 0 for e in errs), (name, errs)
@@ -252,7 +265,7 @@ def test_low_precision_emulation_rounds_inputs():
     q, k, v, _ = _inputs(9, 1, 17, 23, 2, 1, 24)
     q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
     from_f16 = attention_reference(q16, k16, v16, dtype=np.float16)
-    from_f64 = attention_reference(q16.astype(np.float64), k16.astype(np.float64), v16.astype(np.float64), dtype=np.float16)
+    from_f64 = attention_reference(*(x.astype(np.float64) for x in (q16, k16, v16)), dtype=np.float16)
     from_unrounded = attention_reference(q, k, v, dtype=np.float16)
     for a, b, c in zip(from_f16, from_f64, from_unrounded):
         np.testing.assert_array_equal(a, b)
