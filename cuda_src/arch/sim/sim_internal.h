@@ -1,0 +1,127 @@
+// Runtime-internal structures of the simulator, shared by sim_runtime.cpp and
+// sim_race.cpp. Kernel code never includes this file (it sees only the views
+// declared in cuda_sim.h).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_sim.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define CUFLASH_SIM_ASAN 1
+#else
+#define CUFLASH_SIM_ASAN 0
+#endif
+
+#ifndef CUFLASH_SIM_RACE
+#define CUFLASH_SIM_RACE 0
+#endif
+
+namespace cuflash::sim {
+
+enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kExited };
+
+struct Worker;
+
+struct Fiber {
+  ThreadView* view;  // lives at the top of the fiber's stack slot
+  Worker* worker;
+  void* sp;          // saved stack pointer while switched out
+  uintptr_t stack_lo;
+  uintptr_t stack_hi;
+  unsigned index;    // linear thread id in the block
+  FiberState state;
+  Site wait_site;    // where it waits (barrier or collective)
+  unsigned wait_mask;
+  void* asan_fake_stack;
+#if CUFLASH_SIM_RACE
+  // joint_gen[l]: generation of the latest __syncwarp of this warp that included
+  // both this thread and lane l (see sim_race.cpp).
+  uint32_t joint_gen[32];
+#endif
+};
+
+struct PendingCollective {
+  unsigned mask;
+  unsigned arrived;
+  Site site;
+  CollectiveFn compute;
+  unsigned flags;
+};
+
+struct Warp {
+  unsigned gone;  // lanes that exited or do not exist (last, partial warp)
+  int num_pending;
+  PendingCollective pending[32];
+  LaneIO io[32];
+#if CUFLASH_SIM_RACE
+  uint32_t generation;  // completed __syncwarp count of this warp
+#endif
+};
+
+struct Launch {
+  LaunchView view;
+  std::vector<Buffer> buffers;
+  KernelThunk thunk;
+  const void* kernel;
+  const void* params;
+  unsigned threads_per_block;
+  unsigned long long num_blocks;
+  std::atomic<unsigned long long> next_block{0};
+  std::atomic<bool> abort{false};
+  std::mutex error_mutex;
+  unsigned long long error_block = ~0ull;
+  std::string error;
+
+  void record_error(unsigned long long block_linear, std::string message);
+};
+
+struct Worker {
+  Launch* launch;
+  BlockView view;
+  unsigned long long block_linear;
+  std::vector<Fiber> fibers;
+  std::vector<unsigned> slots;  // arena stack slots owned while running
+  void* scheduler_sp;
+  uintptr_t scheduler_stack_lo;
+  uintptr_t scheduler_stack_hi;
+  void* scheduler_fake_stack;
+  unsigned current;
+  unsigned live;
+  unsigned arrived;
+  Site barrier_site;
+  bool failed;
+  unsigned num_warps;
+  std::vector<Warp> warps;
+  unsigned long long bytes_read;
+  unsigned long long bytes_written;
+#if CUFLASH_SIM_RACE
+  uint64_t epoch;  // fresh at every block start and every completed __syncthreads
+#endif
+};
+
+__attribute__((always_inline)) inline Fiber* current_fiber() {
+  return static_cast<Fiber*>(current_thread()->fiber);
+}
+
+bool same_site(const Site& a, const Site& b);
+std::string describe_site(const Site& s);
+std::string describe_thread(const Worker* w, unsigned linear_tid);
+std::string describe_block(const Worker* w);
+[[noreturn]] void fail_current(const std::string& message);
+
+#if CUFLASH_SIM_RACE
+// Race detector hooks (sim_race.cpp).
+void race_launch_begin(Launch* launch);
+void race_launch_end(Launch* launch);
+void race_block_begin(Worker* w);
+void race_barrier_complete(Worker* w);
+void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask);
+void race_atomic(Fiber* f, uintptr_t address, unsigned bytes);
+#endif
+
+}  // namespace cuflash::sim

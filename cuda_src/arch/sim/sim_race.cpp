@@ -1,0 +1,342 @@
+// Race mode: a data-race detector for shared memory and registered global buffers.
+//
+// How accesses reach us: kernel translation units are compiled with
+// -fsanitize=thread, so GCC calls __tsan_read4(addr), __tsan_write8(addr), ... for
+// every memory access. This file (compiled without instrumentation, like the rest of
+// the runtime) defines those hooks itself; no ThreadSanitizer runtime is loaded.
+// Accesses outside the running block's shared memory and the launch's buffers
+// (stacks, the simulator's own state) are ignored.
+//
+// What is a race (CUDA's rules, byte granularity):
+//   two accesses to the same byte by different threads, at least one a write, not
+//   ordered by
+//     - program order (same thread),
+//     - a __syncthreads() between them (same block: the barrier epoch changed),
+//     - for lanes of one warp, a completed __syncwarp() that named both lanes and
+//       came after the earlier access.
+//   Accesses of different blocks of one launch are never ordered (global memory).
+//   arch::atomic_add does not race with other atomics, but does with plain accesses.
+//
+// Shadow state per byte: the last plain write (block, thread, epoch, warp
+// generation), the reads since that write (block, epoch, warp, lane set, latest
+// generation) and the last atomic. Reads of several lanes keep only the latest warp
+// generation, so a write is accepted only after a __syncwarp that follows all those
+// reads and names every reader: stricter than exact in one unusual pattern (readers
+// synchronized with the writer by different, interleaved __syncwarp calls).
+//
+// Blocks run one at a time (one worker) in this mode, so the shadow needs no locks.
+// The first race ends the launch with a KernelError naming both threads.
+#include <cinttypes>
+#include <cstdio>
+#include <memory>
+#include <unordered_map>
+
+#include "sim_internal.h"
+
+#if CUFLASH_SIM_RACE
+
+namespace cuflash::sim {
+
+Fiber* fiber_on_this_stack();  // sim_runtime.cpp: nullptr when not running kernel code
+
+namespace {
+
+constexpr uint32_t kMultiple = 0xffffffffu;
+constexpr uint16_t kMultipleWarps = 0xffff;
+
+struct Cell {
+  uint32_t w_block;  // 1 + linear block index; 0: no write recorded
+  uint32_t w_epoch;
+  uint32_t w_gen;
+  uint16_t w_tid;
+  uint16_t r_warp;   // warp of the readers, or kMultipleWarps
+  uint32_t r_block;  // 1 + linear block index, kMultiple; 0: no reads recorded
+  uint32_t r_epoch;
+  uint32_t r_lanes;
+  uint32_t r_gen;
+  uint16_t r_tid;    // one reader, for messages
+  uint16_t a_tid;    // last atomic's thread, or 0xffff for several
+  uint32_t a_block;  // 1 + linear block index, kMultiple; 0: no atomics
+  uint32_t a_epoch;
+};
+
+constexpr uintptr_t kChunkBytes = 4096;
+
+struct GlobalShadow {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+  int index = 0;
+  std::vector<std::unique_ptr<Cell[]>> chunks;
+  Cell* cell(uintptr_t address) {
+    const uintptr_t offset = address - begin;
+    std::unique_ptr<Cell[]>& chunk = chunks[offset / kChunkBytes];
+    if (!chunk) chunk.reset(new Cell[kChunkBytes]());
+    return &chunk[offset % kChunkBytes];
+  }
+};
+
+struct RaceState {
+  Launch* launch = nullptr;
+  uint32_t epoch_counter = 0;
+  std::vector<GlobalShadow> globals;
+  std::vector<Cell> shared;
+  uint32_t shared_block = 0;  // the block whose accesses the shared cells hold
+};
+
+RaceState g_race;  // one worker runs every block of a race-mode launch
+
+// The access being checked.
+struct Access {
+  Fiber* fiber;
+  Worker* worker;
+  uint32_t block;  // 1 + linear
+  uint32_t epoch;
+  uint32_t gen;    // the warp's __syncwarp generation now
+  uint16_t tid;
+  uint16_t warp;
+  unsigned lane;
+};
+
+bool ordered_after(const Access& a, uint32_t block, uint32_t epoch, uint32_t gen, uint16_t tid) {
+  if (block != a.block) return false;  // different blocks of one launch: never ordered
+  if (epoch != a.epoch) return true;   // a __syncthreads() came between
+  if (tid == a.tid) return true;       // program order
+  if ((tid >> 5) != a.warp) return false;
+  return a.fiber->joint_gen[tid & 31] > gen;  // a __syncwarp naming both lanes came after
+}
+
+std::string thread_name(const Access& a, uint32_t block_plus_one, uint16_t tid, bool global) {
+  const Launch* launch = a.worker->launch;
+  std::string text;
+  char buf[128];
+  if (global) {
+    const unsigned long long linear = block_plus_one - 1;
+    const dim3 g = launch->view.grid_dim;
+    snprintf(buf, sizeof buf, "block (%llu,%llu,%llu) ", linear % g.x, (linear / g.x) % g.y, linear / g.x / g.y);
+    text += buf;
+  }
+  const dim3 b = launch->view.block_dim;
+  snprintf(buf, sizeof buf, "thread (%u,%u,%u)", tid % b.x, (tid / b.x) % b.y, tid / b.x / b.y);
+  return text + buf;
+}
+
+[[noreturn]] void report(const Access& a, const char* where, uintptr_t offset, bool is_write, const char* other_kind,
+                         uint32_t other_block, uint16_t other_tid, bool global) {
+  const bool same_warp = other_block == a.block && (other_tid >> 5) == a.warp;
+  char head[512];
+  snprintf(head, sizeof head, "data race on %s byte offset %" PRIuPTR ": this thread %s it, ", where, offset,
+           is_write ? "writes" : "reads");
+  std::string text = head;
+  text += thread_name(a, other_block, other_tid, global);
+  text += " ";
+  text += other_kind;
+  if (other_block != a.block)
+    text += " (different blocks of one launch are never ordered)";
+  else if (same_warp)
+    text += " with no __syncthreads() or __syncwarp() naming both lanes in between";
+  else
+    text += " with no __syncthreads() in between";
+  fail_current(text);
+}
+
+void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, const char* where, uintptr_t offset,
+                      bool global) {
+  // For shared memory, cells of an earlier block are stale: that block's memory is gone.
+  if (!global) {
+    if (c.w_block != a.block) c.w_block = 0;
+    if (c.r_block != a.block) c.r_block = 0;
+    c.a_block = 0;
+  }
+  // Against the last plain write.
+  if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid))
+    report(a, where, offset, is_write, "wrote it", c.w_block, c.w_tid, global);
+  // Against atomics (plain accesses only; atomics never race with each other).
+  if (!is_atomic && c.a_block != 0) {
+    bool unordered;
+    if (c.a_block == kMultiple || c.a_block != a.block) {
+      unordered = true;
+    } else if (c.a_epoch != a.epoch) {
+      unordered = false;
+    } else {
+      unordered = c.a_tid != a.tid;  // several atomic threads (0xffff) include another one
+    }
+    if (unordered)
+      report(a, where, offset, is_write, "updated it atomically", c.a_block == kMultiple ? a.block : c.a_block,
+             c.a_tid == 0xffff ? a.tid : c.a_tid, global);
+  }
+  // A write (plain or atomic) against the reads since the last write.
+  if (is_write && c.r_block != 0) {
+    if (c.r_block == kMultiple || c.r_block != a.block) {
+      report(a, where, offset, is_write, "read it", c.r_block == kMultiple ? a.block : c.r_block, c.r_tid, global);
+    } else if (c.r_epoch == a.epoch) {
+      if (c.r_warp == kMultipleWarps || c.r_warp != a.warp) {
+        report(a, where, offset, is_write, "read it", c.r_block, c.r_tid, global);
+      } else {
+        const unsigned others = c.r_lanes & ~(1u << a.lane);
+        for (unsigned l = 0; l < 32; ++l)
+          if ((others >> l & 1u) && a.fiber->joint_gen[l] <= c.r_gen)
+            report(a, where, offset, is_write, "read it", c.r_block, static_cast<uint16_t>(a.warp * 32 + l), global);
+      }
+    }
+  }
+  if (is_atomic) {
+    if (c.a_block == 0 || (c.a_block == a.block && c.a_epoch != a.epoch)) {
+      c.a_block = a.block;
+      c.a_epoch = a.epoch;
+      c.a_tid = a.tid;
+    } else if (c.a_block != a.block) {
+      c.a_block = kMultiple;
+    } else if (c.a_tid != a.tid) {
+      c.a_tid = 0xffff;
+    }
+    c.r_block = 0;  // an atomic update ends the earlier reads' interval like a write
+    return;
+  }
+  if (is_write) {
+    c.w_block = a.block;
+    c.w_epoch = a.epoch;
+    c.w_gen = a.gen;
+    c.w_tid = a.tid;
+    c.r_block = 0;
+    return;
+  }
+  // Record the read.
+  if (c.r_block == 0 || (c.r_block == a.block && c.r_epoch != a.epoch)) {
+    c.r_block = a.block;
+    c.r_epoch = a.epoch;
+    c.r_warp = a.warp;
+    c.r_lanes = 1u << a.lane;
+    c.r_gen = a.gen;
+    c.r_tid = a.tid;
+  } else if (c.r_block != a.block) {
+    c.r_block = kMultiple;
+  } else if (c.r_warp == a.warp) {
+    c.r_lanes |= 1u << a.lane;
+    c.r_gen = a.gen;
+    if (c.r_tid == a.tid) return;
+    c.r_tid = a.tid;
+  } else if (c.r_warp != kMultipleWarps) {
+    c.r_warp = kMultipleWarps;
+    c.r_tid = a.tid;
+  }
+}
+
+void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic) {
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  Worker* w = f->worker;
+  Access a;
+  a.fiber = f;
+  a.worker = w;
+  a.block = static_cast<uint32_t>(w->block_linear + 1);
+  a.epoch = static_cast<uint32_t>(w->epoch);
+  a.tid = static_cast<uint16_t>(f->index);
+  a.warp = static_cast<uint16_t>(f->index >> 5);
+  a.lane = f->index & 31;
+  a.gen = w->warps[a.warp].generation;
+
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
+  const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
+  for (uintptr_t p = address; p < address + bytes; ++p) {
+    if (p >= smem && p < smem_end) {
+      check_and_record(a, g_race.shared[p - smem], is_write, is_atomic, "shared memory", p - smem, false);
+      continue;
+    }
+    for (GlobalShadow& g : g_race.globals) {
+      if (p >= g.begin && p < g.end) {
+        char where[64];
+        snprintf(where, sizeof where, "global memory (buffer %d)", g.index);
+        check_and_record(a, *g.cell(p), is_write, is_atomic, where, p - g.begin, true);
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void race_launch_begin(Launch* launch) {
+  g_race.launch = launch;
+  g_race.epoch_counter = 0;
+  g_race.globals.clear();
+  for (const Buffer& b : launch->buffers) {
+    GlobalShadow g;
+    g.begin = b.begin;
+    g.end = b.end;
+    g.index = b.index;
+    g.chunks.resize((b.end - b.begin + kChunkBytes - 1) / kChunkBytes);
+    g_race.globals.push_back(std::move(g));
+  }
+  g_race.shared.assign(launch->view.smem_bytes, Cell{});
+}
+
+void race_launch_end(Launch*) {
+  g_race.globals.clear();
+  g_race.shared.clear();
+  g_race.shared.shrink_to_fit();
+  g_race.launch = nullptr;
+}
+
+void race_block_begin(Worker* w) { w->epoch = ++g_race.epoch_counter; }
+
+void race_barrier_complete(Worker* w) { w->epoch = ++g_race.epoch_counter; }
+
+void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask) {
+  const uint32_t gen = ++w->warps[warp].generation;
+  for (unsigned l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    Fiber& f = w->fibers[warp * 32 + l];
+    for (unsigned m = 0; m < 32; ++m)
+      if (mask >> m & 1u) f.joint_gen[m] = gen;
+  }
+}
+
+void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address, bytes, true, true); }
+
+}  // namespace cuflash::sim
+
+// ---- the hooks GCC's -fsanitize=thread instrumentation calls --------------------------------
+#define CUFLASH_HOOK extern "C" __attribute__((visibility("hidden")))
+using cuflash::sim::on_access;
+
+CUFLASH_HOOK void __tsan_init() {}
+CUFLASH_HOOK void __tsan_func_entry(void*) {}
+CUFLASH_HOOK void __tsan_func_exit() {}
+CUFLASH_HOOK void __tsan_vptr_update(void**, void*) {}
+CUFLASH_HOOK void __tsan_vptr_read(void**) {}
+
+#define CUFLASH_ACCESS_HOOKS(n)                                                                              \
+  CUFLASH_HOOK void __tsan_read##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, false, false); } \
+  CUFLASH_HOOK void __tsan_write##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, true, false); } \
+  CUFLASH_HOOK void __tsan_volatile_read##n(void* p) {                                                     \
+    on_access(reinterpret_cast<uintptr_t>(p), n, false, false);                                           \
+  }                                                                                                        \
+  CUFLASH_HOOK void __tsan_volatile_write##n(void* p) {                                                    \
+    on_access(reinterpret_cast<uintptr_t>(p), n, true, false);                                            \
+  }
+CUFLASH_ACCESS_HOOKS(1)
+CUFLASH_ACCESS_HOOKS(2)
+CUFLASH_ACCESS_HOOKS(4)
+CUFLASH_ACCESS_HOOKS(8)
+CUFLASH_ACCESS_HOOKS(16)
+
+#define CUFLASH_UNALIGNED_HOOKS(n)                                                    \
+  CUFLASH_HOOK void __tsan_unaligned_read##n(void* p) {                               \
+    on_access(reinterpret_cast<uintptr_t>(p), n, false, false);                       \
+  }                                                                                   \
+  CUFLASH_HOOK void __tsan_unaligned_write##n(void* p) {                              \
+    on_access(reinterpret_cast<uintptr_t>(p), n, true, false);                        \
+  }
+CUFLASH_UNALIGNED_HOOKS(2)
+CUFLASH_UNALIGNED_HOOKS(4)
+CUFLASH_UNALIGNED_HOOKS(8)
+CUFLASH_UNALIGNED_HOOKS(16)
+
+CUFLASH_HOOK void __tsan_read_range(void* p, unsigned long size) {
+  on_access(reinterpret_cast<uintptr_t>(p), static_cast<unsigned>(size), false, false);
+}
+CUFLASH_HOOK void __tsan_write_range(void* p, unsigned long size) {
+  on_access(reinterpret_cast<uintptr_t>(p), static_cast<unsigned>(size), true, false);
+}
+
+#endif  // CUFLASH_SIM_RACE

@@ -1,0 +1,886 @@
+// The simulator runtime: fibers, the per-block scheduler, barriers, warp
+// collectives, error handling and the launch entry point.
+//
+// Execution model
+//   A launch runs its blocks on W OS worker threads (the calling thread is one of
+//   them); each worker takes the next block index from an atomic counter and runs
+//   that block to completion with one fiber per CUDA thread. Blocks never share
+//   state, so results do not depend on W (except the order of the kernel's own
+//   float atomics, as on a GPU).
+//
+// Scheduling inside a block
+//   Fibers run in thread-index order until they block (at __syncthreads, at a warp
+//   collective) or exit. A blocking fiber switches directly to the next runnable
+//   fiber with a higher index, or back to the scheduler, which restarts from the
+//   lowest runnable one. A 128-thread barrier therefore costs ~129 switches.
+//   When nothing is runnable and threads remain, the block is deadlocked: an error.
+//
+// Errors
+//   fail_current() records the message (kernel, block, thread), marks the block
+//   failed and switches to the scheduler, never resuming the block's fibers.
+//   Other workers stop at their next block boundary. C++ exceptions never cross
+//   a fiber switch.
+//
+// Fiber stacks
+//   kStackBytes-aligned slots of one reserved arena (so the running thread's view
+//   is found from %rsp), with a PROT_NONE guard page at the low end, reused across
+//   blocks and launches. A fault on a fiber stack (overflow into the guard, a wild
+//   pointer, shared memory overrun into its guard page) becomes a kernel error via
+//   the SIGSEGV/SIGBUS handler, which hands back to the scheduler.
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "../../common/attention_params.cuh"
+#include "sim_internal.h"
+
+#if CUFLASH_SIM_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+// ---- stack switching -------------------------------------------------------------------
+// switch_stack(save, next): pushes the callee-saved registers, MXCSR and the x87
+// control word on the current stack, stores %rsp in *save, loads next and pops the
+// same frame from it. A new fiber's first frame returns into fiber_trampoline,
+// which calls fiber_main(rbx = Fiber*).
+extern "C" {
+__attribute__((visibility("hidden"))) void cuflash_sim_switch_stack(void** save_sp, void* next_sp);
+__attribute__((visibility("hidden"))) void cuflash_sim_fiber_trampoline();
+__attribute__((visibility("hidden"), noreturn, used)) void cuflash_sim_fiber_main(cuflash::sim::Fiber* fiber);
+}
+
+namespace cuflash::sim {
+namespace {
+
+asm(R"(
+  .text
+  .p2align 4
+  .globl cuflash_sim_switch_stack
+  .hidden cuflash_sim_switch_stack
+  .type cuflash_sim_switch_stack, @function
+cuflash_sim_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  fnstcw (%rsp)
+  stmxcsr 8(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  fldcw (%rsp)
+  ldmxcsr 8(%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuflash_sim_switch_stack, .-cuflash_sim_switch_stack
+
+  .p2align 4
+  .globl cuflash_sim_fiber_trampoline
+  .hidden cuflash_sim_fiber_trampoline
+  .type cuflash_sim_fiber_trampoline, @function
+cuflash_sim_fiber_trampoline:
+  movq %rbx, %rdi
+  call cuflash_sim_fiber_main
+  ud2
+  .size cuflash_sim_fiber_trampoline, .-cuflash_sim_fiber_trampoline
+)");
+
+constexpr uintptr_t kPageBytes = 4096;
+constexpr unsigned kArenaSlots = 16384;  // 4 GiB of address space, committed on use
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr unsigned long long kMaxDynamicSmemBytes = 227 * 1024;  // sm_90's opt-in limit
+constexpr unsigned kScheduler = ~0u;
+
+// ---- the stack arena ---------------------------------------------------------------------
+class StackArena {
+ public:
+  static StackArena& instance() {
+    static StackArena arena;
+    return arena;
+  }
+  bool contains(uintptr_t address) const { return address - base_ < bytes_; }
+  uintptr_t slot_base(unsigned slot) const { return base_ + static_cast<uintptr_t>(slot) * kStackBytes; }
+  bool is_guard(uintptr_t address) const {
+    return contains(address) && (address & (kStackBytes - 1)) < kPageBytes;
+  }
+
+  // Returns false when the arena is exhausted (too many concurrent blocks).
+  bool acquire(std::vector<unsigned>& slots, unsigned count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (slots.size() < count) {
+      unsigned slot;
+      if (!free_.empty()) {
+        slot = free_.back();
+        free_.pop_back();
+      } else {
+        if (next_ == kArenaSlots) return false;
+        slot = next_++;
+        if (mprotect(reinterpret_cast<void*>(slot_base(slot) + kPageBytes), kStackBytes - kPageBytes,
+                     PROT_READ | PROT_WRITE) != 0)
+          return false;
+      }
+      slots.push_back(slot);
+    }
+    return true;
+  }
+  void release(std::vector<unsigned>& slots) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (unsigned slot : slots) free_.push_back(slot);
+    slots.clear();
+  }
+
+ private:
+  StackArena() {
+    bytes_ = static_cast<uintptr_t>(kArenaSlots) * kStackBytes;
+    void* raw = mmap(nullptr, bytes_ + kStackBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+      base_ = 0;
+      bytes_ = 0;
+      return;
+    }
+    base_ = (reinterpret_cast<uintptr_t>(raw) + kStackBytes - 1) & ~(kStackBytes - 1);
+  }
+  uintptr_t base_ = 0;
+  uintptr_t bytes_ = 0;
+  std::mutex mutex_;
+  std::vector<unsigned> free_;
+  unsigned next_ = 0;
+};
+
+// ---- shared memory ------------------------------------------------------------------------
+// Normal and race modes: the block's bytes end right at a PROT_NONE page, so an
+// overrun past the end faults at once (reported as a kernel error). ASan mode:
+// exactly dynamic_smem_bytes from the (instrumented) heap, so ASan sees overruns.
+struct SmemRegion {
+  unsigned char* map = nullptr;
+  size_t map_bytes = 0;
+  unsigned char* block_smem = nullptr;
+
+  unsigned char* allocate(size_t bytes) {
+    if (bytes == 0) return nullptr;
+#if CUFLASH_SIM_ASAN
+    void* p = nullptr;
+    if (posix_memalign(&p, 16, bytes) != 0) return nullptr;
+    block_smem = static_cast<unsigned char*>(p);
+#else
+    const size_t usable = (bytes + kPageBytes - 1) & ~(kPageBytes - 1);
+    if (map == nullptr || map_bytes < usable + kPageBytes) {
+      release_map();
+      map_bytes = usable + kPageBytes;
+      void* raw = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (raw == MAP_FAILED) {
+        map = nullptr;
+        map_bytes = 0;
+        return nullptr;
+      }
+      map = static_cast<unsigned char*>(raw);
+      mprotect(map + map_bytes - kPageBytes, kPageBytes, PROT_NONE);
+    }
+    // 16-byte aligned start, end as close to the guard page as alignment allows.
+    block_smem = map + map_bytes - kPageBytes - ((bytes + 15) & ~size_t{15});
+#endif
+    memset(block_smem, 0xff, bytes);
+    return block_smem;
+  }
+  void free_block() {
+#if CUFLASH_SIM_ASAN
+    free(block_smem);
+#endif
+    block_smem = nullptr;
+  }
+  void release_map() {
+    if (map != nullptr) munmap(map, map_bytes);
+    map = nullptr;
+    map_bytes = 0;
+  }
+  ~SmemRegion() { release_map(); }
+};
+
+// ---- fault handling ------------------------------------------------------------------------------
+// A fault while a fiber runs (stack overflow, wild pointer, shared memory overrun)
+// must not kill the Python interpreter. The handler runs on a per-worker
+// alternate stack; if the interrupted %rsp lies in the fiber arena it records the
+// error and switches to the worker's scheduler (like siglongjmp; SA_NODEFER keeps
+// the signal unblocked). Other faults go to the previously installed handler.
+struct sigaction g_previous_segv;
+struct sigaction g_previous_bus;
+std::once_flag g_handlers_once;
+
+void forward_signal(int sig, siginfo_t* info, void* context) {
+  const struct sigaction& prev = sig == SIGSEGV ? g_previous_segv : g_previous_bus;
+  if (prev.sa_flags & SA_SIGINFO) {
+    if (prev.sa_sigaction != nullptr) {
+      prev.sa_sigaction(sig, info, context);
+      return;
+    }
+  } else if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+    prev.sa_handler(sig);
+    return;
+  }
+  // Default action: restore it and return; the faulting instruction faults again.
+  signal(sig, SIG_DFL);
+}
+
+void fault_handler(int sig, siginfo_t* info, void* context);
+
+void install_fault_handlers() {
+  std::call_once(g_handlers_once, [] {
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = &fault_handler;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGSEGV, &action, &g_previous_segv);
+    sigaction(SIGBUS, &action, &g_previous_bus);
+  });
+}
+
+// An alternate signal stack for the current OS thread while it runs blocks.
+struct AltStack {
+  void* memory = nullptr;
+  stack_t previous{};
+  bool installed = false;
+  void install() {
+    constexpr size_t kBytes = 64 * 1024;
+    memory = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (memory == MAP_FAILED) {
+      memory = nullptr;
+      return;
+    }
+    stack_t ss{};
+    ss.ss_sp = memory;
+    ss.ss_size = kBytes;
+    ss.ss_flags = 0;
+    installed = sigaltstack(&ss, &previous) == 0;
+  }
+  ~AltStack() {
+    if (installed) sigaltstack(&previous, nullptr);
+    if (memory != nullptr) munmap(memory, 64 * 1024);
+  }
+};
+
+// ---- AddressSanitizer reports (asan mode) ---------------------------------------------------------
+// The instrumented code runs with -fsanitize-recover=address and halt_on_error=0:
+// a report does not stop the process. The callback (registered at each launch,
+// since ASan keeps one callback per process) keeps the report; the fiber that
+// caused it fails at its next synchronization point or when it yields, and the
+// launch returns it as its error.
+#if CUFLASH_SIM_ASAN
+char g_asan_report[3500];
+std::atomic<bool> g_asan_pending{false};
+
+void asan_report_callback(const char* report) {
+  if (g_asan_pending.load(std::memory_order_relaxed)) return;  // keep the first report of a launch
+  snprintf(g_asan_report, sizeof g_asan_report, "%s", report);
+  g_asan_pending.store(true, std::memory_order_release);
+}
+#endif
+
+bool asan_report_pending() {
+#if CUFLASH_SIM_ASAN
+  return g_asan_pending.load(std::memory_order_acquire);
+#else
+  return false;
+#endif
+}
+
+std::string asan_report_text() {
+#if CUFLASH_SIM_ASAN
+  return std::string("AddressSanitizer reported an error:\n") + g_asan_report;
+#else
+  return {};
+#endif
+}
+
+// ---- switching ---------------------------------------------------------------------------------
+void switch_context(void** save_sp, void** save_fake_stack, void* next_sp, uintptr_t next_lo, uintptr_t next_hi,
+                    bool leaving_for_good) {
+#if CUFLASH_SIM_ASAN
+  __sanitizer_start_switch_fiber(leaving_for_good ? nullptr : save_fake_stack, reinterpret_cast<void*>(next_lo),
+                                 next_hi - next_lo);
+  cuflash_sim_switch_stack(save_sp, next_sp);
+  __sanitizer_finish_switch_fiber(*save_fake_stack, nullptr, nullptr);
+#else
+  (void)save_fake_stack;
+  (void)next_lo;
+  (void)next_hi;
+  (void)leaving_for_good;
+  cuflash_sim_switch_stack(save_sp, next_sp);
+#endif
+}
+
+void switch_to_scheduler(Worker* w, Fiber* from, bool leaving_for_good) {
+  w->current = kScheduler;
+  switch_context(&from->sp, &from->asan_fake_stack, w->scheduler_sp, w->scheduler_stack_lo, w->scheduler_stack_hi,
+                 leaving_for_good);
+}
+
+// The running fiber stops (it is waiting or exited): run the next runnable fiber
+// with a higher index, else return to the scheduler.
+void yield_from(Worker* w, Fiber* f, bool leaving_for_good) {
+  const unsigned n = static_cast<unsigned>(w->fibers.size());
+  for (unsigned j = f->index + 1; j < n; ++j) {
+    Fiber& next = w->fibers[j];
+    if (next.state == FiberState::kRunnable) {
+      w->current = j;
+      switch_context(&f->sp, &f->asan_fake_stack, next.sp, next.stack_lo, next.stack_hi, leaving_for_good);
+      return;
+    }
+  }
+  switch_to_scheduler(w, f, leaving_for_good);
+}
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+  char buffer[1024];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buffer, sizeof buffer, fmt, args);
+  va_end(args);
+  return buffer;
+}
+
+uint3 unflatten(unsigned long long linear, dim3 dims) {
+  uint3 r;
+  r.x = static_cast<unsigned>(linear % dims.x);
+  linear /= dims.x;
+  r.y = static_cast<unsigned>(linear % dims.y);
+  r.z = static_cast<unsigned>(linear / dims.y);
+  return r;
+}
+
+std::string lanes_text(unsigned mask) {
+  std::string s;
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    if (!(mask >> lane & 1u)) continue;
+    unsigned end = lane;
+    while (end + 1 < 32 && (mask >> (end + 1) & 1u)) ++end;
+    if (!s.empty()) s += ",";
+    s += end == lane ? format("%u", lane) : format("%u-%u", lane, end);
+    lane = end;
+  }
+  return s.empty() ? "none" : s;
+}
+
+void release_barrier(Worker* w) {
+  for (Fiber& f : w->fibers)
+    if (f.state == FiberState::kAtBarrier) f.state = FiberState::kRunnable;
+  w->arrived = 0;
+#if CUFLASH_SIM_RACE
+  race_barrier_complete(w);
+#endif
+}
+
+// ---- the block scheduler ---------------------------------------------------------------------------
+
+std::string describe_wait(const Worker* w, const Fiber& f) {
+  if (f.state == FiberState::kAtBarrier) return "waits at " + describe_site(f.wait_site);
+  const unsigned warp = f.index >> 5;
+  const Warp& wp = w->warps[warp];
+  unsigned missing = f.wait_mask;
+  for (int i = 0; i < wp.num_pending; ++i)
+    if (wp.pending[i].mask == f.wait_mask && (wp.pending[i].arrived >> (f.index & 31) & 1u))
+      missing = wp.pending[i].mask & ~wp.pending[i].arrived;
+  return format("waits at %s (mask 0x%08x) for lane(s) %s of warp %u", describe_site(f.wait_site).c_str(),
+                f.wait_mask, lanes_text(missing).c_str(), warp);
+}
+
+std::string deadlock_message(const Worker* w) {
+  std::string text = "deadlock: no thread of the block can proceed:";
+  int shown = 0;
+  const unsigned n = static_cast<unsigned>(w->fibers.size());
+  for (unsigned i = 0; i < n; ++i) {
+    const Fiber& f = w->fibers[i];
+    if (f.state == FiberState::kExited) continue;
+    // Group consecutive threads waiting the same way.
+    const std::string wait = describe_wait(w, f);
+    unsigned j = i;
+    while (j + 1 < n && w->fibers[j + 1].state != FiberState::kExited && describe_wait(w, w->fibers[j + 1]) == wait)
+      ++j;
+    if (shown++ < 8) {
+      text += "\n    " + describe_thread(w, i);
+      if (j > i) text += " .. " + describe_thread(w, j);
+      text += " " + wait;
+    }
+    i = j;
+  }
+  if (shown > 8) text += format("\n    (%d more groups)", shown - 8);
+  return text;
+}
+
+void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
+  StackArena& arena = StackArena::instance();
+  const uintptr_t base = arena.slot_base(slot);
+  f.worker = w;
+  f.index = index;
+  f.state = FiberState::kRunnable;
+  f.stack_lo = base + kPageBytes;
+  f.stack_hi = base + kThreadViewOffset;
+  f.asan_fake_stack = nullptr;
+  f.wait_mask = 0;
+  f.view = reinterpret_cast<ThreadView*>(base + kThreadViewOffset);
+  f.view->thread_idx = unflatten(index, w->launch->view.block_dim);
+  f.view->linear_tid = index;
+  f.view->block = &w->view;
+  f.view->fiber = &f;
+#if CUFLASH_SIM_ASAN
+  // Frames abandoned by a failed block (or left by a previous kernel) may have
+  // left poisoned redzones in this slot.
+  __asan_unpoison_memory_region(reinterpret_cast<void*>(f.stack_lo), f.stack_hi - f.stack_lo);
+#endif
+#if CUFLASH_SIM_RACE
+  memset(f.joint_gen, 0, sizeof f.joint_gen);
+#endif
+  // First frame, as switch_stack pops it: x87 CW, MXCSR, r15..r12, rbx, rbp, return address.
+  // sp0 + 72 (the trampoline's %rsp) must be 16-byte aligned for its call.
+  uintptr_t sp = (f.stack_hi - 128) & ~uintptr_t{15};
+  sp -= 8;  // sp = 8 mod 16
+  uint64_t* frame = reinterpret_cast<uint64_t*>(sp);
+  frame[0] = 0x037f;  // x87 control word: default (round to nearest, all exceptions masked)
+  frame[1] = 0x1f80;  // MXCSR: default (round to nearest, no FTZ/DAZ, exceptions masked)
+  frame[2] = 0;       // r15
+  frame[3] = 0;       // r14
+  frame[4] = 0;       // r13
+  frame[5] = 0;       // r12
+  frame[6] = reinterpret_cast<uint64_t>(&f);  // rbx -> fiber_main's argument
+  frame[7] = 0;                               // rbp
+  frame[8] = reinterpret_cast<uint64_t>(&cuflash_sim_fiber_trampoline);
+  f.sp = reinterpret_cast<void*>(sp);
+}
+
+void scheduler_stack_bounds(Worker* w) {
+  pthread_attr_t attr;
+  void* addr = nullptr;
+  size_t size = 0;
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    pthread_attr_getstack(&attr, &addr, &size);
+    pthread_attr_destroy(&attr);
+  }
+  w->scheduler_stack_lo = reinterpret_cast<uintptr_t>(addr);
+  w->scheduler_stack_hi = reinterpret_cast<uintptr_t>(addr) + size;
+}
+
+void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
+  Launch* launch = w->launch;
+  const unsigned n = launch->threads_per_block;
+  w->block_linear = block_linear;
+  w->view.block_idx = unflatten(block_linear, launch->view.grid_dim);
+  w->view.smem = smem.allocate(launch->view.smem_bytes);
+  if (launch->view.smem_bytes != 0 && w->view.smem == nullptr) {
+    launch->record_error(block_linear, "simulator: cannot allocate shared memory");
+    return;
+  }
+  w->live = n;
+  w->arrived = 0;
+  w->failed = false;
+  w->num_warps = (n + 31) / 32;
+  for (unsigned i = 0; i < w->num_warps; ++i) {
+    Warp& wp = w->warps[i];
+    const unsigned lanes = n - 32 * i >= 32 ? 32 : n - 32 * i;
+    wp.gone = lanes == 32 ? 0u : ~((1u << lanes) - 1u);
+    wp.num_pending = 0;
+#if CUFLASH_SIM_RACE
+    wp.generation = 1;
+#endif
+  }
+  for (unsigned i = 0; i < n; ++i) init_fiber(w, w->fibers[i], i, w->slots[i]);
+#if CUFLASH_SIM_RACE
+  race_block_begin(w);
+#endif
+
+  for (;;) {
+    unsigned next = 0;
+    while (next < n && w->fibers[next].state != FiberState::kRunnable) ++next;
+    if (next == n) break;
+    w->current = next;
+    Fiber& f = w->fibers[next];
+    switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);
+    if (w->failed) break;
+    if (asan_report_pending()) {
+      launch->record_error(block_linear, asan_report_text() + "\n  in " + describe_block(w));
+      w->failed = true;
+      break;
+    }
+  }
+  if (!w->failed && w->live != 0) launch->record_error(block_linear, deadlock_message(w) + "\n  in " + describe_block(w));
+  smem.free_block();
+}
+
+void worker_main(Launch* launch, Worker* w) {
+  AltStack alt;
+  alt.install();
+  scheduler_stack_bounds(w);
+  SmemRegion smem;
+  while (!launch->abort.load(std::memory_order_relaxed)) {
+    const unsigned long long b = launch->next_block.fetch_add(1, std::memory_order_relaxed);
+    if (b >= launch->num_blocks) break;
+    run_block(w, smem, b);
+  }
+}
+
+// The worker whose fiber faulted, found from the interrupted stack pointer.
+void fault_handler(int sig, siginfo_t* info, void* context) {
+  ucontext_t* uc = static_cast<ucontext_t*>(context);
+  const uintptr_t rsp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RSP]);
+  StackArena& arena = StackArena::instance();
+  if (!arena.contains(rsp)) {
+    forward_signal(sig, info, context);
+    return;
+  }
+  const uintptr_t fault = reinterpret_cast<uintptr_t>(info->si_addr);
+  ThreadView* view = reinterpret_cast<ThreadView*>((rsp & ~(kStackBytes - 1)) + kThreadViewOffset);
+  Fiber* f = static_cast<Fiber*>(view->fiber);
+  Worker* w = f->worker;
+  std::string what;
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
+  const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
+  if (arena.is_guard(fault) && (fault & ~(kStackBytes - 1)) == (rsp & ~(kStackBytes - 1))) {
+    what = format("stack overflow: the thread used more than its %zu KiB fiber stack",
+                  static_cast<size_t>((kStackBytes - kPageBytes - 256) / 1024));
+  } else if (smem != 0 && fault >= smem_end && fault < smem_end + 16 + kPageBytes) {
+    what = format("shared memory access out of bounds: byte %zu of a %u-byte dynamic shared memory",
+                  static_cast<size_t>(fault - smem), w->launch->view.smem_bytes);
+  } else {
+    what = format("%s at address 0x%" PRIxPTR " (invalid memory access)", sig == SIGSEGV ? "SIGSEGV" : "SIGBUS",
+                  fault);
+  }
+  w->launch->record_error(w->block_linear, what + "\n  in " + describe_block(w) + ", " + describe_thread(w, f->index));
+  w->failed = true;
+  // Leave the handler for the scheduler; the alternate stack is released by the
+  // kernel's SS_ONSTACK bookkeeping being based on %rsp.
+  w->current = kScheduler;
+  void* discard;
+#if CUFLASH_SIM_ASAN
+  __sanitizer_start_switch_fiber(nullptr, reinterpret_cast<void*>(w->scheduler_stack_lo),
+                                 w->scheduler_stack_hi - w->scheduler_stack_lo);
+#endif
+  cuflash_sim_switch_stack(&discard, w->scheduler_sp);
+}
+
+}  // namespace
+
+// ---- shared helpers ------------------------------------------------------------------------------
+
+void Launch::record_error(unsigned long long block_linear, std::string message) {
+  std::lock_guard<std::mutex> lock(error_mutex);
+  // Keep the error of the lowest block index, so the report does not depend on
+  // how blocks were spread over workers.
+  if (block_linear < error_block || error.empty()) {
+    error_block = block_linear;
+    error = std::move(message);
+  }
+  abort.store(true, std::memory_order_relaxed);
+}
+
+bool same_site(const Site& a, const Site& b) {
+  return a.line == b.line && a.column == b.column && (a.file == b.file || strcmp(a.file, b.file) == 0) &&
+         (a.what == b.what || strcmp(a.what, b.what) == 0);
+}
+
+std::string describe_site(const Site& s) {
+  const char* file = strrchr(s.file, '/');
+  return format("%s (%s:%u:%u)", s.what, file ? file + 1 : s.file, s.line, s.column);
+}
+
+std::string describe_thread(const Worker* w, unsigned linear_tid) {
+  const uint3 t = unflatten(linear_tid, w->launch->view.block_dim);
+  return format("thread (%u,%u,%u)", t.x, t.y, t.z);
+}
+
+std::string describe_block(const Worker* w) {
+  return format("kernel %s, block (%u,%u,%u)", w->launch->view.kernel_name, w->view.block_idx.x,
+                w->view.block_idx.y, w->view.block_idx.z);
+}
+
+void fail_current(const std::string& message) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  w->launch->record_error(w->block_linear,
+                          message + "\n  in " + describe_block(w) + ", " + describe_thread(w, f->index));
+  w->failed = true;
+  switch_to_scheduler(w, f, true);
+  __builtin_unreachable();
+}
+
+void fail(const char* message) { fail_current(message); }
+
+Fiber* fiber_on_this_stack() {
+  uintptr_t sp;
+  asm volatile("mov %%rsp, %0" : "=r"(sp));
+  if (!StackArena::instance().contains(sp)) return nullptr;
+  return current_fiber();
+}
+
+void trap(const Site& site) { fail_current("__trap() called at " + describe_site(site)); }
+
+void global_access_failed(const void* address, unsigned bytes, bool is_write, const char* why) {
+  Fiber* f = current_fiber();
+  const Launch* launch = f->worker->launch;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(address);
+  // Name the nearest buffer, to make off-by-one and wrong-stride bugs readable.
+  std::string where = "no registered buffer";
+  uintptr_t best = ~uintptr_t{0};
+  for (const Buffer& b : launch->buffers) {
+    const uintptr_t distance = a < b.begin ? b.begin - a : (a >= b.end ? a - b.end + 1 : 0);
+    if (distance < best) {
+      best = distance;
+      const long long offset = static_cast<long long>(a) - static_cast<long long>(b.begin);
+      where = format("buffer %d (%zu bytes) at byte offset %lld", b.index, static_cast<size_t>(b.end - b.begin),
+                     offset);
+    }
+  }
+  fail_current(format("global %s %s: %u bytes at 0x%" PRIxPTR ", nearest %s", is_write ? "store" : "load", why,
+                      bytes, a, where.c_str()));
+}
+
+void atomic_add_f32(float* p, float v) {
+  Fiber* f = current_fiber();
+  BlockView* block = f->view->block;
+  check_global(block, p, 4, true);
+  block->bytes_read += 4;
+  block->bytes_written += 4;
+#if CUFLASH_SIM_RACE
+  race_atomic(f, reinterpret_cast<uintptr_t>(p), 4);
+#endif
+  uint32_t* word = reinterpret_cast<uint32_t*>(p);
+  uint32_t expected = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint32_t desired = bit_cast<uint32_t>(bit_cast<float>(expected) + v);
+    if (__atomic_compare_exchange_n(word, &expected, desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
+  }
+}
+
+void sync_threads(const Site& site) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  if (asan_report_pending()) fail_current(asan_report_text());
+  if (w->arrived == 0) {
+    w->barrier_site = site;
+  } else if (!same_site(site, w->barrier_site)) {
+    // Name one thread already waiting at the other barrier.
+    unsigned other = 0;
+    while (w->fibers[other].state != FiberState::kAtBarrier) ++other;
+    fail_current("barrier divergence: this thread reached " + describe_site(site) + " while " +
+                 describe_thread(w, other) + " waits at " + describe_site(w->barrier_site));
+  }
+  if (++w->arrived == w->live) {
+    release_barrier(w);
+    return;
+  }
+  f->state = FiberState::kAtBarrier;
+  f->wait_site = site;
+  yield_from(w, f, false);
+}
+
+void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsigned flags, const void* in,
+                     unsigned in_bytes, void* out, unsigned out_bytes) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  if (asan_report_pending()) fail_current(asan_report_text());
+  const unsigned warp = f->index >> 5;
+  const unsigned lane = f->index & 31;
+  const unsigned bit = 1u << lane;
+  Warp& wp = w->warps[warp];
+  if (!(mask & bit))
+    fail_current(format("%s: the calling lane %u is not in mask 0x%08x", describe_site(site).c_str(), lane, mask));
+  if (mask & wp.gone)
+    fail_current(format("%s: mask 0x%08x names lane(s) %s that exited or do not exist (a hang on a GPU)",
+                        describe_site(site).c_str(), mask, lanes_text(mask & wp.gone).c_str()));
+  PendingCollective* p = nullptr;
+  for (int i = 0; i < wp.num_pending; ++i) {
+    PendingCollective& q = wp.pending[i];
+    if (!(q.mask & mask)) continue;
+    if (q.mask != mask || q.compute != compute || q.flags != flags || !same_site(q.site, site)) {
+      fail_current(format("warp collective mismatch: lane %u reached %s with mask 0x%08x while lane(s) %s wait at %s "
+                          "with mask 0x%08x",
+                          lane, describe_site(site).c_str(), mask, lanes_text(q.arrived).c_str(),
+                          describe_site(q.site).c_str(), q.mask));
+    }
+    p = &q;
+    break;
+  }
+  if (p == nullptr) {
+    p = &wp.pending[wp.num_pending++];
+    p->mask = mask;
+    p->arrived = 0;
+    p->site = site;
+    p->compute = compute;
+    p->flags = flags;
+  }
+  if (in_bytes) memcpy(wp.io[lane].in, in, in_bytes);
+  p->arrived |= bit;
+  if (p->arrived == mask) {
+    if (const char* error = compute(mask, wp.io)) fail_current(describe_site(site) + ": " + error);
+#if CUFLASH_SIM_RACE
+    if (flags & kCollectiveOrdersMemory) race_syncwarp_complete(w, warp, mask);
+#endif
+    for (unsigned l = 0; l < 32; ++l)
+      if ((mask >> l & 1u) && l != lane) w->fibers[warp * 32 + l].state = FiberState::kRunnable;
+    *p = wp.pending[--wp.num_pending];
+  } else {
+    f->state = FiberState::kAtCollective;
+    f->wait_site = site;
+    f->wait_mask = mask;
+    yield_from(w, f, false);
+  }
+  if (out_bytes) memcpy(out, wp.io[lane].out, out_bytes);
+}
+
+// ---- fiber entry and exit -------------------------------------------------------------------------
+
+}  // namespace cuflash::sim
+
+extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
+  using namespace cuflash::sim;
+#if CUFLASH_SIM_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+  Worker* w = f->worker;
+  w->launch->thunk(w->launch->kernel, w->launch->params);
+  if (asan_report_pending()) fail_current(asan_report_text());
+  // The thread exited: it no longer blocks barriers, but lanes waiting for it in a
+  // warp collective never complete on a GPU.
+  const unsigned warp = f->index >> 5;
+  const unsigned lane = f->index & 31;
+  Warp& wp = w->warps[warp];
+  for (int i = 0; i < wp.num_pending; ++i) {
+    const PendingCollective& q = wp.pending[i];
+    if (q.mask >> lane & 1u)
+      fail_current(format("thread exited while lane(s) %s wait for it at %s (mask 0x%08x): a hang on a GPU",
+                          lanes_text(q.arrived).c_str(), describe_site(q.site).c_str(), q.mask));
+  }
+  wp.gone |= 1u << lane;
+  f->state = FiberState::kExited;
+  --w->live;
+  if (w->arrived != 0 && w->arrived == w->live) release_barrier(w);
+  yield_from(w, f, true);
+  __builtin_unreachable();
+}
+
+namespace cuflash::sim {
+
+int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, unsigned long long params_size) {
+  const char* name = request->kernel_name ? request->kernel_name : "?";
+  request->bytes_read = 0;
+  request->bytes_written = 0;
+  request->error[0] = '\0';
+  auto reject = [&](const std::string& why) {
+    snprintf(request->error, sizeof request->error, "invalid launch of kernel %s: %s", name, why.c_str());
+    return 1;
+  };
+  const unsigned* bd = request->block;
+  const unsigned* gd = request->grid;
+  const unsigned long long threads = 1ull * bd[0] * bd[1] * bd[2];
+  if (bd[0] == 0 || bd[1] == 0 || bd[2] == 0 || bd[0] > 1024 || bd[1] > 1024 || bd[2] > 64 ||
+      threads > kMaxThreadsPerBlock)
+    return reject(format("block (%u,%u,%u): need 1..1024 threads, x,y <= 1024, z <= 64", bd[0], bd[1], bd[2]));
+  if (gd[0] > 0x7fffffffu || gd[1] > 65535 || gd[2] > 65535)
+    return reject(format("grid (%u,%u,%u): need x < 2^31, y,z <= 65535", gd[0], gd[1], gd[2]));
+  if (request->params_size != params_size)
+    return reject(format("parameter block is %llu bytes, the kernel takes %llu", request->params_size, params_size));
+  if (request->dynamic_smem_bytes > kMaxDynamicSmemBytes)
+    return reject(format("%llu bytes of dynamic shared memory exceed the %llu bytes of any supported GPU",
+                         request->dynamic_smem_bytes, kMaxDynamicSmemBytes));
+  const unsigned long long blocks = 1ull * gd[0] * gd[1] * gd[2];
+  if (blocks == 0) return 0;  // an empty grid launches nothing
+
+  install_fault_handlers();
+  Launch launch;
+  launch.view.grid_dim = dim3(gd[0], gd[1], gd[2]);
+  launch.view.block_dim = dim3(bd[0], bd[1], bd[2]);
+  launch.view.smem_bytes = static_cast<unsigned>(request->dynamic_smem_bytes);
+  launch.view.kernel_name = name;
+  for (int i = 0; i < request->num_buffers; ++i) {
+    if (request->buffer_bytes[i] == 0) continue;
+    launch.buffers.push_back(Buffer{static_cast<uintptr_t>(request->buffer_begin[i]),
+                                    static_cast<uintptr_t>(request->buffer_begin[i] + request->buffer_bytes[i]),
+                                    request->buffer_writable[i], i});
+  }
+  launch.view.buffers = launch.buffers.data();
+  launch.view.num_buffers = static_cast<int>(launch.buffers.size());
+  launch.thunk = thunk;
+  launch.kernel = kernel;
+  launch.params = request->params;
+  launch.threads_per_block = static_cast<unsigned>(threads);
+  launch.num_blocks = blocks;
+
+  unsigned workers = request->num_workers > 0 ? static_cast<unsigned>(request->num_workers)
+                                              : std::max(1u, std::thread::hardware_concurrency());
+#if CUFLASH_SIM_RACE
+  workers = 1;  // the race shadow is not thread-safe; blocks run one after another
+  race_launch_begin(&launch);
+#endif
+#if CUFLASH_SIM_ASAN
+  workers = 1;  // reports are attributed to the one running block
+  g_asan_pending.store(false);
+  __asan_set_error_report_callback(&asan_report_callback);
+#endif
+  if (workers > blocks) workers = static_cast<unsigned>(blocks);
+
+  std::vector<Worker> pool(workers);
+  bool stacks_ok = true;
+  for (Worker& w : pool) {
+    w.launch = &launch;
+    w.view.launch = &launch.view;
+    w.view.bytes_read = 0;
+    w.view.bytes_written = 0;
+    w.fibers.resize(launch.threads_per_block);
+    w.warps.resize((launch.threads_per_block + 31) / 32);
+    w.scheduler_fake_stack = nullptr;
+#if CUFLASH_SIM_RACE
+    w.epoch = 0;
+#endif
+    stacks_ok = stacks_ok && StackArena::instance().acquire(w.slots, launch.threads_per_block);
+  }
+  if (stacks_ok) {
+    std::vector<std::thread> threads_running;
+    for (unsigned i = 1; i < workers; ++i) threads_running.emplace_back(worker_main, &launch, &pool[i]);
+    worker_main(&launch, &pool[0]);
+    for (std::thread& t : threads_running) t.join();
+  } else {
+    launch.record_error(0, "simulator: out of fiber stack space (too many concurrent launches)");
+  }
+  for (Worker& w : pool) {
+    StackArena::instance().release(w.slots);
+    request->bytes_read += w.view.bytes_read;
+    request->bytes_written += w.view.bytes_written;
+  }
+#if CUFLASH_SIM_RACE
+  race_launch_end(&launch);
+#endif
+  if (launch.error.empty() && asan_report_pending()) launch.record_error(0, asan_report_text());
+  if (!launch.error.empty()) {
+    snprintf(request->error, sizeof request->error, "%s", launch.error.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace cuflash::sim
+
+extern "C" __attribute__((visibility("default"))) const char* cuflash_sim_mode(void) {
+#if CUFLASH_SIM_ASAN
+  return "asan";
+#elif CUFLASH_SIM_RACE
+  return "race";
+#else
+  return "normal";
+#endif
+}

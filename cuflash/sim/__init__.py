@@ -1,0 +1,39 @@
+"""The CPU simulator: runs the project's CUDA C++ kernels with g++, one fiber per CUDA thread.
+
+Public API (other packages depend on these names):
+    launch(kernel, grid, block, dynamic_smem_bytes, params, buffers) -> LaunchRecord
+    record()              context manager collecting LaunchRecords
+    checking(mode)        context manager: "normal", "race" or "asan" (default: $CUFLASH_SIM_MODE)
+    run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
+    precompile(instances) build ahead of time (warms the cache)
+    params_layout()       AttentionParams layout as g++ computes it
+    KernelError           raised for every kernel error and invalid launch
+"""
+
+from ._build import BuildError
+from ._launch import (
+    KernelError,
+    LaunchRecord,
+    Recorder,
+    checking,
+    current_mode,
+    launch,
+    params_layout,
+    precompile,
+    record,
+)
+from ._asan import run_in_asan_subprocess
+
+__all__ = [
+    "BuildError",
+    "KernelError",
+    "LaunchRecord",
+    "Recorder",
+    "checking",
+    "current_mode",
+    "launch",
+    "params_layout",
+    "precompile",
+    "record",
+    "run_in_asan_subprocess",
+]

@@ -1,0 +1,379 @@
+"""Building simulator libraries: generated launcher TUs + the runtime, compiled by g++.
+
+A library holds a set of KernelInstances for one checking mode. Instances are
+grouped by source file (one translation unit per file, so a header-heavy kernel
+file is parsed once), the TUs compile in parallel, and one ``.so`` is linked
+with the runtime object (itself cached per mode).
+
+Cache (``cache_dir("sim")``): file names carry a hash of everything that can
+change the binary: mode, flags, compiler version, the instance list, the text of
+every header/runtime source under cuda_src/ and of the kernel files. Builds go
+to a private temporary directory and are moved into place with ``os.replace``
+under an ``fcntl.flock`` lock, so concurrent processes (pytest-xdist) neither
+see half-written files nor build the same thing twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .._paths import CUDA_SRC, cache_dir
+from ..kernels.catalog import KernelInstance
+
+MODES = ("normal", "race", "asan")
+
+SIM_DIR = CUDA_SRC / "arch" / "sim"
+RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp")
+HEADER_SUFFIXES = (".cuh", ".h", ".cpp", ".hpp", ".S")
+
+_COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", "-pthread")
+
+# Per mode: flags for kernel TUs, flags for the (uninstrumented in race mode) runtime, link flags.
+_MODE_FLAGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "normal": ((), (), ("-Wl,-z,defs",)),
+    # Kernel TUs are instrumented; the __tsan_* hooks are ours (sim_race.cpp), so
+    # no libtsan is linked and -z defs catches a hook we do not provide.
+    "race": (("-fsanitize=thread", "-DCUFLASH_SIM_RACE=1"), ("-DCUFLASH_SIM_RACE=1",), ("-Wl,-z,defs",)),
+    "asan": (
+        ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),
+        ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),
+        ("-fsanitize=address",),
+    ),
+}
+
+
+class BuildError(RuntimeError):
+    """g++ rejected a simulator translation unit (the message holds its diagnostics)."""
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_identity(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0] if out else cxx
+
+
+# ---- source hashing ---------------------------------------------------------------------
+
+_hash_lock = threading.Lock()
+_file_hashes: dict[Path, tuple[tuple[int, int], str]] = {}
+
+
+def _file_hash(path: Path) -> str:
+    st = path.stat()
+    signature = (st.st_mtime_ns, st.st_size)
+    with _hash_lock:
+        cached = _file_hashes.get(path)
+        if cached and cached[0] == signature:
+            return cached[1]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with _hash_lock:
+        _file_hashes[path] = (signature, digest)
+    return digest
+
+
+def _tree_hash(root: Path) -> str:
+    """Hash of every header and runtime source under root (names and contents)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in HEADER_SUFFIXES and p.is_file()):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(_file_hash(path).encode())
+    return h.hexdigest()
+
+
+def _key(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
+    cxx = compiler()
+    kernel_flags, runtime_flags, link_flags = _MODE_FLAGS[mode]
+    parts = [
+        "cuflash-sim-lib-v1",
+        mode,
+        compiler_identity(cxx),
+        " ".join(_COMMON_FLAGS + kernel_flags + runtime_flags + link_flags),
+        _tree_hash(CUDA_SRC),
+    ]
+    for inst in sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr)):
+        parts += [str(inst.source_path), _file_hash(inst.source_path), inst.name_expr]
+    return _key(*parts)
+
+
+# ---- locking and atomic placement -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    with open(lock_path, "a+") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"simulator build failed ({what}):\n$ {shlex.join(cmd)}\n{proc.stderr[-20000:]}")
+
+
+def _compile(source: Path, output: Path, flags: Sequence[str], what: str) -> None:
+    _run([compiler(), *_COMMON_FLAGS, *flags, f"-I{CUDA_SRC}", "-c", str(source), "-o", str(output)], what)
+
+
+# ---- generated translation units -----------------------------------------------------------
+
+
+def _launcher_symbol(inst: KernelInstance) -> str:
+    return "cuflash_sim_launch_" + hashlib.sha256(f"{inst.source_path}\0{inst.name_expr}".encode()).hexdigest()[:16]
+
+
+def _kernel_tu(source: Path, instances: Sequence[KernelInstance]) -> str:
+    lines = [
+        f"// Generated by cuflash.sim: launchers for {source.name}.",
+        f'#include "{source}"',
+        "",
+    ]
+    for inst in instances:
+        lines += [
+            f"// {inst.name_expr}",
+            f'extern "C" __attribute__((visibility("hidden"))) int {_launcher_symbol(inst)}(',
+            "    cuflash_sim_launch_request* request) {",
+            f"  return ::cuflash::sim::launch_kernel(&{inst.name_expr}, request);",
+            "}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _table_tu(instances: Sequence[KernelInstance]) -> str:
+    lines = [
+        "// Generated by cuflash.sim: name -> launcher table and the AttentionParams layout probe.",
+        "#include <cstddef>",
+        "#include <cstdio>",
+        "#include <cstring>",
+        '#include "arch/sim/sim_abi.h"',
+        '#include "common/attention_params.cuh"',
+        "",
+    ]
+    for inst in instances:
+        lines.append(f'extern "C" int {_launcher_symbol(inst)}(cuflash_sim_launch_request*);')
+    lines += [
+        "",
+        'extern "C" __attribute__((visibility("default"))) int cuflash_sim_launch(',
+        "    const char* name_expr, cuflash_sim_launch_request* request) {",
+    ]
+    for inst in instances:
+        lines.append(
+            f"  if (std::strcmp(name_expr, {_c_string(inst.name_expr)}) == 0) return {_launcher_symbol(inst)}(request);"
+        )
+    lines += [
+        '  std::snprintf(request->error, sizeof request->error, "kernel %s is not in this simulator library", name_expr);',
+        "  return 1;",
+        "}",
+        "",
+        'extern "C" __attribute__((visibility("default"))) const char* cuflash_sim_params_layout(void) {',
+        "  static char text[8192];",
+        "  if (text[0] == 0) {",
+        "    int n = 0;",
+        "    using P = cuflash::AttentionParams;",
+    ]
+    for path, _ in attention_params_fields():
+        expr = f"((P*)nullptr)->{path}"
+        lines.append(
+            f'    n += std::snprintf(text + n, sizeof text - n, "%s %zu %zu\\n", {_c_string(path)}, '
+            f"(size_t)__builtin_offsetof(P, {path}), sizeof({expr}));"
+        )
+    lines += [
+        '    std::snprintf(text + n, sizeof text - n, "sizeof %zu\\n", sizeof(P));',
+        "  }",
+        "  return text;",
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+_STRUCT_RE = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
+
+
+def attention_params_fields() -> list[tuple[str, str]]:
+    """Leaf fields of cuflash::AttentionParams as (C path, C type), read from the header.
+
+    Parsed rather than listed by hand so the layout probe follows the header when a
+    field is added; nested structs (TensorStrides) are expanded to "q_stride.batch".
+    """
+    text = (CUDA_SRC / "common" / "attention_params.cuh").read_text()
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    structs: dict[str, list[tuple[str, str]]] = {}
+    for name, body in _STRUCT_RE.findall(text):
+        fields = []
+        for decl in body.split(";"):
+            decl = " ".join(decl.split())
+            if not decl:
+                continue
+            first, *rest = decl.split(",")
+            m = re.match(r"^(.*?)([\s\*]*)(\w+)$", first.strip())
+            if m is None:
+                raise ValueError(f"cannot parse AttentionParams member declaration {decl!r}")
+            base_type = m.group(1).strip()
+            fields.append((m.group(3), base_type + m.group(2).replace(" ", "")))
+            for other in rest:
+                stars = other.count("*")
+                fields.append((other.strip("* "), base_type + "*" * stars))
+        structs[name] = fields
+
+    def expand(struct: str, prefix: str) -> list[tuple[str, str]]:
+        out = []
+        for field, ctype in structs[struct]:
+            base = ctype.replace("const", "").strip()
+            if base in structs:
+                out += expand(base, f"{prefix}{field}.")
+            else:
+                out.append((prefix + field, ctype))
+        return out
+
+    return expand("AttentionParams", "")
+
+
+# ---- building ------------------------------------------------------------------------------
+
+
+def _runtime_objects(mode: str, workdir: Path) -> list[Path]:
+    """The runtime objects of a mode, from the cache or freshly compiled."""
+    _, runtime_flags, _ = _MODE_FLAGS[mode]
+    cache = cache_dir("sim")
+    key = _key("cuflash-sim-runtime-v1", mode, compiler_identity(compiler()), " ".join(_COMMON_FLAGS + runtime_flags),
+               _tree_hash(CUDA_SRC))
+    sources = [SIM_DIR / name for name in RUNTIME_SOURCES if (SIM_DIR / name).exists()]
+    targets = [cache / f"runtime-{mode}-{src.stem}-{key}.o" for src in sources]
+    if all(t.exists() for t in targets):
+        return targets
+    with _locked(cache / f"runtime-{mode}-{key}.lock"):
+        if all(t.exists() for t in targets):
+            return targets
+        for src, target in zip(sources, targets):
+            tmp = workdir / target.name
+            _compile(src, tmp, runtime_flags, f"runtime {src.name}, mode {mode}")
+            os.replace(tmp, target)
+    return targets
+
+
+def library_path(mode: str, instances: Sequence[KernelInstance]) -> Path:
+    return cache_dir("sim") / f"lib-{mode}-{library_key(mode, instances)}.so"
+
+
+def alias_path(mode: str, inst: KernelInstance) -> Path:
+    """Points a single instance at the combined library precompile() built for it."""
+    return cache_dir("sim") / f"alias-{mode}-{library_key(mode, [inst])}.txt"
+
+
+def build_library(mode: str, instances: Sequence[KernelInstance]) -> Path:
+    """Build (or find in the cache) the library of `instances` for `mode`."""
+    if mode not in MODES:
+        raise ValueError(f"unknown simulator mode {mode!r}; expected one of {MODES}")
+    instances = sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr))
+    target = library_path(mode, instances)
+    if target.exists():
+        return target
+    cache = cache_dir("sim")
+    with _locked(cache / (target.stem + ".lock")):
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
+            workdir = Path(tmp)
+            _build_into(mode, instances, workdir, target)
+    return target
+
+
+def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, target: Path) -> None:
+    kernel_flags, _, link_flags = _MODE_FLAGS[mode]
+    groups: dict[Path, list[KernelInstance]] = {}
+    for inst in instances:
+        if not inst.source_path.is_file():
+            raise BuildError(f"kernel source {inst.source_path} not found (instance {inst.name_expr})")
+        groups.setdefault(inst.source_path, []).append(inst)
+
+    jobs: list[tuple[Path, Path, tuple[str, ...], str]] = []
+    for i, (source, group) in enumerate(sorted(groups.items())):
+        tu = workdir / f"kernels_{i}_{source.stem}.cpp"
+        tu.write_text(_kernel_tu(source, group))
+        jobs.append((tu, tu.with_suffix(".o"), kernel_flags, f"{source.name} [{', '.join(g.name_expr for g in group)}]"))
+    table = workdir / "table.cpp"
+    table.write_text(_table_tu(instances))
+    jobs.append((table, table.with_suffix(".o"), (), "launcher table"))
+
+    workers = max(1, min(len(jobs) + 1, os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        runtime_future = pool.submit(_runtime_objects, mode, workdir)
+        futures = [pool.submit(_compile, src, obj, flags, what) for src, obj, flags, what in jobs]
+        for future in futures:
+            future.result()
+        runtime_objects = runtime_future.result()
+
+    tmp_lib = workdir / target.name
+    _run(
+        [compiler(), *_COMMON_FLAGS, "-shared", "-o", str(tmp_lib), *[str(j[1]) for j in jobs],
+         *[str(o) for o in runtime_objects], *link_flags],
+        f"link {target.name}",
+    )
+    os.replace(tmp_lib, target)
+
+
+def write_alias(mode: str, inst: KernelInstance, library: Path) -> None:
+    alias = alias_path(mode, inst)
+    tmp = alias.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(library.name)
+    os.replace(tmp, alias)
+
+
+def find_library(mode: str, inst: KernelInstance) -> Path | None:
+    """A cached library holding `inst` (its own, or a precompiled group's), if any."""
+    own = library_path(mode, [inst])
+    if own.exists():
+        return own
+    alias = alias_path(mode, inst)
+    if alias.exists():
+        candidate = alias.parent / alias.read_text().strip()
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def clean_cache() -> None:
+    """Remove every cached simulator build (tests and users rarely need this)."""
+    shutil.rmtree(cache_dir("sim"), ignore_errors=True)
+
+
+def group_by_source(instances: Iterable[KernelInstance]) -> dict[Path, list[KernelInstance]]:
+    groups: dict[Path, list[KernelInstance]] = {}
+    for inst in instances:
+        groups.setdefault(inst.source_path, []).append(inst)
+    return groups

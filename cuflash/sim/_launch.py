@@ -1,0 +1,249 @@
+"""launch / record / checking: the Python face of the simulator."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..kernels.catalog import KernelInstance
+from . import _build, _library
+
+__all__ = [
+    "KernelError",
+    "LaunchRecord",
+    "Recorder",
+    "launch",
+    "record",
+    "checking",
+    "current_mode",
+    "precompile",
+    "params_layout",
+]
+
+
+class KernelError(RuntimeError):
+    """A kernel failed in the simulator (or its launch was invalid).
+
+    ``kernel`` is the name expression of the instance; ``message`` is the
+    simulator's report, which names the kernel, the block and the thread.
+    """
+
+    def __init__(self, kernel: str, message: str):
+        super().__init__(message)
+        self.kernel = kernel
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.kernel, self.message))
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    kernel: str
+    grid: tuple
+    block: tuple
+    dynamic_smem_bytes: int
+    global_bytes_read: int
+    global_bytes_written: int
+
+
+@dataclass
+class Recorder:
+    launches: list[LaunchRecord] = field(default_factory=list)
+
+
+_recorders_lock = threading.Lock()
+_recorders: list[Recorder] = []
+
+
+@contextlib.contextmanager
+def record() -> Iterator[Recorder]:
+    """Collect the LaunchRecord of every launch (from any thread) made inside the block."""
+    rec = Recorder()
+    with _recorders_lock:
+        _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        with _recorders_lock:
+            _recorders.remove(rec)
+
+
+# ---- checking modes ----------------------------------------------------------------------
+
+_mode_lock = threading.Lock()
+_mode_stack: list[str] = []
+
+
+def _default_mode() -> str:
+    mode = os.environ.get("CUFLASH_SIM_MODE", "normal") or "normal"
+    if mode not in _build.MODES:
+        raise ValueError(f"CUFLASH_SIM_MODE={mode!r}; expected one of {_build.MODES}")
+    return mode
+
+
+def current_mode() -> str:
+    with _mode_lock:
+        return _mode_stack[-1] if _mode_stack else _default_mode()
+
+
+@contextlib.contextmanager
+def checking(mode: str) -> Iterator[str]:
+    """Run launches inside the block in a checking mode ("normal", "race", "asan").
+
+    Process-wide (not per thread), so launches made from helper threads (JAX
+    callbacks) are checked too. "asan" needs the ASan runtime preloaded; from a
+    normal interpreter use run_in_asan_subprocess().
+    """
+    if mode not in _build.MODES:
+        raise ValueError(f"unknown simulator mode {mode!r}; expected one of {_build.MODES}")
+    with _mode_lock:
+        _mode_stack.append(mode)
+    try:
+        yield mode
+    finally:
+        with _mode_lock:
+            # Remove this entry (the last one equal to mode), tolerant of interleaved threads.
+            for i in range(len(_mode_stack) - 1, -1, -1):
+                if _mode_stack[i] == mode:
+                    del _mode_stack[i]
+                    break
+
+
+# ---- launching ---------------------------------------------------------------------------------
+
+
+def _dims(value, what: str) -> tuple[int, int, int]:
+    if isinstance(value, (int, np.integer)):
+        dims = (int(value),)
+    else:
+        dims = tuple(int(v) for v in value)
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what} dimensions must be >= 0, got {value!r}")
+    return dims + (1,) * (3 - len(dims))  # type: ignore[return-value]
+
+
+def _buffer_extent(array) -> tuple[int, int, bool]:
+    """(first byte address, byte length, writable) of the memory an array views."""
+    iface = array.__array_interface__
+    address, readonly = iface["data"]
+    shape = iface["shape"]
+    itemsize = np.dtype(iface["typestr"]).itemsize
+    strides = iface.get("strides")
+    if any(n == 0 for n in shape):
+        return address, 0, not readonly
+    if strides is None:
+        return address, itemsize * int(np.prod(shape, dtype=np.int64)), not readonly
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return address + low, high - low + itemsize, not readonly
+
+
+def _workers() -> int:
+    value = os.environ.get("CUFLASH_SIM_THREADS", "")
+    if value.strip():
+        n = int(value)
+        if n < 1:
+            raise ValueError(f"CUFLASH_SIM_THREADS must be >= 1, got {value!r}")
+        return n
+    return os.cpu_count() or 1
+
+
+def launch(
+    kernel: KernelInstance,
+    grid,
+    block,
+    dynamic_smem_bytes: int,
+    params: bytes | np.void | np.ndarray,
+    buffers: Sequence[np.ndarray],
+) -> LaunchRecord:
+    """Run one kernel launch in the simulator (current checking mode).
+
+    buffers: every array the kernel may touch through its parameters; accesses
+    outside them are errors, and they are what the race detector shadows.
+    Raises KernelError on any kernel error or invalid launch.
+    """
+    mode = current_mode()
+    grid3 = _dims(grid, "grid")
+    block3 = _dims(block, "block")
+    if isinstance(params, (np.void, np.ndarray)):
+        param_bytes = params.tobytes()
+    else:
+        param_bytes = bytes(params)
+    lib = _library.library_for(mode, kernel)
+    ffi = _library.ffi
+
+    extents = [_buffer_extent(b) for b in buffers]
+    n = len(extents)
+    begin = ffi.new("unsigned long long[]", [e[0] for e in extents] or [0])
+    nbytes = ffi.new("unsigned long long[]", [e[1] for e in extents] or [0])
+    writable = ffi.new("int[]", [int(e[2]) for e in extents] or [0])
+    name = ffi.new("char[]", kernel.name_expr.encode())
+    param_buf = ffi.new("char[]", max(1, len(param_bytes)))
+    ffi.memmove(param_buf, param_bytes, len(param_bytes))
+
+    req = ffi.new("cuflash_sim_launch_request*")
+    req.kernel_name = name
+    req.grid = list(grid3)
+    req.block = list(block3)
+    req.dynamic_smem_bytes = int(dynamic_smem_bytes)
+    req.params = param_buf
+    req.params_size = len(param_bytes)
+    req.num_buffers = n
+    req.buffer_begin = begin
+    req.buffer_bytes = nbytes
+    req.buffer_writable = writable
+    req.num_workers = _workers()
+
+    # Keep the arrays alive (and their memory in place) for the whole call.
+    keep_alive = list(buffers)
+    rc = lib.cuflash_sim_launch(name, req)
+    del keep_alive
+    if rc != 0:
+        raise KernelError(kernel.name_expr, ffi.string(req.error).decode(errors="replace"))
+    rec = LaunchRecord(
+        kernel=kernel.name_expr,
+        grid=grid3,
+        block=block3,
+        dynamic_smem_bytes=int(dynamic_smem_bytes),
+        global_bytes_read=int(req.bytes_read),
+        global_bytes_written=int(req.bytes_written),
+    )
+    with _recorders_lock:
+        for recorder in _recorders:
+            recorder.launches.append(rec)
+    return rec
+
+
+def precompile(instances: Sequence[KernelInstance], modes: Sequence[str] | None = None) -> None:
+    """Build the simulator libraries for `instances` ahead of time (warms the on-disk cache).
+
+    One library per mode holding every instance not cached yet (one TU per source
+    file, compiled in parallel). modes: default just the current mode.
+    """
+    for mode in modes or (current_mode(),):
+        _library.precompile(mode, list(instances))
+
+
+def params_layout(mode: str = "normal") -> dict[str, tuple[int, int]]:
+    """Layout of cuflash::AttentionParams as g++ lays it out: C field path -> (offset, size).
+
+    The special key "sizeof" maps to (0, sizeof(AttentionParams)).
+    """
+    lib = _library.probe_library(mode)
+    text = _library.ffi.string(lib.cuflash_sim_params_layout()).decode()
+    layout: dict[str, tuple[int, int]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts[0] == "sizeof":
+            layout["sizeof"] = (0, int(parts[1]))
+        else:
+            layout[parts[0]] = (int(parts[1]), int(parts[2]))
+    return layout
