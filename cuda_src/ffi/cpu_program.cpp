@@ -1,0 +1,143 @@
+// cpu_program.cpp: the XLA FFI handler for platform "cpu" — runs a launch-plan
+// Program on the CPU simulator, the same kernels a GPU runs, every thread a fiber.
+//
+// Its job is to exercise the whole custom-call path in CI (attribute decoding,
+// operand/result binding, extent checks, params patching, launch order) with the
+// code the CUDA handler shares (program_call.h); only the last step differs:
+// instead of cuLaunchKernel, each launch goes to the simulator entry point the
+// registry holds for the kernel's name expression.
+//
+// Buffers the program does not zero are filled with 0xFF bytes (NaN in float32,
+// float16 and bfloat16) before the first launch, as the NumPy simulator backend
+// does, so an element no kernel writes shows up as NaN instead of stale memory.
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "arch/sim/sim_abi.h"
+#include "ffi/ffi_abi.h"
+#include "ffi/program_call.h"
+
+namespace cuflash::ffi_handlers {
+namespace {
+
+using SimLaunchEntry = int (*)(const char* name_expr, cuflash_sim_launch_request* request);
+
+std::shared_mutex& RegistryMutex() {
+  static std::shared_mutex mutex;
+  return mutex;
+}
+
+std::unordered_map<std::string, SimLaunchEntry>& Registry() {
+  static std::unordered_map<std::string, SimLaunchEntry> registry;
+  return registry;
+}
+
+SimLaunchEntry FindSimKernel(const std::string& name) {
+  std::shared_lock lock(RegistryMutex());
+  auto it = Registry().find(name);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
+// One simulated launch at a time per process: each launch already spreads its
+// blocks over every core, and shard_map on host devices would otherwise start
+// one launch per device at once and oversubscribe the cores.
+std::mutex& SimLaunchMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const uint8_t> params,
+                          std::string_view bindings, ffi::Span<const uint8_t> zero_init, std::string_view kernels,
+                          ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
+                          ffi::Span<const int32_t> smem) {
+  ProgramCall call;
+  if (ffi::Error error =
+          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, &call);
+      error.failure())
+    return error;
+
+  // Resolve every kernel before touching any buffer, so a missing one fails cleanly.
+  std::vector<SimLaunchEntry> entries;
+  for (const KernelLaunch& launch : call.launches) {
+    SimLaunchEntry entry = FindSimKernel(launch.name);
+    if (entry == nullptr)
+      return ffi::Error(ffi::ErrorCode::kNotFound,
+                        "cuflash CPU handler: no simulator kernel registered for " + launch.name +
+                            " (kernels are registered when cuflash.jax lowers a call in this process)");
+    entries.push_back(entry);
+  }
+
+  std::vector<unsigned long long> begins, sizes;
+  std::vector<int> writable;
+  for (const BoundBuffer& buffer : call.buffers) {
+    if (buffer.is_result && buffer.bytes) std::memset(buffer.data, buffer.zero_init ? 0x00 : 0xFF, buffer.bytes);
+    begins.push_back(reinterpret_cast<unsigned long long>(buffer.data));
+    sizes.push_back(buffer.bytes);
+    writable.push_back(buffer.is_result ? 1 : 0);  // XLA operands are read-only to the program
+  }
+
+  std::lock_guard<std::mutex> serial(SimLaunchMutex());
+  for (std::size_t i = 0; i < call.launches.size(); ++i) {
+    const KernelLaunch& launch = call.launches[i];
+    cuflash_sim_launch_request request;
+    std::memset(&request, 0, sizeof request);
+    request.kernel_name = launch.name.c_str();
+    for (int d = 0; d < 3; ++d) {
+      request.grid[d] = launch.grid[d];
+      request.block[d] = launch.block[d];
+    }
+    request.dynamic_smem_bytes = launch.dynamic_smem_bytes;
+    request.params = &call.params;
+    request.params_size = sizeof(AttentionParams);
+    request.num_buffers = static_cast<int>(call.buffers.size());
+    request.buffer_begin = begins.data();
+    request.buffer_bytes = sizes.data();
+    request.buffer_writable = writable.data();
+    request.num_workers = 0;
+    if (entries[i](launch.name.c_str(), &request) != 0) {
+      request.error[sizeof request.error - 1] = '\0';
+      return ffi::Error::Internal("cuflash CPU handler: kernel " + launch.name + " failed in the simulator: " +
+                                  request.error);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuflash::ffi_handlers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCpu, cuflash::ffi_handlers::CpuProgramImpl,
+                              CUFLASH_PROGRAM_CALL_ATTRS(xla::ffi::Ffi::Bind()));
+
+extern "C" {
+
+void* cuflash_ffi_cpu_handler(void) { return reinterpret_cast<void*>(&CuflashProgramCpu); }
+
+void cuflash_ffi_register_sim_kernel(const char* name_expr, void* sim_launch_entry) {
+  using namespace cuflash::ffi_handlers;
+  std::unique_lock lock(RegistryMutex());
+  Registry()[name_expr] = reinterpret_cast<SimLaunchEntry>(sim_launch_entry);
+}
+
+void cuflash_ffi_unregister_sim_kernel(const char* name_expr) {
+  using namespace cuflash::ffi_handlers;
+  std::unique_lock lock(RegistryMutex());
+  Registry().erase(name_expr);
+}
+
+int cuflash_ffi_sim_kernel_registered(const char* name_expr) {
+  return cuflash::ffi_handlers::FindSimKernel(name_expr) != nullptr;
+}
+
+unsigned long long cuflash_ffi_params_size(void) { return sizeof(cuflash::AttentionParams); }
+
+long long cuflash_ffi_pointer_field_offset(const char* name) {
+  const cuflash::ffi_handlers::PointerField* field = cuflash::ffi_handlers::FindPointerField(name);
+  return field == nullptr ? -1 : static_cast<long long>(field->offset);
+}
+
+}  // extern "C"

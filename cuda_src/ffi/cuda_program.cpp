@@ -1,0 +1,296 @@
+// cuda_program.cpp: the XLA FFI handler for platform "CUDA" — launches the CUBINs
+// of the NVRTC pipeline with the driver API on XLA's stream.
+//
+// Per call: decode and check the attributes (program_call.h, shared with the CPU
+// handler), clear the results the program accumulates into (cuMemsetD8Async on the
+// stream), then cuLaunchKernel each launch in order on the same stream. No host
+// synchronization and no Python: XLA's stream orders the launches after the
+// producers of the operands and before the consumers of the results. Scratch
+// buffers are extra results of the custom call, so XLA owns them and keeps them
+// alive until the stream has run past the kernels.
+//
+// Kernels are found by (name expression, device arch) in a registry Python fills
+// while lowering, with the CUBIN bytes NVRTC cached; a module is loaded once per
+// CUDA context and kept for the life of the process (the first call in a context
+// pays cuModuleLoadData), and the function's maximum dynamic shared memory is
+// raised to what its launches need (CUDA requires that above 48 KB).
+//
+// libcuda is opened with dlopen at first use, so this library builds and loads on
+// machines without a driver (CI); entry points come from cuGetProcAddress at the
+// ABI versions whose prototypes cudaTypedefs.h spells out below.
+#include "ffi/ffi_abi.h"
+
+#if CUFLASH_FFI_WITH_CUDA
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ffi/program_call.h"
+
+namespace cuflash::ffi_handlers {
+namespace {
+
+// The driver entry points the handler uses, at fixed ABI versions.
+struct Driver {
+  PFN_cuGetErrorString_v6000 GetErrorString = nullptr;
+  PFN_cuStreamGetCtx_v9020 StreamGetCtx = nullptr;
+  PFN_cuCtxPushCurrent_v4000 CtxPushCurrent = nullptr;
+  PFN_cuCtxPopCurrent_v4000 CtxPopCurrent = nullptr;
+  PFN_cuCtxGetDevice_v2000 CtxGetDevice = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 DeviceGetAttribute = nullptr;
+  PFN_cuModuleLoadData_v2000 ModuleLoadData = nullptr;
+  PFN_cuModuleGetFunction_v2000 ModuleGetFunction = nullptr;
+  PFN_cuFuncSetAttribute_v9000 FuncSetAttribute = nullptr;
+  PFN_cuMemsetD8Async_v3020 MemsetD8Async = nullptr;
+  PFN_cuLaunchKernel_v4000 LaunchKernel = nullptr;
+  std::string status;  // "" once every entry point is loaded
+};
+
+const Driver& LoadDriver() {
+  static const Driver driver = [] {
+    Driver d;
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+      const char* why = dlerror();
+      d.status = std::string("cannot load the CUDA driver libcuda.so.1: ") + (why ? why : "unknown reason");
+      return d;
+    }
+    auto get_proc = reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(library, "cuGetProcAddress_v2"));
+    if (get_proc == nullptr) {
+      d.status = "the CUDA driver has no cuGetProcAddress_v2 (a driver for CUDA 12.0 or newer is needed)";
+      return d;
+    }
+    auto load = [&](const char* symbol, int version, auto& slot) {
+      void* entry = nullptr;
+      CUdriverProcAddressQueryResult found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+      CUresult result = get_proc(symbol, &entry, version, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &found);
+      if (result != CUDA_SUCCESS || entry == nullptr || found != CU_GET_PROC_ADDRESS_SUCCESS) {
+        if (d.status.empty())
+          d.status = std::string("the CUDA driver has no ") + symbol + " at ABI version " + std::to_string(version);
+        return;
+      }
+      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(entry);
+    };
+    load("cuGetErrorString", 6000, d.GetErrorString);
+    load("cuStreamGetCtx", 9020, d.StreamGetCtx);
+    load("cuCtxPushCurrent", 4000, d.CtxPushCurrent);
+    load("cuCtxPopCurrent", 4000, d.CtxPopCurrent);
+    load("cuCtxGetDevice", 2000, d.CtxGetDevice);
+    load("cuDeviceGetAttribute", 2000, d.DeviceGetAttribute);
+    load("cuModuleLoadData", 2000, d.ModuleLoadData);
+    load("cuModuleGetFunction", 2000, d.ModuleGetFunction);
+    load("cuFuncSetAttribute", 9000, d.FuncSetAttribute);
+    load("cuMemsetD8Async", 3020, d.MemsetD8Async);
+    load("cuLaunchKernel", 4000, d.LaunchKernel);
+    return d;
+  }();
+  return driver;
+}
+
+ffi::Error CudaError(const Driver& driver, CUresult result, const std::string& what) {
+  const char* text = nullptr;
+  if (driver.GetErrorString == nullptr || driver.GetErrorString(result, &text) != CUDA_SUCCESS) text = nullptr;
+  return ffi::Error::Internal("cuflash CUDA handler: " + what + " failed: " +
+                             (text ? text : "CUDA error " + std::to_string(static_cast<int>(result))));
+}
+
+struct Cubin {
+  std::string lowered_name;
+  std::vector<unsigned char> image;
+};
+
+struct LoadedKernel {
+  CUfunction function = nullptr;
+  unsigned max_dynamic_smem = 0;  // the attribute as last set (0: never set, default limit)
+};
+
+std::mutex& StateMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+// (name expression, arch) -> CUBIN.
+std::map<std::pair<std::string, std::string>, std::shared_ptr<const Cubin>>& Cubins() {
+  static std::map<std::pair<std::string, std::string>, std::shared_ptr<const Cubin>> cubins;
+  return cubins;
+}
+// (context, name expression) -> function loaded in that context. Modules are never unloaded.
+std::map<std::pair<CUcontext, std::string>, LoadedKernel>& Loaded() {
+  static std::map<std::pair<CUcontext, std::string>, LoadedKernel> loaded;
+  return loaded;
+}
+std::map<CUcontext, std::string>& ContextArch() {
+  static std::map<CUcontext, std::string> arch;
+  return arch;
+}
+
+// Pushes a context for the duration of a call and pops it on every exit path.
+class ContextGuard {
+ public:
+  ContextGuard(const Driver& driver, CUcontext context) : driver_(driver) {
+    pushed_ = driver_.CtxPushCurrent(context) == CUDA_SUCCESS;
+  }
+  ~ContextGuard() {
+    if (pushed_) {
+      CUcontext popped;
+      driver_.CtxPopCurrent(&popped);
+    }
+  }
+  bool pushed() const { return pushed_; }
+
+ private:
+  const Driver& driver_;
+  bool pushed_ = false;
+};
+
+// Called with StateMutex held and the context current.
+ffi::Error ContextArchLocked(const Driver& driver, CUcontext context, std::string* arch) {
+  auto it = ContextArch().find(context);
+  if (it != ContextArch().end()) {
+    *arch = it->second;
+    return ffi::Error::Success();
+  }
+  CUdevice device;
+  if (CUresult r = driver.CtxGetDevice(&device); r != CUDA_SUCCESS) return CudaError(driver, r, "cuCtxGetDevice");
+  int major = 0, minor = 0;
+  if (CUresult r = driver.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device);
+      r != CUDA_SUCCESS)
+    return CudaError(driver, r, "cuDeviceGetAttribute");
+  if (CUresult r = driver.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device);
+      r != CUDA_SUCCESS)
+    return CudaError(driver, r, "cuDeviceGetAttribute");
+  *arch = "sm_" + std::to_string(major) + std::to_string(minor);
+  ContextArch()[context] = *arch;
+  return ffi::Error::Success();
+}
+
+// The function for one launch in this context, loading its module on first use.
+ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function) {
+  std::lock_guard<std::mutex> lock(StateMutex());
+  auto key = std::make_pair(context, launch.name);
+  auto it = Loaded().find(key);
+  if (it == Loaded().end()) {
+    std::string arch;
+    if (ffi::Error error = ContextArchLocked(driver, context, &arch); error.failure()) return error;
+    auto cubin = Cubins().find({launch.name, arch});
+    if (cubin == Cubins().end())
+      return ffi::Error(ffi::ErrorCode::kNotFound,
+                        "cuflash CUDA handler: no CUBIN registered for " + launch.name + " on " + arch +
+                            " (kernels are compiled and registered when cuflash.jax lowers a call in this process)");
+    CUmodule module;
+    if (CUresult r = driver.ModuleLoadData(&module, cubin->second->image.data()); r != CUDA_SUCCESS)
+      return CudaError(driver, r, "cuModuleLoadData of " + launch.name + " for " + arch);
+    LoadedKernel kernel;
+    if (CUresult r = driver.ModuleGetFunction(&kernel.function, module, cubin->second->lowered_name.c_str());
+        r != CUDA_SUCCESS)
+      return CudaError(driver, r, "cuModuleGetFunction(" + cubin->second->lowered_name + ")");
+    it = Loaded().emplace(key, kernel).first;
+  }
+  LoadedKernel& kernel = it->second;
+  if (launch.dynamic_smem_bytes > kernel.max_dynamic_smem) {
+    if (CUresult r = driver.FuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             static_cast<int>(launch.dynamic_smem_bytes));
+        r != CUDA_SUCCESS)
+      return CudaError(driver, r,
+                       "raising the dynamic shared memory of " + launch.name + " to " +
+                           std::to_string(launch.dynamic_smem_bytes) + " bytes");
+    kernel.max_dynamic_smem = launch.dynamic_smem_bytes;
+  }
+  *function = kernel.function;
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaProgramImpl(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                           ffi::Span<const uint8_t> params, std::string_view bindings,
+                           ffi::Span<const uint8_t> zero_init, std::string_view kernels, ffi::Span<const int32_t> grid,
+                           ffi::Span<const int32_t> block, ffi::Span<const int32_t> smem) {
+  const Driver& driver = LoadDriver();
+  if (!driver.status.empty()) return ffi::Error::Internal("cuflash CUDA handler: " + driver.status);
+
+  ProgramCall call;
+  if (ffi::Error error =
+          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, &call);
+      error.failure())
+    return error;
+
+  CUcontext context;
+  if (CUresult r = driver.StreamGetCtx(stream, &context); r != CUDA_SUCCESS)
+    return CudaError(driver, r, "cuStreamGetCtx on XLA's stream");
+  ContextGuard guard(driver, context);
+  if (!guard.pushed()) return ffi::Error::Internal("cuflash CUDA handler: cannot make XLA's CUDA context current");
+
+  std::vector<CUfunction> functions(call.launches.size());
+  for (std::size_t i = 0; i < call.launches.size(); ++i)
+    if (ffi::Error error = GetFunction(driver, context, call.launches[i], &functions[i]); error.failure())
+      return error;
+
+  for (const BoundBuffer& buffer : call.buffers) {
+    if (!buffer.zero_init || buffer.bytes == 0) continue;
+    if (CUresult r = driver.MemsetD8Async(reinterpret_cast<CUdeviceptr>(buffer.data), 0, buffer.bytes, stream);
+        r != CUDA_SUCCESS)
+      return CudaError(driver, r, std::string("clearing ") + buffer.field->name);
+  }
+  for (std::size_t i = 0; i < call.launches.size(); ++i) {
+    const KernelLaunch& launch = call.launches[i];
+    // cuLaunchKernel copies the argument bytes when it returns, so a local struct is fine.
+    void* arguments[] = {&call.params};
+    if (CUresult r = driver.LaunchKernel(functions[i], launch.grid[0], launch.grid[1], launch.grid[2],
+                                         launch.block[0], launch.block[1], launch.block[2],
+                                         launch.dynamic_smem_bytes, stream, arguments, nullptr);
+        r != CUDA_SUCCESS)
+      return CudaError(driver, r, "cuLaunchKernel of " + launch.name);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuflash::ffi_handlers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCuda, cuflash::ffi_handlers::CudaProgramImpl,
+                              CUFLASH_PROGRAM_CALL_ATTRS(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<CUstream>>()));
+
+extern "C" {
+
+void* cuflash_ffi_cuda_handler(void) { return reinterpret_cast<void*>(&CuflashProgramCuda); }
+
+void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,
+                                const void* cubin, unsigned long long cubin_size) {
+  using namespace cuflash::ffi_handlers;
+  auto entry = std::make_shared<Cubin>();
+  entry->lowered_name = lowered_name;
+  const auto* bytes = static_cast<const unsigned char*>(cubin);
+  entry->image.assign(bytes, bytes + cubin_size);
+  std::lock_guard<std::mutex> lock(StateMutex());
+  Cubins()[{name_expr, arch}] = std::move(entry);
+}
+
+int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch) {
+  using namespace cuflash::ffi_handlers;
+  std::lock_guard<std::mutex> lock(StateMutex());
+  return Cubins().count({name_expr, arch}) ? 1 : 0;
+}
+
+const char* cuflash_ffi_cuda_driver_status(void) { return cuflash::ffi_handlers::LoadDriver().status.c_str(); }
+
+}  // extern "C"
+
+#else  // !CUFLASH_FFI_WITH_CUDA: built without cuda.h; the CUDA platform is not offered.
+
+extern "C" {
+void* cuflash_ffi_cuda_handler(void) { return nullptr; }
+void cuflash_ffi_register_cubin(const char*, const char*, const char*, const void*, unsigned long long) {}
+int cuflash_ffi_cubin_registered(const char*, const char*) { return 0; }
+const char* cuflash_ffi_cuda_driver_status(void) {
+  return "the cuflash FFI library was built without the CUDA driver API header (install nvidia-cuda-runtime)";
+}
+}
+
+#endif

@@ -1,0 +1,42 @@
+/* The C ABI of the cuflash JAX FFI library: what Python (cuflash/jax/_ffi.py)
+   declares to cffi from this very text, besides the XLA handler symbols.
+   Plain C, no preprocessor lines besides the include guard (which Python strips). */
+#ifndef CUFLASH_FFI_ABI_H
+#define CUFLASH_FFI_ABI_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Addresses of the XLA FFI handlers (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
+   The CUDA one is NULL when the library was built without the CUDA driver API header. */
+void* cuflash_ffi_cpu_handler(void);
+void* cuflash_ffi_cuda_handler(void);
+
+/* CPU registry: kernel name expression -> the simulator entry point that runs it
+   (int cuflash_sim_launch(const char*, cuflash_sim_launch_request*), see arch/sim/sim_abi.h).
+   Filled by Python while lowering; read by the CPU handler at run time. */
+void cuflash_ffi_register_sim_kernel(const char* name_expr, void* sim_launch_entry);
+void cuflash_ffi_unregister_sim_kernel(const char* name_expr);
+int cuflash_ffi_sim_kernel_registered(const char* name_expr);
+
+/* CUDA registry: (kernel name expression, "sm_XY") -> the CUBIN NVRTC built and the
+   lowered (mangled) name of the kernel in it. The bytes are copied. */
+void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,
+                                const void* cubin, unsigned long long cubin_size);
+int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch);
+
+/* Loads the CUDA driver (libcuda.so.1) and its entry points if not done yet:
+   "" when usable, else why not. Never needs a GPU to answer. */
+const char* cuflash_ffi_cuda_driver_status(void);
+
+/* sizeof(cuflash::AttentionParams) and offsetof of a pointer field (-1 if unknown),
+   as the handlers see them, so a test can compare with cuflash/kernels/params.py. */
+unsigned long long cuflash_ffi_params_size(void);
+long long cuflash_ffi_pointer_field_offset(const char* name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,272 @@
+// program_call.h: decoding one XLA custom call that runs one launch-plan Program.
+//
+// Shared by the CPU handler (the simulator) and the CUDA handler, so the part CI
+// exercises on the CPU (attribute decoding, buffer binding, extent checks, params
+// patching) is the very code a GPU runs.
+//
+// What Python (cuflash/jax/_lowering.py) puts into the HLO, all plain data:
+//   params     u8[sizeof(AttentionParams)]  the struct packed by cuflash.kernels.params.pack_params
+//                                           with every pointer field zero (addresses are per process
+//                                           and per run, so they must never be baked into the HLO)
+//   bindings   "q,k,v,out,lse,..."          the AttentionParams pointer field bound to each operand,
+//                                           then to each result (scratch buffers are extra results)
+//   zero_init  u8[num results]               1: the program accumulates into this result, clear it first
+//   kernels    "name;name;..."               the kernel of each launch, by C++ name expression
+//   grid, block  i32[3 * launches]           launch dimensions (x, y, z)
+//   smem       i32[launches]                 dynamic shared memory bytes of each launch
+// Kernels are resolved by name at run time from a registry Python fills while
+// lowering, so an executable from JAX's persistent cache finds them in another process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "common/attention_params.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace cuflash::ffi_handlers {
+
+namespace ffi = xla::ffi;
+
+static_assert(std::is_standard_layout_v<AttentionParams> && std::is_trivially_copyable_v<AttentionParams>,
+              "AttentionParams is patched with offsetof and copied as bytes");
+
+struct PointerField {
+  const char* name;
+  std::size_t offset;
+  bool is_tensor;  // element-typed (batch, seqlen, heads, headdim) tensor; otherwise a float32 side buffer
+};
+
+#define CUFLASH_POINTER_FIELD(name, is_tensor) {#name, offsetof(AttentionParams, name), is_tensor}
+inline constexpr PointerField kPointerFields[] = {
+    CUFLASH_POINTER_FIELD(q, true),           CUFLASH_POINTER_FIELD(k, true),
+    CUFLASH_POINTER_FIELD(v, true),           CUFLASH_POINTER_FIELD(out, true),
+    CUFLASH_POINTER_FIELD(dout, true),        CUFLASH_POINTER_FIELD(dq, true),
+    CUFLASH_POINTER_FIELD(dk, true),          CUFLASH_POINTER_FIELD(dv, true),
+    CUFLASH_POINTER_FIELD(lse, false),        CUFLASH_POINTER_FIELD(scores, false),
+    CUFLASH_POINTER_FIELD(probs, false),      CUFLASH_POINTER_FIELD(row_max, false),
+    CUFLASH_POINTER_FIELD(row_sum, false),    CUFLASH_POINTER_FIELD(out_accum, false),
+    CUFLASH_POINTER_FIELD(dout_dot_out, false), CUFLASH_POINTER_FIELD(dq_accum, false),
+    CUFLASH_POINTER_FIELD(dk_accum, false),   CUFLASH_POINTER_FIELD(dv_accum, false),
+};
+#undef CUFLASH_POINTER_FIELD
+
+inline const PointerField* FindPointerField(std::string_view name) {
+  for (const PointerField& field : kPointerFields)
+    if (name == field.name) return &field;
+  return nullptr;
+}
+
+struct BoundBuffer {
+  const PointerField* field;
+  void* data;
+  std::size_t bytes;
+  bool is_result;
+  bool zero_init;
+};
+
+struct KernelLaunch {
+  std::string name;  // C++ name expression, the registry key
+  unsigned grid[3];
+  unsigned block[3];
+  unsigned dynamic_smem_bytes;
+};
+
+// Everything one custom call needs, decoded and checked; params carry the buffer addresses.
+struct ProgramCall {
+  AttentionParams params;
+  std::vector<BoundBuffer> buffers;
+  std::vector<KernelLaunch> launches;
+};
+
+inline std::vector<std::string_view> Split(std::string_view text, char separator) {
+  std::vector<std::string_view> parts;
+  if (text.empty()) return parts;
+  std::size_t start = 0;
+  while (true) {
+    std::size_t end = text.find(separator, start);
+    parts.push_back(text.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start));
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+  }
+  return parts;
+}
+
+inline ffi::Error Invalid(std::string message) {
+  return ffi::Error::InvalidArgument("cuflash custom call: " + std::move(message));
+}
+
+// (batch, rows, heads, headdim) extents and the strides of a tensor field, from the params themselves.
+struct TensorGeometry {
+  long long extents[4];
+  TensorStrides strides;
+};
+
+inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, TensorGeometry* geometry) {
+  struct Entry {
+    const char* name;
+    TensorStrides AttentionParams::*strides;
+    bool query_side;  // (batch, seqlen_q, nheads, headdim); else (batch, seqlen_k, nheads_k, headdim)
+  };
+  static constexpr Entry kTensors[] = {
+      {"q", &AttentionParams::q_stride, true},       {"k", &AttentionParams::k_stride, false},
+      {"v", &AttentionParams::v_stride, false},      {"out", &AttentionParams::out_stride, true},
+      {"dout", &AttentionParams::dout_stride, true}, {"dq", &AttentionParams::dq_stride, true},
+      {"dk", &AttentionParams::dk_stride, false},    {"dv", &AttentionParams::dv_stride, false},
+  };
+  for (const Entry& entry : kTensors) {
+    if (name != entry.name) continue;
+    geometry->extents[0] = p.batch;
+    geometry->extents[1] = entry.query_side ? p.seqlen_q : p.seqlen_k;
+    geometry->extents[2] = entry.query_side ? p.nheads : p.nheads_k;
+    geometry->extents[3] = p.headdim;
+    geometry->strides = p.*entry.strides;
+    return true;
+  }
+  return false;
+}
+
+// A tensor's kernel reach (last element touched + 1) must lie inside the buffer XLA gave us:
+// a mismatch between the params attribute and the operand shapes would otherwise be an
+// out-of-bounds access on the GPU.
+inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer& buffer, std::size_t element_bytes) {
+  TensorGeometry g;
+  if (!TensorGeometryOf(p, buffer.field->name, &g))
+    return Invalid(std::string(buffer.field->name) + " is not a tensor field");
+  const long long* extents = g.extents;
+  const TensorStrides& strides = g.strides;
+  for (int d = 0; d < 4; ++d)
+    if (extents[d] <= 0) return ffi::Error::Success();  // nothing is touched
+  if (strides.batch < 0 || strides.row < 0 || strides.head < 0)
+    return Invalid(std::string("negative stride for ") + buffer.field->name);
+  const long long last = (extents[0] - 1) * strides.batch + (extents[1] - 1) * strides.row +
+                         (extents[2] - 1) * strides.head + extents[3];
+  const unsigned long long needed = static_cast<unsigned long long>(last) * element_bytes;
+  if (needed > buffer.bytes)
+    return Invalid(std::string(buffer.field->name) + " needs " + std::to_string(needed) + " bytes for shape (" +
+                   std::to_string(extents[0]) + ", " + std::to_string(extents[1]) + ", " +
+                   std::to_string(extents[2]) + ", " + std::to_string(extents[3]) + ") and its strides, but its buffer has " +
+                   std::to_string(buffer.bytes));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                    ffi::Span<const uint8_t> params, std::string_view bindings,
+                                    ffi::Span<const uint8_t> zero_init, std::string_view kernels,
+                                    ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
+                                    ffi::Span<const int32_t> smem, ProgramCall* call) {
+  if (params.size() != sizeof(AttentionParams))
+    return Invalid("params attribute has " + std::to_string(params.size()) + " bytes but sizeof(AttentionParams) is " +
+                   std::to_string(sizeof(AttentionParams)) + " (Python mirror and C++ header disagree)");
+  std::memcpy(&call->params, params.begin(), sizeof(AttentionParams));
+
+  // Pointer fields must arrive null: an address in the HLO would be stale in any other run.
+  for (const PointerField& field : kPointerFields) {
+    std::uintptr_t value;
+    std::memcpy(&value, reinterpret_cast<const unsigned char*>(&call->params) + field.offset, sizeof value);
+    if (value != 0)
+      return Invalid(std::string("params attribute carries an address in pointer field ") + field.name +
+                     ": addresses must not be baked into the HLO");
+  }
+
+  const std::vector<std::string_view> names = Split(bindings, ',');
+  const std::size_t num_args = args.size(), num_rets = rets.size();
+  if (names.size() != num_args + num_rets)
+    return Invalid("bindings name " + std::to_string(names.size()) + " buffers but the call has " +
+                   std::to_string(num_args) + " operands and " + std::to_string(num_rets) + " results");
+  if (zero_init.size() != num_rets)
+    return Invalid("zero_init has " + std::to_string(zero_init.size()) + " entries for " + std::to_string(num_rets) +
+                   " results");
+
+  ffi::DataType tensor_type = ffi::DataType::INVALID;
+  std::string first_tensor;
+  call->buffers.clear();
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const PointerField* field = FindPointerField(names[i]);
+    if (field == nullptr) return Invalid("binding '" + std::string(names[i]) + "' is not an AttentionParams pointer field");
+    for (const BoundBuffer& other : call->buffers)
+      if (other.field == field) return Invalid("field " + std::string(names[i]) + " is bound twice");
+    const bool is_result = i >= num_args;
+    ffi::DataType type;
+    void* data;
+    std::size_t bytes;
+    if (!is_result) {
+      auto buffer = args.get<ffi::AnyBuffer>(i);
+      if (!buffer.has_value()) return Invalid("operand " + std::to_string(i) + " is not a buffer");
+      type = buffer->element_type();
+      data = buffer->untyped_data();
+      bytes = buffer->size_bytes();
+    } else {
+      auto buffer = rets.get<ffi::AnyBuffer>(i - num_args);
+      if (!buffer.has_value()) return Invalid("result " + std::to_string(i - num_args) + " is not a buffer");
+      type = (*buffer)->element_type();
+      data = (*buffer)->untyped_data();
+      bytes = (*buffer)->size_bytes();
+    }
+    if (field->is_tensor) {
+      if (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16)
+        return Invalid(std::string(field->name) + " must be float32, float16 or bfloat16");
+      if (tensor_type == ffi::DataType::INVALID) {
+        tensor_type = type;
+        first_tensor = field->name;
+      } else if (type != tensor_type) {
+        return Invalid(std::string(field->name) + " and " + first_tensor + " have different element types");
+      }
+    } else if (type != ffi::DataType::F32) {
+      return Invalid(std::string("side buffer ") + field->name + " must be float32");
+    }
+    BoundBuffer bound{field, data, bytes, is_result, is_result && zero_init[i - num_args] != 0};
+    if (field->is_tensor) {
+      if (ffi::Error error = CheckTensorExtent(call->params, bound, ffi::ByteWidth(type)); error.failure()) return error;
+    }
+    call->buffers.push_back(bound);
+  }
+
+  const std::vector<std::string_view> kernel_names = Split(kernels, ';');
+  const std::size_t n = kernel_names.size();
+  if (grid.size() != 3 * n || block.size() != 3 * n || smem.size() != n)
+    return Invalid(std::to_string(n) + " kernels need " + std::to_string(3 * n) + " grid and block entries and " +
+                   std::to_string(n) + " smem entries, got " + std::to_string(grid.size()) + ", " +
+                   std::to_string(block.size()) + " and " + std::to_string(smem.size()));
+  call->launches.clear();
+  for (std::size_t i = 0; i < n; ++i) {
+    KernelLaunch launch;
+    launch.name = std::string(kernel_names[i]);
+    if (launch.name.empty()) return Invalid("launch " + std::to_string(i) + " names no kernel");
+    for (int d = 0; d < 3; ++d) {
+      // Python drops launches with an empty grid; CUDA rejects a zero dimension.
+      if (grid[3 * i + d] <= 0 || block[3 * i + d] <= 0)
+        return Invalid("launch of " + launch.name + " has a grid or block dimension <= 0");
+      launch.grid[d] = static_cast<unsigned>(grid[3 * i + d]);
+      launch.block[d] = static_cast<unsigned>(block[3 * i + d]);
+    }
+    if (smem[i] < 0) return Invalid("launch of " + launch.name + " has negative dynamic shared memory");
+    launch.dynamic_smem_bytes = static_cast<unsigned>(smem[i]);
+    call->launches.push_back(std::move(launch));
+  }
+
+  for (const BoundBuffer& buffer : call->buffers) {
+    std::uintptr_t address = reinterpret_cast<std::uintptr_t>(buffer.data);
+    std::memcpy(reinterpret_cast<unsigned char*>(&call->params) + buffer.field->offset, &address, sizeof address);
+  }
+  return ffi::Error::Success();
+}
+
+// The attribute list both handlers bind, in this order after their platform context.
+#define CUFLASH_PROGRAM_CALL_ATTRS(binding)                         \
+  binding.RemainingArgs()                                           \
+      .RemainingRets()                                              \
+      .Attr<xla::ffi::Span<const uint8_t>>("params")               \
+      .Attr<std::string_view>("bindings")                           \
+      .Attr<xla::ffi::Span<const uint8_t>>("zero_init")            \
+      .Attr<std::string_view>("kernels")                            \
+      .Attr<xla::ffi::Span<const int32_t>>("grid")                 \
+      .Attr<xla::ffi::Span<const int32_t>>("block")                \
+      .Attr<xla::ffi::Span<const int32_t>>("smem")
+
+}  // namespace cuflash::ffi_handlers

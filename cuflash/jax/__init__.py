@@ -1,0 +1,16 @@
+"""cuflash for JAX: the library's kernels as an XLA FFI custom call.
+
+    import cuflash.jax
+    out = cuflash.jax.attention(q, k, v, causal=True)          # jit, grad, vmap, shard_map
+
+One custom call per launch-plan Program (the forward, or the backward), handled
+by C++ FFI handlers (cuda_src/ffi/): on CUDA they launch the NVRTC CUBINs with
+the driver API on XLA's stream; on the CPU they run the same kernels in the
+simulator. The handler library is built with cffi at first use and cached under
+``cuflash._paths.cache_dir("jax_ffi")`` ($CUFLASH_CACHE_DIR/jax_ffi, default
+~/.cache/cuflash/jax_ffi); ``python -m cuflash.jax.build`` builds it ahead of time.
+"""
+
+from ._attention import attention
+
+__all__ = ["attention"]

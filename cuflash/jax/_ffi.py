@@ -1,0 +1,262 @@
+"""The XLA FFI handler library: built with cffi at first use, cached, registered with JAX.
+
+Build: cffi (API mode) compiles ``cuda_src/ffi/cpu_program.cpp`` and
+``cuda_src/ffi/cuda_program.cpp`` with g++ into one Python extension module,
+against the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``)
+and, when the ``nvidia-cuda-runtime`` wheel is installed, its ``cuda.h`` (only
+the header: libcuda is opened with dlopen when a CUDA call first runs, so the
+library builds and loads on machines without a driver or GPU).
+
+Cache: ``cache_dir("jax_ffi")/_cuflash_jax_ffi_<key>.so``; the key hashes the
+handler sources and every header they include from cuda_src, the XLA FFI and
+CUDA headers, the compiler's version line, the flags and the Python ABI. A
+build happens in a private temporary directory and is moved into place with
+``os.replace`` under an ``fcntl.flock`` lock, so concurrent processes (pytest
+-n 2) neither see half-written files nor build twice.
+
+Registries: the handlers find kernels by name expression in process-global
+tables of the library; :func:`register_sim_kernel` and :func:`register_cubin`
+fill them (cuflash.jax's lowering rules call them), nothing else does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from .._paths import CUDA_SRC, cache_dir
+
+TARGET_NAME = "cuflash_program"
+
+FFI_DIR = CUDA_SRC / "ffi"
+HANDLER_SOURCES = ("cpu_program.cpp", "cuda_program.cpp")
+ABI_HEADER = FFI_DIR / "ffi_abi.h"
+# Headers the handler sources include from cuda_src (a change to any of them changes the library).
+INCLUDED_HEADERS = ("ffi/ffi_abi.h", "ffi/program_call.h", "common/attention_params.cuh", "arch/sim/sim_abi.h")
+
+COMPILE_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-Wall")
+LINK_FLAGS = ("-lstdc++", "-ldl")
+
+_BUILD_FORMAT = "cuflash-jax-ffi-v1"
+
+
+class FfiBuildError(RuntimeError):
+    """The C++ compiler rejected the FFI handler sources (the message holds its output)."""
+
+
+def _cdef_text() -> str:
+    text = ABI_HEADER.read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def xla_include_dir() -> Path:
+    import jax
+
+    return Path(jax.ffi.include_dir())
+
+
+def cuda_include_dir() -> Path | None:
+    """The include dir of the nvidia-cuda-runtime wheel (holds cuda.h), or None when absent."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        candidate = Path(root) / "cu13" / "include"
+        if (candidate / "cuda.h").is_file() and (candidate / "cudaTypedefs.h").is_file():
+            return candidate
+    return None
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0] if out else cxx
+
+
+def _hash_file(h, path: Path) -> None:
+    h.update(str(path).encode())
+    h.update(b"\0")
+    h.update(path.read_bytes())
+    h.update(b"\0")
+
+
+def _build_inputs() -> tuple[str, list[str]]:
+    """(cache key, extra compile args) of the library for this environment."""
+    cuda_include = cuda_include_dir()
+    flags = list(COMPILE_FLAGS)
+    flags += ["-isystem", str(xla_include_dir())]
+    if cuda_include is not None:
+        flags += ["-isystem", str(cuda_include), "-DCUFLASH_FFI_WITH_CUDA=1"]
+    h = hashlib.sha256()
+    for part in (_BUILD_FORMAT, _compiler_identity(_compiler()), " ".join(flags), " ".join(LINK_FLAGS),
+                 sysconfig.get_config_var("EXT_SUFFIX") or "", _cdef_text()):
+        h.update(part.encode())
+        h.update(b"\0")
+    for name in HANDLER_SOURCES:
+        _hash_file(h, FFI_DIR / name)
+    for name in INCLUDED_HEADERS:
+        _hash_file(h, CUDA_SRC / name)
+    for header in sorted((xla_include_dir() / "xla" / "ffi" / "api").glob("*.h")):
+        _hash_file(h, header)
+    if cuda_include is not None:
+        for name in ("cuda.h", "cudaTypedefs.h"):
+            _hash_file(h, cuda_include / name)
+    return h.hexdigest()[:20], flags
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _compile(module_name: str, flags: list[str], target: Path) -> None:
+    import cffi
+
+    builder = cffi.FFI()
+    builder.cdef(_cdef_text())
+    builder.set_source(
+        module_name,
+        '#include "ffi/ffi_abi.h"\n',
+        sources=[str(FFI_DIR / name) for name in HANDLER_SOURCES],
+        source_extension=".cpp",
+        include_dirs=[str(CUDA_SRC)],
+        extra_compile_args=flags,
+        extra_link_args=list(LINK_FLAGS),
+    )
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
+        env_cxx = _compiler()
+        previous = {name: os.environ.get(name) for name in ("CC", "CXX", "LDSHARED")}
+        # setuptools compiles .cpp with $CC; point it (and the linker) at the C++ compiler.
+        os.environ["CC"] = env_cxx
+        os.environ["CXX"] = env_cxx
+        os.environ["LDSHARED"] = f"{env_cxx} -shared"
+        try:
+            built = builder.compile(tmpdir=workdir, verbose=False)
+        except Exception as err:  # setuptools raises CompileError/LinkError with the compiler's output on stderr
+            raise FfiBuildError(f"building the cuflash JAX FFI handlers failed: {err}") from err
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        os.replace(built, target)
+
+
+def library_path() -> Path:
+    """The cached handler library for this environment, building it if needed."""
+    key, flags = _build_inputs()
+    module_name = f"_cuflash_jax_ffi_{key}"
+    directory = cache_dir("jax_ffi")
+    target = directory / (module_name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    if target.exists():
+        return target
+    with _locked(directory / f"{module_name}.lock"):
+        if not target.exists():
+            _compile(module_name, flags, target)
+    return target
+
+
+_lock = threading.RLock()
+_module = None
+_registered_platforms: set[str] = set()
+
+
+def library():
+    """The loaded cffi module (``.ffi``, ``.lib``), built at first use."""
+    global _module
+    with _lock:
+        if _module is None:
+            path = library_path()
+            name = path.name.split(".")[0]
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[name] = module
+            _module = module
+        return _module
+
+
+def _address(pointer) -> int:
+    ffi = library().ffi
+    return int(ffi.cast("uintptr_t", pointer))
+
+
+def has_cuda_handler() -> bool:
+    return _address(library().lib.cuflash_ffi_cuda_handler()) != 0
+
+
+def register_targets() -> None:
+    """Register the handlers with JAX as ``cuflash_program`` (cpu, and CUDA when built with it)."""
+    import jax
+
+    with _lock:
+        lib = library().lib
+        if "cpu" not in _registered_platforms:
+            capsule = jax.ffi.pycapsule(_address(lib.cuflash_ffi_cpu_handler()))
+            jax.ffi.register_ffi_target(TARGET_NAME, capsule, platform="cpu", api_version=1)
+            _registered_platforms.add("cpu")
+        if "CUDA" not in _registered_platforms and has_cuda_handler():
+            capsule = jax.ffi.pycapsule(_address(lib.cuflash_ffi_cuda_handler()))
+            jax.ffi.register_ffi_target(TARGET_NAME, capsule, platform="CUDA", api_version=1)
+            _registered_platforms.add("CUDA")
+
+
+def register_sim_kernel(name_expr: str, entry_address: int) -> None:
+    library().lib.cuflash_ffi_register_sim_kernel(name_expr.encode(), library().ffi.cast("void*", entry_address))
+
+
+def unregister_sim_kernel(name_expr: str) -> None:
+    library().lib.cuflash_ffi_unregister_sim_kernel(name_expr.encode())
+
+
+def sim_kernel_registered(name_expr: str) -> bool:
+    return bool(library().lib.cuflash_ffi_sim_kernel_registered(name_expr.encode()))
+
+
+def register_cubin(name_expr: str, arch: str, lowered_name: str, cubin: bytes) -> None:
+    library().lib.cuflash_ffi_register_cubin(
+        name_expr.encode(), arch.encode(), lowered_name.encode(), cubin, len(cubin)
+    )
+
+
+def cubin_registered(name_expr: str, arch: str) -> bool:
+    return bool(library().lib.cuflash_ffi_cubin_registered(name_expr.encode(), arch.encode()))
+
+
+def cuda_driver_status() -> str:
+    """"" when the CUDA handler can use the driver here, else the reason it cannot."""
+    ffi = library().ffi
+    return ffi.string(library().lib.cuflash_ffi_cuda_driver_status()).decode()
+
+
+def params_size() -> int:
+    return int(library().lib.cuflash_ffi_params_size())
+
+
+def pointer_field_offset(name: str) -> int:
+    return int(library().lib.cuflash_ffi_pointer_field_offset(name.encode()))

@@ -1,0 +1,244 @@
+"""Two JAX primitives, one per direction, lowered to the ``cuflash_program`` FFI custom call.
+
+A primitive carries only static facts (algorithm, Problem, softmax scale). Its
+lowering rule asks the kernel family for the launch-plan Program, the one source
+of truth every backend uses, packs AttentionParams with
+``cuflash.kernels.params.pack_params`` (pointer fields left zero), and emits one
+custom call whose attributes are plain data: params bytes, buffer bindings,
+kernel name expressions, grids, blocks, shared memory. Scratch buffers become
+extra results of the custom call, so XLA allocates them and keeps them alive
+until the kernels that use them have run; the lowering drops them afterwards.
+
+Kernels are identified by name expression only. The lowering rule of each
+platform makes sure this process can resolve those names at run time (CPU: the
+simulator entry point of a library holding the kernel; CUDA: the CUBIN NVRTC
+compiled for each local GPU's arch), which is what lets an executable loaded
+from JAX's persistent compilation cache in another process find its kernels:
+that process lowers the same function (JAX needs the module to compute the
+cache key), and lowering is where the registry is filled.
+
+Batching (vmap) folds the mapped axis into the batch axis, so one launch covers
+every mapped element; when that would exceed CUDA's grid limit the mapped axis is
+split into chunks that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from .. import _validation as V
+from ..kernels import plans
+from ..kernels.catalog import KernelInstance
+from ..kernels.params import pack_params
+from ..kernels.plans import LaunchPlan, Problem, Program
+from . import _ffi
+
+
+@dataclasses.dataclass(frozen=True)
+class CallConfig:
+    """The static part of one attention call (hashable: it is a primitive parameter)."""
+
+    algorithm: str
+    problem: Problem
+    softmax_scale: float
+
+
+FORWARD_OPERANDS = ("q", "k", "v")
+FORWARD_RESULTS = ("out", "lse")
+BACKWARD_OPERANDS = ("dout", "q", "k", "v", "out", "lse")
+BACKWARD_RESULTS = ("dq", "dk", "dv")
+
+_QUERY_SIDE = ("q", "out", "dout", "dq")  # (batch, seqlen_q, nheads, headdim); k, v, dk, dv use seqlen_k, nheads_k
+
+
+def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
+    if name == "lse":
+        return (problem.batch, problem.nheads, problem.seqlen_q)
+    if name in _QUERY_SIDE:
+        return (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim)
+    return (problem.batch, problem.seqlen_k, problem.nheads_k, problem.headdim)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(batch, row, head) element strides of a row-major (batch, seqlen, heads, headdim) array."""
+    _, rows, heads, headdim = shape
+    return (rows * heads * headdim, heads * headdim, headdim)
+
+
+def program_for(direction: str, config: CallConfig) -> Program:
+    family = plans.family(config.algorithm)
+    if direction == "forward":
+        return family.forward_program(config.problem)
+    return family.backward_program(config.problem)
+
+
+def custom_call_attributes(
+    direction: str, config: CallConfig, program: Program, launches: Sequence[LaunchPlan]
+) -> dict[str, object]:
+    """The custom call's attributes: plain data, nothing process-specific."""
+    problem = config.problem
+    operands, results = (
+        (FORWARD_OPERANDS, FORWARD_RESULTS) if direction == "forward" else (BACKWARD_OPERANDS, BACKWARD_RESULTS)
+    )
+    tensors = [name for name in operands + results if name != "lse"]
+    params = pack_params(
+        batch=problem.batch,
+        seqlen_q=problem.seqlen_q,
+        seqlen_k=problem.seqlen_k,
+        nheads=problem.nheads,
+        nheads_k=problem.nheads_k,
+        headdim=problem.headdim,
+        softmax_scale=config.softmax_scale,
+        causal=problem.causal,
+        pointers={},
+        strides={name: contiguous_strides(tensor_shape(name, problem)) for name in tensors},
+        num_dq_splits=program.num_dq_splits,
+    )
+    bindings = list(operands) + list(results) + [scratch.name for scratch in program.scratch]
+    zero_init = [0] * len(results) + [int(scratch.zero_init) for scratch in program.scratch]
+    return dict(
+        params=np.frombuffer(params.tobytes(), dtype=np.uint8).copy(),
+        bindings=",".join(bindings),
+        zero_init=np.asarray(zero_init, dtype=np.uint8),
+        kernels=";".join(plan.kernel.name_expr for plan in launches),
+        grid=np.asarray([d for plan in launches for d in plan.grid], dtype=np.int32),
+        block=np.asarray([d for plan in launches for d in plan.block], dtype=np.int32),
+        smem=np.asarray([plan.dynamic_smem_bytes for plan in launches], dtype=np.int32),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Kernel registries, filled while lowering.
+
+_sim_registered: dict[tuple[str, KernelInstance], int] = {}
+
+
+def register_cpu_kernels(instances: Sequence[KernelInstance]) -> None:
+    """Point the CPU handler's registry at simulator libraries holding these kernels (current sim mode)."""
+    from .. import sim
+    # cuflash.sim has no public accessor for a library's entry point yet; library_for
+    # builds (or finds in the cache) a library holding the instance and loads it.
+    from ..sim import _library as sim_library
+
+    mode = sim.current_mode()
+    for instance in instances:
+        key = (mode, instance)
+        lib = sim_library.library_for(mode, instance)
+        address = int(sim_library.ffi.cast("uintptr_t", lib.cuflash_sim_launch))
+        if _sim_registered.get(key) != address or not _ffi.sim_kernel_registered(instance.name_expr):
+            _ffi.register_sim_kernel(instance.name_expr, address)
+            _sim_registered[key] = address
+
+
+def local_cuda_archs() -> list[str]:
+    """"sm_XY" of every local CUDA device JAX sees (none when JAX has no CUDA backend)."""
+    try:
+        devices = jax.local_devices(backend="cuda")
+    except RuntimeError:
+        return []
+    archs = set()
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if capability:
+            archs.add("sm_" + str(capability).replace(".", ""))
+    return sorted(archs)
+
+
+def register_cuda_kernels(instances: Sequence[KernelInstance]) -> None:
+    """Compile (through NVRTC's disk cache) and register CUBINs for every local GPU arch."""
+    from ..kernels import nvrtc
+
+    for arch in local_cuda_archs():
+        for instance in instances:
+            if not _ffi.cubin_registered(instance.name_expr, arch):
+                compiled = nvrtc.compile_instance(instance, arch)
+                _ffi.register_cubin(instance.name_expr, arch, compiled.lowered_name, compiled.cubin)
+
+
+_REGISTER_KERNELS = {"cpu": register_cpu_kernels, "cuda": register_cuda_kernels}
+
+
+# ---------------------------------------------------------------------------
+# Primitives.
+
+attention_forward_p = Primitive("cuflash_attention_forward")
+attention_forward_p.multiple_results = True
+attention_backward_p = Primitive("cuflash_attention_backward")
+attention_backward_p.multiple_results = True
+
+_PRIMITIVES = {"forward": attention_forward_p, "backward": attention_backward_p}
+
+
+def _abstract_eval(direction: str, *avals, config: CallConfig):
+    problem = config.problem
+    names = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
+    element = avals[FORWARD_OPERANDS.index("q") if direction == "forward" else BACKWARD_OPERANDS.index("q")].dtype
+    return [
+        jax.core.ShapedArray(tensor_shape(name, problem), np.float32 if name == "lse" else element)
+        for name in names
+    ]
+
+
+def _lowering(ctx, *operands, config: CallConfig, direction: str, platform: str):
+    program = program_for(direction, config)
+    launches = [plan for plan in program.launches if not plan.is_empty]
+    _ffi.register_targets()
+    _REGISTER_KERNELS[platform](list(dict.fromkeys(plan.kernel for plan in launches)))
+    scratch_avals = [jax.core.ShapedArray(scratch.shape, np.float32) for scratch in program.scratch]
+    call_ctx = ctx.replace(avals_out=[*ctx.avals_out, *scratch_avals])
+    attributes = custom_call_attributes(direction, config, program, launches)
+    results = jax.ffi.ffi_lowering(_ffi.TARGET_NAME)(call_ctx, *operands, **attributes)
+    return results[: len(ctx.avals_out)]
+
+
+def _move_to_front(x, dim, size):
+    if dim is batching.not_mapped:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _batching(direction: str, args, dims, *, config: CallConfig):
+    """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit."""
+    primitive = _PRIMITIVES[direction]
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    args = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
+    batch = config.problem.batch
+    chunk = max(1, V.MAX_GRID_YZ // max(batch, 1))
+    pieces = []
+    for start in range(0, size, chunk):
+        members = min(chunk, size - start)
+        part = args if members == size else [x[start : start + members] for x in args]
+        folded = [x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
+        problem = dataclasses.replace(config.problem, batch=members * batch)
+        outs = primitive.bind(*folded, config=dataclasses.replace(config, problem=problem))
+        pieces.append([o.reshape((members, batch) + o.shape[1:]) for o in outs])
+    if len(pieces) == 1:
+        results = pieces[0]
+    else:
+        results = [jnp.concatenate(parts, axis=0) for parts in zip(*pieces)]
+    return results, [0] * len(results)
+
+
+def _impl(direction: str, *args, config: CallConfig):
+    from jax._src import dispatch  # eager calls run the primitive as a one-op jitted computation
+
+    return dispatch.apply_primitive(_PRIMITIVES[direction], *args, config=config)
+
+
+for _direction, _primitive in _PRIMITIVES.items():
+    _primitive.def_impl(functools.partial(_impl, _direction))
+    _primitive.def_abstract_eval(functools.partial(_abstract_eval, _direction))
+    batching.primitive_batchers[_primitive] = functools.partial(_batching, _direction)
+    for _platform in _REGISTER_KERNELS:
+        mlir.register_lowering(
+            _primitive, functools.partial(_lowering, direction=_direction, platform=_platform), platform=_platform
+        )
