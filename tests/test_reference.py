@@ -2,7 +2,7 @@
 
 Oracles:
 * ``jax.nn.dot_product_attention`` (XLA implementation, layout B,T,N,H) for the forward and LSE, and
-  ``jax.grad`` through it for the backward. Two facts about it shape the comparisons below:
+  ``jax.grad`` through it for the backward. Three facts about it shape the comparisons below:
   - Its ``is_causal`` is aligned to the top-left corner, so the bottom-right mask is passed as ``mask=``.
   - It always runs the softmax in float32 (even with float64 inputs under x64), so it agrees with a float64
     reference only to float32 roundoff: ~1e-7 relative. Mask, GQA-mapping or scale mistakes cost >= 1e-3.
