@@ -1,0 +1,52 @@
+"""The Python mirror of AttentionParams (cuflash/kernels/params.py) has the C++ layout.
+
+Two compilers lay the struct out: g++ for the simulator (probed from the built
+library) and NVRTC for the GPU (checked by compiling static_asserts generated
+from the mirror). Both must agree with the bytes Python packs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cuflash import sim
+from cuflash.kernels import params
+from cuflash.kernels.catalog import KernelInstance
+
+
+def test_mirror_matches_gxx_layout():
+    cxx = sim.params_layout()
+    py = params.field_layout()
+    assert cxx.pop("sizeof") == (0, params.PARAMS_DTYPE.itemsize)
+    assert cxx == py
+
+
+def test_mirror_matches_nvrtc_layout(tmp_path):
+    nvrtc = pytest.importorskip("cuflash.kernels.nvrtc")
+    checks = "\n".join(
+        f"static_assert(__builtin_offsetof(cuflash::AttentionParams, {path}) == {offset}, \"{path} offset\");"
+        for path, (offset, _) in params.field_layout().items()
+    )
+    source = tmp_path / "params_layout_probe.cu"
+    source.write_text(
+        '#include "common/attention_params.cuh"\n'
+        f"static_assert(sizeof(cuflash::AttentionParams) == {params.PARAMS_DTYPE.itemsize}, \"sizeof\");\n"
+        f"{checks}\n"
+        "namespace probe { template <int N> __global__ void layout_probe(const cuflash::AttentionParams p) {} }\n"
+    )
+    compiled = nvrtc.compile_instance(KernelInstance(str(source), "probe::layout_probe<0>"), "sm_80")
+    assert compiled.cubin
+
+
+def test_pack_params_round_trip():
+    packed = params.pack_params(
+        batch=2, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=7, softmax_scale=0.5, causal=True,
+        pointers={"q": 0x1000, "lse": 0x2000}, strides={"q": (84, 28, 7)}, num_dq_splits=3,
+    )
+    assert packed["q"] == 0x1000 and packed["lse"] == 0x2000 and packed["k"] == 0
+    assert tuple(packed["q_stride"]) == (84, 28, 7)
+    assert packed["is_causal"] == 1 and packed["num_dq_splits"] == 3
+    assert packed["softmax_scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
+    with pytest.raises(KeyError, match="no pointer field"):
+        params.pack_params(batch=1, seqlen_q=1, seqlen_k=1, nheads=1, nheads_k=1, headdim=1, softmax_scale=1.0,
+                           causal=False, pointers={"bogus": 1}, strides={})
