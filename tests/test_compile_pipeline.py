@@ -237,6 +237,30 @@ def test_compile_many_keeps_order_and_collects_errors(fresh_cache):
     assert caught.value.instance == bad
 
 
+def test_compile_many_reports_a_failing_worker_task(fresh_cache, tmp_path):
+    missing = probe("static_smem_probe<float, 96>", tmp_path / "missing.cu")
+    with pytest.raises(RuntimeError, match=r"(?s)compile worker failed on static_smem_probe<float, 96>.*FileNotFoundError"):
+        nvrtc.compile_many([missing], ARCHS, jobs=2)
+
+
+def test_compile_many_from_a_script_without_main_guard(fresh_cache):
+    """Workers do not re-run the caller's __main__ (multiprocessing's spawn would, and fail on stdin)."""
+    script = (
+        "from cuflash.kernels import nvrtc\n"
+        "from cuflash.kernels.catalog import KernelInstance\n"
+        f"instances = [KernelInstance({str(PROBES)!r}, n) for n in ('mma_probe<0>', 'half_fma_probe<0>')]\n"
+        "results = nvrtc.compile_many(instances, ['sm_80', 'sm_90'], jobs=2)\n"
+        "print([r.arch for r in results], nvrtc.nvrtc_compile_count())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    # The workers compiled; the caller only read the cache.
+    assert run.stdout.split("]")[1].strip() == "0"
+    assert run.stdout.startswith("['sm_80', 'sm_90', 'sm_80', 'sm_90']")
+    assert len(list(fresh_cache.glob("*.cubin"))) == 4
+
+
 # ---- SASS ---------------------------------------------------------------------------
 
 
@@ -257,7 +281,20 @@ def test_sass_of_a_missing_function_is_an_error_not_false(shared_cache):
         nvrtc.uses_hmma(renamed)
 
 
-def test_hmma_is_none_without_cuobjdump(shared_cache, monkeypatch, tmp_path):
+@needs_sass
+def test_hmma_verdict_is_cached_beside_the_entry(fresh_cache, monkeypatch):
+    compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_90")
+    assert nvrtc.uses_hmma(compiled) is True
+    assert len(list(fresh_cache.glob("*.hmma"))) == 1
+
+    def no_disassembly(_):
+        raise AssertionError("cuobjdump run again")
+
+    monkeypatch.setattr(nvrtc, "dump_sass", no_disassembly)
+    assert nvrtc.uses_hmma(compiled) is True
+
+
+def test_hmma_is_none_without_cuobjdump(fresh_cache, monkeypatch, tmp_path):
     compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")
     monkeypatch.delenv("CUFLASH_CUOBJDUMP", raising=False)
     monkeypatch.delenv("CUFLASH_NVDISASM", raising=False)
@@ -300,6 +337,8 @@ def test_report_json_rows(shared_cache, probe_catalog, capsys):
     tools = nvrtc.cuobjdump_path() is not None and nvrtc.nvdisasm_path(nvrtc.cuobjdump_path()) is not None
     assert by_key[("mma_probe<0>", "sm_80")]["hmma"] is (True if tools else None)
     assert by_key[("static_smem_probe<float, 96>", "sm_80")]["hmma"] is (False if tools else None)
+    if tools:  # the compile workers left their verdicts in the cache
+        assert len(list((Path(os.environ["CUFLASH_CACHE_DIR"]) / "nvrtc").glob("*.hmma"))) >= 4
 
 
 def test_report_table_and_occupancy(shared_cache, probe_catalog, capsys):
@@ -332,6 +371,7 @@ def test_report_fails_on_compile_error_or_oversized_smem(shared_cache, probe_cat
     assert report.main(["--arch", "sm_90"]) == 0
 
 
+@pytest.mark.slow
 def test_report_command_line_on_the_real_catalog():
     """`python -m cuflash.kernels report --json` on whatever the catalog holds now (default cache)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -33,13 +33,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -499,28 +498,131 @@ def compile_many(
     jobs: int | None = None,
     *,
     return_errors: bool = False,
+    check_sass: bool = False,
 ) -> list[CompiledKernel | CompileError]:
     """Compile every (instance, arch) pair, instance-major, in ``jobs`` processes (default 2).
 
     Results come back in input order. A CompileError is raised (the first one,
     after all pairs were tried) unless return_errors, which puts it in its slot.
-    Processes, not threads: a crash inside NVRTC then takes down one worker, not
-    the caller; workers are spawned, so a parent that loaded threads (JAX) is safe.
+    check_sass: the workers also run uses_hmma, so its verdicts are cached
+    (the report wants them; disassembly costs as much as compiling).
+
+    Workers are separate ``python -m cuflash.kernels.nvrtc`` processes fed one
+    task at a time (so a long kernel does not hold up a fixed share of the
+    list); they fill the disk cache, and this process then reads every entry
+    back from it. Not multiprocessing: its spawn mode re-runs the caller's
+    __main__ (breaking scripts without a main guard or read from stdin) and
+    fork is unsafe once a parent has threads (JAX). A crash inside NVRTC takes
+    down one worker, reported with the task it was on.
     """
+    archs = list(archs)
     tasks = [(instance, arch) for instance in instances for arch in archs]
     jobs = 2 if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    if jobs == 1 or len(tasks) <= 1:
-        results = [_compile_or_error(task) for task in tasks]
+    if jobs > 1 and len(tasks) > 1:
+        failures = _compile_in_workers(tasks, min(jobs, len(tasks)), check_sass)
     else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(_compile_or_error, tasks))
+        failures = {}
+    results: list[CompiledKernel | CompileError] = []
+    for index, task in enumerate(tasks):
+        if index in failures:
+            results.append(CompileError(task[0], task[1], failures[index]))
+        else:
+            results.append(_compile_or_error(task))  # a cache hit after the workers
     if not return_errors:
         for result in results:
             if isinstance(result, CompileError):
                 raise result
     return results
+
+
+def _worker_environment() -> dict[str, str]:
+    # The worker must import this very package, wherever the caller found it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def _compile_in_workers(tasks: list[tuple[KernelInstance, str]], workers: int, check_sass: bool) -> dict[int, str]:
+    """Fill the cache for every task in worker processes; returns {task index: NVRTC log} of failures."""
+    pending = list(enumerate(tasks))
+    pending_lock = threading.Lock()
+    failures: dict[int, str] = {}
+    problems: list[str] = []
+
+    def drive(process: subprocess.Popen) -> None:
+        while True:
+            with pending_lock:
+                if not pending or problems:
+                    return
+                index, (instance, arch) = pending.pop(0)
+            request = {"source": instance.source, "name_expr": instance.name_expr, "arch": arch, "sass": check_sass}
+            try:
+                process.stdin.write(json.dumps(request) + "\n")
+                process.stdin.flush()
+                line = process.stdout.readline()
+            except BrokenPipeError:
+                line = ""
+            if not line:
+                problems.append(f"compile worker died while compiling {instance.name_expr} for {arch}")
+                return
+            reply = json.loads(line)
+            if reply.get("compile_error") is not None:
+                failures[index] = reply["compile_error"]
+            elif not reply.get("ok"):
+                problems.append(f"compile worker failed on {instance.name_expr} for {arch}:\n{reply['error']}")
+                return
+
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cuflash.kernels.nvrtc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_worker_environment(),
+        )
+        for _ in range(workers)
+    ]
+    try:
+        threads = [threading.Thread(target=drive, args=(process,)) for process in processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for process in processes:
+            if process.stdin and not process.stdin.closed:
+                try:
+                    process.stdin.close()  # end of tasks: the worker exits
+                except BrokenPipeError:
+                    pass
+            process.wait()
+    if problems:
+        raise RuntimeError("\n".join(problems))
+    return failures
+
+
+def _worker_main() -> None:
+    """Compile tasks read as JSON lines on stdin; answer one JSON line per task."""
+    import traceback
+
+    # Only replies go to the real stdout; anything else printed lands on stderr.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        task = json.loads(line)
+        try:
+            compiled = compile_instance(KernelInstance(task["source"], task["name_expr"]), task["arch"])
+            if task["sass"]:
+                uses_hmma(compiled)
+            reply = {"ok": True}
+        except CompileError as err:
+            reply = {"ok": False, "compile_error": err.log}
+        except Exception:
+            reply = {"ok": False, "error": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 # ---------------------------------------------------------------------------
@@ -594,12 +696,38 @@ def dump_sass(compiled: CompiledKernel) -> str | None:
 _HMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.MULTILINE)
 
 
+def _verdict_path(compiled: CompiledKernel) -> Path | None:
+    """Where the HMMA verdict for a cache entry is kept (None if the entry no longer holds these bytes)."""
+    cubin_file = Path(compiled.cubin_path)
+    try:
+        if cubin_file.read_bytes() != compiled.cubin:
+            return None
+    except OSError:
+        return None
+    function_tag = hashlib.sha256(compiled.lowered_name.encode()).hexdigest()[:12]
+    return cubin_file.with_name(f"{cubin_file.stem}.{function_tag}.hmma")
+
+
 def uses_hmma(compiled: CompiledKernel) -> bool | None:
-    """True if the function's SASS has a tensor-core HMMA, False if not, None without cuobjdump/nvdisasm."""
+    """True if the function's SASS has a tensor-core HMMA, False if not, None without cuobjdump/nvdisasm.
+
+    Disassembling a large kernel takes nvdisasm about half a second, so the
+    verdict (a fact about the cached bytes, whichever tool version found it) is
+    kept beside the cache entry and reused.
+    """
+    verdict_file = _verdict_path(compiled)
+    if verdict_file is not None:
+        try:
+            return {"1": True, "0": False}[verdict_file.read_text()]
+        except (OSError, KeyError):
+            pass
     sass = dump_sass(compiled)
     if sass is None:
         return None
-    return bool(_HMMA_RE.search(sass))
+    verdict = bool(_HMMA_RE.search(sass))
+    if verdict_file is not None:
+        _write_atomically(verdict_file, b"1" if verdict else b"0")
+    return verdict
 
 
 # ---------------------------------------------------------------------------
@@ -640,3 +768,7 @@ def load_function(compiled: CompiledKernel, dynamic_smem_bytes: int | None = Non
             if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
                 function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
     return function
+
+
+if __name__ == "__main__":
+    _worker_main()

@@ -115,10 +115,10 @@ def build_report(
     """Compile (through the cache) and inspect every instance for every arch."""
     if instances is None:
         instances = catalog.all_instances()
-    results = compile_many(instances, archs, jobs=jobs, return_errors=True)
+    results = compile_many(instances, archs, jobs=jobs, return_errors=True, check_sass=True)
     compiled = [r for r in results if isinstance(r, CompiledKernel)]
     errors = [r for r in results if isinstance(r, CompileError)]
-    # cuobjdump is a subprocess: threads overlap them without the GIL in the way.
+    # Verdicts are cached by the workers; threads overlap any cuobjdump still needed.
     with ThreadPoolExecutor(max_workers=max(1, jobs or 2)) as pool:
         hmma = list(pool.map(uses_hmma, compiled))
     rows = [
