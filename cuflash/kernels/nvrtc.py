@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -204,6 +205,7 @@ def _check(result: int, call: str) -> None:
         raise NvrtcError(f"{call} failed: {message.decode() if message else result}")
 
 
+@functools.lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
@@ -356,8 +358,9 @@ def _tree_digest(root: Path) -> str:
     return value
 
 
-def _include_dir_identity(include_dir: Path) -> str:
-    """Version of the headers behind -I<include_dir> (cuda_fp16.h etc. change between releases)."""
+@functools.lru_cache(maxsize=None)
+def _installed_header_version(include_dir: Path) -> str | None:
+    """'nvidia-cuda-runtime==X' when include_dir is that wheel's include folder (fixed for a process)."""
     marker = (include_dir / "cuda_fp16.h").resolve()
     for distribution in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13"):
         try:
@@ -367,8 +370,13 @@ def _include_dir_identity(include_dir: Path) -> str:
         for file in dist.files or ():
             if file.name == "cuda_fp16.h" and Path(str(dist.locate_file(file))).resolve() == marker:
                 return f"{distribution}=={dist.version}"
+    return None
+
+
+def _include_dir_identity(include_dir: Path) -> str:
+    """Version of the headers behind -I<include_dir> (cuda_fp16.h etc. change between releases)."""
     # Not the wheel (an override): hash the headers themselves.
-    return _tree_digest(include_dir)
+    return _installed_header_version(include_dir.resolve()) or _tree_digest(include_dir)
 
 
 def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
