@@ -763,7 +763,7 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
   for (int i = 0; i < wp.num_pending; ++i) {
     const PendingCollective& q = wp.pending[i];
     if (q.mask >> lane & 1u)
-      fail_current(format("thread exited while lane(s) %s wait for it at %s (mask 0x%08x): a hang on a GPU",
+      fail_current(format("lane %u exited while lane(s) %s wait for it at %s (mask 0x%08x): a hang on a GPU", lane,
                           lanes_text(q.arrived).c_str(), describe_site(q.site).c_str(), q.mask));
   }
   wp.gone |= 1u << lane;
