@@ -24,7 +24,8 @@
 //    (coalesced) and read shared memory without bank conflicts. The reduction runs in 32-deep steps: each
 //    step stages a 64 x 32 slice of A and of B (converted to float32) in shared memory, double-buffered,
 //    while the next slice's global loads are already in flight in registers. Every load and store is
-//    predicated, so any M, N, K (any seqlen, any head dim) works without padding.
+//    predicated, so any M, N, K (any seqlen, any head dim) works without padding. Sums are float32 and
+//    two-level (a fresh partial per 32-deep step), which bounds rounding growth on long reductions.
 //    Grid: (tiles of C, heads, batch), tile t -> (m tile t / n_tiles, n tile t % n_tiles).
 //  - dV and dK run over kv heads (grid.y = nheads_k) and reduce over the group's query heads inside the
 //    block (K = group x seqlen_q), so GQA/MQA gradients need no atomics and are deterministic.
@@ -82,10 +83,11 @@ struct StandardGemmTraits {
   static constexpr int kStages = 2;  // double-buffered: one barrier per reduction step
   static constexpr int kSmemBytes = kStages * 2 * kTileFloats * static_cast<int>(sizeof(float));
   static constexpr int kLoadsPerThread = kBlockM * kBlockK / kThreads;  // per operand per step
-  // Asking for 3 resident blocks caps registers at 85: the products fit in 80 without spilling on sm_80
-  // and sm_90 (left to itself, ptxas picked 64 with a 4-byte spill for some sm_90 instances), and 3 x 256
-  // threads x 33 KB of shared memory fit both SMs, leaving 24 warps to hide global latency.
-  static constexpr int kMinBlocksPerSm = 3;
+  // Two resident blocks per SM cap registers at 128. The products need up to ~127 (16 accumulators, 16
+  // step partials, 16 staged elements in flight, 64-bit addresses): with a cap of 85 (3 blocks) ptxas
+  // spills on sm_80 and sm_90, and left to itself it picked 64 registers plus spills for some sm_90
+  // instances. 2 x 256 threads x 33 KB of shared memory fit an sm_80 or sm_90 SM.
+  static constexpr int kMinBlocksPerSm = 2;
 
   static_assert(kBlockM == kBlockN, "one staging layout serves A (64 x K) and B (K x 64)");
   static_assert(kBlockK == 32, "k-contiguous staging maps one lane to one k");
@@ -281,6 +283,14 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
       if (has_next) load_step(step + 1);  // global loads overlap the math below
       const float* slice_a = slices_a + buffer * Traits::kTileFloats;
       const float* slice_b = slices_b + buffer * Traits::kTileFloats;
+      // Two-level summation: each 32-deep step sums into a fresh partial that is then added to the total.
+      // A float32 running sum over K terms errs by ~K ulps in the worst case; this is ~32 + K/32, which
+      // keeps a long reduction (O = P V over thousands of keys) and the float32 path within the tolerance.
+      float partial[Traits::kOutputsPerThreadM][Traits::kOutputsPerThreadN];
+#pragma unroll
+      for (int r = 0; r < Traits::kOutputsPerThreadM; ++r)
+#pragma unroll
+        for (int c = 0; c < Traits::kOutputsPerThreadN; ++c) partial[r][c] = 0.f;
 #pragma unroll 8
       for (int kk = 0; kk < Traits::kBlockK; ++kk) {
         float a[Traits::kOutputsPerThreadM], b[Traits::kOutputsPerThreadN];
@@ -293,8 +303,12 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
 #pragma unroll
         for (int r = 0; r < Traits::kOutputsPerThreadM; ++r)
 #pragma unroll
-          for (int c = 0; c < Traits::kOutputsPerThreadN; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
+          for (int c = 0; c < Traits::kOutputsPerThreadN; ++c) partial[r][c] = fmaf(a[r], b[c], partial[r][c]);
       }
+#pragma unroll
+      for (int r = 0; r < Traits::kOutputsPerThreadM; ++r)
+#pragma unroll
+        for (int c = 0; c < Traits::kOutputsPerThreadN; ++c) acc[r][c] += partial[r][c];
       // The other buffer was last read in the previous step, which every thread finished before the
       // barrier that ended it; this step's reads of `buffer` end at the barrier below.
       if (has_next) {
