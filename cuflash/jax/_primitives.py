@@ -201,7 +201,7 @@ def _lowering(ctx, *operands, config: CallConfig, direction: str, platform: str)
 
 
 def _move_to_front(x, dim, size):
-    if dim is batching.not_mapped:
+    if dim is None:  # unmapped operand: every mapped element shares it
         return jnp.broadcast_to(x, (size,) + x.shape)
     return jnp.moveaxis(x, dim, 0)
 
@@ -209,7 +209,7 @@ def _move_to_front(x, dim, size):
 def _batching(direction: str, args, dims, *, config: CallConfig):
     """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit."""
     primitive = _PRIMITIVES[direction]
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
     batch = config.problem.batch
     chunk = max(1, V.MAX_GRID_YZ // max(batch, 1))
