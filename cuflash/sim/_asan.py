@@ -37,8 +37,9 @@ _CHILD = r"""
 import pickle, sys, traceback
 payload_path, result_path = sys.argv[1], sys.argv[2]
 with open(payload_path, "rb") as f:
-    path, fn, args, kwargs = pickle.load(f)
-sys.path[:0] = [p for p in path if p not in sys.path]
+    path = pickle.load(f)  # first: the parent's sys.path, so fn's module can be imported
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    fn, args, kwargs = pickle.load(f)
 import cuflash.sim as sim
 try:
     with sim.checking("asan"):
@@ -81,7 +82,8 @@ def run_in_asan_subprocess(fn: Callable[..., Any], *args: Any, timeout: float = 
         payload = Path(tmp) / "payload.pkl"
         result = Path(tmp) / "result.pkl"
         with open(payload, "wb") as f:
-            pickle.dump((list(sys.path), fn, args, kwargs), f)
+            pickle.dump(list(sys.path), f)
+            pickle.dump((fn, args, kwargs), f)
         proc = subprocess.run(
             [sys.executable, "-c", _CHILD, str(payload), str(result)],
             env=env,

@@ -288,7 +288,13 @@ std::atomic<bool> g_asan_pending{false};
 
 void asan_report_callback(const char* report) {
   if (g_asan_pending.load(std::memory_order_relaxed)) return;  // keep the first report of a launch
-  snprintf(g_asan_report, sizeof g_asan_report, "%s", report);
+  // The shadow-byte dump and its legend follow the SUMMARY line; the full report
+  // is on stderr anyway, the error message keeps the part that names the bug.
+  size_t length = strlen(report);
+  if (const char* shadow = strstr(report, "Shadow bytes around")) length = static_cast<size_t>(shadow - report);
+  if (length >= sizeof g_asan_report) length = sizeof g_asan_report - 1;
+  memcpy(g_asan_report, report, length);
+  g_asan_report[length] = '\0';
   g_asan_pending.store(true, std::memory_order_release);
 }
 #endif
