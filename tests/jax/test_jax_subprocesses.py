@@ -1,0 +1,65 @@
+"""cuflash.jax in fresh processes: shard_map on 4 host devices, and JAX's persistent compilation cache.
+
+Both need a Python of their own: the host device count is fixed when JAX initialises, and a persistent-cache
+hit only means something in a process that never compiled the function. The workers beside this file print
+JSON; the assertions are here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def run_worker(script: str, *args: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / script), *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout)
+
+
+def test_shard_map_along_batch_and_heads_forward_and_grad():
+    results = run_worker("shard_map_worker.py")
+    assert set(results) == {"batch", "heads", "heads_replicated_kv"}
+    for name, case in results.items():
+        # Inside shard_map (check_vma on) the outputs vary along the mesh axis.
+        assert case["varying_axes"] == {"out": ["x"], "lse": ["x"]}, name
+        # Each shard runs the same kernels on its slice: forward results are bitwise those of one unsharded call.
+        assert case["out_vs_unsharded"] == 0.0 and case["lse_vs_unsharded"] == 0.0, name
+        for check, measured in case["checks"].items():
+            assert measured["ok"], f"{name} {check}: {measured.get('message')}"
+    assert results["batch"]["out_sharding"].startswith("P('x'")
+    assert results["heads"]["out_sharding"].startswith("P(None, None, 'x'")
+    # Sharded heads with per-shard kv heads: every gradient is computed whole on one shard, bitwise as unsharded.
+    assert results["heads"]["grads_vs_unsharded"] == [0.0, 0.0, 0.0]
+    # Replicated (invariant) k, v: dq stays per shard; dk, dv are psums over shards, equal up to summation order.
+    replicated = results["heads_replicated_kv"]["grads_vs_unsharded"]
+    assert replicated[0] == 0.0 and max(replicated[1:]) < 1e-5
+
+
+def test_two_processes_share_the_persistent_compilation_cache(tmp_path):
+    cache = tmp_path / "jax_compilation_cache"
+    first = run_worker("persistent_cache_worker.py", str(cache))
+    assert first["cache_events"] == {"cache_hits": 0, "cache_misses": 1}
+    assert any(cache.iterdir()), "the first process wrote no cache entry"
+    second = run_worker("persistent_cache_worker.py", str(cache))
+    # The second process loads the executable the first one compiled and still finds its kernels.
+    assert second["cache_events"] == {"cache_hits": 1, "cache_misses": 0}
+    for result in (first, second):
+        assert result["value_error"] < 1e-4
+        assert max(result["grad_errors"]) < 1e-5
+    assert second["grad_errors"] == first["grad_errors"]
