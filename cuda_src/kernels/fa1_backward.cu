@@ -48,8 +48,9 @@
 //   row with lse = -inf (it saw no key) gets P = 0 without evaluating exp(-inf + inf);
 //   its dQ is 0 and it adds nothing to dK, dV. Q blocks that see no K/V block write
 //   dq = 0; K/V blocks no Q block sees (e.g. seqlen_q == 0) write dk = dv = 0.
-//   Exponentials: arch::exp2_approx with the scale folded, as in the forward:
-//   P = exp2(q.k scale log2(e) - lse log2(e)).
+//   Exponentials: as in the forward (natural-unit scores, fa1::exp_of_difference):
+//   P = exp2((scale q.k - lse) log2 e), with scale q.k computed exactly as the forward
+//   did, so a row the forward saw as one key (lse = m) gets P = 1 there again.
 //
 // Cost (per launch; e = sizeof(T), d = headdim, B = batch, H = nheads, Hk = nheads_k)
 //   Tr, Tc, rows_i, n_i, V (visits), W (revisits) as in fa1_forward.cu;
@@ -86,8 +87,8 @@ struct Fa1BackwardTraits {
   static constexpr int kDv = kDk + BlockCols * HeadDim;           // dV~_j           Bc x HeadDim
   static constexpr int kProbs = kDv + BlockCols * HeadDim;        // P               Br x Bc
   static constexpr int kDscores = kProbs + BlockRows * kScoreStride;  // dS          Br x Bc
-  static constexpr int kLse2 = kDscores + BlockRows * kScoreStride;   // lse_i log2(e)
-  static constexpr int kDelta = kLse2 + BlockRows;                     // D_i
+  static constexpr int kLse = kDscores + BlockRows * kScoreStride;    // lse_i
+  static constexpr int kDelta = kLse + BlockRows;                      // D_i
   static constexpr int kSmemFloats = kDelta + BlockRows;
   static constexpr unsigned kSmemBytes = kSmemFloats * sizeof(float);
 
@@ -102,7 +103,6 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   using Traits = Fa1BackwardTraits<HeadDim, BlockRows, BlockCols>;
   constexpr int kTS = Traits::kTileStride;
   constexpr int kSS = Traits::kScoreStride;
-  constexpr float kLog2e = 1.44269504088896341f;
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   if (arch::dynamic_smem_size() < Traits::kSmemBytes) __trap();
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   float* const dv_acc = smem + Traits::kDv;
   float* const probs = smem + Traits::kProbs;
   float* const dscores = smem + Traits::kDscores;
-  float* const lse2 = smem + Traits::kLse2;
+  float* const row_lse = smem + Traits::kLse;
   float* const delta = smem + Traits::kDelta;
 
   const int tid = threadIdx.x;
@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
         float sum = 0.f;
         for (int x = 0; x < HeadDim; ++x) sum += orow[x] * dorow[x];
         delta[tid] = sum;
-        const float row_lse = arch::load(lse + row0 + tid);
-        lse2[tid] = row_lse == fa1::neg_inf() ? row_lse : row_lse * kLog2e;
+        row_lse[tid] = arch::load(lse + row0 + tid);
       }
       __syncthreads();
       fa1::load_tile<BlockRows, HeadDim>(q_tile, q + row0 * p.q_stride.row, p.q_stride.row, rows, d);
@@ -199,7 +198,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
         const int r = e / BlockCols;
         const int c = e % BlockCols;
         float prob = 0.f, ds = 0.f;
-        if (r < rows && c < keys && lse2[r] != fa1::neg_inf() && fa1::key_visible(p, row0 + r, key0 + c)) {
+        if (r < rows && c < keys && row_lse[r] != fa1::neg_inf() && fa1::key_visible(p, row0 + r, key0 + c)) {
           const float* qr = q_tile + r * kTS;
           const float* dor = dout_tile + r * kTS;
           const float* kc = k_tile + c * kTS;
@@ -210,7 +209,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
             qk += qr[x] * kc[x];
             dp += dor[x] * vc[x];
           }
-          prob = arch::exp2_approx(qk * p.softmax_scale_log2 - lse2[r]);
+          prob = fa1::exp_of_difference(qk * p.softmax_scale, row_lse[r]);
           ds = prob * (dp - delta[r]);
         }
         probs[r * kSS + c] = prob;

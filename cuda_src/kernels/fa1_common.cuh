@@ -28,6 +28,15 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// exp(a - b) for scores in natural units, through ex2.approx: the difference is
+// formed first (exact when a and b are close, as they are wherever the result
+// is not negligible) and only then scaled by log2(e). See the opening comment of
+// fa1_forward.cu for why the scale is not folded into the scores.
+__device__ __forceinline__ float exp_of_difference(float a, float b) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  return arch::exp2_approx((a - b) * kLog2e);
+}
+
 // Number of K/V blocks (of BlockCols keys) that Q block `q_block` (of BlockRows
 // rows) sees: all of them without a mask; with the causal mask (aligned to the
 // bottom-right corner: row i sees key j iff j <= i + seqlen_k - seqlen_q) the

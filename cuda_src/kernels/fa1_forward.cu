@@ -30,17 +30,20 @@
 //   O, l, m are float32 scratch (out_accum, row_sum, row_max), zero-filled by the
 //   program: that memset is line 2 of Algorithm 1 (O = 0, l = 0). m starts at 0,
 //   not -inf; a row whose stored l is 0 has seen nothing yet and its stored m is
-//   read as -inf, so no separate -inf initialisation pass is needed. row_max holds
-//   m in log2 units (see exponentials below).
+//   read as -inf, so no separate -inf initialisation pass is needed.
 //
-// Exponentials: exp2 with the scale folded (arch::exp2_approx, ex2.approx.ftz),
-// like FA2: scores are kept as s2 = q.k * scale * log2(e), and
-// exp(scale q.k - x) = exp2(s2 - x log2 e). One FMUL per score and one MUFU.EX2 per
-// exponential, instead of expf's range reduction; ex2.approx is within 2 ulp,
-// far below the float16/bfloat16 rounding of the result, and maps -inf to +0.
-// m is stored in those log2 units so that rescaling never converts it back and
-// forth (at |s2| ~ 1e4 a round trip through natural units would move m by an ulp
-// of 1e-3 and scale O and l by that much).
+// Exponentials: arch::exp2_approx (ex2.approx.ftz: one MUFU.EX2, within 2 ulp,
+// -inf -> +0) rather than expf's range reduction, but with the scale NOT folded
+// into the scores as FA2 does. Scores stay in natural units, s = scale * q.k, so
+// m and the saved lse = m + log l are in the units of the backward's recomputed
+// s, and exp(s - x) is evaluated as exp2((s - x) * log2 e) (fa1::exp_of_difference):
+// one extra FMUL per exponential. Why: with |s| ~ 1e4 the float32 spacing is
+// ~1e-3. Folded (s2 = s log2 e), lse would be converted log2 -> natural in the
+// forward and back in the backward, and each rounding of a 1e4-sized number moves
+// the backward's P = exp(s - lse) by up to ~5e-4 relatively, systematically for a
+// whole row; measured, that put float32 gradients >10x past the tolerance at large
+// logits. In natural units a row dominated by one key has lse = m exactly and the
+// backward recomputes its P as exp(0) = 1, as the forward had it.
 //
 // Masking and rows that see no key
 //   Causal (bottom-right aligned, row i sees key j iff j <= i + seqlen_k - seqlen_q):
@@ -102,7 +105,6 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
   using Traits = Fa1ForwardTraits<HeadDim, BlockRows, BlockCols>;
   constexpr int kTS = Traits::kTileStride;
   constexpr int kSS = Traits::kScoreStride;
-  constexpr float kLn2 = 0.693147180559945309f;
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   if (arch::dynamic_smem_size() < Traits::kSmemBytes) __trap();
@@ -163,7 +165,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
       fa1::load_tile<BlockRows, HeadDim>(q_tile, q + row0 * p.q_stride.row, p.q_stride.row, rows, d);
       __syncthreads();
 
-      // S = Q_i K_j^T in log2 units; -inf where masked (and in padding rows/cols).
+      // S = scale Q_i K_j^T; -inf where masked (and in padding rows/cols).
       for (int e = tid; e < BlockRows * BlockCols; e += fa1::kThreads) {
         const int r = e / BlockCols;
         const int c = e % BlockCols;
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
           float dot = 0.f;
 #pragma unroll 8
           for (int x = 0; x < HeadDim; ++x) dot += qr[x] * kc[x];
-          s = dot * p.softmax_scale_log2;
+          s = dot * p.softmax_scale;
         }
         scores[r * kSS + c] = s;
       }
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
           for (int c = 0; c < BlockCols; ++c) srow[c] = 0.f;
         } else {
           for (int c = 0; c < BlockCols; ++c) {
-            const float prob = arch::exp2_approx(srow[c] - block_max);
+            const float prob = fa1::exp_of_difference(srow[c], block_max);
             srow[c] = prob;
             block_sum += prob;
           }
@@ -203,15 +205,15 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
         const float new_max = fmaxf(old_max, block_max);
         float old_scale = 0.f, new_scale = 0.f;
         if (new_max != fa1::neg_inf()) {
-          old_scale = old_sum > 0.f ? arch::exp2_approx(old_max - new_max) * old_sum : 0.f;
-          new_scale = block_max != fa1::neg_inf() ? arch::exp2_approx(block_max - new_max) : 0.f;
+          old_scale = old_sum > 0.f ? fa1::exp_of_difference(old_max, new_max) * old_sum : 0.f;
+          new_scale = block_max != fa1::neg_inf() ? fa1::exp_of_difference(block_max, new_max) : 0.f;
         }
         const float new_sum = old_scale + new_scale * block_sum;
         const float inv_sum = new_sum > 0.f ? 1.f / new_sum : 0.f;
         old_weight[tid] = old_scale * inv_sum;
         new_weight[tid] = new_scale * inv_sum;
         if (last_visit) {
-          arch::store(lse + row, new_sum > 0.f ? (new_max + log2f(new_sum)) * kLn2 : fa1::neg_inf());
+          arch::store(lse + row, new_sum > 0.f ? new_max + logf(new_sum) : fa1::neg_inf());
         } else {
           arch::store(row_sum + row, new_sum);
           arch::store(row_max + row, new_max);

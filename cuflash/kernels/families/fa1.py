@@ -244,7 +244,7 @@ def backward_traffic(problem: Problem) -> list[tuple[int, int]]:
     read = heads * (kv_bytes + row_visits * (3 * d * e + 4 + 4 * d))
     written = heads * (row_revisits * 4 * d + problem.seqlen_q * d * e + 2 * problem.seqlen_k * d * dkv_element)
     result = [(read, written)]
-    if grouped:
+    if grouped and problem.batch * problem.seqlen_k * problem.headdim:  # else its grid is empty: no launch
         result.append(
             (heads * problem.seqlen_k * d * 8, problem.batch * problem.nheads_k * problem.seqlen_k * d * 2 * e)
         )
