@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 
 
@@ -26,20 +25,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """NumPy dtype by name; bfloat16 comes from ml_dtypes."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype="float32"):
-    dt = numpy_dtype(dtype)
-    q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(dt)
-    k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
-    v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
-    return q, k, v

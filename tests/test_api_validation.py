@@ -13,7 +13,7 @@ import cuflash
 from cuflash.backends import simulator
 from cuflash.kernels import plans
 
-from conftest import numpy_dtype
+from cuflash.testing import numpy_dtype
 
 
 @pytest.fixture(autouse=True)

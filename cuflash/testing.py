@@ -1,0 +1,23 @@
+"""Helpers for tests of cuflash and of code built on it (array making, dtype names)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """NumPy dtype by name; bfloat16 comes from ml_dtypes."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype="float32"):
+    """Standard-normal q, k, v in the (batch, seqlen, heads, headdim) layout."""
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(dt)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
+    return q, k, v
