@@ -23,7 +23,7 @@ from cuflash import reference  # noqa: E402
 from cuflash.kernels import plans  # noqa: E402
 from cuflash.kernels.params import PARAMS_DTYPE, POINTER_FIELDS, field_layout  # noqa: E402
 
-from conftest import numpy_dtype, random_qkv  # noqa: E402
+from cuflash.testing import numpy_dtype, random_qkv  # noqa: E402
 
 JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
