@@ -1,0 +1,66 @@
+"""The FFI handler library: both handlers build here; only the CPU one can run (no GPU, no driver).
+
+The CUDA handler is compiled against cuda.h from the nvidia-cuda-runtime wheel and loads libcuda with dlopen
+at first use, so the library builds and loads on this machine; tests marked gpu (test_jax_dlpack.py) run it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+pytest.importorskip("jax")
+
+from cuflash._paths import CUDA_SRC  # noqa: E402
+from cuflash.jax import _ffi  # noqa: E402
+
+from conftest import gpu_count  # noqa: E402
+
+
+def _syntax_check(source: str, *defines: str) -> subprocess.CompletedProcess:
+    flags = ["-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-I", str(CUDA_SRC)]
+    flags += ["-isystem", str(_ffi.xla_include_dir())]
+    cuda_include = _ffi.cuda_include_dir()
+    if cuda_include is not None:
+        flags += ["-isystem", str(cuda_include)]
+    return subprocess.run([_ffi._compiler(), *flags, *defines, str(CUDA_SRC / "ffi" / source)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("source", _ffi.HANDLER_SOURCES)
+def test_handler_sources_compile_without_warnings(source):
+    defines = ("-DCUFLASH_FFI_WITH_CUDA=1",) if source == "cuda_program.cpp" else ()
+    if defines and _ffi.cuda_include_dir() is None:
+        pytest.skip("nvidia-cuda-runtime (cuda.h) is not installed")
+    result = _syntax_check(source, *defines)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cuda_handler_is_built_and_registered():
+    if _ffi.cuda_include_dir() is None:
+        pytest.skip("nvidia-cuda-runtime (cuda.h) is not installed")
+    _ffi.register_targets()
+    assert _ffi.has_cuda_handler()
+    assert {"cpu", "CUDA"} <= _ffi._registered_platforms
+
+
+def test_cuda_driver_is_loaded_lazily():
+    status = _ffi.cuda_driver_status()
+    if gpu_count():
+        assert status == ""
+    else:
+        # The library loaded and the CPU handler works; the CUDA one would report exactly this.
+        assert "libcuda.so.1" in status or "cuGetProcAddress" in status, status
+
+
+def test_library_is_cached():
+    first = _ffi.library_path()
+    assert first.exists() and first.parent.name == "jax_ffi"
+    assert _ffi.library_path() == first
+
+
+def test_cuda_handler_source_builds_without_the_cuda_header_too():
+    """Without cuda.h the library still builds; the CUDA platform is then simply not offered."""
+    result = _syntax_check("cuda_program.cpp")
+    assert result.returncode == 0, result.stderr
