@@ -392,3 +392,19 @@ def test_unregistered_kernel_at_run_time_names_the_kernel():
         jax.jit(lambda q, k, v: cfj.attention(q, k, v)).lower(q, k, v)  # a new lowering registers it again
     assert _ffi.sim_kernel_registered(name)
     np.testing.assert_allclose(np.asarray(compiled(q, k, v)), cuflash.attention(q, k, v), rtol=1e-6)
+
+
+def test_vmap_splits_the_mapped_axis_when_the_folded_batch_exceeds_the_grid_limit(monkeypatch):
+    """grid.z holds the batch (<= 65535 on CUDA): a mapped axis folding past it is split into chunks that fit."""
+    from cuflash import _validation
+
+    monkeypatch.setattr(_validation, "MAX_GRID_YZ", 4)  # batch 2: chunks of 2 mapped elements
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((5, 2, 6, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((5, 2, 8, 1, 32)).astype(np.float32)
+    f = jax.jit(jax.vmap(lambda q, k: cfj.attention(q, k, k)))
+    calls = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", f.lower(q, k).as_text())
+    assert sorted(_grid_of(c)[2] for c in calls) == [2, 4, 4]  # 2 + 2 + 1 mapped elements, times batch 2
+    out = f(q, k)
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(cfj.attention(q[i], k[i], k[i])))
