@@ -49,13 +49,14 @@
 //   kernel 3 reads every slice a row touched instead of one: + 4 d bytes per row per extra
 //   slice. Nothing else changes (same tiles, no semaphores, no serialisation).
 //
-// Tiles (Python table, cuflash/kernels/families/fa2.py): BlockM = 32 rows per Q step,
-// BlockN = 64 keys up to head dim 128 and 32 above; 8 warps where the thread tiles divide
-// evenly (head dims 64, 128, 256), 4 otherwise. FA2's head-dim-128 backward uses 64 x 128
-// with 8 warps and 16-bit tiles; this SIMT version keeps every tile in float32 shared memory
-// (K, V, Q, dO, P, dS), so the tiles are halved to fit 119 KB at head dim 128 and 142 KB at
-// 256 (sm_80 allows 163 KB), and each thread's dK + dV slice (2 * BlockN * D / threads floats)
-// stays at 64 registers or less at head dims 64 and 128.
+// Tiles (Python table, cuflash/kernels/families/fa2.py), BlockM x BlockN (Q step x K/V block):
+// 32 x 64 up to head dim 128 (8 warps at 64 and 128, 4 at 32 and 96 where 256 threads do not
+// tile dK/dV evenly), 16 x 64 with 8 warps at 192, 32 x 32 with 8 warps at 256. FA2's
+// head-dim-128 backward uses 64 x 128 with 8 warps and 16-bit tiles; this SIMT version keeps
+// every tile in float32 shared memory (K, V, Q, dO, P, dS), so the tiles are halved to fit
+// 119 KB at head dim 128, 134 KB at 192 and 142 KB at 256 (sm_80 allows 163 KB), and each
+// thread's dK + dV slice (2 * BlockN * D / threads floats) stays at 64 registers at head dims
+// 64..128 (96 at 96 and 192, where the dQ tile is kept small instead).
 //
 // Shared memory (floats): K, V [BlockN][D+4]; Q, dO [BlockM][D+4]; P, dS [BlockM][BlockN+4];
 // lse2, D [BlockM].

@@ -197,8 +197,10 @@ __global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const Attention
         const float new_max = fmaxf(row_max[i], block_max);
         // A row with no visible key so far keeps new_max = -inf: use 0 so p = exp2(-inf) = 0.
         const float max_scaled = new_max == fa2::neg_inf() ? 0.f : new_max * scale_log2;
+        // l and O are sums relative to the rounded offset max_scaled; moving them to the new offset
+        // uses the difference of the two offsets actually used, so l stays exactly relative to it.
         const float correction =
-            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(fmaf(row_max[i], scale_log2, -max_scaled));
+            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(row_max[i] * scale_log2 - max_scaled);
         row_max[i] = new_max;
         float sum = 0.f;
 #pragma unroll
@@ -244,7 +246,15 @@ __global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const Attention
       for (int e = 0; e < 4; ++e) o[e] = acc_o[i][j][e] * inv_l;
       fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
     }
-    if (lane_col == 0) arch::store(lse + row, l > 0.f ? fmaf(row_max[i], p.softmax_scale, logf(l)) : fa2::neg_inf());
+    if (lane_col == 0) {
+      // l = sum 2^(s * scale_log2 - max_scaled) with max_scaled = m * scale_log2 rounded; the rounding
+      // residual r = m * scale_log2 - max_scaled (exact through the FMA) is taken out again in base e:
+      // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
+      const float max_scaled = row_max[i] * p.softmax_scale_log2;
+      const float residual = fmaf(row_max[i], p.softmax_scale_log2, -max_scaled);
+      const float row_lse = fmaf(row_max[i], p.softmax_scale, fmaf(-residual, fa2::kLn2, logf(l)));
+      arch::store(lse + row, l > 0.f ? row_lse : fa2::neg_inf());
+    }
   }
 }
 

@@ -12,6 +12,13 @@
 //    shared memory as float4, so one load feeds 4 (mma_nt: along k) or 4 x TM
 //    (mma_nn / mma_tn: along n) FMAs. These are the SIMT stand-ins for FA2's
 //    mma.sync tiles (a later issue replaces them with tensor-core fragments).
+//    The long reductions (mma_nt over the head dim, mma_nn over keys) sum in two
+//    levels, 4 products of one k-step first and then into the accumulator, as an
+//    MMA sums its k-slice before accumulating: one extra FADD per 4 FMAs halves
+//    the rounding-error growth of a single running sum, which float32 inputs
+//    (judged against a float32 BLAS yardstick) need. The k loops are not
+//    unrolled: each step already has TM x TN x 4 independent FMAs, and unrolling
+//    only raised register pressure (head dim 64 forward: 168 -> 160 registers).
 //
 // Shared-memory tiles are float32 row-major with a row stride of (width + 4)
 // floats. Why +4: the widths are multiples of 32 floats, so without padding the
@@ -36,6 +43,7 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 
 // log2(e): natural-log quantities (the saved LSE) times this are base-2 quantities.
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- causal geometry ---------------------------------------------------------------------
 // Causal is aligned to the bottom-right corner: query row i sees key j iff j <= i + seqlen_k - seqlen_q.
@@ -174,7 +182,7 @@ struct ThreadTile {
 template <int TM, int TN>
 __device__ __forceinline__ void mma_nt(float (&acc)[TM][TN], const float* a, int a_step, const float* b,
                                        int b_step, int k_extent) {
-#pragma unroll 2
+#pragma unroll 1
   for (int k = 0; k < k_extent; k += 4) {
     float4 av[TM], bv[TN];
 #pragma unroll
@@ -185,12 +193,11 @@ __device__ __forceinline__ void mma_nt(float (&acc)[TM][TN], const float* a, int
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
-        float s = acc[i][j];
-        s = fmaf(av[i].x, bv[j].x, s);
+        float s = av[i].x * bv[j].x;
         s = fmaf(av[i].y, bv[j].y, s);
         s = fmaf(av[i].z, bv[j].z, s);
         s = fmaf(av[i].w, bv[j].w, s);
-        acc[i][j] = s;
+        acc[i][j] += s;
       }
   }
 }
@@ -202,30 +209,32 @@ __device__ __forceinline__ void fma4(float (&acc)[4], float a, float4 b) {
   acc[3] = fmaf(a, b.w, acc[3]);
 }
 
-__device__ __forceinline__ float component(float4 v, int e) {
-  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
-}
-
 // acc[i][j][0..3] += sum_{k < K} A(i)[k] * B[k][chunk j], where A(i) = a + i * a_step is a
 // row contiguous along k and B[k][chunk j] = b + k * ldb + j * b_chunk_step is a float4.
+// Summed in two levels, like mma_nt: 4 products of one k-step first, then into acc.
 template <int TM, int TC, int K>
 __device__ __forceinline__ void mma_nn(float (&acc)[TM][TC][4], const float* a, int a_step, const float* b,
                                        int ldb, int b_chunk_step) {
   static_assert(K % 4 == 0, "reduction in steps of 4");
-#pragma unroll 2
+#pragma unroll 1
   for (int k = 0; k < K; k += 4) {
     float4 av[TM];
 #pragma unroll
     for (int i = 0; i < TM; ++i) av[i] = lds4(a + i * a_step + k);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      float4 bv[TC];
+    for (int j = 0; j < TC; ++j) {
+      float4 bv[4];
 #pragma unroll
-      for (int j = 0; j < TC; ++j) bv[j] = lds4(b + (k + kk) * ldb + j * b_chunk_step);
+      for (int kk = 0; kk < 4; ++kk) bv[kk] = lds4(b + (k + kk) * ldb + j * b_chunk_step);
 #pragma unroll
-      for (int i = 0; i < TM; ++i)
+      for (int i = 0; i < TM; ++i) {
+        float part[4] = {av[i].x * bv[0].x, av[i].x * bv[0].y, av[i].x * bv[0].z, av[i].x * bv[0].w};
+        fma4(part, av[i].y, bv[1]);
+        fma4(part, av[i].z, bv[2]);
+        fma4(part, av[i].w, bv[3]);
 #pragma unroll
-        for (int j = 0; j < TC; ++j) fma4(acc[i][j], component(av[i], kk), bv[j]);
+        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[e];
+      }
     }
   }
 }
@@ -235,7 +244,7 @@ __device__ __forceinline__ void mma_nn(float (&acc)[TM][TC][4], const float* a, 
 template <int TCM, int TCN, int K>
 __device__ __forceinline__ void mma_tn(float (&acc)[TCM][4][TCN][4], const float* a, int lda, int a_chunk_step,
                                        const float* b, int ldb, int b_chunk_step) {
-#pragma unroll 2
+#pragma unroll 1
   for (int k = 0; k < K; ++k) {
     float4 av[TCM], bv[TCN];
 #pragma unroll

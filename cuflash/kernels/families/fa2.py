@@ -175,7 +175,7 @@ BACKWARD_TRAITS = {
     64: BackwardTraits(64, block_m=32, block_n=64, warps=8),
     96: BackwardTraits(96, block_m=32, block_n=64, warps=4),
     128: BackwardTraits(128, block_m=32, block_n=64, warps=8),
-    192: BackwardTraits(192, block_m=32, block_n=32, warps=4),
+    192: BackwardTraits(192, block_m=16, block_n=64, warps=8),
     256: BackwardTraits(256, block_m=32, block_n=32, warps=8),
 }
 assert tuple(FORWARD_TRAITS) == HEAD_DIMS and tuple(BACKWARD_TRAITS) == HEAD_DIMS

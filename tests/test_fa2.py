@@ -1,0 +1,425 @@
+"""FlashAttention-2 (algorithm="fa2") on the CPU simulator.
+
+* Forward and backward against the float64 reference with FlashAttention's tolerance rule (factor 2 forward, 3
+  gradients, +1e-5 absolute for causal gradients), over float32 / float16 / bfloat16, FA2's odd sequence-length
+  pairs, every compiled head dim and head dims between them (1 .. 256, run on the next compiled one), MHA / GQA /
+  MQA, causal with seqlen_q < and > seqlen_k (rows that see no key: out 0, lse -inf, zero dq), both backward modes.
+* Large logits (|q.k| * scale up to 1e4 in float32): finite and within tolerance.
+* Zero-length sequences through the launch plans directly (the public API short-circuits them).
+* Global traffic of every launch, byte for byte, against the kernels' formulas (fa2.forward_traffic /
+  backward_traffic), against FA2's closed form (Q once, K and V once per Q block, O and lse once), and the causal
+  block skip (blocks above the diagonal are not read).
+* Forward bitwise identical across reruns; deterministic backward bitwise identical across reruns, with its dq
+  slices left unfilled (NaN) so a read of an unwritten slice element would show.
+* Launch-shape guards (too little shared memory, wrong block size trap), traits validation, and NVRTC builds for
+  sm_80 / sm_90 without spills.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.testing import numpy_dtype, random_qkv
+from cuflash import sim
+from cuflash._tolerance import (
+    BACKWARD_FACTOR,
+    FORWARD_FACTOR,
+    backward_references,
+    check_close,
+    forward_references,
+)
+from cuflash.backends.program import run_program
+from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels.families import fa2
+from cuflash.kernels.plans import LaunchPlan, Problem, Program
+
+DTYPES = ("float32", "float16", "bfloat16")
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): lengths from FA2's own sweep (113/203, 128/217,
+# 108/256, 1/239, ...), none a tile multiple unless said, and head dims on and between the compiled sizes.
+SHAPES = {
+    "gqa_113_203_d40": (1, 113, 203, 4, 2, 40),  # GQA 2:1, head dim 40 runs on the 64 kernel
+    "mqa_tall_d72": (1, 150, 77, 3, 1, 72),  # MQA, seqlen_q > seqlen_k: causal leaves 73 rows without a key
+    "mha_aligned_d64": (2, 128, 128, 2, 2, 64),  # every length a tile multiple
+    "one_query_d128": (1, 1, 239, 2, 1, 128),  # decoding-like single row
+    "mha_108_256_d96": (1, 108, 256, 2, 2, 96),
+    "d160_on_192": (1, 47, 90, 2, 1, 160),  # head dim between compiled sizes
+    "wide_head_d256": (1, 37, 70, 2, 2, 256),  # the largest head dim
+    "head_dim_1": (1, 17, 9, 2, 2, 1),  # the smallest head dim, seqlen_q > seqlen_k
+    "d33_128_217": (1, 128, 217, 1, 1, 33),  # ragged head dim: element-wise tail loads
+}
+
+
+def _cases():
+    """Every shape causal and not; dtypes rotate so every dtype meets every kind of shape across the tests; the
+    scale is non-default on some cases."""
+    cases = []
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        for causal in (False, True):
+            dtype = DTYPES[(i + causal) % 3]
+            scale = 0.3 if i % 2 else None
+            cases.append(pytest.param(shape, dtype, causal, scale, id=f"{name}-{dtype}-{'causal' if causal else 'full'}"))
+    return cases
+
+
+CASES = _cases()
+
+
+def _inputs(shape, dtype, seed, magnitude=1.0):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, *shape, dtype="float32")
+    dout = rng.standard_normal(q.shape)
+    dt = numpy_dtype(dtype)
+    return (q * magnitude).astype(dt), (k * magnitude).astype(dt), v.astype(dt), dout.astype(dt)
+
+
+def _no_key_rows(seqlen_q, seqlen_k, causal):
+    rows = np.arange(seqlen_q)
+    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)
+
+
+def _check_forward(q, k, v, out, lse, causal, scale):
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    ref = forward_references(q, k, v, causal=causal, softmax_scale=scale)
+    check_close("out", out, ref.out, ref.out_lowp, FORWARD_FACTOR)
+    check_close("lse", lse, ref.lse, ref.lse_lowp, FORWARD_FACTOR)
+    empty = _no_key_rows(q.shape[1], k.shape[1], causal)
+    assert np.all(out.astype(np.float32)[:, empty] == 0)
+    assert np.all(lse[:, :, empty] == -np.inf)
+
+
+def _check_backward(dout, q, k, v, grads, causal, scale):
+    dq, dk, dv = grads
+    assert (dq.dtype, dk.dtype, dv.dtype) == (q.dtype, k.dtype, v.dtype)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    ref = backward_references(dout, q, k, v, causal=causal, softmax_scale=scale)
+    atol = 1e-5 if causal else 0.0
+    check_close("dq", dq, ref.dq, ref.dq_lowp, BACKWARD_FACTOR, atol)
+    check_close("dk", dk, ref.dk, ref.dk_lowp, BACKWARD_FACTOR, atol)
+    check_close("dv", dv, ref.dv, ref.dv_lowp, BACKWARD_FACTOR, atol)
+    empty = _no_key_rows(q.shape[1], k.shape[1], causal)
+    assert np.all(dq.astype(np.float32)[:, empty] == 0)
+
+
+@pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
+def test_forward_matches_reference(shape, dtype, causal, scale):
+    q, k, v, _ = _inputs(shape, dtype, seed=1)
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa2", return_lse=True)
+    _check_forward(q, k, v, out, lse, causal, scale)
+
+
+@pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
+def test_backward_matches_reference(shape, dtype, causal, scale):
+    q, k, v, dout = _inputs(shape, dtype, seed=2)
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa2", return_lse=True)
+    # Both dq modes on every case: atomics into one slice, and one slice per K/V block.
+    for deterministic in (False, True):
+        grads = cuflash.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, algorithm="fa2", deterministic=deterministic
+        )
+        _check_backward(dout, q, k, v, grads, causal, scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits_stay_finite_and_accurate(dtype, causal):
+    """|q.k| * scale reaches about 1e4: the online softmax must neither overflow nor lose the maximum, and the
+    backward must not turn exp2(s * scale_log2 - lse * log2 e) into inf or NaN.
+
+    The forward meets the usual rule. The backward recomputes P from the saved float32 lse (FA2 saves nothing
+    else), and a float32 number of magnitude L is only known to L * 2^-24: P carries that much relative error
+    whatever the kernel does. The float32 yardstick never forms an lse (it keeps P from the forward), so for
+    float32 inputs the gradients get that inherent term as an absolute allowance on top of the rule:
+    max|lse| * 2^-23 * max|gradient|. For bfloat16 the input rounding dwarfs it and the plain rule applies."""
+    shape = (1, 70, 90, 2, 1, 64)
+    q, k, v, dout = _inputs(shape, dtype, seed=3, magnitude=50.0)
+    scale = 1.0 / math.sqrt(shape[-1])
+    logits = np.einsum("bihd,bjd->bhij", q.astype(np.float64), k.astype(np.float64)[:, :, 0]) * scale
+    assert 5e3 < np.abs(logits).max() < 2e4
+    out, lse = cuflash.attention(q, k, v, causal=causal, algorithm="fa2", return_lse=True)
+    _check_forward(q, k, v, out, lse, causal, None)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, algorithm="fa2", deterministic=True)
+    for grad in grads:
+        assert np.all(np.isfinite(grad.astype(np.float32)))
+    if dtype != "float32":
+        _check_backward(dout, q, k, v, grads, causal, None)
+        return
+    ref = backward_references(dout, q, k, v, causal=causal)
+    lse_resolution = float(np.abs(lse[np.isfinite(lse)]).max()) * 2.0**-23
+    assert lse_resolution > 1e-4  # the regime this test is about
+    for name, grad, ref64, lowp in zip(("dq", "dk", "dv"), grads, ref[:3], ref[3:]):
+        allowance = lse_resolution * float(np.abs(ref64).max()) + (1e-5 if causal else 0.0)
+        check_close(name, grad, ref64, lowp, BACKWARD_FACTOR, allowance)
+
+
+def test_packed_qkv_views_with_odd_strides():
+    """q, k, v as views into one packed (batch, seqlen, 3, heads, headdim) array: row strides are 3 * heads *
+    headdim elements, and with headdim 37 no row start is 8/16-byte aligned past the first, so every access takes
+    the element-wise path of the chunk loads/stores."""
+    rng = np.random.default_rng(4)
+    packed = rng.standard_normal((2, 61, 3, 2, 37)).astype(np.float16)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa2", return_lse=True)
+    _check_forward(q, k, v, out, lse, True, None)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, algorithm="fa2")
+    _check_backward(dout, q, k, v, grads, True, None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running programs directly: zero lengths, scratch, traffic.
+
+
+def _problem(q, k, causal, deterministic=False):
+    batch, seqlen_q, nheads, headdim = q.shape
+    return Problem(
+        dtype=np.dtype(q.dtype).name,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1],
+        nheads=nheads,
+        nheads_k=k.shape[2],
+        headdim=headdim,
+        causal=causal,
+        deterministic=deterministic,
+    )
+
+
+def _run_forward(q, k, v, causal, scale, program=None):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal)
+    out = backend.empty(q.shape, q.dtype)
+    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+    program = program or fa2.forward_program(problem)
+    run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    return out, lse
+
+
+def _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=False):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal, deterministic)
+    grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
+    scratch = run_program(backend, fa2.backward_program(problem), problem, scale, arrays)
+    return grads["dq"], grads["dk"], grads["dv"], scratch
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(0, 19), (23, 0), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
+    """out = 0 and lse = -inf when there is no key (the forward still runs its Q blocks, reading nothing); zero
+    dk/dv when there is no query (the backward still runs its K/V blocks); empty grids launch nothing."""
+    q, k, v, dout = _inputs((2, seqlen_q, seqlen_k, 2, 1, 33), "float16", seed=5)
+    with sim.record() as records:
+        out, lse = _run_forward(q, k, v, causal, 0.2)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    assert sum(r.global_bytes_read for r in records.launches) == 0
+    for deterministic in (False, True):
+        dq, dk, dv, _ = _run_backward(dout, q, k, v, out, lse, causal, 0.2, deterministic)
+        for grad in (dq, dk, dv):
+            assert np.all(grad == 0)
+
+
+def test_dout_dot_out_and_deterministic_slices():
+    """D = rowsum(dO * O) lands in dout_dot_out; in deterministic mode dq_accum has one slice per K/V block, left
+    unfilled (NaN) by the program, and slice j holds exactly K/V block j's unscaled dQ for the rows that see it."""
+    causal, scale = True, 0.25
+    shape = (1, 70, 150, 2, 1, 24)
+    q, k, v, dout = _inputs(shape, "float32", seed=6)
+    out, lse = _run_forward(q, k, v, causal, scale)
+    problem = _problem(q, k, causal, deterministic=True)
+    block_n = fa2.backward_traits(24).block_n
+    program = fa2.backward_program(problem)
+    assert program.num_dq_splits == math.ceil(150 / block_n) > 1
+    assert [s.zero_init for s in program.scratch if s.name == "dq_accum"] == [False]
+    dq, _, _, scratch = _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
+
+    d = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out.astype(np.float64))
+    np.testing.assert_allclose(scratch["dout_dot_out"], d, rtol=1e-5, atol=1e-5)
+
+    # float64 dS from the kernel's own lse and D, then each K/V block's share of dS K.
+    group = shape[3] // shape[4]
+    k64 = np.repeat(k.astype(np.float64), group, axis=2)
+    v64 = np.repeat(v.astype(np.float64), group, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k64) * scale
+    rows, keys = np.arange(shape[1])[:, None], np.arange(shape[2])[None, :]
+    visible = keys <= rows + shape[2] - shape[1]
+    p = np.where(visible, np.exp(s - lse[..., None].astype(np.float64)), 0.0)
+    dp = np.einsum("bihd,bjhd->bhij", dout.astype(np.float64), v64)
+    ds = p * (dp - scratch["dout_dot_out"][..., None])
+    accum = scratch["dq_accum"]
+    for j in range(program.num_dq_splits):
+        keys_j = slice(j * block_n, (j + 1) * block_n)
+        part = np.einsum("bhij,bjhd->bihd", ds[..., keys_j], k64[:, keys_j])
+        sees_block = visible[:, j * block_n]  # the rows whose slice j is read back
+        np.testing.assert_allclose(accum[j][:, sees_block], part[:, sees_block], rtol=1e-4, atol=1e-5)
+    # The convert kernel: each row's slices summed in slice order in float32, then scaled; bit for bit.
+    expected = np.zeros(dq.shape, np.float32)
+    for j in range(program.num_dq_splits):
+        rows_j = visible[:, j * block_n]
+        expected[:, rows_j] += accum[j][:, rows_j]
+    assert np.array_equal(dq, expected * np.float32(scale))
+
+
+def _launch_traffic(records):
+    return [(r.global_bytes_read, r.global_bytes_written) for r in records.launches]
+
+
+def _expected(program, traffic):
+    """Per-launch traffic of the launches the runner actually issues (it skips empty grids)."""
+    assert len(program.launches) == len(traffic)
+    return [tuple(t) for plan, t in zip(program.launches, traffic) if not plan.is_empty]
+
+
+TRAFFIC_CASES = [
+    pytest.param((2, 100, 130, 4, 2, 48), "float16", False, id="gqa-half-full"),
+    pytest.param((1, 150, 77, 3, 1, 40), "bfloat16", True, id="mqa-bf16-causal-tall"),
+    pytest.param((1, 77, 150, 2, 2, 72), "float32", True, id="mha-f32-causal-wide"),
+    pytest.param((1, 130, 300, 2, 1, 128), "float16", True, id="gqa-half-causal-d128"),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, causal", TRAFFIC_CASES)
+def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
+    q, k, v, dout = _inputs(shape, dtype, seed=7)
+    problem = _problem(q, k, causal)
+    with sim.record() as forward_records:
+        out, lse = _run_forward(q, k, v, causal, 0.125)
+    assert _launch_traffic(forward_records) == _expected(fa2.forward_program(problem), [fa2.forward_traffic(problem)])
+    for deterministic in (False, True):
+        det_problem = _problem(q, k, causal, deterministic)
+        with sim.record() as backward_records:
+            _run_backward(dout, q, k, v, out, lse, causal, 0.125, deterministic)
+        assert _launch_traffic(backward_records) == _expected(
+            fa2.backward_program(det_problem), fa2.backward_traffic(det_problem)
+        )
+
+
+@pytest.mark.parametrize("dtype, headdim", [("float16", 64), ("float32", 100), ("bfloat16", 256)])
+def test_forward_traffic_is_fa2s_closed_form(dtype, headdim):
+    """Non-causal: Q read once, K and V once per Q block, O and lse written once; nothing else."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = 2, 150, 97, 4, 2
+    q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, seed=8)
+    with sim.record() as records:
+        _run_forward(q, k, v, False, 0.1)
+    es, block_m = ELEMENT_BYTES[dtype], fa2.forward_traits(headdim).block_m
+    q_blocks = math.ceil(seqlen_q / block_m)
+    reads = batch * nheads * (seqlen_q * headdim * es + 2 * q_blocks * seqlen_k * headdim * es)
+    writes = batch * nheads * seqlen_q * (headdim * es + 4)
+    assert _launch_traffic(records) == [(reads, writes)]
+
+
+def test_causal_forward_skips_blocks_above_the_diagonal():
+    """Causal, seqlen_q = seqlen_k = 4 x 64: Q block i reads K/V blocks 0..i only (whole blocks: it is the
+    block that crosses the diagonal that is masked, not loaded in part), i.e. 1 + 2 + 3 + 4 = 10 of 16."""
+    batch, seqlen, nheads, headdim = 1, 256, 2, 64
+    traits = fa2.forward_traits(headdim)
+    assert seqlen == 4 * traits.block_m == 4 * traits.block_n
+    q, k, v, _ = _inputs((batch, seqlen, seqlen, nheads, nheads, headdim), "float16", seed=9)
+    with sim.record() as causal_records:
+        _run_forward(q, k, v, True, 0.1)
+    with sim.record() as full_records:
+        _run_forward(q, k, v, False, 0.1)
+    tile = traits.block_n * headdim * 2  # bytes of one K (or V) block
+    q_bytes = batch * nheads * seqlen * headdim * 2
+    assert full_records.launches[0].global_bytes_read == q_bytes + batch * nheads * 16 * 2 * tile
+    assert causal_records.launches[0].global_bytes_read == q_bytes + batch * nheads * 10 * 2 * tile
+    assert causal_records.launches[0].global_bytes_written == full_records.launches[0].global_bytes_written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reproducibility.
+
+
+def test_forward_is_bitwise_reproducible():
+    q, k, v, _ = _inputs((4, 130, 150, 4, 2, 64), "bfloat16", seed=10)
+    first = cuflash.attention(q, k, v, causal=True, algorithm="fa2", return_lse=True)
+    for _ in range(2):
+        again = cuflash.attention(q, k, v, causal=True, algorithm="fa2", return_lse=True)
+        assert np.array_equal(first[0].view(np.uint16), again[0].view(np.uint16))
+        assert np.array_equal(first[1].view(np.uint32), again[1].view(np.uint32))
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    q, k, v, dout = _inputs((3, 97, 300, 4, 1, 40), "float16", seed=11)
+    out, lse = cuflash.attention(q, k, v, causal=False, algorithm="fa2", return_lse=True)
+    runs = [
+        cuflash.attention_backward(dout, q, k, v, out, lse, algorithm="fa2", deterministic=True) for _ in range(3)
+    ]
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch guards, traits and compilation.
+
+
+def test_kernels_trap_on_a_launch_shape_their_traits_do_not_fit():
+    q, k, v, dout = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=12)
+    problem = _problem(q, k, False)
+    (plan,) = fa2.forward_program(problem).launches
+    short = LaunchPlan(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes - 4)
+    with pytest.raises(sim.KernelError, match="fa2_forward_kernel"):
+        _run_forward(q, k, v, False, 0.1, program=Program(launches=(short,)))
+    wrong_block = LaunchPlan(plan.kernel, plan.grid, (plan.block[0] // 2, 1, 1), plan.dynamic_smem_bytes)
+    with pytest.raises(sim.KernelError, match="fa2_forward_kernel"):
+        _run_forward(q, k, v, False, 0.1, program=Program(launches=(wrong_block,)))
+    # The exact plan runs: the Python shared-memory formula is exactly the kernel's need.
+    _run_forward(q, k, v, False, 0.1)
+
+
+def test_backward_traps_with_too_little_shared_memory():
+    q, k, v, dout = _inputs((1, 40, 50, 1, 1, 128), "float32", seed=13)
+    problem = _problem(q, k, False)
+    program = fa2.backward_program(problem)
+    pre, main, convert = program.launches
+    short = LaunchPlan(main.kernel, main.grid, main.block, main.dynamic_smem_bytes - 4)
+    out, lse = _run_forward(q, k, v, False, 0.1)
+    backend = SimulatorBackend()
+    grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
+    with pytest.raises(sim.KernelError, match="fa2_backward_kernel"):
+        run_program(backend, Program((pre, short, convert), program.scratch, program.num_dq_splits), problem, 0.1, arrays)
+
+
+def test_traits_table_and_catalog():
+    assert fa2.HEAD_DIMS == (32, 64, 96, 128, 192, 256)
+    assert [fa2.compiled_head_dim(h) for h in (1, 32, 33, 64, 65, 96, 97, 128, 129, 192, 193, 256)] == [
+        32, 32, 64, 64, 96, 96, 128, 128, 192, 192, 256, 256
+    ]
+    for bad in (0, 257):
+        with pytest.raises(ValueError):
+            fa2.compiled_head_dim(bad)
+    # FA2's head-dim-64 forward keeps 4 warps; head dim 256 needs 8 warps to keep a thread's O slice small.
+    assert fa2.FORWARD_TRAITS[64].warps == fa2.FORWARD_TRAITS[128].warps == 4
+    names = [i.name_expr for i in fa2.instances()]
+    assert len(names) == len(set(names)) == 3 * (6 + 6 + 1 + 2)
+    for instance in fa2.instances():
+        smem = fa2.dynamic_smem_bytes(instance)
+        assert smem <= fa2.SM80_MAX_DYNAMIC_SMEM
+        assert (smem == 0) == ("dout_dot_out" in instance.name_expr or "convert_dq" in instance.name_expr)
+    with pytest.raises(ValueError):
+        fa2.ForwardTraits(64, block_m=64, block_n=48, warps=4)  # block_n not a multiple of 32
+    with pytest.raises(ValueError):
+        fa2.ForwardTraits(256, block_m=128, block_n=64, warps=4)  # far beyond sm_80's shared memory
+    with pytest.raises(ValueError):
+        fa2.BackwardTraits(96, block_m=32, block_n=64, warps=8)  # dK/dV tiles do not divide over 256 threads
+    with pytest.raises(KeyError):
+        fa2.dynamic_smem_bytes(fa2.ForwardTraits(64, 32, 32, 4).instance("float16"))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_instance_compiles_without_spills(arch):
+    from cuflash.kernels.nvrtc import compile_instance
+
+    for instance in fa2.instances():
+        resources = compile_instance(instance, arch).resources
+        assert resources.spill_store_bytes == resources.spill_load_bytes == 0, (instance, arch, resources)
+        assert resources.static_smem_bytes == 0, "shared memory is dynamic only"
