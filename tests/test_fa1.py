@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from conftest import numpy_dtype, random_qkv
+from cuflash.testing import numpy_dtype, random_qkv
 from cuflash import sim
 from cuflash._tolerance import BACKWARD_FACTOR, FORWARD_FACTOR, backward_references, check_close, forward_references
 from cuflash.backends.program import run_program
@@ -38,9 +38,10 @@ def _built_kernels():
     sim.precompile(fa1.instances())
 
 
-# (seqlen_q, seqlen_k): pairs that are not tile multiples, one row, seqlen_q > seqlen_k (causal leaves rows
-# without a key), and a pair of exact tile multiples for the compiled head dim 64 (Br = Bc = 48).
-SEQLENS = [(113, 203), (128, 217), (1, 239), (203, 113), (37, 37), (96, 144), (108, 256)]
+# (seqlen_q, seqlen_k): pairs that are not tile multiples and span several K/V blocks even for the widest
+# tiles (forward Bc = 320 at head dim 32), one row, seqlen_q > seqlen_k (causal leaves rows without a key),
+# a single tile, and exact tile multiples for head dim 64 (forward 64 x 160, backward 64 x 80).
+SEQLENS = [(113, 703), (128, 517), (1, 739), (603, 213), (37, 37), (128, 320), (108, 256)]
 # (batch, nheads, nheads_k)
 HEADS = [(1, 2, 2), (2, 4, 2), (1, 3, 1)]
 # Every compiled head dim and head dims that run on the next compiled one (predicated tail).
@@ -227,8 +228,9 @@ def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
 
 
 def test_rows_without_key_inside_a_visited_block():
-    """seqlen_q > seqlen_k, causal: the first Q block (Br = 48 at head dim 64) holds rows that see no key and
+    """seqlen_q > seqlen_k, causal: the first Q block (Br = 64 at head dim 64) holds rows that see no key and
     rows that do, so the no-key rows go through the online softmax with l = 0 at every visit."""
+    assert fa1.TILES[64][0].block_rows >= 60 and fa1.TILES[64][1].block_rows >= 60
     q, k, v, dout = _inputs((1, 60, 30, 2, 2, 64), "float32", seed=6)
     out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
     assert np.all(out[:, :30] == 0) and np.all(lse[:, :, :30] == -np.inf)
@@ -240,9 +242,9 @@ def test_rows_without_key_inside_a_visited_block():
 
 
 TRAFFIC_CASES = [
-    pytest.param((1, 113, 203, 2, 1, 40), "float16", False, id="gqa-odd-f16"),
-    pytest.param((2, 203, 113, 3, 1, 64), "bfloat16", True, id="mqa-tall-causal-bf16"),
-    pytest.param((1, 128, 217, 2, 2, 128), "float32", True, id="mha-causal-f32"),
+    pytest.param((1, 113, 703, 2, 1, 40), "float16", False, id="gqa-odd-f16"),
+    pytest.param((2, 603, 213, 3, 1, 64), "bfloat16", True, id="mqa-tall-causal-bf16"),
+    pytest.param((1, 200, 517, 2, 2, 128), "float32", True, id="mha-causal-f32"),
     pytest.param((1, 1, 239, 2, 2, 256), "float16", False, id="one-query-d256"),
     pytest.param((1, 37, 0, 2, 1, 32), "float32", True, id="no-keys"),
     pytest.param((1, 0, 37, 2, 1, 32), "float32", False, id="no-queries"),
@@ -269,19 +271,22 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
 
 
 def test_traffic_follows_algorithm_1_by_hand():
-    """One case from the paper's terms, independent of fa1.forward_traffic: N = 96, d = 64, float16, one head;
-    Br = Bc = 48, so Tc = 2 K/V blocks and every Q block visits both.
+    """One case from the paper's terms, independent of fa1.forward_traffic: N = 320, d = 64, float16, one head.
+    Forward Br = 64, Bc = 160: Tc = 2 K/V blocks, and every Q block visits both.
       read:    K, V once (2 N d 2 bytes) + per K/V block, Q (N d 2) and O, l, m (N (d + 2) 4)
       written: O, l, m after the first K/V block; out (N d 2) and lse (N 4) after the last."""
-    n, d, tc = 96, 64, 2
+    n, d = 320, 64
+    assert (fa1.TILES[d][0].block_rows, fa1.TILES[d][0].block_cols) == (64, 160)
+    tc = 2
     expected_read = 2 * n * d * 2 + tc * (n * d * 2 + n * (d + 2) * 4)
     expected_written = (tc - 1) * n * (d + 2) * 4 + n * d * 2 + n * 4
     q, k, v, dout = _inputs((1, n, n, 1, 1, d), "float16", seed=8)
     with sim.record() as rec:
         out, lse = cuflash.attention(q, k, v, algorithm="fa1", return_lse=True)
     assert [(r.global_bytes_read, r.global_bytes_written) for r in rec.launches] == [(expected_read, expected_written)]
-    # Backward, Br = Bc = 24: Tc = 4. K, V once; per K/V block Q, O, dO (3 N d 2), lse (N 4), dQ (N d 4) read and
-    # dQ written (float32 but the last time, as dq); dK, dV written once.
+    # Backward, Br = 64, Bc = 80: Tc = 4. K, V once; per K/V block Q, O, dO (3 N d 2), lse (N 4), dQ (N d 4) read
+    # and dQ written (float32 but the last time, as dq); dK, dV written once.
+    assert (fa1.TILES[d][1].block_rows, fa1.TILES[d][1].block_cols) == (64, 80)
     tc = 4
     expected_read = 2 * n * d * 2 + tc * (3 * n * d * 2 + n * 4 + n * d * 4)
     expected_written = (tc - 1) * n * d * 4 + n * d * 2 + 2 * n * d * 2
@@ -294,14 +299,15 @@ def test_output_statistics_traffic_grows_with_kv_blocks():
     """FA1's signature, measured: O, l, m are read and written once per K/V block, so at fixed seqlen_q the
     forward's traffic beyond reading Q (once per K/V block), K and V grows by a read and a write of O, l, m
     (2 N (d + 2) 4 bytes) with every K/V block added. (FA2 keeps them on chip and stays flat.)"""
-    n, d = 48, 64
+    n, d = 64, 64
+    block_cols = fa1.TILES[d][0].block_cols
     extra = []
     for tc in (1, 2, 3):
-        q, k, v, _ = _inputs((1, n, tc * 48, 1, 1, d), "float16", seed=11)
+        q, k, v, _ = _inputs((1, n, tc * block_cols, 1, 1, d), "float16", seed=11)
         with sim.record() as rec:
             cuflash.attention(q, k, v, algorithm="fa1")
         (launch,) = rec.launches
-        q_k_v = tc * n * d * 2 + 2 * tc * 48 * d * 2
+        q_k_v = tc * n * d * 2 + 2 * tc * block_cols * d * 2
         extra.append(launch.global_bytes_read + launch.global_bytes_written - q_k_v)
     assert extra[1] - extra[0] == extra[2] - extra[1] == 2 * n * (d + 2) * 4
 
@@ -311,7 +317,7 @@ def _bits(x):
 
 
 def test_forward_and_backward_are_bitwise_reproducible():
-    q, k, v, dout = _inputs((2, 130, 150, 4, 2, 64), "bfloat16", seed=9)
+    q, k, v, dout = _inputs((2, 130, 350, 4, 2, 64), "bfloat16", seed=9)
     first = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
     grads = cuflash.attention_backward(dout, q, k, v, *first, causal=True, algorithm="fa1")
     for _ in range(2):
@@ -327,9 +333,9 @@ def test_tiles_follow_the_paper_rule():
         assert (backward.block_rows, backward.block_cols) == fa1.paper_block_sizes(
             head_dim, fa1.BACKWARD_BUDGET_FLOATS
         )
-        assert forward.smem_bytes <= 48 * 1024 and backward.smem_bytes <= 48 * 1024
+        assert forward.smem_bytes <= 163 * 1024 and backward.smem_bytes <= 163 * 1024  # sm_80's opt-in maximum
     with pytest.raises(ValueError):
-        fa1.Fa1Tile(64, 48, 400, backward=False)  # far past 48 KiB of shared memory
+        fa1.Fa1Tile(64, 64, 400, backward=False)  # past 163 KiB of shared memory
     with pytest.raises(ValueError):
         fa1.Fa1Tile(64, 129, 8, backward=False)  # more rows than threads
     assert [fa1.compiled_head_dim(x) for x in (1, 32, 33, 150, 256)] == [32, 32, 64, 160, 256]

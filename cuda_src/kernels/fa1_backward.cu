@@ -13,7 +13,8 @@
 // Work partition
 //   fa1_backward_kernel: grid = (nheads, batch), one thread block per (b, h);
 //   block = 128 threads, SIMT float32 math; tiles Br x Bc over the compiled HeadDim
-//   (the paper's rule, evaluated per head dim by the launch plan).
+//   (the paper's rule with M = 20480 floats, since this kernel keeps six d-wide tiles
+//   to the forward's three; a fixed table in the launch plan; head dim 64: Br = 64, Bc = 80).
 //   for j over K/V blocks:                                  (outer, Tc blocks)
 //     K_j, V_j -> shared memory (skipped if no Q block sees block j);
 //     dK~_j = dV~_j = 0 in shared memory

@@ -18,11 +18,11 @@ namespace cuflash {
 namespace fa1 {
 
 constexpr int kThreads = 128;
-// Both kernels keep <= 48 KiB of shared memory per block, so 3 blocks fit in an
-// sm_80 SM (164 KiB) and more on sm_90. Telling ptxas so lets it use up to
-// 65536 / (3 * 128) = 170 registers; without the hint it capped the forward at
-// 72 registers and spilled a few bytes on sm_80.
-constexpr int kMinBlocksPerSm = 3;
+// The launch plan gives both kernels up to 163 KiB of shared memory (the paper's
+// M as large as an sm_80 block may have), so one block is resident per SM.
+// Saying so lets ptxas use the registers it needs: with no minimum-blocks hint it
+// capped the forward at 72 registers and spilled a few bytes on sm_80.
+constexpr int kMinBlocksPerSm = 1;
 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 

@@ -16,7 +16,8 @@
 //   launch plan runs head dim d on the smallest compiled HeadDim >= d; columns
 //   d..HeadDim-1 are zero in shared memory and never touch global memory).
 //   Br, Bc come from the paper's rule Bc = ceil(M / 4d), Br = min(Bc, d), evaluated
-//   per compiled head dim by the launch plan (cuflash/kernels/families/fa1.py).
+//   per compiled head dim with M = 40960 floats (160 KiB) into a fixed table in the
+//   launch plan (cuflash/kernels/families/fa1.py); e.g. head dim 64: Br = 64, Bc = 160.
 //   for j over K/V blocks seen by some Q block:            (outer, Tc blocks)
 //     K_j, V_j -> shared memory
 //     for i over Q blocks that see block j:                (inner, Tr blocks)
