@@ -109,7 +109,7 @@ def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
     cxx = compiler()
     kernel_flags, runtime_flags, link_flags = _MODE_FLAGS[mode]
     parts = [
-        "cuflash-sim-lib-v1",
+        "cuflash-sim-lib-v2",
         mode,
         compiler_identity(cxx),
         " ".join(_COMMON_FLAGS + kernel_flags + runtime_flags + link_flags),
@@ -266,24 +266,35 @@ def attention_params_fields() -> list[tuple[str, str]]:
 # ---- building ------------------------------------------------------------------------------
 
 
-def _runtime_objects(mode: str, workdir: Path) -> list[Path]:
-    """The runtime objects of a mode, from the cache or freshly compiled."""
-    _, runtime_flags, _ = _MODE_FLAGS[mode]
+def _runtime_library(mode: str) -> Path:
+    """The runtime library of a mode (fibers, scheduler, checks), from the cache or freshly built.
+
+    One shared library per mode, so a process has one fiber-stack arena and one set
+    of fault handlers however many kernel libraries it loads (each committed stack
+    costs two memory mappings, and vm.max_map_count is finite).
+    """
+    _, runtime_flags, link_flags = _MODE_FLAGS[mode]
     cache = cache_dir("sim")
-    key = _key("cuflash-sim-runtime-v1", mode, compiler_identity(compiler()), " ".join(_COMMON_FLAGS + runtime_flags),
-               _tree_hash(CUDA_SRC))
-    sources = [SIM_DIR / name for name in RUNTIME_SOURCES if (SIM_DIR / name).exists()]
-    targets = [cache / f"runtime-{mode}-{src.stem}-{key}.o" for src in sources]
-    if all(t.exists() for t in targets):
-        return targets
+    key = _key("cuflash-sim-runtime-v2", mode, compiler_identity(compiler()),
+               " ".join(_COMMON_FLAGS + runtime_flags + link_flags), _tree_hash(CUDA_SRC))
+    target = cache / f"libcuflash_sim_runtime-{mode}-{key}.so"
+    if target.exists():
+        return target
     with _locked(cache / f"runtime-{mode}-{key}.lock"):
-        if all(t.exists() for t in targets):
-            return targets
-        for src, target in zip(sources, targets):
-            tmp = workdir / target.name
-            _compile(src, tmp, runtime_flags, f"runtime {src.name}, mode {mode}")
-            os.replace(tmp, target)
-    return targets
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=cache, prefix="build-runtime-") as tmp:
+            workdir = Path(tmp)
+            objects = []
+            for name in RUNTIME_SOURCES:
+                obj = workdir / (Path(name).stem + ".o")
+                _compile(SIM_DIR / name, obj, runtime_flags, f"runtime {name}, mode {mode}")
+                objects.append(str(obj))
+            tmp_lib = workdir / target.name
+            _run([compiler(), *_COMMON_FLAGS, "-shared", f"-Wl,-soname,{target.name}", "-o", str(tmp_lib), *objects,
+                  *link_flags], f"link {target.name}")
+            os.replace(tmp_lib, target)
+    return target
 
 
 def library_path(mode: str, instances: Sequence[KernelInstance]) -> Path:
@@ -332,16 +343,17 @@ def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, t
 
     workers = max(1, min(len(jobs) + 1, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        runtime_future = pool.submit(_runtime_objects, mode, workdir)
+        runtime_future = pool.submit(_runtime_library, mode)
         futures = [pool.submit(_compile, src, obj, flags, what) for src, obj, flags, what in jobs]
         for future in futures:
             future.result()
-        runtime_objects = runtime_future.result()
+        runtime = runtime_future.result()
 
+    # The runtime sits beside the kernel library in the cache: found through $ORIGIN.
     tmp_lib = workdir / target.name
     _run(
-        [compiler(), *_COMMON_FLAGS, "-shared", "-o", str(tmp_lib), *[str(j[1]) for j in jobs],
-         *[str(o) for o in runtime_objects], *link_flags],
+        [compiler(), *_COMMON_FLAGS, "-shared", "-o", str(tmp_lib), *[str(j[1]) for j in jobs], str(runtime),
+         "-Wl,-rpath,$ORIGIN", *link_flags],
         f"link {target.name}",
     )
     os.replace(tmp_lib, target)

@@ -249,10 +249,14 @@ __forceinline__ ThreadView* current_thread() {
 }
 
 // ---- runtime entry points (sim_runtime.cpp) ----
-void sync_threads(const Site& site);
-[[noreturn]] void trap(const Site& site);
-[[noreturn]] void fail(const char* message);
-[[noreturn]] void global_access_failed(const void* address, unsigned bytes, bool is_write, const char* why);
+// The runtime is one shared library per checking mode, loaded once per process
+// (one fiber-stack arena, one set of signal handlers); kernel libraries link to it.
+// Everything else is built with -fvisibility=hidden.
+#define CUFLASH_SIM_API __attribute__((visibility("default")))
+CUFLASH_SIM_API void sync_threads(const Site& site);
+[[noreturn]] CUFLASH_SIM_API void trap(const Site& site);
+[[noreturn]] CUFLASH_SIM_API void fail(const char* message);
+[[noreturn]] CUFLASH_SIM_API void global_access_failed(const void* address, unsigned bytes, bool is_write, const char* why);
 
 // A warp collective: every lane of `mask` deposits `in` and blocks until all of them
 // have arrived at the same site with the same mask and the same operation; then one
@@ -269,8 +273,8 @@ enum CollectiveFlags : unsigned {
   kCollectiveNone = 0,
   kCollectiveOrdersMemory = 1,  // __syncwarp: orders the named lanes' memory accesses
 };
-void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsigned flags, const void* in,
-                     unsigned in_bytes, void* out, unsigned out_bytes);
+CUFLASH_SIM_API void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsigned flags,
+                                     const void* in, unsigned in_bytes, void* out, unsigned out_bytes);
 
 // Global memory: find the registered buffer holding [p, p + bytes), else fail.
 __forceinline__ void check_global(const BlockView* block, const void* p, unsigned bytes, bool is_write) {
@@ -287,7 +291,7 @@ __forceinline__ void check_global(const BlockView* block, const void* p, unsigne
   global_access_failed(p, bytes, is_write, "out of bounds");
 }
 
-void atomic_add_f32(float* p, float v);
+CUFLASH_SIM_API void atomic_add_f32(float* p, float v);
 
 // ---- warp collectives on values ----
 template <class T>
@@ -383,7 +387,8 @@ __forceinline__ unsigned vote(const Site& site, unsigned mask, int predicate) {
 // ---- launching (called by generated launcher TUs) ----
 using LaunchRequest = ::cuflash_sim_launch_request;  // the C ABI struct of sim_abi.h
 using KernelThunk = void (*)(const void* kernel, const void* params);
-int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, unsigned long long params_size);
+CUFLASH_SIM_API int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel,
+                               unsigned long long params_size);
 
 template <class P>
 void kernel_thunk(const void* kernel, const void* params) {

@@ -3,7 +3,8 @@
 // How accesses reach us: kernel translation units are compiled with
 // -fsanitize=thread, so GCC calls __tsan_read4(addr), __tsan_write8(addr), ... for
 // every memory access. This file (compiled without instrumentation, like the rest of
-// the runtime) defines those hooks itself; no ThreadSanitizer runtime is loaded.
+// the runtime) defines those hooks itself and the race-mode runtime library exports
+// them to the kernel libraries; no ThreadSanitizer runtime is loaded.
 // Accesses outside the running block's shared memory and the launch's buffers
 // (stacks, the simulator's own state) are ignored.
 //
@@ -296,7 +297,7 @@ void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address,
 }  // namespace cuflash::sim
 
 // ---- the hooks GCC's -fsanitize=thread instrumentation calls --------------------------------
-#define CUFLASH_HOOK extern "C" __attribute__((visibility("hidden")))
+#define CUFLASH_HOOK extern "C" __attribute__((visibility("default")))
 using cuflash::sim::on_access;
 
 CUFLASH_HOOK void __tsan_init() {}

@@ -33,6 +33,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
@@ -124,21 +125,36 @@ class StackArena {
   // Returns false when the arena is exhausted (too many concurrent blocks).
   bool acquire(std::vector<unsigned>& slots, unsigned count) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (bytes_ == 0) {
+      failure_ = "cannot reserve address space for fiber stacks";
+      return false;
+    }
     while (slots.size() < count) {
       unsigned slot;
       if (!free_.empty()) {
         slot = free_.back();
         free_.pop_back();
       } else {
-        if (next_ == kArenaSlots) return false;
-        slot = next_++;
-        if (mprotect(reinterpret_cast<void*>(slot_base(slot) + kPageBytes), kStackBytes - kPageBytes,
-                     PROT_READ | PROT_WRITE) != 0)
+        if (next_ == kArenaSlots) {
+          failure_ = "all fiber stack slots are in use (too many concurrent launches)";
           return false;
+        }
+        // Each committed slot is two mappings (guard + stack): vm.max_map_count
+        // bounds how many a process can have, so slots are reused, never unmapped.
+        if (mprotect(reinterpret_cast<void*>(slot_base(next_) + kPageBytes), kStackBytes - kPageBytes,
+                     PROT_READ | PROT_WRITE) != 0) {
+          failure_ = std::string("cannot commit a fiber stack: ") + strerror(errno);
+          return false;
+        }
+        slot = next_++;
       }
       slots.push_back(slot);
     }
     return true;
+  }
+  std::string failure() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failure_;
   }
   void release(std::vector<unsigned>& slots) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -159,6 +175,7 @@ class StackArena {
   }
   uintptr_t base_ = 0;
   uintptr_t bytes_ = 0;
+  std::string failure_;
   std::mutex mutex_;
   std::vector<unsigned> free_;
   unsigned next_ = 0;
@@ -861,7 +878,7 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
     worker_main(&launch, &pool[0]);
     for (std::thread& t : threads_running) t.join();
   } else {
-    launch.record_error(0, "simulator: out of fiber stack space (too many concurrent launches)");
+    launch.record_error(0, "simulator: " + StackArena::instance().failure());
   }
   for (Worker& w : pool) {
     StackArena::instance().release(w.slots);
