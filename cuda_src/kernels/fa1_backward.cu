@@ -30,6 +30,7 @@
 //         float32 dq_accum in global memory; the row block's last visit writes dq
 //         (element type) instead
 //     write dK_j = scale dK~_j, dV_j = dV~_j
+//   dq_accum is zero-filled by the program: Algorithm 4 line 6 (dQ = 0 in HBM).
 //   Within a block the Q-block updates of dQ are serial, so MHA needs no atomics.
 //
 //   GQA/MQA (nheads_k < nheads): several query-head blocks contribute to one dK/dV.
@@ -52,6 +53,9 @@
 //   Exponentials: as in the forward (natural-unit scores, fa1::exp_of_difference):
 //   P = exp2((scale q.k - lse) log2 e), with scale q.k computed exactly as the forward
 //   did, so a row the forward saw as one key (lse = m) gets P = 1 there again.
+//   What remains is the float32 rounding of the saved lse itself: row r of P sums
+//   to exp(eps_r), |eps_r| <= min(ulp(lse_r) / 2, log l_r), i.e. up to ~5e-4 for rows
+//   with |lse| ~ 1e4 that several keys share. Any backward fed a float32 lse has it.
 //
 // Cost (per launch; e = sizeof(T), d = headdim, B = batch, H = nheads, Hk = nheads_k)
 //   Tr, Tc, rows_i, n_i, V (visits), W (revisits) as in fa1_forward.cu;
@@ -64,8 +68,8 @@
 //               rows that see no block write dq = 0), dK_j, dV_j once per K/V block,
 //               g = e for MHA (dk, dv) and 4 for GQA (dk_accum, dv_accum)
 //   fa1_gqa_reduce_kernel (GQA only): read B H seqlen_k d 8, written B Hk seqlen_k d 2 e.
-//   FLOPs: 8 HeadDim Br Bc per visited tile pair (S, dP, dV~, dK~; dQ adds
-//   2 HeadDim Br Bc), i.e. 2.5x the forward's, plus one exponential per score.
+//   FLOPs: 10 HeadDim Br Bc per visited tile pair (S, dP, dV~, dK~ and dQ, 2 each),
+//   2.5x the forward's 4, plus one exponential per visible score.
 // Deterministic: no atomics anywhere, fixed summation orders.
 #include "fa1_common.cuh"
 
