@@ -7,6 +7,7 @@ Public API (other packages depend on these names):
     run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
     precompile(instances) build ahead of time (warms the cache)
     params_layout()       AttentionParams layout as g++ computes it
+    launch_entry_address(kernel)  C entry point for launching from native code (sim_abi.h)
     KernelError           raised for every kernel error and invalid launch
 """
 
@@ -18,6 +19,7 @@ from ._launch import (
     checking,
     current_mode,
     launch,
+    launch_entry_address,
     params_layout,
     precompile,
     record,
@@ -32,6 +34,7 @@ __all__ = [
     "checking",
     "current_mode",
     "launch",
+    "launch_entry_address",
     "params_layout",
     "precompile",
     "record",

@@ -63,6 +63,11 @@ def compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+def extra_flags() -> tuple[str, ...]:
+    """$CUFLASH_SIM_CXXFLAGS: extra flags for kernel TUs (e.g. "-O0 -g" to debug a kernel)."""
+    return tuple(shlex.split(os.environ.get("CUFLASH_SIM_CXXFLAGS", "")))
+
+
 @functools.lru_cache(maxsize=None)
 def compiler_identity(cxx: str) -> str:
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
@@ -112,10 +117,12 @@ def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
         "cuflash-sim-lib-v2",
         mode,
         compiler_identity(cxx),
-        " ".join(_COMMON_FLAGS + kernel_flags + runtime_flags + link_flags),
+        " ".join(_COMMON_FLAGS + kernel_flags + extra_flags() + runtime_flags + link_flags),
         _tree_hash(CUDA_SRC),
     ]
     for inst in sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr)):
+        if not inst.source_path.is_file():
+            raise BuildError(f"kernel source {inst.source_path} not found (instance {inst.name_expr})")
         parts += [str(inst.source_path), _file_hash(inst.source_path), inst.name_expr]
     return _key(*parts)
 
@@ -336,7 +343,8 @@ def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, t
     for i, (source, group) in enumerate(sorted(groups.items())):
         tu = workdir / f"kernels_{i}_{source.stem}.cpp"
         tu.write_text(_kernel_tu(source, group))
-        jobs.append((tu, tu.with_suffix(".o"), kernel_flags, f"{source.name} [{', '.join(g.name_expr for g in group)}]"))
+        jobs.append((tu, tu.with_suffix(".o"), kernel_flags + extra_flags(),
+                     f"{source.name} [{', '.join(g.name_expr for g in group)}]"))
     table = workdir / "table.cpp"
     table.write_text(_table_tu(instances))
     jobs.append((table, table.with_suffix(".o"), (), "launcher table"))

@@ -23,6 +23,7 @@ __all__ = [
     "current_mode",
     "precompile",
     "params_layout",
+    "launch_entry_address",
 ]
 
 
@@ -220,6 +221,18 @@ def launch(
         for recorder in _recorders:
             recorder.launches.append(rec)
     return rec
+
+
+def launch_entry_address(kernel: KernelInstance, mode: str | None = None) -> int:
+    """Address of ``int cuflash_sim_launch(const char* name_expr, cuflash_sim_launch_request*)``
+    in a loaded library that holds `kernel` (built at first use).
+
+    For callers that launch from C (the JAX FFI handler): fill a request as declared
+    in cuda_src/arch/sim/sim_abi.h and call the entry; a non-zero return means
+    request->error holds the message. The library stays loaded for the process.
+    """
+    lib = _library.library_for(mode or current_mode(), kernel)
+    return int(_library.ffi.cast("uintptr_t", lib.cuflash_sim_launch))
 
 
 def precompile(instances: Sequence[KernelInstance], modes: Sequence[str] | None = None) -> None:

@@ -31,6 +31,7 @@ def _launch_seconds(threads: int, iterations: int, repeats: int) -> float:
 
 def barrier_cost(threads: int, iterations: int = 20000, repeats: int = 5) -> float:
     """Seconds per __syncthreads() of a block of `threads` threads."""
+    _launch_seconds(threads, 1, 1)  # build or load the library, commit the fiber stacks
     empty = _launch_seconds(threads, 0, repeats)
     full = _launch_seconds(threads, iterations, repeats)
     return (full - empty) / iterations
