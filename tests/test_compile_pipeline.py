@@ -114,7 +114,7 @@ def test_compile_error_names_instance_and_arch_with_full_log(fresh_cache):
     assert nvrtc.compile_instance(probe("float_only_probe<float>"), "sm_90").resources.registers > 0
 
 
-def test_compile_error_pickles_for_worker_processes():
+def test_compile_error_pickles():
     import pickle
 
     error = nvrtc.CompileError(probe("x<1>"), "sm_80", "log text")
@@ -169,21 +169,29 @@ def test_cache_hit_in_another_process(fresh_cache):
 def test_source_edit_or_corrupt_entry_recompiles(fresh_cache, tmp_path):
     source = tmp_path / "kernels" / "probe.cu"
     source.parent.mkdir()
-    source.write_text(PROBES.read_text())
+    (source.parent / "neighbour.cuh").write_text("#pragma once\n#define PROBE_PADDING 0\n")
+    text = PROBES.read_text().replace("__shared__ T staging[Elements];", "__shared__ T staging[Elements + PROBE_PADDING];")
+    source.write_text('#include "neighbour.cuh"\n' + text)
     instance = probe("static_smem_probe<float, 96>", source)
     first = nvrtc.compile_instance(instance, "sm_80")
     count = nvrtc.nvrtc_compile_count()
 
-    # A header next to a source outside cuda_src/ is part of the key.
-    (source.parent / "unused_neighbour.cuh").write_text("// changes the key\n")
+    # A file nothing includes does not matter.
+    (source.parent / "unrelated.cuh").write_text("// not included\n")
     nvrtc.compile_instance(instance, "sm_80")
-    assert nvrtc.nvrtc_compile_count() == count + 1
+    assert nvrtc.nvrtc_compile_count() == count
 
-    # The kernel text itself.
-    source.write_text(source.read_text().replace("__shared__ T staging[Elements];", "__shared__ T staging[Elements + 4];"))
+    # An included header beside the source does.
+    (source.parent / "neighbour.cuh").write_text("#pragma once\n#define PROBE_PADDING 4\n")
+    edited = nvrtc.compile_instance(instance, "sm_80")
+    assert nvrtc.nvrtc_compile_count() == count + 1
+    assert (first.resources.static_smem_bytes, edited.resources.static_smem_bytes) == (384, 400)
+
+    # So does the kernel text itself.
+    source.write_text(source.read_text().replace("Elements + PROBE_PADDING", "Elements + 2 * PROBE_PADDING"))
     edited = nvrtc.compile_instance(instance, "sm_80")
     assert nvrtc.nvrtc_compile_count() == count + 2
-    assert (first.resources.static_smem_bytes, edited.resources.static_smem_bytes) == (384, 400)
+    assert edited.resources.static_smem_bytes == 416
 
     # A cubin that no longer matches its record is rebuilt, not trusted.
     Path(edited.cubin_path).write_bytes(b"garbage")
@@ -192,22 +200,33 @@ def test_source_edit_or_corrupt_entry_recompiles(fresh_cache, tmp_path):
     assert rebuilt.cubin == edited.cubin == Path(rebuilt.cubin_path).read_bytes()
 
 
-def test_cache_key_covers_cuda_src_headers(monkeypatch, tmp_path):
-    instance = probe("static_smem_probe<float, 96>")
-    before = nvrtc.cache_key(instance, "sm_80")
-    assert nvrtc.cache_key(instance, "sm_80") == before
-    assert nvrtc.cache_key(instance, "sm_90") != before
-    assert nvrtc.cache_key(probe("static_smem_probe<float, 97>"), "sm_80") != before
-    # A copy of cuda_src/ with one extra header: a different key.
+def test_cache_key_follows_includes_into_cuda_src(monkeypatch, tmp_path):
     import shutil
 
     copy = tmp_path / "cuda_src"
-    shutil.copytree(nvrtc.CUDA_SRC, copy)
+    shutil.copytree(nvrtc.CUDA_SRC, copy, ignore=shutil.ignore_patterns("*.so", "*.o", "__pycache__"))
     monkeypatch.setattr(nvrtc, "CUDA_SRC", copy)
-    assert nvrtc.cache_key(instance, "sm_80") != before  # the include path changed
-    same_tree = nvrtc.cache_key(instance, "sm_80")
-    (copy / "common" / "new_header.cuh").write_text("#pragma once\n")
-    assert nvrtc.cache_key(instance, "sm_80") != same_tree
+    instance = probe("static_smem_probe<float, 96>")
+    before = nvrtc.cache_key(instance, "sm_80")
+    assert nvrtc.cache_key(instance, "sm_90") != before
+    assert nvrtc.cache_key(probe("static_smem_probe<float, 97>"), "sm_80") != before
+
+    # The probe includes arch/arch.cuh, which includes common/attention_params.cuh.
+    params = (copy / "common" / "attention_params.cuh").resolve()
+    assert params in nvrtc._include_closure(PROBES, [copy.resolve()])
+    (copy / "common" / "unrelated_new_header.cuh").write_text("#pragma once\n")
+    assert nvrtc.cache_key(instance, "sm_80") == before
+    params.write_text(params.read_text() + "\n// edited\n")
+    assert nvrtc.cache_key(instance, "sm_80") != before
+
+    # An include through a macro cannot be followed: then every file counts.
+    macro_source = tmp_path / "macro_include.cu"
+    macro_source.write_text('#define PROBE_HEADER "arch/arch.cuh"\n#include PROBE_HEADER\n')
+    macro_instance = probe("anything<0>", macro_source)
+    assert nvrtc._include_closure(macro_source, [copy.resolve()]) is None
+    key = nvrtc.cache_key(macro_instance, "sm_80")
+    (copy / "kernels" / "another_unrelated.cuh").write_text("#pragma once\n")
+    assert nvrtc.cache_key(macro_instance, "sm_80") != key
 
 
 def test_concurrent_compiles_of_one_entry_agree(fresh_cache):

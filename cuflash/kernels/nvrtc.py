@@ -63,7 +63,7 @@ class CompileError(RuntimeError):
     """NVRTC rejected one kernel instance for one arch; carries the full program log."""
 
     def __init__(self, instance: KernelInstance, arch: str, log: str):
-        # The same positional args as the constructor, so it pickles across processes.
+        # The same positional args as the constructor, so it pickles (process pools, pytest-xdist).
         super().__init__(instance, arch, log)
         self.instance = instance
         self.arch = arch
@@ -389,23 +389,67 @@ def _include_dirs() -> list[Path]:
     return [CUDA_SRC.resolve(), cuda_include_dir().resolve()]
 
 
+# An #include line: "quoted", <angled>, or anything else (a macro: not followed statically).
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*(?:"(?P<quoted>[^"]+)"|<(?P<angled>[^>]+)>|(?P<other>\S.*))', re.MULTILINE)
+
+
+def _include_closure(source_path: Path, project_dirs: Sequence[Path]) -> list[Path] | None:
+    """Every project file a compile of source_path can read: the source and, transitively,
+    each header it #includes that resolves inside project_dirs or beside its includer.
+
+    Over-approximates on purpose: includes inside #if branches and comments are
+    followed too. Headers found in neither place come from the CUDA include
+    folder (covered by its version in the key) or do not exist (a compile
+    error, never cached). Returns None if an include is not a literal name,
+    so the caller falls back to hashing whole trees.
+    """
+    seen: dict[Path, None] = {}
+    stack = [source_path.resolve()]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen[path] = None
+        for match in _INCLUDE_RE.finditer(path.read_text(errors="replace")):
+            if match["other"] is not None:
+                return None
+            name = match["quoted"] or match["angled"]
+            # NVRTC (like nvcc) looks for "x" beside the including file first, then in -I folders.
+            search = ([path.parent] if match["quoted"] else []) + list(project_dirs)
+            for folder in search:
+                candidate = folder / name
+                if candidate.is_file():
+                    stack.append(candidate.resolve())
+                    break
+    return sorted(seen)
+
+
 def cache_key(instance: KernelInstance, arch: str) -> str:
+    """Hash of everything that decides the CUBIN: the text of every project file the
+    source can include, the instance, the options, the arch, NVRTC's version and
+    the CUDA headers' version.
+
+    Only the files the source can reach count, so editing one kernel family does
+    not invalidate the others' entries.
+    """
     include_dirs = _include_dirs()
     source_path = instance.source_path.resolve()
+    files = _include_closure(source_path, include_dirs[:1])
     parts = {
         "format": CACHE_FORMAT,
-        "cuda_src": _tree_digest(CUDA_SRC),
         "source": str(source_path),
-        "source_text": hashlib.sha256(source_path.read_bytes()).hexdigest(),
         "name_expr": instance.name_expr,
         "arch": arch,
         "options": compile_options(arch, include_dirs),
         "cuda_headers": _include_dir_identity(include_dirs[1]),
         "nvrtc": nvrtc_version(),
     }
-    # A source outside cuda_src/ (test kernels) may include its neighbours.
-    if CUDA_SRC.resolve() not in source_path.parents:
+    if files is not None:
+        parts["texts"] = [(str(path), hashlib.sha256(path.read_bytes()).hexdigest()) for path in files]
+    else:
+        parts["cuda_src"] = _tree_digest(CUDA_SRC)
         parts["source_dir"] = _tree_digest(source_path.parent)
+        parts["source_text"] = hashlib.sha256(source_path.read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
