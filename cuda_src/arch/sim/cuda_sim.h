@@ -7,6 +7,7 @@
 //   - threadIdx / blockIdx / blockDim / gridDim / warpSize, vector types, dim3,
 //   - __half / __nv_bfloat16 with bit-exact round-to-nearest-even conversions,
 //   - __syncthreads, __syncwarp, shuffles and votes, __trap,
+//   - twins of mma.sync / ldmatrix / cp.async for the arch layer to wrap (sim_tensor.h),
 //   - the CPU twins of the arch layer (namespace cuflash::arch),
 //   - launch_kernel<P>(): what the generated launcher TUs call.
 //
@@ -469,6 +470,8 @@ __forceinline__ int __all_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PA
   return static_cast<int>(
       ::cuflash::sim::vote<::cuflash::sim::VoteMode::kAll>(CUFLASH_SIM_SITE("__all_sync"), mask, predicate));
 }
+
+#include "sim_tensor.h"
 
 // ---- CPU twins of the arch layer ---------------------------------------------------------------
 namespace cuflash::arch {

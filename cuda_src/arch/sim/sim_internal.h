@@ -27,6 +27,14 @@ enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kExited 
 
 struct Worker;
 
+struct PendingCopy {  // one cp.async, applied when its group is waited for
+  unsigned char* dst;
+  const unsigned char* src;
+  unsigned cp_size;
+  unsigned src_size;
+  unsigned group;
+};
+
 struct Fiber {
   ThreadView* view;  // lives at the top of the fiber's stack slot
   Worker* worker;
@@ -38,6 +46,8 @@ struct Fiber {
   Site wait_site;    // where it waits (barrier or collective)
   unsigned wait_mask;
   void* asan_fake_stack;
+  std::vector<PendingCopy> copies;  // cp.async not yet waited for, in issue order
+  unsigned groups_committed;        // cp.async.commit_group count
 #if CUFLASH_SIM_RACE
   // joint_gen[l]: generation of the latest __syncwarp of this warp that included
   // both this thread and lane l (see sim_race.cpp).
@@ -122,6 +132,7 @@ void race_block_begin(Worker* w);
 void race_barrier_complete(Worker* w);
 void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask);
 void race_atomic(Fiber* f, uintptr_t address, unsigned bytes);
+void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behalf of the running fiber
 #endif
 
 }  // namespace cuflash::sim

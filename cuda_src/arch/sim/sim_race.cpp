@@ -294,6 +294,8 @@ void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask) {
 
 void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address, bytes, true, true); }
 
+void race_access(uintptr_t address, unsigned bytes, bool is_write) { on_access(address, bytes, is_write, false); }
+
 }  // namespace cuflash::sim
 
 // ---- the hooks GCC's -fsanitize=thread instrumentation calls --------------------------------

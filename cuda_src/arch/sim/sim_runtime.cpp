@@ -458,6 +458,8 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   f.stack_hi = base + kThreadViewOffset;
   f.asan_fake_stack = nullptr;
   f.wait_mask = 0;
+  f.copies.clear();
+  f.groups_committed = 0;
   f.view = reinterpret_cast<ThreadView*>(base + kThreadViewOffset);
   f.view->thread_idx = unflatten(index, w->launch->view.block_dim);
   f.view->linear_tid = index;
@@ -766,6 +768,62 @@ void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsi
   if (out_bytes) memcpy(out, wp.io[lane].out, out_bytes);
 }
 
+// ---- cp.async -------------------------------------------------------------------------------------
+
+namespace {
+void apply_copy(const PendingCopy& c) {
+#if CUFLASH_SIM_RACE
+  race_access(reinterpret_cast<uintptr_t>(c.dst), c.cp_size, true);
+#endif
+  if (c.src_size) memcpy(c.dst, c.src, c.src_size);
+  if (c.src_size < c.cp_size) memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);
+}
+}  // namespace
+
+void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  if (asan_report_pending()) fail_current(asan_report_text());
+  if (cp_size != 4 && cp_size != 8 && cp_size != 16) fail_current(format("cp.async: cp-size %u is not 4, 8 or 16", cp_size));
+  if (src_size > cp_size) fail_current(format("cp.async: src-size %u exceeds cp-size %u", src_size, cp_size));
+  const uintptr_t dst = reinterpret_cast<uintptr_t>(smem_dst);
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
+  if (dst % cp_size != 0 || reinterpret_cast<uintptr_t>(global_src) % cp_size != 0)
+    fail_current(format("cp.async: addresses must be aligned to cp-size %u", cp_size));
+  if (dst < smem || dst + cp_size > smem + w->launch->view.smem_bytes)
+    fail_current(format("cp.async: destination 0x%" PRIxPTR " (%u bytes) is outside the block's dynamic shared memory",
+                        dst, cp_size));
+  if (src_size != 0) {
+    const uintptr_t src = reinterpret_cast<uintptr_t>(global_src);
+    bool inside = false;
+    for (const Buffer& b : w->launch->buffers) inside = inside || (src >= b.begin && src + src_size <= b.end);
+    if (!inside) global_access_failed(global_src, src_size, false, "out of bounds (cp.async source)");
+    w->view.bytes_read += src_size;
+#if CUFLASH_SIM_RACE
+    race_access(src, src_size, false);
+#endif
+  }
+  f->copies.push_back(PendingCopy{static_cast<unsigned char*>(smem_dst), static_cast<const unsigned char*>(global_src),
+                                  cp_size, src_size, f->groups_committed});
+}
+
+void cp_async_commit() { ++current_fiber()->groups_committed; }
+
+void cp_async_wait(unsigned newest_groups_left_pending) {
+  Fiber* f = current_fiber();
+  if (f->groups_committed < newest_groups_left_pending) return;
+  const unsigned complete_below = f->groups_committed - newest_groups_left_pending;
+  size_t kept = 0;
+  for (size_t i = 0; i < f->copies.size(); ++i) {
+    if (f->copies[i].group < complete_below) {
+      apply_copy(f->copies[i]);
+    } else {
+      f->copies[kept++] = f->copies[i];
+    }
+  }
+  f->copies.resize(kept);
+}
+
 // ---- fiber entry and exit -------------------------------------------------------------------------
 
 }  // namespace cuflash::sim
@@ -778,6 +836,10 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
   Worker* w = f->worker;
   w->launch->thunk(w->launch->kernel, w->launch->params);
   if (asan_report_pending()) fail_current(asan_report_text());
+  // Copies the thread never waited for are dropped: only the issuing thread can wait
+  // for them, so any other thread reading their destination races with them on a
+  // GPU; leaving the NaN fill in place makes such a read visible.
+  f->copies.clear();
   // The thread exited: it no longer blocks barriers, but lanes waiting for it in a
   // warp collective never complete on a GPU.
   const unsigned warp = f->index >> 5;

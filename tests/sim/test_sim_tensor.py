@@ -1,0 +1,168 @@
+"""mma.sync m16n8k16, ldmatrix and cp.async twins against the PTX fragment layouts."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash.sim as sim
+from cuflash.kernels.catalog import KernelInstance
+from simkit import ARGS_DTYPE, KERNELS
+
+SOURCE = KERNELS / "tensor_ops.cu"
+NAMES = ["mma_kernel<__half>", "mma_kernel<__nv_bfloat16>", "ldmatrix_bad_kernel", "cp_async_kernel",
+         "cp_async_bad_kernel"] + [f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
+
+
+def inst(name: str) -> KernelInstance:
+    return KernelInstance(str(SOURCE), f"simtensor::{name}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    sim.precompile([inst(n) for n in NAMES], modes=("normal",))
+
+
+def launch(name, block, smem=0, in0=None, in1=None, out0=None, out1=None, **ints):
+    a = np.zeros((), ARGS_DTYPE)
+    buffers = []
+    for field, arr in (("in0", in0), ("in1", in1), ("out0", out0), ("out1", out1)):
+        if arr is not None:
+            a[field] = arr.ctypes.data
+            buffers.append(arr)
+    for field, value in ints.items():
+        a[field] = value
+    return sim.launch(inst(name), 1, block, smem, a[()], buffers)
+
+
+def pack(lo, hi) -> int:
+    return int(lo) | (int(hi) << 16)
+
+
+# ---- layouts from the PTX ISA (g = lane >> 2, t = lane & 3) ----------------------------------
+
+
+def a_fragment(A_bits, lane):
+    g, t = lane >> 2, lane & 3
+    return [pack(A_bits[g, 2 * t], A_bits[g, 2 * t + 1]), pack(A_bits[g + 8, 2 * t], A_bits[g + 8, 2 * t + 1]),
+            pack(A_bits[g, 2 * t + 8], A_bits[g, 2 * t + 9]), pack(A_bits[g + 8, 2 * t + 8], A_bits[g + 8, 2 * t + 9])]
+
+
+def b_fragment(B_bits, lane):
+    g, t = lane >> 2, lane & 3
+    return [pack(B_bits[2 * t, g], B_bits[2 * t + 1, g]), pack(B_bits[2 * t + 8, g], B_bits[2 * t + 9, g])]
+
+
+def c_positions(lane):
+    g, t = lane >> 2, lane & 3
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def ldmatrix_registers(matrices, lane, count, trans):
+    g, t = lane >> 2, lane & 3
+    regs = []
+    for j in range(count):
+        M = matrices[j]
+        regs.append(pack(M[2 * t, g], M[2 * t + 1, g]) if trans else pack(M[g, 2 * t], M[g, 2 * t + 1]))
+    return regs
+
+
+@pytest.mark.parametrize("T, npdtype", [("__half", np.float16), ("__nv_bfloat16", ml_dtypes.bfloat16)])
+def test_mma_m16n8k16(T, npdtype):
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((16, 16)).astype(npdtype)
+    B = rng.standard_normal((16, 8)).astype(npdtype)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    A_bits, B_bits = A.view(np.uint16), B.view(np.uint16)
+    regs = np.array([a_fragment(A_bits, l) + b_fragment(B_bits, l) for l in range(32)], np.uint32)
+    c_regs = np.array([[C[r, c] for r, c in c_positions(l)] for l in range(32)], np.float32)
+    d_regs = np.zeros((32, 4), np.float32)
+    launch(f"mma_kernel<{T}>", 32, in0=regs, in1=c_regs, out0=d_regs)
+    D = np.zeros((16, 8), np.float32)
+    for lane in range(32):
+        for i, (r, c) in enumerate(c_positions(lane)):
+            D[r, c] = d_regs[lane, i]
+    expected = A.astype(np.float64) @ B.astype(np.float64) + C
+    np.testing.assert_allclose(D, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize("pitch", [16, 48])
+def test_ldmatrix(count, trans, pitch):
+    rng = np.random.default_rng(count * 2 + trans)
+    matrices = rng.integers(0, 2**16, (4, 8, 8), dtype=np.uint16)
+    out = np.zeros((32, 4), np.uint32)
+    launch(f"ldmatrix_kernel<{count}, {'true' if trans else 'false'}>", 32, smem=32 * pitch,
+           in0=matrices.reshape(-1), out0=out, width=pitch)
+    for lane in range(32):
+        assert out[lane, :count].tolist() == ldmatrix_registers(matrices, lane, count, trans), lane
+        assert out[lane, count:].tolist() == [0] * (4 - count)
+
+
+def test_ldmatrix_x4_gives_the_mma_a_fragment():
+    # With lane l pointing at &A[l % 16][8 * (l // 16)], ldmatrix.x4 returns R0..R3 in mma order.
+    A = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    rows = [(l % 16, 8 * (l // 16)) for l in range(32)]
+    matrices = np.array([[A[rows[8 * j + r][0], rows[8 * j + r][1]:rows[8 * j + r][1] + 8] for r in range(8)]
+                         for j in range(4)])
+    for lane in range(32):
+        assert ldmatrix_registers(matrices, lane, 4, False) == a_fragment(A, lane)
+
+
+@pytest.mark.parametrize("mode, pattern", [(1, "not 16-byte aligned"), (2, "outside the block's dynamic shared")])
+def test_ldmatrix_bad_addresses(mode, pattern):
+    out = np.zeros(32, np.uint32)
+    with pytest.raises(sim.KernelError, match=pattern):
+        launch("ldmatrix_bad_kernel", 32, smem=256, out0=out, mode=mode)
+
+
+def test_cp_async_applies_at_wait():
+    n = 64
+    src = np.arange(4 * n, dtype=np.float32) + 1
+    out0 = np.zeros(4 * n, np.float32)
+    out1 = np.zeros(n, np.float32)
+    rec = launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=0, n=8)
+    assert out0.tolist() == src.tolist()
+    assert out1.tolist() == src.reshape(n, 4)[np.roll(np.arange(n), -1), 0].tolist()
+    assert rec.global_bytes_read == n * 16
+
+
+def test_cp_async_zero_fills_past_src_size():
+    n = 32
+    src = np.arange(4 * n, dtype=np.float32) + 1
+    out0 = np.zeros(4 * n, np.float32)
+    out1 = np.zeros(n, np.float32)
+    rec = launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=0, n=4)
+    got = out0.reshape(n, 4)
+    assert got[:, 1].tolist() == [0.0] * n
+    assert got[:, [0, 2, 3]].tolist() == src.reshape(n, 4)[:, [0, 2, 3]].tolist()
+    assert rec.global_bytes_read == n * 12
+
+
+def test_cp_async_wait_group_leaves_newest_pending():
+    n = 32
+    src = np.arange(4 * n, dtype=np.float32) + 1
+    out0 = np.zeros(4 * n, np.float32)
+    out1 = np.zeros(n, np.float32)
+    launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=1, n=8)
+    got = out0.reshape(n, 4)
+    assert got[:, :2].tolist() == src.reshape(n, 4)[:, :2].tolist()
+    assert np.all(np.isnan(got[:, 2:]))  # group 1 not waited for: still the NaN fill
+
+
+def test_cp_async_without_wait_reads_stale_shared_memory():
+    n = 32
+    src = np.arange(4 * n, dtype=np.float32) + 1
+    out0 = np.zeros(4 * n, np.float32)
+    out1 = np.zeros(n, np.float32)
+    launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=2, n=8)
+    assert np.all(np.isnan(out0)) and np.all(np.isnan(out1))
+
+
+@pytest.mark.parametrize("mode, pattern", [(0, "aligned"), (1, "out of bounds"), (2, "outside the block")])
+def test_cp_async_errors(mode, pattern):
+    src = np.zeros(16, np.float32)
+    with pytest.raises(sim.KernelError, match=pattern):
+        launch("cp_async_bad_kernel", 32, smem=64, in0=src, mode=mode, n=16, extra=64)
