@@ -134,6 +134,17 @@ def gqa_reduce_kernel(dtype: str) -> KernelInstance:
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa1_gqa_reduce_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
 
 
+# CUDA's limits on gridDim.x and on gridDim.y / gridDim.z.
+_MAX_GRID_X = 2**31 - 1
+_MAX_GRID_YZ = 65535
+
+
+def _plan(kernel: KernelInstance, grid: tuple[int, int, int], threads: int, smem: int) -> LaunchPlan:
+    if grid[0] > _MAX_GRID_X or grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
+        raise ValueError(f"fa1 grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
+    return LaunchPlan(kernel, grid, (threads, 1, 1), smem)
+
+
 def _smem_table() -> dict[KernelInstance, int]:
     table = {}
     for dtype in ELEMENT_DTYPES:
@@ -163,7 +174,7 @@ def forward_program(problem: Problem) -> Program:
     grid = (problem.nheads, problem.batch, 1 if problem.seqlen_q else 0)
     rows = (problem.batch, problem.nheads, problem.seqlen_q)
     return Program(
-        launches=(LaunchPlan(kernel, grid, (THREADS, 1, 1), _SMEM[kernel]),),
+        launches=(_plan(kernel, grid, THREADS, _SMEM[kernel]),),
         scratch=(
             # Algorithm 1, line 2: O = 0, l = 0 (m = 0 is read as -inf while l = 0).
             Scratch("out_accum", (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim), zero_init=True),
@@ -178,7 +189,7 @@ def backward_program(problem: Problem) -> Program:
     kernel = backward_kernel(problem.dtype, hd)
     grouped = problem.nheads != problem.nheads_k
     anything = problem.seqlen_q > 0 or problem.seqlen_k > 0
-    launches = [LaunchPlan(kernel, (problem.nheads, problem.batch, 1 if anything else 0), (THREADS, 1, 1), _SMEM[kernel])]
+    launches = [_plan(kernel, (problem.nheads, problem.batch, 1 if anything else 0), THREADS, _SMEM[kernel])]
     scratch = [
         # Algorithm 4, line 6: dQ = 0 in global memory.
         Scratch("dq_accum", (1, problem.batch, problem.seqlen_q, problem.nheads, problem.headdim), zero_init=True),
@@ -189,9 +200,7 @@ def backward_program(problem: Problem) -> Program:
         scratch += [Scratch("dk_accum", partial), Scratch("dv_accum", partial)]
         per_batch = problem.seqlen_k * problem.nheads_k * problem.headdim
         reduce = gqa_reduce_kernel(problem.dtype)
-        launches.append(
-            LaunchPlan(reduce, (ceil_div(per_batch, REDUCE_THREADS), problem.batch, 1), (REDUCE_THREADS, 1, 1), 0)
-        )
+        launches.append(_plan(reduce, (ceil_div(per_batch, REDUCE_THREADS), problem.batch, 1), REDUCE_THREADS, 0))
     return Program(launches=tuple(launches), scratch=tuple(scratch))
 
 
