@@ -10,6 +10,9 @@
 // Buffers the program does not zero are filled with 0xFF bytes (NaN in float32,
 // float16 and bfloat16) before the first launch, as the NumPy simulator backend
 // does, so an element no kernel writes shows up as NaN instead of stale memory.
+// While Python records (cuflash.jax._ffi.record_launches), each launch's shape and
+// the global traffic the simulator counted are logged, like cuflash.sim.record().
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
@@ -48,6 +51,43 @@ SimLaunchEntry FindSimKernel(const std::string& name) {
 std::mutex& SimLaunchMutex() {
   static std::mutex mutex;
   return mutex;
+}
+
+// Worker threads per launch: $CUFLASH_SIM_THREADS when set (as for cuflash.sim.launch), else 0 (one per core).
+int SimWorkers() {
+  const char* value = std::getenv("CUFLASH_SIM_THREADS");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  long n = std::strtol(value, &end, 10);
+  return (end != value && *end == '\0' && n >= 1 && n <= 4096) ? static_cast<int>(n) : 0;
+}
+
+struct LaunchLog {
+  std::mutex mutex;
+  bool enabled = false;
+  std::vector<cuflash_ffi_launch_record> records;
+};
+
+LaunchLog& Log() {
+  static LaunchLog log;
+  return log;
+}
+
+void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& request) {
+  LaunchLog& log = Log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  if (!log.enabled) return;
+  cuflash_ffi_launch_record record;
+  std::memset(&record, 0, sizeof record);
+  std::strncpy(record.kernel, launch.name.c_str(), sizeof record.kernel - 1);
+  for (int d = 0; d < 3; ++d) {
+    record.grid[d] = launch.grid[d];
+    record.block[d] = launch.block[d];
+  }
+  record.dynamic_smem_bytes = launch.dynamic_smem_bytes;
+  record.bytes_read = request.bytes_read;
+  record.bytes_written = request.bytes_written;
+  log.records.push_back(record);
 }
 
 ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const uint8_t> params,
@@ -97,12 +137,13 @@ ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi:
     request.buffer_begin = begins.data();
     request.buffer_bytes = sizes.data();
     request.buffer_writable = writable.data();
-    request.num_workers = 0;
+    request.num_workers = SimWorkers();
     if (entries[i](launch.name.c_str(), &request) != 0) {
       request.error[sizeof request.error - 1] = '\0';
       return ffi::Error::Internal("cuflash CPU handler: kernel " + launch.name + " failed in the simulator: " +
                                   request.error);
     }
+    RecordLaunch(launch, request);
   }
   return ffi::Error::Success();
 }
@@ -131,6 +172,27 @@ void cuflash_ffi_unregister_sim_kernel(const char* name_expr) {
 
 int cuflash_ffi_sim_kernel_registered(const char* name_expr) {
   return cuflash::ffi_handlers::FindSimKernel(name_expr) != nullptr;
+}
+
+void cuflash_ffi_sim_record(int enabled) {
+  cuflash::ffi_handlers::LaunchLog& log = cuflash::ffi_handlers::Log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  if (enabled) log.records.clear();
+  log.enabled = enabled != 0;
+}
+
+int cuflash_ffi_sim_recorded_count(void) {
+  cuflash::ffi_handlers::LaunchLog& log = cuflash::ffi_handlers::Log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  return static_cast<int>(log.records.size());
+}
+
+int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record) {
+  cuflash::ffi_handlers::LaunchLog& log = cuflash::ffi_handlers::Log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  if (index < 0 || static_cast<std::size_t>(index) >= log.records.size()) return 0;
+  *record = log.records[static_cast<std::size_t>(index)];
+  return 1;
 }
 
 unsigned long long cuflash_ffi_params_size(void) { return sizeof(cuflash::AttentionParams); }

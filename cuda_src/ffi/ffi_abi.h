@@ -20,6 +20,22 @@ void cuflash_ffi_register_sim_kernel(const char* name_expr, void* sim_launch_ent
 void cuflash_ffi_unregister_sim_kernel(const char* name_expr);
 int cuflash_ffi_sim_kernel_registered(const char* name_expr);
 
+/* Simulated launches the CPU handler ran while recording was on, in order: what
+   cuflash.sim.record() gives for the NumPy path (kernel, launch shape, counted global traffic). */
+typedef struct cuflash_ffi_launch_record {
+  char kernel[512];
+  unsigned grid[3];
+  unsigned block[3];
+  unsigned long long dynamic_smem_bytes;
+  unsigned long long bytes_read;
+  unsigned long long bytes_written;
+} cuflash_ffi_launch_record;
+/* enabled = 1 starts recording (clearing earlier records), 0 stops it. */
+void cuflash_ffi_sim_record(int enabled);
+int cuflash_ffi_sim_recorded_count(void);
+/* Copies record `index` into *record: 1 on success, 0 when index is out of range. */
+int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record);
+
 /* CUDA registry: (kernel name expression, "sm_XY") -> the CUBIN NVRTC built and the
    lowered (mangled) name of the kernel in it. The bytes are copied. */
 void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,

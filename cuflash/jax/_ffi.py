@@ -254,6 +254,37 @@ def cuda_driver_status() -> str:
     return ffi.string(library().lib.cuflash_ffi_cuda_driver_status()).decode()
 
 
+@contextlib.contextmanager
+def record_launches() -> Iterator[list]:
+    """Collect the simulated launches the CPU handler runs inside the block, as cuflash.sim.LaunchRecord.
+
+    The list fills when the block exits (JAX dispatches asynchronously: block on results inside it).
+    Not reentrant: one recording at a time per process.
+    """
+    from ..sim import LaunchRecord
+
+    lib, ffi = library().lib, library().ffi
+    records: list = []
+    lib.cuflash_ffi_sim_record(1)
+    try:
+        yield records
+    finally:
+        lib.cuflash_ffi_sim_record(0)
+        entry = ffi.new("cuflash_ffi_launch_record*")
+        for index in range(lib.cuflash_ffi_sim_recorded_count()):
+            if lib.cuflash_ffi_sim_recorded(index, entry):
+                records.append(
+                    LaunchRecord(
+                        kernel=ffi.string(entry.kernel).decode(),
+                        grid=tuple(entry.grid),
+                        block=tuple(entry.block),
+                        dynamic_smem_bytes=int(entry.dynamic_smem_bytes),
+                        global_bytes_read=int(entry.bytes_read),
+                        global_bytes_written=int(entry.bytes_written),
+                    )
+                )
+
+
 def params_size() -> int:
     return int(library().lib.cuflash_ffi_params_size())
 

@@ -114,6 +114,24 @@ def test_matches_the_cupy_numpy_api_bitwise():
     np.testing.assert_array_equal(np.asarray(lse), lse_np)
 
 
+@pytest.mark.parametrize("algorithm", ["standard", "fa2"])
+def test_same_launches_and_traffic_as_the_numpy_path(algorithm):
+    """The custom call runs the very Program cuflash.attention runs: same kernels, shapes, counted bytes."""
+    from cuflash import sim
+    from cuflash.jax._ffi import record_launches
+
+    q, k, v, weights = inputs(13, 2, 10, 19, 4, 2, 32, "float16")
+    with record_launches() as jax_launches:
+        out, vjp = jax.vjp(lambda q, k, v: cfj.attention(q, k, v, causal=True, algorithm=algorithm), q, k, v)
+        jax.block_until_ready(vjp(jnp.asarray(weights, jnp.float16)))
+    with sim.record() as numpy_launches:
+        out_np, lse_np = cuflash.attention(q, k, v, causal=True, algorithm=algorithm, return_lse=True)
+        cuflash.attention_backward(weights.astype(np.float16), q, k, v, out_np, lse_np, causal=True,
+                                   algorithm=algorithm)
+    assert jax_launches == numpy_launches.launches
+    assert len(jax_launches) > 2 and all(r.global_bytes_read > 0 for r in jax_launches)
+
+
 def test_gradient_through_lse_is_exact():
     """return_lse=True: d(loss)/d(q, k) through lse uses P K and P^T (dlse q) from the library's own programs."""
     q, k, v, weights = inputs(11, 2, 9, 14, 4, 2, 32, "float32")
@@ -199,6 +217,13 @@ def test_vmap_folds_the_mapped_axis_into_batch():
     for call in calls:
         grids = _grid_of(call)
         assert grids and all(z == mapped * b for z in grids[2::3]), (grids, call)
+
+    # Executed: the forward program is one launch covering every mapped element.
+    from cuflash.jax._ffi import record_launches
+
+    with record_launches() as launches:
+        jax.block_until_ready(jax.jit(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True)))(q, k, v))
+    assert len(launches) == 1 and launches[0].grid[2] == mapped * b, launches
 
     # Unmapped k, v (shared by every mapped element) are broadcast, then folded the same way.
     out = jax.vmap(lambda q: cfj.attention(q, k[0], v[0]))(q)
