@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.testing import numpy_dtype, random_qkv
 from cuflash import sim
 from cuflash._tolerance import (
     BACKWARD_FACTOR,
@@ -31,7 +30,9 @@ from cuflash._tolerance import (
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import standard
+from cuflash.kernels.params import pack_params
 from cuflash.kernels.plans import Problem
+from cuflash.testing import numpy_dtype, random_qkv
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -43,6 +44,7 @@ SHAPES = {
     "one_query": (1, 1, 239, 2, 1, 128),  # decoding-like single row
     "wide_head": (1, 37, 70, 1, 1, 256),  # the largest head dim the API accepts
     "head_dim_1": (1, 17, 9, 2, 2, 1),  # the smallest head dim, seqlen_q > seqlen_k
+    "long_keys": (1, 3, 1100, 2, 1, 16),  # rows longer than the softmax's register cache (1024 keys)
 }
 
 # Every shape runs causal and non-causal; dtypes rotate so each dtype meets every kind of shape at least once
@@ -236,8 +238,8 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
 
 def test_scores_and_probs_are_written_once_and_read_back():
     """The cost FlashAttention removes, in closed form (non-causal): the score launch writes S
-    (4 b h sq sk bytes), the softmax reads it twice and writes P (4 b h sq sk) plus lse, and O = P V reads P
-    once per 64-column tile of the head dim."""
+    (4 b h sq sk bytes), the softmax reads it once (rows of <= 1024 keys) and writes P (4 b h sq sk) plus lse,
+    and O = P V reads P once per 64-column tile of the head dim."""
     batch, seqlen_q, seqlen_k, nheads, headdim = 1, 90, 70, 2, 80
     q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads, headdim), "float16", seed=6)
     with sim.record() as records:
@@ -250,11 +252,49 @@ def test_scores_and_probs_are_written_once_and_read_back():
         batch * nheads * headdim * e * (tiles(seqlen_k) * seqlen_q + tiles(seqlen_q) * seqlen_k),
         matrix,
     )
-    assert softmax == (2 * matrix, matrix + 4 * batch * nheads * seqlen_q)
+    assert softmax == (matrix, matrix + 4 * batch * nheads * seqlen_q)
     assert out == (
         tiles(headdim) * matrix + batch * nheads * tiles(seqlen_q) * seqlen_k * headdim * e,
         batch * seqlen_q * nheads * headdim * e,
     )
+
+
+@pytest.mark.parametrize("seqlen_k", [1024, 1025])
+def test_forward_softmax_on_edge_rows(seqlen_k):
+    """The forward softmax kernel alone, on both sides of its register-cache limit (1024 keys: one read of
+    S; 1025: two), on rows with no visible key, one key, huge and tiny scores."""
+    rng = np.random.default_rng(9)
+    rows = 6
+    scores = (rng.standard_normal((1, 1, rows, seqlen_k)) * 4).astype(np.float32)
+    scores[0, 0, 0] = -np.inf  # no key
+    scores[0, 0, 1, 1:] = -np.inf  # one key
+    scores[0, 0, 2, ::3] = -np.inf  # strided mask
+    scores[0, 0, 3] += 80.0  # exp overflows float32 without the max subtraction
+    scores[0, 0, 4] -= 80.0  # ... or underflows
+    scores[0, 0, 5, -1] = 50.0  # the maximum in the last lane's last slot
+    probs = np.full_like(scores, np.nan)
+    lse = np.full((1, 1, rows), np.nan, dtype=np.float32)
+    problem = Problem("float32", 1, rows, seqlen_k, 1, 1, 8)
+    params = pack_params(
+        batch=1, seqlen_q=rows, seqlen_k=seqlen_k, nheads=1, nheads_k=1, headdim=8, softmax_scale=1.0,
+        causal=False, pointers={"scores": scores.ctypes.data, "probs": probs.ctypes.data, "lse": lse.ctypes.data},
+        strides={},
+    )
+    plan = standard.forward_program(problem).launches[1]
+    with sim.record() as rec:
+        sim.launch(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes, params, [scores, probs, lse])
+    assert _launch_traffic(rec) == [tuple(standard.softmax_traffic("kForward", problem))]
+
+    s64 = scores.astype(np.float64)
+    row_max = np.max(s64, axis=-1, keepdims=True)
+    has_key = np.isfinite(row_max)
+    e = np.exp(s64 - np.where(has_key, row_max, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    expected = np.where(has_key, e / np.where(has_key, total, 1), 0)
+    np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-7)
+    assert np.all(probs[0, 0, 0] == 0) and lse[0, 0, 0] == -np.inf
+    assert probs[0, 0, 1, 0] == 1 and np.all(probs[0, 0, 1, 1:] == 0)
+    np.testing.assert_allclose(lse[0, 0, 1:], row_max[0, 0, 1:, 0] + np.log(total[0, 0, 1:, 0]), rtol=1e-6)
 
 
 def test_backward_is_bitwise_reproducible():

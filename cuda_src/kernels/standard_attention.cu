@@ -30,14 +30,15 @@
 //  - dV and dK run over kv heads (grid.y = nheads_k) and reduce over the group's query heads inside the
 //    block (K = group x seqlen_q), so GQA/MQA gradients need no atomics and are deterministic.
 //  - The softmax kernel is warp-per-row (8 rows per 256-thread block, grid (ceil(seqlen_q / 8), nheads,
-//    batch)); lanes stride the row (coalesced) and combine with xor-shuffles. The forward pass keeps an
-//    online (max, sum) per lane, so S is read twice (once for the statistics, once to write P), never three
-//    times. dout_dot_out is warp-per-row the same way, over the head dim.
+//    batch)); lanes stride the row (coalesced) and combine with xor-shuffles. The forward pass holds a row
+//    of up to 1024 scores in registers (32 per lane) and reads S once; a longer row is read twice: an
+//    online (max, sum) per lane first, then the normalisation. dout_dot_out is warp-per-row the same way,
+//    over the head dim.
 //
 // Cost, per (batch, head), non-causal, e = element bytes, d = head dim, T = 64 (tile side):
 //   FLOPs: forward 4 sq sk d (+ softmax); backward 10 sq sk d (S, dV, dP, dQ, dK).
 //   scores:  read (ceil(sk/T) sq + ceil(sq/T) sk) d e            write 4 sq sk
-//   softmax: forward read 8 sq sk,          write 4 sq sk + 4 sq
+//   softmax: forward read 4 sq sk (sk <= 1024, else 8 sq sk), write 4 sq sk + 4 sq
 //            recompute read 4 sq sk + 4 sq, write 4 sq sk
 //            backward read 8 sq sk + 4 sq,  write 4 sq sk
 //   out:     read 4 ceil(d/T) sq sk + ceil(sq/T) sk d e         write sq d e
@@ -98,6 +99,10 @@ struct StandardRowTraits {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerBlock = kWarps;  // one warp per row
+  // The forward softmax holds a row of up to 32 x 32 = 1024 scores in registers and reads S once; longer
+  // rows stream through it twice (online statistics, then normalise).
+  static constexpr int kCachedKeysPerLane = 32;
+  static constexpr int kCachedKeys = 32 * kCachedKeysPerLane;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -517,6 +522,76 @@ __device__ __forceinline__ float load_row_value(const float* value, int lane) {
   return __shfl_sync(0xffffffffu, lane == 0 ? arch::load(value) : 0.f, 0);
 }
 
+// Forward softmax of one row that fits in registers: S is read once; exact max, then sum.
+__device__ __forceinline__ void softmax_row_in_registers(const AttentionParams& p, const float* scores,
+                                                         float* probs, long long row, int lane) {
+  constexpr int kPerLane = StandardRowTraits::kCachedKeysPerLane;
+  float values[kPerLane];
+  float row_max = negative_infinity();
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int key = lane + 32 * i;
+    values[i] = key < p.seqlen_k ? arch::load(scores + key) : negative_infinity();
+    row_max = fmaxf(row_max, values[i]);
+  }
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1)
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, lane_mask));
+  // Every lane holds the same row_max, so this branch is warp-uniform. Without a visible key the row is
+  // all -inf and exp(-inf - -inf) must not be formed.
+  const bool has_key = row_max != negative_infinity();
+  float row_sum = 0.f;
+  if (has_key) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      values[i] = arch::exp2_approx((values[i] - row_max) * kLog2e);  // masked and padding: exp2(-inf) = 0
+      row_sum += values[i];
+    }
+  }
+  row_sum = warp_sum(row_sum);
+  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : negative_infinity());
+  const float inv_sum = has_key ? 1.f / row_sum : 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int key = lane + 32 * i;
+    // Without a key the values are still -inf (never exponentiated), and -inf * 0 would be NaN.
+    if (key < p.seqlen_k) arch::store(probs + key, has_key ? values[i] * inv_sum : 0.f);
+  }
+}
+
+// Forward softmax of a row too long for registers: per-lane online maximum and sum in one read, a
+// butterfly merge (every lane ends with bitwise identical statistics: max and + commute), then a second
+// read to normalise.
+__device__ __forceinline__ void softmax_row_streaming(const AttentionParams& p, const float* scores, float* probs,
+                                                      long long row, int lane) {
+  float row_max = negative_infinity(), row_sum = 0.f;
+  for (int key = lane; key < p.seqlen_k; key += 32) {
+    const float s = arch::load(scores + key);
+    if (s == negative_infinity()) continue;  // masked: contributes exp(-inf) = 0
+    if (s > row_max) {
+      row_sum = rescale(row_sum, row_max, s) + 1.f;
+      row_max = s;
+    } else {
+      row_sum += arch::exp2_approx((s - row_max) * kLog2e);
+    }
+  }
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
+    const float other_max = __shfl_xor_sync(0xffffffffu, row_max, lane_mask);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, row_sum, lane_mask);
+    const float merged_max = fmaxf(row_max, other_max);
+    row_sum = rescale(row_sum, row_max, merged_max) + rescale(other_sum, other_max, merged_max);
+    row_max = merged_max;
+  }
+  const bool has_key = row_sum > 0.f;
+  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : negative_infinity());
+  const float inv_sum = has_key ? 1.f / row_sum : 0.f;
+  for (int key = lane; key < p.seqlen_k; key += 32) {
+    const float s = arch::load(scores + key);
+    arch::store(probs + key, has_key ? arch::exp2_approx((s - row_max) * kLog2e) * inv_sum : 0.f);
+  }
+}
+
 template <SoftmaxPass Pass>
 __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_kernel(const AttentionParams p) {
   const int lane = threadIdx.x % 32;
@@ -530,34 +605,10 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_
   const long long row = row_offset(p, batch, head, query);
 
   if (Pass == SoftmaxPass::kForward) {
-    // Pass 1: per-lane online maximum and sum of exponentials, then a butterfly merge (every lane ends
-    // with the same, bitwise identical statistics: max and + are commutative).
-    float row_max = negative_infinity(), row_sum = 0.f;
-    for (int key = lane; key < p.seqlen_k; key += 32) {
-      const float s = arch::load(scores + key);
-      if (s == negative_infinity()) continue;  // masked: contributes exp(-inf) = 0
-      if (s > row_max) {
-        row_sum = rescale(row_sum, row_max, s) + 1.f;
-        row_max = s;
-      } else {
-        row_sum += arch::exp2_approx((s - row_max) * kLog2e);
-      }
-    }
-#pragma unroll
-    for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
-      const float other_max = __shfl_xor_sync(0xffffffffu, row_max, lane_mask);
-      const float other_sum = __shfl_xor_sync(0xffffffffu, row_sum, lane_mask);
-      const float merged_max = fmaxf(row_max, other_max);
-      row_sum = rescale(row_sum, row_max, merged_max) + rescale(other_sum, other_max, merged_max);
-      row_max = merged_max;
-    }
-    const bool has_key = row_sum > 0.f;
-    if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : negative_infinity());
-    // Pass 2: normalise. Masked entries: exp2(-inf) = 0.
-    const float inv_sum = has_key ? 1.f / row_sum : 0.f;
-    for (int key = lane; key < p.seqlen_k; key += 32) {
-      const float s = arch::load(scores + key);
-      arch::store(probs + key, has_key ? arch::exp2_approx((s - row_max) * kLog2e) * inv_sum : 0.f);
+    if (p.seqlen_k <= StandardRowTraits::kCachedKeys) {  // warp-uniform
+      softmax_row_in_registers(p, scores, probs, row, lane);
+    } else {
+      softmax_row_streaming(p, scores, probs, row, lane);
     }
   } else if (Pass == SoftmaxPass::kRecompute) {
     const float lse = load_row_value(p.lse + row, lane);

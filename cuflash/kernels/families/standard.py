@@ -40,6 +40,7 @@ class StandardTraits:
     block_k: int = 32
     stages: int = 2
     row_warps: int = 8
+    row_cached_keys_per_lane: int = 32  # forward softmax rows up to 32 x this many keys stay in registers
 
     def __post_init__(self) -> None:
         if self.block_m != self.block_n:
@@ -79,6 +80,10 @@ class StandardTraits:
     @property
     def rows_per_block(self) -> int:
         return self.row_warps
+
+    @property
+    def row_cached_keys(self) -> int:
+        return 32 * self.row_cached_keys_per_lane
 
 
 TRAITS = StandardTraits()
@@ -264,8 +269,9 @@ def softmax_traffic(softmax_pass: str, problem: Problem) -> Traffic:
     rows = problem.batch * problem.nheads * problem.seqlen_q
     row_matrix = problem.seqlen_k * _FLOAT32_BYTES  # one row of scores or probs
     side = _FLOAT32_BYTES  # one lse or dout_dot_out value per row
-    if softmax_pass == "kForward":  # S twice (statistics, then P); P and lse once
-        return Traffic(rows * 2 * row_matrix, rows * (row_matrix + side))
+    if softmax_pass == "kForward":  # S once if the row fits in registers, else twice; P and lse once
+        reads_of_s = 1 if problem.seqlen_k <= TRAITS.row_cached_keys else 2
+        return Traffic(rows * reads_of_s * row_matrix, rows * (row_matrix + side))
     if softmax_pass == "kRecompute":  # S and lse; P
         return Traffic(rows * (row_matrix + side), rows * row_matrix)
     if softmax_pass == "kBackward":  # P, dP and D; dS
