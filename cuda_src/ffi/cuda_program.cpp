@@ -40,6 +40,7 @@ namespace {
 
 // The driver entry points the handler uses, at fixed ABI versions.
 struct Driver {
+  PFN_cuInit_v2000 Init = nullptr;
   PFN_cuGetErrorString_v6000 GetErrorString = nullptr;
   PFN_cuStreamGetCtx_v9020 StreamGetCtx = nullptr;
   PFN_cuCtxPushCurrent_v4000 CtxPushCurrent = nullptr;
@@ -79,6 +80,7 @@ const Driver& LoadDriver() {
       }
       slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(entry);
     };
+    load("cuInit", 2000, d.Init);
     load("cuGetErrorString", 6000, d.GetErrorString);
     load("cuStreamGetCtx", 9020, d.StreamGetCtx);
     load("cuCtxPushCurrent", 4000, d.CtxPushCurrent);
@@ -90,6 +92,15 @@ const Driver& LoadDriver() {
     load("cuFuncSetAttribute", 9000, d.FuncSetAttribute);
     load("cuMemsetD8Async", 3020, d.MemsetD8Async);
     load("cuLaunchKernel", 4000, d.LaunchKernel);
+    // XLA has initialised the driver before any handler runs; calling cuInit again is a no-op
+    // then, and makes the status below meaningful when asked for outside XLA.
+    if (d.status.empty()) {
+      if (CUresult r = d.Init(0); r != CUDA_SUCCESS) {
+        const char* text = nullptr;
+        if (d.GetErrorString(r, &text) != CUDA_SUCCESS) text = nullptr;
+        d.status = std::string("cuInit failed: ") + (text ? text : std::to_string(static_cast<int>(r)));
+      }
+    }
     return d;
   }();
   return driver;
