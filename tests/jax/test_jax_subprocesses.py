@@ -44,11 +44,11 @@ def test_shard_map_along_batch_and_heads_forward_and_grad():
             assert measured["ok"], f"{name} {check}: {measured.get('message')}"
     assert results["batch"]["out_sharding"].startswith("P('x'")
     assert results["heads"]["out_sharding"].startswith("P(None, None, 'x'")
-    # Sharded heads with per-shard kv heads: every gradient is computed whole on one shard, bitwise as unsharded.
-    assert results["heads"]["grads_vs_unsharded"] == [0.0, 0.0, 0.0]
-    # Replicated (invariant) k, v: dq stays per shard; dk, dv are psums over shards, equal up to summation order.
-    replicated = results["heads_replicated_kv"]["grads_vs_unsharded"]
-    assert replicated[0] == 0.0 and max(replicated[1:]) < 1e-5
+    # Sharded batch or heads (kv heads with their query heads): each gradient is computed whole on one shard, as
+    # unsharded (up to the order of dq's float32 atomics). Replicated (invariant) k, v: dk, dv are psums over the
+    # shards' partial sums, equal up to summation order.
+    for name in results:
+        assert max(results[name]["grads_vs_unsharded"]) < 1e-5, name
 
 
 def test_two_processes_share_the_persistent_compilation_cache(tmp_path):
