@@ -256,6 +256,17 @@ def test_compile_many_keeps_order_and_collects_errors(fresh_cache):
     assert caught.value.instance == bad
 
 
+def test_compile_many_starts_no_workers_when_all_is_cached(fresh_cache, monkeypatch):
+    instances = [probe("static_smem_probe<float, 96>"), probe("half_fma_probe<0>")]
+    first = nvrtc.compile_many(instances, ARCHS, jobs=2)
+
+    def no_workers(*args):
+        raise AssertionError("workers started for cached entries")
+
+    monkeypatch.setattr(nvrtc, "_compile_in_workers", no_workers)
+    assert nvrtc.compile_many(instances, ARCHS, jobs=2) == first
+
+
 def test_compile_many_reports_a_failing_worker_task(fresh_cache, tmp_path):
     missing = probe("static_smem_probe<float, 96>", tmp_path / "missing.cu")
     with pytest.raises(RuntimeError, match=r"(?s)compile worker failed on static_smem_probe<float, 96>.*FileNotFoundError"):

@@ -572,10 +572,13 @@ def compile_many(
     jobs = 2 if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    if jobs > 1 and len(tasks) > 1:
-        failures = _compile_in_workers(tasks, min(jobs, len(tasks)), check_sass)
-    else:
-        failures = {}
+    failures: dict[int, str] = {}
+    if jobs > 1:
+        # Only what the cache lacks goes to the workers.
+        missing = [index for index, task in enumerate(tasks) if not _is_cached(*task, check_sass)]
+        if len(missing) > 1:
+            found = _compile_in_workers([tasks[i] for i in missing], min(jobs, len(missing)), check_sass)
+            failures = {missing[i]: log for i, log in found.items()}
     results: list[CompiledKernel | CompileError] = []
     for index, task in enumerate(tasks):
         if index in failures:
@@ -587,6 +590,17 @@ def compile_many(
             if isinstance(result, CompileError):
                 raise result
     return results
+
+
+def _is_cached(instance: KernelInstance, arch: str, with_sass: bool) -> bool:
+    try:
+        entry = _load_entry(instance, arch, cache_dir("nvrtc"), cache_key(instance, arch))
+    except OSError:
+        return False  # e.g. a missing source: let a worker report it
+    if entry is None:
+        return False
+    verdict = _verdict_path(entry)
+    return not with_sass or (verdict is not None and verdict.exists())
 
 
 def _worker_environment() -> dict[str, str]:
