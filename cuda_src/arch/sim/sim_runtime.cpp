@@ -908,6 +908,12 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
 
   unsigned workers = request->num_workers > 0 ? static_cast<unsigned>(request->num_workers)
                                               : std::max(1u, std::thread::hardware_concurrency());
+#if CUFLASH_SIM_RACE || CUFLASH_SIM_ASAN
+  // The race shadow and the ASan report slot are per process: checking-mode
+  // launches from several threads run one at a time.
+  static std::mutex checking_mode_mutex;
+  std::lock_guard<std::mutex> checking_mode_lock(checking_mode_mutex);
+#endif
 #if CUFLASH_SIM_RACE
   workers = 1;  // the race shadow is not thread-safe; blocks run one after another
   race_launch_begin(&launch);
