@@ -478,4 +478,5 @@ def test_loaded_cubin_runs_on_gpu(shared_cache):
     output = cupy.zeros(threads, dtype=cupy.float32)
     kernel((1,), (threads,), (cupy.asarray(values), output, np.int32(0)))
     expected = (values.reshape(threads, 16).astype(np.float64) * np.arange(1, 17)).sum(axis=1)
-    np.testing.assert_allclose(cupy.asnumpy(output), expected, rtol=1e-5, atol=1e-5)
+    # float32 accumulation of 16 terms of size up to ~50: absolute error well under 1e-3.
+    np.testing.assert_allclose(cupy.asnumpy(output), expected, rtol=1e-5, atol=1e-3)
