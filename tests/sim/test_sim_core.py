@@ -156,6 +156,14 @@ def test_wild_pointer_is_an_error():
         sim.launch(kernel("null_pointer_kernel"), 1, 32, 0, a, [])
 
 
+def test_integer_division_by_zero_is_an_error():
+    out = np.zeros(32, np.int32)
+    with pytest.raises(sim.KernelError, match="SIGFPE"):
+        run("int_divide_kernel", 1, 32, out0=out, n=0)
+    run("int_divide_kernel", 1, 32, out0=out, n=7)
+    assert np.all(out == 14)
+
+
 def test_big_per_thread_arrays_fit():
     out = np.zeros(128, np.float32)
     run("big_locals_kernel", 1, 128, out0=out)

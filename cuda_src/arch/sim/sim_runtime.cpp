@@ -26,7 +26,7 @@
 //   is found from %rsp), with a PROT_NONE guard page at the low end, reused across
 //   blocks and launches. A fault on a fiber stack (overflow into the guard, a wild
 //   pointer, shared memory overrun into its guard page) becomes a kernel error via
-//   the SIGSEGV/SIGBUS handler, which hands back to the scheduler.
+//   the SIGSEGV/SIGBUS/SIGFPE/SIGILL handler, which hands back to the scheduler.
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -236,12 +236,12 @@ struct SmemRegion {
 // alternate stack; if the interrupted %rsp lies in the fiber arena it records the
 // error and switches to the worker's scheduler (like siglongjmp; SA_NODEFER keeps
 // the signal unblocked). Other faults go to the previously installed handler.
-struct sigaction g_previous_segv;
-struct sigaction g_previous_bus;
+constexpr int kHandledSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+struct sigaction g_previous[NSIG];
 std::once_flag g_handlers_once;
 
 void forward_signal(int sig, siginfo_t* info, void* context) {
-  const struct sigaction& prev = sig == SIGSEGV ? g_previous_segv : g_previous_bus;
+  const struct sigaction& prev = g_previous[sig];
   if (prev.sa_flags & SA_SIGINFO) {
     if (prev.sa_sigaction != nullptr) {
       prev.sa_sigaction(sig, info, context);
@@ -264,8 +264,7 @@ void install_fault_handlers() {
     action.sa_sigaction = &fault_handler;
     action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigemptyset(&action.sa_mask);
-    sigaction(SIGSEGV, &action, &g_previous_segv);
-    sigaction(SIGBUS, &action, &g_previous_bus);
+    for (int sig : kHandledSignals) sigaction(sig, &action, &g_previous[sig]);
   });
 }
 
@@ -576,7 +575,12 @@ void fault_handler(int sig, siginfo_t* info, void* context) {
   std::string what;
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
   const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
-  if (arena.is_guard(fault) && (fault & ~(kStackBytes - 1)) == (rsp & ~(kStackBytes - 1))) {
+  if (sig == SIGFPE) {
+    what = "SIGFPE: arithmetic exception (integer division by zero or overflow; a GPU does not trap here, "
+           "but the result would be meaningless)";
+  } else if (sig == SIGILL) {
+    what = "SIGILL: illegal instruction (reached __builtin_trap or __builtin_unreachable)";
+  } else if (arena.is_guard(fault) && (fault & ~(kStackBytes - 1)) == (rsp & ~(kStackBytes - 1))) {
     what = format("stack overflow: the thread used more than its %zu KiB fiber stack",
                   static_cast<size_t>((kStackBytes - kPageBytes - 256) / 1024));
   } else if (smem != 0 && fault >= smem_end && fault < smem_end + 16 + kPageBytes) {

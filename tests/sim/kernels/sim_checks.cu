@@ -364,3 +364,10 @@ __global__ void global_blocks_kernel(const Args a) {
 }
 
 }  // namespace simtest
+
+namespace simtest {
+// Integer division by a runtime zero (a.n == 0).
+__global__ void int_divide_kernel(const Args a) {
+  store(static_cast<int*>(a.out0) + tid_linear(), 100 / a.n);
+}
+}  // namespace simtest
