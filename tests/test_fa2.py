@@ -357,6 +357,41 @@ def test_deterministic_backward_is_bitwise_reproducible():
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_no_data_races(deterministic):
+    """The simulator's race detector (shared memory and global buffers, CUDA's ordering rules) over a causal GQA
+    forward and backward with partial and several Q and K/V blocks: K/V tiles reloaded per iteration, each warp's P
+    slab written and read between __syncwarp()s, the backward's P/dS tiles, dq_accum by atomics (several K/V
+    blocks, same elements) or by plain stores into per-block slices (one writer each)."""
+    q, k, v, dout = _inputs((1, 70, 100, 4, 2, 40), "float16", seed=14)
+    with sim.checking("race"):
+        out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa2", return_lse=True)
+        grads = cuflash.attention_backward(
+            dout, q, k, v, out, lse, causal=True, algorithm="fa2", deterministic=deterministic
+        )
+    _check_forward(q, k, v, out, lse, True, None)
+    _check_backward(dout, q, k, v, grads, True, None)
+
+
+def _forward_backward_for_asan(shape, dtype, causal, deterministic):
+    q, k, v, dout = _inputs(shape, dtype, seed=15)
+    out, lse = cuflash.attention(q, k, v, causal=causal, algorithm="fa2", return_lse=True)
+    grads = cuflash.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, algorithm="fa2", deterministic=deterministic
+    )
+    return out, lse, grads
+
+
+def test_no_out_of_bounds_access_under_asan():
+    """AddressSanitizer build in a child process: shared memory is allocated with exactly the planned bytes, so
+    an access past the traits' layout (or past a partial tile's global rows / a ragged head dim) is reported."""
+    shape = (1, 45, 83, 2, 1, 37)
+    out, lse, grads = sim.run_in_asan_subprocess(_forward_backward_for_asan, shape, "bfloat16", True, True)
+    q, k, v, dout = _inputs(shape, "bfloat16", seed=15)
+    _check_forward(q, k, v, out, lse, True, None)
+    _check_backward(dout, q, k, v, grads, True, None)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch guards, traits and compilation.
 
