@@ -34,6 +34,8 @@
 //    of up to 1024 scores in registers (32 per lane) and reads S once; a longer row is read twice: an
 //    online (max, sum) per lane first, then the normalisation. dout_dot_out is warp-per-row the same way,
 //    over the head dim.
+//  - Instances: the GEMM kernels and dout_dot_out per element type (float, __half, __nv_bfloat16); the
+//    softmax passes touch only float32 scratch, so they are instantiated per pass, not per element type.
 //
 // Cost, per (batch, head), non-causal, e = element bytes, d = head dim, T = 64 (tile side):
 //   FLOPs: forward 4 sq sk d (+ softmax); backward 10 sq sk d (S, dV, dP, dQ, dK).
