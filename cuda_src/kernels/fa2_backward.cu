@@ -151,8 +151,11 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
 }
 
 // ---- 2. dK, dV (and dQ into dq_accum) per K/V block ------------------------------------------
+// __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
+// so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
+// value at head dim 96 to stay at 128 registers).
 template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
-__global__ void __launch_bounds__(Warps * 32) fa2_backward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
   using STile = typename Tr::STile;

@@ -95,8 +95,11 @@ struct ForwardTraits {
 
 }  // namespace fa2
 
+// __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
+// so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
+// value at head dim 96 to stay at 128 registers).
 template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
-__global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
   constexpr int TM = Tr::kRowsPerThread;
@@ -132,11 +135,13 @@ __global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const Attention
   const int first_row = row0 + warp_row0 + lane_row;
 
   float acc_o[TM][TC][4];
-  float row_max[TM];  // running max of the raw scores q.k (unscaled)
+  float row_max[TM];     // running max m of the raw scores q.k (unscaled)
+  float row_offset[TM];  // m * scale_log2 as rounded and used in the exponents (0 while m = -inf)
   float row_sum[TM];  // this lane's part of the running sum l (the 8 lanes are summed at the end)
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     row_max[i] = fa2::neg_inf();
+    row_offset[i] = 0.f;
     row_sum[i] = 0.f;
 #pragma unroll
     for (int j = 0; j < TC; ++j)
@@ -197,11 +202,14 @@ __global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const Attention
         const float new_max = fmaxf(row_max[i], block_max);
         // A row with no visible key so far keeps new_max = -inf: use 0 so p = exp2(-inf) = 0.
         const float max_scaled = new_max == fa2::neg_inf() ? 0.f : new_max * scale_log2;
-        // l and O are sums relative to the rounded offset max_scaled; moving them to the new offset
-        // uses the difference of the two offsets actually used, so l stays exactly relative to it.
+        // l and O are sums relative to the rounded offset; moving them to the new one uses the
+        // difference of the two offsets actually used (a plain subtraction of stored values, which no
+        // FMA contraction can turn into m_old * scale_log2 - max_scaled), so l stays exactly relative
+        // to the current offset and the epilogue can take the offset's rounding out of the lse.
         const float correction =
-            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(row_max[i] * scale_log2 - max_scaled);
+            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(row_offset[i] - max_scaled);
         row_max[i] = new_max;
+        row_offset[i] = max_scaled;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
@@ -247,11 +255,10 @@ __global__ void __launch_bounds__(Warps * 32) fa2_forward_kernel(const Attention
       fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
     }
     if (lane_col == 0) {
-      // l = sum 2^(s * scale_log2 - max_scaled) with max_scaled = m * scale_log2 rounded; the rounding
-      // residual r = m * scale_log2 - max_scaled (exact through the FMA) is taken out again in base e:
+      // l = sum 2^(s * scale_log2 - offset) with offset = m * scale_log2 rounded; the rounding
+      // residual r = m * scale_log2 - offset (exact through the FMA) is taken out again in base e:
       // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
-      const float max_scaled = row_max[i] * p.softmax_scale_log2;
-      const float residual = fmaf(row_max[i], p.softmax_scale_log2, -max_scaled);
+      const float residual = fmaf(row_max[i], p.softmax_scale_log2, -row_offset[i]);
       const float row_lse = fmaf(row_max[i], p.softmax_scale, fmaf(-residual, fa2::kLn2, logf(l)));
       arch::store(lse + row, l > 0.f ? row_lse : fa2::neg_inf());
     }
