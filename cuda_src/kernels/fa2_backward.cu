@@ -13,9 +13,9 @@
 //    kernel; the price is group-fold fewer blocks in flight for MQA-like shapes) and, per head,
 //    over the Q blocks that see the K/V block (under causal: from the first Q block with a row
 //    at or below the diagonal; earlier blocks are skipped unread). Per Q block i:
-//        load Q_i, dO_i (shared memory), lse_i (as base-2 lse * log2 e), D_i
+//        load Q_i, dO_i (shared memory), lse_i, D_i
 //        S = Q_i K_j^T, dP = dO_i V_j^T                          (mma_nt, block-wide tiling)
-//        P = exp2(S * scale_log2 - lse2) (0 where masked), dS = P * (dP - D)  -> shared memory
+//        P = exp2((S * scale - lse) * log2 e) (0 where masked), dS = P * (dP - D)  -> shared memory
 //        dV_j += P^T dO_i, dK_j += dS^T Q_i                      (mma_tn, keys x head dim)
 //        dQ_i += dS K_j -> float32 dq_accum                      (mma_nn, rows x head dim)
 //    dq update: num_dq_splits == 1: red.global.add.f32 (arch::atomic_add) into one
@@ -59,11 +59,17 @@
 // 64..128 (96 at 96 and 192, where the dQ tile is kept small instead).
 //
 // Shared memory (floats): K, V [BlockN][D+4]; Q, dO [BlockM][D+4]; P, dS [BlockM][BlockN+4];
-// lse2, D [BlockM].
+// lse, D [BlockM].
+//
+// Recomputing P: FA2 forms exp2(S * scale_log2 - lse * log2 e); rounding lse * log2 e to float32
+// costs every P a relative error of up to |lse| * 2^-24, which float32 inputs notice (and logits
+// of 1e4 turn into 1e-3). Here one FMA forms S * scale - lse, rounded once close to 0 for every P
+// that matters, and one multiply by log2 e follows: one extra FMUL per score, against 10 d FMAs
+// per score for the five products. What remains is the float32 lse's own resolution.
 //
 // Masking and empty rows: P = 0 wherever the key is not visible (causal, bottom-right aligned,
 // or past the last key) and for rows past the last query; a row that saw no key in the
-// forward has lse = -inf, which becomes lse2 = +inf here so P = exp2(-inf) = 0 (never
+// forward has lse = -inf, which is stored as +inf here so P = exp2(-inf) = 0 (never
 // exp2(+inf) * 0). Its dS, and so its dQ and its share of dK, dV, are exact zeros.
 // Requires softmax_scale > 0 (the API validates it).
 #include "arch/arch.cuh"
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   float* do_tile = smem + Tr::kDoOffset;
   float* p_tile = smem + Tr::kPOffset;
   float* ds_tile = smem + Tr::kDsOffset;
-  float* lse2_rows = smem + Tr::kLseOffset;
+  float* lse_rows = smem + Tr::kLseOffset;
   float* dot_rows = smem + Tr::kDOffset;
 
   const int n_block = blockIdx.x;
@@ -186,7 +192,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   const int group = p.nheads / p.nheads_k;
   const int key0 = n_block * BlockN;
   const int block_keys = min(BlockN, p.seqlen_k - key0);
-  const float scale_log2 = p.softmax_scale_log2;
+  const float softmax_scale = p.softmax_scale;
   const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
 
   const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + key0 * p.k_stride.row +
@@ -239,15 +245,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
       fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
                                                       p.dout_stride.row, block_rows, d, tid, kThreads);
       if (tid < BlockM) {
-        float lse2 = fa2::pos_inf();  // rows past the end: P = 0
+        float lse = fa2::pos_inf();  // rows past the end: P = 0
         float dot = 0.f;
         if (tid < block_rows) {
-          const float lse = arch::load(p.lse + row_base + row0 + tid);
+          lse = arch::load(p.lse + row_base + row0 + tid);
           // lse = -inf: the row saw no key in the forward; +inf makes its P exactly 0.
-          lse2 = lse == fa2::neg_inf() ? fa2::pos_inf() : lse * fa2::kLog2e;
+          if (lse == fa2::neg_inf()) lse = fa2::pos_inf();
           dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
         }
-        lse2_rows[tid] = lse2;
+        lse_rows[tid] = lse;
         dot_rows[tid] = dot;
       }
       __syncthreads();
@@ -269,12 +275,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
         for (int i = 0; i < STile::kM; ++i) {
           const int r = s_row + i * STile::kThreadsM;
-          const float lse2 = lse2_rows[r];
+          const float lse = lse_rows[r];
           const float dot = dot_rows[r];
 #pragma unroll
           for (int j = 0; j < STile::kN; ++j) {
             const int c = s_key + j * STile::kThreadsN;
-            float prob = arch::exp2_approx(fmaf(s[i][j], scale_log2, -lse2));
+            float prob = arch::exp2_approx(fmaf(s[i][j], softmax_scale, -lse) * fa2::kLog2e);
             if (needs_mask && !fa2::key_visible(p, row0 + r, key0 + c)) prob = 0.f;
             p_tile[r * Tr::kPStride + c] = prob;
             ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot);

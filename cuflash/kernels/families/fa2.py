@@ -143,7 +143,7 @@ class BackwardTraits:
 
     @property
     def smem_bytes(self) -> int:
-        # float32 K, V [block_n][D+4]; Q, dO [block_m][D+4]; P, dS [block_m][block_n+4]; lse2, D [block_m].
+        # float32 K, V [block_n][D+4]; Q, dO [block_m][D+4]; P, dS [block_m][block_n+4]; lse, D [block_m].
         row = self.head_dim + 4
         return _F32 * (
             2 * self.block_n * row + 2 * self.block_m * row + 2 * self.block_m * (self.block_n + 4) + 2 * self.block_m
