@@ -1,0 +1,79 @@
+"""Every kernel the library launches is clean under the simulator's race detector and AddressSanitizer.
+
+Small shapes chosen to reach every code path that moves data: tails of blocks
+(lengths and a head dim that are no block multiples), causal with seqlen_q >
+seqlen_k (rows that see no key) and < (tiles above the diagonal), GQA/MQA (the
+reductions over query heads) and the deterministic fa2 backward. The runs
+record which kernels launched, and the test demands that together they cover
+every kernel template of the catalog, so a kernel added later without a
+checked run fails here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _tolerance as tol
+from cuflash import sim
+from cuflash.kernels import plans
+from cuflash.testing import random_qkv
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal)
+CASES = [
+    (1, 37, 21, 2, 1, 24, True),   # MQA, rows that see no key
+    (2, 19, 45, 2, 2, 40, False),  # MHA, head dim not a power of two
+    (1, 21, 50, 4, 2, 33, True),   # GQA, causal with tiles above the diagonal
+]
+
+
+def _template(name_expr: str) -> str:
+    return name_expr.split("<", 1)[0]
+
+
+def run_every_path(algorithm: str, dtype: str = "float16") -> list[str]:
+    """Forward + backward (and deterministic backward) over CASES, checked against the reference.
+
+    Module-level so run_in_asan_subprocess can call it in a child interpreter.
+    Returns the kernels launched.
+    """
+    rng = np.random.default_rng(1)
+    launched: list[str] = []
+    for b, sq, sk, h, hk, d, causal in CASES:
+        q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dtype)
+        dout = rng.standard_normal(q.shape).astype(q.dtype)
+        with sim.record() as rec:
+            out, lse = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
+            backwards = [
+                cuflash.attention_backward(
+                    dout, q, k, v, out, lse, causal=causal, algorithm=algorithm, deterministic=deterministic
+                )
+                for deterministic in ((False, True) if algorithm == "fa2" else (False,))
+            ]
+        launched += [r.kernel for r in rec.launches]
+        ref = tol.forward_references(q, k, v, causal=causal)
+        tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+        bref = tol.backward_references(dout, q, k, v, causal=causal)
+        for grads in backwards:
+            for name, got in zip(("dq", "dk", "dv"), grads):
+                tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"),
+                                tol.BACKWARD_FACTOR, atol=1e-5 if causal else 0.0)
+    return launched
+
+
+def _catalog_templates(algorithm: str) -> set[str]:
+    return {_template(i.name_expr) for i in plans.family(algorithm).instances()}
+
+
+@pytest.mark.parametrize("algorithm", plans.available_algorithms())
+def test_race_detector_clean_on_every_kernel(algorithm):
+    with sim.checking("race"):
+        launched = run_every_path(algorithm)
+    assert {_template(k) for k in launched} == _catalog_templates(algorithm)
+
+
+@pytest.mark.parametrize("algorithm", plans.available_algorithms())
+def test_address_sanitizer_clean_on_every_kernel(algorithm):
+    launched = sim.run_in_asan_subprocess(run_every_path, algorithm, timeout=1200)
+    assert {_template(k) for k in launched} == _catalog_templates(algorithm)
