@@ -17,10 +17,12 @@
 //   (last to first, as FA2, so the masked blocks come first): load K_j, V_j into shared
 //   memory (all warps), S = Q K_j^T (mma_nt), mask if the block crosses the diagonal or the
 //   end of the keys, online softmax in base 2 with the scale folded into one FMA
-//   (p = exp2(s * scale_log2 - m * scale_log2)), rescale O by exp2(m_old - m_new), stage P in
-//   the warp's own shared-memory slab (each lane needs whole rows of P for P V, and they
-//   are spread over the 8 lanes of the row group) and O += P V_j (mma_nn). O is divided by
-//   l once, after the loop, and written with lse = m * scale + log(l).
+//   (p = exp2(s * scale_log2 - offset), offset = m * scale_log2 rounded once per max update),
+//   rescale l and O by exp2(offset_old - offset_new), stage P in the warp's own shared-memory
+//   slab (each lane needs whole rows of P for P V, and they are spread over the 8 lanes of the
+//   row group) and O += P V_j (mma_nn). O is divided by l once, after the loop, and written
+//   with lse = m * scale + log(l) - (m * scale_log2 - offset) * ln 2: the last term takes the
+//   offset's rounding back out, which float32 inputs would otherwise see in the lse.
 //
 // Tiles (Python table, cuflash/kernels/families/fa2.py): BlockM x BlockN = 64 x 64 for head
 // dim <= 64, 64 x 32 up to 192, 64 x 32 with 8 warps for 256. FA2's tensor-core traits keep

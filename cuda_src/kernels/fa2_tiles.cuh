@@ -48,8 +48,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 // ---- causal geometry ---------------------------------------------------------------------
 // Causal is aligned to the bottom-right corner: query row i sees key j iff j <= i + seqlen_k - seqlen_q.
 
-// Number of K/V blocks (of BlockN keys) that the query rows [row_begin, row_end) see:
-// blocks past the last key of the last row are wholly above the diagonal and skipped.
+// Number of K/V blocks (of BlockN keys) that query rows below row_end see (the last row sees
+// the most): blocks past its last key are wholly above the diagonal and skipped.
 template <int BlockN>
 __device__ __forceinline__ int kv_blocks_seen(const AttentionParams& p, int row_end) {
   const int num_kv_blocks = ceil_div(p.seqlen_k, BlockN);
