@@ -147,15 +147,16 @@ def attention(
     q, k, v = _contiguous_last_dim((q, k, v))
 
     backend = placement.backend()
-    out = backend.empty(tuple(q.shape), q.dtype)
-    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
-    if problem.seqlen_k == 0:
-        # No key at all: every row sees no key (the kernels' rule, without a launch).
-        out[...] = 0
-        lse[...] = -np.inf
-    elif out.size:
-        program = program_family.forward_program(problem)
-        run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    with backend.device():
+        out = backend.empty(tuple(q.shape), q.dtype)
+        lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+        if problem.seqlen_k == 0:
+            # No key at all: every row sees no key (the kernels' rule, without a launch).
+            out[...] = 0
+            lse[...] = -np.inf
+        elif out.size:
+            program = program_family.forward_program(problem)
+            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     out, lse = placement.export(out), placement.export(lse)
     return (out, lse) if return_lse else out
 
@@ -195,15 +196,16 @@ def attention_backward(
         lse = np.ascontiguousarray(lse) if isinstance(lse, np.ndarray) else __import__("cupy").ascontiguousarray(lse)
 
     backend = placement.backend()
-    dq = backend.empty(tuple(q.shape), q.dtype)
-    dk = backend.empty(tuple(k.shape), k.dtype)
-    dv = backend.empty(tuple(v.shape), v.dtype)
-    if problem.seqlen_k == 0 or problem.seqlen_q == 0:
-        # Nothing attends to anything: all gradients are zero.
-        for grad in (dq, dk, dv):
-            grad[...] = 0
-    elif dq.size:
-        program = program_family.backward_program(problem)
-        arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        run_program(backend, program, problem, scale, arrays)
+    with backend.device():
+        dq = backend.empty(tuple(q.shape), q.dtype)
+        dk = backend.empty(tuple(k.shape), k.dtype)
+        dv = backend.empty(tuple(v.shape), v.dtype)
+        if problem.seqlen_k == 0 or problem.seqlen_q == 0:
+            # Nothing attends to anything: all gradients are zero.
+            for grad in (dq, dk, dv):
+                grad[...] = 0
+        elif dq.size:
+            program = program_family.backward_program(problem)
+            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+            run_program(backend, program, problem, scale, arrays)
     return placement.export(dq), placement.export(dk), placement.export(dv)

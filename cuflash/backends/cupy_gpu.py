@@ -27,6 +27,10 @@ class CupyBackend:
         # compute_capability is a string such as "80" or "90".
         self.arch = "sm_" + cupy.cuda.Device(device_id).compute_capability
 
+    def device(self):
+        """Allocate and launch on the inputs' GPU, not whichever device is current."""
+        return self._cupy.cuda.Device(self.device_id)
+
     def empty_scratch(self, shape: tuple[int, ...]):
         return self._cupy.empty(shape, dtype=np.float32)
 

@@ -18,6 +18,9 @@ from ..kernels.plans import LaunchPlan, Problem, Program
 
 
 class ArrayBackend(Protocol):
+    def device(self) -> Any:
+        """Context manager making the backend's device current for allocation and launch."""
+
     def empty_scratch(self, shape: tuple[int, ...]) -> Any:
         """A float32 buffer whose contents the program must not rely on."""
 

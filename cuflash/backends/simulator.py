@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
@@ -11,10 +12,15 @@ from ..kernels.plans import LaunchPlan
 # Scratch the program does not zero is filled with NaN, the way the simulator
 # fills shared memory: a kernel that reads an element it never wrote shows it.
 _UNWRITTEN = np.float32(np.nan)
+_ALIGNMENT = 64
 
 
 class SimulatorBackend:
     name = "simulator"
+
+    def device(self) -> contextlib.AbstractContextManager:
+        """The simulator has no device to select."""
+        return contextlib.nullcontext()
 
     def empty_scratch(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.full(shape, _UNWRITTEN, dtype=np.float32)
@@ -24,7 +30,12 @@ class SimulatorBackend:
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         # Outputs too start as NaN: an element a kernel forgets to write is visible.
-        out = np.empty(shape, dtype=dtype)
+        # 64-byte aligned, so JAX takes results through DLPack without a copy.
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
+        start = -raw.ctypes.data % _ALIGNMENT
+        out = raw[start : start + nbytes].view(dtype).reshape(shape)
         out.view(np.uint8).fill(0xFF)
         return out
 

@@ -125,15 +125,11 @@ _sim_registered: dict[tuple[str, KernelInstance], int] = {}
 def register_cpu_kernels(instances: Sequence[KernelInstance]) -> None:
     """Point the CPU handler's registry at simulator libraries holding these kernels (current sim mode)."""
     from .. import sim
-    # cuflash.sim has no public accessor for a library's entry point yet; library_for
-    # builds (or finds in the cache) a library holding the instance and loads it.
-    from ..sim import _library as sim_library
 
     mode = sim.current_mode()
     for instance in instances:
         key = (mode, instance)
-        lib = sim_library.library_for(mode, instance)
-        address = int(sim_library.ffi.cast("uintptr_t", lib.cuflash_sim_launch))
+        address = sim.launch_entry_address(instance, mode)
         if _sim_registered.get(key) != address or not _ffi.sim_kernel_registered(instance.name_expr):
             _ffi.register_sim_kernel(instance.name_expr, address)
             _sim_registered[key] = address
