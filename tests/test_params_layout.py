@@ -12,6 +12,7 @@ import pytest
 from cuflash import sim
 from cuflash.kernels import params
 from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels.plans import Problem
 
 
 def test_mirror_matches_gxx_layout():
@@ -39,14 +40,15 @@ def test_mirror_matches_nvrtc_layout(tmp_path):
 
 
 def test_pack_params_round_trip():
+    problem = Problem("float16", batch=2, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=7, causal=True)
     packed = params.pack_params(
-        batch=2, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=7, softmax_scale=0.5, causal=True,
-        pointers={"q": 0x1000, "lse": 0x2000}, strides={"q": (84, 28, 7)}, num_dq_splits=3,
+        problem, softmax_scale=0.5, pointers={"q": 0x1000, "lse": 0x2000}, strides={"q": (84, 28, 7)}, num_dq_splits=3,
     )
     assert packed["q"] == 0x1000 and packed["lse"] == 0x2000 and packed["k"] == 0
     assert tuple(packed["q_stride"]) == (84, 28, 7)
+    assert (packed["batch"], packed["seqlen_q"], packed["seqlen_k"]) == (2, 3, 5)
+    assert (packed["nheads"], packed["nheads_k"], packed["headdim"]) == (4, 2, 7)
     assert packed["is_causal"] == 1 and packed["num_dq_splits"] == 3
     assert packed["softmax_scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
     with pytest.raises(KeyError, match="no pointer field"):
-        params.pack_params(batch=1, seqlen_q=1, seqlen_k=1, nheads=1, nheads_k=1, headdim=1, softmax_scale=1.0,
-                           causal=False, pointers={"bogus": 1}, strides={})
+        params.pack_params(problem, softmax_scale=1.0, pointers={"bogus": 1}, strides={})

@@ -276,8 +276,7 @@ def test_forward_softmax_on_edge_rows(seqlen_k):
     lse = np.full((1, 1, rows), np.nan, dtype=np.float32)
     problem = Problem("float32", 1, rows, seqlen_k, 1, 1, 8)
     params = pack_params(
-        batch=1, seqlen_q=rows, seqlen_k=seqlen_k, nheads=1, nheads_k=1, headdim=8, softmax_scale=1.0,
-        causal=False, pointers={"scores": scores.ctypes.data, "probs": probs.ctypes.data, "lse": lse.ctypes.data},
+        problem, softmax_scale=1.0, pointers={"scores": scores.ctypes.data, "probs": probs.ctypes.data, "lse": lse.ctypes.data},
         strides={},
     )
     plan = standard.forward_program(problem).launches[1]

@@ -55,14 +55,8 @@ def run_program(
     }
     bound = {**arrays, **scratch}
     params = pack_params(
-        batch=problem.batch,
-        seqlen_q=problem.seqlen_q,
-        seqlen_k=problem.seqlen_k,
-        nheads=problem.nheads,
-        nheads_k=problem.nheads_k,
-        headdim=problem.headdim,
+        problem,
         softmax_scale=softmax_scale,
-        causal=problem.causal,
         pointers={name: backend.address(array) for name, array in bound.items()},
         strides={name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays},
         num_dq_splits=program.num_dq_splits,

@@ -91,14 +91,8 @@ def custom_call_attributes(
     )
     tensors = [name for name in operands + results if name != "lse"]
     params = pack_params(
-        batch=problem.batch,
-        seqlen_q=problem.seqlen_q,
-        seqlen_k=problem.seqlen_k,
-        nheads=problem.nheads,
-        nheads_k=problem.nheads_k,
-        headdim=problem.headdim,
+        problem,
         softmax_scale=config.softmax_scale,
-        causal=problem.causal,
         pointers={},
         strides={name: contiguous_strides(tensor_shape(name, problem)) for name in tensors},
         num_dq_splits=program.num_dq_splits,

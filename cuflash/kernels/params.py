@@ -65,21 +65,16 @@ def field_layout() -> dict[str, tuple[int, int]]:
 
 
 def pack_params(
+    problem,
     *,
-    batch: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    nheads: int,
-    nheads_k: int,
-    headdim: int,
     softmax_scale: float,
-    causal: bool,
     pointers: Mapping[str, int],
     strides: Mapping[str, tuple[int, int, int]],
     num_dq_splits: int = 1,
 ) -> np.void:
     """Pack one AttentionParams value.
 
+    problem: a plans.Problem (sizes and the causal flag).
     pointers: device (or host, for the simulator) addresses by field name; absent fields are null.
     strides: (batch, row, head) element strides by tensor name; absent tensors get zeros.
     """
@@ -90,14 +85,10 @@ def pack_params(
         params[name] = address
     for name, (b, r, h) in strides.items():
         params[f"{name}_stride"] = (b, r, h)
-    params["batch"] = batch
-    params["seqlen_q"] = seqlen_q
-    params["seqlen_k"] = seqlen_k
-    params["nheads"] = nheads
-    params["nheads_k"] = nheads_k
-    params["headdim"] = headdim
+    for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim"):
+        params[name] = getattr(problem, name)
     params["softmax_scale"] = softmax_scale
     params["softmax_scale_log2"] = softmax_scale * math.log2(math.e)
-    params["is_causal"] = int(causal)
+    params["is_causal"] = int(problem.causal)
     params["num_dq_splits"] = num_dq_splits
     return params[()]
