@@ -9,10 +9,12 @@ Covered by tests marked ``gpu``.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
 
+from ..kernels.catalog import KernelInstance
 from ..kernels.plans import LaunchPlan
 
 
@@ -44,8 +46,16 @@ class CupyBackend:
         return int(array.data.ptr)
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence) -> None:
-        from ..kernels import nvrtc
+        function(plan.kernel, plan.dynamic_smem_bytes, self.arch, self.device_id)(
+            plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes
+        )
 
-        compiled = nvrtc.compile_instance(plan.kernel, self.arch)
-        function = nvrtc.load_function(compiled, dynamic_smem_bytes=plan.dynamic_smem_bytes)
-        function(plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes)
+
+@functools.lru_cache(maxsize=None)
+def function(kernel: KernelInstance, dynamic_smem_bytes: int, arch: str, device_id: int):
+    """The loaded kernel on a device (current when called); resolved once per process,
+    since checking the compile cache reads and hashes the kernel's sources."""
+    from ..kernels import nvrtc
+
+    compiled = nvrtc.compile_instance(kernel, arch)
+    return nvrtc.load_function(compiled, dynamic_smem_bytes=dynamic_smem_bytes)
