@@ -149,3 +149,17 @@ def test_empty_sequences_need_no_kernel():
     args = backward_args(sk=0)
     dq, dk, dv = cuflash.attention_backward(**args, algorithm=ALGORITHM)
     assert np.all(dq == 0) and dk.shape == args["k"].shape and dv.shape == args["v"].shape
+
+
+def test_non_contiguous_last_dimension_is_copied(monkeypatch):
+    # Undo the no-kernel fixture: this input is valid and must run.
+    monkeypatch.undo()
+    rng = np.random.default_rng(0)
+    wide = rng.standard_normal((1, 9, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 11, 2, 16)).astype(np.float32)
+    q = wide[..., ::2]  # last-dimension stride of 2 elements
+    reversed_k = k[:, ::-1]  # negative row stride
+    v = np.ascontiguousarray(k)
+    expected = cuflash.attention(np.ascontiguousarray(q), np.ascontiguousarray(reversed_k), v, algorithm=ALGORITHM)
+    got = cuflash.attention(q, reversed_k, v, algorithm=ALGORITHM)
+    assert np.array_equal(got, expected)
