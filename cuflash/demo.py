@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         written = sum(r.global_bytes_written for r in rec.launches)
         worst = max(c.max_error / c.bound for c in checks)
         print(f"{algorithm:>9}: ok  worst error/bound {worst:.3f}  launches {len(rec.launches):2d}  "
-              f"global read {read / 1e6:8.3f} MB  written {written / 1e6:8.3f} MB  ({seconds:.1f} s simulated)")
+              f"global read {read / 1e6:8.3f} MB  written {written / 1e6:8.3f} MB  ({seconds:.1f} s of CPU-simulator time)")
     if not cuflash.available_algorithms():
         print("no algorithm is available")
         return 1
