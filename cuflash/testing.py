@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """CUDA devices visible through CuPy (0 when CuPy or a driver is missing)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return 0
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-
-@functools.lru_cache(maxsize=None)
-def gpu_count() -> int:
-    """CUDA devices visible through CuPy (0 when CuPy or a driver is missing)."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return 0
+from cuflash.testing import gpu_count
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from cuflash.benchmarks import traffic
+from cuflash.testing import gpu_count
 
 
 def test_traffic_table_command():
@@ -26,3 +29,27 @@ def test_measure_scales_per_head_and_counts_every_launch():
     assert small.forward_read > 0 and small.forward_written > 0 and small.backward_written > 0
     # O and lse are written once by the fa2 forward: the written bytes are exactly that.
     assert small.forward_written == 96 * 40 * 2 + 96 * 4
+
+
+def test_speed_refuses_without_a_gpu():
+    if gpu_count():
+        pytest.skip("a GPU is present: the speed benchmark runs instead")
+    result = subprocess.run([sys.executable, "-m", "cuflash.benchmarks", "speed"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "needs a CUDA GPU" in result.stderr and "not GPU speed" in result.stderr
+    assert "TFLOPs" not in result.stdout
+
+
+@pytest.mark.gpu
+def test_speed_on_a_gpu():
+    from cuflash.benchmarks import speed
+
+    for timing in speed.measure("fa2", headdim=64, seqlen=512, causal=True, repeats=2):
+        assert timing.milliseconds > 0 and timing.tflops > 0
+
+
+def test_flop_count_follows_fa2_benchmark():
+    from cuflash.benchmarks import speed
+
+    assert speed.attention_flops(2, 16, 1024, 64, False, "forward") == 4 * 2 * 16 * 1024 * 1024 * 64
+    assert speed.attention_flops(2, 16, 1024, 64, True, "backward") == 2.5 * 2 * 2 * 16 * 1024 * 1024 * 64
