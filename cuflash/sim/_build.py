@@ -36,7 +36,7 @@ from ..kernels.catalog import KernelInstance
 MODES = ("normal", "race", "asan")
 
 SIM_DIR = CUDA_SRC / "arch" / "sim"
-RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp")
+RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "fiber_switch_x86_64.S")
 HEADER_SUFFIXES = (".cuh", ".h", ".cpp", ".hpp", ".S")
 
 _COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", "-pthread")
@@ -294,7 +294,7 @@ def _runtime_library(mode: str) -> Path:
             workdir = Path(tmp)
             objects = []
             for name in RUNTIME_SOURCES:
-                obj = workdir / (Path(name).stem + ".o")
+                obj = workdir / (Path(name).name + ".o")
                 _compile(SIM_DIR / name, obj, runtime_flags, f"runtime {name}, mode {mode}")
                 objects.append(str(obj))
             tmp_lib = workdir / target.name

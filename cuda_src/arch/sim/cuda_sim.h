@@ -241,12 +241,12 @@ struct ThreadView {
 constexpr uintptr_t kStackBytes = 256 * 1024;
 constexpr uintptr_t kThreadViewOffset = kStackBytes - 256;
 
-// Not volatile: a function runs on one fiber stack for its whole life, so the
-// compiler may reuse the value across calls (also across fiber switches).
+// Any address inside the running function's frame lies in the current fiber's stack
+// slot, and a function runs on one fiber stack for its whole life, so the compiler
+// may reuse the result across calls (also across fiber switches).
 __forceinline__ ThreadView* current_thread() {
-  uintptr_t sp;
-  asm("mov %%rsp, %0" : "=r"(sp));
-  return reinterpret_cast<ThreadView*>((sp & ~(kStackBytes - 1)) + kThreadViewOffset);
+  const uintptr_t frame = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  return reinterpret_cast<ThreadView*>((frame & ~(kStackBytes - 1)) + kThreadViewOffset);
 }
 
 // ---- runtime entry points (sim_runtime.cpp) ----

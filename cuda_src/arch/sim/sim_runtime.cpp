@@ -49,10 +49,7 @@
 #endif
 
 // ---- stack switching -------------------------------------------------------------------
-// switch_stack(save, next): pushes the callee-saved registers, MXCSR and the x87
-// control word on the current stack, stores %rsp in *save, loads next and pops the
-// same frame from it. A new fiber's first frame returns into fiber_trampoline,
-// which calls fiber_main(rbx = Fiber*).
+// switch_stack and fiber_trampoline are host assembly in fiber_switch_x86_64.S.
 extern "C" {
 __attribute__((visibility("hidden"))) void cuflash_sim_switch_stack(void** save_sp, void* next_sp);
 __attribute__((visibility("hidden"))) void cuflash_sim_fiber_trampoline();
@@ -61,47 +58,6 @@ __attribute__((visibility("hidden"), noreturn, used)) void cuflash_sim_fiber_mai
 
 namespace cuflash::sim {
 namespace {
-
-asm(R"(
-  .text
-  .p2align 4
-  .globl cuflash_sim_switch_stack
-  .hidden cuflash_sim_switch_stack
-  .type cuflash_sim_switch_stack, @function
-cuflash_sim_switch_stack:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  subq $16, %rsp
-  fnstcw (%rsp)
-  stmxcsr 8(%rsp)
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  fldcw (%rsp)
-  ldmxcsr 8(%rsp)
-  addq $16, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size cuflash_sim_switch_stack, .-cuflash_sim_switch_stack
-
-  .p2align 4
-  .globl cuflash_sim_fiber_trampoline
-  .hidden cuflash_sim_fiber_trampoline
-  .type cuflash_sim_fiber_trampoline, @function
-cuflash_sim_fiber_trampoline:
-  movq %rbx, %rdi
-  call cuflash_sim_fiber_main
-  ud2
-  .size cuflash_sim_fiber_trampoline, .-cuflash_sim_fiber_trampoline
-)");
 
 constexpr uintptr_t kPageBytes = 4096;
 constexpr unsigned kArenaSlots = 16384;  // 4 GiB of address space, committed on use
@@ -651,9 +607,8 @@ void fail_current(const std::string& message) {
 void fail(const char* message) { fail_current(message); }
 
 Fiber* fiber_on_this_stack() {
-  uintptr_t sp;
-  asm volatile("mov %%rsp, %0" : "=r"(sp));
-  if (!StackArena::instance().contains(sp)) return nullptr;
+  const uintptr_t frame = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  if (!StackArena::instance().contains(frame)) return nullptr;
   return current_fiber();
 }
 
