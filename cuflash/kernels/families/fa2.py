@@ -69,8 +69,8 @@ def _pick_threads_n(m_granules: int, n_granules: int, threads: int) -> int:
 
 
 @dataclass(frozen=True)
-class ForwardTraits:
-    """fa2::ForwardTraits: tile sizes and warps of the forward kernel (rows per warp = block_m / warps)."""
+class _TileTraits:
+    """What forward and backward traits share: sizes, thread count, and the checks every tile must pass."""
 
     head_dim: int
     block_m: int
@@ -80,6 +80,36 @@ class ForwardTraits:
     def __post_init__(self) -> None:
         if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HEADDIM:
             raise ValueError(f"compiled head dims are multiples of 32 up to {MAX_HEADDIM}, got {self.head_dim}")
+        self._check_tiles()
+        if self.threads > 1024:
+            raise ValueError("CUDA blocks hold at most 1024 threads")
+        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
+
+    def _check_tiles(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        raise NotImplementedError
+
+    def _instance(self, source: str, kernel: str, dtype: str) -> KernelInstance:
+        return KernelInstance(
+            source,
+            f"cuflash::{kernel}<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+            f"{self.warps}>",
+        )
+
+
+@dataclass(frozen=True)
+class ForwardTraits(_TileTraits):
+    """fa2::ForwardTraits: tile sizes and warps of the forward kernel (rows per warp = block_m / warps)."""
+
+    def _check_tiles(self) -> None:
         if self.block_m % self.warps:
             raise ValueError("each warp owns block_m / warps query rows")
         rows_per_warp = self.block_m // self.warps
@@ -87,14 +117,6 @@ class ForwardTraits:
             raise ValueError("a warp's lanes are 4 row groups x 8 columns: rows per warp must be a multiple of 4")
         if self.block_n % 32:
             raise ValueError("block_n must be a multiple of 32 (8 lane columns, float4 P rows)")
-        if self.threads > 1024:
-            raise ValueError("CUDA blocks hold at most 1024 threads")
-        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -103,29 +125,16 @@ class ForwardTraits:
         return _F32 * (self.block_m * row + 2 * self.block_n * row + self.block_m * (self.block_n + 4))
 
     def instance(self, dtype: str) -> KernelInstance:
-        return KernelInstance(
-            FORWARD_SOURCE,
-            f"cuflash::fa2_forward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.warps}>",
-        )
+        return self._instance(FORWARD_SOURCE, "fa2_forward_kernel", dtype)
 
 
 @dataclass(frozen=True)
-class BackwardTraits:
+class BackwardTraits(_TileTraits):
     """fa2::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
 
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
-
-    def __post_init__(self) -> None:
-        if self.head_dim % 32 or not 32 <= self.head_dim <= MAX_HEADDIM:
-            raise ValueError(f"compiled head dims are multiples of 32 up to {MAX_HEADDIM}, got {self.head_dim}")
+    def _check_tiles(self) -> None:
         if self.block_m % 4 or self.block_n % 32 or self.block_m > self.threads:
             raise ValueError("block_m must be a multiple of 4 and at most the thread count; block_n of 32")
-        if self.threads > 1024:
-            raise ValueError("CUDA blocks hold at most 1024 threads")
         # The three thread tilings of the .cu (S/dP, dK/dV, dQ) must divide evenly.
         for name, m, n in (
             ("S/dP", self.block_m, self.block_n),
@@ -134,12 +143,6 @@ class BackwardTraits:
         ):
             if not _pick_threads_n(m, n, self.threads):
                 raise ValueError(f"{self}: no even {name} thread tiling with {self.threads} threads")
-        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -150,11 +153,7 @@ class BackwardTraits:
         )
 
     def instance(self, dtype: str) -> KernelInstance:
-        return KernelInstance(
-            BACKWARD_SOURCE,
-            f"cuflash::fa2_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.warps}>",
-        )
+        return self._instance(BACKWARD_SOURCE, "fa2_backward_kernel", dtype)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return _convert_dq_instance(dtype, self.block_n)
