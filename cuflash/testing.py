@@ -34,3 +34,17 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=
     k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
     v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dt)
     return q, k, v
+
+
+def random_inputs(shape, dtype, seed):
+    """q, k, v and an upstream gradient dout for shape (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, *shape, dtype=dtype)
+    dout = rng.standard_normal(q.shape).astype(numpy_dtype(dtype))
+    return q, k, v, dout
+
+
+def rows_without_key(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """Boolean mask of the query rows that see no key (bottom-right causal alignment, or no keys at all)."""
+    rows = np.arange(seqlen_q)
+    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)

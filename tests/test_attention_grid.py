@@ -18,7 +18,7 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash.kernels import plans
-from cuflash.testing import random_qkv
+from cuflash.testing import random_qkv, rows_without_key
 
 SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1, 239), (3, 799), (1023, 1024)]
 HEAD_DIMS = [32, 40, 59, 64, 96, 111, 128, 160, 192, 224, 256]
@@ -57,10 +57,6 @@ def test_grid_keeps_every_value_of_every_axis():
         assert {v[7] for v in mine} == {False, True}
 
 
-def _rows_without_key(seqlen_q, seqlen_k, causal):
-    return np.arange(seqlen_q) + seqlen_k - seqlen_q < 0 if causal else np.zeros(seqlen_q, bool)
-
-
 @pytest.mark.parametrize("algorithm, batch, seqlen_q, seqlen_k, heads, headdim, dtype, causal", CASES)
 def test_matches_reference(algorithm, batch, seqlen_q, seqlen_k, heads, headdim, dtype, causal):
     if algorithm not in plans.available_algorithms():
@@ -74,7 +70,7 @@ def test_matches_reference(algorithm, batch, seqlen_q, seqlen_k, heads, headdim,
     ref = tol.forward_references(q, k, v, causal=causal)
     tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
     tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = _rows_without_key(seqlen_q, seqlen_k, causal)
+    empty = rows_without_key(seqlen_q, seqlen_k, causal)
     assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
 
     deterministic = bool(seqlen_q % 2)

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.testing import numpy_dtype, random_qkv
 from cuflash import sim
 from cuflash._tolerance import BACKWARD_FACTOR, FORWARD_FACTOR, backward_references, check_close, forward_references
 from cuflash.backends.program import run_program
@@ -28,7 +27,7 @@ from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import fa1
 from cuflash.kernels.plans import Problem
 from cuflash.reference import attention_reference
-from cuflash.testing import numpy_dtype, random_qkv
+from cuflash.testing import numpy_dtype, random_inputs, random_qkv, rows_without_key
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -69,18 +68,6 @@ def _cases():
 CASES = _cases()
 
 
-def _inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, *shape, dtype=dtype)
-    dout = rng.standard_normal(q.shape).astype(numpy_dtype(dtype))
-    return q, k, v, dout
-
-
-def _no_key_rows(seqlen_q, seqlen_k, causal):
-    rows = np.arange(seqlen_q)
-    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)
-
-
 def _check_forward(q, k, v, out, lse, causal, scale):
     ref = forward_references(q, k, v, causal=causal, softmax_scale=scale)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -101,10 +88,10 @@ def _check_backward(dout, q, k, v, grads, causal, scale):
 
 @pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
 def test_forward_matches_reference(shape, dtype, causal, scale):
-    q, k, v, _ = _inputs(shape, dtype, seed=1)
+    q, k, v, _ = random_inputs(shape, dtype, seed=1)
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa1", return_lse=True)
     _check_forward(q, k, v, out, lse, causal, scale)
-    no_key = _no_key_rows(shape[1], shape[2], causal)
+    no_key = rows_without_key(shape[1], shape[2], causal)
     assert np.all(out[:, no_key].astype(np.float32) == 0)
     assert np.all(lse[:, :, no_key] == -np.inf)
     assert np.all(np.isfinite(lse[:, :, ~no_key]))
@@ -112,15 +99,15 @@ def test_forward_matches_reference(shape, dtype, causal, scale):
 
 @pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
 def test_backward_matches_reference(shape, dtype, causal, scale):
-    q, k, v, dout = _inputs(shape, dtype, seed=2)
+    q, k, v, dout = random_inputs(shape, dtype, seed=2)
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa1", return_lse=True)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, algorithm="fa1")
     _check_backward(dout, q, k, v, grads, causal, scale)
-    no_key = _no_key_rows(shape[1], shape[2], causal)
+    no_key = rows_without_key(shape[1], shape[2], causal)
     assert np.all(grads[0][:, no_key].astype(np.float32) == 0)
 
 
-def test_strided_inputs():
+def test_stridedrandom_inputs():
     """q, k, v, dout as (batch, heads, seqlen, headdim) arrays transposed to the API layout: row and head strides
     are not the dense ones, and the kernels must follow them."""
     rng = np.random.default_rng(3)
@@ -232,7 +219,7 @@ def test_rows_without_key_inside_a_visited_block():
     """seqlen_q > seqlen_k, causal: the first Q block (Br = 64 at head dim 64) holds rows that see no key and
     rows that do, so the no-key rows go through the online softmax with l = 0 at every visit."""
     assert fa1.TILES[64][0].block_rows >= 60 and fa1.TILES[64][1].block_rows >= 60
-    q, k, v, dout = _inputs((1, 60, 30, 2, 2, 64), "float32", seed=6)
+    q, k, v, dout = random_inputs((1, 60, 30, 2, 2, 64), "float32", seed=6)
     out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
     assert np.all(out[:, :30] == 0) and np.all(lse[:, :, :30] == -np.inf)
     assert np.all(np.isfinite(lse[:, :, 30:]))
@@ -281,7 +268,7 @@ def test_traffic_follows_algorithm_1_by_hand():
     tc = 2
     expected_read = 2 * n * d * 2 + tc * (n * d * 2 + n * (d + 2) * 4)
     expected_written = (tc - 1) * n * (d + 2) * 4 + n * d * 2 + n * 4
-    q, k, v, dout = _inputs((1, n, n, 1, 1, d), "float16", seed=8)
+    q, k, v, dout = random_inputs((1, n, n, 1, 1, d), "float16", seed=8)
     with sim.record() as rec:
         out, lse = cuflash.attention(q, k, v, algorithm="fa1", return_lse=True)
     assert [(r.global_bytes_read, r.global_bytes_written) for r in rec.launches] == [(expected_read, expected_written)]
@@ -304,7 +291,7 @@ def test_output_statistics_traffic_grows_with_kv_blocks():
     block_cols = fa1.TILES[d][0].block_cols
     extra = []
     for tc in (1, 2, 3):
-        q, k, v, _ = _inputs((1, n, tc * block_cols, 1, 1, d), "float16", seed=11)
+        q, k, v, _ = random_inputs((1, n, tc * block_cols, 1, 1, d), "float16", seed=11)
         with sim.record() as rec:
             cuflash.attention(q, k, v, algorithm="fa1")
         (launch,) = rec.launches
@@ -318,7 +305,7 @@ def _bits(x):
 
 
 def test_forward_and_backward_are_bitwise_reproducible():
-    q, k, v, dout = _inputs((2, 130, 350, 4, 2, 64), "bfloat16", seed=9)
+    q, k, v, dout = random_inputs((2, 130, 350, 4, 2, 64), "bfloat16", seed=9)
     first = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
     grads = cuflash.attention_backward(dout, q, k, v, *first, causal=True, algorithm="fa1")
     for _ in range(2):
@@ -332,7 +319,7 @@ def test_no_data_races():
     """The simulator's race detector (shared and global memory, CUDA's ordering rules) over a causal GQA forward
     and backward whose Q and K/V blocks are all partial and several: the K/V tiles reused across the inner loop,
     O_i parked in the Q_i tile for D_i, dK~/dV~ accumulators with one owner per element, the GQA reduction."""
-    q, k, v, dout = _inputs((1, 150, 190, 4, 2, 48), "float16", seed=12)
+    q, k, v, dout = random_inputs((1, 150, 190, 4, 2, 48), "float16", seed=12)
     with sim.checking("race"):
         out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, algorithm="fa1")

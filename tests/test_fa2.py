@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.testing import numpy_dtype, random_qkv
+from cuflash.testing import numpy_dtype, random_qkv, rows_without_key
 from cuflash import sim
 from cuflash._tolerance import (
     BACKWARD_FACTOR,
@@ -78,18 +78,13 @@ def _inputs(shape, dtype, seed, magnitude=1.0):
     return (q * magnitude).astype(dt), (k * magnitude).astype(dt), v.astype(dt), dout.astype(dt)
 
 
-def _no_key_rows(seqlen_q, seqlen_k, causal):
-    rows = np.arange(seqlen_q)
-    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)
-
-
 def _check_forward(q, k, v, out, lse, causal, scale):
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == np.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     ref = forward_references(q, k, v, causal=causal, softmax_scale=scale)
     check_close("out", out, ref.out, ref.out_lowp, FORWARD_FACTOR)
     check_close("lse", lse, ref.lse, ref.lse_lowp, FORWARD_FACTOR)
-    empty = _no_key_rows(q.shape[1], k.shape[1], causal)
+    empty = rows_without_key(q.shape[1], k.shape[1], causal)
     assert np.all(out.astype(np.float32)[:, empty] == 0)
     assert np.all(lse[:, :, empty] == -np.inf)
 
@@ -103,7 +98,7 @@ def _check_backward(dout, q, k, v, grads, causal, scale):
     check_close("dq", dq, ref.dq, ref.dq_lowp, BACKWARD_FACTOR, atol)
     check_close("dk", dk, ref.dk, ref.dk_lowp, BACKWARD_FACTOR, atol)
     check_close("dv", dv, ref.dv, ref.dv_lowp, BACKWARD_FACTOR, atol)
-    empty = _no_key_rows(q.shape[1], k.shape[1], causal)
+    empty = rows_without_key(q.shape[1], k.shape[1], causal)
     assert np.all(dq.astype(np.float32)[:, empty] == 0)
 
 

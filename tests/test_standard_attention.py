@@ -32,7 +32,7 @@ from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import standard
 from cuflash.kernels.params import pack_params
 from cuflash.kernels.plans import Problem
-from cuflash.testing import numpy_dtype, random_qkv
+from cuflash.testing import random_inputs, rows_without_key
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -63,35 +63,23 @@ def _cases():
 CASES = _cases()
 
 
-def _inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, *shape, dtype=dtype)
-    dout = rng.standard_normal(q.shape).astype(numpy_dtype(dtype))
-    return q, k, v, dout
-
-
-def _no_key_rows(seqlen_q, seqlen_k, causal):
-    rows = np.arange(seqlen_q)
-    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)
-
-
 @pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
 def test_forward_matches_reference(shape, dtype, causal, scale):
-    q, k, v, _ = _inputs(shape, dtype, seed=1)
+    q, k, v, _ = random_inputs(shape, dtype, seed=1)
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="standard", return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == np.float32 and lse.shape == (shape[0], shape[3], shape[1])
     ref = forward_references(q, k, v, causal=causal, softmax_scale=scale)
     check_close("out", out, ref.out, ref.out_lowp, FORWARD_FACTOR)
     check_close("lse", lse, ref.lse, ref.lse_lowp, FORWARD_FACTOR)
-    empty = _no_key_rows(shape[1], shape[2], causal)
+    empty = rows_without_key(shape[1], shape[2], causal)
     assert np.all(out.astype(np.float32)[:, empty] == 0)
     assert np.all(lse[:, :, empty] == -np.inf)
 
 
 @pytest.mark.parametrize("shape, dtype, causal, scale", CASES)
 def test_backward_matches_reference(shape, dtype, causal, scale):
-    q, k, v, dout = _inputs(shape, dtype, seed=2)
+    q, k, v, dout = random_inputs(shape, dtype, seed=2)
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="standard", return_lse=True)
     dq, dk, dv = cuflash.attention_backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, algorithm="standard"
@@ -102,7 +90,7 @@ def test_backward_matches_reference(shape, dtype, causal, scale):
     check_close("dq", dq, ref.dq, ref.dq_lowp, BACKWARD_FACTOR, atol)
     check_close("dk", dk, ref.dk, ref.dk_lowp, BACKWARD_FACTOR, atol)
     check_close("dv", dv, ref.dv, ref.dv_lowp, BACKWARD_FACTOR, atol)
-    empty = _no_key_rows(shape[1], shape[2], causal)
+    empty = rows_without_key(shape[1], shape[2], causal)
     assert np.all(dq.astype(np.float32)[:, empty] == 0)
 
 
@@ -160,7 +148,7 @@ def _dense_scores(q, k, scale, causal):
 def test_scratch_holds_the_materialised_matrices(dtype):
     """S, P (forward), then P, dS (backward) are what Algorithm 0 says, masked entries exactly -inf / 0."""
     causal, scale = True, 0.25
-    q, k, v, dout = _inputs((1, 70, 45, 2, 1, 24), dtype, seed=3)
+    q, k, v, dout = random_inputs((1, 70, 45, 2, 1, 24), dtype, seed=3)
     out, lse, fwd = _run_forward(q, k, v, causal, scale)
     s_ref = _dense_scores(q, k, scale, causal)
     masked = np.isneginf(s_ref)
@@ -195,7 +183,7 @@ def test_scratch_holds_the_materialised_matrices(dtype):
 def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
     """The family's own programs handle empty sequences (the API also short-circuits them): out = 0 and
     lse = -inf when no key exists, zero dk/dv when no query exists, no launch with an empty grid."""
-    q, k, v, dout = _inputs((2, seqlen_q, seqlen_k, 2, 1, 33), "float16", seed=4)
+    q, k, v, dout = random_inputs((2, seqlen_q, seqlen_k, 2, 1, 33), "float16", seed=4)
     out, lse, _ = _run_forward(q, k, v, causal, 0.2)
     assert np.all(out == 0) and np.all(lse == -np.inf)
     dq, dk, dv, _ = _run_backward(dout, q, k, v, out, lse, causal, 0.2)
@@ -222,7 +210,7 @@ def _expected(program, traffic):
 
 @pytest.mark.parametrize("shape, dtype, causal", TRAFFIC_CASES)
 def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
-    q, k, v, dout = _inputs(shape, dtype, seed=5)
+    q, k, v, dout = random_inputs(shape, dtype, seed=5)
     problem = _problem(q, k, causal)
     with sim.record() as forward_records:
         out, lse, _ = _run_forward(q, k, v, causal, 0.125)
@@ -241,7 +229,7 @@ def test_scores_and_probs_are_written_once_and_read_back():
     (4 b h sq sk bytes), the softmax reads it once (rows of <= 1024 keys) and writes P (4 b h sq sk) plus lse,
     and O = P V reads P once per 64-column tile of the head dim."""
     batch, seqlen_q, seqlen_k, nheads, headdim = 1, 90, 70, 2, 80
-    q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads, headdim), "float16", seed=6)
+    q, k, v, _ = random_inputs((batch, seqlen_q, seqlen_k, nheads, nheads, headdim), "float16", seed=6)
     with sim.record() as records:
         _run_forward(q, k, v, False, 0.1)
     scores, softmax, out = _launch_traffic(records)
@@ -297,7 +285,7 @@ def test_forward_softmax_on_edge_rows(seqlen_k):
 
 
 def test_backward_is_bitwise_reproducible():
-    q, k, v, dout = _inputs((2, 57, 83, 4, 1, 40), "bfloat16", seed=7)
+    q, k, v, dout = random_inputs((2, 57, 83, 4, 1, 40), "bfloat16", seed=7)
     out, lse = cuflash.attention(q, k, v, causal=True, algorithm="standard", return_lse=True)
     first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, algorithm="standard")
     second = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, algorithm="standard")
@@ -308,7 +296,7 @@ def test_backward_is_bitwise_reproducible():
 def test_no_data_races():
     """The simulator's race detector (shared memory and global buffers, CUDA's ordering rules) over a causal
     GQA forward and backward: double-buffered staging, in-place dS, per-block dK/dV ownership."""
-    q, k, v, dout = _inputs((1, 70, 45, 4, 2, 24), "float16", seed=8)
+    q, k, v, dout = random_inputs((1, 70, 45, 4, 2, 24), "float16", seed=8)
     with sim.checking("race"):
         out, lse = cuflash.attention(q, k, v, causal=True, algorithm="standard", return_lse=True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, algorithm="standard")
