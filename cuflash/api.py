@@ -106,14 +106,16 @@ def _is_cupy(array: Any) -> bool:
     return type(array).__module__.split(".")[0] == "cupy"
 
 
+def _ascontiguous(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        return np.ascontiguousarray(array)
+    import cupy
+
+    return cupy.ascontiguousarray(array)
+
+
 def _contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    result = []
-    for array in arrays:
-        if V.needs_copy(array):
-            module = np if isinstance(array, np.ndarray) else __import__("cupy")
-            array = module.ascontiguousarray(array)
-        result.append(array)
-    return tuple(result)
+    return tuple(_ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
 
 
 def attention(
@@ -192,8 +194,8 @@ def attention_backward(
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     program_family = plans.family(algorithm)
     dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
-    if not (lse.flags.c_contiguous):
-        lse = np.ascontiguousarray(lse) if isinstance(lse, np.ndarray) else __import__("cupy").ascontiguousarray(lse)
+    if not lse.flags.c_contiguous:
+        lse = _ascontiguous(lse)
 
     backend = placement.backend()
     with backend.device():
