@@ -4,6 +4,7 @@ Public API (other packages depend on these names):
     launch(kernel, grid, block, dynamic_smem_bytes, params, buffers) -> LaunchRecord
     record()              context manager collecting LaunchRecords
     checking(mode)        context manager: "normal", "race" or "asan" (default: $CUFLASH_SIM_MODE)
+    copy_landing(seed)    context manager: the seed of the moments cp.async copies land at
     run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
     precompile(instances) build ahead of time (warms the cache)
     params_layout()       AttentionParams layout as g++ computes it
@@ -17,6 +18,7 @@ from ._launch import (
     LaunchRecord,
     Recorder,
     checking,
+    copy_landing,
     current_mode,
     launch,
     launch_entry_address,
@@ -32,6 +34,7 @@ __all__ = [
     "LaunchRecord",
     "Recorder",
     "checking",
+    "copy_landing",
     "current_mode",
     "launch",
     "launch_entry_address",

@@ -40,13 +40,20 @@ RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "fiber_switch_x86_64.S")
 HEADER_SUFFIXES = (".cuh", ".h", ".cpp", ".hpp", ".S")
 
 _COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", "-pthread")
+# Kernel TUs only: every automatic variable starts as a repeated 0xFE byte pattern (a NaN-like
+# float, a huge integer) instead of whatever the fiber stack held (usually 0), so a forgotten
+# accumulator reset gives garbage here as it does on a GPU.
+_KERNEL_FLAGS = ("-ftrivial-auto-var-init=pattern",)
 
 # Per mode: flags for kernel TUs, flags for the (uninstrumented in race mode) runtime, link flags.
 _MODE_FLAGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "normal": ((), (), ("-Wl,-z,defs",)),
     # Kernel TUs are instrumented; the __tsan_* hooks are ours (sim_race.cpp), so
-    # no libtsan is linked and -z defs catches a hook we do not provide.
-    "race": (("-fsanitize=thread", "-DCUFLASH_SIM_RACE=1"), ("-DCUFLASH_SIM_RACE=1",), ("-Wl,-z,defs",)),
+    # no libtsan is linked and -z defs catches a hook we do not provide. Without scalar
+    # replacement of aggregates a float4 / float2 access stays one 16- / 8-byte access
+    # (instead of four 4-byte ones), so the hooks can check its natural alignment.
+    "race": (("-fsanitize=thread", "-fno-tree-sra", "-DCUFLASH_SIM_RACE=1"), ("-DCUFLASH_SIM_RACE=1",),
+             ("-Wl,-z,defs",)),
     "asan": (
         ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),
         ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),
@@ -117,7 +124,7 @@ def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
         "cuflash-sim-lib-v2",
         mode,
         compiler_identity(cxx),
-        " ".join(_COMMON_FLAGS + kernel_flags + extra_flags() + runtime_flags + link_flags),
+        " ".join(_COMMON_FLAGS + _KERNEL_FLAGS + kernel_flags + extra_flags() + runtime_flags + link_flags),
         _tree_hash(CUDA_SRC),
     ]
     for inst in sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr)):
@@ -343,7 +350,7 @@ def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, t
     for i, (source, group) in enumerate(sorted(groups.items())):
         tu = workdir / f"kernels_{i}_{source.stem}.cpp"
         tu.write_text(_kernel_tu(source, group))
-        jobs.append((tu, tu.with_suffix(".o"), kernel_flags + extra_flags(),
+        jobs.append((tu, tu.with_suffix(".o"), _KERNEL_FLAGS + kernel_flags + extra_flags(),
                      f"{source.name} [{', '.join(g.name_expr for g in group)}]"))
     table = workdir / "table.cpp"
     table.write_text(_table_tu(instances))

@@ -20,6 +20,7 @@ __all__ = [
     "launch",
     "record",
     "checking",
+    "copy_landing",
     "current_mode",
     "precompile",
     "params_layout",
@@ -116,6 +117,37 @@ def checking(mode: str) -> Iterator[str]:
                     break
 
 
+# ---- when cp.async copies land -----------------------------------------------------------
+
+_copy_seeds: list[int] = []
+
+
+@contextlib.contextmanager
+def copy_landing(seed: int) -> Iterator[int]:
+    """Launches inside the block land their cp.async copies at moments drawn from ``seed``.
+
+    A copy may land anywhere between its issue and the issuing thread's covering wait; the
+    simulator picks the moment (at issue, or at one of the block's later fiber switches) from
+    a seeded stream, 0 by default. A kernel whose results differ between seeds reads a copy's
+    destination before the wait and barrier that publish it. Race mode ignores the seed: it
+    reports any such access instead. Process-wide, like ``checking``.
+    """
+    if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
+        raise ValueError(f"copy_landing seed must be an int in [0, 2**64), got {seed!r}")
+    with _mode_lock:
+        _copy_seeds.append(int(seed))
+    try:
+        yield int(seed)
+    finally:
+        with _mode_lock:
+            del _copy_seeds[len(_copy_seeds) - 1 - _copy_seeds[::-1].index(int(seed))]
+
+
+def _copy_seed() -> int:
+    with _mode_lock:
+        return _copy_seeds[-1] if _copy_seeds else 0
+
+
 # ---- launching ---------------------------------------------------------------------------------
 
 
@@ -202,6 +234,7 @@ def launch(
     req.buffer_bytes = nbytes
     req.buffer_writable = writable
     req.num_workers = _workers()
+    req.copy_landing_seed = _copy_seed()
 
     # Keep the arrays alive (and their memory in place) for the whole call.
     keep_alive = list(buffers)

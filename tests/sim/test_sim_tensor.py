@@ -141,26 +141,6 @@ def test_cp_async_zero_fills_past_src_size():
     assert rec.global_bytes_read == n * 12
 
 
-def test_cp_async_wait_group_leaves_newest_pending():
-    n = 32
-    src = np.arange(4 * n, dtype=np.float32) + 1
-    out0 = np.zeros(4 * n, np.float32)
-    out1 = np.zeros(n, np.float32)
-    launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=1, n=8)
-    got = out0.reshape(n, 4)
-    assert got[:, :2].tolist() == src.reshape(n, 4)[:, :2].tolist()
-    assert np.all(np.isnan(got[:, 2:]))  # group 1 not waited for: still the NaN fill
-
-
-def test_cp_async_without_wait_reads_stale_shared_memory():
-    n = 32
-    src = np.arange(4 * n, dtype=np.float32) + 1
-    out0 = np.zeros(4 * n, np.float32)
-    out1 = np.zeros(n, np.float32)
-    launch("cp_async_kernel", n, smem=16 * n, in0=src, out0=out0, out1=out1, mode=2, n=8)
-    assert np.all(np.isnan(out0)) and np.all(np.isnan(out1))
-
-
 @pytest.mark.parametrize("mode, pattern", [(0, "aligned"), (1, "out of bounds"), (2, "outside the block")])
 def test_cp_async_errors(mode, pattern):
     src = np.zeros(16, np.float32)

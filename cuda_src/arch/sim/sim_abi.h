@@ -21,6 +21,7 @@ typedef struct cuflash_sim_launch_request {
   const unsigned long long* buffer_bytes;
   const int* buffer_writable;
   int num_workers; /* 0: one per core */
+  unsigned long long copy_landing_seed; /* normal mode: seeds the moments at which cp.async copies land */
   /* outputs */
   unsigned long long bytes_read;
   unsigned long long bytes_written;

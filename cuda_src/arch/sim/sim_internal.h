@@ -27,7 +27,7 @@ enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kExited 
 
 struct Worker;
 
-struct PendingCopy {  // one cp.async, applied when its group is waited for
+struct PendingCopy {  // one cp.async in flight: lands at a random moment before its group's wait
   unsigned char* dst;
   const unsigned char* src;
   unsigned cp_size;
@@ -86,6 +86,7 @@ struct Launch {
   std::mutex error_mutex;
   unsigned long long error_block = ~0ull;
   std::string error;
+  uint64_t copy_landing_seed;
 
   void record_error(unsigned long long block_linear, std::string message);
 };
@@ -109,6 +110,10 @@ struct Worker {
   std::vector<Warp> warps;
   unsigned long long bytes_read;
   unsigned long long bytes_written;
+  uint64_t landing_rng;             // per block, from the launch's copy_landing_seed
+  unsigned long long copies_in_flight;  // cp.async of this block's fibers not landed yet
+  uintptr_t smem_map_lo;            // the mapping around the block's shared memory: an access here
+  uintptr_t smem_map_hi;            // outside [smem, smem + bytes) is a shared-memory overrun
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
 #endif
@@ -118,6 +123,7 @@ __attribute__((always_inline)) inline Fiber* current_fiber() {
   return static_cast<Fiber*>(current_thread()->fiber);
 }
 
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 bool same_site(const Site& a, const Site& b);
 std::string describe_site(const Site& s);
 std::string describe_thread(const Worker* w, unsigned linear_tid);
@@ -133,6 +139,10 @@ void race_barrier_complete(Worker* w);
 void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask);
 void race_atomic(Fiber* f, uintptr_t address, unsigned bytes);
 void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behalf of the running fiber
+// cp.async: its destination counts as written at issue and stays in flight (any access is a race)
+// until the issuing thread's covering wait, where the copy lands as that thread's write.
+void race_copy_issued(uintptr_t dst, unsigned bytes);
+void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
 #endif
 
 }  // namespace cuflash::sim

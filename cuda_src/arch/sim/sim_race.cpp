@@ -17,6 +17,14 @@
 //       came after the earlier access.
 //   Accesses of different blocks of one launch are never ordered (global memory).
 //   arch::atomic_add does not race with other atomics, but does with plain accesses.
+//   A cp.async destination is written at issue and in flight until the issuing thread's
+//   covering wait: any access to it before then, by any thread (the issuer included), is a
+//   race; at the wait the copy lands as the issuer's write, so other threads need the barrier
+//   (or __syncwarp) that follows the wait, as for any write.
+//
+// Shared memory is also checked for what a GPU faults on: every access naturally aligned
+// (an 8-byte access at a 4-byte boundary runs on x86, not on a GPU) and inside the block's
+// allocation (the slack next to the guard pages of normal mode included).
 //
 // Shadow state per byte: the last plain write (block, thread, epoch, warp
 // generation), the reads since that write (block, epoch, warp, lane set, latest
@@ -59,6 +67,8 @@ struct Cell {
   uint16_t a_tid;    // last atomic's thread, or 0xffff for several
   uint32_t a_block;  // 1 + linear block index, kMultiple; 0: no atomics
   uint32_t a_epoch;
+  uint32_t f_block;  // 1 + linear block index of a cp.async in flight to this byte; 0: none
+  uint16_t f_tid;    // its issuing thread
 };
 
 constexpr uintptr_t kChunkBytes = 4096;
@@ -146,7 +156,16 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
   if (!global) {
     if (c.w_block != a.block) c.w_block = 0;
     if (c.r_block != a.block) c.r_block = 0;
+    if (c.f_block != a.block) c.f_block = 0;
     c.a_block = 0;
+  }
+  if (c.f_block != 0) {
+    if (c.f_tid == a.tid)
+      fail_current(std::string("data race on ") + where + " byte offset " + std::to_string(offset) + ": this thread " +
+                   (is_write ? "writes" : "reads") +
+                   " the destination of its own cp.async before the cp.async.wait_group that covers it");
+    report(a, where, offset, is_write, "has a cp.async in flight to it (issued, not yet waited for)", c.f_block,
+           c.f_tid, global);
   }
   // Against the last plain write.
   if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid))
@@ -222,9 +241,7 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
   }
 }
 
-void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic) {
-  Fiber* f = fiber_on_this_stack();
-  if (f == nullptr) return;
+Access access_of(Fiber* f) {
   Worker* w = f->worker;
   Access a;
   a.fiber = f;
@@ -235,9 +252,27 @@ void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic)
   a.warp = static_cast<uint16_t>(f->index >> 5);
   a.lane = f->index & 31;
   a.gen = w->warps[a.warp].generation;
+  return a;
+}
 
+// check_alignment: the access is one instruction of `bytes` bytes (not a memcpy range).
+void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic, bool check_alignment = false) {
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  const Access a = access_of(f);
+  Worker* w = f->worker;
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
   const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
+  if (address + bytes > w->smem_map_lo && address < w->smem_map_hi) {
+    if (address < smem || address + bytes > smem_end)
+      fail_current(format("shared memory access out of bounds: %u-byte %s at byte %lld of a %u-byte dynamic shared "
+                          "memory", bytes, is_write ? "write" : "read", static_cast<long long>(address - smem),
+                          w->launch->view.smem_bytes));
+    if (check_alignment && address % bytes != 0)
+      fail_current(format("misaligned shared memory access: %u-byte %s at byte offset %llu (a GPU requires "
+                          "natural alignment)", bytes, is_write ? "write" : "read",
+                          static_cast<unsigned long long>(address - smem)));
+  }
   for (uintptr_t p = address; p < address + bytes; ++p) {
     if (p >= smem && p < smem_end) {
       check_and_record(a, g_race.shared[p - smem], is_write, is_atomic, "shared memory", p - smem, false);
@@ -296,6 +331,31 @@ void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address,
 
 void race_access(uintptr_t address, unsigned bytes, bool is_write) { on_access(address, bytes, is_write, false); }
 
+void race_copy_issued(uintptr_t dst, unsigned bytes) {
+  on_access(dst, bytes, true, false);  // the write happens at issue: it must be ordered after earlier accesses
+  Fiber* f = fiber_on_this_stack();
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(f->worker->view.smem);
+  for (uintptr_t p = dst; p < dst + bytes; ++p) {
+    Cell& c = g_race.shared[p - smem];
+    c.f_block = static_cast<uint32_t>(f->worker->block_linear + 1);
+    c.f_tid = static_cast<uint16_t>(f->index);
+  }
+}
+
+void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
+  const Access a = access_of(issuer);
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(issuer->worker->view.smem);
+  for (uintptr_t p = dst; p < dst + bytes; ++p) {
+    Cell& c = g_race.shared[p - smem];
+    c.f_block = 0;
+    c.w_block = a.block;
+    c.w_epoch = a.epoch;
+    c.w_gen = a.gen;
+    c.w_tid = a.tid;
+    c.r_block = 0;
+  }
+}
+
 }  // namespace cuflash::sim
 
 // ---- the hooks GCC's -fsanitize=thread instrumentation calls --------------------------------
@@ -308,14 +368,14 @@ CUFLASH_HOOK void __tsan_func_exit() {}
 CUFLASH_HOOK void __tsan_vptr_update(void**, void*) {}
 CUFLASH_HOOK void __tsan_vptr_read(void**) {}
 
-#define CUFLASH_ACCESS_HOOKS(n)                                                                              \
-  CUFLASH_HOOK void __tsan_read##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, false, false); } \
-  CUFLASH_HOOK void __tsan_write##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, true, false); } \
-  CUFLASH_HOOK void __tsan_volatile_read##n(void* p) {                                                     \
-    on_access(reinterpret_cast<uintptr_t>(p), n, false, false);                                           \
-  }                                                                                                        \
-  CUFLASH_HOOK void __tsan_volatile_write##n(void* p) {                                                    \
-    on_access(reinterpret_cast<uintptr_t>(p), n, true, false);                                            \
+#define CUFLASH_ACCESS_HOOKS(n)                                                                                    \
+  CUFLASH_HOOK void __tsan_read##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, false, false, true); } \
+  CUFLASH_HOOK void __tsan_write##n(void* p) { on_access(reinterpret_cast<uintptr_t>(p), n, true, false, true); } \
+  CUFLASH_HOOK void __tsan_volatile_read##n(void* p) {                                                           \
+    on_access(reinterpret_cast<uintptr_t>(p), n, false, false, true);                                           \
+  }                                                                                                              \
+  CUFLASH_HOOK void __tsan_volatile_write##n(void* p) {                                                          \
+    on_access(reinterpret_cast<uintptr_t>(p), n, true, false, true);                                            \
   }
 CUFLASH_ACCESS_HOOKS(1)
 CUFLASH_ACCESS_HOOKS(2)

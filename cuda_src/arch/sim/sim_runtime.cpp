@@ -141,7 +141,12 @@ class StackArena {
 // Normal and race modes: the block's bytes end right at a PROT_NONE page, so an
 // overrun past the end faults at once (reported as a kernel error). ASan mode:
 // exactly dynamic_smem_bytes from the (instrumented) heap, so ASan sees overruns.
+// Dynamic shared memory of the running block. The base is 1024-byte aligned, as on a GPU
+// (swizzles over 128- and 1024-byte atoms depend on it), and the allocation sits between two
+// PROT_NONE guard pages: [guard][slack < 1 page][smem ... end][slack < 1 KiB][guard], so an
+// access past either end faults once it leaves the slack (race mode checks every byte).
 struct SmemRegion {
+  static constexpr size_t kBaseAlignment = 1024;
   unsigned char* map = nullptr;
   size_t map_bytes = 0;
   unsigned char* block_smem = nullptr;
@@ -150,13 +155,13 @@ struct SmemRegion {
     if (bytes == 0) return nullptr;
 #if CUFLASH_SIM_ASAN
     void* p = nullptr;
-    if (posix_memalign(&p, 16, bytes) != 0) return nullptr;
+    if (posix_memalign(&p, kBaseAlignment, bytes) != 0) return nullptr;
     block_smem = static_cast<unsigned char*>(p);
 #else
-    const size_t usable = (bytes + kPageBytes - 1) & ~(kPageBytes - 1);
-    if (map == nullptr || map_bytes < usable + kPageBytes) {
+    const size_t usable = (bytes + kBaseAlignment - 1 + kPageBytes - 1) & ~(kPageBytes - 1);
+    if (map == nullptr || map_bytes < usable + 2 * kPageBytes) {
       release_map();
-      map_bytes = usable + kPageBytes;
+      map_bytes = usable + 2 * kPageBytes;
       void* raw = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (raw == MAP_FAILED) {
         map = nullptr;
@@ -164,14 +169,18 @@ struct SmemRegion {
         return nullptr;
       }
       map = static_cast<unsigned char*>(raw);
+      mprotect(map, kPageBytes, PROT_NONE);
       mprotect(map + map_bytes - kPageBytes, kPageBytes, PROT_NONE);
     }
-    // 16-byte aligned start, end as close to the guard page as alignment allows.
-    block_smem = map + map_bytes - kPageBytes - ((bytes + 15) & ~size_t{15});
+    // The highest 1024-byte aligned start that still fits below the upper guard page.
+    const uintptr_t limit = reinterpret_cast<uintptr_t>(map + map_bytes - kPageBytes);
+    block_smem = reinterpret_cast<unsigned char*>((limit - bytes) & ~uintptr_t{kBaseAlignment - 1});
 #endif
     memset(block_smem, 0xff, bytes);
     return block_smem;
   }
+  uintptr_t mapped_lo() const { return reinterpret_cast<uintptr_t>(map); }
+  uintptr_t mapped_hi() const { return reinterpret_cast<uintptr_t>(map + map_bytes); }
   void free_block() {
 #if CUFLASH_SIM_ASAN
     free(block_smem);
@@ -325,16 +334,6 @@ void yield_from(Worker* w, Fiber* f, bool leaving_for_good) {
   switch_to_scheduler(w, f, leaving_for_good);
 }
 
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string format(const char* fmt, ...) {
-  char buffer[1024];
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(buffer, sizeof buffer, fmt, args);
-  va_end(args);
-  return buffer;
-}
-
 uint3 unflatten(unsigned long long linear, dim3 dims) {
   uint3 r;
   r.x = static_cast<unsigned>(linear % dims.x);
@@ -403,6 +402,40 @@ std::string deadlock_message(const Worker* w) {
   return text;
 }
 
+// ---- cp.async landing (the instructions themselves are below) ----------------------------------
+
+void apply_copy(const PendingCopy& c) {
+  if (c.src_size) memcpy(c.dst, c.src, c.src_size);
+  if (c.src_size < c.cp_size) memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);
+}
+
+// splitmix64 step: one fair bit per call, from the block's landing stream.
+bool coin_flip(Worker* w) {
+  uint64_t z = (w->landing_rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return ((z ^ (z >> 31)) >> 63) != 0;
+}
+
+// At a fiber switch: every copy still in flight lands now with probability 1/2.
+void land_some_copies(Worker* w) {
+#if !CUFLASH_SIM_RACE
+  for (Fiber& f : w->fibers) {
+    size_t kept = 0;
+    for (size_t i = 0; i < f.copies.size(); ++i) {
+      if (coin_flip(w))
+        apply_copy(f.copies[i]);
+      else
+        f.copies[kept++] = f.copies[i];
+    }
+    w->copies_in_flight -= f.copies.size() - kept;
+    f.copies.resize(kept);
+  }
+#else
+  (void)w;  // race mode lands copies at the wait, where it checks their ordering
+#endif
+}
+
 void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   StackArena& arena = StackArena::instance();
   const uintptr_t base = arena.slot_base(slot);
@@ -467,6 +500,10 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     launch->record_error(block_linear, "simulator: cannot allocate shared memory");
     return;
   }
+  w->smem_map_lo = smem.mapped_lo();
+  w->smem_map_hi = smem.mapped_hi();
+  w->landing_rng = launch->copy_landing_seed ^ (0x9e3779b97f4a7c15ull * (block_linear + 1));
+  w->copies_in_flight = 0;
   w->live = n;
   w->arrived = 0;
   w->failed = false;
@@ -491,6 +528,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     if (next == n) break;
     w->current = next;
     Fiber& f = w->fibers[next];
+    if (w->copies_in_flight != 0) land_some_copies(w);
     switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);
     if (w->failed) break;
     if (asan_report_pending()) {
@@ -539,9 +577,9 @@ void fault_handler(int sig, siginfo_t* info, void* context) {
   } else if (arena.is_guard(fault) && (fault & ~(kStackBytes - 1)) == (rsp & ~(kStackBytes - 1))) {
     what = format("stack overflow: the thread used more than its %zu KiB fiber stack",
                   static_cast<size_t>((kStackBytes - kPageBytes - 256) / 1024));
-  } else if (smem != 0 && fault >= smem_end && fault < smem_end + 16 + kPageBytes) {
-    what = format("shared memory access out of bounds: byte %zu of a %u-byte dynamic shared memory",
-                  static_cast<size_t>(fault - smem), w->launch->view.smem_bytes);
+  } else if (smem != 0 && fault >= w->smem_map_lo && fault < w->smem_map_hi) {
+    what = format("shared memory access out of bounds: byte %lld of a %u-byte dynamic shared memory",
+                  static_cast<long long>(fault - smem), w->launch->view.smem_bytes);
   } else {
     what = format("%s at address 0x%" PRIxPTR " (invalid memory access)", sig == SIGSEGV ? "SIGSEGV" : "SIGBUS",
                   fault);
@@ -572,6 +610,15 @@ void Launch::record_error(unsigned long long block_linear, std::string message) 
     error = std::move(message);
   }
   abort.store(true, std::memory_order_relaxed);
+}
+
+std::string format(const char* fmt, ...) {
+  char buffer[1024];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buffer, sizeof buffer, fmt, args);
+  va_end(args);
+  return buffer;
 }
 
 bool same_site(const Site& a, const Site& b) {
@@ -728,16 +775,12 @@ void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsi
 }
 
 // ---- cp.async -------------------------------------------------------------------------------------
-
-namespace {
-void apply_copy(const PendingCopy& c) {
-#if CUFLASH_SIM_RACE
-  race_access(reinterpret_cast<uintptr_t>(c.dst), c.cp_size, true);
-#endif
-  if (c.src_size) memcpy(c.dst, c.src, c.src_size);
-  if (c.src_size < c.cp_size) memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);
-}
-}  // namespace
+// A copy is in flight from its issue to the issuing thread's covering cp.async.wait_group; on a GPU
+// it may land at any moment in between. Race mode (sim_race.cpp) treats the destination as written
+// at issue and untouchable until the wait, and lands the copy at the wait. The other modes land each
+// copy at a random moment: at issue or at any later fiber switch of its block (whoever runs next sees
+// it, or not), or at the latest at the wait, drawn from the launch's copy_landing_seed, so a result
+// that depends on when copies land changes between seeds.
 
 void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size) {
   Fiber* f = current_fiber();
@@ -762,8 +805,19 @@ void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned
     race_access(src, src_size, false);
 #endif
   }
-  f->copies.push_back(PendingCopy{static_cast<unsigned char*>(smem_dst), static_cast<const unsigned char*>(global_src),
-                                  cp_size, src_size, f->groups_committed});
+#if CUFLASH_SIM_RACE
+  race_copy_issued(dst, cp_size);
+#endif
+  const PendingCopy copy{static_cast<unsigned char*>(smem_dst), static_cast<const unsigned char*>(global_src), cp_size,
+                         src_size, f->groups_committed};
+#if !CUFLASH_SIM_RACE
+  if (coin_flip(w)) {  // landed before the issuing instruction even retired
+    apply_copy(copy);
+    return;
+  }
+#endif
+  f->copies.push_back(copy);
+  ++w->copies_in_flight;
 }
 
 void cp_async_commit() { ++current_fiber()->groups_committed; }
@@ -776,10 +830,14 @@ void cp_async_wait(unsigned newest_groups_left_pending) {
   for (size_t i = 0; i < f->copies.size(); ++i) {
     if (f->copies[i].group < complete_below) {
       apply_copy(f->copies[i]);
+#if CUFLASH_SIM_RACE
+      race_copy_landed(f, reinterpret_cast<uintptr_t>(f->copies[i].dst), f->copies[i].cp_size);
+#endif
     } else {
       f->copies[kept++] = f->copies[i];
     }
   }
+  f->worker->copies_in_flight -= f->copies.size() - kept;
   f->copies.resize(kept);
 }
 
@@ -798,6 +856,7 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
   // Copies the thread never waited for are dropped: only the issuing thread can wait
   // for them, so any other thread reading their destination races with them on a
   // GPU; leaving the NaN fill in place makes such a read visible.
+  w->copies_in_flight -= f->copies.size();
   f->copies.clear();
   // The thread exited: it no longer blocks barriers, but lanes waiting for it in a
   // warp collective never complete on a GPU.
@@ -864,6 +923,7 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   launch.params = request->params;
   launch.threads_per_block = static_cast<unsigned>(threads);
   launch.num_blocks = blocks;
+  launch.copy_landing_seed = request->copy_landing_seed;
 
   unsigned workers = request->num_workers > 0 ? static_cast<unsigned>(request->num_workers)
                                               : std::max(1u, std::thread::hardware_concurrency());

@@ -1,0 +1,160 @@
+"""The simulator is as strict as a GPU where pipelined tensor-core kernels go wrong.
+
+Each check has a planted bug that it catches and a fixed twin that passes:
+- cp.async copies are in flight from issue to the covering wait: race mode reports any access to
+  their destination in that window (a refill of a stage other warps still read, a thread reading
+  its own destination early); normal mode lands them at seeded random moments, so such a kernel's
+  result changes with the seed;
+- shared memory: natural alignment and bounds on both sides (race mode: every access; normal
+  mode: guard pages), a 1024-byte aligned base;
+- automatic variables start as a garbage pattern, so a forgotten accumulator reset shows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash.sim as sim
+from cuflash.kernels.catalog import KernelInstance
+from simkit import KERNELS, args
+
+SOURCE = KERNELS / "sim_strict.cu"
+NAMES = ("pipeline_kernel", "own_destination_kernel", "vector_read_kernel", "shared_index_kernel",
+         "smem_base_kernel", "accumulator_kernel")
+SEEDS = range(6)
+
+
+def inst(name: str) -> KernelInstance:
+    return KernelInstance(str(SOURCE), f"simstrict::{name}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    sim.precompile([inst(n) for n in NAMES], modes=("normal", "race"))
+
+
+def launch(name, block, smem=0, in0=None, out0=None, **ints):
+    buffers = [b for b in (in0, out0) if b is not None]
+    return sim.launch(inst(name), 1, block, smem, args(in0=in0, out0=out0, **ints), buffers)
+
+
+# ---- cp.async in flight ------------------------------------------------------------------------
+
+THREADS, TILES = 64, 4
+
+
+def _pipeline(mode: int) -> tuple[np.ndarray, np.ndarray]:
+    src = np.arange(TILES * THREADS * 4, dtype=np.float32) + 1
+    out = np.full(TILES * THREADS, np.nan, np.float32)
+    launch("pipeline_kernel", THREADS, smem=2 * THREADS * 16, in0=src, out0=out, n=TILES, mode=mode)
+    expected = src.reshape(TILES, THREADS, 4)[:, np.roll(np.arange(THREADS), -1), 0].reshape(-1)
+    return out, expected
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pipeline_with_its_barriers_is_right_for_every_landing_seed(seed):
+    with sim.copy_landing(seed):
+        out, expected = _pipeline(mode=0)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_pipeline_missing_the_refill_barrier_depends_on_when_copies_land():
+    wrong = 0
+    for seed in SEEDS:
+        with sim.copy_landing(seed):
+            out, expected = _pipeline(mode=1)
+        wrong += not np.array_equal(out, expected)
+    assert wrong > 0
+
+
+def test_race_mode_reports_the_refill_of_a_stage_still_being_read():
+    with sim.checking("race"):
+        with pytest.raises(sim.KernelError, match="data race on shared memory"):
+            _pipeline(mode=1)
+        out, expected = _pipeline(mode=0)
+    np.testing.assert_array_equal(out, expected)
+
+
+def _own_destination(mode: int) -> np.ndarray:
+    src = np.arange(32 * 4, dtype=np.float32) + 1
+    out = np.zeros(32, np.float32)
+    launch("own_destination_kernel", 32, smem=32 * 16, in0=src, out0=out, mode=mode)
+    return out
+
+
+def test_reading_own_destination_before_the_wait():
+    expected = (np.arange(32) * 4 + 1).astype(np.float32)
+    early = set()
+    for seed in SEEDS:
+        with sim.copy_landing(seed):
+            np.testing.assert_array_equal(_own_destination(mode=0), expected)
+            early.add(_own_destination(mode=1).tobytes())
+    assert len(early) > 1  # what an early read sees changes with the landing moments
+    with sim.checking("race"):
+        with pytest.raises(sim.KernelError, match="its own cp.async before the cp.async.wait_group"):
+            _own_destination(mode=1)
+        np.testing.assert_array_equal(_own_destination(mode=0), expected)
+
+
+def test_copy_landing_seed_is_validated():
+    with pytest.raises(ValueError, match="copy_landing seed"):
+        with sim.copy_landing(-1):
+            pass
+
+
+# ---- shared memory: alignment, bounds, base -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, offset", [(0, 16), (1, 8)])
+def test_race_mode_accepts_naturally_aligned_vector_reads(mode, offset):
+    out = np.zeros(32, np.float32)
+    with sim.checking("race"):
+        launch("vector_read_kernel", 32, smem=1024, out0=out, n=256, mode=mode, extra=offset)
+    first = offset // 4 + 4 * np.arange(32)
+    width = 4 if mode == 0 else 2
+    np.testing.assert_array_equal(out, sum(first + i for i in range(width)).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode, offset", [(0, 8), (1, 4)])
+def test_race_mode_reports_misaligned_vector_reads(mode, offset):
+    out = np.zeros(32, np.float32)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match="misaligned shared memory access"):
+        launch("vector_read_kernel", 32, smem=1024, out0=out, n=256, mode=mode, extra=offset)
+
+
+@pytest.mark.parametrize("mode", ["normal", "race"])
+@pytest.mark.parametrize("index", [-1024, 256])  # 4 KiB below the start; 1 KiB past the end
+def test_shared_memory_overrun_on_either_side_is_caught(mode, index):
+    out = np.zeros(32, np.float32)
+    with sim.checking(mode), pytest.raises(sim.KernelError, match="shared memory access out of bounds"):
+        launch("shared_index_kernel", 32, smem=1000, out0=out, extra=index)
+
+
+@pytest.mark.parametrize("index", [-1, 250])
+def test_race_mode_catches_the_first_byte_outside(index):
+    out = np.zeros(32, np.float32)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match="shared memory access out of bounds"):
+        launch("shared_index_kernel", 32, smem=1000, out0=out, extra=index)
+    with sim.checking("race"):
+        launch("shared_index_kernel", 32, smem=1000, out0=out, extra=249)
+
+
+@pytest.mark.parametrize("mode", ["normal", "race"])
+@pytest.mark.parametrize("smem", [16, 1000, 4096, 50_000])
+def test_dynamic_shared_memory_base_is_1024_byte_aligned(mode, smem):
+    out = np.full(1, 7, np.uint64)
+    with sim.checking(mode):
+        launch("smem_base_kernel", 32, smem=smem, out0=out)
+    assert out[0] == 0
+
+
+# ---- automatic variables ---------------------------------------------------------------------
+
+
+def test_forgotten_accumulator_reset_gives_garbage():
+    out = np.zeros(32, np.float32)
+    launch("accumulator_kernel", 32, out0=out, n=3, mode=0)
+    np.testing.assert_array_equal(out, 3.0)
+    launch("accumulator_kernel", 32, out0=out, n=3, mode=1)
+    assert not np.any(out == 3.0)
