@@ -3,7 +3,8 @@
 Public API (other packages depend on these names):
     launch(kernel, grid, block, dynamic_smem_bytes, params, buffers) -> LaunchRecord
     record()              context manager collecting LaunchRecords
-    checking(mode)        context manager: "normal", "race" or "asan" (default: $CUFLASH_SIM_MODE)
+    checking(mode)        context manager: "normal", "race", "asan" or "profile" (default: $CUFLASH_SIM_MODE);
+                          profile mode fills LaunchRecord.shared_access_sites (bank conflicts per site)
     copy_landing(seed)    context manager: the seed of the moments cp.async copies land at
     run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
     precompile(instances) build ahead of time (warms the cache)
@@ -17,6 +18,7 @@ from ._launch import (
     KernelError,
     LaunchRecord,
     Recorder,
+    SharedAccessSite,
     checking,
     copy_landing,
     current_mode,
@@ -33,6 +35,7 @@ __all__ = [
     "KernelError",
     "LaunchRecord",
     "Recorder",
+    "SharedAccessSite",
     "checking",
     "copy_landing",
     "current_mode",

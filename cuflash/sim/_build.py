@@ -33,10 +33,10 @@ from typing import Iterable, Sequence
 from .._paths import CUDA_SRC, cache_dir
 from ..kernels.catalog import KernelInstance
 
-MODES = ("normal", "race", "asan")
+MODES = ("normal", "race", "asan", "profile")
 
 SIM_DIR = CUDA_SRC / "arch" / "sim"
-RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "fiber_switch_x86_64.S")
+RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "sim_profile.cpp", "fiber_switch_x86_64.S")
 HEADER_SUFFIXES = (".cuh", ".h", ".cpp", ".hpp", ".S")
 
 _COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", "-pthread")
@@ -54,6 +54,10 @@ _MODE_FLAGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]
     # (instead of four 4-byte ones), so the hooks can check its natural alignment.
     "race": (("-fsanitize=thread", "-fno-tree-sra", "-DCUFLASH_SIM_RACE=1"), ("-DCUFLASH_SIM_RACE=1",),
              ("-Wl,-z,defs",)),
+    # The same instrumentation as race mode, counted by sim_profile.cpp's hooks instead; -g1 gives
+    # the line tables that turn a hook's return address into file:line.
+    "profile": (("-fsanitize=thread", "-fno-tree-sra", "-g1", "-DCUFLASH_SIM_PROFILE=1"), ("-DCUFLASH_SIM_PROFILE=1",),
+                ("-Wl,-z,defs", "-ldl")),
     "asan": (
         ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),
         ("-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g"),

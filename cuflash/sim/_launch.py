@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -17,6 +18,7 @@ __all__ = [
     "KernelError",
     "LaunchRecord",
     "Recorder",
+    "SharedAccessSite",
     "launch",
     "record",
     "checking",
@@ -45,6 +47,23 @@ class KernelError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SharedAccessSite:
+    """Bank-conflict counts of one shared-memory access site (profile mode), in the units of
+    Nsight Compute's shared-memory wavefronts (see cuda_src/arch/sim/sim_profile.cpp)."""
+
+    site: str  # "file:line" of the access (the innermost inlined location)
+    kind: str  # "load", "store", "ldmatrix" or "cp.async"
+    bytes: int  # per lane
+    instructions: int  # warp-level instructions executed
+    wavefronts: int
+    ideal: int  # wavefronts had no bank been shared by two words
+
+    @property
+    def excess(self) -> int:
+        return self.wavefronts - self.ideal
+
+
+@dataclass(frozen=True)
 class LaunchRecord:
     kernel: str
     grid: tuple
@@ -52,6 +71,7 @@ class LaunchRecord:
     dynamic_smem_bytes: int
     global_bytes_read: int
     global_bytes_written: int
+    shared_access_sites: tuple[SharedAccessSite, ...] = ()  # profile mode only
 
 
 @dataclass
@@ -96,9 +116,10 @@ def current_mode() -> str:
 
 @contextlib.contextmanager
 def checking(mode: str) -> Iterator[str]:
-    """Run launches inside the block in a checking mode ("normal", "race", "asan").
+    """Run launches inside the block in a checking mode ("normal", "race", "asan", "profile").
 
-    Process-wide (not per thread), so launches made from helper threads (JAX
+    "profile" counts shared-memory bank conflicts per access site into each launch record's
+    ``shared_access_sites`` (no race checks). Process-wide (not per thread), so launches made from helper threads (JAX
     callbacks) are checked too. "asan" needs the ASan runtime preloaded; from a
     normal interpreter use run_in_asan_subprocess().
     """
@@ -235,6 +256,10 @@ def launch(
     req.buffer_writable = writable
     req.num_workers = _workers()
     req.copy_landing_seed = _copy_seed()
+    if mode == "profile":
+        profile_out = ffi.new("char[]", _PROFILE_REPORT_BYTES)
+        req.profile_out = profile_out
+        req.profile_out_bytes = _PROFILE_REPORT_BYTES
 
     # Keep the arrays alive (and their memory in place) for the whole call.
     keep_alive = list(buffers)
@@ -249,11 +274,47 @@ def launch(
         dynamic_smem_bytes=int(dynamic_smem_bytes),
         global_bytes_read=int(req.bytes_read),
         global_bytes_written=int(req.bytes_written),
+        shared_access_sites=_parse_profile(ffi.string(profile_out).decode()) if mode == "profile" else (),
     )
     with _recorders_lock:
         for recorder in _recorders:
             recorder.launches.append(rec)
     return rec
+
+
+_PROFILE_REPORT_BYTES = 1 << 22
+
+
+def _parse_profile(text: str) -> tuple[SharedAccessSite, ...]:
+    """Report lines (sim_profile.cpp) -> sites; code addresses are named by addr2line."""
+    rows = [line.split("\t") for line in text.splitlines() if line]
+    addresses: dict[str, list[str]] = {}
+    for row in rows:
+        if row[0] == "pc":
+            addresses.setdefault(row[1], []).append(row[2])
+    names = {(library, offset): name for library, offsets in addresses.items()
+             for offset, name in zip(offsets, _source_lines(library, offsets))}
+    merged: dict[tuple[str, str, int], list[int]] = {}
+    for kind_of_site, where, what, kind, nbytes, instructions, wavefronts, ideal in rows:
+        site = names[(where, what)] if kind_of_site == "pc" else f"{where}:{what}"
+        counts = merged.setdefault((site, kind, int(nbytes)), [0, 0, 0])
+        for i, value in enumerate((instructions, wavefronts, ideal)):
+            counts[i] += int(value)
+    return tuple(SharedAccessSite(site, kind, nbytes, *counts) for (site, kind, nbytes), counts in sorted(merged.items()))
+
+
+def _source_lines(library: str, offsets: list[str]) -> list[str]:
+    """file:line of each code offset in a library (the innermost inlined frame), via addr2line."""
+    import shutil
+    import subprocess
+
+    if shutil.which("addr2line") is None:
+        return [f"{Path(library).name}+0x{offset}" for offset in offsets]
+    out = subprocess.run(["addr2line", "-e", library, *[f"0x{o}" for o in offsets]], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    # "file:line (discriminator N)": the discriminator only tells basic blocks of one line apart.
+    return [line.split(" (discriminator")[0] if not line.startswith("??") else f"{Path(library).name}+0x{o}"
+            for line, o in zip(out, offsets)]
 
 
 def launch_entry_address(kernel: KernelInstance, mode: str | None = None) -> int:

@@ -277,6 +277,11 @@ enum CollectiveFlags : unsigned {
 CUFLASH_SIM_API void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsigned flags,
                                      const void* in, unsigned in_bytes, void* out, unsigned out_bytes);
 
+// Profile mode (sim_profile.cpp): shared-memory accesses the twins make on a lane's behalf, by
+// source location (plain loads and stores are seen by the instrumentation). A no-op elsewhere.
+enum ProfileKind : unsigned { kProfileLoad = 0, kProfileStore = 1, kProfileLdmatrix = 2, kProfileCpAsync = 3 };
+CUFLASH_SIM_API void profile_shared_access(const Site& site, const void* address, unsigned bytes, unsigned kind);
+
 // Global memory: find the registered buffer holding [p, p + bytes), else fail.
 __forceinline__ void check_global(const BlockView* block, const void* p, unsigned bytes, bool is_write) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);

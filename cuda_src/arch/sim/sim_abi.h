@@ -22,6 +22,8 @@ typedef struct cuflash_sim_launch_request {
   const int* buffer_writable;
   int num_workers; /* 0: one per core */
   unsigned long long copy_landing_seed; /* normal mode: seeds the moments at which cp.async copies land */
+  char* profile_out;                    /* profile mode: the bank-conflict report is written here */
+  unsigned long long profile_out_bytes;
   /* outputs */
   unsigned long long bytes_read;
   unsigned long long bytes_written;

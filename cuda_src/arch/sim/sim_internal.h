@@ -21,6 +21,10 @@
 #define CUFLASH_SIM_RACE 0
 #endif
 
+#ifndef CUFLASH_SIM_PROFILE
+#define CUFLASH_SIM_PROFILE 0
+#endif
+
 namespace cuflash::sim {
 
 enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kExited };
@@ -143,6 +147,15 @@ void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behal
 // until the issuing thread's covering wait, where the copy lands as that thread's write.
 void race_copy_issued(uintptr_t dst, unsigned bytes);
 void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
+#endif
+
+#if CUFLASH_SIM_PROFILE
+// Bank-conflict profile hooks (sim_profile.cpp).
+void profile_launch_begin();
+void profile_block_begin(Worker* w);
+void profile_warp_synchronized(Worker* w, unsigned warp);  // all lanes of `warp` passed their accesses
+void profile_block_end(Worker* w);
+std::string profile_launch_report();
 #endif
 
 }  // namespace cuflash::sim

@@ -363,6 +363,9 @@ void release_barrier(Worker* w) {
 #if CUFLASH_SIM_RACE
   race_barrier_complete(w);
 #endif
+#if CUFLASH_SIM_PROFILE
+  for (unsigned warp = 0; warp < w->num_warps; ++warp) profile_warp_synchronized(w, warp);
+#endif
 }
 
 // ---- the block scheduler ---------------------------------------------------------------------------
@@ -521,6 +524,9 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
 #if CUFLASH_SIM_RACE
   race_block_begin(w);
 #endif
+#if CUFLASH_SIM_PROFILE
+  profile_block_begin(w);
+#endif
 
   for (;;) {
     unsigned next = 0;
@@ -538,6 +544,9 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     }
   }
   if (!w->failed && w->live != 0) launch->record_error(block_linear, deadlock_message(w) + "\n  in " + describe_block(w));
+#if CUFLASH_SIM_PROFILE
+  profile_block_end(w);
+#endif
   smem.free_block();
 }
 
@@ -762,6 +771,9 @@ void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsi
 #if CUFLASH_SIM_RACE
     if (flags & kCollectiveOrdersMemory) race_syncwarp_complete(w, warp, mask);
 #endif
+#if CUFLASH_SIM_PROFILE
+    if (mask == 0xffffffffu) profile_warp_synchronized(w, warp);
+#endif
     for (unsigned l = 0; l < 32; ++l)
       if ((mask >> l & 1u) && l != lane) w->fibers[warp * 32 + l].state = FiberState::kRunnable;
     *p = wp.pending[--wp.num_pending];
@@ -782,7 +794,7 @@ void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsi
 // it, or not), or at the latest at the wait, drawn from the launch's copy_landing_seed, so a result
 // that depends on when copies land changes between seeds.
 
-void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size) {
+void cp_async_issue(const Site& site, void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size) {
   Fiber* f = current_fiber();
   Worker* w = f->worker;
   if (asan_report_pending()) fail_current(asan_report_text());
@@ -808,6 +820,7 @@ void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned
 #if CUFLASH_SIM_RACE
   race_copy_issued(dst, cp_size);
 #endif
+  profile_shared_access(site, smem_dst, cp_size, kProfileCpAsync);
   const PendingCopy copy{static_cast<unsigned char*>(smem_dst), static_cast<const unsigned char*>(global_src), cp_size,
                          src_size, f->groups_committed};
 #if !CUFLASH_SIM_RACE
@@ -937,6 +950,12 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   workers = 1;  // the race shadow is not thread-safe; blocks run one after another
   race_launch_begin(&launch);
 #endif
+#if CUFLASH_SIM_PROFILE
+  static std::mutex profile_mode_mutex;  // the profile tables are per process
+  std::lock_guard<std::mutex> profile_mode_lock(profile_mode_mutex);
+  workers = 1;
+  profile_launch_begin();
+#endif
 #if CUFLASH_SIM_ASAN
   workers = 1;  // reports are attributed to the one running block
   g_asan_pending.store(false);
@@ -974,6 +993,14 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   }
 #if CUFLASH_SIM_RACE
   race_launch_end(&launch);
+#endif
+#if CUFLASH_SIM_PROFILE
+  const std::string report = profile_launch_report();
+  if (request->profile_out == nullptr || report.size() + 1 > request->profile_out_bytes)
+    launch.record_error(0, format("simulator: the bank-conflict report (%zu bytes) does not fit the %llu-byte buffer",
+                                  report.size() + 1, request->profile_out_bytes));
+  else
+    memcpy(request->profile_out, report.c_str(), report.size() + 1);
 #endif
   if (launch.error.empty() && asan_report_pending()) launch.record_error(0, asan_report_text());
   if (!launch.error.empty()) {

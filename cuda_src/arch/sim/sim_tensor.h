@@ -116,6 +116,8 @@ template <int kCount, bool kTrans>
 __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row, CUFLASH_SIM_SITE_PARAMS) {
   static_assert(kCount == 1 || kCount == 2 || kCount == 4, "ldmatrix loads 1, 2 or 4 matrices");
   const uintptr_t address = reinterpret_cast<uintptr_t>(smem_row);
+  if ((current_thread()->linear_tid & 31) < 8 * kCount)  // one 16-byte row per lane: 8 lanes a matrix
+    profile_shared_access(CUFLASH_SIM_SITE("ldmatrix"), smem_row, 16, kProfileLdmatrix);
   warp_collective(CUFLASH_SIM_SITE(kTrans ? "ldmatrix.trans" : "ldmatrix"), 0xffffffffu,
                   &ldmatrix_compute<kCount, kTrans>, kCollectiveNone, &address, sizeof address, r, sizeof r);
 }
@@ -126,7 +128,12 @@ __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row, CUFLA
 // covering wait (or, from another thread, before the following barrier) sees the old
 // shared-memory contents (NaN if never written). Source bytes are checked and counted
 // at issue; src_size < cp_size zero-fills the rest of the destination.
-CUFLASH_SIM_API void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size);
+CUFLASH_SIM_API void cp_async_issue(const Site& site, void* smem_dst, const void* global_src, unsigned cp_size,
+                                    unsigned src_size);
+__forceinline__ void cp_async(void* smem_dst, const void* global_src, unsigned cp_size, unsigned src_size,
+                              CUFLASH_SIM_SITE_PARAMS) {
+  cp_async_issue(CUFLASH_SIM_SITE("cp.async"), smem_dst, global_src, cp_size, src_size);
+}
 CUFLASH_SIM_API void cp_async_commit();
 CUFLASH_SIM_API void cp_async_wait(unsigned newest_groups_left_pending);
 
