@@ -10,7 +10,7 @@ libraries, via DLPack) on the GPU. JAX users: ``cuflash.jax.attention``.
 """
 
 from .api import attention, attention_backward
-from .kernels.plans import available_algorithms
+from .kernels.catalog import algorithms as available_algorithms
 
 __all__ = ["attention", "attention_backward", "available_algorithms"]
 __version__ = "0.1.0"

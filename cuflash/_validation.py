@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any
 
-from .kernels.plans import ELEMENT_DTYPES, Problem
+from .kernels.program import ELEMENT_DTYPES, Problem
 
 MAX_HEADDIM = 256
 # gridDim.y and gridDim.z are limited to 65535 on every CUDA GPU; plans put heads and batch there.

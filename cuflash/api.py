@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _validation as V
 from .backends.program import run_program
-from .kernels import plans
+from .kernels import catalog, plans
 
 _DL_CPU = 1
 _DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -145,7 +145,7 @@ def attention(
     problem = V.check_qkv(q, k, v, causal=causal)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
-    program_family = plans.family(algorithm)
+    catalog.variants(algorithm)  # raises for an unknown algorithm, before anything is allocated
     q, k, v = _contiguous_last_dim((q, k, v))
 
     backend = placement.backend()
@@ -157,7 +157,7 @@ def attention(
             out[...] = 0
             lse[...] = -np.inf
         elif out.size:
-            program = program_family.forward_program(problem)
+            program = plans.forward_program(algorithm, problem, backend.target)
             run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     out, lse = placement.export(out), placement.export(lse)
     return (out, lse) if return_lse else out
@@ -192,7 +192,7 @@ def attention_backward(
     V.check_like("out", out, "q", q)
     V.check_lse(lse, problem)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    program_family = plans.family(algorithm)
+    catalog.variants(algorithm)
     dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
         lse = _ascontiguous(lse)
@@ -207,7 +207,7 @@ def attention_backward(
             for grad in (dq, dk, dv):
                 grad[...] = 0
         elif dq.size:
-            program = program_family.backward_program(problem)
+            program = plans.backward_program(algorithm, problem, backend.target)
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
             run_program(backend, program, problem, scale, arrays)
     return placement.export(dq), placement.export(dk), placement.export(dv)

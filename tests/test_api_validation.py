@@ -11,7 +11,7 @@ import pytest
 
 import cuflash
 from cuflash.backends import simulator
-from cuflash.kernels import plans
+from cuflash.kernels import catalog
 
 from cuflash.testing import numpy_dtype
 
@@ -92,7 +92,7 @@ def test_unknown_algorithm_names_the_available_ones():
     with pytest.raises(ValueError) as info:
         call(*arrays(), algorithm="fa9")
     assert "fa9" in str(info.value)
-    for name in plans.available_algorithms():
+    for name in catalog.algorithms():
         assert name in str(info.value)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import cuflash
 from cuflash import _tolerance as tol
-from cuflash.kernels import plans
+from cuflash.kernels import catalog
 from cuflash.testing import random_qkv, rows_without_key
 
 SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1, 239), (3, 799), (1023, 1024)]
@@ -59,7 +59,7 @@ def test_grid_keeps_every_value_of_every_axis():
 
 @pytest.mark.parametrize("algorithm, batch, seqlen_q, seqlen_k, heads, headdim, dtype, causal", CASES)
 def test_matches_reference(algorithm, batch, seqlen_q, seqlen_k, heads, headdim, dtype, causal):
-    if algorithm not in plans.available_algorithms():
+    if algorithm not in catalog.algorithms():
         pytest.fail(f"{algorithm} is not available")
     nheads, nheads_k = HEADS[heads]
     rng = np.random.default_rng(headdim * 1009 + seqlen_q)

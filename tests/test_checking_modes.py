@@ -17,7 +17,7 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
-from cuflash.kernels import plans
+from cuflash.kernels import catalog, targets
 from cuflash.testing import random_qkv
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal)
@@ -63,17 +63,18 @@ def run_every_path(algorithm: str, dtype: str = "float16") -> list[str]:
 
 
 def _catalog_templates(algorithm: str) -> set[str]:
-    return {_template(i.name_expr) for i in plans.family(algorithm).instances()}
+    sm80 = targets.target("sm_80")
+    return {_template(i.name_expr) for variant in catalog.variants(algorithm) for i in variant.module.instances(sm80)}
 
 
-@pytest.mark.parametrize("algorithm", plans.available_algorithms())
+@pytest.mark.parametrize("algorithm", catalog.algorithms())
 def test_race_detector_clean_on_every_kernel(algorithm):
     with sim.checking("race"):
         launched = run_every_path(algorithm)
     assert {_template(k) for k in launched} == _catalog_templates(algorithm)
 
 
-@pytest.mark.parametrize("algorithm", plans.available_algorithms())
+@pytest.mark.parametrize("algorithm", catalog.algorithms())
 def test_address_sanitizer_clean_on_every_kernel(algorithm):
     launched = sim.run_in_asan_subprocess(run_every_path, algorithm, timeout=1200)
     assert {_template(k) for k in launched} == _catalog_templates(algorithm)

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash.kernels import nvrtc, report
-from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels import nvrtc, report, targets
+from cuflash.kernels.program import KernelInstance
 
 REPO = Path(__file__).resolve().parent.parent
 PROBES = Path(__file__).resolve().parent / "compile_kernels" / "probe_kernels.cu"
@@ -156,7 +156,7 @@ def test_cache_hit_in_another_process(fresh_cache):
     first = nvrtc.compile_instance(instance, "sm_90")
     script = (
         "from cuflash.kernels import nvrtc\n"
-        "from cuflash.kernels.catalog import KernelInstance\n"
+        "from cuflash.kernels.program import KernelInstance\n"
         f"c = nvrtc.compile_instance(KernelInstance({str(PROBES)!r}, {instance.name_expr!r}), 'sm_90')\n"
         "print(nvrtc.nvrtc_compile_count(), c.cubin_path)\n"
     )
@@ -277,7 +277,7 @@ def test_compile_many_from_a_script_without_main_guard(fresh_cache):
     """Workers do not re-run the caller's __main__ (multiprocessing's spawn would, and fail on stdin)."""
     script = (
         "from cuflash.kernels import nvrtc\n"
-        "from cuflash.kernels.catalog import KernelInstance\n"
+        "from cuflash.kernels.program import KernelInstance\n"
         f"instances = [KernelInstance({str(PROBES)!r}, n) for n in ('mma_probe<0>', 'half_fma_probe<0>')]\n"
         "results = nvrtc.compile_many(instances, ['sm_80', 'sm_90'], jobs=2)\n"
         "print([r.arch for r in results], nvrtc.nvrtc_compile_count())\n"
@@ -351,8 +351,9 @@ def probe_catalog(monkeypatch):
     """A fake catalog of probe kernels and a fake launch plan."""
     instances = [probe("static_smem_probe<float, 96>"), probe("mma_probe<0>")]
     smem = {instances[0]: 100 * 1024, instances[1]: 0}
-    monkeypatch.setattr(report.catalog, "all_instances", lambda: list(instances))
-    monkeypatch.setattr(report.plans, "dynamic_smem_bytes", lambda instance: smem[instance])
+    monkeypatch.setattr(report.catalog, "instances", lambda target: list(instances))
+    monkeypatch.setattr(report.catalog, "dynamic_smem_bytes", lambda instance: smem[instance])
+    monkeypatch.setattr(report.catalog, "threads", lambda instance: 128)
     return instances, smem
 
 
@@ -374,27 +375,41 @@ def test_report_json_rows(shared_cache, probe_catalog, capsys):
 def test_report_table_and_occupancy(shared_cache, probe_catalog, capsys):
     assert report.main(["--arch", "sm_80"]) == 0
     out = capsys.readouterr().out
-    assert "static_smem_probe<float, 96>" in out and "mma_probe<0>" in out and "blocks/SM (smem)" in out
+    assert "static_smem_probe<float, 96>" in out and "mma_probe<0>" in out and "blocks/SM" in out
     rows, errors = report.build_report(["sm_80"], jobs=1)
     assert not errors
     smem_row = rows[0]
     # 384 static + 100 KB dynamic + 1 KB reserved per block: one block fits in 164 KB.
-    assert smem_row.blocks_per_sm_by_smem == 1
-    registers = smem_row.compiled.resources.registers
-    per_warp = -(-registers * 32 // 256) * 256
-    assert smem_row.warps_per_sm_by_registers == min(64, 65536 // per_warp)
+    assert smem_row.blocks_per_sm == 1 and smem_row.as_json()["smem_limit_bytes"] == 163 * 1024
+
+
+def test_occupancy_bounds_of_a_target():
+    sm80 = targets.target("sm_80")
+    # 255 registers: 8192 per warp after rounding to 256, 4 warps a block: 2 blocks fill the register file.
+    assert sm80.blocks_per_sm(threads=128, registers=255, smem_bytes=0) == 2
+    # 32 registers: registers allow 16 blocks of 4 warps, and 64 warps per SM allow 16 too.
+    assert sm80.blocks_per_sm(threads=128, registers=32, smem_bytes=0) == 16
+    assert sm80.blocks_per_sm(threads=32, registers=16, smem_bytes=0) == 32  # the block count caps it
+    assert sm80.blocks_per_sm(threads=128, registers=32, smem_bytes=40 * 1024) == 4  # 164 KB // 41 KB
+    assert sm80.blocks_per_sm(threads=128, registers=32, smem_bytes=164 * 1024) == 0  # above 163 KB: never
+    assert targets.target("sm_86").blocks_per_sm(threads=128, registers=32, smem_bytes=0) == 12  # 48 warps
+    with pytest.raises(ValueError, match="unknown GPU arch 'sm_99'"):
+        targets.target("sm_99")
+    # A device's own opt-in limit wins; an arch newer than the table gets the conservative limits.
+    assert targets.for_device(8, 0, 100 * 1024).smem_per_block_bytes == 100 * 1024
+    assert targets.for_device(13, 0).smem_per_block_bytes == 99 * 1024
 
 
 def test_report_fails_on_compile_error_or_oversized_smem(shared_cache, probe_catalog, monkeypatch, capsys):
     instances, smem = probe_catalog
     bad = probe("float_only_probe<double>")
-    monkeypatch.setattr(report.catalog, "all_instances", lambda: [*instances, bad])
+    monkeypatch.setattr(report.catalog, "instances", lambda target: [*instances, bad])
     assert report.main(["--arch", "sm_80", "--json"]) == 1
     captured = capsys.readouterr()
     assert len(json.loads(captured.out)) == 2  # the good rows still print
     assert "float_only_probe<double>" in captured.err and "static assertion failed" in captured.err
 
-    monkeypatch.setattr(report.catalog, "all_instances", lambda: list(instances))
+    monkeypatch.setattr(report.catalog, "instances", lambda target: list(instances))
     smem[instances[0]] = 200 * 1024  # above sm_80's 163 KB per block, within sm_90's 227 KB
     assert report.main(["--arch", "sm_80"]) == 1
     assert "sm_80 allows 166912" in capsys.readouterr().err
@@ -403,10 +418,12 @@ def test_report_fails_on_compile_error_or_oversized_smem(shared_cache, probe_cat
 
 @pytest.mark.slow
 def test_report_command_line_on_the_real_catalog():
-    """`python -m cuflash.kernels report --json` on whatever the catalog holds now (default cache)."""
+    """`python -m cuflash.kernels report --arch <every 163, 99 and 227 KB arch> --json` on whatever the catalog
+    holds now (default cache): every row compiled, no spills, shared memory within its arch's limit."""
+    archs = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run(
-        [sys.executable, "-m", "cuflash.kernels", "report", "--arch", "sm_80", "sm_90", "--json"],
+        [sys.executable, "-m", "cuflash.kernels", "report", "--arch", *archs, "--json"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
     )
     assert run.returncode == 0, run.stderr
@@ -414,7 +431,12 @@ def test_report_command_line_on_the_real_catalog():
     assert all(tuple(row) == report.JSON_KEYS for row in rows)
     from cuflash.kernels import catalog
 
-    assert len(rows) == 2 * len(catalog.all_instances())
+    assert len(rows) == sum(len(catalog.instances(targets.target(arch))) for arch in archs)
+    for row in rows:
+        assert row["registers"] > 0 and row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
+        assert row["smem_limit_bytes"] == targets.target(row["arch"]).smem_per_block_bytes
+        assert row["static_smem_bytes"] + row["dynamic_smem_bytes"] <= row["smem_limit_bytes"], row
+        assert row["blocks_per_sm"] >= 1, row
 
 
 # ---- loading on a GPU ----------------------------------------------------------------------

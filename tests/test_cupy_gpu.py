@@ -13,13 +13,13 @@ import pytest
 
 import cuflash
 from cuflash import _tolerance as tol
-from cuflash.kernels import plans
+from cuflash.kernels import catalog
 from cuflash.testing import random_qkv
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("algorithm", plans.available_algorithms())
+@pytest.mark.parametrize("algorithm", catalog.algorithms())
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_matches_reference(algorithm, dtype, causal):

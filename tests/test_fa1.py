@@ -25,7 +25,11 @@ from cuflash._tolerance import BACKWARD_FACTOR, FORWARD_FACTOR, backward_referen
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import fa1
-from cuflash.kernels.plans import Problem
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+
+SM80 = target("sm_80")
+TILES = fa1.tiles(SM80)
 from cuflash.reference import attention_reference
 from cuflash.testing import numpy_dtype, random_inputs, random_qkv, rows_without_key
 
@@ -35,7 +39,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 @pytest.fixture(scope="module", autouse=True)
 def _built_kernels():
     # One simulator library for every fa1 instance (parallel TUs) instead of one build per first use.
-    sim.precompile(fa1.instances())
+    sim.precompile(fa1.instances(SM80))
 
 
 # (seqlen_q, seqlen_k): pairs that are not tile multiples and span several K/V blocks even for the widest
@@ -191,7 +195,7 @@ def test_large_logits_stay_finite(dtype, causal):
 
 def _run(program_kind, problem, arrays, scale=0.5):
     family_program = fa1.forward_program if program_kind == "forward" else fa1.backward_program
-    return run_program(SimulatorBackend(), family_program(problem), problem, scale, arrays)
+    return run_program(SimulatorBackend(), family_program(problem, SM80), problem, scale, arrays)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(0, 19), (23, 0), (0, 0)])
@@ -218,7 +222,7 @@ def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
 def test_rows_without_key_inside_a_visited_block():
     """seqlen_q > seqlen_k, causal: the first Q block (Br = 64 at head dim 64) holds rows that see no key and
     rows that do, so the no-key rows go through the online softmax with l = 0 at every visit."""
-    assert fa1.TILES[64][0].block_rows >= 60 and fa1.TILES[64][1].block_rows >= 60
+    assert TILES[64][0].block_rows >= 60 and TILES[64][1].block_rows >= 60
     q, k, v, dout = random_inputs((1, 60, 30, 2, 2, 64), "float32", seed=6)
     out, lse = cuflash.attention(q, k, v, causal=True, algorithm="fa1", return_lse=True)
     assert np.all(out[:, :30] == 0) and np.all(lse[:, :, :30] == -np.inf)
@@ -250,12 +254,12 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
     with sim.record() as fwd:
         _run("forward", problem, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     measured = [(r.global_bytes_read, r.global_bytes_written) for r in fwd.launches]
-    assert measured == ([fa1.forward_traffic(problem)] if problem.seqlen_q else [])
+    assert measured == ([fa1.forward_traffic(problem, SM80)] if problem.seqlen_q else [])
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     with sim.record() as bwd:
         _run("backward", problem, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads})
-    assert [(r.global_bytes_read, r.global_bytes_written) for r in bwd.launches] == fa1.backward_traffic(problem)
+    assert [(r.global_bytes_read, r.global_bytes_written) for r in bwd.launches] == fa1.backward_traffic(problem, SM80)
 
 
 def test_traffic_follows_algorithm_1_by_hand():
@@ -264,7 +268,7 @@ def test_traffic_follows_algorithm_1_by_hand():
       read:    K, V once (2 N d 2 bytes) + per K/V block, Q (N d 2) and O, l, m (N (d + 2) 4)
       written: O, l, m after the first K/V block; out (N d 2) and lse (N 4) after the last."""
     n, d = 320, 64
-    assert (fa1.TILES[d][0].block_rows, fa1.TILES[d][0].block_cols) == (64, 160)
+    assert (TILES[d][0].block_rows, TILES[d][0].block_cols) == (64, 160)
     tc = 2
     expected_read = 2 * n * d * 2 + tc * (n * d * 2 + n * (d + 2) * 4)
     expected_written = (tc - 1) * n * (d + 2) * 4 + n * d * 2 + n * 4
@@ -274,7 +278,7 @@ def test_traffic_follows_algorithm_1_by_hand():
     assert [(r.global_bytes_read, r.global_bytes_written) for r in rec.launches] == [(expected_read, expected_written)]
     # Backward, Br = 64, Bc = 80: Tc = 4. K, V once; per K/V block Q, O, dO (3 N d 2), lse (N 4), dQ (N d 4) read
     # and dQ written (float32 but the last time, as dq); dK, dV written once.
-    assert (fa1.TILES[d][1].block_rows, fa1.TILES[d][1].block_cols) == (64, 80)
+    assert (TILES[d][1].block_rows, TILES[d][1].block_cols) == (64, 80)
     tc = 4
     expected_read = 2 * n * d * 2 + tc * (3 * n * d * 2 + n * 4 + n * d * 4)
     expected_written = (tc - 1) * n * d * 4 + n * d * 2 + 2 * n * d * 2
@@ -288,7 +292,7 @@ def test_output_statistics_traffic_grows_with_kv_blocks():
     forward's traffic beyond reading Q (once per K/V block), K and V grows by a read and a write of O, l, m
     (2 N (d + 2) 4 bytes) with every K/V block added. (FA2 keeps them on chip and stays flat.)"""
     n, d = 64, 64
-    block_cols = fa1.TILES[d][0].block_cols
+    block_cols = TILES[d][0].block_cols
     extra = []
     for tc in (1, 2, 3):
         q, k, v, _ = random_inputs((1, n, tc * block_cols, 1, 1, d), "float16", seed=11)
@@ -327,15 +331,21 @@ def test_no_data_races():
     _check_backward(dout, q, k, v, grads, True, None)
 
 
-def test_tiles_follow_the_paper_rule():
-    for head_dim, (forward, backward) in fa1.TILES.items():
-        assert (forward.block_rows, forward.block_cols) == fa1.paper_block_sizes(head_dim, fa1.FORWARD_BUDGET_FLOATS)
-        assert (backward.block_rows, backward.block_cols) == fa1.paper_block_sizes(
-            head_dim, fa1.BACKWARD_BUDGET_FLOATS
-        )
-        assert forward.smem_bytes <= 163 * 1024 and backward.smem_bytes <= 163 * 1024  # sm_80's opt-in maximum
+@pytest.mark.parametrize("arch, budget", [("sm_80", (40960, 20480)), ("sm_90", (40960, 20480)),
+                                           ("sm_86", (24576, 12288)), ("sm_120", (24576, 12288))])
+def test_tiles_follow_the_paper_rule_at_the_largest_budget_the_target_fits(arch, budget):
+    tiles = fa1.tiles(target(arch))
+    assert tuple(tiles) == fa1.HEAD_DIMS
+    for head_dim, (forward, backward) in tiles.items():
+        assert (forward.block_rows, forward.block_cols) == fa1.paper_block_sizes(head_dim, budget[0])
+        assert (backward.block_rows, backward.block_cols) == fa1.paper_block_sizes(head_dim, budget[1])
+        limit = target(arch).smem_per_block_bytes
+        assert forward.smem_bytes <= limit and backward.smem_bytes <= limit
+
+
+def test_tile_shapes_are_checked():
     with pytest.raises(ValueError):
-        fa1.Fa1Tile(64, 64, 400, backward=False)  # past 163 KiB of shared memory
+        fa1.Fa1Tile(64, 64, 600, backward=False)  # past what any target allows
     with pytest.raises(ValueError):
         fa1.Fa1Tile(64, 129, 8, backward=False)  # more rows than threads
     assert [fa1.compiled_head_dim(x) for x in (1, 32, 33, 150, 256)] == [32, 32, 64, 160, 256]
@@ -344,18 +354,18 @@ def test_tiles_follow_the_paper_rule():
 
 
 def test_catalog_and_shared_memory():
-    instances = fa1.instances()
+    instances = fa1.instances(SM80)
     assert len(instances) == len(set(instances)) == 3 * (2 * len(fa1.HEAD_DIMS) + 1)
     problem = Problem("float16", 1, 10, 10, 2, 2, 100)
-    plan = fa1.forward_program(problem).launches[0]
-    assert plan.kernel == fa1.forward_kernel("float16", 128)
-    assert plan.dynamic_smem_bytes == fa1.dynamic_smem_bytes(plan.kernel) == fa1.TILES[128][0].smem_bytes
+    plan = fa1.forward_program(problem, SM80).launches[0]
+    assert plan.kernel == fa1.forward_kernel("float16", TILES[128][0])
+    assert plan.dynamic_smem_bytes == fa1.dynamic_smem_bytes(plan.kernel) == TILES[128][0].smem_bytes
 
 
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_kernels_trap_on_too_little_shared_memory(which):
     problem = Problem("float32", 1, 8, 8, 1, 1, 64)
-    program = fa1.forward_program(problem) if which == "forward" else fa1.backward_program(problem)
+    program = fa1.forward_program(problem, SM80) if which == "forward" else fa1.backward_program(problem, SM80)
     plan = program.launches[0]
     short = type(program)(
         launches=(type(plan)(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes - 4),),
@@ -371,11 +381,11 @@ def test_kernels_trap_on_too_little_shared_memory(which):
         run_program(backend, short, problem, 0.125, arrays)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
 def test_every_instance_compiles_without_spills(arch):
     from cuflash.kernels import nvrtc
 
-    for instance in fa1.instances():
+    for instance in fa1.instances(target(arch)):
         resources = nvrtc.compile_instance(instance, arch).resources
         assert resources.spill_store_bytes == resources.spill_load_bytes == 0, (instance, resources)
         assert resources.static_smem_bytes == 0, instance  # shared memory is only dynamic

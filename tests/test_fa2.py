@@ -35,7 +35,10 @@ from cuflash._tolerance import (
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import fa2
-from cuflash.kernels.plans import LaunchPlan, Problem, Program
+from cuflash.kernels.program import LaunchPlan, Problem, Program
+from cuflash.kernels.targets import target
+
+SM80 = target("sm_80")
 
 DTYPES = ("float32", "float16", "bfloat16")
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -191,7 +194,7 @@ def _run_forward(q, k, v, causal, scale, program=None):
     problem = _problem(q, k, causal)
     out = backend.empty(q.shape, q.dtype)
     lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
-    program = program or fa2.forward_program(problem)
+    program = program or fa2.forward_program(problem, SM80)
     run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     return out, lse
 
@@ -201,7 +204,7 @@ def _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=False):
     problem = _problem(q, k, causal, deterministic)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
-    scratch = run_program(backend, fa2.backward_program(problem), problem, scale, arrays)
+    scratch = run_program(backend, fa2.backward_program(problem, SM80), problem, scale, arrays)
     return grads["dq"], grads["dk"], grads["dv"], scratch
 
 
@@ -229,8 +232,8 @@ def test_dout_dot_out_and_deterministic_slices():
     q, k, v, dout = _inputs(shape, "float32", seed=6)
     out, lse = _run_forward(q, k, v, causal, scale)
     problem = _problem(q, k, causal, deterministic=True)
-    block_n = fa2.backward_traits(24).block_n
-    program = fa2.backward_program(problem)
+    block_n = fa2.backward_traits(24, SM80).block_n
+    program = fa2.backward_program(problem, SM80)
     assert program.num_dq_splits == math.ceil(150 / block_n) > 1
     assert [s.zero_init for s in program.scratch if s.name == "dq_accum"] == [False]
     dq, _, _, scratch = _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
@@ -286,13 +289,13 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
     problem = _problem(q, k, causal)
     with sim.record() as forward_records:
         out, lse = _run_forward(q, k, v, causal, 0.125)
-    assert _launch_traffic(forward_records) == _expected(fa2.forward_program(problem), [fa2.forward_traffic(problem)])
+    assert _launch_traffic(forward_records) == _expected(fa2.forward_program(problem, SM80), [fa2.forward_traffic(problem, SM80)])
     for deterministic in (False, True):
         det_problem = _problem(q, k, causal, deterministic)
         with sim.record() as backward_records:
             _run_backward(dout, q, k, v, out, lse, causal, 0.125, deterministic)
         assert _launch_traffic(backward_records) == _expected(
-            fa2.backward_program(det_problem), fa2.backward_traffic(det_problem)
+            fa2.backward_program(det_problem, SM80), fa2.backward_traffic(det_problem, SM80)
         )
 
 
@@ -303,7 +306,7 @@ def test_forward_traffic_is_fa2s_closed_form(dtype, headdim):
     q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, seed=8)
     with sim.record() as records:
         _run_forward(q, k, v, False, 0.1)
-    es, block_m = ELEMENT_BYTES[dtype], fa2.forward_traits(headdim).block_m
+    es, block_m = ELEMENT_BYTES[dtype], fa2.forward_traits(headdim, SM80).block_m
     q_blocks = math.ceil(seqlen_q / block_m)
     reads = batch * nheads * (seqlen_q * headdim * es + 2 * q_blocks * seqlen_k * headdim * es)
     writes = batch * nheads * seqlen_q * (headdim * es + 4)
@@ -314,7 +317,7 @@ def test_causal_forward_skips_blocks_above_the_diagonal():
     """Causal, seqlen_q = seqlen_k = 4 x 64: Q block i reads K/V blocks 0..i only (whole blocks: it is the
     block that crosses the diagonal that is masked, not loaded in part), i.e. 1 + 2 + 3 + 4 = 10 of 16."""
     batch, seqlen, nheads, headdim = 1, 256, 2, 64
-    traits = fa2.forward_traits(headdim)
+    traits = fa2.forward_traits(headdim, SM80)
     assert seqlen == 4 * traits.block_m == 4 * traits.block_n
     q, k, v, _ = _inputs((batch, seqlen, seqlen, nheads, nheads, headdim), "float16", seed=9)
     with sim.record() as causal_records:
@@ -394,7 +397,7 @@ def test_no_out_of_bounds_access_under_asan():
 def test_kernels_trap_on_a_launch_shape_their_traits_do_not_fit():
     q, k, v, dout = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=12)
     problem = _problem(q, k, False)
-    (plan,) = fa2.forward_program(problem).launches
+    (plan,) = fa2.forward_program(problem, SM80).launches
     short = LaunchPlan(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes - 4)
     with pytest.raises(sim.KernelError, match="fa2_forward_kernel"):
         _run_forward(q, k, v, False, 0.1, program=Program(launches=(short,)))
@@ -408,7 +411,7 @@ def test_kernels_trap_on_a_launch_shape_their_traits_do_not_fit():
 def test_backward_traps_with_too_little_shared_memory():
     q, k, v, dout = _inputs((1, 40, 50, 1, 1, 128), "float32", seed=13)
     problem = _problem(q, k, False)
-    program = fa2.backward_program(problem)
+    program = fa2.backward_program(problem, SM80)
     pre, main, convert = program.launches
     short = LaunchPlan(main.kernel, main.grid, main.block, main.dynamic_smem_bytes - 4)
     out, lse = _run_forward(q, k, v, False, 0.1)
@@ -428,28 +431,36 @@ def test_traits_table_and_catalog():
         with pytest.raises(ValueError):
             fa2.compiled_head_dim(bad)
     # FA2's head-dim-64 forward keeps 4 warps; head dim 256 needs 8 warps to keep a thread's O slice small.
-    assert fa2.FORWARD_TRAITS[64].warps == fa2.FORWARD_TRAITS[128].warps == 4
-    names = [i.name_expr for i in fa2.instances()]
-    assert len(names) == len(set(names)) == 3 * (6 + 6 + 1 + 2)
-    for instance in fa2.instances():
-        smem = fa2.dynamic_smem_bytes(instance)
-        assert smem <= fa2.SM80_MAX_DYNAMIC_SMEM
-        assert (smem == 0) == ("dout_dot_out" in instance.name_expr or "convert_dq" in instance.name_expr)
+    assert fa2.forward_traits(64, SM80).warps == fa2.forward_traits(128, SM80).warps == 4
+    for arch in ("sm_80", "sm_86", "sm_90", "sm_120"):
+        names = [i.name_expr for i in fa2.instances(target(arch))]
+        assert len(names) == len(set(names)) == 3 * (6 + 6 + 1 + 2)
+        for instance in fa2.instances(target(arch)):
+            smem = fa2.dynamic_smem_bytes(instance)
+            assert smem <= target(arch).smem_per_block_bytes
+            assert (smem == 0) == ("dout_dot_out" in instance.name_expr or "convert_dq" in instance.name_expr)
+    # The 99 KB targets take the second rows where the first do not fit; the others keep the first rows.
+    small = target("sm_86")
+    for head_dim in fa2.HEAD_DIMS:
+        for choices, pick in ((fa2.FORWARD_CHOICES, fa2.forward_traits), (fa2.BACKWARD_CHOICES, fa2.backward_traits)):
+            assert pick(head_dim, SM80) == choices[head_dim][0]
+            fits = [t for t in choices[head_dim] if t.smem_bytes <= small.smem_per_block_bytes]
+            assert pick(head_dim, small) == fits[0]
     with pytest.raises(ValueError):
         fa2.ForwardTraits(64, block_m=64, block_n=48, warps=4)  # block_n not a multiple of 32
     with pytest.raises(ValueError):
-        fa2.ForwardTraits(256, block_m=128, block_n=64, warps=4)  # far beyond sm_80's shared memory
+        fa2.ForwardTraits(256, block_m=128, block_n=64, warps=4)  # beyond any target's shared memory
     with pytest.raises(ValueError):
         fa2.BackwardTraits(96, block_m=32, block_n=64, warps=8)  # dK/dV tiles do not divide over 256 threads
     with pytest.raises(KeyError):
         fa2.dynamic_smem_bytes(fa2.ForwardTraits(64, 32, 32, 4).instance("float16"))
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
 def test_every_instance_compiles_without_spills(arch):
     from cuflash.kernels.nvrtc import compile_instance
 
-    for instance in fa2.instances():
+    for instance in fa2.instances(target(arch)):
         resources = compile_instance(instance, arch).resources
         assert resources.spill_store_bytes == resources.spill_load_bytes == 0, (instance, arch, resources)
         assert resources.static_smem_bytes == 0, "shared memory is dynamic only"

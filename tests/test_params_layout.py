@@ -11,8 +11,8 @@ import pytest
 
 from cuflash import sim
 from cuflash.kernels import params
-from cuflash.kernels.catalog import KernelInstance
-from cuflash.kernels.plans import Problem
+from cuflash.kernels.program import KernelInstance
+from cuflash.kernels.program import Problem
 
 
 def test_mirror_matches_gxx_layout():

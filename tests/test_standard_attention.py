@@ -31,7 +31,10 @@ from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import standard
 from cuflash.kernels.params import pack_params
-from cuflash.kernels.plans import Problem
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+
+SM80 = target("sm_80")
 from cuflash.testing import random_inputs, rows_without_key
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -118,7 +121,7 @@ def _run_forward(q, k, v, causal, scale):
     out = backend.empty(q.shape, q.dtype)
     lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
     scratch = run_program(
-        backend, standard.forward_program(problem), problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+        backend, standard.forward_program(problem, SM80), problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     )
     return out, lse, scratch
 
@@ -128,7 +131,7 @@ def _run_backward(dout, q, k, v, out, lse, causal, scale):
     problem = _problem(q, k, causal)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
-    scratch = run_program(backend, standard.backward_program(problem), problem, scale, arrays)
+    scratch = run_program(backend, standard.backward_program(problem, SM80), problem, scale, arrays)
     return grads["dq"], grads["dk"], grads["dv"], scratch
 
 
@@ -215,12 +218,12 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
     with sim.record() as forward_records:
         out, lse, _ = _run_forward(q, k, v, causal, 0.125)
     assert _launch_traffic(forward_records) == _expected(
-        standard.forward_program(problem), standard.forward_traffic(problem)
+        standard.forward_program(problem, SM80), standard.forward_traffic(problem, SM80)
     )
     with sim.record() as backward_records:
         _run_backward(dout, q, k, v, out, lse, causal, 0.125)
     assert _launch_traffic(backward_records) == _expected(
-        standard.backward_program(problem), standard.backward_traffic(problem)
+        standard.backward_program(problem, SM80), standard.backward_traffic(problem, SM80)
     )
 
 
@@ -267,7 +270,7 @@ def test_forward_softmax_on_edge_rows(seqlen_k):
         problem, softmax_scale=1.0, pointers={"scores": scores.ctypes.data, "probs": probs.ctypes.data, "lse": lse.ctypes.data},
         strides={},
     )
-    plan = standard.forward_program(problem).launches[1]
+    plan = standard.forward_program(problem, SM80).launches[1]
     with sim.record() as rec:
         sim.launch(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes, params, [scores, probs, lse])
     assert _launch_traffic(rec) == [tuple(standard.softmax_traffic("kForward", problem))]
@@ -309,9 +312,9 @@ def test_no_data_races():
 
 
 def test_catalog_and_shared_memory():
-    names = [i.name_expr for i in standard.instances()]
+    names = [i.name_expr for i in standard.instances(SM80)]
     assert len(names) == len(set(names)) == 6 * 3 + 3 + 3
-    for instance in standard.instances():
+    for instance in standard.instances(SM80):
         is_row_kernel = "softmax" in instance.name_expr or "dout_dot_out" in instance.name_expr
         expected = 0 if is_row_kernel else standard.TRAITS.gemm_smem_bytes
         assert standard.dynamic_smem_bytes(instance) == expected
@@ -324,7 +327,7 @@ def test_catalog_and_shared_memory():
 def test_every_instance_compiles_without_spills(arch):
     from cuflash.kernels.nvrtc import compile_instance
 
-    for instance in standard.instances():
+    for instance in standard.instances(SM80):
         resources = compile_instance(instance, arch).resources
         assert resources.spill_store_bytes == resources.spill_load_bytes == 0, (instance, resources)
         assert resources.static_smem_bytes == 0, "shared memory is dynamic only"

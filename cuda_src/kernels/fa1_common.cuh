@@ -18,8 +18,9 @@ namespace cuflash {
 namespace fa1 {
 
 constexpr int kThreads = 128;
-// The launch plan gives both kernels up to 163 KiB of shared memory (the paper's
-// M as large as an sm_80 block may have), so one block is resident per SM.
+// The launch plan gives both kernels the largest budget its target allows (the
+// paper's M: 163 KB on sm_80/87, 99 KB on sm_86/89/120; families/fa1.py
+// BUDGETS), so one block is resident per SM.
 // Saying so lets ptxas use the registers it needs: with no minimum-blocks hint it
 // capped the forward at 72 registers and spilled a few bytes on sm_80.
 constexpr int kMinBlocksPerSm = 1;

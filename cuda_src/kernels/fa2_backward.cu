@@ -54,7 +54,8 @@
 // tile dK/dV evenly), 16 x 64 with 8 warps at 192, 32 x 32 with 8 warps at 256. FA2's
 // head-dim-128 backward uses 64 x 128 with 8 warps and 16-bit tiles; this SIMT version keeps
 // every tile in float32 shared memory (K, V, Q, dO, P, dS), so the tiles are halved to fit
-// 119 KB at head dim 128, 134 KB at 192 and 142 KB at 256 (sm_80 allows 163 KB), and each
+// 119 KB at head dim 128, 134 KB at 192 and 142 KB at 256 (sm_80 allows 163 KB; targets with
+// 99 KB per block take the smaller rows of BACKWARD_CHOICES), and each
 // thread's dK + dV slice (2 * BlockN * D / threads floats) stays at 64 registers at head dims
 // 64..128 (96 at 96 and 192, where the dQ tile is kept small instead).
 //

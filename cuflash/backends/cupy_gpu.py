@@ -14,8 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..kernels.catalog import KernelInstance
-from ..kernels.plans import LaunchPlan
+from ..kernels.program import KernelInstance
+from ..kernels import targets
+from ..kernels.program import LaunchPlan
 
 
 class CupyBackend:
@@ -26,8 +27,13 @@ class CupyBackend:
 
         self._cupy = cupy
         self.device_id = device_id
-        # compute_capability is a string such as "80" or "90".
-        self.arch = "sm_" + cupy.cuda.Device(device_id).compute_capability
+        device = cupy.cuda.Device(device_id)
+        # compute_capability is a string such as "80" or "90"; plans respect the device's opt-in limit.
+        capability = device.compute_capability
+        self.target = targets.for_device(
+            int(capability[:-1]), int(capability[-1]), device.attributes.get("MaxSharedMemoryPerBlockOptin")
+        )
+        self.arch = "sm_" + capability
 
     def device(self):
         """Allocate and launch on the inputs' GPU, not whichever device is current."""

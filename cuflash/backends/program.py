@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from ..kernels.params import STRIDED_TENSORS, pack_params
-from ..kernels.plans import LaunchPlan, Problem, Program
+from ..kernels.program import LaunchPlan, Problem, Program
 
 
 class ArrayBackend(Protocol):

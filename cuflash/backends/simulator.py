@@ -7,7 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..kernels.plans import LaunchPlan
+from ..kernels.program import LaunchPlan
+from ..kernels.targets import Target
 
 # Scratch the program does not zero is filled with NaN, the way the simulator
 # fills shared memory: a kernel that reads an element it never wrote shows it.
@@ -17,6 +18,13 @@ _ALIGNMENT = 64
 
 class SimulatorBackend:
     name = "simulator"
+
+    @property
+    def target(self) -> Target:
+        """The GPU the simulator stands in for (cuflash.sim.targeting): plans are made for it."""
+        from .. import sim
+
+        return sim.current_target()
 
     def device(self) -> contextlib.AbstractContextManager:
         """The simulator has no device to select."""

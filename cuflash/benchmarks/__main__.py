@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cuflash.kernels.plans import available_algorithms
+from cuflash.kernels.catalog import algorithms as available_algorithms
 
 from . import speed, traffic
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
-from ..kernels import plans
+from ..kernels import catalog
 from ._primitives import CallConfig, attention_backward_p, attention_forward_p, tensor_shape
 
 
@@ -55,7 +55,7 @@ def attention(
     problem = V.check_qkv(q, k, v, causal=causal, deterministic=deterministic)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
-    plans.family(algorithm)  # raises for an unknown or unavailable algorithm
+    catalog.variants(algorithm)  # raises for an unknown algorithm
     q, k, v = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)))
     out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v)
     return (out, lse) if return_lse else out

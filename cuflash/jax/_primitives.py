@@ -36,10 +36,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from .. import _validation as V
-from ..kernels import plans
-from ..kernels.catalog import KernelInstance
+from ..kernels import plans, targets
+from ..kernels.targets import Target
+from ..kernels.program import KernelInstance
 from ..kernels.params import pack_params
-from ..kernels.plans import LaunchPlan, Problem, Program
+from ..kernels.program import LaunchPlan, Problem, Program
 from . import _ffi
 
 
@@ -74,11 +75,20 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return (rows * heads * headdim, heads * headdim, headdim)
 
 
-def program_for(direction: str, config: CallConfig) -> Program:
-    family = plans.family(config.algorithm)
-    if direction == "forward":
-        return family.forward_program(config.problem)
-    return family.backward_program(config.problem)
+def target_for(platform: str) -> Target:
+    """The target a plan lowered for ``platform`` is made for: the simulator's on the CPU; on CUDA the
+    local devices' (the smallest shared-memory limit among them, so the plan launches on each)."""
+    if platform == "cpu":
+        from .. import sim
+
+        return sim.current_target()
+    found = [targets.for_device(*capability) for capability in local_cuda_capabilities()]
+    return min(found, key=lambda t: t.smem_per_block_bytes) if found else targets.target(targets.DEFAULT_ARCH)
+
+
+def program_for(direction: str, config: CallConfig, platform: str = "cpu") -> Program:
+    planner = plans.forward_program if direction == "forward" else plans.backward_program
+    return planner(config.algorithm, config.problem, target_for(platform))
 
 
 def custom_call_attributes(
@@ -129,18 +139,24 @@ def register_cpu_kernels(instances: Sequence[KernelInstance]) -> None:
             _sim_registered[key] = address
 
 
-def local_cuda_archs() -> list[str]:
-    """"sm_XY" of every local CUDA device JAX sees (none when JAX has no CUDA backend)."""
+def local_cuda_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) of every local CUDA device JAX sees (none when JAX has no CUDA backend)."""
     try:
         devices = jax.local_devices(backend="cuda")
     except RuntimeError:
         return []
-    archs = set()
+    found = set()
     for device in devices:
         capability = getattr(device, "compute_capability", None)
         if capability:
-            archs.add("sm_" + str(capability).replace(".", ""))
-    return sorted(archs)
+            major, minor = str(capability).split(".")
+            found.add((int(major), int(minor)))
+    return sorted(found)
+
+
+def local_cuda_archs() -> list[str]:
+    """"sm_XY" of every local CUDA device JAX sees."""
+    return [f"sm_{major}{minor}" for major, minor in local_cuda_capabilities()]
 
 
 def register_cuda_kernels(instances: Sequence[KernelInstance]) -> None:
@@ -179,7 +195,7 @@ def _abstract_eval(direction: str, *avals, config: CallConfig):
 
 
 def _lowering(ctx, *operands, config: CallConfig, direction: str, platform: str):
-    program = program_for(direction, config)
+    program = program_for(direction, config, platform)
     launches = [plan for plan in program.launches if not plan.is_empty]
     _ffi.register_targets()
     _REGISTER_KERNELS[platform](list(dict.fromkeys(plan.kernel for plan in launches)))

@@ -1,39 +1,110 @@
-"""The kernel catalog: every kernel instantiation the library can launch.
+"""The kernel catalog: the kernel families, their variants, and every instantiation they can launch.
 
-A kernel instantiation is (source file, C++ template name expression). The same
-instance is compiled by NVRTC for real GPUs and by g++ for the CPU simulator,
-so this list is the single source of truth for both, and for the compile report.
+A family is an algorithm users name (``standard``, ``fa1``, ``fa2``); it holds one or more
+variants side by side (a SIMT fa2 today; a tensor-core fa2 for 16-bit inputs later), each a
+module under cuflash/kernels/families/ that turns a Problem into a Program for a Target and
+lists the kernel instances its plans use on that target. The same instances are compiled by
+NVRTC for real GPUs and by g++ for the simulator, so this registry is the single source of
+truth for both and for the compile report. Plans (plans.py) import the catalog, never the
+reverse.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from pathlib import Path
+from types import ModuleType
+from typing import Iterable, Protocol
 
-from .._paths import CUDA_SRC
+from .program import ELEMENT_DTYPES, KernelInstance, Problem, Program
+from .targets import TARGETS, Target
 
-# Element type names as spelled in kernel template arguments, by NumPy dtype name.
-CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+class KernelFamily(Protocol):
+    """What a variant's module provides."""
+
+    def instances(self, target: Target) -> list[KernelInstance]: ...
+
+    def dynamic_smem_bytes(self, instance: KernelInstance) -> int: ...
+
+    def threads(self, instance: KernelInstance) -> int: ...
+
+    def forward_program(self, problem: Problem, target: Target) -> Program: ...
+
+    def backward_program(self, problem: Problem, target: Target) -> Program: ...
 
 
 @dataclass(frozen=True)
-class KernelInstance:
-    """One template instantiation of one kernel source file."""
+class Variant:
+    """One implementation of an algorithm, serving the element types in ``dtypes``."""
 
-    source: str  # path relative to cuda_src/ (or absolute, for test kernels)
-    name_expr: str  # e.g. "cuflash::standard_scores_kernel<__half>"
+    algorithm: str
+    name: str
+    module_name: str
+    dtypes: tuple[str, ...] = ELEMENT_DTYPES
 
     @property
-    def source_path(self) -> Path:
-        path = Path(self.source)
-        return path if path.is_absolute() else CUDA_SRC / path
+    def module(self) -> KernelFamily | ModuleType:
+        return importlib.import_module(self.module_name)
 
-    def __str__(self) -> str:
-        return self.name_expr
+    def serves(self, problem: Problem, target: Target) -> bool:
+        return problem.dtype in self.dtypes
 
 
-def all_instances() -> list[KernelInstance]:
-    """Every instantiation any launch plan can ask for."""
-    from . import plans
+# Algorithm -> its variants, in the order plans try them. The order of the algorithms is the report's.
+FAMILIES: dict[str, tuple[Variant, ...]] = {
+    "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
+    "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
+    "fa2": (Variant("fa2", "simt", "cuflash.kernels.families.fa2"),),
+}
 
-    return plans.all_instances()
+
+def algorithms() -> list[str]:
+    return list(FAMILIES)
+
+
+def variants(algorithm: str) -> tuple[Variant, ...]:
+    found = FAMILIES.get(algorithm)
+    if found is None:
+        raise ValueError(f"algorithm must be one of {algorithms()}, got {algorithm!r}")
+    return found
+
+
+def instances(target: Target) -> list[KernelInstance]:
+    """Every instantiation some plan may launch on ``target``, without duplicates, in a stable order."""
+    seen: dict[KernelInstance, None] = {}
+    for family in FAMILIES.values():
+        for variant in family:
+            for instance in variant.module.instances(target):
+                seen.setdefault(instance, None)
+    return list(seen)
+
+
+def all_instances(targets: Iterable[Target] | None = None) -> list[KernelInstance]:
+    """Every instantiation any plan may launch on any of ``targets`` (default: every known target)."""
+    seen: dict[KernelInstance, None] = {}
+    for target in TARGETS.values() if targets is None else targets:
+        for instance in instances(target):
+            seen.setdefault(instance, None)
+    return list(seen)
+
+
+def _owner(instance: KernelInstance) -> KernelFamily:
+    for family in FAMILIES.values():
+        for variant in family:
+            try:
+                variant.module.dynamic_smem_bytes(instance)
+            except KeyError:
+                continue
+            return variant.module
+    raise KeyError(f"{instance} is not in the kernel catalog")
+
+
+def dynamic_smem_bytes(instance: KernelInstance) -> int:
+    """The dynamic shared memory the plans give this instance (fixed per instance)."""
+    return _owner(instance).dynamic_smem_bytes(instance)
+
+
+def threads(instance: KernelInstance) -> int:
+    """The block size the plans give this instance (fixed per instance)."""
+    return _owner(instance).threads(instance)

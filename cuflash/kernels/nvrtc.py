@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .._paths import CUDA_SRC, cache_dir
-from .catalog import KernelInstance
+from .program import KernelInstance
 
 # Bump when the cache entry layout or the meaning of a stored field changes.
 CACHE_FORMAT = 1
@@ -817,9 +817,9 @@ def load_function(compiled: CompiledKernel, dynamic_smem_bytes: int | None = Non
     import cupy
 
     if dynamic_smem_bytes is None:
-        from . import plans
+        from . import catalog
 
-        dynamic_smem_bytes = plans.dynamic_smem_bytes(compiled.instance)
+        dynamic_smem_bytes = catalog.dynamic_smem_bytes(compiled.instance)
     device = cupy.cuda.Device().id
     key = (compiled.cubin_path, compiled.lowered_name, device)
     with _loaded_lock:

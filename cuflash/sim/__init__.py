@@ -6,6 +6,9 @@ Public API (other packages depend on these names):
     checking(mode)        context manager: "normal", "race", "asan" or "profile" (default: $CUFLASH_SIM_MODE);
                           profile mode fills LaunchRecord.shared_access_sites (bank conflicts per site)
     copy_landing(seed)    context manager: the seed of the moments cp.async copies land at
+    targeting(arch)       context manager: the GPU the simulator stands in for (default sm_80, $CUFLASH_SIM_TARGET):
+                          plans are made for it, launches above its shared memory per block refused
+    current_target()      that Target
     run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
     precompile(instances) build ahead of time (warms the cache)
     params_layout()       AttentionParams layout as g++ computes it
@@ -22,11 +25,13 @@ from ._launch import (
     checking,
     copy_landing,
     current_mode,
+    current_target,
     launch,
     launch_entry_address,
     params_layout,
     precompile,
     record,
+    targeting,
 )
 from ._asan import run_in_asan_subprocess
 
@@ -39,10 +44,12 @@ __all__ = [
     "checking",
     "copy_landing",
     "current_mode",
+    "current_target",
     "launch",
     "launch_entry_address",
     "params_layout",
     "precompile",
     "record",
     "run_in_asan_subprocess",
+    "targeting",
 ]

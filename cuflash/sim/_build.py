@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .._paths import CUDA_SRC, cache_dir
-from ..kernels.catalog import KernelInstance
+from ..kernels.program import KernelInstance
 
 MODES = ("normal", "race", "asan", "profile")
 

@@ -11,7 +11,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..kernels.catalog import KernelInstance
+from ..kernels import targets
+from ..kernels.program import KernelInstance
+from ..kernels.targets import Target
 from . import _build, _library
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "checking",
     "copy_landing",
     "current_mode",
+    "current_target",
+    "targeting",
     "precompile",
     "params_layout",
     "launch_entry_address",
@@ -169,6 +173,35 @@ def _copy_seed() -> int:
         return _copy_seeds[-1] if _copy_seeds else 0
 
 
+# ---- the GPU the simulator stands in for -------------------------------------------------------
+
+_target_stack: list[Target] = []
+
+
+def current_target() -> Target:
+    """The target plans for NumPy arrays are made for and launches are checked against:
+    the innermost ``targeting(...)``, else $CUFLASH_SIM_TARGET, else sm_80."""
+    with _mode_lock:
+        if _target_stack:
+            return _target_stack[-1]
+    return targets.target(os.environ.get("CUFLASH_SIM_TARGET") or targets.DEFAULT_ARCH)
+
+
+@contextlib.contextmanager
+def targeting(arch: str) -> Iterator[Target]:
+    """Inside the block the simulator stands in for ``arch`` (e.g. "sm_86": 99 KB of shared memory per
+    block): plans are made for it and a launch asking more shared memory than it allows is refused.
+    Process-wide, like ``checking``."""
+    chosen = targets.target(arch)
+    with _mode_lock:
+        _target_stack.append(chosen)
+    try:
+        yield chosen
+    finally:
+        with _mode_lock:
+            del _target_stack[len(_target_stack) - 1 - _target_stack[::-1].index(chosen)]
+
+
 # ---- launching ---------------------------------------------------------------------------------
 
 
@@ -225,6 +258,13 @@ def launch(
     Raises KernelError on any kernel error or invalid launch.
     """
     mode = current_mode()
+    target = current_target()
+    if dynamic_smem_bytes > target.smem_per_block_bytes:
+        raise KernelError(
+            kernel.name_expr,
+            f"invalid launch of kernel {kernel.name_expr}: it asks for {dynamic_smem_bytes} bytes of dynamic shared "
+            f"memory, more than the {target.smem_per_block_bytes} bytes a block may have on {target.arch}",
+        )
     grid3 = _dims(grid, "grid")
     block3 = _dims(block, "block")
     if isinstance(params, (np.void, np.ndarray)):

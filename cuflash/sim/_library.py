@@ -15,7 +15,7 @@ from typing import Sequence
 
 import cffi
 
-from ..kernels.catalog import KernelInstance
+from ..kernels.program import KernelInstance
 from . import _build
 
 _ABI_HEADER = _build.SIM_DIR / "sim_abi.h"

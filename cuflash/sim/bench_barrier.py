@@ -13,7 +13,7 @@ import struct
 import time
 
 from .._paths import CUDA_SRC
-from ..kernels.catalog import KernelInstance
+from ..kernels.program import KernelInstance
 from ._launch import launch
 
 KERNEL = KernelInstance(str(CUDA_SRC / "arch" / "sim" / "bench_barrier.cu"), "cuflash_sim_bench::barrier_loop_kernel")

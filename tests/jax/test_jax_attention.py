@@ -20,7 +20,11 @@ import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 from cuflash import _tolerance as T  # noqa: E402
 from cuflash import reference  # noqa: E402
-from cuflash.kernels import plans  # noqa: E402
+from cuflash.kernels import catalog, plans  # noqa: E402
+from cuflash.kernels.program import Problem  # noqa: E402
+from cuflash.kernels.targets import target  # noqa: E402
+
+SM80 = target("sm_80")
 from cuflash.kernels.params import PARAMS_DTYPE, POINTER_FIELDS, field_layout  # noqa: E402
 
 from cuflash.testing import numpy_dtype, random_qkv  # noqa: E402
@@ -92,7 +96,7 @@ def test_jit_grad_matches_jax_nn(dtype, causal, heads, seqlens):
 
 @pytest.mark.parametrize("algorithm", ["standard", "fa1", "fa2"])
 def test_every_algorithm_runs_through_the_custom_call(algorithm):
-    if algorithm not in plans.available_algorithms():
+    if algorithm not in catalog.algorithms():
         pytest.skip(f"{algorithm} is not implemented in this build")
     q, k, v, weights = inputs(7, 1, 11, 11, 2, 1, 20, "float32")  # head dim 20 runs on a wider instance
     loss = lambda q, k, v: weighted_sum(cfj.attention(q, k, v, causal=True, algorithm=algorithm), weights)
@@ -247,8 +251,9 @@ def test_lowered_hlo_holds_the_custom_call_and_no_address():
     lowered = jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True, softmax_scale=0.25)).lower(q, k, v)
     hlo = lowered.as_text()
     (call,) = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", hlo)
-    program = plans.family("fa2").forward_program(
-        plans.Problem(dtype="float16", batch=2, seqlen_q=8, seqlen_k=8, nheads=2, nheads_k=2, headdim=32, causal=True)
+    program = plans.forward_program(
+        "fa2", Problem(dtype="float16", batch=2, seqlen_q=8, seqlen_k=8, nheads=2, nheads_k=2, headdim=32, causal=True),
+        SM80,
     )
     assert f'kernels = "{";".join(p.kernel.name_expr for p in program.launches)}"' in call
     assert 'bindings = "q,k,v,out,lse' in call
@@ -324,7 +329,7 @@ def _raw_program_call(q, k, v, **overrides):
     """The forward custom call with hand-made attributes, to reach the handler's checks directly."""
     from cuflash.jax import _ffi, _primitives
 
-    problem = plans.Problem(dtype="float32", batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+    problem = Problem(dtype="float32", batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                             nheads=q.shape[2], nheads_k=k.shape[2], headdim=q.shape[3])
     config = _primitives.CallConfig("fa2", problem, 0.5)
     program = _primitives.program_for("forward", config)
@@ -359,7 +364,7 @@ def test_handler_reports_errors_clearly():
             jax.block_until_ready(_raw_program_call(q, k, v, **override))
 
     # A kernel the registry does not know: the error names it.
-    name = plans.family("fa2").forward_program(plans.Problem("float32", 1, 8, 8, 2, 2, 32)).launches[0].kernel.name_expr
+    name = plans.forward_program("fa2", Problem("float32", 1, 8, 8, 2, 2, 32), SM80).launches[0].kernel.name_expr
     attrs = dict(kernels="cuflash::not_a_kernel<float>")
     with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("no simulator kernel registered for "
                                                                     "cuflash::not_a_kernel<float>")):
@@ -380,7 +385,7 @@ def test_handler_reports_errors_clearly():
 def good_params(q, k, v):
     from cuflash.jax import _primitives
 
-    problem = plans.Problem("float32", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    problem = Problem("float32", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
     config = _primitives.CallConfig("fa2", problem, 0.5)
     program = _primitives.program_for("forward", config)
     attrs = _primitives.custom_call_attributes("forward", config, program, list(program.launches))
@@ -407,7 +412,7 @@ def test_unregistered_kernel_at_run_time_names_the_kernel():
     q, k, v, _ = inputs(4, 1, 6, 6, 1, 1, 32, "float32")
     f = jax.jit(lambda q, k, v: cfj.attention(q, k, v))
     compiled = f.lower(q, k, v).compile()  # lowering registers the kernel
-    name = plans.family("fa2").forward_program(plans.Problem("float32", 1, 6, 6, 1, 1, 32)).launches[0].kernel.name_expr
+    name = plans.forward_program("fa2", Problem("float32", 1, 6, 6, 1, 1, 32), SM80).launches[0].kernel.name_expr
     _ffi.unregister_sim_kernel(name)
     _primitives._sim_registered.clear()
     try:

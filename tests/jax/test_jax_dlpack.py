@@ -138,6 +138,7 @@ def test_cuflash_jax_on_a_gpu_matches_the_simulator():
     """The CUDA FFI handler: NVRTC CUBINs launched on XLA's stream; registry filled while lowering."""
     from cuflash.jax import _ffi, _primitives
     from cuflash.kernels import plans
+    from cuflash.kernels.program import Problem
 
     import cuflash.jax as cfj
 
@@ -153,8 +154,8 @@ def test_cuflash_jax_on_a_gpu_matches_the_simulator():
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     arch = _primitives.local_cuda_archs()[0]
-    problem = plans.Problem("float16", 2, 33, 47, 4, 2, 64, causal=True)
-    for plan in plans.family("fa2").backward_program(problem).launches:
+    problem = Problem("float16", 2, 33, 47, 4, 2, 64, causal=True)
+    for plan in plans.backward_program("fa2", problem, _primitives.target_for("cuda")).launches:
         assert _ffi.cubin_registered(plan.kernel.name_expr, arch)
     host16 = [np.asarray(x) for x in (q, k, v)]
     out, lse = cuflash.attention(*host16, causal=True, return_lse=True)

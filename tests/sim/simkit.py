@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 import cuflash.sim as sim
-from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels.program import KernelInstance
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 CHECKS = KERNELS / "sim_checks.cu"

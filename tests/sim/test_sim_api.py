@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash.sim as sim
-from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels.program import KernelInstance
 from cuflash.sim import _build
 from simkit import args, kernel, run
 
@@ -108,7 +108,7 @@ def test_concurrent_builds_of_one_library(tmp_path):
     script = textwrap.dedent(
         """
         import sys, numpy as np, cuflash.sim as sim
-        from cuflash.kernels.catalog import KernelInstance
+        from cuflash.kernels.program import KernelInstance
         out = np.zeros(32, np.float32)
         sim.launch(KernelInstance(sys.argv[1], "fresh"), 1, 32, 0, np.uint64(out.ctypes.data).tobytes(), [out])
         assert out.tolist() == [2.0 * i for i in range(32)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash.sim as sim
-from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels.program import KernelInstance
 from simkit import KERNELS, args
 
 SOURCE = KERNELS / "bank_conflicts.cu"

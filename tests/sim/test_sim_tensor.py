@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuflash.sim as sim
-from cuflash.kernels.catalog import KernelInstance
+from cuflash.kernels.program import KernelInstance
 from simkit import ARGS_DTYPE, KERNELS
 
 SOURCE = KERNELS / "tensor_ops.cu"

@@ -6,17 +6,18 @@ work partition and the exact global-memory traffic, which ``forward_traffic`` /
 
 Tile sizes. The paper sizes its blocks from the on-chip memory M (in floats):
 Bc = ceil(M / 4d), Br = min(Bc, d), and its IO analysis (Theta(N^2 d^2 / M) bytes)
-rewards the largest M. We evaluate that rule once per compiled head dim and write the
-result down as a fixed table (``TILES``), with M as large as one thread block may
-have on sm_80 (163 KiB of dynamic shared memory with the opt-in attribute, which
-nvrtc.load_function sets; sm_90 allows 227 KiB, the same table runs there):
-  forward  M = 40960 floats (160 KiB): it keeps Q_i, K_j, V_j (3 d-wide tiles) + S
-  backward M = 20480 floats  (80 KiB): it keeps Q_i, dO_i, K_j, V_j, dK_j, dV_j (6) + P, dS
+rewards the largest M. We evaluate that rule per compiled head dim with M as large as one
+thread block of the target may have (``BUDGETS``, largest first; a plan takes the first
+whose tiles all fit the target's shared memory per block):
+  163 KB targets (sm_80, sm_87; sm_90 and sm_100 run the same tiles):
+    forward  M = 40960 floats (160 KiB): it keeps Q_i, K_j, V_j (3 d-wide tiles) + S
+    backward M = 20480 floats  (80 KiB): it keeps Q_i, dO_i, K_j, V_j, dK_j, dV_j (6) + P, dS
+  99 KB targets (sm_86, sm_89, sm_120): M = 24576 and 12288 floats.
 The kernels hold tiles in float32, hence floats and not elements. The price is one
 resident block (4 warps) per SM: these SIMT kernels exist to show FA1's memory traffic,
 and a 48 KiB budget (3 blocks per SM) would triple its O, l, m round trips
 (GPT-2 medium forward + backward: 56 GB instead of 18 GB at head dim 64).
-tests/test_fa1.py checks the table against the rule and the 163 KiB bound.
+tests/test_fa1.py checks the tables against the rule and each budget's bound.
 
 Head dims. Compiled for 32, 64, ..., 256 (multiples of 32). Head dim d runs on the
 smallest compiled one >= d: the kernels zero columns d..HeadDim-1 in shared memory and
@@ -33,8 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..catalog import CXX_ELEMENT_TYPES, KernelInstance
-from ..plans import ELEMENT_DTYPES, LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..program import CXX_ELEMENT_TYPES, ELEMENT_DTYPES, KernelInstance, LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..targets import TARGETS, Target
 
 NAME = "fa1"
 
@@ -43,10 +44,11 @@ BACKWARD_SOURCE = "kernels/fa1_backward.cu"
 
 THREADS = 128  # fa1::kThreads
 REDUCE_THREADS = 256  # fa1_gqa_reduce_kernel's block
-SMEM_LIMIT_BYTES = 163 * 1024  # per block on sm_80 with the opt-in attribute (sm_90: 227 KiB)
-FORWARD_BUDGET_FLOATS = 40960  # the paper's M for the forward
-BACKWARD_BUDGET_FLOATS = 20480  # the paper's M for the backward
+# The paper's M (forward, backward), in floats, largest first: 163 KB blocks, then 99 KB ones.
+BUDGETS = ((40960, 20480), (24576, 12288))
+SMEM_LIMIT_BYTES = max(t.smem_per_block_bytes for t in TARGETS.values())  # the most any target allows
 FLOAT_BYTES = 4
+HEAD_DIMS = tuple(range(32, 257, 32))
 
 
 def paper_block_sizes(head_dim: int, budget_floats: int) -> tuple[int, int]:
@@ -87,22 +89,24 @@ class Fa1Tile:
         return floats * FLOAT_BYTES
 
 
-# Compiled head dim -> (forward tile, backward tile): the paper's rule at the budgets above.
-TILES: dict[int, tuple[Fa1Tile, Fa1Tile]] = {
-    hd: (Fa1Tile(hd, fbr, fbc, False), Fa1Tile(hd, bbr, bbc, True))
-    for hd, (fbr, fbc), (bbr, bbc) in (
-        #     forward Br, Bc   backward Br, Bc
-        (32, (32, 320), (32, 160)),
-        (64, (64, 160), (64, 80)),
-        (96, (96, 107), (54, 54)),
-        (128, (80, 80), (40, 40)),
-        (160, (64, 64), (32, 32)),
-        (192, (54, 54), (27, 27)),
-        (224, (46, 46), (23, 23)),
-        (256, (40, 40), (20, 20)),
-    )
-}
-HEAD_DIMS = tuple(sorted(TILES))
+def tiles_for_budget(forward_floats: int, backward_floats: int) -> dict[int, tuple[Fa1Tile, Fa1Tile]]:
+    """Compiled head dim -> (forward tile, backward tile): the paper's rule at these budgets."""
+    return {
+        hd: (Fa1Tile(hd, *paper_block_sizes(hd, forward_floats), False),
+             Fa1Tile(hd, *paper_block_sizes(hd, backward_floats), True))
+        for hd in HEAD_DIMS
+    }
+
+
+TILE_TABLES = tuple(tiles_for_budget(*budget) for budget in BUDGETS)
+
+
+def tiles(target: Target) -> dict[int, tuple[Fa1Tile, Fa1Tile]]:
+    """The largest-budget table whose every tile fits the target's shared memory per block."""
+    for table in TILE_TABLES:
+        if all(t.smem_bytes <= target.smem_per_block_bytes for pair in table.values() for t in pair):
+            return table
+    raise ValueError(f"no fa1 tile table fits {target.arch}'s {target.smem_per_block_bytes} bytes per block")
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -122,12 +126,12 @@ def _kernel(source: str, name: str, dtype: str, tile: Fa1Tile) -> KernelInstance
     )
 
 
-def forward_kernel(dtype: str, head_dim: int) -> KernelInstance:
-    return _kernel(FORWARD_SOURCE, "fa1_forward_kernel", dtype, TILES[head_dim][0])
+def forward_kernel(dtype: str, tile: Fa1Tile) -> KernelInstance:
+    return _kernel(FORWARD_SOURCE, "fa1_forward_kernel", dtype, tile)
 
 
-def backward_kernel(dtype: str, head_dim: int) -> KernelInstance:
-    return _kernel(BACKWARD_SOURCE, "fa1_backward_kernel", dtype, TILES[head_dim][1])
+def backward_kernel(dtype: str, tile: Fa1Tile) -> KernelInstance:
+    return _kernel(BACKWARD_SOURCE, "fa1_backward_kernel", dtype, tile)
 
 
 def gqa_reduce_kernel(dtype: str) -> KernelInstance:
@@ -148,9 +152,10 @@ def _plan(kernel: KernelInstance, grid: tuple[int, int, int], threads: int, smem
 def _smem_table() -> dict[KernelInstance, int]:
     table = {}
     for dtype in ELEMENT_DTYPES:
-        for hd, (fwd, bwd) in TILES.items():
-            table[forward_kernel(dtype, hd)] = fwd.smem_bytes
-            table[backward_kernel(dtype, hd)] = bwd.smem_bytes
+        for tile_table in TILE_TABLES:
+            for fwd, bwd in tile_table.values():
+                table[forward_kernel(dtype, fwd)] = fwd.smem_bytes
+                table[backward_kernel(dtype, bwd)] = bwd.smem_bytes
         table[gqa_reduce_kernel(dtype)] = 0
     return table
 
@@ -158,17 +163,26 @@ def _smem_table() -> dict[KernelInstance, int]:
 _SMEM = _smem_table()
 
 
-def instances() -> list[KernelInstance]:
-    return list(_SMEM)
+def instances(target: Target) -> list[KernelInstance]:
+    """Every instance the plans for ``target`` may launch."""
+    found = []
+    for dtype in ELEMENT_DTYPES:
+        for fwd, bwd in tiles(target).values():
+            found += [forward_kernel(dtype, fwd), backward_kernel(dtype, bwd)]
+        found.append(gqa_reduce_kernel(dtype))
+    return found
 
 
 def dynamic_smem_bytes(instance: KernelInstance) -> int:
     return _SMEM[instance]
 
 
-def forward_program(problem: Problem) -> Program:
-    hd = compiled_head_dim(problem.headdim)
-    kernel = forward_kernel(problem.dtype, hd)
+def threads(instance: KernelInstance) -> int:
+    return REDUCE_THREADS if instance in (gqa_reduce_kernel(dtype) for dtype in ELEMENT_DTYPES) else THREADS
+
+
+def forward_program(problem: Problem, target: Target) -> Program:
+    kernel = forward_kernel(problem.dtype, tiles(target)[compiled_head_dim(problem.headdim)][0])
     # seqlen_q == 0: nothing to write, an empty grid. seqlen_k == 0 still launches:
     # every row then sees no key and the kernel writes out = 0, lse = -inf.
     grid = (problem.nheads, problem.batch, 1 if problem.seqlen_q else 0)
@@ -184,9 +198,8 @@ def forward_program(problem: Problem) -> Program:
     )
 
 
-def backward_program(problem: Problem) -> Program:
-    hd = compiled_head_dim(problem.headdim)
-    kernel = backward_kernel(problem.dtype, hd)
+def backward_program(problem: Problem, target: Target) -> Program:
+    kernel = backward_kernel(problem.dtype, tiles(target)[compiled_head_dim(problem.headdim)][1])
     grouped = problem.nheads != problem.nheads_k
     anything = problem.seqlen_q > 0 or problem.seqlen_k > 0
     launches = [_plan(kernel, (problem.nheads, problem.batch, 1 if anything else 0), THREADS, _SMEM[kernel])]
@@ -228,11 +241,11 @@ def _element_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def forward_traffic(problem: Problem) -> tuple[int, int]:
+def forward_traffic(problem: Problem, target: Target) -> tuple[int, int]:
     """(bytes read, bytes written) by the forward launch, per fa1_forward.cu's formula."""
     if problem.seqlen_q == 0:
         return 0, 0
-    tile = TILES[compiled_head_dim(problem.headdim)][0]
+    tile = tiles(target)[compiled_head_dim(problem.headdim)][0]
     e, d = _element_bytes(problem.dtype), problem.headdim
     visits = _visits(problem, tile.block_rows, tile.block_cols)
     row_visits = sum(rows * seen for rows, seen in visits)
@@ -243,9 +256,9 @@ def forward_traffic(problem: Problem) -> tuple[int, int]:
     return read, written
 
 
-def backward_traffic(problem: Problem) -> list[tuple[int, int]]:
+def backward_traffic(problem: Problem, target: Target) -> list[tuple[int, int]]:
     """(bytes read, bytes written) per backward launch, per fa1_backward.cu's formulas."""
-    tile = TILES[compiled_head_dim(problem.headdim)][1]
+    tile = tiles(target)[compiled_head_dim(problem.headdim)][1]
     e, d = _element_bytes(problem.dtype), problem.headdim
     grouped = problem.nheads != problem.nheads_k
     visits = _visits(problem, tile.block_rows, tile.block_cols)

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..catalog import CXX_ELEMENT_TYPES, KernelInstance
-from ..plans import LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..targets import TARGETS, Target
 
 NAME = "fa2"
 FORWARD_SOURCE = "kernels/fa2_forward.cu"
@@ -45,8 +45,8 @@ BACKWARD_SOURCE = "kernels/fa2_backward.cu"
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEADDIM = HEAD_DIMS[-1]
 
-# The largest dynamic shared memory a block may opt into on the oldest target (sm_80: 163 KB).
-SM80_MAX_DYNAMIC_SMEM = 163 * 1024
+# The most shared memory any target's block may have (sm_90: 227 KB); each plan checks its own target.
+MAX_DYNAMIC_SMEM = max(t.smem_per_block_bytes for t in TARGETS.values())
 # CUDA's limits on gridDim.x and on gridDim.y / gridDim.z.
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_YZ = 65535
@@ -83,8 +83,8 @@ class _TileTraits:
         self._check_tiles()
         if self.threads > 1024:
             raise ValueError("CUDA blocks hold at most 1024 threads")
-        if self.smem_bytes > SM80_MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than sm_80 allows")
+        if self.smem_bytes > MAX_DYNAMIC_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than any target allows")
 
     def _check_tiles(self) -> None:
         raise NotImplementedError
@@ -160,24 +160,26 @@ class BackwardTraits(_TileTraits):
 
 
 # The launch choice per compiled head dim (the why is in the .cu opening comments): FA2's tiles halved where a
-# SIMT thread would otherwise hold too many float32 registers or the float32 tiles too much shared memory.
-FORWARD_TRAITS = {
-    32: ForwardTraits(32, block_m=64, block_n=64, warps=4),
-    64: ForwardTraits(64, block_m=64, block_n=64, warps=4),
-    96: ForwardTraits(96, block_m=64, block_n=32, warps=4),
-    128: ForwardTraits(128, block_m=64, block_n=32, warps=4),
-    192: ForwardTraits(192, block_m=64, block_n=32, warps=4),
-    256: ForwardTraits(256, block_m=64, block_n=32, warps=8),
+# SIMT thread would otherwise hold too many float32 registers or the float32 tiles too much shared memory. The
+# first row of a head dim that fits the target's shared memory per block is used: the second rows are for targets
+# whose blocks may have 99 KB (sm_86, sm_89, sm_120), as FA2 keeps separate tiles for sm86/89.
+FORWARD_CHOICES = {
+    32: (ForwardTraits(32, block_m=64, block_n=64, warps=4),),
+    64: (ForwardTraits(64, block_m=64, block_n=64, warps=4),),
+    96: (ForwardTraits(96, block_m=64, block_n=32, warps=4),),
+    128: (ForwardTraits(128, block_m=64, block_n=32, warps=4),),
+    192: (ForwardTraits(192, block_m=64, block_n=32, warps=4), ForwardTraits(192, block_m=32, block_n=32, warps=4)),
+    256: (ForwardTraits(256, block_m=64, block_n=32, warps=8), ForwardTraits(256, block_m=16, block_n=32, warps=4)),
 }
-BACKWARD_TRAITS = {
-    32: BackwardTraits(32, block_m=32, block_n=64, warps=4),
-    64: BackwardTraits(64, block_m=32, block_n=64, warps=8),
-    96: BackwardTraits(96, block_m=32, block_n=64, warps=4),
-    128: BackwardTraits(128, block_m=32, block_n=64, warps=8),
-    192: BackwardTraits(192, block_m=16, block_n=64, warps=8),
-    256: BackwardTraits(256, block_m=32, block_n=32, warps=8),
+BACKWARD_CHOICES = {
+    32: (BackwardTraits(32, block_m=32, block_n=64, warps=4),),
+    64: (BackwardTraits(64, block_m=32, block_n=64, warps=8),),
+    96: (BackwardTraits(96, block_m=32, block_n=64, warps=4),),
+    128: (BackwardTraits(128, block_m=32, block_n=64, warps=8), BackwardTraits(128, block_m=16, block_n=64, warps=8)),
+    192: (BackwardTraits(192, block_m=16, block_n=64, warps=8), BackwardTraits(192, block_m=16, block_n=32, warps=4)),
+    256: (BackwardTraits(256, block_m=32, block_n=32, warps=8), BackwardTraits(256, block_m=8, block_n=32, warps=8)),
 }
-assert tuple(FORWARD_TRAITS) == HEAD_DIMS and tuple(BACKWARD_TRAITS) == HEAD_DIMS
+assert tuple(FORWARD_CHOICES) == HEAD_DIMS and tuple(BACKWARD_CHOICES) == HEAD_DIMS
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -187,12 +189,19 @@ def compiled_head_dim(headdim: int) -> int:
     return next(h for h in HEAD_DIMS if h >= headdim)
 
 
-def forward_traits(headdim: int) -> ForwardTraits:
-    return FORWARD_TRAITS[compiled_head_dim(headdim)]
+def _fitting(choices: tuple[_TileTraits, ...], target: Target) -> _TileTraits:
+    for traits in choices:
+        if traits.smem_bytes <= target.smem_per_block_bytes:
+            return traits
+    raise ValueError(f"no fa2 tile of head dim {choices[0].head_dim} fits {target.arch}'s shared memory")
 
 
-def backward_traits(headdim: int) -> BackwardTraits:
-    return BACKWARD_TRAITS[compiled_head_dim(headdim)]
+def forward_traits(headdim: int, target: Target) -> ForwardTraits:
+    return _fitting(FORWARD_CHOICES[compiled_head_dim(headdim)], target)
+
+
+def backward_traits(headdim: int, target: Target) -> BackwardTraits:
+    return _fitting(BACKWARD_CHOICES[compiled_head_dim(headdim)], target)
 
 
 def _dout_dot_out_instance(dtype: str) -> KernelInstance:
@@ -204,27 +213,49 @@ def _convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_convert_dq_kernel<{CXX_ELEMENT_TYPES[dtype]}, {block_n}>")
 
 
-def instances() -> list[KernelInstance]:
+def instances(target: Target) -> list[KernelInstance]:
+    """Every instance the plans for ``target`` may launch."""
     found: list[KernelInstance] = []
     for dtype in CXX_ELEMENT_TYPES:
-        found += [traits.instance(dtype) for traits in FORWARD_TRAITS.values()]
-        found += [traits.instance(dtype) for traits in BACKWARD_TRAITS.values()]
+        found += [forward_traits(hd, target).instance(dtype) for hd in HEAD_DIMS]
+        backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
+        found += [traits.instance(dtype) for traits in backward]
         found.append(_dout_dot_out_instance(dtype))
-        found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in BACKWARD_TRAITS.values()})]
+        found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
     return found
 
 
-def dynamic_smem_bytes(instance: KernelInstance) -> int:
+def _shape_table() -> dict[KernelInstance, tuple[int, int]]:
+    """(dynamic shared memory, threads) of every instance of every tile choice (the pre-pass and convert
+    kernels use no shared memory)."""
+    table: dict[KernelInstance, tuple[int, int]] = {}
     for dtype in CXX_ELEMENT_TYPES:
-        for traits in FORWARD_TRAITS.values():
-            if instance == traits.instance(dtype):
-                return traits.smem_bytes
-        for traits in BACKWARD_TRAITS.values():
-            if instance == traits.instance(dtype):
-                return traits.smem_bytes
-    if instance in instances():
-        return 0  # the pre-pass and convert kernels use no shared memory
-    raise KeyError(f"{instance} is not an fa2 kernel")
+        for choices in FORWARD_CHOICES.values():
+            table.update((traits.instance(dtype), (traits.smem_bytes, traits.threads)) for traits in choices)
+        for choices in BACKWARD_CHOICES.values():
+            for traits in choices:
+                table[traits.instance(dtype)] = (traits.smem_bytes, traits.threads)
+                table[traits.convert_instance(dtype)] = (0, ROW_KERNEL_THREADS)
+        table[_dout_dot_out_instance(dtype)] = (0, ROW_KERNEL_THREADS)
+    return table
+
+
+_SHAPES = _shape_table()
+
+
+def _shape(instance: KernelInstance) -> tuple[int, int]:
+    try:
+        return _SHAPES[instance]
+    except KeyError:
+        raise KeyError(f"{instance} is not an fa2 kernel") from None
+
+
+def dynamic_smem_bytes(instance: KernelInstance) -> int:
+    return _shape(instance)[0]
+
+
+def threads(instance: KernelInstance) -> int:
+    return _shape(instance)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,22 +273,22 @@ def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
     return LaunchPlan(kernel, _check_grid(grid), (ROW_KERNEL_THREADS, 1, 1), 0)
 
 
-def forward_program(problem: Problem) -> Program:
-    traits = forward_traits(problem.headdim)
+def forward_program(problem: Problem, target: Target) -> Program:
+    traits = forward_traits(problem.headdim, target)
     grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
     launch = LaunchPlan(traits.instance(problem.dtype), _check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
     return Program(launches=(launch,))
 
 
-def num_dq_splits(problem: Problem) -> int:
+def num_dq_splits(problem: Problem, target: Target) -> int:
     """dq_accum slices: one per K/V block when deterministic (and there is more than one), else 1."""
-    kv_blocks = ceil_div(problem.seqlen_k, backward_traits(problem.headdim).block_n)
+    kv_blocks = ceil_div(problem.seqlen_k, backward_traits(problem.headdim, target).block_n)
     return kv_blocks if problem.deterministic and kv_blocks > 1 else 1
 
 
-def backward_program(problem: Problem) -> Program:
-    traits = backward_traits(problem.headdim)
-    splits = num_dq_splits(problem)
+def backward_program(problem: Problem, target: Target) -> Program:
+    traits = backward_traits(problem.headdim, target)
+    splits = num_dq_splits(problem, target)
     main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
     launches = (
         _row_kernel_launch(_dout_dot_out_instance(problem.dtype), problem),
@@ -298,8 +329,8 @@ def _keys_seen(problem: Problem, row_end: int) -> int:
     return max(0, min(problem.seqlen_k, row_end + problem.seqlen_k - problem.seqlen_q))
 
 
-def forward_traffic(problem: Problem) -> Traffic:
-    traits = forward_traits(problem.headdim)
+def forward_traffic(problem: Problem, target: Target) -> Traffic:
+    traits = forward_traits(problem.headdim, target)
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
     read = 0
     for i in range(ceil_div(problem.seqlen_q, traits.block_m)):
@@ -314,13 +345,13 @@ def forward_traffic(problem: Problem) -> Traffic:
     return Traffic(read * heads, written)
 
 
-def backward_traffic(problem: Problem) -> tuple[Traffic, Traffic, Traffic]:
+def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic, Traffic]:
     """(pre-pass, main kernel, convert kernel)."""
-    traits = backward_traits(problem.headdim)
+    traits = backward_traits(problem.headdim, target)
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
     sq, sk = problem.seqlen_q, problem.seqlen_k
     bh = problem.batch * problem.nheads
-    splits = num_dq_splits(problem)
+    splits = num_dq_splits(problem, target)
     pre = Traffic(2 * bh * sq * d * es, bh * sq * _F32)
 
     read = written = 0

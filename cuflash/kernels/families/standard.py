@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..catalog import CXX_ELEMENT_TYPES, KernelInstance
-from ..plans import LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..program import CXX_ELEMENT_TYPES, KernelInstance
+from ..program import LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..targets import Target
 
 NAME = "standard"
 SOURCE = "kernels/standard_attention.cu"
@@ -125,18 +126,32 @@ def _dout_dot_out_instance(dtype: str) -> KernelInstance:
     return KernelInstance(SOURCE, f"cuflash::{_DOUT_DOT_OUT}<{CXX_ELEMENT_TYPES[dtype]}>")
 
 
-def instances() -> list[KernelInstance]:
+def _instances() -> list[KernelInstance]:
     found = [_gemm_instance(product, dtype) for product in _PRODUCTS for dtype in CXX_ELEMENT_TYPES]
     found += [_dout_dot_out_instance(dtype) for dtype in CXX_ELEMENT_TYPES]
     found += [_softmax_instance(softmax_pass) for softmax_pass in _SOFTMAX_PASSES]
     return found
 
 
+def instances(target: Target) -> list[KernelInstance]:
+    """Every instance: the same on every target (the GEMM tiles need little shared memory)."""
+    return _instances()
+
+
 def dynamic_smem_bytes(instance: KernelInstance) -> int:
-    if instance not in instances():
+    if instance not in _instances():
         raise KeyError(f"{instance} is not a standard-attention kernel")
-    is_gemm = any(instance.name_expr.startswith(f"cuflash::{p.kernel}<") for p in _PRODUCTS)
-    return TRAITS.gemm_smem_bytes if is_gemm else 0
+    return TRAITS.gemm_smem_bytes if _is_gemm(instance) else 0
+
+
+def threads(instance: KernelInstance) -> int:
+    if instance not in _instances():
+        raise KeyError(f"{instance} is not a standard-attention kernel")
+    return TRAITS.gemm_threads if _is_gemm(instance) else TRAITS.row_threads
+
+
+def _is_gemm(instance: KernelInstance) -> bool:
+    return any(instance.name_expr.startswith(f"cuflash::{p.kernel}<") for p in _PRODUCTS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,7 +199,7 @@ def _matrix_scratch(problem: Problem, name: str) -> Scratch:
     return Scratch(name, (problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k))
 
 
-def forward_program(problem: Problem) -> Program:
+def forward_program(problem: Problem, target: Target) -> Program:
     """S = scale Q K^T -> scores; P = softmax(S), lse -> probs, lse; O = P V -> out."""
     return Program(
         launches=(
@@ -196,7 +211,7 @@ def forward_program(problem: Problem) -> Program:
     )
 
 
-def backward_program(problem: Problem) -> Program:
+def backward_program(problem: Problem, target: Target) -> Program:
     """Recompute S and P = exp(S - lse); dV = P^T dO; D = rowsum(dO O); dP = dO V^T; dS = P (dP - D);
     dQ = scale dS K; dK = scale dS^T Q. Always deterministic: no atomics (GQA sums run inside dV/dK blocks)."""
     return Program(
@@ -284,12 +299,12 @@ def dout_dot_out_traffic(problem: Problem) -> Traffic:
     return Traffic(rows * 2 * problem.headdim * _ELEMENT_BYTES[problem.dtype], rows * _FLOAT32_BYTES)
 
 
-def forward_traffic(problem: Problem) -> list[Traffic]:
+def forward_traffic(problem: Problem, target: Target) -> list[Traffic]:
     """One entry per launch of ``forward_program(problem)``, in order."""
     return [gemm_traffic(_SCORES, problem), softmax_traffic("kForward", problem), gemm_traffic(_OUT, problem)]
 
 
-def backward_traffic(problem: Problem) -> list[Traffic]:
+def backward_traffic(problem: Problem, target: Target) -> list[Traffic]:
     """One entry per launch of ``backward_program(problem)``, in order."""
     return [
         gemm_traffic(_SCORES, problem),

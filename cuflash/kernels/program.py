@@ -1,0 +1,105 @@
+"""What a launch program is made of: kernel instances, the problem they solve, launches and scratch.
+
+Every backend (the CPU simulator, CuPy on a GPU, the JAX FFI handlers) runs the same
+``Program``: an ordered list of kernel launches plus the float32 scratch buffers they need.
+A kernel family (cuflash/kernels/families/) turns a ``Problem`` into a Program for a target
+(cuflash/kernels/targets.py); backends only allocate, pack ``AttentionParams`` and launch.
+This module depends on nothing else of cuflash.kernels but the params layout, so the catalog,
+the plans and the families can all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._paths import CUDA_SRC
+from .params import SIDE_BUFFER_FIELDS
+
+ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
+# Element type names as spelled in kernel template arguments, by NumPy dtype name.
+CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KernelInstance:
+    """One template instantiation of one kernel source file: compiled by NVRTC for GPUs and by
+    g++ for the simulator from the same (source, name expression)."""
+
+    source: str  # path relative to cuda_src/ (or absolute, for test kernels)
+    name_expr: str  # e.g. "cuflash::standard_scores_kernel<__half>"
+
+    @property
+    def source_path(self) -> Path:
+        path = Path(self.source)
+        return path if path.is_absolute() else CUDA_SRC / path
+
+    def __str__(self) -> str:
+        return self.name_expr
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a launch plan may depend on (never the data itself)."""
+
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ELEMENT_DTYPES:
+            raise ValueError(f"Problem.dtype must be one of {ELEMENT_DTYPES}, got {self.dtype!r}")
+        for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Problem.{name} must be >= 0, got {getattr(self, name)}")
+        if self.nheads_k and self.nheads % self.nheads_k:
+            raise ValueError("Problem.nheads must be a multiple of nheads_k")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for MHA, nheads for MQA)."""
+        return self.nheads // self.nheads_k if self.nheads_k else 1
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    kernel: KernelInstance
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_smem_bytes: int
+
+    @property
+    def is_empty(self) -> bool:
+        """A grid with a zero dimension launches nothing (CUDA would reject it; backends skip it)."""
+        return 0 in self.grid
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A float32 buffer a program needs besides its inputs and outputs, bound to the
+    AttentionParams pointer field of the same name."""
+
+    name: str
+    shape: tuple[int, ...]
+    zero_init: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in SIDE_BUFFER_FIELDS:
+            raise ValueError(f"scratch buffer {self.name!r} is not an AttentionParams side buffer")
+
+
+@dataclass(frozen=True)
+class Program:
+    launches: tuple[LaunchPlan, ...]
+    scratch: tuple[Scratch, ...] = field(default=())
+    num_dq_splits: int = 1

@@ -1,0 +1,80 @@
+"""The package's import graph has no cycle (a registry imported by what it registers is one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cuflash
+
+PACKAGE = Path(cuflash.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every cuflash module imported anywhere in the file (module level or inside functions)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # Importing a module first imports its parent packages, which are then already initializing: an
+            # import of an ancestor package ("from . import sim" in cuflash.api) is not an edge back to it.
+            if not name.startswith(module + "."):
+                found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names}  # "from . import sim" imports a module
+    return {m for m in found if m == "cuflash" or m.startswith("cuflash.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph()
+    assert "cuflash.kernels.catalog" in graph["cuflash.kernels.plans"]  # plans import the catalog ...
+    assert "cuflash.kernels.plans" not in graph["cuflash.kernels.catalog"]  # ... never the reverse
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = import_graph()
+    graph["cuflash.kernels.program"] = graph["cuflash.kernels.program"] | {"cuflash.kernels.plans"}
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1] and "cuflash.kernels.program" in cycle
