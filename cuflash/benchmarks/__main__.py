@@ -1,50 +1,143 @@
 """Benchmarks CLI.
 
-    python3 -m cuflash.benchmarks traffic [--dtype float16] [--algorithms standard fa1 fa2]
-    python3 -m cuflash.benchmarks speed [--headdims 64 128] [--seqlens 512 ... 16384] [--causal]
+    python3 -m cuflash.benchmarks speed [--headdims 64 128 256] [--seqlens 512 ... 16384] [--causal both]
+                                        [--dtypes float16 bfloat16] [--systems ...] [--out DIR]
+    python3 -m cuflash.benchmarks seeds [--out DIR]
+    python3 -m cuflash.benchmarks validate-gpu --out DIR
+    python3 -m cuflash.benchmarks traffic [--out DIR] [--seqlens ...] [--headdims ...]
+    python3 -m cuflash.benchmarks profile [--out DIR] [--arch sm_80 sm_90]
 
-``traffic`` prints global-memory bytes measured by the CPU simulator (not times).
-``speed`` times the kernels on a CUDA GPU (CuPy arrays, CUDA events); without a
-GPU it refuses: simulator timings are not GPU speed.
+``speed``, ``seeds`` and ``validate-gpu`` time kernels on a CUDA GPU (CUDA
+events, L2 flushed before every timed run, median of N) beside the peers found
+in the environment; without a GPU they refuse with a one-line reason and write
+nothing. ``traffic`` and ``profile`` are counts from the CPU simulator and the
+compile report, never times.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from cuflash.kernels.catalog import algorithms as available_algorithms
+from .workloads import DTYPES, FA2_HEADDIMS, FA2_SEQLENS, DIRECTIONS, Workload, fa2_sweep
 
-from . import speed, traffic
+# The llm.c attention benchmark the CUDA tutorials use, and the A100 figures they publish (forward, ms).
+SEEDS_SETTING = dict(batch=8, seqlen=1024, nheads=12, headdim=64)
+SEEDS_PUBLISHED_MS = (
+    ("naive three-kernel attention", 238.9),
+    ("simple FlashAttention-1 kernel", 536.7),
+    ("cuBLAS matmuls + softmax", 2.03),
+    ("cuBLAS with fused online softmax", 1.04),
+    ("cuBLAS, float16", 0.70),
+)
+
+
+def _causal_values(choice: str) -> tuple[bool, ...]:
+    return {"both": (False, True), "true": (True,), "false": (False,)}[choice]
+
+
+def _timed_run(systems, workloads, directions, repeats, warmup, out: Path | None):
+    """Refuse without a GPU (before writing anything), else sweep, print and write the results."""
+    from . import speed, timing
+
+    timing.cupy_or_refuse()
+    flush = timing.L2Flush()
+    result = speed.run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats,
+                             flush=flush, device=speed.device_name(),
+                             timing=f"CUDA events, median of {repeats} after {warmup} warm-up, "
+                                    f"L2 flushed ({flush.bytes >> 20} MiB written) before each run")
+    print(speed.format_table(result))
+    if out is not None:
+        for path in speed.write_outputs(result, out):
+            print(f"wrote {path}")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import peers
+
     parser = argparse.ArgumentParser(prog="python3 -m cuflash.benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("traffic", help="global-memory traffic per algorithm, measured by the simulator")
-    t.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    t.add_argument("--algorithms", nargs="+", default=None)
-    g = sub.add_parser("speed", help="forward/backward TFLOPs/s on a CUDA GPU")
-    g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    g.add_argument("--algorithms", nargs="+", default=None)
-    g.add_argument("--headdims", nargs="+", type=int, default=[64, 128])
-    g.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
-    g.add_argument("--causal", action="store_true")
+
+    g = sub.add_parser("speed", help="TFLOP/s of cuflash and its peers on a CUDA GPU, FA2's sweep")
+    g.add_argument("--headdims", nargs="+", type=int, default=list(FA2_HEADDIMS))
+    g.add_argument("--seqlens", nargs="+", type=int, default=list(FA2_SEQLENS))
+    g.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    g.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["float16", "bfloat16"])
+    g.add_argument("--directions", nargs="+", choices=DIRECTIONS, default=list(DIRECTIONS))
+    g.add_argument("--systems", nargs="+", default=None, help=f"default: all of {peers.system_keys()}")
     g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--out", type=Path, default=Path("cuflash-speed"), help="folder for JSON, CSV and PNG")
+
+    s = sub.add_parser("seeds", help="the llm.c attention benchmark setting (B=8, T=1024, C=768, NH=12)")
+    s.add_argument("--repeats", type=int, default=10)
+    s.add_argument("--out", type=Path, default=None)
+
+    v = sub.add_parser("validate-gpu", help="release check on a GPU: gpu tests, compute-sanitizer, speed, ncu")
+    v.add_argument("--out", type=Path, required=True)
+    v.add_argument("--skip", nargs="+", default=[], choices=["tests", "sanitizer", "speed", "ncu"])
+
+    t = sub.add_parser("traffic", help="global-memory bytes per kernel, counted by the simulator")
+    t.add_argument("--dtype", default="float16", choices=DTYPES)
+    t.add_argument("--algorithms", nargs="+", default=None)
+    t.add_argument("--out", type=Path, default=None, help="folder for traffic.json and traffic.png (a sweep)")
+    t.add_argument("--seqlens", nargs="+", type=int, default=[128, 256, 512])
+    t.add_argument("--headdims", nargs="+", type=int, default=[64])
+
+    p = sub.add_parser("profile", help="bank conflicts per access site (simulator) and the compile report")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--headdims", nargs="+", type=int, default=[64, 128])
+
     args = parser.parse_args(argv)
-    algorithms = getattr(args, "algorithms", None) or available_algorithms()
-    unknown = sorted(set(algorithms) - set(available_algorithms()))
-    if unknown:
-        parser.error(f"unknown algorithms {unknown}; available: {available_algorithms()}")
-    if args.command == "speed":
-        try:
-            print(speed.table(algorithms, args.headdims, args.seqlens, args.causal, args.dtype, args.repeats))
-        except speed.NoGpuError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if args.command == "traffic":
-        print(traffic.table(algorithms, dtype=args.dtype))
+    from cuflash.kernels.catalog import algorithms as available_algorithms
+
+    from .timing import NoGpuError
+
+    try:
+        if args.command == "speed":
+            systems = peers.select(args.systems)
+            workloads = fa2_sweep(args.headdims, args.seqlens, _causal_values(args.causal), args.dtypes)
+            _timed_run(systems, workloads, args.directions, args.repeats, args.warmup, args.out)
+        elif args.command == "seeds":
+            systems = [peers.Cuflash(a) for a in available_algorithms()]
+            workloads = [Workload(**SEEDS_SETTING, causal=True, dtype=d) for d in ("float32", "float16")]
+            _timed_run(systems, workloads, ("forward",), args.repeats, 3, args.out)
+            print("\nFor orientation only: the llm.c CUDA tutorials' published forward times for this setting, "
+                  "measured on an A100 with another codebase (not comparable to the numbers above):")
+            for name, ms in SEEDS_PUBLISHED_MS:
+                print(f"  {name:<36} {ms:8.2f} ms")
+        elif args.command == "validate-gpu":
+            from . import validate
+
+            return validate.main(args.out, skip=set(args.skip))
+        elif args.command == "traffic":
+            from . import traffic
+
+            algorithms = args.algorithms or available_algorithms()
+            unknown = sorted(set(algorithms) - set(available_algorithms()))
+            if unknown:
+                parser.error(f"unknown algorithms {unknown}; available: {available_algorithms()}")
+            if args.out is None:
+                print(traffic.table(algorithms, dtype=args.dtype))
+            else:
+                for path in traffic.sweep_outputs(algorithms, args.out, seqlens=args.seqlens, headdims=args.headdims,
+                                                  dtype=args.dtype):
+                    print(f"wrote {path}")
+        elif args.command == "profile":
+            from . import profile
+
+            for path in profile.write_outputs(args.out, arches=args.arch, seqlen=args.seqlen, headdims=args.headdims):
+                print(f"wrote {path}")
+    except NoGpuError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        parser.error(str(err))
     return 0
 
 

@@ -7,11 +7,19 @@ one (batch, head) of the FlashAttention paper's GPT-2 medium setting (seqlen
 does identical work, so the scaling is exact for the kernels' traffic. The
 paper's figures (A100, fp16) are printed beside: standard attention 40.3 GB,
 FlashAttention 4.4 GB of HBM reads + writes. These are byte counts, not times.
+
+``sweep`` (``traffic --out DIR``) records every launch of forward and backward
+over a sweep of sequence lengths and head dims, each count beside the bytes its
+family's formula predicts (``forward_traffic`` / ``backward_traffic`` of
+kernels/families), and plots the totals against sequence length as the
+FlashAttention paper's IO figure does.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -84,3 +92,68 @@ def table(algorithms: list[str], *, dtype: str = "float16") -> str:
         "so K and V are read twice as often.",
     ]
     return "\n".join(lines)
+
+
+def formula(algorithm: str, direction: str, problem, target) -> list[tuple[int, int]]:
+    """(read, written) bytes per launch as the family's traffic formula gives them, empty launches left out."""
+    from cuflash.kernels import plans
+
+    family = plans.variant_for(algorithm, problem, target).module
+    traffic = getattr(family, f"{direction}_traffic")(problem, target)
+    per_launch = [traffic] if isinstance(traffic[0], int) else list(traffic)
+    program = (plans.forward_program if direction == "forward" else plans.backward_program)(algorithm, problem, target)
+    return [tuple(int(x) for x in t) for plan, t in zip(program.launches, per_launch) if not plan.is_empty]
+
+
+def sweep(algorithms: list[str], *, seqlens, headdims, dtype: str = "float16", causals=(False, True)) -> list[dict]:
+    """One record per (algorithm, shape, direction, launch): the simulator's counts beside the formula's."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.kernels.program import Problem
+    from cuflash.testing import numpy_dtype
+
+    target = sim.current_target()
+    records = []
+    for algorithm in algorithms:
+        for headdim in headdims:
+            for seqlen in seqlens:
+                for causal in causals:
+                    rng = np.random.default_rng(0)
+                    q, k, v, dout = (rng.standard_normal((1, seqlen, 1, headdim)).astype(numpy_dtype(dtype))
+                                     for _ in range(4))
+                    problem = Problem(dtype, 1, seqlen, seqlen, 1, 1, headdim, causal=causal)
+                    with sim.record() as fwd:
+                        out, lse = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
+                    with sim.record() as bwd:
+                        cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, algorithm=algorithm)
+                    for direction, rec in (("forward", fwd), ("backward", bwd)):
+                        expected = formula(algorithm, direction, problem, target)
+                        if len(expected) != len(rec.launches):
+                            raise AssertionError(f"{algorithm} {direction}: {len(rec.launches)} launches ran, "
+                                                 f"the formula has {len(expected)}")
+                        for launch, (f_read, f_written) in zip(rec.launches, expected):
+                            records.append({
+                                "algorithm": algorithm, "direction": direction, "kernel": launch.kernel,
+                                "batch": 1, "nheads": 1, "seqlen": seqlen, "headdim": headdim, "causal": causal,
+                                "dtype": dtype, "grid": list(launch.grid), "block": list(launch.block),
+                                "bytes_read": launch.global_bytes_read, "bytes_written": launch.global_bytes_written,
+                                "formula_read": f_read, "formula_written": f_written,
+                            })
+    return records
+
+
+def sweep_outputs(algorithms: list[str], out_dir, *, seqlens, headdims, dtype: str = "float16") -> list[Path]:
+    """traffic.json (every launch's counts and formula) and traffic.png (totals against seqlen)."""
+    from . import plots
+    from cuflash import sim
+
+    records = sweep(algorithms, seqlens=seqlens, headdims=headdims, dtype=dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"what": "global-memory bytes counted by the CPU simulator (counts, not times), batch 1, 1 head",
+            "target": sim.current_target().arch, "records": records}
+    json_path, png_path = out_dir / "traffic.json", out_dir / "traffic.png"
+    json_path.write_text(json.dumps(data, indent=1))
+    plots.plot_traffic(records, png_path, f"Global memory traffic, forward + backward, {dtype} "
+                                          f"(simulator counts, batch 1, 1 head)")
+    return [json_path, png_path]

@@ -1,0 +1,107 @@
+"""Plots in the FlashAttention papers' style, from measured records only.
+
+Speed: TFLOP/s against sequence length, one panel per (dtype, head dim, causal
+setting), one series per system. Traffic: global-memory bytes against sequence
+length, one series per algorithm (counts, labelled as such). Each figure is
+built from a ``*_panels`` function whose data the tests compare with the numbers
+that were fed in; matplotlib (the ``bench`` extra) draws them off-screen.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise RuntimeError("plots need matplotlib: pip install 'cuflash[bench]'") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def speed_panels(result, direction: str) -> dict[tuple[str, int, bool], dict[str, list[tuple[int, float]]]]:
+    """{(dtype, headdim, causal): {system: [(seqlen, TFLOP/s), ...] sorted by seqlen}} for one direction."""
+    panels: dict[tuple[str, int, bool], dict[str, list[tuple[int, float]]]] = {}
+    for m in result.measurements:
+        if m.direction != direction:
+            continue
+        w = m.workload
+        panels.setdefault((w.dtype, w.headdim, w.causal), {}).setdefault(m.system, []).append((w.seqlen, m.tflops))
+    for series in panels.values():
+        for points in series.values():
+            points.sort()
+    return dict(sorted(panels.items()))
+
+
+def _grid(plt, count: int, title: str):
+    cols = min(count, 3)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    fig.suptitle(title)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[count:]:
+        ax.set_visible(False)
+    return fig, flat
+
+
+def plot_speed(result, direction: str, path: Path) -> Path:
+    panels = speed_panels(result, direction)
+    if not panels:
+        raise ValueError(f"no {direction} measurements to plot")
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(panels), f"Attention {direction} speed on {result.device} ({result.timing})")
+    for ax, ((dtype, headdim, causal), series) in zip(axes, panels.items()):
+        for system, points in series.items():
+            xs = [p[0] for p in points]
+            ax.plot(range(len(xs)), [p[1] for p in points], marker="o", label=system)
+            ax.set_xticks(range(len(xs)), [f"{x // 1024}k" if x >= 1024 else str(x) for x in xs])
+        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def traffic_panels(records: list[dict]) -> dict[tuple[str, int, bool], dict[str, list[tuple[int, int]]]]:
+    """{(dtype, headdim, causal): {algorithm: [(seqlen, bytes read + written, fwd + bwd), ...]}} from traffic records."""
+    totals: dict[tuple, dict[str, dict[int, int]]] = {}
+    for r in records:
+        key = (r["dtype"], r["headdim"], r["causal"])
+        per_seqlen = totals.setdefault(key, {}).setdefault(r["algorithm"], {})
+        per_seqlen[r["seqlen"]] = per_seqlen.get(r["seqlen"], 0) + r["bytes_read"] + r["bytes_written"]
+    return {key: {alg: sorted(points.items()) for alg, points in series.items()}
+            for key, series in sorted(totals.items())}
+
+
+def plot_traffic(records: list[dict], path: Path, title: str) -> Path:
+    panels = traffic_panels(records)
+    if not panels:
+        raise ValueError("no traffic records to plot")
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(panels), title)
+    for ax, ((dtype, headdim, causal), series) in zip(axes, panels.items()):
+        for algorithm, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] / 1e6 for p in points], marker="o", label=algorithm)
+        seqlens = sorted({p[0] for points in series.values() for p in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [str(s) for s in seqlens])
+        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("global MB read + written (simulator count)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

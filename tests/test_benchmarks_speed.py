@@ -1,0 +1,263 @@
+"""The speed benchmark's machinery without a GPU: a fake timer feeds known milliseconds, and they must come out in
+the measurements, the table, the ratios, the JSON, the CSV and the plots' data. Checks against the reference run
+on the simulator. Only the CUDA-event timer, the L2 flush and the peer adapters need a GPU (marked gpu below)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.benchmarks import peers, plots, speed, timing
+from cuflash.benchmarks.workloads import DIRECTIONS, Workload, attention_flops, fa2_sweep
+from cuflash.testing import gpu_count
+
+
+class ScriptedTimer:
+    """Returns the given milliseconds one per timed run, and logs the order of events."""
+
+    def __init__(self, milliseconds, log):
+        self.milliseconds, self.log = list(milliseconds), log
+
+    def start(self):
+        self.log.append("start")
+
+    def stop(self):
+        self.log.append("stop")
+        return self.milliseconds.pop(0)
+
+
+class FakeSystem(peers.System):
+    """A system whose every call 'takes' ms(workload, direction) + small jitter, per a script."""
+
+    def __init__(self, key, ms, *, is_cuflash=False, directions=DIRECTIONS, fail_prepare=None, unavailable=None):
+        self.key = self.label = key
+        self.is_cuflash = is_cuflash
+        self.directions = directions
+        self.ms, self.fail_prepare, self._unavailable = ms, fail_prepare, unavailable
+        self.log, self.released = [], 0
+
+    def unavailable(self):
+        return self._unavailable
+
+    def prepare(self, workload, seed=0):
+        if self.fail_prepare:
+            raise self.fail_prepare
+        base = {d: self.ms(workload, d) for d in self.directions}
+        # Five timed runs per direction, consumed in direction order: the median is the base value.
+        script = [base[d] * f for d in self.directions for f in (1.3, 1.0, 0.9, 1.0, 1.1)]
+        calls = {d: (lambda d=d: self.log.append(f"call {d}")) for d in self.directions}
+        return peers.Prepared(calls, ScriptedTimer(script, self.log))
+
+    def release(self):
+        self.released += 1
+
+
+def passing_check(system, dtype, headdim, causal):
+    return speed.Check(system.key, dtype, headdim, causal, True, "fake: passed")
+
+
+def _sweep(systems, workloads, **kw):
+    return speed.run_sweep(systems, workloads, warmup=0, repeats=5, check=passing_check, progress_stream=None,
+                           device="Fake GPU", timing="fake timer", **kw)
+
+
+WORKLOADS = fa2_sweep(headdims=(64, 128), seqlens=(512, 2048), causals=(False, True))
+
+
+def fa2_ms(w, d):
+    return 0.25 * w.seqlen / 512 * (1 + w.headdim / 128) * {"forward": 1, "backward": 2.5, "forward+backward": 3.5}[d]
+
+
+def peer_ms(w, d):
+    return fa2_ms(w, d) / 4
+
+
+def test_measure_warms_up_flushes_before_each_timed_run_and_takes_the_median():
+    log = []
+    timer = ScriptedTimer([5.0, 1.0, 3.0, 2.0, 4.0], log)
+    sample = timing.measure(lambda: log.append("call"), timer, warmup=2, repeats=5, flush=lambda: log.append("flush"))
+    assert sample.milliseconds == (5.0, 1.0, 3.0, 2.0, 4.0) and sample.median == 3.0
+    assert log[:2] == ["call", "call"]
+    assert log[2:] == ["flush", "start", "call", "stop"] * 5
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        timing.measure(lambda: None, timer, repeats=0)
+
+
+def test_flops_follow_fa2_benchmark():
+    assert attention_flops(2, 16, 1024, 64, False, "forward") == 4 * 2 * 16 * 1024 * 1024 * 64
+    assert attention_flops(2, 16, 1024, 64, True, "backward") == 2.5 * 2 * 2 * 16 * 1024 * 1024 * 64
+    assert attention_flops(2, 16, 1024, 64, False, "forward+backward") == 3.5 * 4 * 2 * 16 * 1024 * 1024 * 64
+    w = Workload.fa2_setting(2048, 128, True, "bfloat16")
+    assert (w.batch, w.nheads) == (8, 16)
+    with pytest.raises(ValueError, match="Workload.dtype"):
+        Workload(1, 1, 1, 1, False, "int8")
+
+
+def test_fed_milliseconds_come_out_in_measurements_table_json_csv_and_plot_data(tmp_path):
+    fa2 = FakeSystem("cuflash-fa2", fa2_ms, is_cuflash=True)
+    peer = FakeSystem("torch-flash", peer_ms)
+    jax_like = FakeSystem("jax-xla", peer_ms, directions=("forward", "forward+backward"))
+    result = _sweep([fa2, peer, jax_like], WORKLOADS)
+
+    assert len(result.measurements) == len(WORKLOADS) * (3 + 3 + 2)
+    for m in result.measurements:
+        expected = {"cuflash-fa2": fa2_ms, "torch-flash": peer_ms, "jax-xla": peer_ms}[m.system](m.workload, m.direction)
+        assert m.milliseconds == pytest.approx(expected)
+        assert m.tflops == pytest.approx(m.workload.flops(m.direction) / expected / 1e9)
+        assert statistics.median(m.sample.milliseconds) == m.milliseconds
+    assert fa2.released == peer.released == len(WORKLOADS)
+
+    table = speed.format_table(result)
+    w = WORKLOADS[0]
+    forward = next(m for m in result.measurements if m.system == "cuflash-fa2" and m.workload == w
+                   and m.direction == "forward")
+    assert f"{forward.tflops:.1f} ({forward.milliseconds:.3f} ms)" in table
+    assert "fa2/torch-flash" in table and "fa2/jax-xla" in table
+    for direction in DIRECTIONS:
+        rows = table.split(f"\n{direction}\n")[1].split("\n\n")[0].splitlines()[1:]
+        assert len(rows) == len(WORKLOADS)
+        # columns: 4 workload fields, 3 system cells of "TF (ms ms)" or "-", then the two ratios
+        ratios = [row.split()[-2:] for row in rows]
+        if direction == "backward":  # jax-xla has no backward-only timing: a dash, and no ratio
+            assert all(row.split()[10] == "-" for row in rows) and all(r[1] == "-" for r in ratios)
+            assert all(r[0] == "0.250" for r in ratios)
+        else:  # cuflash is 4x slower than the fake peers, in every row
+            assert all(r == ["0.250", "0.250"] for r in ratios)
+
+    written = speed.write_outputs(result, tmp_path)
+    data = json.loads((tmp_path / "speed.json").read_text())
+    assert data["device"] == "Fake GPU" and len(data["measurements"]) == len(result.measurements)
+    for record, m in zip(data["measurements"], result.measurements):
+        assert record["milliseconds"] == m.milliseconds and record["system"] == m.system
+        assert record["runs_ms"] == list(m.sample.milliseconds)
+    rows = list(csv.DictReader((tmp_path / "speed.csv").open()))
+    assert [float(r["tflops"]) for r in rows] == [pytest.approx(m.tflops) for m in result.measurements]
+
+    panels = plots.speed_panels(result, "forward")
+    assert set(panels) == {(w.dtype, w.headdim, w.causal) for w in WORKLOADS}
+    for (dtype, headdim, causal), series in panels.items():
+        assert set(series) == {"cuflash-fa2", "torch-flash", "jax-xla"}
+        for system, points in series.items():
+            ms = {"cuflash-fa2": fa2_ms, "torch-flash": peer_ms, "jax-xla": peer_ms}[system]
+            for seqlen, tflops in points:
+                work = Workload.fa2_setting(seqlen, headdim, causal, dtype)
+                assert tflops == pytest.approx(work.flops("forward") / ms(work, "forward") / 1e9)
+    pngs = [p for p in written if p.suffix == ".png"]
+    assert len(pngs) == 3 and all(p.stat().st_size > 10_000 for p in pngs)
+
+
+def test_unavailable_systems_and_failing_prepares_are_skipped_with_their_reason():
+    missing = FakeSystem("jax-cudnn", peer_ms, unavailable="JAX with CUDA is not available")
+    oom = FakeSystem("cupy-standard", peer_ms, fail_prepare=MemoryError("out of memory allocating 34 GB"))
+    fa2 = FakeSystem("cuflash-fa2", fa2_ms, is_cuflash=True)
+    result = _sweep([fa2, missing, oom], WORKLOADS[:2])
+    assert {m.system for m in result.measurements} == {"cuflash-fa2"}
+    reasons = {(s.system, s.reason) for s in result.skipped}
+    assert ("jax-cudnn", "unavailable: JAX with CUDA is not available") in reasons
+    assert ("cupy-standard", "MemoryError: out of memory allocating 34 GB") in reasons
+    assert "skipped:" in speed.format_table(result)
+
+
+class SimulatorSystem(peers.System):
+    """cuflash's fa2 on NumPy arrays (the simulator), optionally perturbed: a peer whose results we control."""
+
+    def __init__(self, key, perturb=1.0):
+        self.key = self.label = key
+        self.perturb = perturb
+
+    def unavailable(self):
+        return None
+
+    def compute(self, q, k, v, dout, causal):
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        return (out.astype(np.float32) * self.perturb).astype(out.dtype), grads
+
+
+@pytest.mark.parametrize("dtype, causal", [("float16", True), ("bfloat16", False)])
+def test_check_against_reference_accepts_right_and_rejects_wrong_results(dtype, causal):
+    good = speed.check_against_reference(SimulatorSystem("good"), dtype, 40, causal)
+    assert good.passed, good.detail
+    bad = speed.check_against_reference(SimulatorSystem("bad", perturb=1.05), dtype, 40, causal)
+    assert not bad.passed and "wrong result" in bad.detail and "out" in bad.detail
+
+
+def test_a_system_that_fails_its_check_is_never_timed():
+    wrong = FakeSystem("torch-cudnn", peer_ms)
+    fa2 = FakeSystem("cuflash-fa2", fa2_ms, is_cuflash=True)
+
+    def check(system, dtype, headdim, causal):
+        return speed.Check(system.key, dtype, headdim, causal, system.key != "torch-cudnn", "scripted")
+
+    result = speed.run_sweep([fa2, wrong], WORKLOADS, warmup=0, repeats=5, check=check, progress_stream=None)
+    assert "call forward" not in wrong.log and {m.system for m in result.measurements} == {"cuflash-fa2"}
+    assert all("failed its check" in s.reason for s in result.skipped)
+    # one check per (system, dtype, head dim, causal), not one per workload
+    assert len(result.checks) == 2 * len({(w.dtype, w.headdim, w.causal) for w in WORKLOADS})
+
+
+def test_progress_bar_counts_every_system_and_workload():
+    stream = io.StringIO()
+    speed.run_sweep([FakeSystem("cuflash-fa2", fa2_ms, is_cuflash=True)], WORKLOADS[:3], warmup=0, repeats=5,
+                    check=passing_check, progress_stream=stream)
+    assert "3/3" in stream.getvalue() and stream.getvalue().endswith("\n")
+
+
+def test_system_selection_names_the_known_systems():
+    keys = peers.system_keys()
+    assert keys[:3] == ["cuflash-standard", "cuflash-fa1", "cuflash-fa2"]
+    assert {"cupy-standard", "jax-xla", "jax-cudnn", "torch-flash", "torch-cudnn"} <= set(keys)
+    with pytest.raises(ValueError, match="unknown systems"):
+        peers.select(["cuflash-fa3"])
+
+
+# ---- GPU-only parts: the CUDA-event timer, the flush, and each peer adapter against the reference.
+
+
+@pytest.mark.gpu
+def test_cuda_event_timer_and_l2_flush_time_a_real_call():
+    cupy = pytest.importorskip("cupy")
+    x = cupy.ones((4096, 4096), dtype=cupy.float32)
+    flush = timing.L2Flush()
+    assert flush.bytes >= 2 * 1024 * 1024
+    sample = timing.measure(lambda: x @ x, timing.CudaEventTimer.cupy(), warmup=1, repeats=3, flush=flush)
+    assert all(0 < ms < 1000 for ms in sample.milliseconds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", ["cuflash-fa2", "cupy-standard", "jax-xla", "jax-cudnn", "torch-flash",
+                                 "torch-cudnn"])
+def test_each_peer_adapter_passes_its_check_and_times(key):
+    (system,) = peers.select([key])
+    reason = system.unavailable()
+    if reason:
+        pytest.skip(reason)
+    check = speed.check_against_reference(system, "float16", 64, True)
+    assert check.passed, check.detail
+    result = speed.run_sweep([system], [Workload(2, 512, 4, 64, True, "float16")], warmup=1, repeats=3,
+                             progress_stream=None, flush=timing.L2Flush())
+    assert {m.direction for m in result.measurements} == set(system.directions), result.skipped
+    assert all(m.tflops > 0 for m in result.measurements)
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="a GPU is present: the speed benchmark runs instead")
+@pytest.mark.parametrize("command", [["speed"], ["seeds"], ["validate-gpu", "--out", "{out}"]])
+def test_gpu_commands_refuse_without_a_gpu_and_write_nothing(command, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "validate"
+    argv = [c.format(out=out) for c in command]
+    result = subprocess.run([sys.executable, "-m", "cuflash.benchmarks", *argv], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "not GPU speed" in lines[0]
+    assert "TFLOP" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
