@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Test workers share one GPU: JAX must not grab 75% of its memory at start-up.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from cuflash.testing import gpu_count
 
