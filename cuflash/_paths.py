@@ -5,9 +5,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# cuda_src/ sits beside the package in the repository (installs are editable:
-# `pip install -e .`); CUFLASH_CUDA_SRC points elsewhere when needed.
-CUDA_SRC = Path(os.environ.get("CUFLASH_CUDA_SRC", Path(__file__).resolve().parent.parent / "cuda_src"))
+
+
+def _find_cuda_src() -> Path:
+    """$CUFLASH_CUDA_SRC if set; else the copy a wheel installs inside the package (cuflash/cuda_src, see
+    setup.py); else the repository's cuda_src/ beside the package (an editable install or a checkout)."""
+    if "CUFLASH_CUDA_SRC" in os.environ:
+        return Path(os.environ["CUFLASH_CUDA_SRC"])
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "cuda_src", package.parent / "cuda_src"):
+        if (candidate / "arch" / "arch.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"cuflash's CUDA sources are missing: neither {package / 'cuda_src'} (installed package) nor "
+        f"{package.parent / 'cuda_src'} (repository checkout) holds arch/arch.cuh; reinstall cuflash "
+        "or set CUFLASH_CUDA_SRC to a cuda_src folder"
+    )
+
+
+CUDA_SRC = _find_cuda_src()
 
 
 def cache_dir(kind: str) -> Path:
