@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 from .kernels.program import ELEMENT_DTYPES, Problem
+from .mask import Mask
 
 MAX_HEADDIM = 256
 # gridDim.y and gridDim.z are limited to 65535 on every CUDA GPU; plans put heads and batch there.
@@ -85,7 +86,7 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, deterministic: Any = False
         nheads=nheads,
         nheads_k=nheads_k,
         headdim=headdim,
-        causal=check_bool("causal", causal),
+        mask=Mask.causal(check_bool("causal", causal)),
         deterministic=check_bool("deterministic", deterministic),
     )
 

@@ -39,6 +39,8 @@ import math
 
 import numpy as np
 
+from .mask import Mask
+
 try:  # ml_dtypes registers "bfloat16" with NumPy; it is needed only for bfloat16 emulation.
     import ml_dtypes as _ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes is a test extra
@@ -102,12 +104,9 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int
 
 
 def _visible_keys(rows: range, seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """(len(rows), seqlen_k) bool: which keys the query rows ``rows`` attend to."""
-    if not causal:
-        return np.ones((len(rows), seqlen_k), dtype=bool)
-    row_index = np.arange(rows.start, rows.stop)[:, None]
-    cols = np.arange(seqlen_k)[None, :]
-    return cols <= row_index + (seqlen_k - seqlen_q)
+    """(len(rows), seqlen_k) bool: which keys the query rows ``rows`` attend to (cuflash.mask decides)."""
+    policy = Mask.causal(causal).policy(seqlen_q, seqlen_k)
+    return policy.visible(np.arange(rows.start, rows.stop)[:, None], np.arange(seqlen_k)[None, :])
 
 
 def _blocks(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):

@@ -6,6 +6,8 @@ import functools
 
 import numpy as np
 
+from .mask import Mask
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_count() -> int:
@@ -46,5 +48,4 @@ def random_inputs(shape, dtype, seed):
 
 def rows_without_key(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
     """Boolean mask of the query rows that see no key (bottom-right causal alignment, or no keys at all)."""
-    rows = np.arange(seqlen_q)
-    return rows + (seqlen_k - seqlen_q) < 0 if causal else np.full(seqlen_q, seqlen_k == 0)
+    return Mask.causal(causal).policy(seqlen_q, seqlen_k).rows_without_key()

@@ -32,6 +32,7 @@ SM80 = target("sm_80")
 TILES = fa1.tiles(SM80)
 from cuflash.reference import attention_reference
 from cuflash.testing import numpy_dtype, random_inputs, random_qkv, rows_without_key
+from cuflash.mask import Mask
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -205,7 +206,7 @@ def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
     lse = -inf and dq = 0; seqlen_q = 0 writes dk = dv = 0 (GQA, so through the reduction too)."""
     backend = SimulatorBackend()
     b, h, hk, d = 2, 4, 2, 24
-    problem = Problem("float16", b, seqlen_q, seqlen_k, h, hk, d, causal)
+    problem = Problem("float16", b, seqlen_q, seqlen_k, h, hk, d, Mask.causal(causal))
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, b, seqlen_q, seqlen_k, h, hk, d, dtype="float16")
     out = backend.empty(q.shape, q.dtype)
@@ -245,7 +246,7 @@ TRAFFIC_CASES = [
 
 @pytest.mark.parametrize("shape, dtype, causal", TRAFFIC_CASES)
 def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
-    problem = Problem(dtype, *shape, causal=causal)
+    problem = Problem(dtype, *shape, mask=Mask.causal(causal))
     backend = SimulatorBackend()
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(rng, *shape, dtype=dtype)

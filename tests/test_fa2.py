@@ -37,6 +37,7 @@ from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels.families import fa2
 from cuflash.kernels.program import LaunchPlan, Problem, Program
 from cuflash.kernels.targets import target
+from cuflash.mask import Mask
 
 SM80 = target("sm_80")
 
@@ -184,7 +185,7 @@ def _problem(q, k, causal, deterministic=False):
         nheads=nheads,
         nheads_k=k.shape[2],
         headdim=headdim,
-        causal=causal,
+        mask=Mask.causal(causal),
         deterministic=deterministic,
     )
 

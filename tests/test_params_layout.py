@@ -13,6 +13,7 @@ from cuflash import sim
 from cuflash.kernels import params
 from cuflash.kernels.program import KernelInstance
 from cuflash.kernels.program import Problem
+from cuflash.mask import Mask
 
 
 def test_mirror_matches_gxx_layout():
@@ -40,7 +41,7 @@ def test_mirror_matches_nvrtc_layout(tmp_path):
 
 
 def test_pack_params_round_trip():
-    problem = Problem("float16", batch=2, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=7, causal=True)
+    problem = Problem("float16", batch=2, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=7, mask=Mask.causal())
     packed = params.pack_params(
         problem, softmax_scale=0.5, pointers={"q": 0x1000, "lse": 0x2000}, strides={"q": (84, 28, 7)}, num_dq_splits=3,
     )
@@ -48,7 +49,7 @@ def test_pack_params_round_trip():
     assert tuple(packed["q_stride"]) == (84, 28, 7)
     assert (packed["batch"], packed["seqlen_q"], packed["seqlen_k"]) == (2, 3, 5)
     assert (packed["nheads"], packed["nheads_k"], packed["headdim"]) == (4, 2, 7)
-    assert packed["is_causal"] == 1 and packed["num_dq_splits"] == 3
+    assert (packed["window_left"], packed["window_right"]) == (-1, 0) and packed["num_dq_splits"] == 3
     assert packed["softmax_scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
     with pytest.raises(KeyError, match="no pointer field"):
         params.pack_params(problem, softmax_scale=1.0, pointers={"bogus": 1}, strides={})

@@ -36,6 +36,7 @@ from cuflash.kernels.targets import target
 
 SM80 = target("sm_80")
 from cuflash.testing import random_inputs, rows_without_key
+from cuflash.mask import Mask
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -111,7 +112,7 @@ def _problem(q, k, causal):
         nheads=nheads,
         nheads_k=k.shape[2],
         headdim=headdim,
-        causal=causal,
+        mask=Mask.causal(causal),
     )
 
 

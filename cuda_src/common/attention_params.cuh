@@ -60,7 +60,8 @@ struct AttentionParams {
   float softmax_scale;       // multiplies q.k
   float softmax_scale_log2;  // softmax_scale * log2(e): exp(s*x - m) = exp2(x*scale_log2 - m*log2e)
 
-  int is_causal;      // mask aligned to the bottom-right corner
+  int window_left;    // mask.cuh: keys i + off - window_left .. i + off + window_right, -1 unbounded;
+  int window_right;   //   causal = (-1, 0), no mask = (-1, -1)
   int num_dq_splits;  // 1, or the number of dq_accum slices (deterministic backward)
 };
 

@@ -45,7 +45,7 @@
 //   threads, one thread per dk/dv element.
 //
 // Masking and rows that see no key
-//   K/V blocks wholly above the causal diagonal are skipped per Q block; crossing
+//   K/V blocks wholly outside the mask's band are skipped per Q block; crossing
 //   blocks and the partial last block are masked element-wise (P = 0, dS = 0). A
 //   row with lse = -inf (it saw no key) gets P = 0 without evaluating exp(-inf + inf);
 //   its dQ is 0 and it adds nothing to dK, dV. Q blocks that see no K/V block write
@@ -130,8 +130,10 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   const bool grouped = p.nheads != p.nheads_k;
   const int d = p.headdim;
   const float scale = p.softmax_scale;
-  const int num_q_blocks = fa1::ceil_div(p.seqlen_q, BlockRows);
-  const int num_kv_blocks = fa1::ceil_div(p.seqlen_k, BlockCols);
+  const int num_q_blocks = ceil_div(p.seqlen_q, BlockRows);
+  const int num_kv_blocks = ceil_div(p.seqlen_k, BlockCols);
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
 
   const T* const q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
   const T* const k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
@@ -153,19 +155,19 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
 
   // Q blocks that see no K/V block: dq = 0.
   for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
-    if (fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block) != 0) continue;
+    if (!fa1::kv_blocks_of_q_block<BlockRows, BlockCols>(mask, q_block).empty()) continue;
     const int row0 = q_block * BlockRows;
     const int rows = min(BlockRows, p.seqlen_q - row0);
     for (int e = tid; e < rows * d; e += fa1::kThreads)
       arch::store(dq + (row0 + e / d) * p.dq_stride.row + e % d, from_float<T>(0.f));
   }
 
-  const int kv_blocks_seen = num_q_blocks ? fa1::visible_kv_blocks<BlockRows, BlockCols>(p, num_q_blocks - 1) : 0;
+  const IndexRange kv_seen = mask.kv_blocks<BlockCols>(0, p.seqlen_q);  // by any row
   for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
     const int key0 = kv_block * BlockCols;
     const int keys = min(BlockCols, p.seqlen_k - key0);
     __syncthreads();  // the previous block's tiles and accumulators are no longer read
-    if (kv_block < kv_blocks_seen) {
+    if (kv_seen.contains(kv_block)) {
       fa1::load_tile<BlockCols, HeadDim>(k_tile, k + key0 * p.k_stride.row, p.k_stride.row, keys, d);
       fa1::load_tile<BlockCols, HeadDim>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row, keys, d);
     }
@@ -175,9 +177,9 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
     }
 
     for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
-      const int visible = fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block);
-      if (kv_block >= visible) continue;  // wholly above the diagonal: skipped
-      const bool last_visit = kv_block == visible - 1;
+      const IndexRange visible = fa1::kv_blocks_of_q_block<BlockRows, BlockCols>(mask, q_block);
+      if (!visible.contains(kv_block)) continue;  // wholly outside the band: skipped
+      const bool last_visit = kv_block == visible.end - 1;
       const int row0 = q_block * BlockRows;
       const int rows = min(BlockRows, p.seqlen_q - row0);
 
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
         const int r = e / BlockCols;
         const int c = e % BlockCols;
         float prob = 0.f, ds = 0.f;
-        if (r < rows && c < keys && row_lse[r] != fa1::neg_inf() && fa1::key_visible(p, row0 + r, key0 + c)) {
+        if (r < rows && c < keys && row_lse[r] != neg_inf() && mask.visible(row0 + r, key0 + c)) {
           const float* qr = q_tile + r * kTS;
           const float* dor = dout_tile + r * kTS;
           const float* kc = k_tile + c * kTS;
@@ -214,7 +216,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
             qk += qr[x] * kc[x];
             dp += dor[x] * vc[x];
           }
-          prob = fa1::exp_of_difference(qk * p.softmax_scale, row_lse[r]);
+          prob = fa1::exp_of_difference(score_hook(qk, row0 + r, key0 + c) * p.softmax_scale, row_lse[r]);
           ds = prob * (dp - delta[r]);
         }
         probs[r * kSS + c] = prob;

@@ -1,8 +1,7 @@
 // fa1_common.cuh: what the FA1 forward and backward kernels share.
 //
 //  - the thread count (both kernels are SIMT: 128 threads, no tensor cores yet),
-//  - which K/V blocks a Q block sees (the causal block skip),
-//  - the element-wise mask inside a crossing block,
+//  - which K/V blocks a Q block visits (through mask.cuh, the one home of visibility),
 //  - loading a (rows x head dim) tile of Q/K/V/O/dO into shared memory as float32.
 //
 // Tiles of d-wide rows live in shared memory with a row stride of HeadDim + 1
@@ -13,6 +12,8 @@
 #pragma once
 
 #include "arch/arch.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
 
 namespace cuflash {
 namespace fa1 {
@@ -25,38 +26,20 @@ constexpr int kThreads = 128;
 // capped the forward at 72 registers and spilled a few bytes on sm_80.
 constexpr int kMinBlocksPerSm = 1;
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // exp(a - b) for scores in natural units, through ex2.approx: the difference is
 // formed first (exact when a and b are close, as they are wherever the result
 // is not negligible) and only then scaled by log2(e). See the opening comment of
 // fa1_forward.cu for why the scale is not folded into the scores.
 __device__ __forceinline__ float exp_of_difference(float a, float b) {
-  constexpr float kLog2e = 1.44269504088896341f;
   return arch::exp2_approx((a - b) * kLog2e);
 }
 
-// Number of K/V blocks (of BlockCols keys) that Q block `q_block` (of BlockRows
-// rows) sees: all of them without a mask; with the causal mask (aligned to the
-// bottom-right corner: row i sees key j iff j <= i + seqlen_k - seqlen_q) the
-// blocks up to the one holding the last key its last row sees. Blocks past that
-// are wholly above the diagonal and are skipped. The count grows with q_block,
-// so the last Q block sees the most (all of them when seqlen_q > 0).
+// The K/V blocks (of BlockCols keys) that Q block `q_block` (of BlockRows rows) visits: the
+// blocks holding a key one of its rows sees (mask.cuh); empty when none of its rows sees a key.
 template <int BlockRows, int BlockCols>
-__device__ __forceinline__ int visible_kv_blocks(const AttentionParams& p, int q_block) {
-  const int num_kv_blocks = ceil_div(p.seqlen_k, BlockCols);
-  if (!p.is_causal) return num_kv_blocks;
-  const int last_row = min((q_block + 1) * BlockRows, p.seqlen_q) - 1;
-  const int last_key = last_row + p.seqlen_k - p.seqlen_q;
-  if (last_key < 0) return 0;
-  return min(num_kv_blocks, last_key / BlockCols + 1);
-}
-
-// Whether query row `row` may attend to key `key` (both absolute indices).
-__device__ __forceinline__ bool key_visible(const AttentionParams& p, int row, int key) {
-  return key < p.seqlen_k && (!p.is_causal || key <= row + p.seqlen_k - p.seqlen_q);
+__device__ __forceinline__ IndexRange kv_blocks_of_q_block(const MaskPolicy& mask, int q_block) {
+  const int row0 = q_block * BlockRows;
+  return mask.kv_blocks<BlockCols>(row0, min(row0 + BlockRows, mask.seqlen_q));
 }
 
 // tile[r * (HeadDim + 1) + c] = rows[r * row_stride + c] as float, for r < Rows,

@@ -47,12 +47,12 @@
 // backward recomputes its P as exp(0) = 1, as the forward had it.
 //
 // Masking and rows that see no key
-//   Causal (bottom-right aligned, row i sees key j iff j <= i + seqlen_k - seqlen_q):
-//   K/V blocks wholly above the diagonal are skipped for that Q block
-//   (fa1::visible_kv_blocks), crossing blocks and the partial last block are
+//   mask.cuh decides who sees whom (causal: bottom-right aligned). K/V blocks wholly
+//   outside a Q block's band are skipped for that Q block
+//   (fa1::kv_blocks_of_q_block), crossing blocks and the partial last block are
 //   masked element-wise (score -inf). A block row max of -inf gives P~ = 0 (no
 //   exp2(-inf - -inf) = NaN); a row whose l is still 0 gets O = 0. A Q block that
-//   sees no K/V block at all (seqlen_k == 0, or causal rows above the diagonal)
+//   sees no K/V block at all (seqlen_k == 0, or rows outside the band)
 //   writes out = 0 and lse = -inf directly; a row that sees no key inside a
 //   visited block ends with l = 0, hence out = 0 and lse = -inf. Nothing divides
 //   by zero, so finite inputs never produce NaN/Inf, also with |scale q.k| ~ 1e4.
@@ -122,7 +122,9 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
   const int batch = blockIdx.y;
   const int kv_head = head / (p.nheads / p.nheads_k);
   const int d = p.headdim;
-  const int num_q_blocks = fa1::ceil_div(p.seqlen_q, BlockRows);
+  const int num_q_blocks = ceil_div(p.seqlen_q, BlockRows);
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
 
   const T* const q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
   const T* const k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
@@ -139,16 +141,16 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
 
   // Q blocks that see no K/V block at all: their rows' final values, now.
   for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
-    if (fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block) != 0) continue;
+    if (!fa1::kv_blocks_of_q_block<BlockRows, BlockCols>(mask, q_block).empty()) continue;
     const int row0 = q_block * BlockRows;
     const int rows = min(BlockRows, p.seqlen_q - row0);
     for (int e = tid; e < rows * d; e += fa1::kThreads)
       arch::store(out + (row0 + e / d) * p.out_stride.row + e % d, from_float<T>(0.f));
-    for (int r = tid; r < rows; r += fa1::kThreads) arch::store(lse + row0 + r, fa1::neg_inf());
+    for (int r = tid; r < rows; r += fa1::kThreads) arch::store(lse + row0 + r, neg_inf());
   }
 
-  const int kv_blocks_seen = num_q_blocks ? fa1::visible_kv_blocks<BlockRows, BlockCols>(p, num_q_blocks - 1) : 0;
-  for (int kv_block = 0; kv_block < kv_blocks_seen; ++kv_block) {
+  const IndexRange kv_seen = mask.kv_blocks<BlockCols>(0, p.seqlen_q);  // by any row
+  for (int kv_block = kv_seen.begin; kv_block < kv_seen.end; ++kv_block) {
     const int key0 = kv_block * BlockCols;
     const int keys = min(BlockCols, p.seqlen_k - key0);
     __syncthreads();  // the previous K_j, V_j are no longer read
@@ -156,9 +158,9 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
     fa1::load_tile<BlockCols, HeadDim>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row, keys, d);
 
     for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
-      const int visible = fa1::visible_kv_blocks<BlockRows, BlockCols>(p, q_block);
-      if (kv_block >= visible) continue;  // wholly above the diagonal: skipped
-      const bool last_visit = kv_block == visible - 1;
+      const IndexRange visible = fa1::kv_blocks_of_q_block<BlockRows, BlockCols>(mask, q_block);
+      if (!visible.contains(kv_block)) continue;  // wholly outside the band: skipped
+      const bool last_visit = kv_block == visible.end - 1;
       const int row0 = q_block * BlockRows;
       const int rows = min(BlockRows, p.seqlen_q - row0);
 
@@ -170,14 +172,14 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
       for (int e = tid; e < BlockRows * BlockCols; e += fa1::kThreads) {
         const int r = e / BlockCols;
         const int c = e % BlockCols;
-        float s = fa1::neg_inf();
-        if (r < rows && c < keys && fa1::key_visible(p, row0 + r, key0 + c)) {
+        float s = neg_inf();
+        if (r < rows && c < keys && mask.visible(row0 + r, key0 + c)) {
           const float* qr = q_tile + r * kTS;
           const float* kc = k_tile + c * kTS;
           float dot = 0.f;
 #pragma unroll 8
           for (int x = 0; x < HeadDim; ++x) dot += qr[x] * kc[x];
-          s = dot * p.softmax_scale;
+          s = score_hook(dot, row0 + r, key0 + c) * p.softmax_scale;
         }
         scores[r * kSS + c] = s;
       }
@@ -187,10 +189,10 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
       // and l, m (or lse) back to global memory.
       if (tid < rows) {
         float* srow = scores + tid * kSS;
-        float block_max = fa1::neg_inf();
+        float block_max = neg_inf();
         for (int c = 0; c < BlockCols; ++c) block_max = fmaxf(block_max, srow[c]);
         float block_sum = 0.f;
-        if (block_max == fa1::neg_inf()) {
+        if (block_max == neg_inf()) {
           for (int c = 0; c < BlockCols; ++c) srow[c] = 0.f;
         } else {
           for (int c = 0; c < BlockCols; ++c) {
@@ -202,19 +204,19 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
         const int row = row0 + tid;
         const float old_sum = arch::load(row_sum + row);
         const float stored_max = arch::load(row_max + row);
-        const float old_max = old_sum > 0.f ? stored_max : fa1::neg_inf();
+        const float old_max = old_sum > 0.f ? stored_max : neg_inf();
         const float new_max = fmaxf(old_max, block_max);
         float old_scale = 0.f, new_scale = 0.f;
-        if (new_max != fa1::neg_inf()) {
+        if (new_max != neg_inf()) {
           old_scale = old_sum > 0.f ? fa1::exp_of_difference(old_max, new_max) * old_sum : 0.f;
-          new_scale = block_max != fa1::neg_inf() ? fa1::exp_of_difference(block_max, new_max) : 0.f;
+          new_scale = block_max != neg_inf() ? fa1::exp_of_difference(block_max, new_max) : 0.f;
         }
         const float new_sum = old_scale + new_scale * block_sum;
         const float inv_sum = new_sum > 0.f ? 1.f / new_sum : 0.f;
         old_weight[tid] = old_scale * inv_sum;
         new_weight[tid] = new_scale * inv_sum;
         if (last_visit) {
-          arch::store(lse + row, new_sum > 0.f ? new_max + logf(new_sum) : fa1::neg_inf());
+          arch::store(lse + row, new_sum > 0.f ? new_max + logf(new_sum) : neg_inf());
         } else {
           arch::store(row_sum + row, new_sum);
           arch::store(row_max + row, new_max);

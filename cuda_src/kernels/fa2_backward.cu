@@ -11,8 +11,8 @@
 //    whole kernel. It loops over the query heads of its group (GQA/MQA: the group's dK/dV sum
 //    happens on chip, in a fixed order, with no float32 dk/dv scratch and no extra reduction
 //    kernel; the price is group-fold fewer blocks in flight for MQA-like shapes) and, per head,
-//    over the Q blocks that see the K/V block (under causal: from the first Q block with a row
-//    at or below the diagonal; earlier blocks are skipped unread). Per Q block i:
+//    over the Q blocks that see the K/V block (mask.cuh's q_blocks: under causal from the first
+//    Q block with a row at or below the diagonal; the others are skipped unread). Per Q block i:
 //        load Q_i, dO_i (shared memory), lse_i, D_i
 //        S = Q_i K_j^T, dP = dO_i V_j^T                          (mma_nt, block-wide tiling)
 //        P = exp2((S * scale - lse) * log2 e) (0 where masked), dS = P * (dP - D)  -> shared memory
@@ -68,8 +68,8 @@
 // that matters, and one multiply by log2 e follows: one extra FMUL per score, against 10 d FMAs
 // per score for the five products. What remains is the float32 lse's own resolution.
 //
-// Masking and empty rows: P = 0 wherever the key is not visible (causal, bottom-right aligned,
-// or past the last key) and for rows past the last query; a row that saw no key in the
+// Masking and empty rows: P = 0 wherever the key is not visible (mask.cuh, or past the last
+// key) and for rows past the last query; a row that saw no key in the
 // forward has lse = -inf, which is stored as +inf here so P = exp2(-inf) = 0 (never
 // exp2(+inf) * 0). Its dS, and so its dQ and its share of dK, dV, are exact zeros.
 // Requires softmax_scale > 0 (the API validates it).
@@ -117,14 +117,14 @@ struct RowKernel {
   static constexpr int kRows = 16;
 };
 
-// Slices of dq_accum that query row `row` reads back: [0, count). In split mode
-// (num_dq_splits > 1) slice j holds K/V block j's part and exists for the row when the row
-// sees a key of block j; otherwise the single slice holds every block's part.
+// Slices of dq_accum that query row `row` reads back. In split mode (num_dq_splits > 1) slice j
+// holds K/V block j's part and exists for the row when the row sees a key of block j (then
+// block j visits the row's Q block); otherwise the single slice 0 holds every block's part.
 template <int BlockN>
-__device__ __forceinline__ int dq_slices_of_row(const AttentionParams& p, int row) {
-  const int keys_seen = p.is_causal ? min(p.seqlen_k, row + 1 + p.seqlen_k - p.seqlen_q) : p.seqlen_k;
-  if (keys_seen <= 0) return 0;
-  return p.num_dq_splits > 1 ? ceil_div(keys_seen, BlockN) : 1;
+__device__ __forceinline__ IndexRange dq_slices_of_row(const AttentionParams& p, int row) {
+  const IndexRange blocks = MaskPolicy::of(p).kv_blocks<BlockN>(row, row + 1);
+  if (blocks.empty()) return IndexRange{0, 0};
+  return p.num_dq_splits > 1 ? blocks : IndexRange{0, 1};
 }
 
 }  // namespace fa2
@@ -224,8 +224,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
 
-  const int m_block_begin = fa2::first_q_block_seeing<BlockM>(p, key0);
-  const int m_block_end = fa2::ceil_div(p.seqlen_q, BlockM);
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
+  const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
   for (int h = 0; h < group; ++h) {
     const int head = kv_head * group + h;
     const T* q_head = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
                       head) * d;
     const long long dq_row_stride = static_cast<long long>(p.nheads) * d;
 
-    for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+    for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
       const int row0 = m_block * BlockM;
       const int block_rows = min(BlockM, p.seqlen_q - row0);
       __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS
@@ -246,12 +247,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
       fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
                                                       p.dout_stride.row, block_rows, d, tid, kThreads);
       if (tid < BlockM) {
-        float lse = fa2::pos_inf();  // rows past the end: P = 0
+        float lse = pos_inf();  // rows past the end: P = 0
         float dot = 0.f;
         if (tid < block_rows) {
           lse = arch::load(p.lse + row_base + row0 + tid);
           // lse = -inf: the row saw no key in the forward; +inf makes its P exactly 0.
-          if (lse == fa2::neg_inf()) lse = fa2::pos_inf();
+          if (lse == neg_inf()) lse = pos_inf();
           dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
         }
         lse_rows[tid] = lse;
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
         fa2::mma_nt<STile::kM, STile::kN>(dp, do_tile + s_row * Tr::kRowStride,
                                           STile::kThreadsM * Tr::kRowStride, v_tile + s_key * Tr::kRowStride,
                                           STile::kThreadsN * Tr::kRowStride, k_extent);
-        const bool needs_mask = fa2::tile_needs_mask<BlockM, BlockN>(p, row0, key0);
+        const bool needs_mask = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
 #pragma unroll
         for (int i = 0; i < STile::kM; ++i) {
           const int r = s_row + i * STile::kThreadsM;
@@ -281,8 +282,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
           for (int j = 0; j < STile::kN; ++j) {
             const int c = s_key + j * STile::kThreadsN;
-            float prob = arch::exp2_approx(fmaf(s[i][j], softmax_scale, -lse) * fa2::kLog2e);
-            if (needs_mask && !fa2::key_visible(p, row0 + r, key0 + c)) prob = 0.f;
+            const float qk = score_hook(s[i][j], row0 + r, key0 + c);
+            float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+            if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
             p_tile[r * Tr::kPStride + c] = prob;
             ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot);
           }
@@ -358,12 +360,12 @@ template <class T, int BlockN>
 __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   if (blockDim.x != fa2::RowKernel::kThreads ||
-      (p.num_dq_splits > 1 && p.num_dq_splits != fa2::ceil_div(p.seqlen_k, BlockN)))
+      (p.num_dq_splits > 1 && p.num_dq_splits != ceil_div(p.seqlen_k, BlockN)))
     __trap();
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int d = p.headdim;
-  const int chunks_per_row = fa2::ceil_div(d, 4);
+  const int chunks_per_row = ceil_div(d, 4);
   const int row0 = blockIdx.x * fa2::RowKernel::kRows;
   const int rows = min(fa2::RowKernel::kRows, p.seqlen_q - row0);
   const long long slice_stride = static_cast<long long>(p.batch) * p.seqlen_q * p.nheads * d;
@@ -372,9 +374,9 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kerne
     const int row = row0 + c / chunks_per_row;
     const int dim0 = (c % chunks_per_row) * 4;
     const float* accum = p.dq_accum + ((static_cast<long long>(batch) * p.seqlen_q + row) * p.nheads + head) * d + dim0;
-    const int slices = fa2::dq_slices_of_row<BlockN>(p, row);
+    const IndexRange slices = fa2::dq_slices_of_row<BlockN>(p, row);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < slices; ++j) {  // fixed order: bitwise reproducible
+    for (int j = slices.begin; j < slices.end; ++j) {  // fixed order: bitwise reproducible
       const float4 x = fa2::load_chunk4(accum + j * slice_stride, d - dim0);
       sum[0] += x.x;
       sum[1] += x.y;

@@ -37,19 +37,20 @@
 //
 // What it costs, per launch, with es = sizeof(T), d = headdim, M = BlockM, N = BlockN,
 // and for each Q block (b, h, i) with rows_i = min(M, seqlen_q - i M) and
-// n_i = number of K/V blocks it sees (ceil(seqlen_k / N), fewer under causal):
+// n_i = number of K/V blocks it sees (ceil(seqlen_k / N), fewer under a mask; mask.cuh):
 //   global bytes read    = sum over Q blocks with n_i > 0 of
 //                            rows_i * d * es                      (Q, once)
-//                          + 2 * min(n_i * N, seqlen_k) * d * es  (K and V, once per Q block)
+//                          + 2 * keys_i * d * es  (K and V, once per Q block; keys_i = the keys of its
+//                                                  n_i blocks, clipped at seqlen_k)
 //   global bytes written = batch * nheads * seqlen_q * (d * es + 4)  (O and lse, once)
 //   Without causal: reads = B H Sq d es + 2 B H ceil(Sq / M) Sk d es, FA2's formula.
 //   FLOPs: 4 * B * H * Sq * Sk * d (about half with causal), run on the compiled head dim
 //   (the zero padding between d and D is multiplied too, the reduction over the head dim
 //   stops at d rounded up to 4).
 //
-// Masking and empty rows: causal is aligned to the bottom-right corner (row i sees key j iff
-// j <= i + seqlen_k - seqlen_q). K/V blocks wholly above the diagonal are never loaded;
-// blocks crossing it or the end of the keys are masked element-wise (s = -inf). A Q block
+// Masking and empty rows: mask.cuh decides who sees whom (causal: bottom-right aligned). K/V
+// blocks outside the Q block's band are never loaded; blocks crossing an edge of the band or
+// the end of the keys are masked element-wise (s = -inf). A Q block
 // that sees no key at all (or seqlen_k == 0) loads nothing and writes out = 0, lse = -inf; a
 // row inside a block that sees no key keeps m = -inf, l = 0 and gets the same. The running
 // max uses 0 in place of -inf when forming m * scale_log2, so -inf - -inf never appears.
@@ -130,7 +131,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   const int row0 = m_block * BlockM;
   if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
   const int block_rows = min(BlockM, p.seqlen_q - row0);
-  const int n_blocks = fa2::kv_blocks_seen<BlockN>(p, row0 + block_rows);
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
+  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
 
   // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
   const int warp_row0 = warp * Tr::kRowsPerWarp;
@@ -142,7 +145,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   float row_sum[TM];  // this lane's part of the running sum l (the 8 lanes are summed at the end)
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
-    row_max[i] = fa2::neg_inf();
+    row_max[i] = neg_inf();
     row_offset[i] = 0.f;
     row_sum[i] = 0.f;
 #pragma unroll
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       for (int e = 0; e < 4; ++e) acc_o[i][j][e] = 0.f;
   }
 
-  if (n_blocks > 0) {
+  if (!n_range.empty()) {
     const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + row0 * p.q_stride.row +
                  head * p.q_stride.head;
     const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
     const float scale_log2 = p.softmax_scale_log2;
 
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+    for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
       const int key0 = n_block * BlockN;
       const int block_keys = min(BlockN, p.seqlen_k - key0);
       __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
@@ -185,13 +188,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       fa2::mma_nt<TM, TN>(s, q_tile + (warp_row0 + lane_row) * Tr::kRowStride, kLaneRows * Tr::kRowStride,
                           k_tile + lane_col * Tr::kRowStride, kLaneCols * Tr::kRowStride, k_extent);
 
-      if (fa2::tile_needs_mask<BlockM, BlockN>(p, row0, key0)) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j)
+          s[i][j] = score_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+      if (mask.tile_needs_mask(row0, block_rows, key0, BlockN)) {
 #pragma unroll
         for (int i = 0; i < TM; ++i)
 #pragma unroll
           for (int j = 0; j < TN; ++j)
-            if (!fa2::key_visible(p, first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols))
-              s[i][j] = fa2::neg_inf();
+            if (!mask.visible(first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols)) s[i][j] = neg_inf();
       }
 
       // Online softmax, base 2, scale folded into the exponent's FMA.
@@ -203,13 +210,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
         block_max = fa2::group_max<kLaneCols>(block_max);
         const float new_max = fmaxf(row_max[i], block_max);
         // A row with no visible key so far keeps new_max = -inf: use 0 so p = exp2(-inf) = 0.
-        const float max_scaled = new_max == fa2::neg_inf() ? 0.f : new_max * scale_log2;
+        const float max_scaled = new_max == neg_inf() ? 0.f : new_max * scale_log2;
         // l and O are sums relative to the rounded offset; moving them to the new one uses the
         // difference of the two offsets actually used (a plain subtraction of stored values, which no
         // FMA contraction can turn into m_old * scale_log2 - max_scaled), so l stays exactly relative
         // to the current offset and the epilogue can take the offset's rounding out of the lse.
         const float correction =
-            row_max[i] == fa2::neg_inf() ? 0.f : arch::exp2_approx(row_offset[i] - max_scaled);
+            row_max[i] == neg_inf() ? 0.f : arch::exp2_approx(row_offset[i] - max_scaled);
         row_max[i] = new_max;
         row_offset[i] = max_scaled;
         float sum = 0.f;
@@ -261,8 +268,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       // residual r = m * scale_log2 - offset (exact through the FMA) is taken out again in base e:
       // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
       const float residual = fmaf(row_max[i], p.softmax_scale_log2, -row_offset[i]);
-      const float row_lse = fmaf(row_max[i], p.softmax_scale, fmaf(-residual, fa2::kLn2, logf(l)));
-      arch::store(lse + row, l > 0.f ? row_lse : fa2::neg_inf());
+      const float row_lse = fmaf(row_max[i], p.softmax_scale, fmaf(-residual, kLn2, logf(l)));
+      arch::store(lse + row, l > 0.f ? row_lse : neg_inf());
     }
   }
 }

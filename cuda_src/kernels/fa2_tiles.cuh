@@ -1,6 +1,5 @@
 // fa2_tiles.cuh: the building blocks the FA2 forward and backward kernels share.
 //
-//  - the causal geometry (which K/V blocks a Q block sees, and back),
 //  - moving (rows x head dim) tiles between global memory and float32 shared
 //    memory, 4 elements at a time (one 16-byte float4 / 8-byte half4 access
 //    when the address allows it, element by element at a ragged tail),
@@ -32,53 +31,11 @@
 #pragma once
 
 #include "arch/arch.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
 
 namespace cuflash {
 namespace fa2 {
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-// log2(e): natural-log quantities (the saved LSE) times this are base-2 quantities.
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// ---- causal geometry ---------------------------------------------------------------------
-// Causal is aligned to the bottom-right corner: query row i sees key j iff j <= i + seqlen_k - seqlen_q.
-
-// Number of K/V blocks (of BlockN keys) that query rows below row_end see (the last row sees
-// the most): blocks past its last key are wholly above the diagonal and skipped.
-template <int BlockN>
-__device__ __forceinline__ int kv_blocks_seen(const AttentionParams& p, int row_end) {
-  const int num_kv_blocks = ceil_div(p.seqlen_k, BlockN);
-  if (!p.is_causal) return num_kv_blocks;
-  const int keys_seen = row_end + p.seqlen_k - p.seqlen_q;  // last row's last key + 1
-  if (keys_seen <= 0) return 0;
-  return min(num_kv_blocks, ceil_div(keys_seen, BlockN));
-}
-
-// First Q block (of BlockM rows) with a row that sees key `key`: earlier Q blocks are
-// wholly above the diagonal for every key >= `key`.
-template <int BlockM>
-__device__ __forceinline__ int first_q_block_seeing(const AttentionParams& p, int key) {
-  if (!p.is_causal) return 0;
-  const int first_row = key - (p.seqlen_k - p.seqlen_q);
-  return first_row <= 0 ? 0 : first_row / BlockM;
-}
-
-// Whether the tile rows [row0, row0 + BlockM) x keys [key0, key0 + BlockN) needs an
-// element-wise mask: it crosses the diagonal, or runs past the last key.
-template <int BlockM, int BlockN>
-__device__ __forceinline__ bool tile_needs_mask(const AttentionParams& p, int row0, int key0) {
-  if (key0 + BlockN > p.seqlen_k) return true;
-  return p.is_causal && key0 + BlockN - 1 > row0 + p.seqlen_k - p.seqlen_q;
-}
-
-__device__ __forceinline__ bool key_visible(const AttentionParams& p, int row, int key) {
-  return key < p.seqlen_k && (!p.is_causal || key <= row + p.seqlen_k - p.seqlen_q);
-}
 
 // ---- global <-> shared, 4 elements at a time ---------------------------------------------
 

@@ -50,20 +50,22 @@
 //   dout_dot_out: read 2 sq d e, write 4 sq
 //   The sq x sk terms dominate: S and P each cost 4 sq sk bytes to write and are read back, which is the
 //   traffic FlashAttention removes. cuflash/kernels/families/standard.py has the exact formula (with the
-//   causal skips below) and the tests assert it byte for byte against the simulator's counters.
+//   mask skips below) and the tests assert it byte for byte against the simulator's counters.
 //
-// Causal (aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q) and empty rows.
+// Masks (mask.cuh: causal bottom-right aligned, or a window) and empty rows.
 //  - S and dP are written in full; masked entries get -inf (S) and 0 (dP). A 64 x 64 tile that no row of
 //    it can see skips its reduction entirely (no loads) and only writes the mask values.
 //  - Products that reduce over keys (O = P V, dQ = dS K) stop at the last key the tile's last row sees;
 //    products that reduce over queries (dV, dK) start at the first query that sees the tile's first key,
 //    rounded down to a multiple of 32 so loads stay aligned to the 32-wide steps. Skipped terms are exactly
 //    zero (P and dS are 0 where masked), so results are unchanged.
-//  - A row that sees no key (seqlen_k == 0, or causal with seqlen_q > seqlen_k) gets P = 0 and lse = -inf;
+//  - A row that sees no key (seqlen_k == 0, or outside the band, as causal rows when seqlen_q > seqlen_k) gets P = 0 and lse = -inf;
 //    O = P V = 0 follows, and in the backward P = 0 (never exp(-inf - -inf)), dS = 0, so its dQ is 0 and it
 //    adds nothing to dK, dV. No NaN is produced anywhere.
 //  - seqlen_q == 0 still launches dv/dk over the keys: their reduction is empty and they write zeros.
 #include "arch/arch.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
 
 namespace cuflash {
 
@@ -110,17 +112,8 @@ struct StandardRowTraits {
 // ---------------------------------------------------------------------------------------------------
 // Small helpers.
 
-__device__ __forceinline__ float negative_infinity() { return __uint_as_float(0xff800000u); }
-
-constexpr float kLog2e = 1.4426950408889634f;
-
 __device__ __forceinline__ int kv_head_of(const AttentionParams& p, int head) {
   return head / (p.nheads / p.nheads_k);
-}
-
-// Bottom-right aligned causal mask.
-__device__ __forceinline__ bool key_visible(const AttentionParams& p, int query, int key) {
-  return !p.is_causal || key <= query + (p.seqlen_k - p.seqlen_q);
 }
 
 // Offset of row `query` of the (batch, nheads, seqlen_q) float32 side buffers (lse, dout_dot_out).
@@ -147,11 +140,11 @@ enum class OperandLayout {
   kOuterContiguous  // element (outer, k) at base + k * stride + outer
 };
 
-// Which part of the reduction a causal mask lets a tile skip (see the file comment).
-enum class CausalSkip {
+// Which part of the reduction the mask lets a tile skip (see the file comment).
+enum class MaskSkip {
   kMaskedTiles,  // C is (query x key): tiles nobody sees skip the whole reduction
-  kKeysAfter,    // reduction over keys, A rows are queries: stop after the last visible key
-  kQueriesBefore // reduction over queries, A rows are keys: start at the first query that sees them
+  kKeys,         // reduction over keys, A rows are queries: only the keys the tile's rows see
+  kQueries       // reduction over queries, A rows are keys: only the queries that see the tile's keys
 };
 
 template <class Elem>
@@ -224,22 +217,21 @@ struct KRange {
   int begin, end;
 };
 
-template <CausalSkip Skip>
-__device__ __forceinline__ KRange tile_k_range(const AttentionParams& p, int m0, int n0, int m, int k) {
+// Begins are rounded down to a multiple of kBlockK so loads stay aligned to the k steps; the extra
+// terms are exact zeros (P and dS are 0 where masked).
+template <MaskSkip Skip>
+__device__ __forceinline__ KRange tile_k_range(const AttentionParams& p, int m0, int n0, int m, int n, int k) {
   using Traits = StandardGemmTraits;
-  KRange range{0, k};
-  if (!p.is_causal) return range;
-  const int offset = p.seqlen_k - p.seqlen_q;  // query i sees key j iff j <= i + offset
-  const int last_row = min(m0 + Traits::kBlockM, m) - 1;
-  if (Skip == CausalSkip::kMaskedTiles) {
-    if (n0 > last_row + offset) range.end = 0;
-  } else if (Skip == CausalSkip::kKeysAfter) {
-    range.end = max(0, min(k, last_row + offset + 1));
-  } else {
-    const int first_query = max(0, m0 - offset);
-    range.begin = first_query / Traits::kBlockK * Traits::kBlockK;
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const int m_end = min(m0 + Traits::kBlockM, m);
+  if (Skip == MaskSkip::kMaskedTiles) {  // rows are queries, columns keys
+    const IndexRange keys = mask.keys_of_rows(m0, m_end);
+    const bool seen = max(keys.begin, n0) < min(keys.end, min(n0 + Traits::kBlockN, n));
+    return KRange{0, seen ? k : 0};
   }
-  return range;
+  const IndexRange range = Skip == MaskSkip::kKeys ? mask.keys_of_rows(m0, m_end) : mask.rows_of_keys(m0, m_end);
+  if (range.empty()) return KRange{0, 0};
+  return KRange{range.begin / Traits::kBlockK * Traits::kBlockK, range.end};
 }
 
 template <class Product>
@@ -256,7 +248,7 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
   const int m0 = static_cast<int>(blockIdx.x / n_tiles) * Traits::kBlockM;
   const int n0 = static_cast<int>(blockIdx.x % n_tiles) * Traits::kBlockN;
 
-  const KRange range = tile_k_range<Product::kCausalSkip>(p, m0, n0, shape.m, shape.k);
+  const KRange range = tile_k_range<Product::kMaskSkip>(p, m0, n0, shape.m, shape.n, shape.k);
   const int steps_per_member = range.end > range.begin ? (range.end - range.begin + Traits::kBlockK - 1) / Traits::kBlockK : 0;
   const int steps = steps_per_member * shape.group_count;
 
@@ -362,7 +354,7 @@ struct ScoresProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kMaskedTiles;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, int batch, int head) {
     return {p.seqlen_q, p.seqlen_k, p.headdim, 1,
@@ -370,7 +362,7 @@ struct ScoresProduct {
             query_side_operand<T>(p.k, p.k_stride, batch, kv_head_of(p, head), p.seqlen_k)};
   }
   __device__ static void store(const AttentionParams& p, int batch, int head, int query, int key, float acc) {
-    const float s = key_visible(p, query, key) ? acc * p.softmax_scale : negative_infinity();
+    const float s = MaskPolicy::of(p).visible(query, key) ? ScoreHook{}(acc, query, key) * p.softmax_scale : neg_inf();
     arch::store(p.scores + matrix_offset(p, batch, head, query, key), s);
   }
 };
@@ -382,7 +374,7 @@ struct OutProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kKeysAfter;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int head) {
     return {p.seqlen_q, p.headdim, p.seqlen_k, 1, matrix_operand(p.probs, p, batch, head, p.seqlen_q),
@@ -401,7 +393,7 @@ struct DpProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kMaskedTiles;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, int batch, int head) {
     return {p.seqlen_q, p.seqlen_k, p.headdim, 1,
@@ -409,7 +401,7 @@ struct DpProduct {
             query_side_operand<T>(p.v, p.v_stride, batch, kv_head_of(p, head), p.seqlen_k)};
   }
   __device__ static void store(const AttentionParams& p, int batch, int head, int query, int key, float acc) {
-    arch::store(p.scores + matrix_offset(p, batch, head, query, key), key_visible(p, query, key) ? acc : 0.f);
+    arch::store(p.scores + matrix_offset(p, batch, head, query, key), MaskPolicy::of(p).visible(query, key) ? acc : 0.f);
   }
 };
 
@@ -420,7 +412,7 @@ struct DqProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kKeysAfter;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int head) {
     return {p.seqlen_q, p.headdim, p.seqlen_k, 1, matrix_operand(p.scores, p, batch, head, p.seqlen_q),
@@ -440,7 +432,7 @@ struct DvProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // P^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kQueriesBefore;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int kv_head) {
     const int group = p.nheads / p.nheads_k;
@@ -461,7 +453,7 @@ struct DkProduct {
   using ElemB = T;
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // dS^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
-  static constexpr CausalSkip kCausalSkip = CausalSkip::kQueriesBefore;
+  static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int kv_head) {
     const int group = p.nheads / p.nheads_k;
@@ -511,12 +503,12 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // exp(x - m) for a running maximum m that may still be -inf (then x is -inf too and the weight is 0).
 __device__ __forceinline__ float rescale(float sum, float old_max, float new_max) {
-  return old_max == negative_infinity() ? 0.f : sum * arch::exp2_approx((old_max - new_max) * kLog2e);
+  return old_max == neg_inf() ? 0.f : sum * arch::exp2_approx((old_max - new_max) * kLog2e);
 }
 
 // P = exp(s - lse); a row that sees no key (lse = -inf) has P = 0, not exp(-inf + inf) = NaN.
 __device__ __forceinline__ float probability(float s, float lse) {
-  return lse == negative_infinity() ? 0.f : arch::exp2_approx((s - lse) * kLog2e);
+  return lse == neg_inf() ? 0.f : arch::exp2_approx((s - lse) * kLog2e);
 }
 
 // Lane 0 reads one float32 and the warp shares it, so each side-buffer value is fetched once per row.
@@ -529,11 +521,11 @@ __device__ __forceinline__ void softmax_row_in_registers(const AttentionParams& 
                                                          float* probs, long long row, int lane) {
   constexpr int kPerLane = StandardRowTraits::kCachedKeysPerLane;
   float values[kPerLane];
-  float row_max = negative_infinity();
+  float row_max = neg_inf();
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int key = lane + 32 * i;
-    values[i] = key < p.seqlen_k ? arch::load(scores + key) : negative_infinity();
+    values[i] = key < p.seqlen_k ? arch::load(scores + key) : neg_inf();
     row_max = fmaxf(row_max, values[i]);
   }
 #pragma unroll
@@ -541,7 +533,7 @@ __device__ __forceinline__ void softmax_row_in_registers(const AttentionParams& 
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, lane_mask));
   // Every lane holds the same row_max, so this branch is warp-uniform. Without a visible key the row is
   // all -inf and exp(-inf - -inf) must not be formed.
-  const bool has_key = row_max != negative_infinity();
+  const bool has_key = row_max != neg_inf();
   float row_sum = 0.f;
   if (has_key) {
 #pragma unroll
@@ -551,7 +543,7 @@ __device__ __forceinline__ void softmax_row_in_registers(const AttentionParams& 
     }
   }
   row_sum = warp_sum(row_sum);
-  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : negative_infinity());
+  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : neg_inf());
   const float inv_sum = has_key ? 1.f / row_sum : 0.f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -566,10 +558,10 @@ __device__ __forceinline__ void softmax_row_in_registers(const AttentionParams& 
 // read to normalise.
 __device__ __forceinline__ void softmax_row_streaming(const AttentionParams& p, const float* scores, float* probs,
                                                       long long row, int lane) {
-  float row_max = negative_infinity(), row_sum = 0.f;
+  float row_max = neg_inf(), row_sum = 0.f;
   for (int key = lane; key < p.seqlen_k; key += 32) {
     const float s = arch::load(scores + key);
-    if (s == negative_infinity()) continue;  // masked: contributes exp(-inf) = 0
+    if (s == neg_inf()) continue;  // masked: contributes exp(-inf) = 0
     if (s > row_max) {
       row_sum = rescale(row_sum, row_max, s) + 1.f;
       row_max = s;
@@ -586,7 +578,7 @@ __device__ __forceinline__ void softmax_row_streaming(const AttentionParams& p, 
     row_max = merged_max;
   }
   const bool has_key = row_sum > 0.f;
-  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : negative_infinity());
+  if (lane == 0) arch::store(p.lse + row, has_key ? row_max + logf(row_sum) : neg_inf());
   const float inv_sum = has_key ? 1.f / row_sum : 0.f;
   for (int key = lane; key < p.seqlen_k; key += 32) {
     const float s = arch::load(scores + key);

@@ -28,6 +28,7 @@ def simulator_profile(algorithms, *, seqlen: int, headdims, dtype: str = "float1
     from cuflash import sim
     from cuflash.kernels import plans
     from cuflash.kernels.program import Problem
+    from cuflash.mask import Mask
     from cuflash.testing import numpy_dtype
 
     target = sim.current_target()
@@ -36,7 +37,7 @@ def simulator_profile(algorithms, *, seqlen: int, headdims, dtype: str = "float1
         for headdim in headdims:
             rng = np.random.default_rng(0)
             q, k, v, dout = (rng.standard_normal((1, seqlen, 2, headdim)).astype(numpy_dtype(dtype)) for _ in range(4))
-            problem = Problem(dtype, 1, seqlen, seqlen, 2, 2, headdim, causal=causal)
+            problem = Problem(dtype, 1, seqlen, seqlen, 2, 2, headdim, mask=Mask.causal(causal))
             for program in (plans.forward_program(algorithm, problem, target),
                             plans.backward_program(algorithm, problem, target)):
                 for plan in program.launches:

@@ -110,6 +110,7 @@ def sweep(algorithms: list[str], *, seqlens, headdims, dtype: str = "float16", c
     import cuflash
     from cuflash import sim
     from cuflash.kernels.program import Problem
+    from cuflash.mask import Mask
     from cuflash.testing import numpy_dtype
 
     target = sim.current_target()
@@ -121,7 +122,7 @@ def sweep(algorithms: list[str], *, seqlens, headdims, dtype: str = "float16", c
                     rng = np.random.default_rng(0)
                     q, k, v, dout = (rng.standard_normal((1, seqlen, 1, headdim)).astype(numpy_dtype(dtype))
                                      for _ in range(4))
-                    problem = Problem(dtype, 1, seqlen, seqlen, 1, 1, headdim, causal=causal)
+                    problem = Problem(dtype, 1, seqlen, seqlen, 1, 1, headdim, mask=Mask.causal(causal))
                     with sim.record() as fwd:
                         out, lse = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
                     with sim.record() as bwd:

@@ -43,7 +43,8 @@ PARAMS_DTYPE = np.dtype(
         ("headdim", np.int32),
         ("softmax_scale", np.float32),
         ("softmax_scale_log2", np.float32),
-        ("is_causal", np.int32),
+        ("window_left", np.int32),
+        ("window_right", np.int32),
         ("num_dq_splits", np.int32),
     ],
     align=True,
@@ -74,7 +75,7 @@ def pack_params(
 ) -> np.void:
     """Pack one AttentionParams value.
 
-    problem: a plans.Problem (sizes and the causal flag).
+    problem: a plans.Problem (sizes and the mask).
     pointers: device (or host, for the simulator) addresses by field name; absent fields are null.
     strides: (batch, row, head) element strides by tensor name; absent tensors get zeros.
     """
@@ -89,6 +90,7 @@ def pack_params(
         params[name] = getattr(problem, name)
     params["softmax_scale"] = softmax_scale
     params["softmax_scale_log2"] = softmax_scale * math.log2(math.e)
-    params["is_causal"] = int(problem.causal)
+    params["window_left"] = problem.mask.window_left
+    params["window_right"] = problem.mask.window_right
     params["num_dq_splits"] = num_dq_splits
     return params[()]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._paths import CUDA_SRC
+from ..mask import Mask, MaskPolicy
 from .params import SIDE_BUFFER_FIELDS
 
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
@@ -53,7 +54,7 @@ class Problem:
     nheads: int
     nheads_k: int
     headdim: int
-    causal: bool = False
+    mask: Mask = Mask()
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -64,6 +65,12 @@ class Problem:
                 raise ValueError(f"Problem.{name} must be >= 0, got {getattr(self, name)}")
         if self.nheads_k and self.nheads % self.nheads_k:
             raise ValueError("Problem.nheads must be a multiple of nheads_k")
+        if not isinstance(self.mask, Mask):
+            raise TypeError(f"Problem.mask must be a cuflash.mask.Mask, got {self.mask!r}")
+
+    @property
+    def mask_policy(self) -> MaskPolicy:
+        return self.mask.policy(self.seqlen_q, self.seqlen_k)
 
     @property
     def group_size(self) -> int:

@@ -28,6 +28,7 @@ SM80 = target("sm_80")
 from cuflash.kernels.params import PARAMS_DTYPE, POINTER_FIELDS, field_layout  # noqa: E402
 
 from cuflash.testing import numpy_dtype, random_qkv  # noqa: E402
+from cuflash.mask import Mask  # noqa: E402
 
 JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -252,7 +253,7 @@ def test_lowered_hlo_holds_the_custom_call_and_no_address():
     hlo = lowered.as_text()
     (call,) = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", hlo)
     program = plans.forward_program(
-        "fa2", Problem(dtype="float16", batch=2, seqlen_q=8, seqlen_k=8, nheads=2, nheads_k=2, headdim=32, causal=True),
+        "fa2", Problem(dtype="float16", batch=2, seqlen_q=8, seqlen_k=8, nheads=2, nheads_k=2, headdim=32, mask=Mask.causal()),
         SM80,
     )
     assert f'kernels = "{";".join(p.kernel.name_expr for p in program.launches)}"' in call
@@ -262,7 +263,7 @@ def test_lowered_hlo_holds_the_custom_call_and_no_address():
     assert match, call
     params = np.frombuffer(bytes.fromhex(match.group(1)), dtype=PARAMS_DTYPE)[0]
     assert all(int(params[name]) == 0 for name in POINTER_FIELDS)
-    assert params["softmax_scale"] == np.float32(0.25) and params["is_causal"] == 1
+    assert params["softmax_scale"] == np.float32(0.25) and (params["window_left"], params["window_right"]) == (-1, 0)
     assert tuple(params["q_stride"]) == (8 * 2 * 32, 2 * 32, 32)
     # And the compiled executable still holds it.
     assert "cuflash_program" in lowered.compile().as_text()

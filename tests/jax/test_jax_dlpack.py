@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import api  # noqa: E402
+from cuflash.mask import Mask  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dlpack_cupy_jax.py"
 
@@ -154,7 +155,7 @@ def test_cuflash_jax_on_a_gpu_matches_the_simulator():
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     arch = _primitives.local_cuda_archs()[0]
-    problem = Problem("float16", 2, 33, 47, 4, 2, 64, causal=True)
+    problem = Problem("float16", 2, 33, 47, 4, 2, 64, mask=Mask.causal())
     for plan in plans.backward_program("fa2", problem, _primitives.target_for("cuda")).launches:
         assert _ffi.cubin_registered(plan.kernel.name_expr, arch)
     host16 = [np.asarray(x) for x in (q, k, v)]

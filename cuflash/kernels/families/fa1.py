@@ -222,19 +222,21 @@ def backward_program(problem: Problem, target: Target) -> Program:
 
 
 def _visits(problem: Problem, block_rows: int, block_cols: int) -> list[tuple[int, int]]:
-    """(rows_i, n_i) per Q block: its row count and how many K/V blocks it sees."""
-    sq, sk = problem.seqlen_q, problem.seqlen_k
-    num_kv_blocks = ceil_div(sk, block_cols)
+    """(rows_i, n_i) per Q block: its row count and how many K/V blocks it visits (mask policy)."""
+    sq = problem.seqlen_q
+    mask = problem.mask_policy
     result = []
     for q_block in range(ceil_div(sq, block_rows)):
-        rows = min(block_rows, sq - q_block * block_rows)
-        if problem.causal:
-            last_key = q_block * block_rows + rows - 1 + sk - sq
-            seen = 0 if last_key < 0 else min(num_kv_blocks, last_key // block_cols + 1)
-        else:
-            seen = num_kv_blocks
-        result.append((rows, seen))
+        row0 = q_block * block_rows
+        rows = min(block_rows, sq - row0)
+        result.append((rows, len(mask.kv_blocks(block_cols, row0, row0 + rows))))
     return result
+
+
+def _keys_loaded(problem: Problem, block_cols: int) -> int:
+    """Keys whose K and V rows the kernel loads: those of the K/V blocks any row visits, clipped at seqlen_k."""
+    seen = problem.mask_policy.kv_blocks(block_cols, 0, problem.seqlen_q)
+    return 0 if seen.empty else min(problem.seqlen_k, seen.end * block_cols) - seen.begin * block_cols
 
 
 def _element_bytes(dtype: str) -> int:
@@ -251,7 +253,7 @@ def forward_traffic(problem: Problem, target: Target) -> tuple[int, int]:
     row_visits = sum(rows * seen for rows, seen in visits)
     row_revisits = sum(rows * max(seen - 1, 0) for rows, seen in visits)
     heads = problem.batch * problem.nheads
-    read = heads * (2 * problem.seqlen_k * d * e + row_visits * (d * e + 4 * (d + 2)))
+    read = heads * (2 * _keys_loaded(problem, tile.block_cols) * d * e + row_visits * (d * e + 4 * (d + 2)))
     written = heads * (row_revisits * 4 * (d + 2) + problem.seqlen_q * (d * e + 4))
     return read, written
 
@@ -265,7 +267,7 @@ def backward_traffic(problem: Problem, target: Target) -> list[tuple[int, int]]:
     row_visits = sum(rows * seen for rows, seen in visits)
     row_revisits = sum(rows * max(seen - 1, 0) for rows, seen in visits)
     heads = problem.batch * problem.nheads
-    kv_bytes = 2 * problem.seqlen_k * d * e if problem.seqlen_q else 0
+    kv_bytes = 2 * _keys_loaded(problem, tile.block_cols) * d * e
     dkv_element = 4 if grouped else e
     read = heads * (kv_bytes + row_visits * (3 * d * e + 4 + 4 * d))
     written = heads * (row_revisits * 4 * d + problem.seqlen_q * d * e + 2 * problem.seqlen_k * d * dkv_element)

@@ -322,23 +322,17 @@ def _rows(total: int, block: int, index: int) -> int:
     return min(block, total - index * block)
 
 
-def _keys_seen(problem: Problem, row_end: int) -> int:
-    """Keys 0..n-1 visible to the query rows below row_end (its last row sees the most)."""
-    if not problem.causal:
-        return problem.seqlen_k
-    return max(0, min(problem.seqlen_k, row_end + problem.seqlen_k - problem.seqlen_q))
-
-
 def forward_traffic(problem: Problem, target: Target) -> Traffic:
     traits = forward_traits(problem.headdim, target)
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
+    mask = problem.mask_policy
     read = 0
     for i in range(ceil_div(problem.seqlen_q, traits.block_m)):
         rows = _rows(problem.seqlen_q, traits.block_m, i)
-        keys = _keys_seen(problem, i * traits.block_m + rows)
-        if keys:
-            # K/V blocks are whole blocks up to the last one seen, clipped at seqlen_k.
-            keys_read = min(problem.seqlen_k, ceil_div(keys, traits.block_n) * traits.block_n)
+        blocks = mask.kv_blocks(traits.block_n, i * traits.block_m, i * traits.block_m + rows)
+        if not blocks.empty:
+            # K/V blocks are whole blocks of the range, clipped at seqlen_k.
+            keys_read = min(problem.seqlen_k, blocks.end * traits.block_n) - blocks.begin * traits.block_n
             read += rows * d * es + 2 * keys_read * d * es
     heads = problem.batch * problem.nheads
     written = heads * problem.seqlen_q * (d * es + _F32)
@@ -357,9 +351,8 @@ def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic
     read = written = 0
     for j in range(ceil_div(sk, traits.block_n)):
         keys = _rows(sk, traits.block_n, j)
-        first_row = j * traits.block_n - (sk - sq) if problem.causal else 0
-        first_block = max(0, first_row) // traits.block_m
-        rows = sum(_rows(sq, traits.block_m, i) for i in range(first_block, ceil_div(sq, traits.block_m)))
+        q_blocks = problem.mask_policy.q_blocks(traits.block_m, j * traits.block_n, j * traits.block_n + keys)
+        rows = sum(_rows(sq, traits.block_m, i) for i in range(*q_blocks))
         read += 2 * keys * d * es + rows * (2 * d * es + 2 * _F32) * problem.group_size
         dq_bytes = rows * d * _F32 * problem.group_size
         written += dq_bytes + 2 * keys * d * es
@@ -368,9 +361,9 @@ def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic
     main = Traffic(read * problem.batch * problem.nheads_k, written * problem.batch * problem.nheads_k)
 
     slices_read = 0
-    for row in range(sq):
-        keys = _keys_seen(problem, row + 1)
-        if keys:
-            slices_read += ceil_div(keys, traits.block_n) if splits > 1 else 1
+    for row in range(sq):  # dq_slices_of_row in the .cu
+        blocks = problem.mask_policy.kv_blocks(traits.block_n, row, row + 1)
+        if not blocks.empty:
+            slices_read += len(blocks) if splits > 1 else 1
     convert = Traffic(bh * slices_read * d * _F32, bh * sq * d * es)
     return pre, main, convert

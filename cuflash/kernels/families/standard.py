@@ -94,7 +94,7 @@ class _Product(NamedTuple):
     """One of the six matrix products: its kernel and how its M x N x K problem maps onto the attention shape."""
 
     kernel: str  # template name, instantiated per element type
-    causal_skip: str  # "masked_tiles" | "keys_after" | "queries_before" (see the .cu file comment)
+    mask_skip: str  # "masked_tiles" | "keys" | "queries": MaskSkip in the .cu (see its file comment)
     a_is_matrix: bool  # A is a float32 seqlen_q x seqlen_k matrix (else an element tensor)
     b_is_matrix: bool
     c_is_matrix: bool  # C goes to scores (float32) rather than an element tensor
@@ -102,11 +102,11 @@ class _Product(NamedTuple):
 
 
 _SCORES = _Product("standard_scores_kernel", "masked_tiles", False, False, True, False)
-_OUT = _Product("standard_out_kernel", "keys_after", True, False, False, False)
+_OUT = _Product("standard_out_kernel", "keys", True, False, False, False)
 _DP = _Product("standard_dp_kernel", "masked_tiles", False, False, True, False)
-_DQ = _Product("standard_dq_kernel", "keys_after", True, False, False, False)
-_DV = _Product("standard_dv_kernel", "queries_before", True, False, False, True)
-_DK = _Product("standard_dk_kernel", "queries_before", True, False, False, True)
+_DQ = _Product("standard_dq_kernel", "keys", True, False, False, False)
+_DV = _Product("standard_dv_kernel", "queries", True, False, False, True)
+_DK = _Product("standard_dk_kernel", "queries", True, False, False, True)
 _PRODUCTS = (_SCORES, _OUT, _DP, _DQ, _DV, _DK)
 
 _SOFTMAX_PASSES = ("kForward", "kRecompute", "kBackward")
@@ -244,17 +244,16 @@ class Traffic(NamedTuple):
 
 def _k_range(product: _Product, problem: Problem, m0: int, n0: int) -> tuple[int, int]:
     """[begin, end) of the reduction for the tile at (m0, n0); mirrors tile_k_range in the .cu."""
-    m, _, k = _gemm_mnk(product, problem)
-    if not problem.causal:
-        return 0, k
-    offset = problem.seqlen_k - problem.seqlen_q  # query i sees key j iff j <= i + offset
-    last_row = min(m0 + TRAITS.block_m, m) - 1
-    if product.causal_skip == "masked_tiles":
-        return (0, 0) if n0 > last_row + offset else (0, k)
-    if product.causal_skip == "keys_after":
-        return 0, max(0, min(k, last_row + offset + 1))
-    first_query = max(0, m0 - offset)
-    return first_query // TRAITS.block_k * TRAITS.block_k, k
+    m, n, k = _gemm_mnk(product, problem)
+    mask = problem.mask_policy
+    m_end = min(m0 + TRAITS.block_m, m)
+    if product.mask_skip == "masked_tiles":
+        keys = mask.keys_of_rows(m0, m_end)
+        return (0, k) if max(keys.begin, n0) < min(keys.end, n0 + TRAITS.block_n, n) else (0, 0)
+    span = mask.keys_of_rows(m0, m_end) if product.mask_skip == "keys" else mask.rows_of_keys(m0, m_end)
+    if span.empty:
+        return 0, 0
+    return span.begin // TRAITS.block_k * TRAITS.block_k, span.end
 
 
 def gemm_traffic(product: _Product, problem: Problem) -> Traffic:

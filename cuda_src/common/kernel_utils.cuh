@@ -1,0 +1,22 @@
+// kernel_utils.cuh: the small numeric helpers every kernel family shares, in one place.
+//
+// Only plain device functions and constants: NVRTC compiles this without a C++ library, and the
+// simulator links every family into one library, so each helper exists exactly once.
+#pragma once
+
+#include "arch/arch.cuh"
+
+namespace cuflash {
+
+// Infinities by bit pattern: no <cmath>/<limits> under NVRTC, and -ffast-math style flags must not
+// fold them away.
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// log2(e): natural-log quantities (scores, the saved LSE) times this are base-2 quantities for ex2.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+}  // namespace cuflash

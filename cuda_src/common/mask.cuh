@@ -1,0 +1,98 @@
+// mask.cuh: who sees whom. The one place a kernel learns which keys a query row attends to.
+//
+// Rule (FlashAttention's, bottom-right aligned): with off = seqlen_k - seqlen_q, query row i's
+// diagonal key is i + off, and row i sees key j (0 <= j < seqlen_k) iff
+//     (window_left  < 0 or j >= i + off - window_left) and
+//     (window_right < 0 or j <= i + off + window_right).
+// -1 means unbounded. causal = (-1, 0); no mask = (-1, -1). Both bounds grow with i, so the keys
+// a range of rows sees form one interval (the hull of its first and last row), and so do the rows
+// a range of keys is seen by: block skipping is two interval computations, on both sides of the
+// band. A row whose interval is empty sees no key (output 0, lse -inf, zero gradients).
+//
+// The NumPy twin is cuflash/mask.py (MaskPolicy); a simulator test compares the two on every
+// method. Nothing else in cuda_src/ or cuflash/ decides visibility.
+//
+// ScoreHook is where per-element score transforms plug in (softcap, ALiBi in [variants]); today it
+// is the identity, and kernels call it on q.k before masking so the plug-in point exists once.
+#pragma once
+
+#include "common/attention_params.cuh"
+#include "common/kernel_utils.cuh"
+
+namespace cuflash {
+
+// Half-open [begin, end); empty when end <= begin.
+struct IndexRange {
+  int begin;
+  int end;
+  __device__ __forceinline__ bool empty() const { return end <= begin; }
+  __device__ __forceinline__ bool contains(int x) const { return x >= begin && x < end; }
+};
+
+struct ScoreHook {
+  __device__ __forceinline__ float operator()(float qk, int /*row*/, int /*key*/) const { return qk; }
+};
+
+struct MaskPolicy {
+  int seqlen_q;
+  int seqlen_k;
+  int window_left;   // -1: unbounded
+  int window_right;  // -1: unbounded; 0: causal
+
+  __device__ __forceinline__ static MaskPolicy of(const AttentionParams& p) {
+    return MaskPolicy{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  }
+
+  __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
+
+  // First key row `row` sees, and one past its last (end <= begin: it sees none).
+  __device__ __forceinline__ int key_begin(int row) const {
+    return window_left < 0 ? 0 : max(0, diagonal(row) - window_left);
+  }
+  __device__ __forceinline__ int key_end(int row) const {
+    return window_right < 0 ? seqlen_k : min(seqlen_k, diagonal(row) + window_right + 1);
+  }
+  __device__ __forceinline__ bool visible(int row, int key) const {
+    return key >= key_begin(row) && key < key_end(row);
+  }
+
+  // Keys seen by at least one of rows [row_begin, row_end) (row_end <= seqlen_q).
+  __device__ __forceinline__ IndexRange keys_of_rows(int row_begin, int row_end) const {
+    if (row_end <= row_begin) return IndexRange{0, 0};
+    IndexRange keys{key_begin(row_begin), key_end(row_end - 1)};
+    return keys.empty() ? IndexRange{0, 0} : keys;
+  }
+
+  // Rows that see at least one of keys [key_begin, key_end) (key_end <= seqlen_k).
+  __device__ __forceinline__ IndexRange rows_of_keys(int first_key, int key_limit) const {
+    if (key_limit <= first_key) return IndexRange{0, 0};
+    const int off = seqlen_k - seqlen_q;
+    IndexRange rows{window_right < 0 ? 0 : max(0, first_key - window_right - off),
+                    window_left < 0 ? seqlen_q : min(seqlen_q, key_limit + window_left - off)};
+    return rows.empty() ? IndexRange{0, 0} : rows;
+  }
+
+  // K/V blocks (of BlockN keys) that rows [row_begin, row_end) visit.
+  template <int BlockN>
+  __device__ __forceinline__ IndexRange kv_blocks(int row_begin, int row_end) const {
+    const IndexRange keys = keys_of_rows(row_begin, row_end);
+    return IndexRange{keys.begin / BlockN, ceil_div(keys.end, BlockN)};
+  }
+
+  // Q blocks (of BlockM rows) that visit keys [first_key, key_limit).
+  template <int BlockM>
+  __device__ __forceinline__ IndexRange q_blocks(int first_key, int key_limit) const {
+    const IndexRange rows = rows_of_keys(first_key, key_limit);
+    return IndexRange{rows.begin / BlockM, ceil_div(rows.end, BlockM)};
+  }
+
+  // Whether the tile rows [row0, row0 + rows) x keys [key0, key0 + keys) holds an element some
+  // row does not see (so it needs the element-wise mask), counting keys past seqlen_k as unseen.
+  __device__ __forceinline__ bool tile_needs_mask(int row0, int rows, int key0, int keys) const {
+    if (key0 + keys > seqlen_k) return true;
+    if (window_right >= 0 && key0 + keys - 1 > diagonal(row0) + window_right) return true;
+    return window_left >= 0 && key0 < diagonal(row0 + rows - 1) - window_left;
+  }
+};
+
+}  // namespace cuflash

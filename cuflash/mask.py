@@ -1,0 +1,131 @@
+"""Who sees whom: the mask description a Problem carries, and the NumPy twin of cuda_src/common/mask.cuh.
+
+Rule (FlashAttention's, bottom-right aligned): with ``off = seqlen_k - seqlen_q``, query row ``i`` sees key ``j``
+(``0 <= j < seqlen_k``) iff ``(left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right)``;
+-1 is unbounded, ``causal`` is ``(-1, 0)``. ``MaskPolicy`` answers the same questions as the C++ ``MaskPolicy``
+(method for method, with the same names; a simulator test compares them) for the reference, the test helpers and
+every family's plan and traffic code. Nothing else in cuflash decides visibility.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+class IndexRange(NamedTuple):
+    """Half-open ``[begin, end)``; empty when ``end <= begin``."""
+
+    begin: int
+    end: int
+
+    @property
+    def empty(self) -> bool:
+        return self.end <= self.begin
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.begin)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A frozen mask description: a local window ``(window_left, window_right)`` around the bottom-right diagonal."""
+
+    window_left: int = -1
+    window_right: int = -1
+
+    def __post_init__(self):
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
+                raise ValueError(f"Mask.{name} must be an int >= -1 (-1: unbounded), got {value!r}")
+            object.__setattr__(self, name, int(value))
+
+    @classmethod
+    def causal(cls, flag: bool = True) -> Mask:
+        return cls(-1, 0) if flag else cls()
+
+    @property
+    def is_causal(self) -> bool:
+        return self.window_left < 0 and self.window_right == 0
+
+    @property
+    def is_full(self) -> bool:
+        return self.window_left < 0 and self.window_right < 0
+
+    def policy(self, seqlen_q: int, seqlen_k: int) -> MaskPolicy:
+        return MaskPolicy(seqlen_q, seqlen_k, self.window_left, self.window_right)
+
+
+@dataclass(frozen=True)
+class MaskPolicy:
+    """The NumPy twin of the C++ ``MaskPolicy`` for one (seqlen_q, seqlen_k)."""
+
+    seqlen_q: int
+    seqlen_k: int
+    window_left: int = -1
+    window_right: int = -1
+
+    def diagonal(self, row):
+        return np.asarray(row) + (self.seqlen_k - self.seqlen_q)
+
+    def key_begin(self, row):
+        row = np.asarray(row)
+        if self.window_left < 0:
+            return np.zeros_like(row)
+        return np.maximum(0, self.diagonal(row) - self.window_left)
+
+    def key_end(self, row):
+        row = np.asarray(row)
+        if self.window_right < 0:
+            return np.full_like(row, self.seqlen_k)
+        return np.minimum(self.seqlen_k, self.diagonal(row) + self.window_right + 1)
+
+    def visible(self, row, key):
+        """Whether row sees key (broadcasting); ``visible(rows[:, None], keys[None, :])`` is the whole mask."""
+        key = np.asarray(key)
+        return (key >= self.key_begin(row)) & (key < self.key_end(row))
+
+    def matrix(self) -> np.ndarray:
+        """The (seqlen_q, seqlen_k) boolean mask."""
+        return self.visible(np.arange(self.seqlen_q)[:, None], np.arange(self.seqlen_k)[None, :])
+
+    def rows_without_key(self) -> np.ndarray:
+        """Boolean (seqlen_q,): rows whose visible interval is empty."""
+        rows = np.arange(self.seqlen_q)
+        return self.key_end(rows) <= self.key_begin(rows)
+
+    def keys_of_rows(self, row_begin: int, row_end: int) -> IndexRange:
+        if row_end <= row_begin:
+            return IndexRange(0, 0)
+        keys = IndexRange(int(self.key_begin(row_begin)), int(self.key_end(row_end - 1)))
+        return IndexRange(0, 0) if keys.empty else keys
+
+    def rows_of_keys(self, key_begin: int, key_end: int) -> IndexRange:
+        if key_end <= key_begin:
+            return IndexRange(0, 0)
+        off = self.seqlen_k - self.seqlen_q
+        rows = IndexRange(0 if self.window_right < 0 else max(0, key_begin - self.window_right - off),
+                          self.seqlen_q if self.window_left < 0 else min(self.seqlen_q, key_end + self.window_left - off))
+        return IndexRange(0, 0) if rows.empty else rows
+
+    def kv_blocks(self, block_n: int, row_begin: int, row_end: int) -> IndexRange:
+        keys = self.keys_of_rows(row_begin, row_end)
+        return IndexRange(keys.begin // block_n, _ceil_div(keys.end, block_n))
+
+    def q_blocks(self, block_m: int, key_begin: int, key_end: int) -> IndexRange:
+        rows = self.rows_of_keys(key_begin, key_end)
+        return IndexRange(rows.begin // block_m, _ceil_div(rows.end, block_m))
+
+    def tile_needs_mask(self, row0: int, rows: int, key0: int, keys: int) -> bool:
+        if key0 + keys > self.seqlen_k:
+            return True
+        if self.window_right >= 0 and key0 + keys - 1 > int(self.diagonal(row0)) + self.window_right:
+            return True
+        return self.window_left >= 0 and key0 < int(self.diagonal(row0 + rows - 1)) - self.window_left

@@ -1,0 +1,55 @@
+// mask_probe.cu: writes every answer of cuflash::MaskPolicy for one AttentionParams, so that
+// tests/test_mask.py can compare the C++ policy with its NumPy twin (cuflash/mask.py) exactly.
+//
+// One thread; p.out is an int buffer laid out as (sq = seqlen_q, sk = seqlen_k,
+// nq = ceil(sq / BlockM), nk = ceil(sk / BlockN)):
+//   visible(i, j)                                  sq * sk
+//   key_begin(i), key_end(i)                       sq * 2
+//   per Q block: kv_blocks<BlockN>, keys_of_rows   nq * 4
+//   per K block: q_blocks<BlockM>, rows_of_keys    nk * 4
+//   per tile: tile_needs_mask(row0, rows, key0, BlockN)   nq * nk
+#include "arch/arch.cuh"
+#include "common/mask.cuh"
+
+namespace masktest {
+
+template <int BlockM, int BlockN>
+__global__ void mask_probe_kernel(const cuflash::AttentionParams p) {
+  using cuflash::IndexRange;
+  const cuflash::MaskPolicy mask = cuflash::MaskPolicy::of(p);
+  int* out = static_cast<int*>(p.out);
+  const int sq = p.seqlen_q, sk = p.seqlen_k;
+  const int nq = cuflash::ceil_div(sq, BlockM), nk = cuflash::ceil_div(sk, BlockN);
+  int at = 0;
+  for (int i = 0; i < sq; ++i)
+    for (int j = 0; j < sk; ++j) cuflash::arch::store(out + at++, mask.visible(i, j) ? 1 : 0);
+  for (int i = 0; i < sq; ++i) {
+    cuflash::arch::store(out + at++, mask.key_begin(i));
+    cuflash::arch::store(out + at++, mask.key_end(i));
+  }
+  for (int b = 0; b < nq; ++b) {
+    const int row0 = b * BlockM, row_end = min(row0 + BlockM, sq);
+    const IndexRange blocks = mask.kv_blocks<BlockN>(row0, row_end);
+    const IndexRange keys = mask.keys_of_rows(row0, row_end);
+    cuflash::arch::store(out + at++, blocks.begin);
+    cuflash::arch::store(out + at++, blocks.end);
+    cuflash::arch::store(out + at++, keys.begin);
+    cuflash::arch::store(out + at++, keys.end);
+  }
+  for (int b = 0; b < nk; ++b) {
+    const int key0 = b * BlockN, key_end = min(key0 + BlockN, sk);
+    const IndexRange blocks = mask.q_blocks<BlockM>(key0, key_end);
+    const IndexRange rows = mask.rows_of_keys(key0, key_end);
+    cuflash::arch::store(out + at++, blocks.begin);
+    cuflash::arch::store(out + at++, blocks.end);
+    cuflash::arch::store(out + at++, rows.begin);
+    cuflash::arch::store(out + at++, rows.end);
+  }
+  for (int a = 0; a < nq; ++a)
+    for (int b = 0; b < nk; ++b) {
+      const int row0 = a * BlockM;
+      cuflash::arch::store(out + at++, mask.tile_needs_mask(row0, min(BlockM, sq - row0), b * BlockN, BlockN) ? 1 : 0);
+    }
+}
+
+}  // namespace masktest
