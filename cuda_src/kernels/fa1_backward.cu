@@ -124,9 +124,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   float* const delta = smem + Traits::kDelta;
 
   const int tid = threadIdx.x;
-  const int head = blockIdx.x;
-  const int batch = blockIdx.y;
-  const int kv_head = head / (p.nheads / p.nheads_k);
+  const BlockInfo info = BlockInfo::of(p, blockIdx.y, blockIdx.x);
   const bool grouped = p.nheads != p.nheads_k;
   const int d = p.headdim;
   const float scale = p.softmax_scale;
@@ -135,23 +133,21 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   const MaskPolicy mask = MaskPolicy::of(p);
   const ScoreHook score_hook{};
 
-  const T* const q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
-  const T* const k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
-  const T* const v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + kv_head * p.v_stride.head;
-  const T* const o = static_cast<const T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
-  const T* const dout = static_cast<const T*>(p.dout) + batch * p.dout_stride.batch + head * p.dout_stride.head;
-  T* const dq = static_cast<T*>(p.dq) + batch * p.dq_stride.batch + head * p.dq_stride.head;
-  T* const dk = static_cast<T*>(p.dk) + batch * p.dk_stride.batch + kv_head * p.dk_stride.head;
-  T* const dv = static_cast<T*>(p.dv) + batch * p.dv_stride.batch + kv_head * p.dv_stride.head;
-  const float* const lse = p.lse + (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  const T* const q = info.q<T>(p);
+  const T* const k = info.k<T>(p);
+  const T* const v = info.v<T>(p);
+  const T* const o = info.out_in<T>(p);
+  const T* const dout = info.dout<T>(p);
+  T* const dq = info.dq<T>(p);
+  T* const dk = info.dk<T>(p);
+  T* const dv = info.dv<T>(p);
+  const float* const lse = p.lse + info.row_stats_offset(p);
   // dq_accum (1, batch, seqlen_q, nheads, headdim) and dk_accum / dv_accum
   // (batch, seqlen_k, nheads, headdim) are dense: one row of this head every nheads * d floats.
-  const long long accum_row_stride = static_cast<long long>(p.nheads) * d;
-  float* const dq_acc = p.dq_accum + static_cast<long long>(batch) * p.seqlen_q * accum_row_stride + head * d;
-  float* const dk_part =
-      grouped ? p.dk_accum + static_cast<long long>(batch) * p.seqlen_k * accum_row_stride + head * d : nullptr;
-  float* const dv_part =
-      grouped ? p.dv_accum + static_cast<long long>(batch) * p.seqlen_k * accum_row_stride + head * d : nullptr;
+  const long long accum_row_stride = BlockInfo::dense_row_stride(p);
+  float* const dq_acc = p.dq_accum + info.dense_q_offset(p);
+  float* const dk_part = grouped ? p.dk_accum + info.dense_k_offset(p) : nullptr;
+  float* const dv_part = grouped ? p.dv_accum + info.dense_k_offset(p) : nullptr;
 
   // Q blocks that see no K/V block: dq = 0.
   for (int q_block = 0; q_block < num_q_blocks; ++q_block) {
@@ -285,22 +281,23 @@ __global__ void __launch_bounds__(256) fa1_gqa_reduce_kernel(const AttentionPara
   static_assert(is_element_type<T>::value, "fa1_gqa_reduce_kernel: T is float, __half or __nv_bfloat16");
   const int batch = blockIdx.y;
   const int d = p.headdim;
-  const int group = p.nheads / p.nheads_k;
+  const int group = BlockInfo::group_size(p);
   const long long per_batch = static_cast<long long>(p.seqlen_k) * p.nheads_k * d;
   const long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= per_batch) return;
   const int x = static_cast<int>(e % d);
   const int kv_head = static_cast<int>(e / d % p.nheads_k);
   const int key = static_cast<int>(e / (static_cast<long long>(d) * p.nheads_k));
-  const long long first =
-      ((static_cast<long long>(batch) * p.seqlen_k + key) * p.nheads + static_cast<long long>(kv_head) * group) * d + x;
   float dk_sum = 0.f, dv_sum = 0.f;
-  for (int g = 0; g < group; ++g) {
-    dk_sum += arch::load(p.dk_accum + first + static_cast<long long>(g) * d);
-    dv_sum += arch::load(p.dv_accum + first + static_cast<long long>(g) * d);
+  for (int g = 0; g < group; ++g) {  // the group's query heads, in order
+    const BlockInfo member = BlockInfo::of_group(p, batch, kv_head, g);
+    const long long at = member.dense_k_offset(p) + key * BlockInfo::dense_row_stride(p) + x;
+    dk_sum += arch::load(p.dk_accum + at);
+    dv_sum += arch::load(p.dv_accum + at);
   }
-  T* const dk = static_cast<T*>(p.dk) + batch * p.dk_stride.batch + key * p.dk_stride.row + kv_head * p.dk_stride.head;
-  T* const dv = static_cast<T*>(p.dv) + batch * p.dv_stride.batch + key * p.dv_stride.row + kv_head * p.dv_stride.head;
+  const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, 0);
+  T* const dk = info.dk<T>(p) + key * p.dk_stride.row;
+  T* const dv = info.dv<T>(p) + key * p.dv_stride.row;
   arch::store(dk + x, from_float<T>(dk_sum));
   arch::store(dv + x, from_float<T>(dv_sum));
 }

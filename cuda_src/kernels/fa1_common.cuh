@@ -12,6 +12,7 @@
 #pragma once
 
 #include "arch/arch.cuh"
+#include "common/block_info.cuh"
 #include "common/kernel_utils.cuh"
 #include "common/mask.cuh"
 

@@ -118,26 +118,24 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
   float* const new_weight = smem + Traits::kNewWeight;
 
   const int tid = threadIdx.x;
-  const int head = blockIdx.x;
-  const int batch = blockIdx.y;
-  const int kv_head = head / (p.nheads / p.nheads_k);
+  const BlockInfo info = BlockInfo::of(p, blockIdx.y, blockIdx.x);
   const int d = p.headdim;
   const int num_q_blocks = ceil_div(p.seqlen_q, BlockRows);
   const MaskPolicy mask = MaskPolicy::of(p);
   const ScoreHook score_hook{};
 
-  const T* const q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
-  const T* const k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
-  const T* const v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + kv_head * p.v_stride.head;
-  T* const out = static_cast<T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
-  const long long stats_base = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  const T* const q = info.q<T>(p);
+  const T* const k = info.k<T>(p);
+  const T* const v = info.v<T>(p);
+  T* const out = info.out<T>(p);
+  const long long stats_base = info.row_stats_offset(p);
   float* const lse = p.lse + stats_base;
   float* const row_max = p.row_max + stats_base;
   float* const row_sum = p.row_sum + stats_base;
   // out_accum is dense (batch, seqlen_q, nheads, headdim): row r of this head starts at
   // o_accum + r * o_row_stride.
-  const long long o_row_stride = static_cast<long long>(p.nheads) * d;
-  float* const o_accum = p.out_accum + static_cast<long long>(batch) * p.seqlen_q * o_row_stride + head * d;
+  const long long o_row_stride = BlockInfo::dense_row_stride(p);
+  float* const o_accum = p.out_accum + info.dense_q_offset(p);
 
   // Q blocks that see no K/V block at all: their rows' final values, now.
   for (int q_block = 0; q_block < num_q_blocks; ++q_block) {

@@ -135,12 +135,11 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   constexpr int kWarps = fa2::RowKernel::kThreads / 32;
   if (blockDim.x != fa2::RowKernel::kThreads) __trap();
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int lane = threadIdx.x % 32;
-  const T* dout = static_cast<const T*>(p.dout) + batch * p.dout_stride.batch + head * p.dout_stride.head;
-  const T* out = static_cast<const T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
-  float* dot = p.dout_dot_out + (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  const T* dout = info.dout<T>(p);
+  const T* out = info.out_in<T>(p);
+  float* dot = p.dout_dot_out + info.row_stats_offset(p);
   const int row_end = min(p.seqlen_q, (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);
   for (int row = blockIdx.x * fa2::RowKernel::kRows + threadIdx.x / 32; row < row_end; row += kWarps) {
     float sum = 0.f;
@@ -188,18 +187,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
+  const BlockInfo kv_info = BlockInfo::of_group(p, batch, kv_head, 0);
   const int tid = threadIdx.x;
   const int d = p.headdim;
-  const int group = p.nheads / p.nheads_k;
+  const int group = BlockInfo::group_size(p);
   const int key0 = n_block * BlockN;
   const int block_keys = min(BlockN, p.seqlen_k - key0);
   const float softmax_scale = p.softmax_scale;
   const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
 
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + key0 * p.k_stride.row +
-               kv_head * p.k_stride.head;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + key0 * p.v_stride.row +
-               kv_head * p.v_stride.head;
+  const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+  const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
   fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k, p.k_stride.row, block_keys, d, tid, kThreads);
   fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, d, tid, kThreads);
 
@@ -228,15 +226,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   const ScoreHook score_hook{};
   const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
   for (int h = 0; h < group; ++h) {
-    const int head = kv_head * group + h;
-    const T* q_head = static_cast<const T*>(p.q) + batch * p.q_stride.batch + head * p.q_stride.head;
-    const T* do_head = static_cast<const T*>(p.dout) + batch * p.dout_stride.batch + head * p.dout_stride.head;
-    const long long row_base = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+    const T* q_head = info.q<T>(p);
+    const T* do_head = info.dout<T>(p);
+    const long long row_base = info.row_stats_offset(p);
     // dq_accum is (slices, batch, seqlen_q, nheads, d); this block writes slice n_block (split mode) or 0.
-    float* dq_head = p.dq_accum +
-                     ((static_cast<long long>(split_dq ? n_block : 0) * p.batch + batch) * p.seqlen_q * p.nheads +
-                      head) * d;
-    const long long dq_row_stride = static_cast<long long>(p.nheads) * d;
+    float* dq_head = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) + info.dense_q_offset(p);
+    const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
     for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
       const int row0 = m_block * BlockM;
@@ -334,8 +330,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   }
 
   // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads), once.
-  T* dk = static_cast<T*>(p.dk) + batch * p.dk_stride.batch + kv_head * p.dk_stride.head;
-  T* dv = static_cast<T*>(p.dv) + batch * p.dv_stride.batch + kv_head * p.dv_stride.head;
+  T* dk = kv_info.dk<T>(p);
+  T* dv = kv_info.dv<T>(p);
 #pragma unroll
   for (int i = 0; i < KvTile::kM; ++i)
 #pragma unroll
@@ -362,18 +358,17 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kerne
   if (blockDim.x != fa2::RowKernel::kThreads ||
       (p.num_dq_splits > 1 && p.num_dq_splits != ceil_div(p.seqlen_k, BlockN)))
     __trap();
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int d = p.headdim;
   const int chunks_per_row = ceil_div(d, 4);
   const int row0 = blockIdx.x * fa2::RowKernel::kRows;
   const int rows = min(fa2::RowKernel::kRows, p.seqlen_q - row0);
-  const long long slice_stride = static_cast<long long>(p.batch) * p.seqlen_q * p.nheads * d;
-  T* dq = static_cast<T*>(p.dq) + batch * p.dq_stride.batch + head * p.dq_stride.head;
+  const long long slice_stride = BlockInfo::dense_q_elements(p);
+  T* dq = info.dq<T>(p);
   for (int c = threadIdx.x; c < rows * chunks_per_row; c += fa2::RowKernel::kThreads) {
     const int row = row0 + c / chunks_per_row;
     const int dim0 = (c % chunks_per_row) * 4;
-    const float* accum = p.dq_accum + ((static_cast<long long>(batch) * p.seqlen_q + row) * p.nheads + head) * d + dim0;
+    const float* accum = p.dq_accum + info.dense_q_offset(p) + row * BlockInfo::dense_row_stride(p) + dim0;
     const IndexRange slices = fa2::dq_slices_of_row<BlockN>(p, row);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = slices.begin; j < slices.end; ++j) {  // fixed order: bitwise reproducible

@@ -119,14 +119,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   float* smem = reinterpret_cast<float*>(smem_bytes);
 
   const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / kLaneCols;
   const int lane_col = lane % kLaneCols;
   const int d = p.headdim;
-  const int kv_head = head / (p.nheads / p.nheads_k);
 
   const int row0 = m_block * BlockM;
   if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
@@ -155,10 +153,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   }
 
   if (!n_range.empty()) {
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_stride.batch + row0 * p.q_stride.row +
-                 head * p.q_stride.head;
-    const T* k = static_cast<const T*>(p.k) + batch * p.k_stride.batch + kv_head * p.k_stride.head;
-    const T* v = static_cast<const T*>(p.v) + batch * p.v_stride.batch + kv_head * p.v_stride.head;
+    const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+    const T* k = info.k<T>(p);
+    const T* v = info.v<T>(p);
     float* q_tile = smem + Tr::kQOffset;
     float* k_tile = smem + Tr::kKOffset;
     float* v_tile = smem + Tr::kVOffset;
@@ -246,8 +243,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   }
 
   // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf.
-  T* out = static_cast<T*>(p.out) + batch * p.out_stride.batch + head * p.out_stride.head;
-  float* lse = p.lse + (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+  T* out = info.out<T>(p);
+  float* lse = p.lse + info.row_stats_offset(p);
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     const float l = fa2::group_sum<kLaneCols>(row_sum[i]);

@@ -64,6 +64,7 @@
 //    adds nothing to dK, dV. No NaN is produced anywhere.
 //  - seqlen_q == 0 still launches dv/dk over the keys: their reduction is empty and they write zeros.
 #include "arch/arch.cuh"
+#include "common/block_info.cuh"
 #include "common/kernel_utils.cuh"
 #include "common/mask.cuh"
 
@@ -108,28 +109,6 @@ struct StandardRowTraits {
   static constexpr int kCachedKeysPerLane = 32;
   static constexpr int kCachedKeys = 32 * kCachedKeysPerLane;
 };
-
-// ---------------------------------------------------------------------------------------------------
-// Small helpers.
-
-__device__ __forceinline__ int kv_head_of(const AttentionParams& p, int head) {
-  return head / (p.nheads / p.nheads_k);
-}
-
-// Offset of row `query` of the (batch, nheads, seqlen_q) float32 side buffers (lse, dout_dot_out).
-__device__ __forceinline__ long long row_offset(const AttentionParams& p, int batch, int head, int query) {
-  return (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + query;
-}
-
-// Offset of element (query, key) of the (batch, nheads, seqlen_q, seqlen_k) float32 scores/probs buffers.
-__device__ __forceinline__ long long matrix_offset(const AttentionParams& p, int batch, int head, int query,
-                                                   int key) {
-  return row_offset(p, batch, head, query) * p.seqlen_k + key;
-}
-
-__device__ __forceinline__ long long tensor_offset(const TensorStrides& s, int batch, int row, int head) {
-  return batch * s.batch + row * s.row + head * s.head;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // The batched GEMM: C (M x N) = sum over group members g, over k of A_g(m, k) B_g(k, n).
@@ -241,9 +220,10 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
   using ElemB = typename Product::ElemB;
   if (arch::dynamic_smem_size() < static_cast<unsigned>(Traits::kSmemBytes)) __trap();
 
-  const int head = blockIdx.y;  // a query head, or a kv head for products over the group
-  const int batch = blockIdx.z;
-  const GemmShape<ElemA, ElemB> shape = Product::shape(p, batch, head);
+  // grid.y is a query head, or a kv head for the products over the group (its first query head's info)
+  const BlockInfo info = Product::kOverKvHeads ? BlockInfo::of_group(p, blockIdx.z, blockIdx.y, 0)
+                                               : BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  const GemmShape<ElemA, ElemB> shape = Product::shape(p, info);
   const int n_tiles = (shape.n + Traits::kBlockN - 1) / Traits::kBlockN;
   const int m0 = static_cast<int>(blockIdx.x / n_tiles) * Traits::kBlockM;
   const int n0 = static_cast<int>(blockIdx.x % n_tiles) * Traits::kBlockN;
@@ -324,7 +304,7 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
 #pragma unroll
     for (int c = 0; c < Traits::kOutputsPerThreadN; ++c) {
       const int col = n0 + threadIdx.x + c * Traits::kThreadsX;
-      if (row < shape.m && col < shape.n) Product::store(p, batch, head, row, col, acc[r][c]);
+      if (row < shape.m && col < shape.n) Product::store(p, info, row, col, acc[r][c]);
     }
   }
 }
@@ -333,18 +313,18 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
 // The six products. q/out/dout/dq are (batch, seqlen_q, nheads, d); k/v/dk/dv (batch, seqlen_k, nheads_k,
 // d); scores/probs are (batch, nheads, seqlen_q, seqlen_k) float32.
 
+// (row, d) of one head of an element tensor; k-contiguous over d when the GEMM reduces over d,
+// outer-contiguous otherwise. Consecutive query heads of a group are `s.head` apart.
 template <class T>
-__device__ __forceinline__ GemmOperand<T> query_side_operand(const void* tensor, const TensorStrides& s,
-                                                             int batch, int head, int rows) {
-  // (row, d) of one head; k-contiguous over d when the GEMM reduces over d, outer-contiguous otherwise.
-  return GemmOperand<T>{static_cast<const T*>(tensor) + tensor_offset(s, batch, 0, head), s.row, s.head, rows};
+__device__ __forceinline__ GemmOperand<T> tensor_operand(const T* head_base, const TensorStrides& s, int rows) {
+  return GemmOperand<T>{head_base, s.row, s.head, rows};
 }
 
+// One (seqlen_q x seqlen_k) slice of scores/probs; consecutive query heads are consecutive slices.
 __device__ __forceinline__ GemmOperand<float> matrix_operand(const float* matrix, const AttentionParams& p,
-                                                            int batch, int head, int outer_extent) {
-  // One (seqlen_q x seqlen_k) slice of scores/probs; consecutive query heads are consecutive slices.
-  const long long slice = static_cast<long long>(p.seqlen_q) * p.seqlen_k;
-  return GemmOperand<float>{matrix + matrix_offset(p, batch, head, 0, 0), p.seqlen_k, slice, outer_extent};
+                                                            const BlockInfo& info, int outer_extent) {
+  const long long slice = static_cast<long long>(info.seqlen_q) * info.seqlen_k;
+  return GemmOperand<float>{matrix + info.score_matrix_offset(p), info.seqlen_k, slice, outer_extent};
 }
 
 // S = scale Q K^T (M = seqlen_q, N = seqlen_k, K = d).
@@ -355,15 +335,15 @@ struct ScoresProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
+  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<T, T> shape(const AttentionParams& p, int batch, int head) {
-    return {p.seqlen_q, p.seqlen_k, p.headdim, 1,
-            query_side_operand<T>(p.q, p.q_stride, batch, head, p.seqlen_q),
-            query_side_operand<T>(p.k, p.k_stride, batch, kv_head_of(p, head), p.seqlen_k)};
+  __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.q<T>(p), p.q_stride, info.seqlen_q),
+            tensor_operand(info.k<T>(p), p.k_stride, info.seqlen_k)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int head, int query, int key, float acc) {
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
     const float s = MaskPolicy::of(p).visible(query, key) ? ScoreHook{}(acc, query, key) * p.softmax_scale : neg_inf();
-    arch::store(p.scores + matrix_offset(p, batch, head, query, key), s);
+    arch::store(p.scores + info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k + key, s);
   }
 };
 
@@ -375,14 +355,14 @@ struct OutProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
+  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int head) {
-    return {p.seqlen_q, p.headdim, p.seqlen_k, 1, matrix_operand(p.probs, p, batch, head, p.seqlen_q),
-            query_side_operand<T>(p.v, p.v_stride, batch, kv_head_of(p, head), p.headdim)};
+  __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.probs, p, info, info.seqlen_q),
+            tensor_operand(info.v<T>(p), p.v_stride, p.headdim)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int head, int query, int col, float acc) {
-    T* out = static_cast<T*>(p.out) + tensor_offset(p.out_stride, batch, query, head);
-    arch::store(out + col, from_float<T>(acc));
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int col, float acc) {
+    arch::store(info.out<T>(p) + query * p.out_stride.row + col, from_float<T>(acc));
   }
 };
 
@@ -394,14 +374,15 @@ struct DpProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
+  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<T, T> shape(const AttentionParams& p, int batch, int head) {
-    return {p.seqlen_q, p.seqlen_k, p.headdim, 1,
-            query_side_operand<T>(p.dout, p.dout_stride, batch, head, p.seqlen_q),
-            query_side_operand<T>(p.v, p.v_stride, batch, kv_head_of(p, head), p.seqlen_k)};
+  __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.dout<T>(p), p.dout_stride, info.seqlen_q),
+            tensor_operand(info.v<T>(p), p.v_stride, info.seqlen_k)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int head, int query, int key, float acc) {
-    arch::store(p.scores + matrix_offset(p, batch, head, query, key), MaskPolicy::of(p).visible(query, key) ? acc : 0.f);
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
+    arch::store(p.scores + info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k + key,
+                MaskPolicy::of(p).visible(query, key) ? acc : 0.f);
   }
 };
 
@@ -413,14 +394,14 @@ struct DqProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
+  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int head) {
-    return {p.seqlen_q, p.headdim, p.seqlen_k, 1, matrix_operand(p.scores, p, batch, head, p.seqlen_q),
-            query_side_operand<T>(p.k, p.k_stride, batch, kv_head_of(p, head), p.headdim)};
+  __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.scores, p, info, info.seqlen_q),
+            tensor_operand(info.k<T>(p), p.k_stride, p.headdim)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int head, int query, int col, float acc) {
-    T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_stride, batch, query, head);
-    arch::store(dq + col, from_float<T>(acc * p.softmax_scale));
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int col, float acc) {
+    arch::store(info.dq<T>(p) + query * p.dq_stride.row + col, from_float<T>(acc * p.softmax_scale));
   }
 };
 
@@ -433,16 +414,14 @@ struct DvProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // P^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
+  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int kv_head) {
-    const int group = p.nheads / p.nheads_k;
-    return {p.seqlen_k, p.headdim, p.seqlen_q, group,
-            matrix_operand(p.probs, p, batch, kv_head * group, p.seqlen_k),
-            query_side_operand<T>(p.dout, p.dout_stride, batch, kv_head * group, p.headdim)};
+  __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
+            matrix_operand(p.probs, p, info, info.seqlen_k), tensor_operand(info.dout<T>(p), p.dout_stride, p.headdim)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int kv_head, int key, int col, float acc) {
-    T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_stride, batch, key, kv_head);
-    arch::store(dv + col, from_float<T>(acc));
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int key, int col, float acc) {
+    arch::store(info.dv<T>(p) + key * p.dv_stride.row + col, from_float<T>(acc));
   }
 };
 
@@ -454,16 +433,14 @@ struct DkProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // dS^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
+  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads
 
-  __device__ static GemmShape<float, T> shape(const AttentionParams& p, int batch, int kv_head) {
-    const int group = p.nheads / p.nheads_k;
-    return {p.seqlen_k, p.headdim, p.seqlen_q, group,
-            matrix_operand(p.scores, p, batch, kv_head * group, p.seqlen_k),
-            query_side_operand<T>(p.q, p.q_stride, batch, kv_head * group, p.headdim)};
+  __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
+    return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
+            matrix_operand(p.scores, p, info, info.seqlen_k), tensor_operand(info.q<T>(p), p.q_stride, p.headdim)};
   }
-  __device__ static void store(const AttentionParams& p, int batch, int kv_head, int key, int col, float acc) {
-    T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_stride, batch, key, kv_head);
-    arch::store(dk + col, from_float<T>(acc * p.softmax_scale));
+  __device__ static void store(const AttentionParams& p, const BlockInfo& info, int key, int col, float acc) {
+    arch::store(info.dk<T>(p) + key * p.dk_stride.row + col, from_float<T>(acc * p.softmax_scale));
   }
 };
 
@@ -590,13 +567,13 @@ template <SoftmaxPass Pass>
 __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_kernel(const AttentionParams p) {
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (query >= p.seqlen_q) return;  // the whole warp leaves together, before any shuffle
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  if (query >= info.seqlen_q) return;  // the whole warp leaves together, before any shuffle
 
-  float* scores = p.scores + matrix_offset(p, batch, head, query, 0);
-  float* probs = p.probs + matrix_offset(p, batch, head, query, 0);
-  const long long row = row_offset(p, batch, head, query);
+  const long long matrix_row = info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k;
+  float* scores = p.scores + matrix_row;
+  float* probs = p.probs + matrix_row;
+  const long long row = info.row_stats_offset(p) + query;
 
   if (Pass == SoftmaxPass::kForward) {
     if (p.seqlen_k <= StandardRowTraits::kCachedKeys) {  // warp-uniform
@@ -624,17 +601,16 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_dout_dot
   static_assert(is_element_type<T>::value, "standard attention runs on float, __half, __nv_bfloat16");
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (query >= p.seqlen_q) return;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  if (query >= info.seqlen_q) return;
 
-  const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_stride, batch, query, head);
-  const T* out = static_cast<const T*>(p.out) + tensor_offset(p.out_stride, batch, query, head);
+  const T* dout = info.dout<T>(p) + query * p.dout_stride.row;
+  const T* out = info.out_in<T>(p) + query * p.out_stride.row;
   float partial = 0.f;
   for (int col = lane; col < p.headdim; col += 32)
     partial = fmaf(to_float(arch::load(dout + col)), to_float(arch::load(out + col)), partial);
   const float total = warp_sum(partial);
-  if (lane == 0) arch::store(p.dout_dot_out + row_offset(p, batch, head, query), total);
+  if (lane == 0) arch::store(p.dout_dot_out + info.row_stats_offset(p) + query, total);
 }
 
 }  // namespace cuflash
