@@ -11,6 +11,10 @@
 //   - special registers: dynamic_smem_size  (mov %dynamic_smem_size)
 //   - exponentials:      exp2_approx        (ex2.approx.ftz.f32)
 //   - global memory:     load / store / atomic_add (red.global.add.f32)
+//   - tensor cores:      mma_m16n8k16<T>    (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16})
+//   - shared -> regs:    ldmatrix<n, trans> (ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16)
+//   - async copies:      cp_async<bytes>, cp_async_commit, cp_async_wait<n> (cp.async.{ca,cg}, groups)
+//   - 16-bit packing:    pack_float2<T>     (cvt.rn.{f16x2,bf16x2}.f32), smem_address (cvta to shared)
 #pragma once
 
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
@@ -83,6 +87,153 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 #endif  // CUFLASH_GPU: the CPU twins are in sim/cuda_sim.h, namespace cuflash::arch.
+
+// ---- tensor cores, async copies, 16-bit packing ------------------------------------------
+// Each wrapper below is one PTX instruction family. On the GPU it is inline PTX; in the
+// simulator it forwards to the CPU twin (sim/sim_tensor.h, sim_runtime.cpp) with the kernel's
+// call site, so every use in a kernel is its own warp-collective site. Signatures are the same on
+// both sides; tests/test_arch_wrappers.py checks each wrapper's SASS (NVRTC, sm_80 and sm_90) and
+// its simulator semantics.
+
+// Operand types of mma.sync m16n8k16 and of the f32 -> 16-bit pair conversion.
+template <class T> struct is_mma_operand { static constexpr bool value = false; static constexpr bool bf16 = false; };
+template <> struct is_mma_operand<__half> { static constexpr bool value = true; static constexpr bool bf16 = false; };
+template <> struct is_mma_operand<__nv_bfloat16> {
+  static constexpr bool value = true;
+  static constexpr bool bf16 = true;
+};
+
+#if CUFLASH_GPU
+
+// 32-bit shared-window address of a pointer into shared memory (what ldmatrix / cp.async take).
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// D (16x8, f32) = A (16x16, T, row) * B (16x8, T, col) + C: mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32.
+template <class T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                             const float (&c)[4]) {
+  static_assert(is_mma_operand<T>::value, "mma_m16n8k16 takes __half or __nv_bfloat16 operands");
+  if constexpr (is_mma_operand<T>::bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+  }
+}
+
+// kCount 8x8 b16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8), optionally
+// transposed: ldmatrix.sync.aligned.m8n8.x{1,2,4}{,.trans}.shared.b16.
+template <int kCount, bool kTrans>
+__device__ __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "ldmatrix loads 1, 2 or 4 matrices");
+  const unsigned address = smem_address(smem_row);
+  if constexpr (kCount == 1) {
+    if constexpr (kTrans)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(address));
+    else
+      asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(address));
+  } else if constexpr (kCount == 2) {
+    if constexpr (kTrans)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                   : "=r"(r[0]), "=r"(r[1]) : "r"(address));
+    else
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
+  } else {
+    if constexpr (kTrans)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+    else
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  }
+}
+
+// Asynchronous copy of kBytes (4, 8 or 16) from global to shared memory; only the first src_bytes
+// are read, the rest of the destination is zero-filled. 16-byte copies bypass L1 (.cg).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem_dst, const void* global_src, int src_bytes) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const unsigned dst = smem_address(smem_dst);
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src), "r"(src_bytes)
+                 : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(global_src), "n"(kBytes),
+                 "r"(src_bytes)
+                 : "memory");
+}
+// Closes the group of this thread's cp.async issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  static_assert(kPending >= 0 && kPending < 8, "cp.async.wait_group takes 0..7");
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Two floats rounded to nearest-even 16-bit values in one register, lo in bits 0..15:
+// cvt.rn.{f16x2,bf16x2}.f32 (its first source goes to the upper half).
+template <class T>
+__device__ __forceinline__ unsigned pack_float2(float lo, float hi) {
+  static_assert(is_mma_operand<T>::value, "pack_float2 packs to __half or __nv_bfloat16");
+  unsigned r;
+  if constexpr (is_mma_operand<T>::bf16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+#else  // the simulator: forward to the CPU twins, passing the kernel's call site on.
+
+__forceinline__ unsigned smem_address(const void* p) { return sim::shared_window_address(p); }
+
+template <class T>
+__forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4],
+                                  CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(is_mma_operand<T>::value, "mma_m16n8k16 takes __half or __nv_bfloat16 operands");
+  sim::mma_m16n8k16<T>(d, a, b, c, site_);
+}
+
+template <int kCount, bool kTrans>
+__forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row, CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "ldmatrix loads 1, 2 or 4 matrices");
+  sim::ldmatrix<kCount, kTrans>(r, smem_row, site_);
+}
+
+template <int kBytes>
+__forceinline__ void cp_async(void* smem_dst, const void* global_src, int src_bytes, CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  sim::cp_async(smem_dst, global_src, kBytes, static_cast<unsigned>(src_bytes), site_);
+}
+__forceinline__ void cp_async_commit() { sim::cp_async_commit(); }
+template <int kPending>
+__forceinline__ void cp_async_wait() {
+  static_assert(kPending >= 0 && kPending < 8, "cp.async.wait_group takes 0..7");
+  sim::cp_async_wait(kPending);
+}
+
+template <class T>
+__forceinline__ unsigned pack_float2(float lo, float hi) {
+  static_assert(is_mma_operand<T>::value, "pack_float2 packs to __half or __nv_bfloat16");
+  if constexpr (is_mma_operand<T>::bf16)
+    return sim::float_to_bfloat16_bits(lo) | static_cast<unsigned>(sim::float_to_bfloat16_bits(hi)) << 16;
+  else
+    return sim::float_to_half_bits(lo) | static_cast<unsigned>(sim::float_to_half_bits(hi)) << 16;
+}
+
+#endif  // CUFLASH_GPU
 
 }  // namespace arch
 }  // namespace cuflash

@@ -101,14 +101,20 @@ def test_ldmatrix(count, trans, pitch):
         assert out[lane, count:].tolist() == [0] * (4 - count)
 
 
-def test_ldmatrix_x4_gives_the_mma_a_fragment():
-    # With lane l pointing at &A[l % 16][8 * (l // 16)], ldmatrix.x4 returns R0..R3 in mma order.
-    A = np.arange(256, dtype=np.uint16).reshape(16, 16)
-    rows = [(l % 16, 8 * (l // 16)) for l in range(32)]
-    matrices = np.array([[A[rows[8 * j + r][0], rows[8 * j + r][1]:rows[8 * j + r][1] + 8] for r in range(8)]
-                         for j in range(4)])
+@pytest.mark.parametrize("T, npdtype", [("__half", np.float16), ("__nv_bfloat16", ml_dtypes.bfloat16)])
+def test_ldmatrix_fragments_feed_mma(T, npdtype):
+    # A through ldmatrix.x4 and B (k-major) through ldmatrix.x2.trans into mma: D must be A B.
+    rng = np.random.default_rng(5)
+    A = rng.standard_normal((16, 16)).astype(npdtype)
+    B = rng.standard_normal((16, 8)).astype(npdtype)
+    d_regs = np.zeros((32, 4), np.float32)
+    launch(f"ldmatrix_mma_kernel<{T}>", 32, smem=768,
+           in0=np.concatenate([A.view(np.uint16).ravel(), B.view(np.uint16).ravel()]), out0=d_regs)
+    D = np.zeros((16, 8), np.float32)
     for lane in range(32):
-        assert ldmatrix_registers(matrices, lane, 4, False) == a_fragment(A, lane)
+        for i, (r, c) in enumerate(c_positions(lane)):
+            D[r, c] = d_regs[lane, i]
+    np.testing.assert_allclose(D, A.astype(np.float64) @ B.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode, pattern", [(1, "not 16-byte aligned"), (2, "outside the block's dynamic shared")])

@@ -299,6 +299,10 @@ __forceinline__ void check_global(const BlockView* block, const void* p, unsigne
 
 CUFLASH_SIM_API void atomic_add_f32(float* p, float v);
 
+// The 32-bit shared-window address of a pointer into the block's dynamic shared memory: its byte
+// offset from the shared base, which the runtime aligns to 1024 bytes as a GPU's shared window is.
+inline unsigned shared_window_address(const void* p);
+
 // ---- warp collectives on values ----
 template <class T>
 struct ShuffleIn {
@@ -479,6 +483,17 @@ __forceinline__ int __all_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PA
 #include "sim_tensor.h"
 
 // ---- CPU twins of the arch layer ---------------------------------------------------------------
+namespace cuflash::sim {
+inline unsigned shared_window_address(const void* p) {
+  const BlockView* block = current_thread()->block;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(block->smem);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  if (at < base || at > base + block->launch->smem_bytes)
+    fail("smem_address: the pointer is not inside the block's dynamic shared memory");
+  return static_cast<unsigned>(at - base);
+}
+}  // namespace cuflash::sim
+
 namespace cuflash::arch {
 
 template <class T>

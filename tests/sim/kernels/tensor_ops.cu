@@ -1,5 +1,6 @@
-// Test kernels for the simulator's mma.sync / ldmatrix / cp.async twins
-// (cuflash::sim::*, sim_tensor.h). Simulator-only: they call the twins directly.
+// Test kernels for the mma.sync / ldmatrix / cp.async wrappers of the arch layer (cuflash::arch::, whose
+// simulator side forwards to the twins in sim_tensor.h). tests/test_arch_wrappers.py also compiles them
+// with NVRTC and checks their SASS.
 #include "arch/arch.cuh"
 
 namespace simtensor {
@@ -31,7 +32,7 @@ __global__ void mma_kernel(const Args a) {
   const float* c = static_cast<const float*>(a.in1) + 4 * lane;
   const float cr[4] = {load(c), load(c + 1), load(c + 2), load(c + 3)};
   float d[4];
-  cuflash::sim::mma_m16n8k16<T>(d, ar, br, cr);
+  cuflash::arch::mma_m16n8k16<T>(d, ar, br, cr);
   for (int i = 0; i < 4; ++i) store(static_cast<float*>(a.out0) + 4 * lane + i, d[i]);
 }
 
@@ -50,8 +51,27 @@ __global__ void ldmatrix_kernel(const Args a) {
   }
   __syncwarp();
   unsigned r[kCount];
-  cuflash::sim::ldmatrix<kCount, kTrans>(r, smem + lane * pitch);
+  cuflash::arch::ldmatrix<kCount, kTrans>(r, smem + lane * pitch);
   for (int j = 0; j < 4; ++j) store(static_cast<unsigned*>(a.out0) + 4 * lane + j, j < kCount ? r[j] : 0u);
+}
+
+// The tensor-core path end to end: A (16x16) and B (16x8, stored k-major) from in0 go to shared
+// memory; ldmatrix.x4 gives the mma A fragment (lane l points at A[l % 16][8 (l / 16)]), the
+// transposing ldmatrix.x2 the B fragment (lane l < 16 points at B[l][0]); out0 = D = A B, 4 per lane.
+template <class T>
+__global__ void ldmatrix_mma_kernel(const Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);  // A: 16 rows x 32 bytes at 0; B: 16 rows x 16 bytes at 512
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256 + 128; i += 32)
+    reinterpret_cast<unsigned short*>(smem)[i] = load(static_cast<const unsigned short*>(a.in0) + i);
+  __syncwarp();
+  unsigned ar[4], br[2];
+  cuflash::arch::ldmatrix<4, false>(ar, smem + (lane % 16) * 32 + 16 * (lane / 16));
+  cuflash::arch::ldmatrix<2, true>(br, smem + 512 + (lane % 16) * 16);
+  const float c[4] = {0.f, 0.f, 0.f, 0.f};
+  float d[4];
+  cuflash::arch::mma_m16n8k16<T>(d, ar, br, c);
+  for (int i = 0; i < 4; ++i) store(static_cast<float*>(a.out0) + 4 * lane + i, d[i]);
 }
 
 // ldmatrix with a misaligned row address (a.mode = 1) or a row outside shared memory (2).
@@ -62,7 +82,7 @@ __global__ void ldmatrix_bad_kernel(const Args a) {
   if (a.mode == 1 && lane == 3) row += 8;
   if (a.mode == 2 && lane == 5) row = smem + 4096;
   unsigned r[1];
-  cuflash::sim::ldmatrix<1, false>(r, row);
+  cuflash::arch::ldmatrix<1, false>(r, row);
   store(static_cast<unsigned*>(a.out0) + lane, r[0]);
 }
 
@@ -76,12 +96,12 @@ __global__ void cp_async_kernel(const Args a) {
   float* tile = reinterpret_cast<float*>(smem);
   const int t = threadIdx.x;
   const float* src = static_cast<const float*>(a.in0) + 4 * t;
-  cuflash::sim::cp_async(tile + 4 * t, src, 8, static_cast<unsigned>(a.n));
-  cuflash::sim::cp_async_commit();
-  cuflash::sim::cp_async(tile + 4 * t + 2, src + 2, 8, 8);
-  cuflash::sim::cp_async_commit();
-  if (a.mode == 0) cuflash::sim::cp_async_wait(0);
-  if (a.mode == 1) cuflash::sim::cp_async_wait(1);
+  cuflash::arch::cp_async<8>(tile + 4 * t, src, static_cast<unsigned>(a.n));
+  cuflash::arch::cp_async_commit();
+  cuflash::arch::cp_async<8>(tile + 4 * t + 2, src + 2, 8);
+  cuflash::arch::cp_async_commit();
+  if (a.mode == 0) cuflash::arch::cp_async_wait<0>();
+  if (a.mode == 1) cuflash::arch::cp_async_wait<1>();
   for (int i = 0; i < 4; ++i) store(static_cast<float*>(a.out0) + 4 * t + i, tile[4 * t + i]);
   __syncthreads();
   store(static_cast<float*>(a.out1) + t, tile[4 * ((t + 1) % blockDim.x)]);
@@ -90,11 +110,11 @@ __global__ void cp_async_kernel(const Args a) {
 __global__ void cp_async_bad_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   const float* src = static_cast<const float*>(a.in0);
-  if (a.mode == 0) cuflash::sim::cp_async(smem + 4, src, 16, 16);           // misaligned destination
-  if (a.mode == 1) cuflash::sim::cp_async(smem, src + a.n, 16, 16);         // source past the buffer
-  if (a.mode == 2) cuflash::sim::cp_async(smem + a.extra, src, 16, 16);     // destination past smem
-  cuflash::sim::cp_async_commit();
-  cuflash::sim::cp_async_wait(0);
+  if (a.mode == 0) cuflash::arch::cp_async<16>(smem + 4, src, 16);           // misaligned destination
+  if (a.mode == 1) cuflash::arch::cp_async<16>(smem, src + a.n, 16);         // source past the buffer
+  if (a.mode == 2) cuflash::arch::cp_async<16>(smem + a.extra, src, 16);     // destination past smem
+  cuflash::arch::cp_async_commit();
+  cuflash::arch::cp_async_wait<0>();
 }
 
 }  // namespace simtensor
