@@ -45,6 +45,21 @@ _COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", 
 # accumulator reset gives garbage here as it does on a GPU.
 _KERNEL_FLAGS = ("-ftrivial-auto-var-init=pattern",)
 
+
+def _host_has_fma() -> bool:
+    try:
+        return re.search(r"^flags\s*:.*\bfma\b", Path("/proc/cpuinfo").read_text(), re.M) is not None
+    except OSError:
+        return False
+
+
+# Kernel TUs contract a * b + c into one fused multiply-add, as NVRTC does by default (--fmad=true), so
+# rounding matches a GPU's. Hosts without FMA (pre-Haswell x86) keep separate roundings: the README says so.
+# -fno-exceptions: device code has none, and a call that may throw ends a basic block, which would stop
+# GCC fusing a product with a sum across a global load (every arch::load is a call in the simulator).
+_FMA_FLAGS = ("-mfma", "-ffp-contract=fast") if _host_has_fma() else ("-ffp-contract=fast",)
+_KERNEL_FLAGS += _FMA_FLAGS + ("-fno-exceptions",)
+
 # Per mode: flags for kernel TUs, flags for the (uninstrumented in race mode) runtime, link flags.
 _MODE_FLAGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "normal": ((), (), ("-Wl,-z,defs",)),

@@ -158,3 +158,33 @@ def test_forgotten_accumulator_reset_gives_garbage():
     np.testing.assert_array_equal(out, 3.0)
     launch("accumulator_kernel", 32, out0=out, n=3, mode=1)
     assert not np.any(out == 3.0)
+
+
+def test_multiply_add_fuses_like_nvrtc_default():
+    # (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: rounding the product first loses the 2^-24 that a fused
+    # multiply-add keeps. NVRTC fuses by default (--fmad=true), so the simulator must too.
+    from simkit import run
+
+    n = 32
+    a = np.float32(1 + 2**-12)
+    x = np.concatenate([np.full(n, a, np.float32), np.full(n, -(1 + 2**-11), np.float32)])
+    y = np.full(n, a, np.float32)
+    out = np.zeros(n, np.float32)
+    run("multiply_add_kernel", (1, 1, 1), (n, 1, 1), in0=x, in1=y, out0=out, n=n)
+    unfused = np.float32(a * a) + np.float32(-(1 + 2**-11))
+    assert unfused == 0.0
+    assert (out == np.float32(2**-24)).all(), out[:4]
+
+
+def test_exp2_approx_flushes_subnormals_like_ex2_approx_ftz():
+    from simkit import run
+
+    x = np.array([-130.0, -126.5, -126.0, 0.0, -np.inf, np.inf, 1.5, -1e-40, 1e-40, 3.0], np.float32)
+    x = np.resize(x, 32)
+    out = np.full(32, np.nan, np.float32)
+    run("exp2_approx_kernel", (1, 1, 1), (32, 1, 1), in0=x, out0=out)
+    expected = np.exp2(x.astype(np.float64))
+    expected[np.abs(expected) < np.finfo(np.float32).tiny] = 0.0  # 2^-130, 2^-126.5: subnormal results flushed
+    expected[np.abs(x) < np.finfo(np.float32).tiny] = 1.0  # subnormal inputs flush to 0: 2^0
+    np.testing.assert_allclose(out, expected.astype(np.float32), rtol=2**-22, atol=0)
+    assert out[0] == 0.0 and np.signbit(out[0]) == False  # noqa: E712

@@ -529,9 +529,10 @@ __forceinline__ void atomic_add(float* p, float v) { sim::atomic_add_f32(p, v); 
 
 __forceinline__ unsigned dynamic_smem_size() { return sim::current_thread()->block->launch->smem_bytes; }
 
-// The GPU's ex2.approx.ftz.f32 is within 2 ulp of 2^x and flushes subnormal inputs
-// and results to zero; exp2f here is correctly rounded (glibc) and keeps subnormals.
-// Both give +0 for -inf and +inf for +inf, which is what online softmax relies on.
-__forceinline__ float exp2_approx(float x) { return exp2f(x); }
+// ex2.approx.ftz.f32: within 2 ulp of 2^x with subnormal inputs and results flushed to a zero of
+// the same sign. exp2f here is correctly rounded (glibc), so results can differ in the last bits;
+// the flushing is the GPU's. +0 for -inf and +inf for +inf, which online softmax relies on.
+__forceinline__ float flush_subnormal(float x) { return std::fabs(x) < 1.17549435e-38f ? std::copysign(0.f, x) : x; }
+__forceinline__ float exp2_approx(float x) { return flush_subnormal(exp2f(flush_subnormal(x))); }
 
 }  // namespace cuflash::arch

@@ -371,3 +371,18 @@ __global__ void int_divide_kernel(const Args a) {
   store(static_cast<int*>(a.out0) + tid_linear(), 100 / a.n);
 }
 }  // namespace simtest
+
+namespace simtest {
+// out0[t] = in0[t] * in1[t] + in0[t + n] (kernels are built with FMA contraction, as NVRTC's --fmad=true).
+__global__ void multiply_add_kernel(const Args a) {
+  const int t = tid_linear();
+  const float* x = static_cast<const float*>(a.in0);
+  const float u = load(x + t), v = load(static_cast<const float*>(a.in1) + t), w = load(x + t + a.n);
+  store(static_cast<float*>(a.out0) + t, u * v + w);
+}
+// out0[t] = exp2_approx(in0[t]).
+__global__ void exp2_approx_kernel(const Args a) {
+  const int t = tid_linear();
+  store(static_cast<float*>(a.out0) + t, cuflash::arch::exp2_approx(load(static_cast<const float*>(a.in0) + t)));
+}
+}  // namespace simtest
