@@ -53,3 +53,16 @@ def test_pack_params_round_trip():
     assert packed["softmax_scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
     with pytest.raises(KeyError, match="no pointer field"):
         params.pack_params(problem, softmax_scale=1.0, pointers={"bogus": 1}, strides={})
+
+
+def test_the_mirror_is_derived_from_the_header_not_copied():
+    text = params.HEADER.read_text()
+    assert "X(dv_accum)" in text and "int num_dq_splits;" in text
+    grown = text.replace("X(dv_accum)", "X(dv_accum) \\\n  X(extra_buffer)").replace(
+        "int num_dq_splits;", "int num_dq_splits;\n  float new_scalar;").replace("X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
+    fields, tensors, side_buffers = params.header_fields(grown)
+    assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")
+    assert tensors[-1] == params.TensorField("dbias", "Query", "Out")
+    assert ("dbias", "void*") in fields and ("dbias_stride.head", "long long") in fields
+    with pytest.raises(ValueError, match="cannot read the AttentionParams member 'double oops;'"):
+        params.header_fields(text.replace("int num_dq_splits;", "int num_dq_splits;\n  double oops;"))

@@ -2,9 +2,9 @@
 //
 // Why one struct: the same kernels are launched from three places (CuPy, the
 // JAX FFI handler, the CPU simulator). A single POD argument keeps the launch
-// ABI identical everywhere: the Python mirror (cuflash/kernels/params.py) packs
-// these bytes once, and every backend hands them over unchanged. A test
-// compares this layout with the mirror field by field (offset and size).
+// ABI identical everywhere: the Python mirror (cuflash/kernels/params.py, derived
+// from this header) packs these bytes once, and every backend hands them over
+// unchanged. A test compares that layout with g++'s field by field (offset and size).
 //
 // Conventions
 //  - Tensors are element pointers; the element type is a template parameter of
@@ -24,31 +24,58 @@ struct TensorStrides {
   long long head;
 };
 
+// The pointer fields, in declaration order, as X-macro lists: the struct below, the FFI handler's
+// field tables (ffi/program_call.h) and the Python mirror (cuflash/kernels/params.py parses these
+// lists and the scalar declarations) all come from here.
+//
+// Element tensors: X(name, side, access). side: Query = (batch, seqlen_q, nheads, headdim),
+// Key = (batch, seqlen_k, nheads_k, headdim). access: In (const) or Out. Each has a
+// TensorStrides name##_stride.
+#define CUFLASH_PARAMS_TENSORS(X) \
+  X(q, Query, In)                 \
+  X(k, Key, In)                   \
+  X(v, Key, In)                   \
+  X(out, Query, Out)              \
+  X(dout, Query, In)              \
+  X(dq, Query, Out)               \
+  X(dk, Key, Out)                 \
+  X(dv, Key, Out)
+
+// Float32 side buffers, dense, row-major: X(name).
+//   lse          (batch, nheads, seqlen_q) log-sum-exp of scaled scores
+//   scores       standard attention: S or dP, (batch, nheads, seqlen_q, seqlen_k)
+//   probs        standard attention: P, (batch, nheads, seqlen_q, seqlen_k)
+//   row_max      fa1: running m, (batch, nheads, seqlen_q)
+//   row_sum      fa1: running l, (batch, nheads, seqlen_q)
+//   out_accum    fa1 forward: float32 O, (batch, seqlen_q, nheads, headdim)
+//   dout_dot_out backward pre-pass D = rowsum(dO * O), (batch, nheads, seqlen_q)
+//   dq_accum     backward: float32 dQ, (num_dq_splits, batch, seqlen_q, nheads, headdim)
+//   dk_accum     backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
+//   dv_accum     backward GQA: float32 dV per q-head, (batch, seqlen_k, nheads, headdim)
+#define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
+  X(lse)                               \
+  X(scores)                            \
+  X(probs)                             \
+  X(row_max)                           \
+  X(row_sum)                           \
+  X(out_accum)                         \
+  X(dout_dot_out)                      \
+  X(dq_accum)                          \
+  X(dk_accum)                          \
+  X(dv_accum)
+
+#define CUFLASH_PARAMS_POINTER_In const void*
+#define CUFLASH_PARAMS_POINTER_Out void*
+#define CUFLASH_PARAMS_IS_QUERY_Query true
+#define CUFLASH_PARAMS_IS_QUERY_Key false
+#define CUFLASH_PARAMS_DECLARE_TENSOR(name, side, access) CUFLASH_PARAMS_POINTER_##access name;
+#define CUFLASH_PARAMS_DECLARE_SIDE_BUFFER(name) float* name;
+#define CUFLASH_PARAMS_DECLARE_STRIDES(name, side, access) TensorStrides name##_stride;
+
 struct AttentionParams {
-  // Inputs and outputs (element type = kernel template parameter).
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  const void* dout;
-  void* dq;
-  void* dk;
-  void* dv;
-
-  // Float32 side buffers.
-  float* lse;          // (batch, nheads, seqlen_q) log-sum-exp of scaled scores
-  float* scores;       // standard attention: S or dP, (batch, nheads, seqlen_q, seqlen_k)
-  float* probs;        // standard attention: P, (batch, nheads, seqlen_q, seqlen_k)
-  float* row_max;      // fa1: running m, (batch, nheads, seqlen_q)
-  float* row_sum;      // fa1: running l, (batch, nheads, seqlen_q)
-  float* out_accum;    // fa1 forward: float32 O, (batch, seqlen_q, nheads, headdim)
-  float* dout_dot_out; // backward pre-pass D = rowsum(dO * O), (batch, nheads, seqlen_q)
-  float* dq_accum;     // backward: float32 dQ, (num_dq_splits, batch, seqlen_q, nheads, headdim)
-  float* dk_accum;     // backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
-  float* dv_accum;     // backward GQA: float32 dV per q-head, (batch, seqlen_k, nheads, headdim)
-
-  TensorStrides q_stride, k_stride, v_stride, out_stride;
-  TensorStrides dout_stride, dq_stride, dk_stride, dv_stride;
+  CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_TENSOR)
+  CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_PARAMS_DECLARE_SIDE_BUFFER)
+  CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_STRIDES)
 
   int batch;
   int seqlen_q;

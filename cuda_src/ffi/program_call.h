@@ -42,19 +42,13 @@ struct PointerField {
   bool is_tensor;  // element-typed (batch, seqlen, heads, headdim) tensor; otherwise a float32 side buffer
 };
 
-#define CUFLASH_POINTER_FIELD(name, is_tensor) {#name, offsetof(AttentionParams, name), is_tensor}
+// From the header's X-macro lists: element tensors first, then the float32 side buffers.
+#define CUFLASH_TENSOR_POINTER_FIELD(name, side, access) {#name, offsetof(AttentionParams, name), true},
+#define CUFLASH_SIDE_POINTER_FIELD(name) {#name, offsetof(AttentionParams, name), false},
 inline constexpr PointerField kPointerFields[] = {
-    CUFLASH_POINTER_FIELD(q, true),           CUFLASH_POINTER_FIELD(k, true),
-    CUFLASH_POINTER_FIELD(v, true),           CUFLASH_POINTER_FIELD(out, true),
-    CUFLASH_POINTER_FIELD(dout, true),        CUFLASH_POINTER_FIELD(dq, true),
-    CUFLASH_POINTER_FIELD(dk, true),          CUFLASH_POINTER_FIELD(dv, true),
-    CUFLASH_POINTER_FIELD(lse, false),        CUFLASH_POINTER_FIELD(scores, false),
-    CUFLASH_POINTER_FIELD(probs, false),      CUFLASH_POINTER_FIELD(row_max, false),
-    CUFLASH_POINTER_FIELD(row_sum, false),    CUFLASH_POINTER_FIELD(out_accum, false),
-    CUFLASH_POINTER_FIELD(dout_dot_out, false), CUFLASH_POINTER_FIELD(dq_accum, false),
-    CUFLASH_POINTER_FIELD(dk_accum, false),   CUFLASH_POINTER_FIELD(dv_accum, false),
-};
-#undef CUFLASH_POINTER_FIELD
+    CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)};
+#undef CUFLASH_TENSOR_POINTER_FIELD
+#undef CUFLASH_SIDE_POINTER_FIELD
 
 inline const PointerField* FindPointerField(std::string_view name) {
   for (const PointerField& field : kPointerFields)
@@ -113,12 +107,9 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, Te
     TensorStrides AttentionParams::*strides;
     bool query_side;  // (batch, seqlen_q, nheads, headdim); else (batch, seqlen_k, nheads_k, headdim)
   };
-  static constexpr Entry kTensors[] = {
-      {"q", &AttentionParams::q_stride, true},       {"k", &AttentionParams::k_stride, false},
-      {"v", &AttentionParams::v_stride, false},      {"out", &AttentionParams::out_stride, true},
-      {"dout", &AttentionParams::dout_stride, true}, {"dq", &AttentionParams::dq_stride, true},
-      {"dk", &AttentionParams::dk_stride, false},    {"dv", &AttentionParams::dv_stride, false},
-  };
+#define CUFLASH_TENSOR_GEOMETRY(name, side, access) {#name, &AttentionParams::name##_stride, CUFLASH_PARAMS_IS_QUERY_##side},
+  static constexpr Entry kTensors[] = {CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_GEOMETRY)};
+#undef CUFLASH_TENSOR_GEOMETRY
   for (const Entry& entry : kTensors) {
     if (name != entry.name) continue;
     geometry->extents[0] = p.batch;

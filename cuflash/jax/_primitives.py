@@ -39,7 +39,7 @@ from .. import _validation as V
 from ..kernels import plans, targets
 from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
-from ..kernels.params import pack_params
+from ..kernels.params import QUERY_SIDE_TENSORS, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
 from . import _ffi
 
@@ -58,13 +58,11 @@ FORWARD_RESULTS = ("out", "lse")
 BACKWARD_OPERANDS = ("dout", "q", "k", "v", "out", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv")
 
-_QUERY_SIDE = ("q", "out", "dout", "dq")  # (batch, seqlen_q, nheads, headdim); k, v, dk, dv use seqlen_k, nheads_k
-
 
 def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
     if name == "lse":
         return (problem.batch, problem.nheads, problem.seqlen_q)
-    if name in _QUERY_SIDE:
+    if name in QUERY_SIDE_TENSORS:  # (batch, seqlen_q, nheads, d); the others use seqlen_k, nheads_k
         return (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim)
     return (problem.batch, problem.seqlen_k, problem.nheads_k, problem.headdim)
 

@@ -1,54 +1,102 @@
-"""Python mirror of ``cuflash::AttentionParams`` (cuda_src/common/attention_params.cuh).
+"""Python mirror of ``cuflash::AttentionParams``, derived from its header (cuda_src/common/attention_params.cuh).
 
-Every backend (simulator, CuPy, JAX FFI) hands kernels the same bytes, packed
-here. ``tests/test_params_layout.py`` compares this layout, field by field,
-with the one g++ computes for the C++ struct.
+The header is the one source: its X-macro lists name the element tensors (with their side and access) and the
+float32 side buffers, and its plain declarations give TensorStrides and the scalars. ``header_fields`` reads
+them in declaration order; the NumPy layout, the field-name tuples and the simulator's layout probe
+(cuflash/sim/_build.py) are built from that. Every backend (simulator, CuPy, JAX FFI) hands kernels the bytes
+packed here; ``tests/test_params_layout.py`` compares the layout, field by field, with the one g++ computes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+import re
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
-# Pointer fields, in declaration order. Element tensors first, then float32 side buffers.
-TENSOR_FIELDS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
-SIDE_BUFFER_FIELDS = (
-    "lse",
-    "scores",
-    "probs",
-    "row_max",
-    "row_sum",
-    "out_accum",
-    "dout_dot_out",
-    "dq_accum",
-    "dk_accum",
-    "dv_accum",
-)
+from .._paths import CUDA_SRC
+
+HEADER = CUDA_SRC / "common" / "attention_params.cuh"
+
+
+class TensorField(NamedTuple):
+    name: str
+    side: str  # "Query" (batch, seqlen_q, nheads, d) or "Key" (batch, seqlen_k, nheads_k, d)
+    access: str  # "In" or "Out"
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
+
+
+def _macro_entries(text: str, macro: str) -> list[tuple[str, ...]]:
+    """The X(...) entries of ``#define macro(X) X(a, b) X(c, d) ...`` (continued lines)."""
+    m = re.search(rf"#define {macro}\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
+    if m is None:
+        raise ValueError(f"{HEADER.name}: no #define {macro}(X)")
+    return [tuple(a.strip() for a in args.split(",")) for args in re.findall(r"\bX\(([^)]*)\)", m.group(1))]
+
+
+def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[TensorField], list[str]]:
+    """(leaf fields as (C path, C type) in declaration order, tensor fields, side-buffer fields) of the header."""
+    text = _strip_comments(HEADER.read_text() if text is None else text)
+    tensors = [TensorField(*entry) for entry in _macro_entries(text, "CUFLASH_PARAMS_TENSORS")]
+    side_buffers = [entry[0] for entry in _macro_entries(text, "CUFLASH_PARAMS_SIDE_BUFFERS")]
+    strides = re.search(r"struct TensorStrides\s*\{(.*?)\};", text, re.S)
+    body = re.search(r"struct AttentionParams\s*\{(.*?)\};", text, re.S)
+    if strides is None or body is None:
+        raise ValueError(f"{HEADER.name}: TensorStrides or AttentionParams not found")
+    stride_fields = re.findall(r"long long (\w+);", strides.group(1))
+    expansions = {
+        "CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_TENSOR)":
+            [(t.name, "const void*" if t.access == "In" else "void*") for t in tensors],
+        "CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_PARAMS_DECLARE_SIDE_BUFFER)": [(b, "float*") for b in side_buffers],
+        "CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_STRIDES)":
+            [(f"{t.name}_stride.{f}", "long long") for t in tensors for f in stride_fields],
+    }
+    fields: list[tuple[str, str]] = []
+    for statement in body.group(1).split("\n"):
+        statement = statement.strip()
+        if not statement:
+            continue
+        if statement in expansions:
+            fields += expansions[statement]
+            continue
+        m = re.fullmatch(r"(int|float|long long) (\w+);", statement)
+        if m is None:
+            raise ValueError(f"{HEADER.name}: cannot read the AttentionParams member {statement!r}")
+        fields.append((m.group(2), m.group(1)))
+    return fields, tensors, side_buffers
+
+
+_FIELDS, _TENSORS, _SIDE_BUFFERS = header_fields()
+TENSOR_FIELDS = tuple(t.name for t in _TENSORS)
+QUERY_SIDE_TENSORS = tuple(t.name for t in _TENSORS if t.side == "Query")
+SIDE_BUFFER_FIELDS = tuple(_SIDE_BUFFERS)
 POINTER_FIELDS = TENSOR_FIELDS + SIDE_BUFFER_FIELDS
-STRIDED_TENSORS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
+STRIDED_TENSORS = TENSOR_FIELDS
+SCALAR_FIELDS = tuple(path for path, _ in _FIELDS if "." not in path and path not in POINTER_FIELDS)
 
-_STRIDES_DTYPE = np.dtype([("batch", np.int64), ("row", np.int64), ("head", np.int64)], align=True)
+_NUMPY_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "long long": np.int64,
+                "int": np.int32, "float": np.float32}
 
-PARAMS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in POINTER_FIELDS]
-    + [(f"{name}_stride", _STRIDES_DTYPE) for name in STRIDED_TENSORS]
-    + [
-        ("batch", np.int32),
-        ("seqlen_q", np.int32),
-        ("seqlen_k", np.int32),
-        ("nheads", np.int32),
-        ("nheads_k", np.int32),
-        ("headdim", np.int32),
-        ("softmax_scale", np.float32),
-        ("softmax_scale_log2", np.float32),
-        ("window_left", np.int32),
-        ("window_right", np.int32),
-        ("num_dq_splits", np.int32),
-    ],
-    align=True,
-)
+
+def _params_dtype(fields: list[tuple[str, str]]) -> np.dtype:
+    members: list[tuple[str, object]] = []
+    for path, ctype in fields:
+        if "." in path:
+            outer, inner = path.split(".")
+            if not members or members[-1][0] != outer:
+                members.append((outer, []))
+            members[-1][1].append((inner, _NUMPY_TYPES[ctype]))
+        else:
+            members.append((path, _NUMPY_TYPES[ctype]))
+    return np.dtype([(name, np.dtype(t, align=True) if isinstance(t, list) else t) for name, t in members],
+                    align=True)
+
+
+PARAMS_DTYPE = _params_dtype(_FIELDS)
 
 
 def field_layout() -> dict[str, tuple[int, int]]:

@@ -253,47 +253,12 @@ def _table_tu(instances: Sequence[KernelInstance]) -> str:
     return "\n".join(lines)
 
 
-_STRUCT_RE = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
-
-
 def attention_params_fields() -> list[tuple[str, str]]:
-    """Leaf fields of cuflash::AttentionParams as (C path, C type), read from the header.
+    """Leaf fields of cuflash::AttentionParams as (C path, C type), as the header declares them
+    (cuflash.kernels.params reads it); nested TensorStrides appear as "q_stride.batch"."""
+    from ..kernels.params import header_fields
 
-    Parsed rather than listed by hand so the layout probe follows the header when a
-    field is added; nested structs (TensorStrides) are expanded to "q_stride.batch".
-    """
-    text = (CUDA_SRC / "common" / "attention_params.cuh").read_text()
-    text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    structs: dict[str, list[tuple[str, str]]] = {}
-    for name, body in _STRUCT_RE.findall(text):
-        fields = []
-        for decl in body.split(";"):
-            decl = " ".join(decl.split())
-            if not decl:
-                continue
-            first, *rest = decl.split(",")
-            m = re.match(r"^(.*?)([\s\*]*)(\w+)$", first.strip())
-            if m is None:
-                raise ValueError(f"cannot parse AttentionParams member declaration {decl!r}")
-            base_type = m.group(1).strip()
-            fields.append((m.group(3), base_type + m.group(2).replace(" ", "")))
-            for other in rest:
-                stars = other.count("*")
-                fields.append((other.strip("* "), base_type + "*" * stars))
-        structs[name] = fields
-
-    def expand(struct: str, prefix: str) -> list[tuple[str, str]]:
-        out = []
-        for field, ctype in structs[struct]:
-            base = ctype.replace("const", "").strip()
-            if base in structs:
-                out += expand(base, f"{prefix}{field}.")
-            else:
-                out.append((prefix + field, ctype))
-        return out
-
-    return expand("AttentionParams", "")
+    return header_fields()[0]
 
 
 # ---- building ------------------------------------------------------------------------------
