@@ -22,7 +22,8 @@ Peers are optional: a system whose framework is missing reports why through
   without its forward, so these time forward and forward+backward.
 * ``torch-flash`` / ``torch-cudnn``: PyTorch's
   ``scaled_dot_product_attention`` restricted to its FlashAttention-2 or
-  cuDNN backend.
+  cuDNN backend, on contiguous (batch, heads, seqlen, dim) tensors, its
+  users' layout.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class CupyStandard(System):
     def prepare(self, workload, seed=0):
         cupy = cupy_or_refuse()
         forward, backward = self._functions(cupy, workload.causal)
-        q, k, v, dout = (cupy.asarray(x).swapaxes(1, 2) for x in _host_inputs(workload, seed))
+        # The user's own layout: contiguous (batch, heads, seqlen, dim).
+        q, k, v, dout = (cupy.ascontiguousarray(cupy.asarray(x).swapaxes(1, 2)) for x in _host_inputs(workload, seed))
         out, p = forward(q, k, v)
 
         def forward_backward():
@@ -292,11 +294,9 @@ class TorchSdpa(System):
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[self.backend]
 
         def attend(q, k, v):
-            # (batch, seqlen, heads, dim) views as (batch, heads, seqlen, dim); the last dim stays contiguous.
+            # PyTorch's own layout, (batch, heads, seqlen, dim), contiguous: what its users pass.
             with sdpa_kernel(backend):
-                out = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   is_causal=causal)
-            return out.transpose(1, 2)
+                return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         def gradients(out, q, k, v, dout):
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -305,6 +305,7 @@ class TorchSdpa(System):
 
     @staticmethod
     def _tensors(arrays):
+        """(batch, seqlen, heads, dim) NumPy arrays -> contiguous (batch, heads, seqlen, dim) CUDA leaf tensors."""
         import torch
 
         from cuflash.testing import numpy_dtype
@@ -316,12 +317,13 @@ class TorchSdpa(System):
                 t = torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
             else:
                 t = torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
-            tensors.append(t.requires_grad_(True))
+            tensors.append(t.transpose(1, 2).contiguous().requires_grad_(True))
         return tensors
 
     @staticmethod
     def _numpy(t, dtype):
-        return t.detach().float().cpu().numpy().astype(dtype)
+        """A (batch, heads, seqlen, dim) tensor back in cuflash's layout and dtype."""
+        return t.detach().transpose(1, 2).float().cpu().numpy().astype(dtype)
 
     def compute(self, q, k, v, dout, causal):
         attend, gradients = self._sdpa(causal)
