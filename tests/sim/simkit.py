@@ -30,7 +30,10 @@ ARGS_DTYPE = np.dtype(
 
 
 # Template kernels are listed with the instantiations the tests use.
-_TEMPLATE_INSTANCES = {"shuffle_kernel": ("shuffle_kernel<int>", "shuffle_kernel<float>")}
+_TEMPLATE_INSTANCES = {
+    "shuffle_kernel": ("shuffle_kernel<int>", "shuffle_kernel<float>"),
+    "paired_kernel": ("paired_kernel<__half2>", "paired_kernel<__nv_bfloat162>"),
+}
 
 
 def all_kernels() -> list[KernelInstance]:

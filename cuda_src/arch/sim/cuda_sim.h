@@ -191,6 +191,104 @@ __forceinline__ unsigned __float_as_uint(float f) { return cuflash::sim::bit_cas
 __forceinline__ float __int_as_float(int i) { return cuflash::sim::bit_cast<float>(i); }
 __forceinline__ float __uint_as_float(unsigned i) { return cuflash::sim::bit_cast<float>(i); }
 
+// ---- paired 16-bit math (each lane as the CUDA headers define it) ----------------------------
+// Results are rounded once to the 16-bit format: products of 16-bit values are exact in float; a * b + c
+// is formed in double (exact when the exponents of a b and c are within 29 of each other) and rounded
+// to 16 bits through round-to-odd.
+namespace cuflash::sim {
+template <class H> __forceinline__ float h_to_float(H h);
+template <> __forceinline__ float h_to_float<__half>(__half h) { return half_bits_to_float(h.__x); }
+template <> __forceinline__ float h_to_float<__nv_bfloat16>(__nv_bfloat16 h) { return bfloat16_bits_to_float(h.__x); }
+template <class H> __forceinline__ H h_from_float(float f);
+template <> __forceinline__ __half h_from_float<__half>(float f) { return __half{float_to_half_bits(f)}; }
+template <> __forceinline__ __nv_bfloat16 h_from_float<__nv_bfloat16>(float f) {
+  return __nv_bfloat16{float_to_bfloat16_bits(f)};
+}
+// double -> 16-bit, rounding once: through float with round-to-odd (truncate, then set the last bit
+// when inexact), which keeps the final round-to-nearest-even exact for formats 2+ bits narrower.
+template <class H> __forceinline__ H h_from_double(double d) {
+  float f = static_cast<float>(d);
+  if (std::isfinite(f) && static_cast<double>(f) != d) {
+    if (std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.f);
+    f = bit_cast<float>(bit_cast<unsigned>(f) | 1u);
+  }
+  return h_from_float<H>(f);
+}
+template <class H> __forceinline__ H h_max(H a, H b) {
+  const float x = h_to_float(a), y = h_to_float(b);
+  if (x != x && y != y) return h_from_float<H>(NAN);  // canonical NaN
+  if (x != x) return b;
+  if (y != y) return a;
+  if (x == 0.f && y == 0.f) return std::signbit(x) ? b : a;  // +0 > -0
+  return x > y ? a : b;
+}
+}  // namespace cuflash::sim
+
+#define CUFLASH_SIM_PAIRED(H2, H)                                                                          \
+  __forceinline__ H2 __hfma2(H2 a, H2 b, H2 c) {                                                         \
+    using namespace cuflash::sim;                                                                         \
+    return {h_from_double<H>(static_cast<double>(h_to_float(a.x)) * h_to_float(b.x) + h_to_float(c.x)), \
+            h_from_double<H>(static_cast<double>(h_to_float(a.y)) * h_to_float(b.y) + h_to_float(c.y))}; \
+  }                                                                                                       \
+  __forceinline__ H2 __hmul2(H2 a, H2 b) {                                                               \
+    using namespace cuflash::sim;                                                                         \
+    return {h_from_float<H>(h_to_float(a.x) * h_to_float(b.x)), h_from_float<H>(h_to_float(a.y) * h_to_float(b.y))}; \
+  }                                                                                                       \
+  __forceinline__ H2 __hmax2(H2 a, H2 b) { return {cuflash::sim::h_max(a.x, b.x), cuflash::sim::h_max(a.y, b.y)}; } \
+  __forceinline__ H2 h2exp2(H2 a) {                                                                      \
+    using namespace cuflash::sim;                                                                         \
+    return {h_from_float<H>(exp2f(h_to_float(a.x))), h_from_float<H>(exp2f(h_to_float(a.y)))};           \
+  }
+CUFLASH_SIM_PAIRED(__half2, __half)
+CUFLASH_SIM_PAIRED(__nv_bfloat162, __nv_bfloat16)
+#undef CUFLASH_SIM_PAIRED
+__forceinline__ __half2 __float22half2_rn(float2 f) { return {__float2half_rn(f.x), __float2half_rn(f.y)}; }
+__forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+__forceinline__ __nv_bfloat162 __float22bfloat162_rn(float2 f) {
+  return {__float2bfloat16_rn(f.x), __float2bfloat16_rn(f.y)};
+}
+__forceinline__ float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+
+// ---- integer and fast-math intrinsics -----------------------------------------------------------
+__forceinline__ int __popc(unsigned x) { return __builtin_popcount(x); }
+__forceinline__ int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+__forceinline__ int __ffs(int x) { return __builtin_ffs(x); }
+__forceinline__ int __ffsll(long long x) { return __builtin_ffsll(x); }
+__forceinline__ int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+__forceinline__ int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(x)); }
+// Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes y:x (x holds bytes 0..3).
+__forceinline__ unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long bytes = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<unsigned>((bytes >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
+__forceinline__ unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned shift) {
+  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>((v << (shift & 31u)) >> 32);
+}
+__forceinline__ unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>(v >> (shift & 31u));
+}
+__forceinline__ unsigned __funnelshift_lc(unsigned lo, unsigned hi, unsigned shift) {
+  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>((v << (shift < 32u ? shift : 32u)) >> 32);
+}
+__forceinline__ unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned shift) {
+  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>(v >> (shift < 32u ? shift : 32u));
+}
+// __fdividef: x / y, except 0 for 2^126 < |y| < 2^128 (NaN if x is infinite there), as CUDA documents.
+__forceinline__ float __fdividef(float x, float y) {
+  const float ay = std::fabs(y);
+  if (ay > 8.50705917e+37f && ay < INFINITY) return std::isinf(x) ? NAN : 0.f;
+  return x / y;
+}
+__forceinline__ float rsqrtf(float x) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(x))); }
+__forceinline__ void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+__forceinline__ long long clock64() { return static_cast<long long>(__builtin_ia32_rdtsc()); }
+
 // ---- the runtime interface ------------------------------------------------------------
 namespace cuflash::sim {
 
@@ -536,3 +634,11 @@ __forceinline__ float flush_subnormal(float x) { return std::fabs(x) < 1.1754943
 __forceinline__ float exp2_approx(float x) { return flush_subnormal(exp2f(flush_subnormal(x))); }
 
 }  // namespace cuflash::arch
+
+// __expf: ex2.approx.ftz of x * log2(e) rounded to float, as the CUDA headers define it.
+__forceinline__ float __expf(float x) { return cuflash::arch::exp2_approx(x * 1.4426950408889634f); }
+// __ldg: a read-only global load; checked and counted like every other global load.
+template <class T>
+__forceinline__ T __ldg(const T* p) {
+  return cuflash::arch::load(p);
+}

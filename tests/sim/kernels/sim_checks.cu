@@ -386,3 +386,89 @@ __global__ void exp2_approx_kernel(const Args a) {
   store(static_cast<float*>(a.out0) + t, cuflash::arch::exp2_approx(load(static_cast<const float*>(a.in0) + t)));
 }
 }  // namespace simtest
+
+namespace simtest {
+// out0[t] = integer built-in a.mode of x = in0[t], y = in1[t], z = in0[t + n] (see test_sim_builtins.py).
+__global__ void int_builtin_kernel(const Args a) {
+  const int t = tid_linear();
+  const unsigned x = load(static_cast<const unsigned*>(a.in0) + t), z = load(static_cast<const unsigned*>(a.in0) + t + a.n);
+  const unsigned y = load(static_cast<const unsigned*>(a.in1) + t);
+  const unsigned long long xy = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  switch (a.mode) {
+    case 0: r = __popc(x); break;
+    case 1: r = __ffs(static_cast<int>(x)); break;
+    case 2: r = __clz(static_cast<int>(x)); break;
+    case 3: r = __byte_perm(x, y, z); break;
+    case 4: r = __funnelshift_l(x, y, z); break;
+    case 5: r = __funnelshift_r(x, y, z); break;
+    case 6: r = __funnelshift_lc(x, y, z); break;
+    case 7: r = __funnelshift_rc(x, y, z); break;
+    case 8: r = __popcll(xy); break;
+    case 9: r = __ffsll(static_cast<long long>(xy)); break;
+    default: r = __clzll(static_cast<long long>(xy)); break;
+  }
+  store(static_cast<unsigned*>(a.out0) + t, r);
+}
+// out0[t] = float built-in a.mode of x = in0[t], y = in1[t].
+__global__ void float_builtin_kernel(const Args a) {
+  const int t = tid_linear();
+  const float* in0 = static_cast<const float*>(a.in0);
+  const float x = load(in0 + t), y = load(static_cast<const float*>(a.in1) + t);
+  float r = 0.f;
+  switch (a.mode) {
+    case 0: r = __fdividef(x, y); break;
+    case 1: r = __expf(x); break;
+    case 2: r = rsqrtf(x); break;
+    default: r = __ldg(in0 + t); break;
+  }
+  store(static_cast<float*>(a.out0) + t, r);
+}
+// Paired 16-bit math: in0 = a, b, c (n pairs each, 32-bit words); out0[t] = op a.mode as 32 bits.
+template <class H2>
+__global__ void paired_kernel(const Args a) {
+  const int t = tid_linear();
+  const unsigned* w = static_cast<const unsigned*>(a.in0);
+  const H2 x = cuflash::sim::bit_cast<H2>(load(w + t)), y = cuflash::sim::bit_cast<H2>(load(w + a.n + t));
+  const H2 z = cuflash::sim::bit_cast<H2>(load(w + 2 * a.n + t));
+  H2 r;
+  switch (a.mode) {
+    case 0: r = __hfma2(x, y, z); break;
+    case 1: r = __hmul2(x, y); break;
+    case 2: r = __hmax2(x, y); break;
+    default: r = h2exp2(x); break;
+  }
+  store(static_cast<unsigned*>(a.out0) + t, cuflash::sim::bit_cast<unsigned>(r));
+}
+// out0[2t], out0[2t+1] = float2 of the pair in0[t] as __half2 (mode 0) or bf162 (1); out1[t] = the pair
+// rebuilt from in1[2t], in1[2t+1] (floats) with __float22*_rn.
+__global__ void pair_conversion_kernel(const Args a) {
+  const int t = tid_linear();
+  const unsigned w = load(static_cast<const unsigned*>(a.in0) + t);
+  const float* f = static_cast<const float*>(a.in1);
+  const float2 in = make_float2(load(f + 2 * t), load(f + 2 * t + 1));
+  float2 out;
+  unsigned packed;
+  if (a.mode == 0) {
+    out = __half22float2(cuflash::sim::bit_cast<__half2>(w));
+    packed = cuflash::sim::bit_cast<unsigned>(__float22half2_rn(in));
+  } else {
+    out = __bfloat1622float2(cuflash::sim::bit_cast<__nv_bfloat162>(w));
+    packed = cuflash::sim::bit_cast<unsigned>(__float22bfloat162_rn(in));
+  }
+  store(static_cast<float*>(a.out0) + 2 * t, out.x);
+  store(static_cast<float*>(a.out0) + 2 * t + 1, out.y);
+  store(static_cast<unsigned*>(a.out1) + t, packed);
+}
+// out0[2t], out0[2t+1]: clock64() before and after a fence and some work (must not decrease).
+__global__ void clock_kernel(const Args a) {
+  const int t = tid_linear();
+  const long long first = clock64();
+  __threadfence_block();
+  volatile float sink = 0.f;
+  for (int i = 0; i < 1000; ++i) sink = sink + 1.f;
+  const long long second = clock64();
+  store(static_cast<long long*>(a.out0) + 2 * t, first);
+  store(static_cast<long long*>(a.out0) + 2 * t + 1, second);
+}
+}  // namespace simtest
