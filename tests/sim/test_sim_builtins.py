@@ -163,3 +163,34 @@ def test_clock64_never_runs_backwards():
     run("clock_kernel", (1, 1, 1), (64, 1, 1), out0=out)
     first, second = out[0::2], out[1::2]
     assert (second >= first).all() and (second > first).any() and (first > 0).all()
+
+
+def _reduce_expected(mode, values):
+    u = [int(v) for v in values]
+    i = [v - 2**32 if v >= 2**31 else v for v in u]
+    import functools
+    import operator
+    return {1: sum(u) & 0xFFFFFFFF, 2: min(u), 3: max(u), 4: functools.reduce(operator.and_, u),
+            5: functools.reduce(operator.or_, u), 6: functools.reduce(operator.xor, u),
+            7: sum(i) & 0xFFFFFFFF, 8: min(i) & 0xFFFFFFFF, 9: max(i) & 0xFFFFFFFF}[mode]
+
+
+@pytest.mark.parametrize("mask", [0xFFFFFFFF, 0x0F0F00F1])
+@pytest.mark.parametrize("mode", range(10), ids=["match_any", "add", "min", "max", "and", "or", "xor", "add_int",
+                                                  "min_int", "max_int"])
+def test_match_any_and_reduce_sync(mode, mask):
+    values = np.concatenate([RNG.integers(0, 4, 16), RNG.integers(0, 2**32, 48, dtype=np.uint64)]).astype(np.uint32)
+    values[:8] = [5, 5, 0xFFFFFFFF, 0x80000000, 5, 1, 0, 7]
+    out = np.zeros(64, np.uint32)
+    run("warp_reduce_kernel", (1, 1, 1), (64, 1, 1), in0=values, out0=out, mode=mode, mask=mask)
+    for warp in range(2):
+        lanes = [l for l in range(32) if mask >> l & 1]
+        vals = values[32 * warp:32 * warp + 32]
+        for l in range(32):
+            got = int(out[32 * warp + l])
+            if l not in lanes:
+                assert got == 0
+            elif mode == 0:
+                assert got == sum(1 << o for o in lanes if vals[o] == vals[l]), (warp, l)
+            else:
+                assert got == _reduce_expected(mode, [vals[o] for o in lanes]), (warp, l)

@@ -566,6 +566,79 @@ __forceinline__ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width
   return ::cuflash::sim::shuffle<T, ::cuflash::sim::ShuffleMode::kXor>(CUFLASH_SIM_SITE("__shfl_xor_sync"), mask, var,
                                                                       static_cast<unsigned>(lane_mask), width);
 }
+// __match_any_sync: each lane gets the lanes of `mask` holding the same value as its own.
+// __reduce_{add,min,max,and,or,xor}_sync: every lane of `mask` gets the reduction of their values.
+namespace cuflash::sim {
+template <class T>
+const char* match_any_compute(unsigned mask, LaneIO* lanes) {
+  T v[32];
+  for (int l = 0; l < 32; ++l)
+    if (mask >> l & 1u) __builtin_memcpy(&v[l], lanes[l].in, sizeof(T));
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    unsigned same = 0;
+    for (int o = 0; o < 32; ++o)
+      if ((mask >> o & 1u) && v[o] == v[l]) same |= 1u << o;
+    __builtin_memcpy(lanes[l].out, &same, sizeof same);
+  }
+  return nullptr;
+}
+enum class ReduceOp { kAdd, kMin, kMax, kAnd, kOr, kXor };
+template <class T, ReduceOp kOp>
+const char* reduce_compute(unsigned mask, LaneIO* lanes) {
+  bool first = true;
+  T acc{};
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    T v;
+    __builtin_memcpy(&v, lanes[l].in, sizeof v);
+    if (first) {
+      acc = v;
+      first = false;
+      continue;
+    }
+    switch (kOp) {
+      case ReduceOp::kAdd: acc = static_cast<T>(static_cast<unsigned>(acc) + static_cast<unsigned>(v)); break;  // wraps
+      case ReduceOp::kMin: acc = v < acc ? v : acc; break;
+      case ReduceOp::kMax: acc = v > acc ? v : acc; break;
+      case ReduceOp::kAnd: acc &= v; break;
+      case ReduceOp::kOr: acc |= v; break;
+      case ReduceOp::kXor: acc ^= v; break;
+    }
+  }
+  for (int l = 0; l < 32; ++l)
+    if (mask >> l & 1u) __builtin_memcpy(lanes[l].out, &acc, sizeof acc);
+  return nullptr;
+}
+}  // namespace cuflash::sim
+
+template <class T>
+__forceinline__ unsigned __match_any_sync(unsigned mask, T value, CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "__match_any_sync compares 32- or 64-bit values");
+  unsigned out = 0;
+  ::cuflash::sim::warp_collective(CUFLASH_SIM_SITE("__match_any_sync"), mask, &::cuflash::sim::match_any_compute<T>,
+                                  ::cuflash::sim::kCollectiveNone, &value, sizeof value, &out, sizeof out);
+  return out;
+}
+#define CUFLASH_SIM_REDUCE(name, T, op)                                                                              \
+  __forceinline__ T name(unsigned mask, T value, CUFLASH_SIM_SITE_PARAMS) {                                         \
+    T out{};                                                                                                         \
+    ::cuflash::sim::warp_collective(CUFLASH_SIM_SITE(#name), mask,                                                   \
+                                    &::cuflash::sim::reduce_compute<T, ::cuflash::sim::ReduceOp::op>,                \
+                                    ::cuflash::sim::kCollectiveNone, &value, sizeof value, &out, sizeof out);        \
+    return out;                                                                                                      \
+  }
+CUFLASH_SIM_REDUCE(__reduce_add_sync, unsigned, kAdd)
+CUFLASH_SIM_REDUCE(__reduce_add_sync, int, kAdd)
+CUFLASH_SIM_REDUCE(__reduce_min_sync, unsigned, kMin)
+CUFLASH_SIM_REDUCE(__reduce_min_sync, int, kMin)
+CUFLASH_SIM_REDUCE(__reduce_max_sync, unsigned, kMax)
+CUFLASH_SIM_REDUCE(__reduce_max_sync, int, kMax)
+CUFLASH_SIM_REDUCE(__reduce_and_sync, unsigned, kAnd)
+CUFLASH_SIM_REDUCE(__reduce_or_sync, unsigned, kOr)
+CUFLASH_SIM_REDUCE(__reduce_xor_sync, unsigned, kXor)
+#undef CUFLASH_SIM_REDUCE
+
 __forceinline__ unsigned __ballot_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PARAMS) {
   return ::cuflash::sim::vote<::cuflash::sim::VoteMode::kBallot>(CUFLASH_SIM_SITE("__ballot_sync"), mask, predicate);
 }

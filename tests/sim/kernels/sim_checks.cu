@@ -472,3 +472,28 @@ __global__ void clock_kernel(const Args a) {
   store(static_cast<long long*>(a.out0) + 2 * t + 1, second);
 }
 }  // namespace simtest
+
+namespace simtest {
+// Lanes of a.mask (others idle): out0[t] = __match_any_sync(a.mask, in0[t]) (mode 0) or
+// __reduce_{add,min,max,and,or,xor}_sync (modes 1..6 unsigned, 7..9 int add/min/max).
+__global__ void warp_reduce_kernel(const Args a) {
+  const int t = tid_linear();
+  if (!(a.mask >> (t % 32) & 1u)) return;
+  const unsigned u = load(static_cast<const unsigned*>(a.in0) + t);
+  const int i = static_cast<int>(u);
+  unsigned r = 0;
+  switch (a.mode) {
+    case 0: r = __match_any_sync(a.mask, u); break;
+    case 1: r = __reduce_add_sync(a.mask, u); break;
+    case 2: r = __reduce_min_sync(a.mask, u); break;
+    case 3: r = __reduce_max_sync(a.mask, u); break;
+    case 4: r = __reduce_and_sync(a.mask, u); break;
+    case 5: r = __reduce_or_sync(a.mask, u); break;
+    case 6: r = __reduce_xor_sync(a.mask, u); break;
+    case 7: r = static_cast<unsigned>(__reduce_add_sync(a.mask, i)); break;
+    case 8: r = static_cast<unsigned>(__reduce_min_sync(a.mask, i)); break;
+    default: r = static_cast<unsigned>(__reduce_max_sync(a.mask, i)); break;
+  }
+  store(static_cast<unsigned*>(a.out0) + t, r);
+}
+}  // namespace simtest
