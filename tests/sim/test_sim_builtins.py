@@ -194,3 +194,14 @@ def test_match_any_and_reduce_sync(mode, mask):
                 assert got == sum(1 << o for o in lanes if vals[o] == vals[l]), (warp, l)
             else:
                 assert got == _reduce_expected(mode, [vals[o] for o in lanes]), (warp, l)
+
+
+@pytest.mark.parametrize("live, pattern", [(64, "random"), (64, "all"), (64, "none"), (40, "random")])
+def test_syncthreads_count_and_or_over_the_live_threads(live, pattern):
+    preds = {"random": RNG.integers(0, 3, 64), "all": np.full(64, 7), "none": np.zeros(64)}[pattern].astype(np.int32)
+    out0 = np.full(3 * 64, -1, np.int32)
+    run("block_vote_kernel", (1, 1, 1), (64, 1, 1), in0=preds, out0=out0, n=live)
+    passed = int(np.count_nonzero(preds[:live]))
+    got = out0.reshape(64, 3)[:live]
+    assert (got[:, 0] == passed).all()
+    assert (got[:, 1] == int(passed == live)).all() and (got[:, 2] == int(passed > 0)).all()

@@ -353,6 +353,8 @@ __forceinline__ ThreadView* current_thread() {
 // Everything else is built with -fvisibility=hidden.
 #define CUFLASH_SIM_API __attribute__((visibility("default")))
 CUFLASH_SIM_API void sync_threads(const Site& site);
+// __syncthreads_count / _and / _or (op 0, 1, 2): the barrier, reducing the predicates of the block's live threads.
+CUFLASH_SIM_API int sync_threads_reduce(const Site& site, int predicate, unsigned op);
 [[noreturn]] CUFLASH_SIM_API void trap(const Site& site);
 [[noreturn]] CUFLASH_SIM_API void fail(const char* message);
 [[noreturn]] CUFLASH_SIM_API void global_access_failed(const void* address, unsigned bytes, bool is_write, const char* why);
@@ -537,6 +539,15 @@ int launch_kernel(void (*kernel)(P), LaunchRequest* request) {
 // ---- synchronization and collectives -------------------------------------------------------
 __forceinline__ void __syncthreads(CUFLASH_SIM_SITE_PARAMS) {
   ::cuflash::sim::sync_threads(CUFLASH_SIM_SITE("__syncthreads"));
+}
+__forceinline__ int __syncthreads_count(int predicate, CUFLASH_SIM_SITE_PARAMS) {
+  return ::cuflash::sim::sync_threads_reduce(CUFLASH_SIM_SITE("__syncthreads"), predicate, 0);
+}
+__forceinline__ int __syncthreads_and(int predicate, CUFLASH_SIM_SITE_PARAMS) {
+  return ::cuflash::sim::sync_threads_reduce(CUFLASH_SIM_SITE("__syncthreads"), predicate, 1);
+}
+__forceinline__ int __syncthreads_or(int predicate, CUFLASH_SIM_SITE_PARAMS) {
+  return ::cuflash::sim::sync_threads_reduce(CUFLASH_SIM_SITE("__syncthreads"), predicate, 2);
 }
 __forceinline__ void __syncwarp(unsigned mask = 0xffffffffu, CUFLASH_SIM_SITE_PARAMS) {
   ::cuflash::sim::warp_collective(CUFLASH_SIM_SITE("__syncwarp"), mask, &::cuflash::sim::syncwarp_compute,

@@ -109,6 +109,12 @@ struct Worker {
   unsigned live;
   unsigned arrived;
   Site barrier_site;
+  // __syncthreads_count/and/or: predicates summed by the arrivals at the current barrier; the last
+  // arrival moves the sum to barrier_result, which stays until the next barrier completes (which
+  // needs every live thread, so each has read it by then).
+  unsigned barrier_predicates;
+  unsigned barrier_result;
+  unsigned barrier_live;  // threads that took part in that barrier
   bool failed;
   unsigned num_warps;
   std::vector<Warp> warps;

@@ -359,6 +359,10 @@ std::string lanes_text(unsigned mask) {
 void release_barrier(Worker* w) {
   for (Fiber& f : w->fibers)
     if (f.state == FiberState::kAtBarrier) f.state = FiberState::kRunnable;
+  // __syncthreads_count/and/or read these after waking (sim_internal.h).
+  w->barrier_result = w->barrier_predicates;
+  w->barrier_live = w->arrived;
+  w->barrier_predicates = 0;
   w->arrived = 0;
 #if CUFLASH_SIM_RACE
   race_barrier_complete(w);
@@ -509,6 +513,9 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
   w->copies_in_flight = 0;
   w->live = n;
   w->arrived = 0;
+  w->barrier_predicates = 0;
+  w->barrier_result = 0;
+  w->barrier_live = 0;
   w->failed = false;
   w->num_warps = (n + 31) / 32;
   for (unsigned i = 0; i < w->num_warps; ++i) {
@@ -727,6 +734,15 @@ void sync_threads(const Site& site) {
   f->state = FiberState::kAtBarrier;
   f->wait_site = site;
   yield_from(w, f, false);
+}
+
+int sync_threads_reduce(const Site& site, int predicate, unsigned op) {
+  Worker* w = current_fiber()->worker;
+  w->barrier_predicates += predicate != 0;
+  sync_threads(site);
+  if (op == 0) return static_cast<int>(w->barrier_result);         // __syncthreads_count
+  if (op == 1) return w->barrier_result == w->barrier_live ? 1 : 0;  // __syncthreads_and
+  return w->barrier_result != 0 ? 1 : 0;                             // __syncthreads_or
 }
 
 void warp_collective(const Site& site, unsigned mask, CollectiveFn compute, unsigned flags, const void* in,

@@ -497,3 +497,19 @@ __global__ void warp_reduce_kernel(const Args a) {
   store(static_cast<unsigned*>(a.out0) + t, r);
 }
 }  // namespace simtest
+
+namespace simtest {
+// Threads t >= a.n exit first. out0[3 t .. 3 t + 2] = __syncthreads_count/and/or of (in0[t] != 0),
+// three barriers in a row.
+__global__ void block_vote_kernel(const Args a) {
+  const int t = tid_linear();
+  if (t >= a.n) return;
+  const int p = load(static_cast<const int*>(a.in0) + t);
+  const int count = __syncthreads_count(p);
+  const int all = __syncthreads_and(p);
+  const int any = __syncthreads_or(p);
+  store(static_cast<int*>(a.out0) + 3 * t, count);
+  store(static_cast<int*>(a.out0) + 3 * t + 1, all);
+  store(static_cast<int*>(a.out0) + 3 * t + 2, any);
+}
+}  // namespace simtest
