@@ -286,9 +286,6 @@ __forceinline__ float __fdividef(float x, float y) {
   return x / y;
 }
 __forceinline__ float rsqrtf(float x) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(x))); }
-// A block's threads are fibers on one OS thread, so ordering among them needs only the compiler not to move
-// memory accesses across the fence (an atomic fence would also be instrumented by race mode's TSan pass).
-__forceinline__ void __threadfence_block() { asm volatile("" ::: "memory"); }
 __forceinline__ long long clock64() { return static_cast<long long>(__builtin_ia32_rdtsc()); }
 
 // ---- the runtime interface ------------------------------------------------------------
@@ -357,6 +354,8 @@ __forceinline__ ThreadView* current_thread() {
 CUFLASH_SIM_API void sync_threads(const Site& site);
 // __syncthreads_count / _and / _or (op 0, 1, 2): the barrier, reducing the predicates of the block's live threads.
 CUFLASH_SIM_API int sync_threads_reduce(const Site& site, int predicate, unsigned op);
+// __threadfence_block: does nothing; being an external call, the compiler keeps memory accesses on their side.
+CUFLASH_SIM_API void block_fence();
 [[noreturn]] CUFLASH_SIM_API void trap(const Site& site);
 [[noreturn]] CUFLASH_SIM_API void fail(const char* message);
 [[noreturn]] CUFLASH_SIM_API void global_access_failed(const void* address, unsigned bytes, bool is_write, const char* why);
@@ -542,6 +541,10 @@ int launch_kernel(void (*kernel)(P), LaunchRequest* request) {
 __forceinline__ void __syncthreads(CUFLASH_SIM_SITE_PARAMS) {
   ::cuflash::sim::sync_threads(CUFLASH_SIM_SITE("__syncthreads"));
 }
+// A block's threads are fibers on one OS thread, so ordering among them needs only the compiler not to move
+// memory accesses across the fence: an opaque call into the (uninstrumented) runtime does that, where an
+// atomic fence would be instrumented by race mode's TSan pass.
+__forceinline__ void __threadfence_block() { cuflash::sim::block_fence(); }
 __forceinline__ int __syncthreads_count(int predicate, CUFLASH_SIM_SITE_PARAMS) {
   return ::cuflash::sim::sync_threads_reduce(CUFLASH_SIM_SITE("__syncthreads"), predicate, 0);
 }

@@ -736,6 +736,8 @@ void sync_threads(const Site& site) {
   yield_from(w, f, false);
 }
 
+void block_fence() {}
+
 int sync_threads_reduce(const Site& site, int predicate, unsigned op) {
   Worker* w = current_fiber()->worker;
   w->barrier_predicates += predicate != 0;
