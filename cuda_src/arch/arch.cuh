@@ -111,53 +111,50 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 }
 
 // D (16x8, f32) = A (16x16, T, row) * B (16x8, T, col) + C: mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32.
+// The PTX type ("f16" / "bf16") is pasted into the one instruction text.
+#define CUFLASH_MMA_M16N8K16(ptx_type)                                                                          \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ptx_type "." ptx_type                                   \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                                 \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), \
+                 "f"(c[3]))
 template <class T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                                              const float (&c)[4]) {
   static_assert(is_mma_operand<T>::value, "mma_m16n8k16 takes __half or __nv_bfloat16 operands");
-  if constexpr (is_mma_operand<T>::bf16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  }
+  if constexpr (is_mma_operand<T>::bf16)
+    CUFLASH_MMA_M16N8K16("bf16");
+  else
+    CUFLASH_MMA_M16N8K16("f16");
 }
+#undef CUFLASH_MMA_M16N8K16
 
 // kCount 8x8 b16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8), optionally
-// transposed: ldmatrix.sync.aligned.m8n8.x{1,2,4}{,.trans}.shared.b16.
+// transposed: ldmatrix.sync.aligned.m8n8.x{1,2,4}{,.trans}.shared.b16. `trans` is "" or ".trans".
+#define CUFLASH_LDMATRIX_X1(trans) \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1" trans ".shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(address))
+#define CUFLASH_LDMATRIX_X2(trans)                                                      \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2" trans ".shared.b16 {%0,%1}, [%2];"       \
+               : "=r"(r[0]), "=r"(r[1])                                                 \
+               : "r"(address))
+#define CUFLASH_LDMATRIX_X4(trans)                                                      \
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4" trans ".shared.b16 {%0,%1,%2,%3}, [%4];" \
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                         \
+               : "r"(address))
 template <int kCount, bool kTrans>
 __device__ __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row) {
   static_assert(kCount == 1 || kCount == 2 || kCount == 4, "ldmatrix loads 1, 2 or 4 matrices");
   const unsigned address = smem_address(smem_row);
-  if constexpr (kCount == 1) {
-    if constexpr (kTrans)
-      asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(address));
-    else
-      asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(address));
-  } else if constexpr (kCount == 2) {
-    if constexpr (kTrans)
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
-                   : "=r"(r[0]), "=r"(r[1]) : "r"(address));
-    else
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
-  } else {
-    if constexpr (kTrans)
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
-    else
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
-  }
+  if constexpr (kCount == 1 && kTrans) CUFLASH_LDMATRIX_X1(".trans");
+  if constexpr (kCount == 1 && !kTrans) CUFLASH_LDMATRIX_X1("");
+  if constexpr (kCount == 2 && kTrans) CUFLASH_LDMATRIX_X2(".trans");
+  if constexpr (kCount == 2 && !kTrans) CUFLASH_LDMATRIX_X2("");
+  if constexpr (kCount == 4 && kTrans) CUFLASH_LDMATRIX_X4(".trans");
+  if constexpr (kCount == 4 && !kTrans) CUFLASH_LDMATRIX_X4("");
 }
+#undef CUFLASH_LDMATRIX_X1
+#undef CUFLASH_LDMATRIX_X2
+#undef CUFLASH_LDMATRIX_X4
 
 // Asynchronous copy of kBytes (4, 8 or 16) from global to shared memory; only the first src_bytes
 // are read, the rest of the destination is zero-filled. 16-byte copies bypass L1 (.cg).
@@ -188,10 +185,12 @@ template <class T>
 __device__ __forceinline__ unsigned pack_float2(float lo, float hi) {
   static_assert(is_mma_operand<T>::value, "pack_float2 packs to __half or __nv_bfloat16");
   unsigned r;
+#define CUFLASH_CVT_PACK(ptx_type) asm("cvt.rn." ptx_type "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo))
   if constexpr (is_mma_operand<T>::bf16)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    CUFLASH_CVT_PACK("bf16");
   else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    CUFLASH_CVT_PACK("f16");
+#undef CUFLASH_CVT_PACK
   return r;
 }
 

@@ -61,6 +61,9 @@ struct BlockInfo {
   __device__ __forceinline__ long long score_matrix_offset(const AttentionParams& p) const {
     return row_stats_offset(p) * seqlen_k;
   }
+  __device__ __forceinline__ long long score_row_offset(const AttentionParams& p, int query) const {
+    return score_matrix_offset(p) + static_cast<long long>(query) * seqlen_k;
+  }
   // Dense float32 accumulators in the tensor layout (batch, seqlen, nheads, d), one row every
   // dense_row_stride floats: out_accum and dq_accum over seqlen_q, dk_accum and dv_accum over seqlen_k
   // (per query head).

@@ -59,9 +59,9 @@
 //    products that reduce over queries (dV, dK) start at the first query that sees the tile's first key,
 //    rounded down to a multiple of 32 so loads stay aligned to the 32-wide steps. Skipped terms are exactly
 //    zero (P and dS are 0 where masked), so results are unchanged.
-//  - A row that sees no key (seqlen_k == 0, or outside the band, as causal rows when seqlen_q > seqlen_k) gets P = 0 and lse = -inf;
-//    O = P V = 0 follows, and in the backward P = 0 (never exp(-inf - -inf)), dS = 0, so its dQ is 0 and it
-//    adds nothing to dK, dV. No NaN is produced anywhere.
+//  - A row that sees no key (seqlen_k == 0, or outside the band, as causal rows when seqlen_q > seqlen_k)
+//    gets P = 0 and lse = -inf; O = P V = 0 follows, and in the backward P = 0 (never exp(-inf - -inf)),
+//    dS = 0, so its dQ is 0 and it adds nothing to dK, dV. No NaN is produced anywhere.
 //  - seqlen_q == 0 still launches dv/dk over the keys: their reduction is empty and they write zeros.
 #include "arch/arch.cuh"
 #include "common/block_info.cuh"
@@ -335,7 +335,7 @@ struct ScoresProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
-  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.q<T>(p), p.q_stride, info.seqlen_q),
@@ -343,7 +343,7 @@ struct ScoresProduct {
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
     const float s = MaskPolicy::of(p).visible(query, key) ? ScoreHook{}(acc, query, key) * p.softmax_scale : neg_inf();
-    arch::store(p.scores + info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k + key, s);
+    arch::store(p.scores + info.score_row_offset(p, query) + key, s);
   }
 };
 
@@ -355,7 +355,7 @@ struct OutProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
-  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.probs, p, info, info.seqlen_q),
@@ -374,14 +374,14 @@ struct DpProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kKContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kMaskedTiles;
-  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.dout<T>(p), p.dout_stride, info.seqlen_q),
             tensor_operand(info.v<T>(p), p.v_stride, info.seqlen_k)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
-    arch::store(p.scores + info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k + key,
+    arch::store(p.scores + info.score_row_offset(p, query) + key,
                 MaskPolicy::of(p).visible(query, key) ? acc : 0.f);
   }
 };
@@ -394,7 +394,7 @@ struct DqProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kKContiguous;
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kKeys;
-  static constexpr bool kOverKvHeads = false;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.scores, p, info, info.seqlen_q),
@@ -414,7 +414,7 @@ struct DvProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // P^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
-  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads, K over the group's query heads
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
@@ -433,7 +433,7 @@ struct DkProduct {
   static constexpr OperandLayout kLayoutA = OperandLayout::kOuterContiguous;  // dS^T: keys contiguous
   static constexpr OperandLayout kLayoutB = OperandLayout::kOuterContiguous;
   static constexpr MaskSkip kMaskSkip = MaskSkip::kQueries;
-  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads
+  static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads, K over the group's query heads
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
     return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   if (query >= info.seqlen_q) return;  // the whole warp leaves together, before any shuffle
 
-  const long long matrix_row = info.score_matrix_offset(p) + static_cast<long long>(query) * info.seqlen_k;
+  const long long matrix_row = info.score_row_offset(p, query);
   float* scores = p.scores + matrix_row;
   float* probs = p.probs + matrix_row;
   const long long row = info.row_stats_offset(p) + query;

@@ -38,38 +38,48 @@ def speed_panels(result, direction: str) -> dict[tuple[str, int, bool], dict[str
     return dict(sorted(panels.items()))
 
 
-def _grid(plt, count: int, title: str):
-    cols = min(count, 3)
-    rows = math.ceil(count / cols)
+def _panel_figure(panels: dict, path: Path, title: str, ylabel: str, draw) -> Path:
+    """One panel per (dtype, headdim, causal) key, up to three a row; draw(ax, series) plots a panel's series."""
+    plt = _pyplot()
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
     fig.suptitle(title)
     flat = [ax for row in axes for ax in row]
-    for ax in flat[count:]:
+    for ax in flat[len(panels):]:
         ax.set_visible(False)
-    return fig, flat
+    for ax, ((dtype, headdim, causal), series) in zip(flat, panels.items()):
+        draw(ax, series)
+        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save(plt, fig, path)
+    return Path(path)
+
+
+def save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_speed(result, direction: str, path: Path) -> Path:
     panels = speed_panels(result, direction)
     if not panels:
         raise ValueError(f"no {direction} measurements to plot")
-    plt = _pyplot()
-    fig, axes = _grid(plt, len(panels), f"Attention {direction} speed on {result.device} ({result.timing})")
-    for ax, ((dtype, headdim, causal), series) in zip(axes, panels.items()):
+
+    def draw(ax, series):
+        seqlens = sorted({p[0] for points in series.values() for p in points})
+        position = {s: i for i, s in enumerate(seqlens)}  # evenly spaced, as the papers' figures
         for system, points in series.items():
-            xs = [p[0] for p in points]
-            ax.plot(range(len(xs)), [p[1] for p in points], marker="o", label=system)
-            ax.set_xticks(range(len(xs)), [f"{x // 1024}k" if x >= 1024 else str(x) for x in xs])
-        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel("TFLOP/s")
+            ax.plot([position[p[0]] for p in points], [p[1] for p in points], marker="o", label=system)
+        ax.set_xticks(range(len(seqlens)), [f"{x // 1024}k" if x >= 1024 else str(x) for x in seqlens])
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+
+    return _panel_figure(panels, path, f"Attention {direction} speed on {result.device} ({result.timing})",
+                         "TFLOP/s", draw)
 
 
 def traffic_panels(records: list[dict]) -> dict[tuple[str, int, bool], dict[str, list[tuple[int, int]]]]:
@@ -87,21 +97,13 @@ def plot_traffic(records: list[dict], path: Path, title: str) -> Path:
     panels = traffic_panels(records)
     if not panels:
         raise ValueError("no traffic records to plot")
-    plt = _pyplot()
-    fig, axes = _grid(plt, len(panels), title)
-    for ax, ((dtype, headdim, causal), series) in zip(axes, panels.items()):
+
+    def draw(ax, series):
         for algorithm, points in series.items():
             ax.plot([p[0] for p in points], [p[1] / 1e6 for p in points], marker="o", label=algorithm)
         seqlens = sorted({p[0] for points in series.values() for p in points})
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqlens, [str(s) for s in seqlens])
-        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel("global MB read + written (simulator count)")
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+
+    return _panel_figure(panels, path, title, "global MB read + written (simulator count)", draw)

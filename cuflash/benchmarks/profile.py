@@ -73,7 +73,7 @@ def compile_report(instances, arches) -> list[dict]:
 
 
 def plot_profile(records, path: Path, title: str) -> Path:
-    from .plots import _pyplot
+    from .plots import _pyplot, save
 
     plt = _pyplot()
     labels = [f"{r['algorithm']} d{r['headdim']} {'fwd' if r['direction'] == 'forward' else 'bwd'} "
@@ -89,9 +89,7 @@ def plot_profile(records, path: Path, title: str) -> Path:
     ax.set_xlabel("shared-memory wavefronts")
     ax.set_title(title)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(plt, fig, path)
     return Path(path)
 
 

@@ -21,35 +21,26 @@ __global__ void mask_probe_kernel(const cuflash::AttentionParams p) {
   const int sq = p.seqlen_q, sk = p.seqlen_k;
   const int nq = cuflash::ceil_div(sq, BlockM), nk = cuflash::ceil_div(sk, BlockN);
   int at = 0;
+  auto put = [&](int value) { cuflash::arch::store(out + at++, value); };
+  auto put_range = [&](IndexRange r) {
+    put(r.begin);
+    put(r.end);
+  };
   for (int i = 0; i < sq; ++i)
-    for (int j = 0; j < sk; ++j) cuflash::arch::store(out + at++, mask.visible(i, j) ? 1 : 0);
-  for (int i = 0; i < sq; ++i) {
-    cuflash::arch::store(out + at++, mask.key_begin(i));
-    cuflash::arch::store(out + at++, mask.key_end(i));
-  }
+    for (int j = 0; j < sk; ++j) put(mask.visible(i, j) ? 1 : 0);
+  for (int i = 0; i < sq; ++i) put_range(IndexRange{mask.key_begin(i), mask.key_end(i)});
   for (int b = 0; b < nq; ++b) {
     const int row0 = b * BlockM, row_end = min(row0 + BlockM, sq);
-    const IndexRange blocks = mask.kv_blocks<BlockN>(row0, row_end);
-    const IndexRange keys = mask.keys_of_rows(row0, row_end);
-    cuflash::arch::store(out + at++, blocks.begin);
-    cuflash::arch::store(out + at++, blocks.end);
-    cuflash::arch::store(out + at++, keys.begin);
-    cuflash::arch::store(out + at++, keys.end);
+    put_range(mask.kv_blocks<BlockN>(row0, row_end));
+    put_range(mask.keys_of_rows(row0, row_end));
   }
   for (int b = 0; b < nk; ++b) {
     const int key0 = b * BlockN, key_end = min(key0 + BlockN, sk);
-    const IndexRange blocks = mask.q_blocks<BlockM>(key0, key_end);
-    const IndexRange rows = mask.rows_of_keys(key0, key_end);
-    cuflash::arch::store(out + at++, blocks.begin);
-    cuflash::arch::store(out + at++, blocks.end);
-    cuflash::arch::store(out + at++, rows.begin);
-    cuflash::arch::store(out + at++, rows.end);
+    put_range(mask.q_blocks<BlockM>(key0, key_end));
+    put_range(mask.rows_of_keys(key0, key_end));
   }
   for (int a = 0; a < nq; ++a)
-    for (int b = 0; b < nk; ++b) {
-      const int row0 = a * BlockM;
-      cuflash::arch::store(out + at++, mask.tile_needs_mask(row0, min(BlockM, sq - row0), b * BlockN, BlockN) ? 1 : 0);
-    }
+    for (int b = 0; b < nk; ++b) put(mask.tile_needs_mask(a * BlockM, min(BlockM, sq - a * BlockM), b * BlockN, BlockN));
 }
 
 }  // namespace masktest

@@ -12,7 +12,9 @@ from simkit import ARGS_DTYPE, KERNELS
 
 SOURCE = KERNELS / "tensor_ops.cu"
 NAMES = ["mma_kernel<__half>", "mma_kernel<__nv_bfloat16>", "ldmatrix_bad_kernel", "cp_async_kernel",
-         "cp_async_bad_kernel"] + [f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
+         "cp_async_bad_kernel", "ldmatrix_mma_kernel<__half>", "ldmatrix_mma_kernel<__nv_bfloat16>",
+         "cp_async_bytes_kernel<16>", "pack_kernel<__half>", "pack_kernel<__nv_bfloat16>", "smem_address_kernel"] + [
+    f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
 
 
 def inst(name: str) -> KernelInstance:
@@ -152,3 +154,36 @@ def test_cp_async_errors(mode, pattern):
     src = np.zeros(16, np.float32)
     with pytest.raises(sim.KernelError, match=pattern):
         launch("cp_async_bad_kernel", 32, smem=64, in0=src, mode=mode, n=16, extra=64)
+
+
+@pytest.mark.parametrize("src_bytes", [16, 12, 0])
+def test_cp_async_16_bytes_copies_and_zero_fills(src_bytes):
+    n = 32
+    src = np.arange(1, 4 * n + 1, dtype=np.uint32)
+    out = np.full(4 * n, 0xDEAD, dtype=np.uint32)
+    rec = launch("cp_async_bytes_kernel<16>", n, smem=16 * n, in0=src, out0=out, n=src_bytes)
+    expected = src.reshape(n, 4).copy()
+    expected[:, src_bytes // 4:] = 0
+    np.testing.assert_array_equal(out.reshape(n, 4), expected)
+    assert rec.global_bytes_read == n * src_bytes
+
+
+@pytest.mark.parametrize("T, npdtype", [("__half", np.float16), ("__nv_bfloat16", ml_dtypes.bfloat16)])
+def test_pack_float2_rounds_to_nearest_even_lo_in_the_low_half(T, npdtype):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(48).astype(np.float32) * 100,
+                        np.array([0.0, -0.0, 1 + 2**-11, 1 + 3 * 2**-11, 65504.0, 1e30, -1e-30, np.inf, -np.inf,
+                                  1 + 2**-8, 1 + 3 * 2**-8, 3.0, 2**-30, 7.5, -2.25, 0.1], np.float32)])
+    out = np.zeros(x.size // 2, dtype=np.uint32)
+    launch(f"pack_kernel<{T}>", x.size // 2, in0=x, out0=out)
+    with np.errstate(over="ignore"):  # 1e30 overflows float16 to inf, as cvt.rn does
+        bits = x.astype(npdtype).view(np.uint16).astype(np.uint32)
+    np.testing.assert_array_equal(out, bits[0::2] | bits[1::2] << 16)
+
+
+def test_smem_address_is_the_byte_offset_from_an_aligned_shared_base():
+    out = np.zeros(32, dtype=np.uint32)
+    base = np.ones(32, dtype=np.uint32)
+    launch("smem_address_kernel", 32, smem=16 * 32, out0=out, out1=base)
+    np.testing.assert_array_equal(out, 16 * np.arange(32))
+    assert (base == 0).all(), "the shared base is 1024-byte aligned in the shared window (swizzle atoms rely on it)"

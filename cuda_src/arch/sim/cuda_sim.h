@@ -196,13 +196,11 @@ __forceinline__ float __uint_as_float(unsigned i) { return cuflash::sim::bit_cas
 // is formed in double (exact when the exponents of a b and c are within 29 of each other) and rounded
 // to 16 bits through round-to-odd.
 namespace cuflash::sim {
-template <class H> __forceinline__ float h_to_float(H h);
-template <> __forceinline__ float h_to_float<__half>(__half h) { return half_bits_to_float(h.__x); }
-template <> __forceinline__ float h_to_float<__nv_bfloat16>(__nv_bfloat16 h) { return bfloat16_bits_to_float(h.__x); }
-template <class H> __forceinline__ H h_from_float(float f);
-template <> __forceinline__ __half h_from_float<__half>(float f) { return __half{float_to_half_bits(f)}; }
-template <> __forceinline__ __nv_bfloat16 h_from_float<__nv_bfloat16>(float f) {
-  return __nv_bfloat16{float_to_bfloat16_bits(f)};
+__forceinline__ float h_to_float(__half h) { return half_bits_to_float(h.__x); }
+__forceinline__ float h_to_float(__nv_bfloat16 h) { return bfloat16_bits_to_float(h.__x); }
+template <class H> __forceinline__ H h_from_float(float f) {
+  if constexpr (std::is_same_v<H, __half>) return H{float_to_half_bits(f)};
+  else return H{float_to_bfloat16_bits(f)};
 }
 // double -> 16-bit, rounding once: through float with round-to-odd (truncate, then set the last bit
 // when inexact), which keeps the final round-to-nearest-even exact for formats 2+ bits narrower.
@@ -242,12 +240,10 @@ template <class H> __forceinline__ H h_max(H a, H b) {
 CUFLASH_SIM_PAIRED(__half2, __half)
 CUFLASH_SIM_PAIRED(__nv_bfloat162, __nv_bfloat16)
 #undef CUFLASH_SIM_PAIRED
-__forceinline__ __half2 __float22half2_rn(float2 f) { return {__float2half_rn(f.x), __float2half_rn(f.y)}; }
-__forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
-__forceinline__ __nv_bfloat162 __float22bfloat162_rn(float2 f) {
-  return {__float2bfloat16_rn(f.x), __float2bfloat16_rn(f.y)};
-}
-__forceinline__ float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+__forceinline__ __half2 __float22half2_rn(float2 f) { return __floats2half2_rn(f.x, f.y); }
+__forceinline__ float2 __half22float2(__half2 h) { return {__low2float(h), __high2float(h)}; }
+__forceinline__ __nv_bfloat162 __float22bfloat162_rn(float2 f) { return __floats2bfloat162_rn(f.x, f.y); }
+__forceinline__ float2 __bfloat1622float2(__nv_bfloat162 h) { return {__low2float(h), __high2float(h)}; }
 
 // ---- integer and fast-math intrinsics -----------------------------------------------------------
 __forceinline__ int __popc(unsigned x) { return __builtin_popcount(x); }
@@ -256,28 +252,29 @@ __forceinline__ int __ffs(int x) { return __builtin_ffs(x); }
 __forceinline__ int __ffsll(long long x) { return __builtin_ffsll(x); }
 __forceinline__ int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 __forceinline__ int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(x)); }
+// The 64 bits hi:lo, which __byte_perm picks bytes from and the funnel shifts shift.
+namespace cuflash::sim {
+__forceinline__ unsigned long long funnel(unsigned lo, unsigned hi) { return (static_cast<unsigned long long>(hi) << 32) | lo; }
+}  // namespace cuflash::sim
 // Byte n of the result is byte (s >> 4n) & 7 of the 8 bytes y:x (x holds bytes 0..3).
 __forceinline__ unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-  const unsigned long long bytes = (static_cast<unsigned long long>(y) << 32) | x;
+  const unsigned long long bytes = cuflash::sim::funnel(x, y);
   unsigned r = 0;
   for (int n = 0; n < 4; ++n) r |= static_cast<unsigned>((bytes >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
   return r;
 }
+// The funnel shifts shift the 64 bits hi:lo by (shift & 31), or min(shift, 32) for the clamped forms.
 __forceinline__ unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned shift) {
-  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-  return static_cast<unsigned>((v << (shift & 31u)) >> 32);
+  return static_cast<unsigned>((cuflash::sim::funnel(lo, hi) << (shift & 31u)) >> 32);
 }
 __forceinline__ unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
-  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-  return static_cast<unsigned>(v >> (shift & 31u));
+  return static_cast<unsigned>(cuflash::sim::funnel(lo, hi) >> (shift & 31u));
 }
 __forceinline__ unsigned __funnelshift_lc(unsigned lo, unsigned hi, unsigned shift) {
-  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-  return static_cast<unsigned>((v << (shift < 32u ? shift : 32u)) >> 32);
+  return static_cast<unsigned>((cuflash::sim::funnel(lo, hi) << (shift < 32u ? shift : 32u)) >> 32);
 }
 __forceinline__ unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned shift) {
-  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
-  return static_cast<unsigned>(v >> (shift < 32u ? shift : 32u));
+  return static_cast<unsigned>(cuflash::sim::funnel(lo, hi) >> (shift < 32u ? shift : 32u));
 }
 // __fdividef: x / y, except 0 for 2^126 < |y| < 2^128 (NaN if x is infinite there), as CUDA documents.
 __forceinline__ float __fdividef(float x, float y) {

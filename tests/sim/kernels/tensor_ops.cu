@@ -1,4 +1,4 @@
-// Test kernels for the mma.sync / ldmatrix / cp.async wrappers of the arch layer (cuflash::arch::, whose
+// Test kernels for the tensor-core, async-copy and packing wrappers of the arch layer (cuflash::arch::, whose
 // simulator side forwards to the twins in sim_tensor.h). tests/test_arch_wrappers.py also compiles them
 // with NVRTC and checks their SASS.
 #include "arch/arch.cuh"
@@ -115,6 +115,37 @@ __global__ void cp_async_bad_kernel(const Args a) {
   if (a.mode == 2) cuflash::arch::cp_async<16>(smem + a.extra, src, 16);     // destination past smem
   cuflash::arch::cp_async_commit();
   cuflash::arch::cp_async_wait<0>();
+}
+
+// Thread t copies kBytes of in0 (from byte kBytes * t) to shared memory with a.n source bytes
+// (the rest zero-filled), waits, and writes the shared bytes back to out0 as 32-bit words.
+template <int kBytes>
+__global__ void cp_async_bytes_kernel(const Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);
+  const int t = threadIdx.x;
+  cuflash::arch::cp_async<kBytes>(smem + kBytes * t, static_cast<const unsigned char*>(a.in0) + kBytes * t, a.n);
+  cuflash::arch::cp_async_commit();
+  cuflash::arch::cp_async_wait<0>();
+  __syncthreads();
+  for (int w = 0; w < kBytes / 4; ++w)
+    store(static_cast<unsigned*>(a.out0) + (kBytes / 4) * t + w, reinterpret_cast<const unsigned*>(smem)[(kBytes / 4) * t + w]);
+}
+
+// out0[t] = pack_float2<T>(in0[2t], in0[2t + 1]).
+template <class T>
+__global__ void pack_kernel(const Args a) {
+  const int t = threadIdx.x;
+  const float* x = static_cast<const float*>(a.in0);
+  store(static_cast<unsigned*>(a.out0) + t, cuflash::arch::pack_float2<T>(load(x + 2 * t), load(x + 2 * t + 1)));
+}
+
+// out0[t] = smem_address(smem + 16 t) - smem_address(smem): shared addresses are byte offsets.
+__global__ void smem_address_kernel(const Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);
+  const int t = threadIdx.x;
+  store(static_cast<unsigned*>(a.out0) + t,
+        cuflash::arch::smem_address(smem + 16 * t) - cuflash::arch::smem_address(smem));
+  store(static_cast<unsigned*>(a.out1) + t, cuflash::arch::smem_address(smem) % 1024u);
 }
 
 }  // namespace simtensor
