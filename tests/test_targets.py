@@ -10,7 +10,7 @@ import cuflash
 import cuflash.sim as sim
 from cuflash._tolerance import BACKWARD_FACTOR, FORWARD_FACTOR, backward_references, check_close, forward_references
 from cuflash.kernels import catalog, plans, targets
-from cuflash.kernels.program import KernelInstance, Problem
+from cuflash.kernels.program import Problem
 from cuflash.testing import random_inputs
 
 

@@ -39,14 +39,9 @@ def _causal_values(choice: str) -> tuple[bool, ...]:
 
 def _timed_run(systems, workloads, directions, repeats, warmup, out: Path | None):
     """Refuse without a GPU (before writing anything), else sweep, print and write the results."""
-    from . import speed, timing
+    from . import speed
 
-    timing.cupy_or_refuse()
-    flush = timing.L2Flush()
-    result = speed.run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats,
-                             flush=flush, device=speed.device_name(),
-                             timing=f"CUDA events, median of {repeats} after {warmup} warm-up, "
-                                    f"L2 flushed ({flush.bytes >> 20} MiB written) before each run")
+    result = speed.sweep_on_gpu(systems, workloads, directions=directions, warmup=warmup, repeats=repeats)
     print(speed.format_table(result))
     if out is not None:
         for path in speed.write_outputs(result, out):

@@ -26,7 +26,7 @@ import numpy as np
 
 from .peers import System
 from .timing import Sample, measure
-from .workloads import DIRECTIONS, Workload, attention_flops  # noqa: F401  (attention_flops: public API)
+from .workloads import DIRECTIONS, Workload
 
 # The small problem each system is checked on before it is timed: square, so that every system's causal
 # convention (top-left or bottom-right diagonal) agrees, and not a multiple of any block size.
@@ -175,6 +175,17 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
     return result
 
 
+def sweep_on_gpu(systems, workloads, *, directions=DIRECTIONS, warmup: int = 3, repeats: int = 10) -> SweepResult:
+    """run_sweep with the CUDA-event timers and the L2 flush, on the current GPU (NoGpuError without one)."""
+    from .timing import L2Flush, cupy_or_refuse
+
+    cupy_or_refuse()
+    flush = L2Flush()
+    return run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats, flush=flush,
+                     device=device_name(), timing=f"CUDA events, median of {repeats} after {warmup} warm-up, "
+                                                  f"L2 flushed ({flush.bytes >> 20} MiB written) before each run")
+
+
 def baseline_system(result: SweepResult) -> str | None:
     """The cuflash system the ratios are taken against: fa2 if it ran, else the first cuflash system."""
     cuflash = [s for s in result.systems if s.startswith("cuflash-")]
@@ -197,17 +208,17 @@ def format_table(result: SweepResult) -> str:
         if not workloads:
             continue
         head = f"{'dtype':>8} {'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{s:>22}" for s in timed)
-        ratios = [f"{base}/{p}" for p in peers] if base in timed else []
-        head += "".join(f" {r.replace('cuflash-', ''):>{max(14, len(r) - 8)}}" for r in ratios)
+        ratios = [(p, f"{base.removeprefix('cuflash-')}/{p}") for p in peers] if base in timed else []
+        head += "".join(f" {label:>{max(14, len(label))}}" for _, label in ratios)
         lines += ["", f"{direction}", head]
         for w in workloads:
             row = f"{w.dtype:>8} {w.headdim:4d} {str(w.causal):>6} {w.seqlen:6d} "
             row += " ".join(f"{_cell(by_key[(s, w, direction)]):>22}" if (s, w, direction) in by_key else f"{'-':>22}"
                             for s in timed)
-            for r, p in zip(ratios, peers):
+            for p, label in ratios:
                 mine, theirs = by_key.get((base, w, direction)), by_key.get((p, w, direction))
                 cell = f"{mine.tflops / theirs.tflops:.3f}" if mine and theirs else "-"
-                row += f" {cell:>{max(14, len(r) - 8)}}"
+                row += f" {cell:>{max(14, len(label))}}"
             lines.append(row)
     if result.skipped:
         lines += ["", "skipped:"] + [f"  {s.system} {s.workload}: {s.reason}" for s in result.skipped]

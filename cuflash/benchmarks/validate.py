@@ -117,14 +117,10 @@ def step_sanitizer(out: Path) -> dict:
 
 
 def step_speed(out: Path) -> dict:
-    from . import peers, speed, timing
+    from . import peers, speed
     from .workloads import fa2_sweep
 
-    flush = timing.L2Flush()
-    repeats = 5
-    result = speed.run_sweep(peers.all_systems(), fa2_sweep(**SPEED_SWEEP), warmup=2, repeats=repeats, flush=flush,
-                             device=speed.device_name(),
-                             timing=f"CUDA events, median of {repeats}, L2 flushed before each run")
+    result = speed.sweep_on_gpu(peers.all_systems(), fa2_sweep(**SPEED_SWEEP), warmup=2, repeats=5)
     speed.write_outputs(result, out)
     failed = [c for c in result.checks if not c.passed and c.system.startswith("cuflash-")]
     detail = f"{len(result.measurements)} timings, {len(result.skipped)} skipped; table in speed.txt"

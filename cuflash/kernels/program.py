@@ -10,6 +10,7 @@ the plans and the families can all import it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,8 +69,9 @@ class Problem:
         if not isinstance(self.mask, Mask):
             raise TypeError(f"Problem.mask must be a cuflash.mask.Mask, got {self.mask!r}")
 
-    @property
+    @functools.cached_property
     def mask_policy(self) -> MaskPolicy:
+        """The NumPy twin of mask.cuh for this problem (made once: traffic formulas ask per tile and per row)."""
         return self.mask.policy(self.seqlen_q, self.seqlen_k)
 
     @property
