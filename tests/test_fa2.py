@@ -34,6 +34,7 @@ from cuflash._tolerance import (
 )
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels import plans
 from cuflash.kernels.families import fa2
 from cuflash.kernels.program import LaunchPlan, Problem, Program
 from cuflash.kernels.targets import target
@@ -190,12 +191,17 @@ def _problem(q, k, causal, deterministic=False):
     )
 
 
+def _variant(problem):
+    """The fa2 variant the plans pick for this problem (tensor cores for 16-bit inputs, SIMT for float32)."""
+    return plans.variant_for("fa2", problem, SM80).module
+
+
 def _run_forward(q, k, v, causal, scale, program=None):
     backend = SimulatorBackend()
     problem = _problem(q, k, causal)
     out = backend.empty(q.shape, q.dtype)
     lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
-    program = program or fa2.forward_program(problem, SM80)
+    program = program or _variant(problem).forward_program(problem, SM80)
     run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     return out, lse
 
@@ -290,7 +296,10 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
     problem = _problem(q, k, causal)
     with sim.record() as forward_records:
         out, lse = _run_forward(q, k, v, causal, 0.125)
-    assert _launch_traffic(forward_records) == _expected(fa2.forward_program(problem, SM80), [fa2.forward_traffic(problem, SM80)])
+    variant = _variant(problem)
+    assert _launch_traffic(forward_records) == _expected(
+        variant.forward_program(problem, SM80), [variant.forward_traffic(problem, SM80)]
+    )
     for deterministic in (False, True):
         det_problem = _problem(q, k, causal, deterministic)
         with sim.record() as backward_records:
@@ -307,28 +316,35 @@ def test_forward_traffic_is_fa2s_closed_form(dtype, headdim):
     q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, seed=8)
     with sim.record() as records:
         _run_forward(q, k, v, False, 0.1)
-    es, block_m = ELEMENT_BYTES[dtype], fa2.forward_traits(headdim, SM80).block_m
+    es, block_m = ELEMENT_BYTES[dtype], _variant(_problem(q, k, False)).forward_traits(headdim, SM80).block_m
     q_blocks = math.ceil(seqlen_q / block_m)
     reads = batch * nheads * (seqlen_q * headdim * es + 2 * q_blocks * seqlen_k * headdim * es)
     writes = batch * nheads * seqlen_q * (headdim * es + 4)
     assert _launch_traffic(records) == [(reads, writes)]
 
 
-def test_causal_forward_skips_blocks_above_the_diagonal():
-    """Causal, seqlen_q = seqlen_k = 4 x 64: Q block i reads K/V blocks 0..i only (whole blocks: it is the
-    block that crosses the diagonal that is masked, not loaded in part), i.e. 1 + 2 + 3 + 4 = 10 of 16."""
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_causal_forward_skips_blocks_above_the_diagonal(dtype):
+    """Causal, seqlen_q = seqlen_k = 256: Q block i (rows i M .. i M + M - 1) reads the K/V blocks up to the one
+    holding its last row's diagonal, whole blocks (the block crossing the diagonal is masked, not loaded in part):
+    with the SIMT tiles (64 x 64) 1 + 2 + 3 + 4 = 10 of 16 blocks, with the tensor-core ones (128 x 64) 2 + 4 = 6
+    of 8 (the Q block pairs cover the same keys)."""
     batch, seqlen, nheads, headdim = 1, 256, 2, 64
-    traits = fa2.forward_traits(headdim, SM80)
-    assert seqlen == 4 * traits.block_m == 4 * traits.block_n
-    q, k, v, _ = _inputs((batch, seqlen, seqlen, nheads, nheads, headdim), "float16", seed=9)
+    q, k, v, _ = _inputs((batch, seqlen, seqlen, nheads, nheads, headdim), dtype, seed=9)
+    traits = _variant(_problem(q, k, True)).forward_traits(headdim, SM80)
+    assert seqlen % traits.block_m == 0 and traits.block_m % traits.block_n == 0
     with sim.record() as causal_records:
         _run_forward(q, k, v, True, 0.1)
     with sim.record() as full_records:
         _run_forward(q, k, v, False, 0.1)
-    tile = traits.block_n * headdim * 2  # bytes of one K (or V) block
-    q_bytes = batch * nheads * seqlen * headdim * 2
-    assert full_records.launches[0].global_bytes_read == q_bytes + batch * nheads * 16 * 2 * tile
-    assert causal_records.launches[0].global_bytes_read == q_bytes + batch * nheads * 10 * 2 * tile
+    es = ELEMENT_BYTES[dtype]
+    tile = traits.block_n * headdim * es  # bytes of one K (or V) block
+    q_blocks, kv_blocks = seqlen // traits.block_m, seqlen // traits.block_n
+    visited = sum((i + 1) * traits.block_m // traits.block_n for i in range(q_blocks))
+    assert visited == {64: 10, 128: 6}[traits.block_m]
+    q_bytes = batch * nheads * seqlen * headdim * es
+    assert full_records.launches[0].global_bytes_read == q_bytes + batch * nheads * q_blocks * kv_blocks * 2 * tile
+    assert causal_records.launches[0].global_bytes_read == q_bytes + batch * nheads * visited * 2 * tile
     assert causal_records.launches[0].global_bytes_written == full_records.launches[0].global_bytes_written
 
 
@@ -396,7 +412,7 @@ def test_no_out_of_bounds_access_under_asan():
 
 
 def test_kernels_trap_on_a_launch_shape_their_traits_do_not_fit():
-    q, k, v, dout = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=12)
+    q, k, v, dout = _inputs((1, 40, 50, 1, 1, 64), "float32", seed=12)
     problem = _problem(q, k, False)
     (plan,) = fa2.forward_program(problem, SM80).launches
     short = LaunchPlan(plan.kernel, plan.grid, plan.block, plan.dynamic_smem_bytes - 4)
@@ -434,8 +450,10 @@ def test_traits_table_and_catalog():
     # FA2's head-dim-64 forward keeps 4 warps; head dim 256 needs 8 warps to keep a thread's O slice small.
     assert fa2.forward_traits(64, SM80).warps == fa2.forward_traits(128, SM80).warps == 4
     for arch in ("sm_80", "sm_86", "sm_90", "sm_120"):
+        # The SIMT variant serves float32 (16-bit inputs run on tensor cores, test_fa2_tc.py).
+        assert fa2.DTYPES == ("float32",)
         names = [i.name_expr for i in fa2.instances(target(arch))]
-        assert len(names) == len(set(names)) == 3 * (6 + 6 + 1 + 2)
+        assert len(names) == len(set(names)) == 6 + 6 + 1 + 2
         for instance in fa2.instances(target(arch)):
             smem = fa2.dynamic_smem_bytes(instance)
             assert smem <= target(arch).smem_per_block_bytes

@@ -1,7 +1,7 @@
 """The kernel catalog: the kernel families, their variants, and every instantiation they can launch.
 
 A family is an algorithm users name (``standard``, ``fa1``, ``fa2``); it holds one or more
-variants side by side (a SIMT fa2 today; a tensor-core fa2 for 16-bit inputs later), each a
+variants side by side (fa2: tensor cores for 16-bit inputs, SIMT for float32), each a
 module under cuflash/kernels/families/ that turns a Problem into a Program for a Target and
 lists the kernel instances its plans use on that target. The same instances are compiled by
 NVRTC for real GPUs and by g++ for the simulator, so this registry is the single source of
@@ -55,7 +55,10 @@ class Variant:
 FAMILIES: dict[str, tuple[Variant, ...]] = {
     "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
-    "fa2": (Variant("fa2", "simt", "cuflash.kernels.families.fa2"),),
+    "fa2": (
+        Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16")),
+        Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",)),
+    ),
 }
 
 

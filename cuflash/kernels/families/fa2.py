@@ -213,15 +213,25 @@ def _convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_convert_dq_kernel<{CXX_ELEMENT_TYPES[dtype]}, {block_n}>")
 
 
+# The element types the catalog sends to this SIMT variant; 16-bit inputs go to the tensor-core one (fa2_tc.py).
+DTYPES = ("float32",)
+
+
+def backward_instances(target: Target, dtype: str) -> list[KernelInstance]:
+    """The backward program's instances for one element type on ``target``."""
+    backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
+    found = [traits.instance(dtype) for traits in backward]
+    found.append(_dout_dot_out_instance(dtype))
+    found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
+    return found
+
+
 def instances(target: Target) -> list[KernelInstance]:
-    """Every instance the plans for ``target`` may launch."""
+    """Every instance the plans for ``target`` may launch with this variant's element types."""
     found: list[KernelInstance] = []
-    for dtype in CXX_ELEMENT_TYPES:
+    for dtype in DTYPES:
         found += [forward_traits(hd, target).instance(dtype) for hd in HEAD_DIMS]
-        backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
-        found += [traits.instance(dtype) for traits in backward]
-        found.append(_dout_dot_out_instance(dtype))
-        found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
+        found += backward_instances(target, dtype)
     return found
 
 
@@ -262,7 +272,7 @@ def threads(instance: KernelInstance) -> int:
 # Launch plans.
 
 
-def _check_grid(grid: tuple[int, int, int]) -> tuple[int, int, int]:
+def check_grid(grid: tuple[int, int, int]) -> tuple[int, int, int]:
     if grid[0] > _MAX_GRID_X or grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
         raise ValueError(f"fa2 grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
     return grid
@@ -270,13 +280,13 @@ def _check_grid(grid: tuple[int, int, int]) -> tuple[int, int, int]:
 
 def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
     grid = (ceil_div(problem.seqlen_q, ROW_KERNEL_ROWS), problem.nheads, problem.batch)
-    return LaunchPlan(kernel, _check_grid(grid), (ROW_KERNEL_THREADS, 1, 1), 0)
+    return LaunchPlan(kernel, check_grid(grid), (ROW_KERNEL_THREADS, 1, 1), 0)
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
     traits = forward_traits(problem.headdim, target)
     grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
-    launch = LaunchPlan(traits.instance(problem.dtype), _check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
+    launch = LaunchPlan(traits.instance(problem.dtype), check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
     return Program(launches=(launch,))
 
 
@@ -292,7 +302,7 @@ def backward_program(problem: Problem, target: Target) -> Program:
     main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
     launches = (
         _row_kernel_launch(_dout_dot_out_instance(problem.dtype), problem),
-        LaunchPlan(traits.instance(problem.dtype), _check_grid(main_grid), (traits.threads, 1, 1), traits.smem_bytes),
+        LaunchPlan(traits.instance(problem.dtype), check_grid(main_grid), (traits.threads, 1, 1), traits.smem_bytes),
         _row_kernel_launch(traits.convert_instance(problem.dtype), problem),
     )
     scratch = (
@@ -324,15 +334,21 @@ def _rows(total: int, block: int, index: int) -> int:
 
 def forward_traffic(problem: Problem, target: Target) -> Traffic:
     traits = forward_traits(problem.headdim, target)
+    return forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
+
+
+def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Traffic:
+    """The traffic of an FA2 forward with (block_m x block_n) tiles: each Q block that sees a key reads its rows
+    of Q and the keys of its visible K/V blocks once; out and lse are written once (SIMT and tensor-core alike)."""
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
     mask = problem.mask_policy
     read = 0
-    for i in range(ceil_div(problem.seqlen_q, traits.block_m)):
-        rows = _rows(problem.seqlen_q, traits.block_m, i)
-        blocks = mask.kv_blocks(traits.block_n, i * traits.block_m, i * traits.block_m + rows)
+    for i in range(ceil_div(problem.seqlen_q, block_m)):
+        rows = _rows(problem.seqlen_q, block_m, i)
+        blocks = mask.kv_blocks(block_n, i * block_m, i * block_m + rows)
         if not blocks.empty:
             # K/V blocks are whole blocks of the range, clipped at seqlen_k.
-            keys_read = min(problem.seqlen_k, blocks.end * traits.block_n) - blocks.begin * traits.block_n
+            keys_read = min(problem.seqlen_k, blocks.end * block_n) - blocks.begin * block_n
             read += rows * d * es + 2 * keys_read * d * es
     heads = problem.batch * problem.nheads
     written = heads * problem.seqlen_q * (d * es + _F32)

@@ -1,0 +1,234 @@
+// FlashAttention-2 forward (Dao 2023, Algorithm 1) on tensor cores: 16-bit Q, K, V, float32 math.
+//
+// What it does: out = softmax(scale * Q K^T [masked]) V and lse = logsumexp of the scaled scores, per (batch,
+// query head), for __half and __nv_bfloat16 (float32 inputs keep the SIMT kernel, fa2_forward.cu).
+//
+// How it partitions work
+//   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head; query head h
+//           reads kv head h / (nheads / nheads_k) (block_info.cuh).
+//   block = Warps x 32 threads; warp w owns the 16 MTiles query rows w * 16 MTiles .. of the Q block (whole
+//           m16 MMA strips) for the whole kernel, so its softmax statistics never leave its registers and a
+//           row's max and sum need only the 4 lanes of a quad (2 xor-shuffles).
+//   Per visible K/V block, last to first (mask.cuh gives the range; the masked blocks at the diagonal and the
+//   ragged end come first):
+//     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
+//     mask (only blocks that need it, mask.cuh's tile test), online softmax in base 2 with the scale folded into
+//     one FMA (p = exp2(s * scale_log2 - offset)), l and O rescaled by exp2(offset_old - offset_new);
+//     O += P V_j    P is S's accumulator rounded to 16 bits and re-read as A fragments (never in shared
+//                   memory); B = V by ldmatrix.x4.trans from V stored [key][dim].
+//   Pipelining (FA2's): one Q, one K and one V buffer; cp.async of V_j is in flight during Q K_j^T, and of
+//   K_{j-1} during the softmax and P V_j. Each step has two barriers: the first publishes K_j (and makes the
+//   V buffer free), the second publishes V_j (and makes the K buffer free).
+//   Epilogue: O / l rounded to 16 bits into the warp's own rows of the Q buffer (only this warp ever read
+//   them), then 16-byte coalesced stores; lse = m * scale + log(l).
+//
+// Shared memory: Q [BlockM][D], K [BlockN][D], V [BlockN][D], 16-bit, XOR-swizzled (fa2_tc_tiles.cuh):
+//   (BlockM + 2 BlockN) * D * 2 bytes. Registers per thread: O is 4 MTiles D / 8 floats, S 4 MTiles BlockN / 8.
+//
+// What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN), as the SIMT forward: for each Q block
+// that sees a key, rows_i * d * es of Q and 2 * keys_i * d * es of K and V (the keys of its visible blocks,
+// clipped at seqlen_k), once; out and lse written once. Without a mask: B H Sq d es + 2 B H ceil(Sq / M) Sk d es.
+// Zero-filled rows and columns (past seqlen, past d) are never read from global memory (cp.async src-size).
+// FLOPs: 4 B H Sq Sk D (D = the compiled head dim), about half with causal.
+//
+// Masks and empty rows as in fa2_forward.cu: blocks outside the band are never loaded, a row that sees no key
+// writes out = 0 and lse = -inf, and m * scale_log2 uses 0 while m = -inf. Requires softmax_scale > 0.
+#include "arch/arch.cuh"
+#include "kernels/fa2_tc_tiles.cuh"
+
+namespace cuflash {
+namespace fa2tc {
+
+template <int HeadDim, int BlockM, int BlockN, int Warps>
+struct ForwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kWarps = Warps;
+  static constexpr int kThreads = Warps * 32;
+  static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 strips per warp
+  static constexpr int kRowsPerWarp = 16 * kMTiles;
+  static constexpr int kKeyTiles = BlockN / 8;           // n8 tiles of S
+  static constexpr int kDimTiles = HeadDim / 8;          // n8 tiles of O
+
+  using QTile = SwizzledTile<BlockM, HeadDim>;
+  using KVTile = SwizzledTile<BlockN, HeadDim>;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + KVTile::kBytes;
+  static constexpr int kSmemBytes = kVOffset + KVTile::kBytes;
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
+  static_assert(kMTiles >= 1 && BlockM == 16 * kMTiles * Warps, "warps own whole 16-row strips");
+  static_assert(BlockN % 16 == 0, "keys come in k16 steps");
+};
+
+}  // namespace fa2tc
+
+// __launch_bounds__(threads, 1): as the SIMT forward, shared memory bounds the blocks per SM; ptxas may use up
+// to 255 registers for the O and S accumulators rather than spill.
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const AttentionParams p) {
+  static_assert(arch::is_mma_operand<T>::value, "the tensor-core forward takes __half or __nv_bfloat16");
+  using Tr = fa2tc::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  constexpr int MT = Tr::kMTiles;
+  constexpr int kRows = 2 * MT;  // accumulator rows per lane: g and g + 8 of each strip
+
+  CUFLASH_DYNAMIC_SMEM(smem);
+  // The plan (Python) and these traits must agree on the launch shape exactly; a mismatch is a bug.
+  if (arch::dynamic_smem_size() != Tr::kSmemBytes || blockDim.x != Tr::kThreads || blockDim.y != 1 ||
+      blockDim.z != 1 || p.headdim > HeadDim || p.headdim < 1)
+    __trap();
+
+  const int m_block = blockIdx.x;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int quad_row = lane / 4;  // g
+  const int quad_col = lane % 4;  // t
+  const int d = p.headdim;
+
+  const int row0 = m_block * BlockM;
+  if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
+  const int block_rows = min(BlockM, p.seqlen_q - row0);
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
+  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  // Block-relative row of this lane's accumulator row r (strip r / 2, half r % 2).
+  auto lane_row = [&](int r) { return warp_row0 + 16 * (r / 2) + quad_row + 8 * (r % 2); };
+
+  fa2tc::Accumulator<MT, Tr::kDimTiles> acc_o;
+  acc_o.zero();
+  // Running max of this lane's rows in base 2, m * scale_log2 (-inf until the row sees a key). It is also the
+  // offset the exponents subtract; unlike the SIMT forward no separate rounded offset is kept: the product's
+  // rounding (half an ulp of m * scale_log2) only enters the lse, 2^-24 relative to a logit, where 16-bit inputs
+  // already carry 2^-11 (half) or 2^-8 (bfloat16), and it saves a register per row.
+  float row_max[kRows];
+  float row_sum[kRows];  // this lane's part of l (the quad is summed at the end)
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = neg_inf();
+    row_sum[r] = 0.f;
+  }
+
+  unsigned char* q_tile = smem + Tr::kQOffset;
+  unsigned char* k_tile = smem + Tr::kKOffset;
+  unsigned char* v_tile = smem + Tr::kVOffset;
+
+  if (!n_range.empty()) {
+    const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+    const T* k = info.k<T>(p);
+    const T* v = info.v<T>(p);
+    const bool q_vector = fa2tc::rows_16b_aligned(q, p.q_stride.row);
+    const bool k_vector = fa2tc::rows_16b_aligned(k, p.k_stride.row);
+    const bool v_vector = fa2tc::rows_16b_aligned(v, p.v_stride.row);
+    const float scale_log2 = p.softmax_scale_log2;
+    auto block_keys = [&](int n_block) { return min(BlockN, p.seqlen_k - n_block * BlockN); };
+
+    fa2tc::load_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, q_vector, threadIdx.x, Tr::kThreads);
+    fa2tc::load_tile<KVTile>(k_tile, k + (n_range.end - 1) * BlockN * p.k_stride.row, p.k_stride.row,
+                             block_keys(n_range.end - 1), d, k_vector, threadIdx.x, Tr::kThreads);
+    arch::cp_async_commit();
+
+    for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
+      const int key0 = n_block * BlockN;
+      arch::cp_async_wait<0>();
+      __syncthreads();  // K_j (and Q) visible to all; every warp is done with V_{j+1}
+      fa2tc::load_tile<KVTile>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row, block_keys(n_block), d, v_vector,
+                               threadIdx.x, Tr::kThreads);
+      arch::cp_async_commit();
+
+      fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
+      s.zero();
+      fa2tc::gemm_nt<T, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, warp_row0, k_tile, lane);
+
+      // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
+      const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < Tr::kKeyTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s.c[r / 2][j][2 * (r % 2) + e];
+            const int row = row0 + lane_row(r);
+            const int key = key0 + 8 * j + 2 * quad_col + e;
+            x = score_hook(x, row, key);
+            if (masked && !mask.visible(row, key)) x = neg_inf();
+          }
+
+      arch::cp_async_wait<0>();
+      __syncthreads();  // V_j visible to all; every warp is done with K_j
+      if (n_block > n_range.begin) {
+        fa2tc::load_tile<KVTile>(k_tile, k + (key0 - BlockN) * p.k_stride.row, p.k_stride.row, block_keys(n_block - 1), d,
+                                 k_vector,
+                                 threadIdx.x, Tr::kThreads);
+        arch::cp_async_commit();
+      }
+
+      // Online softmax, base 2, scale folded into the exponent's FMA (see fa2_forward.cu for the offset).
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float block_max = neg_inf();
+#pragma unroll
+        for (int j = 0; j < Tr::kKeyTiles; ++j)
+          block_max = fmaxf(block_max, fmaxf(s.c[r / 2][j][2 * (r % 2)], s.c[r / 2][j][2 * (r % 2) + 1]));
+        block_max = fa2tc::quad_max(block_max);
+        const float old_max = row_max[r];
+        const float new_max = fmaxf(old_max, block_max * scale_log2);  // rounding is monotonic: max commutes
+        row_max[r] = new_max;
+        // A row with no visible key so far keeps -inf: use offset 0 so p = exp2(-inf) = 0 (never -inf - -inf).
+        const float max_scaled = new_max == neg_inf() ? 0.f : new_max;
+        const float correction = old_max == neg_inf() ? 0.f : arch::exp2_approx(old_max - max_scaled);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < Tr::kKeyTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s.c[r / 2][j][2 * (r % 2) + e];
+            x = arch::exp2_approx(fmaf(x, scale_log2, -max_scaled));
+            sum += x;
+          }
+        row_sum[r] = fmaf(row_sum[r], correction, sum);
+#pragma unroll
+        for (int j = 0; j < Tr::kDimTiles; ++j) {
+          acc_o.c[r / 2][j][2 * (r % 2)] *= correction;
+          acc_o.c[r / 2][j][2 * (r % 2) + 1] *= correction;
+        }
+      }
+
+      unsigned p_frag[MT][Tr::kKeyTiles / 2][4];  // P = S rounded to T, as A operands
+      fa2tc::to_a_operand<T>(p_frag, s);
+      fa2tc::gemm_rs<T, KVTile>(acc_o, p_frag, v_tile, lane);
+    }
+  }
+
+  // Epilogue. O / l into this warp's own rows of the Q buffer (no other warp reads them; the warp's last ldmatrix
+  // of Q is behind it, and no copy is in flight), then out in 16-byte chunks and lse from one lane per quad.
+  T* out = info.out<T>(p) + row0 * p.out_stride.row;
+  float* lse = p.lse + info.row_stats_offset(p);
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float l = fa2tc::quad_sum(row_sum[r]);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const int row = lane_row(r);
+#pragma unroll
+    for (int j = 0; j < Tr::kDimTiles; ++j) {
+      const float* o = &acc_o.c[r / 2][j][2 * (r % 2)];
+      *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, 8 * j + 2 * quad_col)) =
+          arch::pack_float2<T>(o[0] * inv_l, o[1] * inv_l);
+    }
+    if (quad_col == 0 && row0 + row < p.seqlen_q)
+      arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[r], kLn2, logf(l)) : neg_inf());  // (m log2 e + log2 l) ln 2
+  }
+  __syncwarp();
+  fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows, d,
+                           lane, 32);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,268 @@
+// fa2_tc_tiles.cuh: the building blocks of the tensor-core FA2 kernels (16-bit operands, float32 math).
+//
+//  - SwizzledTile: a (Rows x Cols) tile of 16-bit elements in shared memory, rows packed without padding,
+//    its 16-byte chunks XOR-swizzled so that the 8 rows an ldmatrix phase reads and the 8 chunks a
+//    cp.async phase writes land in 8 different bank quads (see below);
+//  - load_tile: global -> swizzled shared memory with 16-byte cp.async (zero-filled past the valid rows and
+//    the head dim), or element by element where the global rows are not 16-byte aligned;
+//  - fragment loads with ldmatrix (A of m16n8k16 from a row-major tile, B from a tile stored [n][k] or,
+//    transposing, [k][n]) and the warp-level products built from them;
+//  - the conversion of an S accumulator (float32, C layout) into the A operand of the next product, and
+//    quad reductions over the 4 lanes that share an accumulator row.
+//
+// Swizzle. A tile row is Cols / 8 chunks of 16 bytes; shared memory serves 128 bytes (8 chunk positions) per
+// wavefront, so 8 lanes touching 8 chunks conflict unless the chunks sit in 8 different positions mod 128
+// bytes. With 8k chunks per row (Cols a multiple of 64), chunk c of row r is stored at position c ^ (r & 7)
+// inside its 8-chunk atom: the same logical chunk of 8 consecutive rows (an ldmatrix phase) and 8 consecutive
+// chunks of one row (a cp.async phase) both cover all 8 positions. With 8k + 4 chunks per row (Cols = 32, 96)
+// odd rows start half a line later; chunk c of row r goes to c ^ ((r >> 1) & 3) inside its 4-chunk atom, so
+// (r & 1, (r >> 1) & 3) again spreads 8 consecutive rows over 8 positions. This is FA2's 3-bit (2-bit for
+// 32-wide atoms) XOR swizzle; the simulator's bank-conflict profile checks it (tests/test_fa2_tc.py).
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 and ldmatrix; lane = 4 g + t):
+//   A (16 x 16, row):  a0 = A[g][2t, 2t+1], a1 = A[g+8][..], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, ..]
+//   B (16 x 8, col):   b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]
+//   C (16 x 8, f32):   c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1]
+// Two adjacent n8 C tiles of S, rounded to 16 bits and packed in pairs, are exactly the A operand of one k16
+// step of the next product (P V or dS K): P never goes through shared memory in the forward.
+//
+// Everything lives in namespace cuflash::fa2tc (the simulator links every family into one library).
+#pragma once
+
+#include "arch/arch.cuh"
+#include "common/block_info.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
+
+namespace cuflash {
+namespace fa2tc {
+
+constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
+
+template <int Rows, int Cols>
+struct SwizzledTile {
+  static_assert(Rows % 16 == 0 && Cols % 32 == 0, "tiles are whole 16-row MMA strips and 32-column atoms");
+  static constexpr int kRows = Rows;
+  static constexpr int kCols = Cols;
+  static constexpr int kChunksPerRow = Cols / kChunkElems;
+  static constexpr int kAtomChunks = kChunksPerRow % 8 == 0 ? 8 : 4;
+  static constexpr int kBytes = Rows * Cols * 2;
+
+  // Byte offset of chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row `row`. The XOR key is below the atom
+  // width, so a chunk never leaves its atom (nor its row).
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    const int key = kAtomChunks == 8 ? (row & 7) : ((row >> 1) & 3);
+    return (row * kChunksPerRow + (chunk ^ key)) * 16;
+  }
+  // An ldmatrix address split into a per-lane part and a compile-time step. The lane gives row `lane_row` and
+  // chunk `lane_chunk` (0 or 1); the step adds row_step (a multiple of 8: the XOR key is unchanged) and
+  // chunk_step (even: no carry into the lane's bit). Then the swizzled chunk is
+  //   (chunk_step + lane_chunk) ^ key = (chunk_step & ~(atom-1)) + ((chunk_step & (atom-1)) ^ lane_x),
+  // lane_x = lane_chunk ^ key: an immediate plus one of atom / 2 XORed values per lane, so ptxas folds the steps
+  // into ldmatrix's immediate offsets instead of holding one address register per step.
+  struct LaneOffset {
+    int row_bytes;  // lane_row * row pitch
+    int lane_x;     // lane_chunk ^ key(lane_row)
+    __device__ __forceinline__ int at(int row_step, int chunk_step) const {
+      return row_step * kChunksPerRow * 16 + row_bytes + (chunk_step & ~(kAtomChunks - 1)) * 16 +
+             ((chunk_step & (kAtomChunks - 1)) ^ lane_x) * 16;
+    }
+  };
+  __device__ __forceinline__ static LaneOffset lane_offset(int lane_row, int lane_chunk) {
+    const int key = kAtomChunks == 8 ? (lane_row & 7) : ((lane_row >> 1) & 3);
+    return LaneOffset{lane_row * kChunksPerRow * 16, lane_chunk ^ key};
+  }
+  // Byte offset of element (row, col) (col even: the 4-byte pair col, col + 1 stays in one chunk).
+  __device__ __forceinline__ static int element_offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
+  }
+};
+
+// Whether rows of a global tile can move as 16-byte chunks: the base and every row start 16-byte aligned.
+template <class T>
+__device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_stride) {
+  return (reinterpret_cast<unsigned long long>(base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0;
+}
+
+// tile[r][c] = src[r * row_stride + c] for r < valid_rows, c < headdim; 0 elsewhere. `threads` threads share
+// the chunks (consecutive threads take consecutive chunks of a row: coalesced and, swizzled, conflict-free).
+// vector: 16-byte cp.async (asynchronous: the caller commits the group and waits for it); otherwise element
+// loads and a 16-byte shared store (synchronous). Either way exactly the valid elements are read.
+template <class Tile, class T>
+__device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+                                          int headdim, bool vector, int thread, int threads) {
+  static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
+  constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+  // Neither loop is unrolled: they run while the kernels' accumulators are live, and unrolled, ptxas hoists
+  // every copy's 64-bit source offset out of the main loops and spills for them.
+  if (vector) {
+#pragma unroll 1
+    for (int c = thread; c < kChunks; c += threads) {
+      const int row = c / Tile::kChunksPerRow;
+      const int col = (c % Tile::kChunksPerRow) * kChunkElems;
+      const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
+      // A zero-byte copy still needs an aligned source address: the tile's own start.
+      const T* from = valid > 0 ? src + row * row_stride + col : src;
+      arch::cp_async<16>(tile + Tile::chunk_offset(row, col / kChunkElems), from, valid * 2);
+    }
+  } else {
+#pragma unroll 1
+    for (int c = thread; c < kChunks; c += threads) {
+      const int row = c / Tile::kChunksPerRow;
+      const int col = (c % Tile::kChunksPerRow) * kChunkElems;
+      const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
+      const unsigned short* from = reinterpret_cast<const unsigned short*>(src + row * row_stride + col);
+      unsigned short* to = reinterpret_cast<unsigned short*>(tile + Tile::chunk_offset(row, col / kChunkElems));
+#pragma unroll 1
+      for (int e = 0; e < kChunkElems; ++e) to[e] = e < valid ? arch::load(from + e) : static_cast<unsigned short>(0);
+    }
+  }
+}
+
+// ---- fragments ------------------------------------------------------------------------------------------
+
+// ldmatrix addresses of this lane for the three operand kinds; `at(row_step, chunk_step)` then gives a step.
+// A (16 x 16, row-major tile [m][k]), ldmatrix.x4: lane l gives row l % 16 at chunk l / 16 (matrices a0..a3).
+template <class Tile>
+__device__ __forceinline__ typename Tile::LaneOffset a_lane(int lane) {
+  return Tile::lane_offset(lane % 16, lane / 16);
+}
+// B of two adjacent n8 tiles from a tile stored [n][k] (K for Q K^T), ldmatrix.x4: b[0..1] for n0, b[2..3] for
+// n0 + 8: lane l gives row (l & 7) + 8 (l >> 4) at chunk (l >> 3) & 1.
+template <class Tile>
+__device__ __forceinline__ typename Tile::LaneOffset b_nk_lane(int lane) {
+  return Tile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+}
+// The same from a tile stored [k][n] (V for P V), ldmatrix.x4.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1)
+// at chunk l >> 4.
+template <class Tile>
+__device__ __forceinline__ typename Tile::LaneOffset b_kn_lane(int lane) {
+  return Tile::lane_offset((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+}
+
+// Accumulator of an (MTiles x 16) x (NTiles x 8) warp product, C layout per 16 x 8 tile.
+template <int MTiles, int NTiles>
+struct Accumulator {
+  float c[MTiles][NTiles][4];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < MTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < NTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[i][j][e] = 0.f;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  const unsigned b[2] = {b0, b1};
+  arch::mma_m16n8k16<T>(d, a, b, d);
+}
+
+// acc += A B^T over k in [0, K): A = rows a_row0 + 16 i (i < MTiles) of tile_a [m][k], B = rows 0 .. 8 NTiles
+// of tile_b [n][k]. (S = Q K^T, dP = dO V^T.) a_row0 is a multiple of 16.
+template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
+__device__ __forceinline__ void gemm_nt(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a, int a_row0,
+                                        const unsigned char* tile_b, int lane) {
+  static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
+  const typename TileA::LaneOffset a_at = a_lane<TileA>(lane);
+  const typename TileB::LaneOffset b_at = b_nk_lane<TileB>(lane);
+  const unsigned char* a_base = tile_a + a_row0 * TileA::kChunksPerRow * 16;
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    unsigned a[MTiles][4];
+#pragma unroll
+    for (int i = 0; i < MTiles; ++i) arch::ldmatrix<4, false>(a[i], a_base + a_at.at(16 * i, k0 / kChunkElems));
+#pragma unroll
+    for (int j = 0; j < NTiles; j += 2) {
+      unsigned b[4];
+      arch::ldmatrix<4, false>(b, tile_b + b_at.at(8 * j, k0 / kChunkElems));
+#pragma unroll
+      for (int i = 0; i < MTiles; ++i) {
+        mma<T>(acc.c[i][j], a[i], b[0], b[1]);
+        mma<T>(acc.c[i][j + 1], a[i], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// An accumulator of (MTiles x 16) x (16 KSteps) as the A operands of the next product (P from S, dS for dQ):
+// n8 tiles 2 kk and 2 kk + 1 become k16 step kk, each pair of floats rounded to T. Converted all at once before
+// the product: the packed operand is half the registers of the float32 accumulator, which then dies.
+template <class T, int MTiles, int KSteps>
+__device__ __forceinline__ void to_a_operand(unsigned (&a)[MTiles][KSteps][4],
+                                             const Accumulator<MTiles, 2 * KSteps>& acc) {
+#pragma unroll
+  for (int i = 0; i < MTiles; ++i)
+#pragma unroll
+    for (int kk = 0; kk < KSteps; ++kk) {
+      a[i][kk][0] = arch::pack_float2<T>(acc.c[i][2 * kk][0], acc.c[i][2 * kk][1]);
+      a[i][kk][1] = arch::pack_float2<T>(acc.c[i][2 * kk][2], acc.c[i][2 * kk][3]);
+      a[i][kk][2] = arch::pack_float2<T>(acc.c[i][2 * kk + 1][0], acc.c[i][2 * kk + 1][1]);
+      a[i][kk][3] = arch::pack_float2<T>(acc.c[i][2 * kk + 1][2], acc.c[i][2 * kk + 1][3]);
+    }
+}
+
+// acc += A B over k in [0, 16 KSteps): A from registers (to_a_operand of this warp's previous product), B = rows
+// k of tile_b [k][n], columns 0 .. 8 NTiles. (O += P V, dQ += dS K.)
+template <class T, class TileB, int MTiles, int NTiles, int KSteps>
+__device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
+                                        const unsigned char* tile_b, int lane) {
+  static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
+  const typename TileB::LaneOffset b_at = b_kn_lane<TileB>(lane);
+#pragma unroll
+  for (int kk = 0; kk < KSteps; ++kk) {
+#pragma unroll
+    for (int j = 0; j < NTiles; j += 2) {
+      unsigned b[4];
+      arch::ldmatrix<4, true>(b, tile_b + b_at.at(16 * kk, j));
+#pragma unroll
+      for (int i = 0; i < MTiles; ++i) {
+        mma<T>(acc.c[i][j], a[i][kk], b[0], b[1]);
+        mma<T>(acc.c[i][j + 1], a[i][kk], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Reductions over the 4 lanes of a quad (they hold one accumulator row between them), in a fixed order.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Writes rows [0, valid_rows) x columns [0, headdim) of a swizzled tile to global memory (row stride in
+// elements): 16-byte stores where the rows are 16-byte aligned and a chunk is whole, element stores otherwise.
+template <class Tile, class T>
+__device__ __forceinline__ void store_tile(T* dst, long long row_stride, const unsigned char* tile, int row_begin,
+                                           int row_end, int valid_rows, int headdim, int thread, int threads) {
+  const bool vector = rows_16b_aligned(dst, row_stride);
+  const int chunks = (row_end - row_begin) * Tile::kChunksPerRow;
+  for (int c = thread; c < chunks; c += threads) {
+    const int row = row_begin + c / Tile::kChunksPerRow;
+    const int chunk = c % Tile::kChunksPerRow;
+    const int col = chunk * kChunkElems;
+    const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
+    if (valid == 0) continue;
+    const uint4 packed = *reinterpret_cast<const uint4*>(tile + Tile::chunk_offset(row, chunk));
+    T* to = dst + row * row_stride + col;
+    if (vector && valid == kChunkElems) {
+      arch::store(reinterpret_cast<uint4*>(to), packed);
+    } else {
+      const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int e = 0; e < kChunkElems; ++e)  // unrolled: words[] stays in registers
+        if (e < valid)
+          arch::store(reinterpret_cast<unsigned short*>(to) + e,
+                      static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
+    }
+  }
+}
+
+}  // namespace fa2tc
+}  // namespace cuflash
