@@ -1,0 +1,228 @@
+"""The tensor-core FA2 forward (cuda_src/kernels/fa2_tc_forward.cu), the fa2 variant for float16 and bfloat16.
+
+* The fa2 grid (test_fa2.SHAPES: FA2's odd length pairs, head dims 1..256 on and between the compiled sizes, MHA /
+  GQA / MQA, seqlen_q < and > seqlen_k) in both 16-bit types, causal and not, against the float64 reference with
+  FlashAttention's rule (test_fa2.py runs the same shapes through the API with rotating dtypes).
+* Every tensor-core instance of the sm_80, sm_86 (99 KB rows) and sm_90 plans: under the race detector with cp.async
+  copies landing at different moments (results bitwise equal across landings), and under AddressSanitizer; global
+  traffic byte for byte against the formula. (Pattern-initialized locals are on in every simulator build.)
+* The bank-conflict profile: no excess wavefronts at any shared-memory site (ldmatrix reads, cp.async writes, the
+  O staging stores and reads), at every compiled head dim.
+* K and V are read ceil(seqlen_q / 128) times per head at head dims 64 and 128.
+* The kernel traps on any launch shape but its traits' own (shared memory more or less, other block sizes).
+* The tile tables: FA2's where ptxas keeps them spill-free, 99 KB rows, the head-dim-256 choice per target.
+* On a GPU (marked gpu): the same checks against the reference and bitwise reruns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import sim
+from cuflash.backends.program import run_program
+from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels import catalog, plans
+from cuflash.kernels.families import fa2, fa2_tc
+from cuflash.kernels.program import LaunchPlan, Problem, Program
+from cuflash.kernels.targets import target
+from cuflash.mask import Mask
+from test_fa2 import SHAPES, _check_forward, _inputs
+
+SM80 = target("sm_80")
+DTYPES = fa2_tc.DTYPES
+
+
+def _grid_cases():
+    cases = []
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        for dtype in DTYPES:
+            for causal in (False, True):
+                scale = 0.3 if i % 2 else None
+                cases.append(pytest.param(shape, dtype, causal, scale, id=f"{name}-{dtype}-{'causal' if causal else 'full'}"))
+    return cases
+
+
+@pytest.mark.parametrize("shape, dtype, causal, scale", _grid_cases())
+def test_grid_matches_reference(shape, dtype, causal, scale):
+    q, k, v, _ = _inputs(shape, dtype, seed=21)
+    with sim.record() as records:
+        out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa2", return_lse=True)
+    assert [r.kernel.split("<")[0] for r in records.launches] == ["cuflash::fa2_tc_forward_kernel"]
+    _check_forward(q, k, v, out, lse, causal, scale)
+
+
+def _problem(q, k, causal):
+    batch, seqlen_q, nheads, headdim = q.shape
+    return Problem(np.dtype(q.dtype).name, batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, Mask.causal(causal))
+
+
+def _run(q, k, v, causal, scale, arch="sm_80", program=None):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal)
+    out = backend.empty(q.shape, q.dtype)
+    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+    program = program or fa2_tc.forward_program(problem, target(arch))
+    scale = scale if scale is not None else 1.0 / math.sqrt(problem.headdim)  # the API's default
+    with sim.targeting(arch), sim.record() as records:
+        run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    return out, lse, records
+
+
+# One problem per compiled head dim: ragged Q and K/V blocks, GQA, causal with seqlen_q > seqlen_k (rows without a
+# key) and a head dim below the compiled one (zero-filled columns, element-wise tails where it is not a multiple
+# of 8).
+INSTANCE_SHAPES = {32: 27, 64: 64, 96: 90, 128: 123, 192: 160, 256: 256}
+PLANNED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
+
+
+def _instance_cases():
+    """Each distinct tensor-core instance the plans of any target launch, once, with the first arch that plans it
+    (the simulator then stands in for that arch)."""
+    cases = {}
+    for arch in PLANNED_ARCHS:
+        for head_dim in fa2_tc.HEAD_DIMS:
+            for dtype in DTYPES:
+                cases.setdefault(fa2_tc.forward_traits(head_dim, target(arch)).instance(dtype), (arch, head_dim, dtype))
+    return list(cases.values())
+
+
+INSTANCE_CASES = _instance_cases()
+
+
+def test_instance_cases_cover_every_tensor_core_instance():
+    covered = {fa2_tc.forward_traits(hd, target(arch)).instance(dt) for arch, hd, dt in INSTANCE_CASES}
+    planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch)) if "fa2_tc_" in i.name_expr}
+    assert covered == planned and len(INSTANCE_CASES) == len(planned) == 16
+
+
+def _instance_inputs(head_dim, dtype):
+    return _inputs((1, 150, 133, 4, 2, INSTANCE_SHAPES[head_dim]), dtype, seed=22)
+
+
+@pytest.mark.parametrize("arch, head_dim, dtype", INSTANCE_CASES)
+def test_every_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
+    """Race mode treats a cp.async destination as written at issue and in flight until its wait; the landing seed
+    moves the moment each copy lands in normal mode, which must not change a bit of the result."""
+    q, k, v, _ = _instance_inputs(head_dim, dtype)
+    problem = _problem(q, k, True)
+    with sim.checking("race"):
+        out, lse, records = _run(q, k, v, True, None, arch)
+    _check_forward(q, k, v, out, lse, True, None)
+    assert [(r.global_bytes_read, r.global_bytes_written) for r in records.launches] == [
+        tuple(fa2_tc.forward_traffic(problem, target(arch)))
+    ]
+    for seed in (1, 2):
+        with sim.copy_landing(seed):
+            again, again_lse, _ = _run(q, k, v, True, None, arch)
+        assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
+        assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
+
+
+def _every_instance_under_asan():
+    results = []
+    for arch, head_dim, dtype in INSTANCE_CASES:
+        q, k, v, _ = _instance_inputs(head_dim, dtype)
+        out, lse, _ = _run(q, k, v, True, None, arch)
+        results.append((out, lse))
+    return results
+
+
+def test_every_instance_clean_under_asan():
+    """Shared memory is allocated with exactly the planned bytes: an ldmatrix, cp.async or staging access past the
+    swizzled layout, or a global access past a ragged tile, is reported."""
+    results = sim.run_in_asan_subprocess(_every_instance_under_asan, timeout=1200)
+    for (arch, head_dim, dtype), (out, lse) in zip(INSTANCE_CASES, results):
+        q, k, v, _ = _instance_inputs(head_dim, dtype)
+        _check_forward(q, k, v, out, lse, True, None)
+
+
+@pytest.mark.parametrize("head_dim", fa2_tc.HEAD_DIMS)
+def test_no_bank_conflicts(head_dim):
+    """Every shared-memory site of the forward at its ideal wavefront count: the swizzle spreads each ldmatrix
+    phase (8 rows of one chunk) and each cp.async phase (8 chunks) over the 8 bank quads; the O staging stores (one
+    4-byte pair per lane, 8 rows) and the 16-byte reads that copy O out likewise."""
+    q, k, v, _ = _inputs((1, 200, 190, 2, 2, head_dim), "float16", seed=23)
+    with sim.checking("profile"):
+        _, _, records = _run(q, k, v, True, None)
+    (launch,) = records.launches
+    kinds = {site.kind for site in launch.shared_access_sites}
+    assert {"ldmatrix", "cp.async"} <= kinds
+    for site in launch.shared_access_sites:
+        assert site.excess == 0, site
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kv_read_once_per_128_row_q_block(head_dim):
+    batch, seqlen_q, seqlen_k, nheads = 2, 300, 170, 2
+    q, k, v, _ = _inputs((batch, seqlen_q, seqlen_k, nheads, nheads, head_dim), "bfloat16", seed=24)
+    assert fa2_tc.forward_traits(head_dim, SM80).block_m == 128
+    _, _, records = _run(q, k, v, False, None)
+    es = 2
+    reads = batch * nheads * (seqlen_q * head_dim * es + 2 * math.ceil(seqlen_q / 128) * seqlen_k * head_dim * es)
+    writes = batch * nheads * seqlen_q * (head_dim * es + 4)
+    assert [(r.global_bytes_read, r.global_bytes_written) for r in records.launches] == [(reads, writes)]
+
+
+def test_kernel_traps_on_any_launch_shape_but_its_own():
+    q, k, v, _ = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=25)
+    (plan,) = fa2_tc.forward_program(_problem(q, k, False), SM80).launches
+    for smem, block in ((plan.dynamic_smem_bytes - 16, plan.block), (plan.dynamic_smem_bytes + 16, plan.block),
+                        (plan.dynamic_smem_bytes, (plan.block[0] // 2, 1, 1)),
+                        (plan.dynamic_smem_bytes, (plan.block[0] // 2, 2, 1))):
+        wrong = LaunchPlan(plan.kernel, plan.grid, block, smem)
+        with pytest.raises(sim.KernelError, match="fa2_tc_forward_kernel"):
+            _run(q, k, v, False, 0.1, program=Program(launches=(wrong,)))
+    out, lse, _ = _run(q, k, v, False, 0.1)
+    _check_forward(q, k, v, out, lse, False, 0.1)
+
+
+def test_tile_tables():
+    # 16-bit inputs take the tensor-core variant, float32 the SIMT one.
+    for dtype, module in (("float16", fa2_tc), ("bfloat16", fa2_tc), ("float32", fa2)):
+        problem = Problem(dtype, 1, 8, 8, 1, 1, 64)
+        assert plans.variant_for("fa2", problem, SM80).module is module
+    assert [v.name for v in catalog.variants("fa2")] == ["tensor_core", "simt"]
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120"):
+        t = target(arch)
+        for head_dim in fa2_tc.HEAD_DIMS:
+            traits = fa2_tc.forward_traits(head_dim, t)
+            assert traits.smem_bytes <= t.smem_per_block_bytes
+            assert traits.block_m == (64 if head_dim == 256 and arch != "sm_80" else 128)
+            assert traits.block_m // traits.warps in (16, 32)
+        instances = fa2_tc.instances(t)
+        assert len(instances) == len(set(instances))
+        assert sum("fa2_tc_forward_kernel" in i.name_expr for i in instances) == 2 * len(fa2_tc.HEAD_DIMS)
+    # FA2's head-dim-256 choice: 8 warps x 128 rows on A100, 4 warps x 64 rows (two blocks per SM) on H100.
+    assert fa2_tc.forward_traits(256, SM80) == fa2_tc.ForwardTraits(256, 128, 64, 8)
+    assert fa2_tc.forward_traits(256, target("sm_90")) == fa2_tc.ForwardTraits(256, 64, 64, 4)
+    assert [fa2_tc.forward_traits(h, target("sm_86")).block_m for h in (1, 40, 100, 128)] == [128, 128, 128, 128]
+    for bad in ((64, 128, 64, 3), (64, 128, 40, 4), (256, 256, 128, 8)):  # warps, k16 steps, shared memory
+        with pytest.raises(ValueError):
+            fa2_tc.ForwardTraits(*bad)
+    with pytest.raises(ValueError, match="takes"):
+        fa2_tc.ForwardTraits(64, 128, 64, 4).instance("float32")
+    with pytest.raises(KeyError):
+        fa2_tc.dynamic_smem_bytes(fa2.ForwardTraits(64, 64, 64, 4).instance("float16"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a GPU.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+def test_gpu_tensor_core_forward(dtype, head_dim):
+    cupy = pytest.importorskip("cupy")
+    q, k, v, _ = _inputs((2, 333, 517, 6, 2, head_dim), dtype, seed=26)
+    gq, gk, gv = (cupy.asarray(x) for x in (q, k, v))
+    for causal in (False, True):
+        out, lse = cuflash.attention(gq, gk, gv, causal=causal, algorithm="fa2", return_lse=True)
+        _check_forward(q, k, v, cupy.asnumpy(out), cupy.asnumpy(lse), causal, None)
+        for _ in range(3):
+            again = cuflash.attention(gq, gk, gv, causal=causal, algorithm="fa2")
+            assert bool(cupy.all(again.view(cupy.uint16) == out.view(cupy.uint16)))
