@@ -1,13 +1,16 @@
-"""The tensor-core FA2 forward (cuda_src/kernels/fa2_tc_forward.cu), the fa2 variant for float16 and bfloat16.
+"""The tensor-core FA2 (cuda_src/kernels/fa2_tc_forward.cu, fa2_tc_backward.cu), the fa2 variant for float16 and
+bfloat16.
 
 * The fa2 grid (test_fa2.SHAPES: FA2's odd length pairs, head dims 1..256 on and between the compiled sizes, MHA /
-  GQA / MQA, seqlen_q < and > seqlen_k) in both 16-bit types, causal and not, against the float64 reference with
-  FlashAttention's rule (test_fa2.py runs the same shapes through the API with rotating dtypes).
-* Every tensor-core instance of the sm_80, sm_86 (99 KB rows) and sm_90 plans: under the race detector with cp.async
-  copies landing at different moments (results bitwise equal across landings), and under AddressSanitizer; global
-  traffic byte for byte against the formula. (Pattern-initialized locals are on in every simulator build.)
+  GQA / MQA, seqlen_q < and > seqlen_k) in both 16-bit types, causal and not, forward and backward (both dq modes
+  in rotation), against the float64 reference with FlashAttention's rule (test_fa2.py runs the same shapes through
+  the API with rotating dtypes, both dq modes on each).
+* Every tensor-core instance any target's plans launch (forward and backward): under the race detector with
+  cp.async copies landing at different moments (results bitwise equal across landings; the backward in
+  deterministic mode), and under AddressSanitizer; global traffic of every launch byte for byte against the
+  formula. (Pattern-initialized locals are on in every simulator build.)
 * The bank-conflict profile: no excess wavefronts at any shared-memory site (ldmatrix reads, cp.async writes, the
-  O staging stores and reads), at every compiled head dim.
+  P / dS and output staging stores), at every compiled head dim, forward and backward.
 * K and V are read ceil(seqlen_q / 128) times per head at head dims 64 and 128.
 * The kernel traps on any launch shape but its traits' own (shared memory more or less, other block sizes).
 * The tile tables: FA2's where ptxas keeps them spill-free, 99 KB rows, the head-dim-256 choice per target.
@@ -30,34 +33,45 @@ from cuflash.kernels.families import fa2, fa2_tc
 from cuflash.kernels.program import LaunchPlan, Problem, Program
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
-from test_fa2 import SHAPES, _check_forward, _inputs
+from test_fa2 import SHAPES, _check_backward, _check_forward, _inputs
 
 SM80 = target("sm_80")
 DTYPES = fa2_tc.DTYPES
 
 
 def _grid_cases():
+    """Every shape in both 16-bit types, causal and not; the dq mode alternates so that each shape, and each causal
+    setting of it, meets both."""
     cases = []
     for i, (name, shape) in enumerate(SHAPES.items()):
-        for dtype in DTYPES:
+        for d, dtype in enumerate(DTYPES):
             for causal in (False, True):
                 scale = 0.3 if i % 2 else None
-                cases.append(pytest.param(shape, dtype, causal, scale, id=f"{name}-{dtype}-{'causal' if causal else 'full'}"))
+                deterministic = (i + d + causal) % 2 == 1
+                case_id = f"{name}-{dtype}-{'causal' if causal else 'full'}-{'det' if deterministic else 'atomic'}"
+                cases.append(pytest.param(shape, dtype, causal, scale, deterministic, id=case_id))
     return cases
 
 
-@pytest.mark.parametrize("shape, dtype, causal, scale", _grid_cases())
-def test_grid_matches_reference(shape, dtype, causal, scale):
-    q, k, v, _ = _inputs(shape, dtype, seed=21)
+@pytest.mark.parametrize("shape, dtype, causal, scale, deterministic", _grid_cases())
+def test_grid_matches_reference(shape, dtype, causal, scale, deterministic):
+    q, k, v, dout = _inputs(shape, dtype, seed=21)
     with sim.record() as records:
         out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa2", return_lse=True)
     assert [r.kernel.split("<")[0] for r in records.launches] == ["cuflash::fa2_tc_forward_kernel"]
     _check_forward(q, k, v, out, lse, causal, scale)
+    with sim.record() as records:
+        grads = cuflash.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, algorithm="fa2", deterministic=deterministic
+        )
+    assert "cuflash::fa2_tc_backward_kernel" in [r.kernel.split("<")[0] for r in records.launches]
+    _check_backward(dout, q, k, v, grads, causal, scale)
 
 
-def _problem(q, k, causal):
+def _problem(q, k, causal, deterministic=False):
     batch, seqlen_q, nheads, headdim = q.shape
-    return Problem(np.dtype(q.dtype).name, batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, Mask.causal(causal))
+    return Problem(np.dtype(q.dtype).name, batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, Mask.causal(causal),
+                   deterministic)
 
 
 def _run(q, k, v, causal, scale, arch="sm_80", program=None):
@@ -79,32 +93,50 @@ INSTANCE_SHAPES = {32: 27, 64: 64, 96: 90, 128: 123, 192: 160, 256: 256}
 PLANNED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
 
 
-def _instance_cases():
-    """Each distinct tensor-core instance the plans of any target launch, once, with the first arch that plans it
-    (the simulator then stands in for that arch)."""
+def _instance_cases(traits_of):
+    """Each distinct instance ``traits_of(head_dim, target)`` gives on any target, once, with the first arch that
+    plans it (the simulator then stands in for that arch)."""
     cases = {}
     for arch in PLANNED_ARCHS:
         for head_dim in fa2_tc.HEAD_DIMS:
             for dtype in DTYPES:
-                cases.setdefault(fa2_tc.forward_traits(head_dim, target(arch)).instance(dtype), (arch, head_dim, dtype))
+                cases.setdefault(traits_of(head_dim, target(arch)).instance(dtype), (arch, head_dim, dtype))
     return list(cases.values())
 
 
-INSTANCE_CASES = _instance_cases()
+FORWARD_CASES = _instance_cases(fa2_tc.forward_traits)
+BACKWARD_CASES = _instance_cases(fa2_tc.backward_traits)
 
 
 def test_instance_cases_cover_every_tensor_core_instance():
-    covered = {fa2_tc.forward_traits(hd, target(arch)).instance(dt) for arch, hd, dt in INSTANCE_CASES}
-    planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch)) if "fa2_tc_" in i.name_expr}
-    assert covered == planned and len(INSTANCE_CASES) == len(planned) == 16
+    for cases, traits_of, kernel, count in ((FORWARD_CASES, fa2_tc.forward_traits, "fa2_tc_forward", 16),
+                                            (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 14)):
+        covered = {traits_of(hd, target(arch)).instance(dt) for arch, hd, dt in cases}
+        planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch)) if kernel in i.name_expr}
+        assert covered == planned and len(cases) == len(planned) == count
 
 
 def _instance_inputs(head_dim, dtype):
     return _inputs((1, 150, 133, 4, 2, INSTANCE_SHAPES[head_dim]), dtype, seed=22)
 
 
-@pytest.mark.parametrize("arch, head_dim, dtype", INSTANCE_CASES)
-def test_every_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
+def _run_backward(q, k, v, dout, out, lse, causal, deterministic, arch="sm_80", program=None):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal, deterministic)
+    grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
+    program = program or fa2_tc.backward_program(problem, target(arch))
+    with sim.targeting(arch), sim.record() as records:
+        run_program(backend, program, problem, 1.0 / math.sqrt(problem.headdim), arrays)
+    return (grads["dq"], grads["dk"], grads["dv"]), records
+
+
+def _traffic(records):
+    return [(r.global_bytes_read, r.global_bytes_written) for r in records.launches]
+
+
+@pytest.mark.parametrize("arch, head_dim, dtype", FORWARD_CASES)
+def test_every_forward_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
     """Race mode treats a cp.async destination as written at issue and in flight until its wait; the landing seed
     moves the moment each copy lands in normal mode, which must not change a bit of the result."""
     q, k, v, _ = _instance_inputs(head_dim, dtype)
@@ -112,9 +144,7 @@ def test_every_instance_race_free_reproducible_and_on_formula(arch, head_dim, dt
     with sim.checking("race"):
         out, lse, records = _run(q, k, v, True, None, arch)
     _check_forward(q, k, v, out, lse, True, None)
-    assert [(r.global_bytes_read, r.global_bytes_written) for r in records.launches] == [
-        tuple(fa2_tc.forward_traffic(problem, target(arch)))
-    ]
+    assert _traffic(records) == [tuple(fa2_tc.forward_traffic(problem, target(arch)))]
     for seed in (1, 2):
         with sim.copy_landing(seed):
             again, again_lse, _ = _run(q, k, v, True, None, arch)
@@ -122,12 +152,34 @@ def test_every_instance_race_free_reproducible_and_on_formula(arch, head_dim, dt
         assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
 
 
+@pytest.mark.parametrize("arch, head_dim, dtype", BACKWARD_CASES)
+def test_every_backward_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
+    """Both dq modes under the race detector (dq_accum by red.add from several K/V blocks, or by plain stores into
+    per-block slices); the deterministic mode bitwise equal across cp.async landings."""
+    q, k, v, dout = _instance_inputs(head_dim, dtype)
+    out, lse, _ = _run(q, k, v, True, None, arch)
+    for deterministic in (False, True):
+        problem = _problem(q, k, True, deterministic)
+        with sim.checking("race"):
+            grads, records = _run_backward(q, k, v, dout, out, lse, True, deterministic, arch)
+        _check_backward(dout, q, k, v, grads, True, None)
+        assert _traffic(records) == [tuple(t) for t in fa2_tc.backward_traffic(problem, target(arch))]
+    for seed in (1, 2):
+        with sim.copy_landing(seed):
+            again, _ = _run_backward(q, k, v, dout, out, lse, True, True, arch)
+        for a, b in zip(grads, again):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
 def _every_instance_under_asan():
     results = []
-    for arch, head_dim, dtype in INSTANCE_CASES:
+    for arch, head_dim, dtype in FORWARD_CASES:
         q, k, v, _ = _instance_inputs(head_dim, dtype)
+        results.append(_run(q, k, v, True, None, arch)[:2])
+    for arch, head_dim, dtype in BACKWARD_CASES:
+        q, k, v, dout = _instance_inputs(head_dim, dtype)
         out, lse, _ = _run(q, k, v, True, None, arch)
-        results.append((out, lse))
+        results.append(_run_backward(q, k, v, dout, out, lse, True, True, arch)[0])
     return results
 
 
@@ -135,24 +187,32 @@ def test_every_instance_clean_under_asan():
     """Shared memory is allocated with exactly the planned bytes: an ldmatrix, cp.async or staging access past the
     swizzled layout, or a global access past a ragged tile, is reported."""
     results = sim.run_in_asan_subprocess(_every_instance_under_asan, timeout=1200)
-    for (arch, head_dim, dtype), (out, lse) in zip(INSTANCE_CASES, results):
+    forward, backward = results[: len(FORWARD_CASES)], results[len(FORWARD_CASES):]
+    for (arch, head_dim, dtype), (out, lse) in zip(FORWARD_CASES, forward):
         q, k, v, _ = _instance_inputs(head_dim, dtype)
         _check_forward(q, k, v, out, lse, True, None)
+    for (arch, head_dim, dtype), grads in zip(BACKWARD_CASES, backward):
+        q, k, v, dout = _instance_inputs(head_dim, dtype)
+        _check_backward(dout, q, k, v, grads, True, None)
 
 
 @pytest.mark.parametrize("head_dim", fa2_tc.HEAD_DIMS)
 def test_no_bank_conflicts(head_dim):
-    """Every shared-memory site of the forward at its ideal wavefront count: the swizzle spreads each ldmatrix
-    phase (8 rows of one chunk) and each cp.async phase (8 chunks) over the 8 bank quads; the O staging stores (one
-    4-byte pair per lane, 8 rows) and the 16-byte reads that copy O out likewise."""
-    q, k, v, _ = _inputs((1, 200, 190, 2, 2, head_dim), "float16", seed=23)
+    """Every shared-memory site of the forward and backward kernels at its ideal wavefront count: the swizzle spreads
+    each ldmatrix phase (8 rows of one chunk, transposed or not) and each cp.async phase (8 chunks) over the 8 bank
+    quads; the P / dS and output staging stores (a 4-byte pair per lane over 8 rows) and the 16-byte reads that
+    copy the outputs out likewise; the lse / D reads are quad broadcasts."""
+    q, k, v, dout = _inputs((1, 200, 190, 2, 2, head_dim), "float16", seed=23)
     with sim.checking("profile"):
-        _, _, records = _run(q, k, v, True, None)
-    (launch,) = records.launches
-    kinds = {site.kind for site in launch.shared_access_sites}
-    assert {"ldmatrix", "cp.async"} <= kinds
-    for site in launch.shared_access_sites:
-        assert site.excess == 0, site
+        out, lse, forward = _run(q, k, v, True, None)
+        _, backward = _run_backward(q, k, v, dout, out, lse, True, False)
+    launches = [r for r in (*forward.launches, *backward.launches) if "fa2_tc_" in r.kernel]
+    assert len(launches) == 2
+    for launch in launches:
+        kinds = {site.kind for site in launch.shared_access_sites}
+        assert {"ldmatrix", "cp.async"} <= kinds
+        for site in launch.shared_access_sites:
+            assert site.excess == 0, (launch.kernel, site)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -167,7 +227,7 @@ def test_kv_read_once_per_128_row_q_block(head_dim):
     assert [(r.global_bytes_read, r.global_bytes_written) for r in records.launches] == [(reads, writes)]
 
 
-def test_kernel_traps_on_any_launch_shape_but_its_own():
+def test_kernels_trap_on_any_launch_shape_but_their_own():
     q, k, v, _ = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=25)
     (plan,) = fa2_tc.forward_program(_problem(q, k, False), SM80).launches
     for smem, block in ((plan.dynamic_smem_bytes - 16, plan.block), (plan.dynamic_smem_bytes + 16, plan.block),
@@ -178,6 +238,14 @@ def test_kernel_traps_on_any_launch_shape_but_its_own():
             _run(q, k, v, False, 0.1, program=Program(launches=(wrong,)))
     out, lse, _ = _run(q, k, v, False, 0.1)
     _check_forward(q, k, v, out, lse, False, 0.1)
+    dout = _inputs((1, 40, 50, 1, 1, 64), "float16", seed=25)[3]
+    program = fa2_tc.backward_program(_problem(q, k, False), SM80)
+    pre, main, convert = program.launches
+    for smem, block in ((main.dynamic_smem_bytes - 16, main.block), (main.dynamic_smem_bytes + 16, main.block),
+                        (main.dynamic_smem_bytes, (main.block[0] // 2, 1, 1))):
+        wrong = Program((pre, LaunchPlan(main.kernel, main.grid, block, smem), convert), program.scratch)
+        with pytest.raises(sim.KernelError, match="fa2_tc_backward_kernel"):
+            _run_backward(q, k, v, dout, out, lse, False, False, program=wrong)
 
 
 def test_tile_tables():
@@ -205,6 +273,17 @@ def test_tile_tables():
             fa2_tc.ForwardTraits(*bad)
     with pytest.raises(ValueError, match="takes"):
         fa2_tc.ForwardTraits(64, 128, 64, 4).instance("float32")
+    # Backward: 8 warps with FA2's 99 KB tiles up to head dim 128; the 99 KB targets' own row at 256 only.
+    for arch in ("sm_80", "sm_86", "sm_90"):
+        for head_dim in fa2_tc.HEAD_DIMS:
+            traits = fa2_tc.backward_traits(head_dim, target(arch))
+            assert traits.smem_bytes <= target(arch).smem_per_block_bytes
+            expected = fa2_tc.BACKWARD_CHOICES[head_dim][1 if arch == "sm_86" and head_dim == 256 else 0]
+            assert traits == expected
+    assert [fa2_tc.pick_warps_m(*shape) for shape in ((64, 128, 8), (64, 64, 8), (32, 32, 4), (32, 32, 8))] == [4, 4, 2, 0]
+    for bad in ((64, 48, 128, 8), (256, 32, 32, 8), (256, 128, 128, 8)):  # block_m, warp tiling, shared memory
+        with pytest.raises(ValueError):
+            fa2_tc.BackwardTraits(*bad)
     with pytest.raises(KeyError):
         fa2_tc.dynamic_smem_bytes(fa2.ForwardTraits(64, 64, 64, 4).instance("float16"))
 
@@ -226,3 +305,22 @@ def test_gpu_tensor_core_forward(dtype, head_dim):
         for _ in range(3):
             again = cuflash.attention(gq, gk, gv, causal=causal, algorithm="fa2")
             assert bool(cupy.all(again.view(cupy.uint16) == out.view(cupy.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [40, 128, 256])
+def test_gpu_tensor_core_backward(dtype, head_dim):
+    cupy = pytest.importorskip("cupy")
+    q, k, v, dout = _inputs((2, 333, 517, 6, 2, head_dim), dtype, seed=27)
+    gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    for causal in (False, True):
+        out, lse = cuflash.attention(gq, gk, gv, causal=causal, algorithm="fa2", return_lse=True)
+        for deterministic in (False, True):
+            grads = cuflash.attention_backward(gdout, gq, gk, gv, out, lse, causal=causal, algorithm="fa2",
+                                               deterministic=deterministic)
+            _check_backward(dout, q, k, v, [cupy.asnumpy(g) for g in grads], causal, None)
+        again = cuflash.attention_backward(gdout, gq, gk, gv, out, lse, causal=causal, algorithm="fa2",
+                                           deterministic=True)
+        for a, b in zip(grads, again):
+            assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16)))

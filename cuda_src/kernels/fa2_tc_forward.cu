@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
       s.zero();
-      fa2tc::gemm_nt<T, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, warp_row0, k_tile, lane);
+      fa2tc::gemm_ss<T, false, false, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, warp_row0, k_tile, 0,
+                                                                                lane);
 
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);

@@ -5,8 +5,8 @@
 //    cp.async phase writes land in 8 different bank quads (see below);
 //  - load_tile: global -> swizzled shared memory with 16-byte cp.async (zero-filled past the valid rows and
 //    the head dim), or element by element where the global rows are not 16-byte aligned;
-//  - fragment loads with ldmatrix (A of m16n8k16 from a row-major tile, B from a tile stored [n][k] or,
-//    transposing, [k][n]) and the warp-level products built from them;
+//  - fragment loads with ldmatrix (A of m16n8k16 from a tile stored [m][k] or, transposing, [k][m]; B from a
+//    tile stored [n][k] or, transposing, [k][n]) and the warp-level products built from them;
 //  - the conversion of an S accumulator (float32, C layout) into the A operand of the next product, and
 //    quad reductions over the 4 lanes that share an accumulator row.
 //
@@ -121,20 +121,22 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, lon
 
 // ---- fragments ------------------------------------------------------------------------------------------
 
-// ldmatrix addresses of this lane for the three operand kinds; `at(row_step, chunk_step)` then gives a step.
-// A (16 x 16, row-major tile [m][k]), ldmatrix.x4: lane l gives row l % 16 at chunk l / 16 (matrices a0..a3).
+// ldmatrix addresses of this lane for the operand kinds; `at(row_step, chunk_step)` then gives a step.
+// A (16 x 16) from a row-major tile [m][k], ldmatrix.x4: lane l gives row l % 16 at chunk l / 16 (a0..a3).
 template <class Tile>
-__device__ __forceinline__ typename Tile::LaneOffset a_lane(int lane) {
+__device__ __forceinline__ typename Tile::LaneOffset a_row_lane(int lane) {
   return Tile::lane_offset(lane % 16, lane / 16);
 }
-// B of two adjacent n8 tiles from a tile stored [n][k] (K for Q K^T), ldmatrix.x4: b[0..1] for n0, b[2..3] for
-// n0 + 8: lane l gives row (l & 7) + 8 (l >> 4) at chunk (l >> 3) & 1.
+// Two 8x8 pairs read as [8 rows][2 chunks] per half warp: lane l gives row (l & 7) + 8 (l >> 4) at chunk
+// (l >> 3) & 1. Used untransposed for B of two adjacent n8 tiles from a tile stored [n][k] (K in Q K^T:
+// b[0..1] for n0, b[2..3] for n0 + 8), and transposed for A from a tile stored [k][m] (P or dS in P^T dO,
+// dS^T Q: matrices a0..a3 are rows k0.. / k0 + 8.. x columns m0.. / m0 + 8..).
 template <class Tile>
-__device__ __forceinline__ typename Tile::LaneOffset b_nk_lane(int lane) {
+__device__ __forceinline__ typename Tile::LaneOffset pair_lane(int lane) {
   return Tile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
 }
-// The same from a tile stored [k][n] (V for P V), ldmatrix.x4.trans: lane l gives row (l & 7) + 8 ((l >> 3) & 1)
-// at chunk l >> 4.
+// B of two adjacent n8 tiles from a tile stored [k][n] (V in P V, dO, Q, K in the backward), ldmatrix.x4.trans:
+// lane l gives row (l & 7) + 8 ((l >> 3) & 1) at chunk l >> 4; b[0..1] for n0, b[2..3] for n0 + 8.
 template <class Tile>
 __device__ __forceinline__ typename Tile::LaneOffset b_kn_lane(int lane) {
   return Tile::lane_offset((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
@@ -160,24 +162,30 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
   arch::mma_m16n8k16<T>(d, a, b, d);
 }
 
-// acc += A B^T over k in [0, K): A = rows a_row0 + 16 i (i < MTiles) of tile_a [m][k], B = rows 0 .. 8 NTiles
-// of tile_b [n][k]. (S = Q K^T, dP = dO V^T.) a_row0 is a multiple of 16.
-template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
-__device__ __forceinline__ void gemm_nt(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a, int a_row0,
-                                        const unsigned char* tile_b, int lane) {
+// acc += A B over k in [0, K) for one warp's (16 MTiles) x (8 NTiles) tile at rows m0.., columns n0.. (both
+// multiples of 16), both operands from shared memory:
+//   A row-major [m][k] (kATrans = false) or stored [k][m] (kATrans: ldmatrix.trans);
+//   B stored [n][k] (kBTrans = false: B^T row-major, K in Q K^T) or [k][n] (kBTrans: ldmatrix.trans).
+// S = Q K^T, dP = dO V^T: <false, false>; dV += P^T dO, dK += dS^T Q: <true, true>; dQ = dS K: <false, true>.
+template <class T, bool kATrans, bool kBTrans, class TileA, class TileB, int MTiles, int NTiles, int K>
+__device__ __forceinline__ void gemm_ss(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a, int m0,
+                                        const unsigned char* tile_b, int n0, int lane) {
   static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
-  const typename TileA::LaneOffset a_at = a_lane<TileA>(lane);
-  const typename TileB::LaneOffset b_at = b_nk_lane<TileB>(lane);
-  const unsigned char* a_base = tile_a + a_row0 * TileA::kChunksPerRow * 16;
+  const typename TileA::LaneOffset a_at = kATrans ? pair_lane<TileA>(lane) : a_row_lane<TileA>(lane);
+  const typename TileB::LaneOffset b_at = kBTrans ? b_kn_lane<TileB>(lane) : pair_lane<TileB>(lane);
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
     unsigned a[MTiles][4];
 #pragma unroll
-    for (int i = 0; i < MTiles; ++i) arch::ldmatrix<4, false>(a[i], a_base + a_at.at(16 * i, k0 / kChunkElems));
+    for (int i = 0; i < MTiles; ++i) {
+      const int m = m0 + 16 * i;
+      arch::ldmatrix<4, kATrans>(a[i], tile_a + (kATrans ? a_at.at(k0, m / kChunkElems) : a_at.at(m, k0 / kChunkElems)));
+    }
 #pragma unroll
     for (int j = 0; j < NTiles; j += 2) {
+      const int n = n0 + 8 * j;
       unsigned b[4];
-      arch::ldmatrix<4, false>(b, tile_b + b_at.at(8 * j, k0 / kChunkElems));
+      arch::ldmatrix<4, kBTrans>(b, tile_b + (kBTrans ? b_at.at(k0, n / kChunkElems) : b_at.at(n, k0 / kChunkElems)));
 #pragma unroll
       for (int i = 0; i < MTiles; ++i) {
         mma<T>(acc.c[i][j], a[i], b[0], b[1]);

@@ -156,7 +156,7 @@ class BackwardTraits(_TileTraits):
         return self._instance(BACKWARD_SOURCE, "fa2_backward_kernel", dtype)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
-        return _convert_dq_instance(dtype, self.block_n)
+        return convert_dq_instance(dtype, self.block_n)
 
 
 # The launch choice per compiled head dim (the why is in the .cu opening comments): FA2's tiles halved where a
@@ -204,11 +204,11 @@ def backward_traits(headdim: int, target: Target) -> BackwardTraits:
     return _fitting(BACKWARD_CHOICES[compiled_head_dim(headdim)], target)
 
 
-def _dout_dot_out_instance(dtype: str) -> KernelInstance:
+def dout_dot_out_instance(dtype: str) -> KernelInstance:
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_dout_dot_out_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
 
 
-def _convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
+def convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
     # Templated on block_n only: in split mode slice j is K/V block j, whatever the head dim.
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_convert_dq_kernel<{CXX_ELEMENT_TYPES[dtype]}, {block_n}>")
 
@@ -221,8 +221,8 @@ def backward_instances(target: Target, dtype: str) -> list[KernelInstance]:
     """The backward program's instances for one element type on ``target``."""
     backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
     found = [traits.instance(dtype) for traits in backward]
-    found.append(_dout_dot_out_instance(dtype))
-    found += [_convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
+    found.append(dout_dot_out_instance(dtype))
+    found += [convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
     return found
 
 
@@ -246,7 +246,7 @@ def _shape_table() -> dict[KernelInstance, tuple[int, int]]:
             for traits in choices:
                 table[traits.instance(dtype)] = (traits.smem_bytes, traits.threads)
                 table[traits.convert_instance(dtype)] = (0, ROW_KERNEL_THREADS)
-        table[_dout_dot_out_instance(dtype)] = (0, ROW_KERNEL_THREADS)
+        table[dout_dot_out_instance(dtype)] = (0, ROW_KERNEL_THREADS)
     return table
 
 
@@ -291,17 +291,27 @@ def forward_program(problem: Problem, target: Target) -> Program:
 
 
 def num_dq_splits(problem: Problem, target: Target) -> int:
+    return num_dq_splits_for(problem, backward_traits(problem.headdim, target))
+
+
+def num_dq_splits_for(problem: Problem, traits) -> int:
     """dq_accum slices: one per K/V block when deterministic (and there is more than one), else 1."""
-    kv_blocks = ceil_div(problem.seqlen_k, backward_traits(problem.headdim, target).block_n)
+    kv_blocks = ceil_div(problem.seqlen_k, traits.block_n)
     return kv_blocks if problem.deterministic and kv_blocks > 1 else 1
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    traits = backward_traits(problem.headdim, target)
-    splits = num_dq_splits(problem, target)
+    return backward_program_for(problem, backward_traits(problem.headdim, target))
+
+
+def backward_program_for(problem: Problem, traits) -> Program:
+    """The three-launch backward (pre-pass, the main kernel of ``traits``, convert) and its scratch; ``traits`` is
+    a SIMT BackwardTraits or a tensor-core one (fa2_tc.py): anything with instance(dtype), convert_instance(dtype),
+    threads, smem_bytes, block_m and block_n."""
+    splits = num_dq_splits_for(problem, traits)
     main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
     launches = (
-        _row_kernel_launch(_dout_dot_out_instance(problem.dtype), problem),
+        _row_kernel_launch(dout_dot_out_instance(problem.dtype), problem),
         LaunchPlan(traits.instance(problem.dtype), check_grid(main_grid), (traits.threads, 1, 1), traits.smem_bytes),
         _row_kernel_launch(traits.convert_instance(problem.dtype), problem),
     )
@@ -356,12 +366,16 @@ def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Tr
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic, Traffic]:
-    """(pre-pass, main kernel, convert kernel)."""
-    traits = backward_traits(problem.headdim, target)
+    return backward_traffic_for(problem, backward_traits(problem.headdim, target))
+
+
+def backward_traffic_for(problem: Problem, traits) -> tuple[Traffic, Traffic, Traffic]:
+    """(pre-pass, main kernel, convert kernel) of backward_program_for(problem, traits): the SIMT and tensor-core
+    main kernels move the same bytes for the same tiles."""
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
     sq, sk = problem.seqlen_q, problem.seqlen_k
     bh = problem.batch * problem.nheads
-    splits = num_dq_splits(problem, target)
+    splits = num_dq_splits_for(problem, traits)
     pre = Traffic(2 * bh * sq * d * es, bh * sq * _F32)
 
     read = written = 0

@@ -1,13 +1,16 @@
 """FlashAttention-2 on tensor cores: the fa2 variant for float16 and bfloat16 inputs (sm_80 and newer).
 
-Kernels: ``cuda_src/kernels/fa2_tc_forward.cu`` (its opening comment gives the work partition, the pipelining and
-the traffic formula); shared pieces (swizzled tiles, cp.async loads, ldmatrix fragments, warp products) in
-``fa2_tc_tiles.cuh``.
+Kernels: ``cuda_src/kernels/fa2_tc_forward.cu`` and ``fa2_tc_backward.cu`` (their opening comments give the work
+partition, the pipelining and the traffic formulas); shared pieces (swizzled tiles, cp.async loads, ldmatrix
+fragments, warp products) in ``fa2_tc_tiles.cuh``.
 
 Programs
   forward:  one launch, ``fa2_tc_forward_kernel`` over (Q blocks, nheads, batch); writes out and lse.
-  backward: the SIMT fa2 backward program (fa2.py) for now; it needs only q, k, v, out, dout and lse, which the
-            tensor-core forward writes exactly as the SIMT one does.
+  backward: the fa2 three-launch program (fa2.py) with ``fa2_tc_backward_kernel`` as its main kernel: the SIMT
+            pre-pass D = rowsum(dO * O), the tensor-core main kernel over (K/V blocks, nheads_k, batch) (dK, dV on
+            chip, dQ into float32 ``dq_accum`` by atomics, or per-K/V-block slices when deterministic), the SIMT
+            convert kernel (dq = scale * sum of slices). Same scratch, slice rules and traffic formula as the SIMT
+            backward with these tiles.
 
 Head dims: instances for 32, 64, 96, 128, 192, 256 (as the SIMT fa2); a head dim 1..256 runs on the next compiled
 one, the extra columns zero-filled in shared memory and never read from global memory.
@@ -24,6 +27,7 @@ from . import fa2
 NAME = "fa2"
 DTYPES = ("float16", "bfloat16")
 FORWARD_SOURCE = "kernels/fa2_tc_forward.cu"
+BACKWARD_SOURCE = "kernels/fa2_tc_backward.cu"
 HEAD_DIMS = fa2.HEAD_DIMS
 MAX_DYNAMIC_SMEM = max(t.smem_per_block_bytes for t in TARGETS.values())
 _ELEMENT_BYTES = 2
@@ -108,22 +112,110 @@ def forward_traits(headdim: int, target: Target) -> ForwardTraits:
     return max(reversed(fitting), key=lambda t: _resident_rows(t, target))
 
 
+def pick_warps_m(rows: int, cols: int, warps: int) -> int:
+    """Mirror of fa2tc::pick_warps_m (fa2_tc_backward.cu): how many warps split the rows of a product so each warp
+    owns whole 16-row strips and an even number of n8 tiles; 0 if none does."""
+    for wm in range(warps, 0, -1):
+        if warps % wm == 0 and rows % (16 * wm) == 0 and cols % (16 * (warps // wm)) == 0:
+            return wm
+    return 0
+
+
+@dataclass(frozen=True)
+class BackwardTraits:
+    """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 32 or not 32 <= self.head_dim <= fa2.MAX_HEADDIM:
+            raise ValueError(f"compiled head dims are multiples of 32 up to {fa2.MAX_HEADDIM}, got {self.head_dim}")
+        if self.block_m % 16 or self.block_n % 32 or self.block_m > self.threads:
+            raise ValueError(f"{self}: block_m must be a multiple of 16 and at most the thread count, block_n of 32")
+        for name, rows, cols in (("S/dP", self.block_m, self.block_n), ("dK/dV", self.block_n, self.head_dim),
+                                 ("dQ", self.block_m, self.head_dim)):
+            if not pick_warps_m(rows, cols, self.warps):
+                raise ValueError(f"{self}: no {name} warp tiling of whole strips and n8-tile pairs")
+        if self.smem_bytes > MAX_DYNAMIC_SMEM:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than any target allows")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # 16-bit K, V [block_n][D]; Q, dO [block_m][D]; P, dS [block_m][block_n]; float32 lse, D [block_m].
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        return _ELEMENT_BYTES * (2 * n * d + 2 * m * d + 2 * m * n) + 2 * 4 * m
+
+    def instance(self, dtype: str) -> KernelInstance:
+        if dtype not in DTYPES:
+            raise ValueError(f"the tensor-core fa2 takes {DTYPES}, got {dtype!r}")
+        return KernelInstance(
+            BACKWARD_SOURCE,
+            f"cuflash::fa2_tc_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.warps}>",
+        )
+
+    def convert_instance(self, dtype: str) -> KernelInstance:
+        return fa2.convert_dq_instance(dtype, self.block_n)
+
+
+# The backward tiles (Q step x K/V block), 8 warps, from FA2's table (anchors.md) for blocks of at most 99 KB:
+# 64 x 128 up to head dim 64, 64 x 64 at 96 and 128. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
+# 24 bytes on sm_80 / sm_90: dK + dV alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
+# keeping the K/V block and so the number of dQ updates and Q/dO re-reads); at 256 the 99 KB targets take 32 x 32
+# with 4 warps (32 x 64 needs 104 KB).
+BACKWARD_CHOICES = {
+    32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
+    64: (BackwardTraits(64, block_m=64, block_n=128, warps=8),),
+    96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
+    128: (BackwardTraits(128, block_m=64, block_n=64, warps=8),),
+    192: (BackwardTraits(192, block_m=32, block_n=64, warps=8),),
+    256: (BackwardTraits(256, block_m=32, block_n=64, warps=8), BackwardTraits(256, block_m=32, block_n=32, warps=4)),
+}
+assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
+
+
+def backward_traits(headdim: int, target: Target) -> BackwardTraits:
+    for traits in BACKWARD_CHOICES[fa2.compiled_head_dim(headdim)]:
+        if traits.smem_bytes <= target.smem_per_block_bytes:
+            return traits
+    raise ValueError(f"no tensor-core fa2 backward tile of head dim {headdim} fits {target.arch}'s shared memory")
+
+
 def instances(target: Target) -> list[KernelInstance]:
-    """Every instance the plans for ``target`` may launch (the backward's are the SIMT fa2 ones)."""
+    """Every instance the plans for ``target`` may launch."""
     found: list[KernelInstance] = []
     for dtype in DTYPES:
         found += [forward_traits(hd, target).instance(dtype) for hd in HEAD_DIMS]
-        found += fa2.backward_instances(target, dtype)
+        backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
+        found += [traits.instance(dtype) for traits in backward]
+        found.append(fa2.dout_dot_out_instance(dtype))
+        found += [fa2.convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
     return found
 
 
 _SHAPES = {
     traits.instance(dtype): (traits.smem_bytes, traits.threads)
     for dtype in DTYPES
-    for table in (FORWARD_CHOICES, FORWARD_CHOICES_99KB)
+    for table in (FORWARD_CHOICES, FORWARD_CHOICES_99KB, BACKWARD_CHOICES)
     for choices in table.values()
     for traits in choices
 }
+# The SIMT pre-pass and convert kernels of the backward program (no shared memory).
+_SHAPES.update(
+    (instance, (0, fa2.ROW_KERNEL_THREADS))
+    for dtype in DTYPES
+    for instance in (
+        fa2.dout_dot_out_instance(dtype),
+        *(fa2.convert_dq_instance(dtype, t.block_n) for choices in BACKWARD_CHOICES.values() for t in choices),
+    )
+)
 
 
 def _shape(instance: KernelInstance) -> tuple[int, int]:
@@ -149,7 +241,7 @@ def forward_program(problem: Problem, target: Target) -> Program:
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program(problem, target)
+    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target))
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
@@ -158,4 +250,4 @@ def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
-    return fa2.backward_traffic(problem, target)
+    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target))

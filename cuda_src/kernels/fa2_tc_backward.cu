@@ -1,0 +1,287 @@
+// FlashAttention-2 backward (Dao 2023, Algorithm 2) on tensor cores: 16-bit operands, float32 accumulation.
+//
+// The main kernel of the tensor-core backward program; the program's other two kernels are the SIMT fa2 ones
+// (fa2_backward.cu): fa2_dout_dot_out_kernel (D = rowsum(dO * O)) before it, fa2_convert_dq_kernel<T, BlockN>
+// (dq = scale * sum of the dq_accum slices) after it, with the same dq_accum layout and slice rules.
+//
+// fa2_tc_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (ceil(seqlen_k / BlockN), nheads_k, batch). A block
+// owns one K/V block (BlockN keys) of one kv head: K_j and V_j are loaded into shared memory once, dK_j and dV_j
+// accumulate in registers for the whole kernel. It loops over the query heads of its group (GQA/MQA: the group's
+// dK/dV sum in a fixed order, on chip) and per head over the Q blocks that see the K/V block (mask.cuh's
+// q_blocks; the others are skipped unread). Per Q block i:
+//     load Q_i, dO_i (cp.async, 16-byte, zero-filled), lse_i, D_i
+//     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
+//     P = exp2((S * scale - lse) log2 e) (0 where masked), dS = P (dP - D)  -> 16-bit, swizzled shared memory
+//     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
+//     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans
+//   dq_accum: one zero-initialised slice updated with red.global.add.f32 (atomic mode), or slice j written with
+//   plain stores by K/V block j (deterministic mode), exactly as in the SIMT backward.
+//   At the end dK_j * scale and dV_j are rounded to T, staged through the K and V buffers and written in 16-byte
+//   chunks.
+// Warps: each product is tiled over all Warps warps as WarpsM x WarpsN warp tiles of whole 16-row strips and
+// pairs of n8 tiles (WarpTiling below; the S/dP, dK/dV and dQ tilings differ). dK/dV stay in the registers of
+// the warps that own them for the whole kernel.
+//
+// Shared memory (16-bit, XOR-swizzled, fa2_tc_tiles.cuh): K, V [BlockN][D]; Q, dO [BlockM][D]; P, dS
+// [BlockM][BlockN]; float32 lse, D [BlockM]:
+//   2 (2 BlockN D + 2 BlockM D + 2 BlockM BlockN) + 8 BlockM bytes.
+//
+// What it costs: the global traffic of the SIMT fa2_backward_kernel (see fa2_backward.cu, kernel 2) with these
+// tiles: per block, K_j and V_j once, per visited Q block Q_i, dO_i, lse_i, D_i once and dq_accum rows x d
+// floats (red.add also reads them); dK_j, dV_j written once. FLOPs: 5 products of 2 M N D each per visited
+// (Q block, K/V block) pair.
+//
+// Masking and empty rows as in the SIMT backward: P = 0 wherever the key is not visible or past the last key,
+// and for rows past the last query; lse = -inf (a row that saw no key) is taken as +inf so P = exp2(-inf) = 0.
+// P is recomputed as exp2(fmaf(S, scale, -lse) * log2 e): S * scale - lse rounded once near 0 (see
+// fa2_backward.cu). Requires softmax_scale > 0.
+#include "arch/arch.cuh"
+#include "kernels/fa2_tc_tiles.cuh"
+
+namespace cuflash {
+namespace fa2tc {
+
+// A Rows x Cols product over Warps warps arranged WarpsM x WarpsN (warp w at (w / WarpsN, w % WarpsN)); each warp
+// owns MTiles 16-row strips and NTiles n8 tiles (an even number: B fragments come in pairs). WarpsM is the
+// largest count that divides the rows into whole strips and leaves each warp an even number of n8 tiles.
+__host__ __device__ constexpr int pick_warps_m(int rows, int cols, int warps) {
+  for (int wm = warps; wm >= 1; --wm)
+    if (warps % wm == 0 && rows % (16 * wm) == 0 && cols % (16 * (warps / wm)) == 0) return wm;
+  return 0;
+}
+
+template <int Rows, int Cols, int Warps>
+struct WarpTiling {
+  static constexpr int kWarpsM = pick_warps_m(Rows, Cols, Warps);
+  static_assert(kWarpsM > 0, "no warp tiling of whole strips and n8-tile pairs for this product");
+  static constexpr int kWarpsN = Warps / kWarpsM;
+  static constexpr int kRowsPerWarp = Rows / kWarpsM;
+  static constexpr int kColsPerWarp = Cols / kWarpsN;
+  static constexpr int kMTiles = kRowsPerWarp / 16;
+  static constexpr int kNTiles = kColsPerWarp / 8;
+  __device__ __forceinline__ static int m0(int warp) { return (warp / kWarpsN) * kRowsPerWarp; }
+  __device__ __forceinline__ static int n0(int warp) { return (warp % kWarpsN) * kColsPerWarp; }
+};
+
+template <int HeadDim, int BlockM, int BlockN, int Warps>
+struct BackwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kThreads = Warps * 32;
+
+  using SdP = WarpTiling<BlockM, BlockN, Warps>;   // S, dP, P, dS
+  using DkDv = WarpTiling<BlockN, HeadDim, Warps>;  // dK, dV
+  using Dq = WarpTiling<BlockM, HeadDim, Warps>;    // dQ
+
+  using KVTile = SwizzledTile<BlockN, HeadDim>;
+  using QTile = SwizzledTile<BlockM, HeadDim>;
+  using PTile = SwizzledTile<BlockM, BlockN>;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + KVTile::kBytes;
+  static constexpr int kQOffset = kVOffset + KVTile::kBytes;
+  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
+  static constexpr int kPOffset = kDoOffset + QTile::kBytes;
+  static constexpr int kDsOffset = kPOffset + PTile::kBytes;
+  static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kDotOffset = kLseOffset + 4 * BlockM;
+  static constexpr int kSmemBytes = kDotOffset + 4 * BlockM;
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
+  static_assert(BlockM % 16 == 0 && BlockN % 32 == 0 && BlockM <= kThreads, "tile shape");
+};
+
+}  // namespace fa2tc
+
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const AttentionParams p) {
+  static_assert(arch::is_mma_operand<T>::value, "the tensor-core backward takes __half or __nv_bfloat16");
+  using Tr = fa2tc::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
+  using SdP = typename Tr::SdP;
+  using DkDv = typename Tr::DkDv;
+  using Dq = typename Tr::Dq;
+  using KVTile = typename Tr::KVTile;
+  using QTile = typename Tr::QTile;
+  using PTile = typename Tr::PTile;
+
+  CUFLASH_DYNAMIC_SMEM(smem);
+  const bool split_dq = p.num_dq_splits > 1;
+  // The plan (Python) and these traits must agree on the launch shape exactly; a mismatch is a bug.
+  if (arch::dynamic_smem_size() != Tr::kSmemBytes || blockDim.x != Tr::kThreads || blockDim.y != 1 ||
+      blockDim.z != 1 || p.headdim > HeadDim || p.headdim < 1 ||
+      (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
+    __trap();
+  unsigned char* k_tile = smem + Tr::kKOffset;
+  unsigned char* v_tile = smem + Tr::kVOffset;
+  unsigned char* q_tile = smem + Tr::kQOffset;
+  unsigned char* do_tile = smem + Tr::kDoOffset;
+  unsigned char* p_tile = smem + Tr::kPOffset;
+  unsigned char* ds_tile = smem + Tr::kDsOffset;
+  float* lse_rows = reinterpret_cast<float*>(smem + Tr::kLseOffset);
+  float* dot_rows = reinterpret_cast<float*>(smem + Tr::kDotOffset);
+
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const BlockInfo kv_info = BlockInfo::of_group(p, batch, kv_head, 0);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int quad_row = lane / 4;
+  const int quad_col = lane % 4;
+  const int d = p.headdim;
+  const int group = BlockInfo::group_size(p);
+  const int key0 = n_block * BlockN;
+  const int block_keys = min(BlockN, p.seqlen_k - key0);
+  const float softmax_scale = p.softmax_scale;
+
+  const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+  const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+  fa2tc::load_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys, d, fa2tc::rows_16b_aligned(k, p.k_stride.row),
+                           tid, Tr::kThreads);
+  fa2tc::load_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys, d, fa2tc::rows_16b_aligned(v, p.v_stride.row),
+                           tid, Tr::kThreads);
+  arch::cp_async_commit();
+
+  fa2tc::Accumulator<DkDv::kMTiles, DkDv::kNTiles> acc_dk, acc_dv;
+  acc_dk.zero();
+  acc_dv.zero();
+
+  const MaskPolicy mask = MaskPolicy::of(p);
+  const ScoreHook score_hook{};
+  const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+  const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
+  for (int h = 0; h < group; ++h) {
+    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+    const T* q_head = info.q<T>(p);
+    const T* do_head = info.dout<T>(p);
+    const bool q_vector = fa2tc::rows_16b_aligned(q_head, p.q_stride.row);
+    const bool do_vector = fa2tc::rows_16b_aligned(do_head, p.dout_stride.row);
+    const long long row_base = info.row_stats_offset(p);
+    // dq_accum is (slices, batch, seqlen_q, nheads, d); this block writes slice n_block (split mode) or 0.
+    float* dq_head = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) + info.dense_q_offset(p);
+    const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+
+    for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
+      const int row0 = m_block * BlockM;
+      const int block_rows = min(BlockM, p.seqlen_q - row0);
+      __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS, lse, D
+      fa2tc::load_tile<QTile>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row, block_rows, d, q_vector, tid,
+                              Tr::kThreads);
+      fa2tc::load_tile<QTile>(do_tile, do_head + row0 * p.dout_stride.row, p.dout_stride.row, block_rows, d,
+                              do_vector, tid, Tr::kThreads);
+      arch::cp_async_commit();
+      if (tid < BlockM) {
+        float lse = pos_inf();  // rows past the end: P = 0
+        float dot = 0.f;
+        if (tid < block_rows) {
+          lse = arch::load(p.lse + row_base + row0 + tid);
+          if (lse == neg_inf()) lse = pos_inf();  // the row saw no key: its P is exactly 0
+          dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
+        }
+        lse_rows[tid] = lse;
+        dot_rows[tid] = dot;
+      }
+      arch::cp_async_wait<0>();
+      __syncthreads();  // Q_i, dO_i (and K_j, V_j the first time), lse, D visible to all
+
+      // S = Q K^T, dP = dO V^T for this warp's tile; P and dS into shared memory as T.
+      {
+        fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
+        s.zero();
+        dp.zero();
+        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
+                                                                                           s_n0, lane);
+        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
+                                                                                           s_n0, lane);
+        const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+#pragma unroll
+        for (int i = 0; i < SdP::kMTiles; ++i)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = s_m0 + 16 * i + quad_row + 8 * half;
+            const float lse = lse_rows[r];
+            const float dot = dot_rows[r];
+#pragma unroll
+            for (int j = 0; j < SdP::kNTiles; ++j) {
+              const int c = s_n0 + 8 * j + 2 * quad_col;
+              float prob[2], grad[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e);
+                prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+                if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
+                grad[e] = prob[e] * (dp.c[i][j][2 * half + e] - dot);
+              }
+              *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
+              *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
+                  arch::pack_float2<T>(grad[0], grad[1]);
+            }
+          }
+      }
+      __syncthreads();  // P, dS complete
+
+      // dV += P^T dO, dK += dS^T Q over this Q block's rows.
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
+                                                                                       do_tile, DkDv::n0(warp), lane);
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
+                                                                                       q_tile, DkDv::n0(warp), lane);
+
+      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale).
+      {
+        fa2tc::Accumulator<Dq::kMTiles, Dq::kNTiles> dq;
+        dq.zero();
+        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, Dq::kNTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
+                                                                                       k_tile, Dq::n0(warp), lane);
+#pragma unroll
+        for (int i = 0; i < Dq::kMTiles; ++i)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = Dq::m0(warp) + 16 * i + quad_row + 8 * half;
+            if (r >= block_rows) continue;
+            float* dq_row = dq_head + (row0 + r) * dq_row_stride;
+#pragma unroll
+            for (int j = 0; j < Dq::kNTiles; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = Dq::n0(warp) + 8 * j + 2 * quad_col + e;
+                if (col >= d) continue;
+                if (split_dq)
+                  arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
+                else
+                  arch::atomic_add(dq_row + col, dq.c[i][j][2 * half + e]);
+              }
+          }
+      }
+    }
+  }
+
+  // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers
+  // (every warp is done reading them after the barrier; the wait covers a block that visited no Q block and so
+  // never waited for its K/V copies), then 16-byte stores.
+  arch::cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < DkDv::kMTiles; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = DkDv::m0(warp) + 16 * i + quad_row + 8 * half;
+#pragma unroll
+      for (int j = 0; j < DkDv::kNTiles; ++j) {
+        const int col = DkDv::n0(warp) + 8 * j + 2 * quad_col;
+        const float* dk_pair = &acc_dk.c[i][j][2 * half];
+        const float* dv_pair = &acc_dv.c[i][j][2 * half];
+        *reinterpret_cast<unsigned*>(k_tile + KVTile::element_offset(key, col)) =
+            arch::pack_float2<T>(dk_pair[0] * softmax_scale, dk_pair[1] * softmax_scale);
+        *reinterpret_cast<unsigned*>(v_tile + KVTile::element_offset(key, col)) =
+            arch::pack_float2<T>(dv_pair[0], dv_pair[1]);
+      }
+    }
+  __syncthreads();
+  T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
+  T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
+  fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys, d, tid, Tr::kThreads);
+  fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys, d, tid, Tr::kThreads);
+}
+
+}  // namespace cuflash
