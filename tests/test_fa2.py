@@ -211,7 +211,7 @@ def _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=False):
     problem = _problem(q, k, causal, deterministic)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
-    scratch = run_program(backend, fa2.backward_program(problem, SM80), problem, scale, arrays)
+    scratch = run_program(backend, _variant(problem).backward_program(problem, SM80), problem, scale, arrays)
     return grads["dq"], grads["dk"], grads["dv"], scratch
 
 
@@ -305,7 +305,7 @@ def test_global_traffic_is_exactly_the_formula(shape, dtype, causal):
         with sim.record() as backward_records:
             _run_backward(dout, q, k, v, out, lse, causal, 0.125, deterministic)
         assert _launch_traffic(backward_records) == _expected(
-            fa2.backward_program(det_problem, SM80), fa2.backward_traffic(det_problem, SM80)
+            variant.backward_program(det_problem, SM80), variant.backward_traffic(det_problem, SM80)
         )
 
 

@@ -10,7 +10,8 @@
 //           m16 MMA strips) for the whole kernel, so its softmax statistics never leave its registers and a
 //           row's max and sum need only the 4 lanes of a quad (2 xor-shuffles).
 //   Per visible K/V block, last to first (mask.cuh gives the range; the masked blocks at the diagonal and the
-//   ragged end come first):
+//   ragged end come first; a block-uniform test, mask.cuh's tile_needs_mask, keeps the element-wise mask code off
+//   every other block):
 //     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
 //     mask (only blocks that need it, mask.cuh's tile test), online softmax in base 2 with the scale folded into
 //     one FMA (p = exp2(s * scale_log2 - offset)), l and O rescaled by exp2(offset_old - offset_new);

@@ -10,7 +10,7 @@
 //    Each thread owns a small tile of C in registers; operands are read from
 //    shared memory as float4, so one load feeds 4 (mma_nt: along k) or 4 x TM
 //    (mma_nn / mma_tn: along n) FMAs. These are the SIMT stand-ins for FA2's
-//    mma.sync tiles (a later issue replaces them with tensor-core fragments).
+//    mma.sync tiles, for float32 inputs (16-bit inputs run the tensor-core kernels, fa2_tc_*.cu).
 //    The long reductions (mma_nt over the head dim, mma_nn over keys) sum in two
 //    levels, 4 products of one k-step first and then into the accumulator, as an
 //    MMA sums its k-slice before accumulating: one extra FADD per 4 FMAs halves

@@ -88,8 +88,9 @@ def table(algorithms: list[str], *, dtype: str = "float16") -> str:
         "FlashAttention figure. Why ours differ: standard keeps S and P in float32 (4 bytes, the paper's 2) and its",
         "backward recomputes S and P from q, k and lse (forward and backward are separate calls); fa1 follows",
         "Algorithm 1 literally, moving float32 O, l, m once per K/V block, where the paper's implementation used",
-        "larger blocks; fa2's SIMT kernels use 64-row Q blocks (FA2's tensor-core kernels use 128 at head dim 64),",
-        "so K and V are read twice as often.",
+        "larger blocks; fa2 in 16 bits runs the tensor-core kernels with FA2's tiles (128-row Q blocks in the",
+        "forward, 128-key K/V blocks in the backward at head dim 64); in float32 its SIMT kernels use 64-row Q",
+        "blocks, so K and V are read twice as often.",
     ]
     return "\n".join(lines)
 
