@@ -32,8 +32,7 @@ from cuflash.kernels import catalog, plans
 from cuflash.kernels.families import fa2, fa2_tc
 from cuflash.kernels.program import LaunchPlan, Problem, Program
 from cuflash.kernels.targets import target
-from cuflash.mask import Mask
-from test_fa2 import SHAPES, _check_backward, _check_forward, _inputs
+from test_fa2 import SHAPES, _check_backward, _check_forward, _inputs, _launch_traffic, _problem
 
 SM80 = target("sm_80")
 DTYPES = fa2_tc.DTYPES
@@ -66,12 +65,6 @@ def test_grid_matches_reference(shape, dtype, causal, scale, deterministic):
         )
     assert "cuflash::fa2_tc_backward_kernel" in [r.kernel.split("<")[0] for r in records.launches]
     _check_backward(dout, q, k, v, grads, causal, scale)
-
-
-def _problem(q, k, causal, deterministic=False):
-    batch, seqlen_q, nheads, headdim = q.shape
-    return Problem(np.dtype(q.dtype).name, batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, Mask.causal(causal),
-                   deterministic)
 
 
 def _run(q, k, v, causal, scale, arch="sm_80", program=None):
@@ -131,10 +124,6 @@ def _run_backward(q, k, v, dout, out, lse, causal, deterministic, arch="sm_80", 
     return (grads["dq"], grads["dk"], grads["dv"]), records
 
 
-def _traffic(records):
-    return [(r.global_bytes_read, r.global_bytes_written) for r in records.launches]
-
-
 @pytest.mark.parametrize("arch, head_dim, dtype", FORWARD_CASES)
 def test_every_forward_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
     """Race mode treats a cp.async destination as written at issue and in flight until its wait; the landing seed
@@ -144,7 +133,7 @@ def test_every_forward_instance_race_free_reproducible_and_on_formula(arch, head
     with sim.checking("race"):
         out, lse, records = _run(q, k, v, True, None, arch)
     _check_forward(q, k, v, out, lse, True, None)
-    assert _traffic(records) == [tuple(fa2_tc.forward_traffic(problem, target(arch)))]
+    assert _launch_traffic(records) == [tuple(fa2_tc.forward_traffic(problem, target(arch)))]
     for seed in (1, 2):
         with sim.copy_landing(seed):
             again, again_lse, _ = _run(q, k, v, True, None, arch)
@@ -163,7 +152,7 @@ def test_every_backward_instance_race_free_reproducible_and_on_formula(arch, hea
         with sim.checking("race"):
             grads, records = _run_backward(q, k, v, dout, out, lse, True, deterministic, arch)
         _check_backward(dout, q, k, v, grads, True, None)
-        assert _traffic(records) == [tuple(t) for t in fa2_tc.backward_traffic(problem, target(arch))]
+        assert _launch_traffic(records) == [tuple(t) for t in fa2_tc.backward_traffic(problem, target(arch))]
     for seed in (1, 2):
         with sim.copy_landing(seed):
             again, _ = _run_backward(q, k, v, dout, out, lse, True, True, arch)

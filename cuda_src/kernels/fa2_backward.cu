@@ -242,18 +242,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
                                                       block_rows, d, tid, kThreads);
       fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
                                                       p.dout_stride.row, block_rows, d, tid, kThreads);
-      if (tid < BlockM) {
-        float lse = pos_inf();  // rows past the end: P = 0
-        float dot = 0.f;
-        if (tid < block_rows) {
-          lse = arch::load(p.lse + row_base + row0 + tid);
-          // lse = -inf: the row saw no key in the forward; +inf makes its P exactly 0.
-          if (lse == neg_inf()) lse = pos_inf();
-          dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
-        }
-        lse_rows[tid] = lse;
-        dot_rows[tid] = dot;
-      }
+      fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, tid, lse_rows, dot_rows);
       __syncthreads();
 
       // S = Q K^T and dP = dO V^T, then P and dS, for this thread's rows x keys.

@@ -37,6 +37,7 @@
 // fa2_backward.cu). Requires softmax_scale > 0.
 #include "arch/arch.cuh"
 #include "kernels/fa2_tc_tiles.cuh"
+#include "kernels/fa2_tiles.cuh"  // fa2::stage_row_stats, shared with the SIMT backward
 
 namespace cuflash {
 namespace fa2tc {
@@ -106,9 +107,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 
   CUFLASH_DYNAMIC_SMEM(smem);
   const bool split_dq = p.num_dq_splits > 1;
-  // The plan (Python) and these traits must agree on the launch shape exactly; a mismatch is a bug.
-  if (arch::dynamic_smem_size() != Tr::kSmemBytes || blockDim.x != Tr::kThreads || blockDim.y != 1 ||
-      blockDim.z != 1 || p.headdim > HeadDim || p.headdim < 1 ||
+  if (fa2tc::launch_shape_differs<Tr::kSmemBytes, Tr::kThreads, HeadDim>(p) ||
       (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
     __trap();
   unsigned char* k_tile = smem + Tr::kKOffset;
@@ -171,17 +170,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       fa2tc::load_tile<QTile>(do_tile, do_head + row0 * p.dout_stride.row, p.dout_stride.row, block_rows, d,
                               do_vector, tid, Tr::kThreads);
       arch::cp_async_commit();
-      if (tid < BlockM) {
-        float lse = pos_inf();  // rows past the end: P = 0
-        float dot = 0.f;
-        if (tid < block_rows) {
-          lse = arch::load(p.lse + row_base + row0 + tid);
-          if (lse == neg_inf()) lse = pos_inf();  // the row saw no key: its P is exactly 0
-          dot = arch::load(p.dout_dot_out + row_base + row0 + tid);
-        }
-        lse_rows[tid] = lse;
-        dot_rows[tid] = dot;
-      }
+      fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, tid, lse_rows, dot_rows);
       arch::cp_async_wait<0>();
       __syncthreads();  // Q_i, dO_i (and K_j, V_j the first time), lse, D visible to all
 

@@ -78,10 +78,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   constexpr int kRows = 2 * MT;  // accumulator rows per lane: g and g + 8 of each strip
 
   CUFLASH_DYNAMIC_SMEM(smem);
-  // The plan (Python) and these traits must agree on the launch shape exactly; a mismatch is a bug.
-  if (arch::dynamic_smem_size() != Tr::kSmemBytes || blockDim.x != Tr::kThreads || blockDim.y != 1 ||
-      blockDim.z != 1 || p.headdim > HeadDim || p.headdim < 1)
-    __trap();
+  if (fa2tc::launch_shape_differs<Tr::kSmemBytes, Tr::kThreads, HeadDim>(p)) __trap();
 
   const int m_block = blockIdx.x;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);

@@ -39,6 +39,15 @@ namespace fa2tc {
 
 constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
 
+// Whether this launch differs from the shape a kernel's traits were built for (one-dimensional blocks of
+// kThreads, kSmemBytes of dynamic shared memory) or has a head dim its tiles do not hold. The plan (Python) and
+// the traits must agree exactly; the kernels trap on any mismatch, which is a bug.
+template <int kSmemBytes, int kThreads, int kHeadDim>
+__device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
+  return arch::dynamic_smem_size() != kSmemBytes || blockDim.x != kThreads || blockDim.y != 1 || blockDim.z != 1 ||
+         p.headdim > kHeadDim || p.headdim < 1;
+}
+
 template <int Rows, int Cols>
 struct SwizzledTile {
   static_assert(Rows % 16 == 0 && Cols % 32 == 0, "tiles are whole 16-row MMA strips and 32-column atoms");

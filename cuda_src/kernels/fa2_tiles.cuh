@@ -221,6 +221,27 @@ __device__ __forceinline__ void mma_tn(float (&acc)[TCM][4][TCN][4], const float
   }
 }
 
+// ---- the backward's per-row statistics ----------------------------------------------------
+// lse_rows[r], dot_rows[r] = lse and D = rowsum(dO * O) of query row first + r (first: the row's offset in the
+// (batch, nheads, seqlen_q) statistics) for r < valid_rows, by threads 0 .. BlockM - 1 (the caller publishes them
+// with a barrier). P is recomputed as exp2((S * scale - lse) log2 e), so lse = +inf makes it exactly 0: rows past
+// the end get +inf (and D = 0), and so does a row that saw no key in the forward (lse = -inf), whose dS, dQ and
+// share of dK, dV are then exact zeros. Used by the SIMT and the tensor-core backward.
+template <int BlockM>
+__device__ __forceinline__ void stage_row_stats(const AttentionParams& p, long long first, int valid_rows, int thread,
+                                                float* lse_rows, float* dot_rows) {
+  if (thread >= BlockM) return;
+  float lse = pos_inf();
+  float dot = 0.f;
+  if (thread < valid_rows) {
+    lse = arch::load(p.lse + first + thread);
+    if (lse == neg_inf()) lse = pos_inf();
+    dot = arch::load(p.dout_dot_out + first + thread);
+  }
+  lse_rows[thread] = lse;
+  dot_rows[thread] = dot;
+}
+
 // Butterfly reductions over the Lanes (a power of two <= 32) consecutive lanes that share a
 // row; every one of them ends with the result, summed in the same order on every rerun.
 template <int Lanes>

@@ -33,7 +33,7 @@ Besides the KernelFamily protocol this module exports the kernels' exact global 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, Scratch, ceil_div
 from ..targets import TARGETS, Target
@@ -69,8 +69,11 @@ def _pick_threads_n(m_granules: int, n_granules: int, threads: int) -> int:
 
 
 @dataclass(frozen=True)
-class _TileTraits:
-    """What forward and backward traits share: sizes, thread count, and the checks every tile must pass."""
+class TileTraits:
+    """What forward and backward traits share (SIMT and tensor-core alike): sizes, thread count, the element types
+    their kernels take, and the checks every tile must pass."""
+
+    element_types: ClassVar[tuple[str, ...]] = tuple(CXX_ELEMENT_TYPES)
 
     head_dim: int
     block_m: int
@@ -98,6 +101,8 @@ class _TileTraits:
         raise NotImplementedError
 
     def _instance(self, source: str, kernel: str, dtype: str) -> KernelInstance:
+        if dtype not in self.element_types:
+            raise ValueError(f"{kernel} takes {self.element_types}, got {dtype!r}")
         return KernelInstance(
             source,
             f"cuflash::{kernel}<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
@@ -106,7 +111,7 @@ class _TileTraits:
 
 
 @dataclass(frozen=True)
-class ForwardTraits(_TileTraits):
+class ForwardTraits(TileTraits):
     """fa2::ForwardTraits: tile sizes and warps of the forward kernel (rows per warp = block_m / warps)."""
 
     def _check_tiles(self) -> None:
@@ -129,7 +134,7 @@ class ForwardTraits(_TileTraits):
 
 
 @dataclass(frozen=True)
-class BackwardTraits(_TileTraits):
+class BackwardTraits(TileTraits):
     """fa2::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
 
     def _check_tiles(self) -> None:
@@ -189,7 +194,8 @@ def compiled_head_dim(headdim: int) -> int:
     return next(h for h in HEAD_DIMS if h >= headdim)
 
 
-def _fitting(choices: tuple[_TileTraits, ...], target: Target) -> _TileTraits:
+def fitting(choices: tuple[TileTraits, ...], target: Target) -> TileTraits:
+    """The first tile of ``choices`` whose shared memory fits the target's block."""
     for traits in choices:
         if traits.smem_bytes <= target.smem_per_block_bytes:
             return traits
@@ -197,11 +203,11 @@ def _fitting(choices: tuple[_TileTraits, ...], target: Target) -> _TileTraits:
 
 
 def forward_traits(headdim: int, target: Target) -> ForwardTraits:
-    return _fitting(FORWARD_CHOICES[compiled_head_dim(headdim)], target)
+    return fitting(FORWARD_CHOICES[compiled_head_dim(headdim)], target)
 
 
 def backward_traits(headdim: int, target: Target) -> BackwardTraits:
-    return _fitting(BACKWARD_CHOICES[compiled_head_dim(headdim)], target)
+    return fitting(BACKWARD_CHOICES[compiled_head_dim(headdim)], target)
 
 
 def dout_dot_out_instance(dtype: str) -> KernelInstance:

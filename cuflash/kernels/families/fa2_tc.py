@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, ceil_div
-from ..targets import TARGETS, Target
+from ..program import KernelInstance, LaunchPlan, Problem, Program, ceil_div
+from ..targets import Target
 from . import fa2
 
 NAME = "fa2"
@@ -29,32 +29,20 @@ DTYPES = ("float16", "bfloat16")
 FORWARD_SOURCE = "kernels/fa2_tc_forward.cu"
 BACKWARD_SOURCE = "kernels/fa2_tc_backward.cu"
 HEAD_DIMS = fa2.HEAD_DIMS
-MAX_DYNAMIC_SMEM = max(t.smem_per_block_bytes for t in TARGETS.values())
 _ELEMENT_BYTES = 2
 
 
 @dataclass(frozen=True)
-class ForwardTraits:
+class ForwardTraits(fa2.TileTraits):
     """fa2tc::ForwardTraits: a (block_m x block_n) tile, ``warps`` warps each owning block_m / warps query rows."""
 
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
+    element_types = DTYPES
 
-    def __post_init__(self) -> None:
-        if self.head_dim % 32 or not 32 <= self.head_dim <= fa2.MAX_HEADDIM:
-            raise ValueError(f"compiled head dims are multiples of 32 up to {fa2.MAX_HEADDIM}, got {self.head_dim}")
+    def _check_tiles(self) -> None:
         if self.block_m % (16 * self.warps):
             raise ValueError(f"{self}: each warp owns whole 16-row MMA strips (block_m % (16 * warps) == 0)")
         if self.block_n % 16:
             raise ValueError(f"{self}: block_n must be a multiple of 16 (k16 steps of P V)")
-        if self.smem_bytes > MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than any target allows")
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -62,13 +50,7 @@ class ForwardTraits:
         return (self.block_m + 2 * self.block_n) * self.head_dim * _ELEMENT_BYTES
 
     def instance(self, dtype: str) -> KernelInstance:
-        if dtype not in DTYPES:
-            raise ValueError(f"the tensor-core fa2 takes {DTYPES}, got {dtype!r}")
-        return KernelInstance(
-            FORWARD_SOURCE,
-            f"cuflash::fa2_tc_forward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.warps}>",
-        )
+        return self._instance(FORWARD_SOURCE, "fa2_tc_forward_kernel", dtype)
 
 
 # The forward tiles, from FA2's table for sm80/sm90 without dropout (../shared/notes/anchors.md), with 128-row Q
@@ -122,29 +104,18 @@ def pick_warps_m(rows: int, cols: int, warps: int) -> int:
 
 
 @dataclass(frozen=True)
-class BackwardTraits:
+class BackwardTraits(fa2.TileTraits):
     """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
 
-    head_dim: int
-    block_m: int
-    block_n: int
-    warps: int
+    element_types = DTYPES
 
-    def __post_init__(self) -> None:
-        if self.head_dim % 32 or not 32 <= self.head_dim <= fa2.MAX_HEADDIM:
-            raise ValueError(f"compiled head dims are multiples of 32 up to {fa2.MAX_HEADDIM}, got {self.head_dim}")
+    def _check_tiles(self) -> None:
         if self.block_m % 16 or self.block_n % 32 or self.block_m > self.threads:
             raise ValueError(f"{self}: block_m must be a multiple of 16 and at most the thread count, block_n of 32")
         for name, rows, cols in (("S/dP", self.block_m, self.block_n), ("dK/dV", self.block_n, self.head_dim),
                                  ("dQ", self.block_m, self.head_dim)):
             if not pick_warps_m(rows, cols, self.warps):
                 raise ValueError(f"{self}: no {name} warp tiling of whole strips and n8-tile pairs")
-        if self.smem_bytes > MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of shared memory, more than any target allows")
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
 
     @property
     def smem_bytes(self) -> int:
@@ -153,13 +124,7 @@ class BackwardTraits:
         return _ELEMENT_BYTES * (2 * n * d + 2 * m * d + 2 * m * n) + 2 * 4 * m
 
     def instance(self, dtype: str) -> KernelInstance:
-        if dtype not in DTYPES:
-            raise ValueError(f"the tensor-core fa2 takes {DTYPES}, got {dtype!r}")
-        return KernelInstance(
-            BACKWARD_SOURCE,
-            f"cuflash::fa2_tc_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.warps}>",
-        )
+        return self._instance(BACKWARD_SOURCE, "fa2_tc_backward_kernel", dtype)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -182,10 +147,7 @@ assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
 
 
 def backward_traits(headdim: int, target: Target) -> BackwardTraits:
-    for traits in BACKWARD_CHOICES[fa2.compiled_head_dim(headdim)]:
-        if traits.smem_bytes <= target.smem_per_block_bytes:
-            return traits
-    raise ValueError(f"no tensor-core fa2 backward tile of head dim {headdim} fits {target.arch}'s shared memory")
+    return fa2.fitting(BACKWARD_CHOICES[fa2.compiled_head_dim(headdim)], target)
 
 
 def instances(target: Target) -> list[KernelInstance]:
