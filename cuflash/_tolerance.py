@@ -140,21 +140,19 @@ class BackwardReferences(NamedTuple):
     dv_lowp: np.ndarray
 
 
-def forward_references(q, k, v, *, causal: bool = False, softmax_scale: float | None = None) -> ForwardReferences:
-    """The float64 reference and its low-precision twin in q's precision, ready for ``check_close``."""
+def forward_references(q, k, v, **options) -> ForwardReferences:
+    """The float64 reference and its low-precision twin in q's precision, ready for ``check_close``.
+
+    ``options``: those of ``attention_reference`` (causal, softmax_scale, window_size, softcap, alibi_slopes)."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
-    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    out_lowp, lse_lowp = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=lowp)
+    out, lse = attention_reference(q, k, v, **options)
+    out_lowp, lse_lowp = attention_reference(q, k, v, **options, dtype=lowp)
     return ForwardReferences(out, lse, out_lowp, lse_lowp)
 
 
-def backward_references(
-    dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None
-) -> BackwardReferences:
+def backward_references(dout, q, k, v, **options) -> BackwardReferences:
     """Float64 gradients and their low-precision twins in q's precision, ready for ``check_close``."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
-    grads = attention_backward_reference(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
-    grads_lowp = attention_backward_reference(
-        dout, q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=lowp
-    )
+    grads = attention_backward_reference(dout, q, k, v, **options)
+    grads_lowp = attention_backward_reference(dout, q, k, v, **options, dtype=lowp)
     return BackwardReferences(*grads, *grads_lowp)

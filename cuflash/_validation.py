@@ -48,8 +48,63 @@ def _check_4d(name: str, array: Any, layout: str) -> tuple[int, int, int, int]:
     return shape  # type: ignore[return-value]
 
 
-def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, deterministic: Any = False) -> Problem:
-    """Validate q, k, v and return the Problem they describe."""
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_mask(causal: Any, window_size: Any, seqlen_q: int, seqlen_k: int) -> Mask:
+    """The Mask of ``causal`` and ``window_size=(left, right)`` (-1: unbounded; causal sets right = 0).
+
+    A bound that no row can reach (left >= seqlen_k, right >= seqlen_q) is the same as unbounded and becomes
+    -1, so kernels never see values outside int32 and plans skip masking they do not need.
+    """
+    causal = check_bool("causal", causal)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    left, right = (_check_int(f"window_size[{i}]", w) for i, w in enumerate(window_size))
+    for i, w in enumerate((left, right)):
+        if w < -1:
+            raise ValueError(f"window_size[{i}] must be >= -1 (-1: unbounded), got {w}")
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_q and right > 0:
+        right = -1
+    return Mask(left, right)
+
+
+def check_softcap(softcap: Any) -> float:
+    if isinstance(softcap, (bool, str, bytes)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap!r}")
+    return value
+
+
+def check_alibi_slopes(alibi_slopes: Any, batch: int, nheads: int) -> str | None:
+    """The Problem.alibi layout of ``alibi_slopes``: None, "heads" (nheads,) or "batch_heads" (batch, nheads)."""
+    if alibi_slopes is None:
+        return None
+    if not (hasattr(alibi_slopes, "shape") and hasattr(alibi_slopes, "dtype")):
+        raise TypeError(f"alibi_slopes must be an array or None, got {type(alibi_slopes).__name__}")
+    shape = tuple(alibi_slopes.shape)
+    if dtype_name(alibi_slopes) != "float32":
+        raise TypeError(f"alibi_slopes must have dtype float32, got {dtype_name(alibi_slopes)}")
+    if shape == (nheads,):
+        return "heads"
+    if shape == (batch, nheads):
+        return "batch_heads"
+    raise ValueError(f"alibi_slopes must have shape (nheads,) = {(nheads,)} or (batch, nheads) = {(batch, nheads)}, "
+                     f"got {shape}")
+
+
+def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
+              alibi_slopes: Any = None, deterministic: Any = False) -> Problem:
+    """Validate q, k, v and the attention options, and return the Problem they describe."""
     batch, seqlen_q, nheads, headdim = _check_4d("q", q, "(batch, seqlen_q, nheads, headdim)")
     kshape = _check_4d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     vshape = _check_4d("v", v, "(batch, seqlen_k, nheads_k, headdim)")
@@ -86,8 +141,10 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, deterministic: Any = False
         nheads=nheads,
         nheads_k=nheads_k,
         headdim=headdim,
-        mask=Mask.causal(check_bool("causal", causal)),
+        mask=check_mask(causal, window_size, seqlen_q, seqlen_k),
         deterministic=check_bool("deterministic", deterministic),
+        softcap=check_softcap(softcap),
+        alibi=check_alibi_slopes(alibi_slopes, batch, nheads),
     )
 
 

@@ -43,6 +43,7 @@ class _Placement:
                 "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
             )
         self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
+        self.names = names
         self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
         on_gpu = {_is_cupy(a) for a in self.arrays}
         if len(on_gpu) > 1:
@@ -118,6 +119,40 @@ def _contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(_ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
 
 
+def _optional(names: tuple[str, ...], arrays: tuple[Any, ...], **optional: Any):
+    """Append the optional arrays that are given (not None) to ``names`` and ``arrays``."""
+    given = {name: a for name, a in optional.items() if a is not None}
+    return names + tuple(given), arrays + tuple(given.values())
+
+
+def _placed(placement: _Placement, name: str) -> Any:
+    return dict(zip(placement.names, placement.arrays)).get(name)
+
+
+def _side_inputs(placement: _Placement) -> dict[str, Any]:
+    """The placed optional float32 inputs (alibi_slopes), made C-contiguous: kernels index them densely."""
+    side = {}
+    for name, array in zip(placement.names, placement.arrays):
+        if name == "alibi_slopes":
+            side[name] = array if array.flags.c_contiguous else _ascontiguous(array)
+    return side
+
+
+_OPTIONS_DOC = """
+    Options (all algorithms take windows; softcap and ALiBi need algorithm="fa2"):
+
+    - ``causal``: the mask's diagonal is aligned to the bottom-right corner: with
+      off = seqlen_k - seqlen_q, query i sees key j iff j <= i + off.
+    - ``window_size=(left, right)``: a local band, -1 unbounded: query i sees key j iff
+      (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right);
+      ``causal=True`` sets right = 0.
+    - ``softcap=c > 0``: the score is c * tanh(scale * q.k / c) instead of scale * q.k.
+    - ``alibi_slopes``: float32, (nheads,) or (batch, nheads); -slope * |i + off - j| is
+      added to the (softcapped) score of query head h (the lse includes it).
+
+    A query row that sees no key gets output 0, lse -inf and zero gradients."""
+
+
 def attention(
     q: Any,
     k: Any,
@@ -125,27 +160,20 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
-    """Scaled dot-product attention softmax(scale * q k^T) v.
-
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
-    with nheads a multiple of nheads_k (GQA/MQA); dtype float16, bfloat16 or float32
-    (all equal), head dim 1..256. ``causal`` masks with the diagonal aligned to the
-    bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q; a query
-    row that sees no key gets output 0 and lse -inf. ``softmax_scale`` defaults to
-    1/sqrt(headdim). ``algorithm``: "fa2" (default), "fa1" or "standard".
-
-    Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
-    the log-sum-exp of the scaled scores of each query row.
-    """
-    placement = _Placement(("q", "k", "v"), (q, k, v))
-    q, k, v = placement.arrays
-    problem = V.check_qkv(q, k, v, causal=causal)
+    placement = _Placement(*_optional(("q", "k", "v"), (q, k, v), alibi_slopes=alibi_slopes))
+    q, k, v = placement.arrays[:3]
+    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                          alibi_slopes=_placed(placement, "alibi_slopes"))
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
-    catalog.variants(algorithm)  # raises for an unknown algorithm, before anything is allocated
+    catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
+    side = _side_inputs(placement)
     q, k, v = _contiguous_last_dim((q, k, v))
 
     backend = placement.backend()
@@ -158,7 +186,7 @@ def attention(
             lse[...] = -np.inf
         elif out.size:
             program = plans.forward_program(algorithm, problem, backend.target)
-            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse, **side})
     out, lse = placement.export(out), placement.export(lse)
     return (out, lse) if return_lse else out
 
@@ -173,26 +201,23 @@ def attention_backward(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
     algorithm: str = "fa2",
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """Gradients (dq, dk, dv) of ``attention`` given dout = dL/dout.
-
-    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
-    q, k, v, causal and softmax_scale. dq is like q; dk, dv are like k, v (for GQA/MQA
-    they sum over the query heads of a group). ``deterministic=True`` asks for
-    bitwise-reproducible gradients (the fa2 backward otherwise accumulates dq with
-    float32 atomics, whose order varies between runs on a GPU).
-    """
-    names = ("dout", "q", "k", "v", "out", "lse")
-    placement = _Placement(names, (dout, q, k, v, out, lse))
-    dout, q, k, v, out, lse = placement.arrays
-    problem = V.check_qkv(q, k, v, causal=causal, deterministic=deterministic)
+    placement = _Placement(*_optional(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse),
+                                      alibi_slopes=alibi_slopes))
+    dout, q, k, v, out, lse = placement.arrays[:6]
+    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                          alibi_slopes=_placed(placement, "alibi_slopes"), deterministic=deterministic)
     V.check_like("dout", dout, "q", q)
     V.check_like("out", out, "q", q)
     V.check_lse(lse, problem)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    catalog.variants(algorithm)
+    catalog.check_options(algorithm, problem)
+    side = _side_inputs(placement)
     dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
         lse = _ascontiguous(lse)
@@ -208,6 +233,28 @@ def attention_backward(
                 grad[...] = 0
         elif dq.size:
             program = plans.backward_program(algorithm, problem, backend.target)
-            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+                      **side}
             run_program(backend, program, problem, scale, arrays)
     return placement.export(dq), placement.export(dk), placement.export(dv)
+
+
+attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = scale * q k^T (see options).
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
+    with nheads a multiple of nheads_k (GQA/MQA); dtype float16, bfloat16 or float32
+    (all equal), head dim 1..256. ``softmax_scale`` defaults to 1/sqrt(headdim).
+    ``algorithm``: "fa2" (default), "fa1" or "standard".
+
+    Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
+    the log-sum-exp of the scores of each query row.
+""" + _OPTIONS_DOC
+
+attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given dout = dL/dout.
+
+    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
+    q, k, v and options. dq is like q; dk, dv are like k, v (for GQA/MQA they sum over the
+    query heads of a group). ``deterministic=True`` asks for bitwise-reproducible
+    gradients (the fa2 backward otherwise accumulates dq with float32 atomics, whose order
+    varies between runs on a GPU). No gradient flows to alibi_slopes.
+""" + _OPTIONS_DOC

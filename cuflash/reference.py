@@ -103,10 +103,46 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int
     return batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
 
 
-def _visible_keys(rows: range, seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+def _mask_of(causal: bool, window_size) -> Mask:
+    left, right = window_size
+    return Mask(left, 0 if causal else right)
+
+
+def _visible_keys(rows: range, seqlen_q: int, seqlen_k: int, mask: Mask) -> np.ndarray:
     """(len(rows), seqlen_k) bool: which keys the query rows ``rows`` attend to (cuflash.mask decides)."""
-    policy = Mask.causal(causal).policy(seqlen_q, seqlen_k)
+    policy = mask.policy(seqlen_q, seqlen_k)
     return policy.visible(np.arange(rows.start, rows.stop)[:, None], np.arange(seqlen_k)[None, :])
+
+
+class _Scores:
+    """The score transforms of one call: softcap and ALiBi on top of scale * q.k.
+
+    ``__call__`` maps a block of q.k (group, rows, seqlen_k) to (score, d score / d (scale q.k)), both in the
+    accumulator; the low-precision emulation rounds the score once, as a kernel forming it in that format would.
+    """
+
+    def __init__(self, scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc):
+        self.scale, self.acc = acc.type(scale), acc
+        self.softcap = acc.type(softcap or 0.0)
+        self.slopes = None
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes, dtype=np.float64)
+            if slopes.shape not in ((nheads,), (batch, nheads)):
+                raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {slopes.shape}")
+            self.slopes = np.broadcast_to(slopes, (batch, nheads)).astype(acc)
+        self.policy = Mask().policy(seqlen_q, seqlen_k)
+
+    def __call__(self, qk, b, heads, rows):
+        scaled = qk * self.scale
+        dscore = np.ones_like(scaled)
+        if self.softcap > 0:
+            tanh = np.tanh(scaled / self.softcap)
+            scaled, dscore = self.softcap * tanh, 1 - tanh * tanh
+        if self.slopes is not None:
+            distance = np.abs(self.policy.diagonal(np.arange(rows.start, rows.stop))[:, None]
+                              - np.arange(self.policy.seqlen_k)[None, :]).astype(self.acc)
+            scaled = scaled - self.slopes[b, heads][:, None, None] * distance
+        return scaled, dscore
 
 
 def _blocks(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):
@@ -150,12 +186,13 @@ def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc
     return _round(probabilities, dtype, acc), lse[..., 0]
 
 
-def _forward_block(qg, kb, vb, visible, scale, dtype, acc):
-    """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``."""
-    scores = _round((qg @ kb.T) * acc.type(scale), dtype, acc)
-    probabilities, lse = _softmax_block(scores, visible, dtype, acc)
+def _forward_block(qg, kb, vb, visible, scores_of, dtype, acc):
+    """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``; ``scores_of``
+    maps q.k to (score, d score / d (scale q.k)). Returns (P, out, lse, d score / d (scale q.k))."""
+    scores, dscore = scores_of(qg @ kb.T)
+    probabilities, lse = _softmax_block(_round(scores, dtype, acc), visible, dtype, acc)
     out = _round(probabilities @ vb, dtype, acc)
-    return probabilities, out, lse
+    return probabilities, out, lse, dscore
 
 
 def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
@@ -163,37 +200,44 @@ def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
     return [_round(np.asarray(a), dtype, acc) for a in arrays]
 
 
-def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, dtype=np.float64):
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                        window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dtype=np.float64):
     """Attention forward. Returns ``(out, lse)``.
 
     out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
-    ``softmax_scale`` defaults to 1/sqrt(headdim). See the module docstring for masking, GQA and the
-    low-precision emulation that ``dtype`` selects.
+    ``softmax_scale`` defaults to 1/sqrt(headdim); ``window_size``, ``softcap`` and ``alibi_slopes`` mean what
+    they mean for ``cuflash.attention``. See the module docstring for masking, GQA and the low-precision
+    emulation that ``dtype`` selects.
     """
     dtype = resolve_dtype(dtype)
     acc = accumulator_dtype(dtype)
     q, k, v = _prepare((q, k, v), dtype, acc)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
     scale = _scale(softmax_scale, headdim)
+    mask = _mask_of(causal, window_size)
+    scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
-        visible = _visible_keys(rows, seqlen_q, seqlen_k, causal)
+        visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
         qg = _group_rows(q, b, heads, rows)
-        _, out_g, lse_g = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible, scale, dtype, acc)
+        _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
+                                            lambda qk: scores_of(qk, b, heads, rows), dtype, acc)
         out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
         lse[b, heads, rows.start:rows.stop] = lse_g
     return out.astype(dtype), lse
 
 
 def attention_backward_reference(
-    dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, dtype=np.float64
+    dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+    softcap: float = 0.0, alibi_slopes=None, dtype=np.float64
 ):
     """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``.
 
     With grouped heads, dk and dv of a kv head are the sums over the query heads that read it. Rows that see no
     key contribute nothing and receive zero dq. The math is FlashAttention 2's: P recomputed from q and k,
-    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q.
+    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D) * score', dQ = scale dS K, dK = scale dS^T Q
+    (score' = d score / d (scale q.k): 1 - tanh^2 with softcap, else 1).
     In the low-precision emulation P, O, dP and dS are rounded to ``dtype`` as a kernel feeding them to MMAs
     would, D and the group sums stay in the accumulator, and each gradient is rounded once at the end.
     """
@@ -204,21 +248,24 @@ def attention_backward_reference(
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     scale = _scale(softmax_scale, headdim)
+    mask = _mask_of(causal, window_size)
+    scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dq = np.zeros(q.shape, dtype=acc)
     dk = np.zeros(k.shape, dtype=acc)
     dv = np.zeros(v.shape, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
-        visible = _visible_keys(rows, seqlen_q, seqlen_k, causal)
+        visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
         qg = _group_rows(q, b, heads, rows)
         dog = _group_rows(dout, b, heads, rows)
         kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
-        probabilities, out_g, _ = _forward_block(qg, kb, vb, visible, scale, dtype, acc)
+        probabilities, out_g, _, dscore = _forward_block(qg, kb, vb, visible,
+                                                         lambda qk: scores_of(qk, b, heads, rows), dtype, acc)
         # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
         # gradients are rounded to ``dtype`` once, at the end.
         dv[b, :, kv_head, :] += (probabilities.transpose(0, 2, 1) @ dog).sum(axis=0)
         dprobabilities = _round(dog @ vb.T, dtype, acc)
         delta = np.sum(dog * out_g, axis=-1, keepdims=True)
-        dscores = _round(probabilities * (dprobabilities - delta), dtype, acc)
+        dscores = _round(probabilities * (dprobabilities - delta) * dscore, dtype, acc)
         dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
         dk[b, :, kv_head, :] += (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)

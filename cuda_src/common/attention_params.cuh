@@ -52,6 +52,7 @@ struct TensorStrides {
 //   dq_accum     backward: float32 dQ, (num_dq_splits, batch, seqlen_q, nheads, headdim)
 //   dk_accum     backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
 //   dv_accum     backward GQA: float32 dV per q-head, (batch, seqlen_k, nheads, headdim)
+//   alibi_slopes input (read only): ALiBi slope per query head, (nheads,) or (batch, nheads); null: no ALiBi
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -62,7 +63,8 @@ struct TensorStrides {
   X(dout_dot_out)                      \
   X(dq_accum)                          \
   X(dk_accum)                          \
-  X(dv_accum)
+  X(dv_accum)                           \
+  X(alibi_slopes)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -90,6 +92,9 @@ struct AttentionParams {
   int window_left;    // mask.cuh: keys i + off - window_left .. i + off + window_right, -1 unbounded;
   int window_right;   //   causal = (-1, 0), no mask = (-1, -1)
   int num_dq_splits;  // 1, or the number of dq_accum slices (deterministic backward)
+
+  float softcap;           // mask.cuh's ScoreHook: score = softcap * tanh(scale q.k / softcap); 0: off
+  int alibi_batch_stride;  // slopes of batch b start at alibi_slopes + b * alibi_batch_stride (0 or nheads)
 };
 
 }  // namespace cuflash

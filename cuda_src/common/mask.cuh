@@ -12,8 +12,15 @@
 // The NumPy twin is cuflash/mask.py (MaskPolicy); a simulator test compares the two on every
 // method. Nothing else in cuda_src/ or cuflash/ decides visibility.
 //
-// ScoreHook is where per-element score transforms plug in (softcap, ALiBi in [variants]); today it
-// is the identity, and kernels call it on q.k before masking so the plug-in point exists once.
+// ScoreHook: the per-element score transforms, softcap and ALiBi. With x = q.k and scale the softmax
+// scale, the score a softmax sees is
+//     score = softcap > 0 ? softcap * tanh(scale * x / softcap) : scale * x,   then
+//     score -= slope[batch, head] * |i + off - j|                              (with alibi_slopes).
+// Kernels fold the scale into their exponents (exp2(x * scale_log2 - m)), so the hook returns the score
+// divided by scale: x itself when nothing is on, and the scores, the lse and every max stay as before.
+// The backward also asks for d score / d (scale x) = 1 - tanh^2 (1 without softcap), the factor its dS
+// takes before the dQ and dK products. Every kernel calls the hook on q.k before masking; fa1 and the
+// standard kernels take only its identity (the Python plans refuse softcap and ALiBi for them).
 #pragma once
 
 #include "common/attention_params.cuh"
@@ -27,10 +34,6 @@ struct IndexRange {
   int end;
   __device__ __forceinline__ bool empty() const { return end <= begin; }
   __device__ __forceinline__ bool contains(int x) const { return x >= begin && x < end; }
-};
-
-struct ScoreHook {
-  __device__ __forceinline__ float operator()(float qk, int /*row*/, int /*key*/) const { return qk; }
 };
 
 struct MaskPolicy {
@@ -92,6 +95,49 @@ struct MaskPolicy {
     if (key0 + keys > seqlen_k) return true;
     if (window_right >= 0 && key0 + keys - 1 > diagonal(row0) + window_right) return true;
     return window_left >= 0 && key0 < diagonal(row0 + rows - 1) - window_left;
+  }
+};
+
+struct ScoreHook {
+  float cap_outer;    // softcap / scale (0: no softcap)
+  float cap_inner;    // scale / softcap
+  float slope;        // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
+  MaskPolicy policy;  // the diagonal |i + off - j| is measured from
+
+  // The identity (fa1, standard attention).
+  __device__ __forceinline__ static ScoreHook identity() { return ScoreHook{0.f, 0.f, 0.f, MaskPolicy{0, 0, -1, -1}}; }
+
+  __device__ __forceinline__ static ScoreHook of(const AttentionParams& p, int batch, int head) {
+    ScoreHook hook = identity();
+    hook.policy = MaskPolicy::of(p);
+    if (p.softcap > 0.f) {
+      hook.cap_outer = p.softcap / p.softmax_scale;
+      hook.cap_inner = p.softmax_scale / p.softcap;
+    }
+    if (p.alibi_slopes != nullptr) hook.slope = p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.softmax_scale;
+    return hook;
+  }
+
+  // Whether the hook changes anything (block-uniform: kernels skip the element loop when it does not).
+  __device__ __forceinline__ bool active() const { return cap_outer != 0.f || slope != 0.f; }
+
+  // score / scale for x = q.k of (row, key).
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    if (cap_outer != 0.f) qk = cap_outer * tanhf(qk * cap_inner);
+    if (slope != 0.f) qk -= slope * static_cast<float>(abs(policy.diagonal(row) - key));
+    return qk;
+  }
+
+  // The same, and d score / d (scale x) in `slope_of_score` (1 - tanh^2 with softcap, else 1).
+  __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    slope_of_score = 1.f;
+    if (cap_outer != 0.f) {
+      const float t = tanhf(qk * cap_inner);
+      slope_of_score = fmaf(-t, t, 1.f);
+      qk = cap_outer * t;
+    }
+    if (slope != 0.f) qk -= slope * static_cast<float>(abs(policy.diagonal(row) - key));
+    return qk;
   }
 };
 

@@ -15,7 +15,8 @@
 //    Q block with a row at or below the diagonal; the others are skipped unread). Per Q block i:
 //        load Q_i, dO_i (shared memory), lse_i, D_i
 //        S = Q_i K_j^T, dP = dO_i V_j^T                          (mma_nt, block-wide tiling)
-//        P = exp2((S * scale - lse) * log2 e) (0 where masked), dS = P * (dP - D)  -> shared memory
+//        P = exp2((hook(S) * scale - lse) * log2 e) (0 where masked), dS = P * (dP - D) * hook' -> shared memory
+//        (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi)
 //        dV_j += P^T dO_i, dK_j += dS^T Q_i                      (mma_tn, keys x head dim)
 //        dQ_i += dS K_j -> float32 dq_accum                      (mma_nn, rows x head dim)
 //    dq update: num_dq_splits == 1: red.global.add.f32 (arch::atomic_add) into one
@@ -223,10 +224,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
         for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
 
   const MaskPolicy mask = MaskPolicy::of(p);
-  const ScoreHook score_hook{};
   const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+    const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
     const long long row_base = info.row_stats_offset(p);
@@ -267,11 +268,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
           for (int j = 0; j < STile::kN; ++j) {
             const int c = s_key + j * STile::kThreadsN;
-            const float qk = score_hook(s[i][j], row0 + r, key0 + c);
+            float dscore;  // d score / d (scale q.k)
+            const float qk = score_hook(s[i][j], row0 + r, key0 + c, dscore);
             float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
             if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
             p_tile[r * Tr::kPStride + c] = prob;
-            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot);
+            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot) * dscore;
           }
         }
       }

@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
   const int block_rows = min(BlockM, p.seqlen_q - row0);
   const MaskPolicy mask = MaskPolicy::of(p);
-  const ScoreHook score_hook{};
+  const ScoreHook score_hook = ScoreHook::of(p, info.batch, info.head);
   const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
 
   // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
@@ -185,11 +185,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       fa2::mma_nt<TM, TN>(s, q_tile + (warp_row0 + lane_row) * Tr::kRowStride, kLaneRows * Tr::kRowStride,
                           k_tile + lane_col * Tr::kRowStride, kLaneCols * Tr::kRowStride, k_extent);
 
+      if (score_hook.active()) {
 #pragma unroll
-      for (int i = 0; i < TM; ++i)
+        for (int i = 0; i < TM; ++i)
 #pragma unroll
-        for (int j = 0; j < TN; ++j)
-          s[i][j] = score_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+          for (int j = 0; j < TN; ++j)
+            s[i][j] = score_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+      }
       if (mask.tile_needs_mask(row0, block_rows, key0, BlockN)) {
 #pragma unroll
         for (int i = 0; i < TM; ++i)

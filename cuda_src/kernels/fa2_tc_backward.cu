@@ -11,7 +11,8 @@
 // q_blocks; the others are skipped unread). Per Q block i:
 //     load Q_i, dO_i (cp.async, 16-byte, zero-filled), lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
-//     P = exp2((S * scale - lse) log2 e) (0 where masked), dS = P (dP - D)  -> 16-bit, swizzled shared memory
+//     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP - D) hook'  -> 16-bit, swizzled smem
+//     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans
 //   dq_accum: one zero-initialised slice updated with red.global.add.f32 (atomic mode), or slice j written with
@@ -147,11 +148,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   acc_dv.zero();
 
   const MaskPolicy mask = MaskPolicy::of(p);
-  const ScoreHook score_hook{};
   const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
   const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+    const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
     const bool q_vector = fa2tc::rows_16b_aligned(q_head, p.q_stride.row);
@@ -197,10 +198,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
               float prob[2], grad[2];
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e);
+                float dscore;  // d score / d (scale q.k)
+                const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
                 prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
                 if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-                grad[e] = prob[e] * (dp.c[i][j][2 * half + e] - dot);
+                grad[e] = prob[e] * (dp.c[i][j][2 * half + e] - dot) * dscore;
               }
               *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
               *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =

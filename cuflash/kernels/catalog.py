@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Iterable, Protocol
 
-from .program import ELEMENT_DTYPES, KernelInstance, Problem, Program
+from .program import ELEMENT_DTYPES, OPTIONS, KernelInstance, Problem, Program
 from .targets import TARGETS, Target
 
 
@@ -42,13 +42,14 @@ class Variant:
     name: str
     module_name: str
     dtypes: tuple[str, ...] = ELEMENT_DTYPES
+    options: frozenset[str] = frozenset()  # of program.OPTIONS
 
     @property
     def module(self) -> KernelFamily | ModuleType:
         return importlib.import_module(self.module_name)
 
     def serves(self, problem: Problem, target: Target) -> bool:
-        return problem.dtype in self.dtypes
+        return problem.dtype in self.dtypes and problem.options <= self.options
 
 
 # Algorithm -> its variants, in the order plans try them. The order of the algorithms is the report's.
@@ -56,8 +57,9 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
     "fa2": (
-        Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16")),
-        Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",)),
+        Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16"),
+                options=frozenset(OPTIONS)),
+        Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",), options=frozenset(OPTIONS)),
     ),
 }
 
@@ -71,6 +73,17 @@ def variants(algorithm: str) -> tuple[Variant, ...]:
     if found is None:
         raise ValueError(f"algorithm must be one of {algorithms()}, got {algorithm!r}")
     return found
+
+
+def check_options(algorithm: str, problem: Problem) -> None:
+    """Raise ValueError, naming the algorithms that have it, for an option no variant of ``algorithm`` supports.
+
+    Also raises for an unknown algorithm; the API calls it before anything is allocated."""
+    supported = frozenset().union(*(v.options for v in variants(algorithm)))
+    for option in sorted(problem.options - supported):
+        having = [name for name, family in FAMILIES.items() if any(option in v.options for v in family)]
+        raise ValueError(f"{option} is supported by algorithm={' or '.join(map(repr, having))} only, "
+                         f"got algorithm={algorithm!r}")
 
 
 def instances(target: Target) -> list[KernelInstance]:

@@ -141,4 +141,6 @@ def pack_params(
     params["window_left"] = problem.mask.window_left
     params["window_right"] = problem.mask.window_right
     params["num_dq_splits"] = num_dq_splits
+    params["softcap"] = problem.softcap
+    params["alibi_batch_stride"] = problem.nheads if problem.alibi == "batch_heads" else 0
     return params[()]

@@ -19,6 +19,9 @@ from ..mask import Mask, MaskPolicy
 from .params import SIDE_BUFFER_FIELDS
 
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
+ALIBI_LAYOUTS = (None, "heads", "batch_heads")
+# Options a Problem may use beyond plain masked attention; catalog variants say which they support.
+OPTIONS = ("softcap", "alibi")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -57,6 +60,10 @@ class Problem:
     headdim: int
     mask: Mask = Mask()
     deterministic: bool = False
+    # Score transforms (mask.cuh's ScoreHook): softcap c > 0 (0: off), and where ALiBi slopes come from:
+    # None, "heads" (nheads,) or "batch_heads" (batch, nheads).
+    softcap: float = 0.0
+    alibi: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -68,6 +75,20 @@ class Problem:
             raise ValueError("Problem.nheads must be a multiple of nheads_k")
         if not isinstance(self.mask, Mask):
             raise TypeError(f"Problem.mask must be a cuflash.mask.Mask, got {self.mask!r}")
+        if not (isinstance(self.softcap, float) and self.softcap >= 0.0):
+            raise ValueError(f"Problem.softcap must be a float >= 0, got {self.softcap!r}")
+        if self.alibi not in ALIBI_LAYOUTS:
+            raise ValueError(f"Problem.alibi must be one of {ALIBI_LAYOUTS}, got {self.alibi!r}")
+
+    @property
+    def options(self) -> frozenset[str]:
+        """The options beyond plain masked attention this problem uses (a variant must support each)."""
+        used = set()
+        if self.softcap > 0.0:
+            used.add("softcap")
+        if self.alibi is not None:
+            used.add("alibi")
+        return frozenset(used)
 
     @functools.cached_property
     def mask_policy(self) -> MaskPolicy:
