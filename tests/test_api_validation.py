@@ -163,3 +163,33 @@ def test_non_contiguous_last_dimension_is_copied(monkeypatch):
     expected = cuflash.attention(np.ascontiguousarray(q), np.ascontiguousarray(reversed_k), v, algorithm=ALGORITHM)
     got = cuflash.attention(q, reversed_k, v, algorithm=ALGORITHM)
     assert np.array_equal(got, expected)
+
+
+OPTION_ERRORS = [
+    (dict(window_size=(-2, 0)), ValueError, ["window_size[0]", ">= -1"]),
+    (dict(window_size=(3, -5)), ValueError, ["window_size[1]", ">= -1"]),
+    (dict(window_size=(1.5, 0)), TypeError, ["window_size[0]", "int"]),
+    (dict(window_size=(True, 0)), TypeError, ["window_size[0]", "int"]),
+    (dict(window_size=3), TypeError, ["window_size", "pair"]),
+    (dict(window_size=(1, 2, 3)), TypeError, ["window_size", "pair"]),
+    (dict(softcap=-1.0), ValueError, ["softcap", ">= 0"]),
+    (dict(softcap=float("nan")), ValueError, ["softcap", "finite"]),
+    (dict(softcap=float("inf")), ValueError, ["softcap", "finite"]),
+    (dict(softcap="2"), TypeError, ["softcap", "real number"]),
+    (dict(alibi_slopes=np.zeros(4, np.float64)), TypeError, ["alibi_slopes", "float32", "float64"]),
+    (dict(alibi_slopes=np.zeros(3, np.float32)), ValueError, ["alibi_slopes", "(nheads,)", "(batch, nheads)", "(3,)"]),
+    (dict(alibi_slopes=np.zeros((2, 4, 1), np.float32)), ValueError, ["alibi_slopes", "shape"]),
+    (dict(alibi_slopes=[0.1] * 4), TypeError, ["alibi_slopes", "list"]),
+    (dict(softcap=1.0, algorithm="fa1"), ValueError, ["softcap", "algorithm='fa2'", "'fa1'"]),
+    (dict(alibi_slopes=np.zeros(4, np.float32), algorithm="standard"), ValueError, ["alibi", "'fa2'", "'standard'"]),
+]
+
+
+@pytest.mark.parametrize("options, error, words", OPTION_ERRORS)
+def test_options_are_checked_before_any_kernel(options, error, words):
+    for run in (lambda: call(*arrays(), **options), lambda: cuflash.attention_backward(**backward_args(), **options)):
+        options.setdefault("algorithm", "fa2")
+        with pytest.raises(error) as info:
+            run()
+        for word in words:
+            assert word in str(info.value), str(info.value)

@@ -57,9 +57,10 @@ def test_pack_params_round_trip():
 
 def test_the_mirror_is_derived_from_the_header_not_copied():
     text = params.HEADER.read_text()
-    assert "X(dv_accum)" in text and "int num_dq_splits;" in text
-    grown = text.replace("X(dv_accum)", "X(dv_accum) \\\n  X(extra_buffer)").replace(
-        "int num_dq_splits;", "int num_dq_splits;\n  float new_scalar;").replace("X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
+    assert "X(dlse)\n" in text and "int alibi_batch_stride;" in text
+    grown = text.replace("X(dlse)\n", "X(dlse) \\\n  X(extra_buffer)\n").replace(
+        "int alibi_batch_stride;", "int alibi_batch_stride;\n  float new_scalar;").replace(
+        "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
     assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")
     assert tensors[-1] == params.TensorField("dbias", "Query", "Out")

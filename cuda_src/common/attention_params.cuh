@@ -53,6 +53,8 @@ struct TensorStrides {
 //   dk_accum     backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
 //   dv_accum     backward GQA: float32 dV per q-head, (batch, seqlen_k, nheads, headdim)
 //   alibi_slopes input (read only): ALiBi slope per query head, (nheads,) or (batch, nheads); null: no ALiBi
+//   dlse         input (read only): backward, d loss / d lse, (batch, nheads, seqlen_q); null: 0. Since
+//                d lse_i / d score_ij = P_ij, it adds dlse_i P_ij to dS_ij: the backward uses D - dlse for D
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -64,7 +66,8 @@ struct TensorStrides {
   X(dq_accum)                          \
   X(dk_accum)                          \
   X(dv_accum)                           \
-  X(alibi_slopes)
+  X(alibi_slopes)                      \
+  X(dlse)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -93,7 +96,10 @@ struct AttentionParams {
   int window_right;   //   causal = (-1, 0), no mask = (-1, -1)
   int num_dq_splits;  // 1, or the number of dq_accum slices (deterministic backward)
 
-  float softcap;           // mask.cuh's ScoreHook: score = softcap * tanh(scale q.k / softcap); 0: off
+  // mask.cuh's ScoreHook, softcap c: score = c tanh(scale q.k / c). Packed as the two factors the hook multiplies by
+  // (kernels read them from the parameter bank, no registers held): c / scale (0: no softcap) and scale / c.
+  float softcap_outer;
+  float softcap_inner;
   int alibi_batch_stride;  // slopes of batch b start at alibi_slopes + b * alibi_batch_stride (0 or nheads)
 };
 

@@ -8,6 +8,7 @@
 // file: where a sequence starts and how long it is.
 #pragma once
 
+#include "arch/arch.cuh"
 #include "common/attention_params.cuh"
 
 namespace cuflash {
@@ -87,5 +88,12 @@ struct BlockInfo {
     return static_cast<T*>(base) + batch * s.batch + head_index * s.head;
   }
 };
+
+// The backward's D_i = rowsum(dO_i * O_i), less dlse_i when the caller passes the lse's cotangent (see dlse in
+// attention_params.cuh); every backward's D goes through here.
+__device__ __forceinline__ float dout_dot_out_minus_dlse(const AttentionParams& p, const BlockInfo& info, int row,
+                                                         float dout_dot_out) {
+  return p.dlse != nullptr ? dout_dot_out - arch::load(p.dlse + info.row_stats_offset(p) + row) : dout_dot_out;
+}
 
 }  // namespace cuflash

@@ -99,23 +99,21 @@ struct MaskPolicy {
 };
 
 struct ScoreHook {
-  float cap_outer;    // softcap / scale (0: no softcap)
-  float cap_inner;    // scale / softcap
-  float slope;        // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
-  MaskPolicy policy;  // the diagonal |i + off - j| is measured from
+  float cap_outer;  // softcap / scale (0: no softcap)
+  float cap_inner;  // scale / softcap
+  float slope;      // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
+  int diagonal0;    // MaskPolicy::diagonal(0): row i's diagonal key is i + diagonal0
 
   // The identity (fa1, standard attention).
-  __device__ __forceinline__ static ScoreHook identity() { return ScoreHook{0.f, 0.f, 0.f, MaskPolicy{0, 0, -1, -1}}; }
+  __device__ __forceinline__ static ScoreHook identity() { return ScoreHook{0.f, 0.f, 0.f, 0}; }
 
+  // The softcap factors come straight from the parameter bank (AttentionParams packs them) so the compiler need not
+  // hold them in registers; the slope is one load per (batch, head).
   __device__ __forceinline__ static ScoreHook of(const AttentionParams& p, int batch, int head) {
-    ScoreHook hook = identity();
-    hook.policy = MaskPolicy::of(p);
-    if (p.softcap > 0.f) {
-      hook.cap_outer = p.softcap / p.softmax_scale;
-      hook.cap_inner = p.softmax_scale / p.softcap;
-    }
-    if (p.alibi_slopes != nullptr) hook.slope = p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.softmax_scale;
-    return hook;
+    const float slope =
+        p.alibi_slopes != nullptr ? arch::load(p.alibi_slopes + batch * p.alibi_batch_stride + head) / p.softmax_scale
+                                  : 0.f;
+    return ScoreHook{p.softcap_outer, p.softcap_inner, slope, MaskPolicy::of(p).diagonal(0)};
   }
 
   // Whether the hook changes anything (block-uniform: kernels skip the element loop when it does not).
@@ -123,9 +121,8 @@ struct ScoreHook {
 
   // score / scale for x = q.k of (row, key).
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
-    if (cap_outer != 0.f) qk = cap_outer * tanhf(qk * cap_inner);
-    if (slope != 0.f) qk -= slope * static_cast<float>(abs(policy.diagonal(row) - key));
-    return qk;
+    float unused;
+    return (*this)(qk, row, key, unused);
   }
 
   // The same, and d score / d (scale x) in `slope_of_score` (1 - tanh^2 with softcap, else 1).
@@ -136,7 +133,7 @@ struct ScoreHook {
       slope_of_score = fmaf(-t, t, 1.f);
       qk = cap_outer * t;
     }
-    if (slope != 0.f) qk -= slope * static_cast<float>(abs(policy.diagonal(row) - key));
+    if (slope != 0.f) qk -= slope * static_cast<float>(abs(row + diagonal0 - key));
     return qk;
   }
 };

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
         const float* dorow = dout_tile + tid * kTS;
         float sum = 0.f;
         for (int x = 0; x < HeadDim; ++x) sum += orow[x] * dorow[x];
-        delta[tid] = sum;
+        delta[tid] = dout_dot_out_minus_dlse(p, info, row0 + tid, sum);
         row_lse[tid] = arch::load(lse + row0 + tid);
       }
       __syncthreads();

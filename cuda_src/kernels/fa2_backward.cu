@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
       sum = fmaf(x.w, y.w, sum);
     }
     sum = fa2::group_sum<32>(sum);
-    if (lane == 0) arch::store(dot + row, sum);
+    if (lane == 0) arch::store(dot + row, dout_dot_out_minus_dlse(p, info, row, sum));
   }
 }
 

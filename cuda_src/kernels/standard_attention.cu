@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_dout_dot
   for (int col = lane; col < p.headdim; col += 32)
     partial = fmaf(to_float(arch::load(dout + col)), to_float(arch::load(out + col)), partial);
   const float total = warp_sum(partial);
-  if (lane == 0) arch::store(p.dout_dot_out + info.row_stats_offset(p) + query, total);
+  if (lane == 0) arch::store(p.dout_dot_out + info.row_stats_offset(p) + query, dout_dot_out_minus_dlse(p, info, query, total));
 }
 
 }  // namespace cuflash

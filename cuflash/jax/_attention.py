@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -22,6 +23,9 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
     deterministic: bool = False,
@@ -34,7 +38,9 @@ def attention(
     1..256. ``causal`` aligns the mask to the bottom-right corner (query i sees key j
     iff j <= i + seqlen_k - seqlen_q); a row that sees no key gives 0 and lse -inf.
     ``softmax_scale`` (a Python number, static) defaults to 1/sqrt(headdim).
-    Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    ``window_size`` and ``softcap`` (static) and ``alibi_slopes`` (a float32 array,
+    (nheads,) or (batch, nheads); no gradient flows to it) mean what they mean for
+    ``cuflash.attention``. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 
     Arguments are checked when the call is traced, with the same checks and messages
     as ``cuflash.attention``. Works under ``jit``, ``grad``/``vjp`` (the backward runs
@@ -52,12 +58,14 @@ def attention(
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
-    problem = V.check_qkv(q, k, v, causal=causal, deterministic=deterministic)
+    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                          alibi_slopes=alibi_slopes, deterministic=deterministic)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
-    catalog.variants(algorithm)  # raises for an unknown algorithm
-    q, k, v = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)))
-    out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v)
+    catalog.check_options(algorithm, problem)  # unknown algorithm or option
+    arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    q, k, v, *slopes = _share_varying_axes(*(jnp.asarray(x) for x in arrays))
+    out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v, tuple(slopes))
     return (out, lse) if return_lse else out
 
 
@@ -91,7 +99,7 @@ def _share_varying_axes(*arrays):
 # The two directions, with the no-launch cases of cuflash.attention handled at trace time.
 
 
-def _forward(config: CallConfig, q, k, v):
+def _forward(config: CallConfig, q, k, v, slopes=()):
     problem = config.problem
     axes = _varying_axes(q)
     out_shape = tensor_shape("out", problem)
@@ -100,29 +108,32 @@ def _forward(config: CallConfig, q, k, v):
         out = jnp.zeros(out_shape, q.dtype)
         lse = jnp.full(tensor_shape("lse", problem), -np.inf, jnp.float32)
     else:
-        out, lse = attention_forward_p.bind(q, k, v, config=config)
+        out, lse = attention_forward_p.bind(q, k, v, *slopes, config=config)
     return _mark_varying(out, axes), _mark_varying(lse, axes)
 
 
-def _backward(config: CallConfig, dout, q, k, v, out, lse):
+def _backward(config: CallConfig, dout, q, k, v, out, lse, slopes=(), dlse=None):
     problem = config.problem
     axes = _varying_axes(q)
     if problem.seqlen_k == 0 or problem.seqlen_q == 0 or 0 in tensor_shape("out", problem):
         grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
     else:
-        grads = attention_backward_p.bind(dout.astype(q.dtype), q, k, v, out, lse, config=config)
+        extra = (*slopes,) if dlse is None else (*slopes, dlse.astype(jnp.float32))
+        config = dataclasses.replace(config, with_dlse=dlse is not None)
+        grads = attention_backward_p.bind(dout.astype(q.dtype), q, k, v, out, lse, *extra, config=config)
     return tuple(_mark_varying(g, axes) for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(config: CallConfig, q, k, v):
-    return _forward(config, q, k, v)
+def _attention(config: CallConfig, q, k, v, slopes):
+    return _forward(config, q, k, v, slopes)
 
 
-def _attention_fwd(config: CallConfig, q, k, v):
+def _attention_fwd(config: CallConfig, q, k, v, slopes):
     q, k, v = q.value, k.value, v.value  # CustomVJPPrimal (symbolic_zeros=True)
-    out, lse = _forward(config, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+    slopes = tuple(s.value for s in slopes)
+    out, lse = _forward(config, q, k, v, slopes)
+    return (out, lse), (q, k, v, slopes, out, lse)
 
 
 def _is_zero(cotangent) -> bool:
@@ -130,25 +141,16 @@ def _is_zero(cotangent) -> bool:
 
 
 def _attention_bwd(config: CallConfig, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    """The backward kernels with the lse's cotangent folded into D (attention_params.cuh's dlse): exact for every
+    option, softcap included, at no extra launch."""
+    q, k, v, slopes, out, lse = residuals
     dout, dlse = cotangents
-    if _is_zero(dout):
-        dq, dk, dv = (jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
-    else:
-        dq, dk, dv = _backward(config, dout, q, k, v, out, lse)
-    if _is_zero(dlse):
-        return dq, dk, dv
-    # d lse_i / d s_ij = P_ij, so lse adds dlse_i P_ij to dS_ij. With s = scale q k^T:
-    #   dq_i += scale dlse_i (P K)_i     -- the forward program with v := k gives P K;
-    #   dk_j += scale (P^T (dlse * q))_j -- the backward program's dv is P^T dout, for any dout.
-    scale = np.float32(config.softmax_scale)
-    dlse_rows = jnp.transpose(dlse, (0, 2, 1))[..., None]  # (batch, seqlen_q, nheads, 1), like q's rows
-    p_k, _ = _forward(config, q, k, k)
-    weighted_q = (dlse_rows * q.astype(jnp.float32)).astype(q.dtype)
-    _, _, pt_weighted_q = _backward(config, weighted_q, q, k, v, out, lse)
-    dq = (dq.astype(jnp.float32) + scale * dlse_rows * p_k.astype(jnp.float32)).astype(q.dtype)
-    dk = (dk.astype(jnp.float32) + scale * pt_weighted_q.astype(jnp.float32)).astype(k.dtype)
-    return dq, dk, dv
+    no_slope_gradient = tuple(jnp.zeros(s.shape, s.dtype) for s in slopes)
+    if _is_zero(dout) and _is_zero(dlse):
+        return (*(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), no_slope_gradient)
+    dout = jnp.zeros(q.shape, q.dtype) if _is_zero(dout) else dout
+    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, slopes, None if _is_zero(dlse) else dlse)
+    return dq, dk, dv, no_slope_gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

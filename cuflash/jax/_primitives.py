@@ -39,7 +39,7 @@ from .. import _validation as V
 from ..kernels import plans, targets
 from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
-from ..kernels.params import QUERY_SIDE_TENSORS, pack_params
+from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
 from . import _ffi
 
@@ -51,6 +51,7 @@ class CallConfig:
     algorithm: str
     problem: Problem
     softmax_scale: float
+    with_dlse: bool = False  # backward: the lse's cotangent is an operand (attention_params.cuh's dlse)
 
 
 FORWARD_OPERANDS = ("q", "k", "v")
@@ -59,8 +60,18 @@ BACKWARD_OPERANDS = ("dout", "q", "k", "v", "out", "lse")
 BACKWARD_RESULTS = ("dq", "dk", "dv")
 
 
+def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
+    """The AttentionParams fields a call's operands bind, in order: the fixed ones, then the optional inputs."""
+    names = FORWARD_OPERANDS if direction == "forward" else BACKWARD_OPERANDS
+    if config.problem.alibi is not None:
+        names += ("alibi_slopes",)
+    if direction == "backward" and config.with_dlse:
+        names += ("dlse",)
+    return names
+
+
 def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
-    if name == "lse":
+    if name in ("lse", "dlse"):
         return (problem.batch, problem.nheads, problem.seqlen_q)
     if name in QUERY_SIDE_TENSORS:  # (batch, seqlen_q, nheads, d); the others use seqlen_k, nheads_k
         return (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim)
@@ -94,10 +105,9 @@ def custom_call_attributes(
 ) -> dict[str, object]:
     """The custom call's attributes: plain data, nothing process-specific."""
     problem = config.problem
-    operands, results = (
-        (FORWARD_OPERANDS, FORWARD_RESULTS) if direction == "forward" else (BACKWARD_OPERANDS, BACKWARD_RESULTS)
-    )
-    tensors = [name for name in operands + results if name != "lse"]
+    operands = operand_names(direction, config)
+    results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
+    tensors = [name for name in operands + results if name in TENSOR_FIELDS]
     params = pack_params(
         problem,
         softmax_scale=config.softmax_scale,
@@ -211,17 +221,33 @@ def _move_to_front(x, dim, size):
 
 
 def _batching(direction: str, args, dims, *, config: CallConfig):
-    """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit."""
+    """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit.
+
+    ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
+    broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes."""
     primitive = _PRIMITIVES[direction]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    args = [_move_to_front(x, d, size) for x, d in zip(args, dims)]
-    batch = config.problem.batch
+    names = operand_names(direction, config)
+    problem = config.problem
+    batch = problem.batch
+    args, dims = list(args), list(dims)
+    shared_slopes = None
+    if "alibi_slopes" in names:
+        i = names.index("alibi_slopes")
+        if dims[i] is None and problem.alibi == "heads":
+            shared_slopes = args[i]
+        else:
+            slopes = _move_to_front(args[i], dims[i], size)
+            args[i] = jnp.broadcast_to(slopes.reshape((size, -1, problem.nheads)), (size, batch, problem.nheads))
+            dims[i] = 0
+            config = dataclasses.replace(config, problem=dataclasses.replace(problem, alibi="batch_heads"))
+    args = [x if x is shared_slopes else _move_to_front(x, d, size) for x, d in zip(args, dims)]
     chunk = max(1, V.MAX_GRID_YZ // max(batch, 1))
     pieces = []
     for start in range(0, size, chunk):
         members = min(chunk, size - start)
-        part = args if members == size else [x[start : start + members] for x in args]
-        folded = [x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
+        part = args if members == size else [x if x is shared_slopes else x[start : start + members] for x in args]
+        folded = [x if x is shared_slopes else x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
         problem = dataclasses.replace(config.problem, batch=members * batch)
         outs = primitive.bind(*folded, config=dataclasses.replace(config, problem=problem))
         pieces.append([o.reshape((members, batch) + o.shape[1:]) for o in outs])

@@ -141,6 +141,8 @@ def pack_params(
     params["window_left"] = problem.mask.window_left
     params["window_right"] = problem.mask.window_right
     params["num_dq_splits"] = num_dq_splits
-    params["softcap"] = problem.softcap
+    if problem.softcap > 0.0:
+        params["softcap_outer"] = problem.softcap / softmax_scale
+        params["softcap_inner"] = softmax_scale / problem.softcap
     params["alibi_batch_stride"] = problem.nheads if problem.alibi == "batch_heads" else 0
     return params[()]

@@ -1,0 +1,140 @@
+"""cuflash.jax.attention with FlashAttention-2's options (windows, softcap, ALiBi), on the CPU simulator.
+
+* jit(grad) of a loss through out and lse equals JAX autodiff of a plain jnp attention written from the options'
+  formulas (float32, to float32 accuracy), for fa2 with every option and for fa1 and standard with windows;
+* the lse's cotangent goes into the backward's D: a grad through out and lse lowers to one forward and one backward
+  custom call, nothing else;
+* vmap with ALiBi slopes mapped, shared, per head and per (batch, head) equals per-element calls;
+* 16-bit inputs: the tensor-core kernels within FA2's rule of the float64 reference;
+* options fa1 and standard lack are refused naming fa2, at trace time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import cuflash  # noqa: E402
+import cuflash.jax as cfj  # noqa: E402
+from cuflash import _tolerance as T  # noqa: E402
+from cuflash.testing import random_inputs  # noqa: E402
+
+SHAPE = (2, 21, 30, 4, 2, 24)  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
+
+
+def _slopes(per_batch: bool, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.05, 0.5, (SHAPE[0], SHAPE[3]) if per_batch else (SHAPE[3],)).astype(np.float32)
+
+
+def _band(seqlen_q, seqlen_k, left, right):
+    i = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    j = np.arange(seqlen_k)[None, :]
+    return ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right)), np.abs(i - j)
+
+
+def plain_attention(q, k, v, *, scale, window_size=(-1, -1), causal=False, softcap=0.0, slopes=None):
+    """Attention in jnp from the options' formulas: (out, lse), lse 0 on rows that see no key."""
+    left, right = window_size
+    visible, distance = _band(q.shape[1], k.shape[1], left, 0 if causal else right)
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if slopes is not None:
+        s = s - jnp.broadcast_to(slopes, (q.shape[0], q.shape[2]))[:, :, None, None] * distance
+    s = jnp.where(visible, s, -jnp.inf)
+    seen = visible.any(axis=1)[None, None, :]
+    lse = jnp.where(seen, jax.nn.logsumexp(jnp.where(seen[..., None], s, 0.0), axis=-1), 0.0)
+    p = jnp.where(seen[..., None], jax.nn.softmax(jnp.where(seen[..., None], s, 0.0), axis=-1), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p * visible, v), lse
+
+
+CASES = [
+    pytest.param("fa2", dict(window_size=(7, 2), softcap=3.0), True, id="fa2-window-softcap-alibi-batch"),
+    pytest.param("fa2", dict(window_size=(4, -1), causal=True), False, id="fa2-window-causal-alibi-heads"),
+    pytest.param("fa2", dict(softcap=1.5), None, id="fa2-softcap"),
+    pytest.param("fa1", dict(window_size=(5, 6)), None, id="fa1-window"),
+    pytest.param("standard", dict(window_size=(-1, 3)), None, id="standard-window"),
+]
+
+
+@pytest.mark.parametrize("algorithm, options, alibi_per_batch", CASES)
+def test_jit_grad_through_out_and_lse_equals_autodiff(algorithm, options, alibi_per_batch):
+    q, k, v, dout = random_inputs(SHAPE, "float32", seed=3)
+    lse_weights = np.random.default_rng(4).standard_normal((SHAPE[0], SHAPE[3], SHAPE[1])).astype(np.float32)
+    slopes = None if alibi_per_batch is None else _slopes(alibi_per_batch)
+    scale = 0.6
+
+    def ours(q, k, v):
+        out, lse = cfj.attention(q, k, v, softmax_scale=scale, alibi_slopes=slopes, algorithm=algorithm,
+                                 return_lse=True, **options)
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * lse_weights)
+
+    def theirs(q, k, v):
+        out, lse = plain_attention(q, k, v, scale=scale, slopes=slopes, **options)
+        return jnp.sum(out * dout) + jnp.sum(lse * lse_weights)
+
+    value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    value_ref, grads_ref = jax.value_and_grad(theirs, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, value_ref, rtol=2e-5)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-5, atol=3e-5, err_msg=name)
+
+
+def test_lse_cotangent_costs_no_extra_call():
+    q, k, v, _ = random_inputs(SHAPE, "float32", seed=0)
+
+    def loss(q, k, v):
+        out, lse = cfj.attention(q, k, v, softcap=2.0, alibi_slopes=_slopes(False), return_lse=True)
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", hlo)
+    assert len(calls) == 2, calls
+    bindings = sorted(re.search(r'bindings = "([^"]*)"', c).group(1).split(",")[0] for c in calls)
+    assert bindings == ["dout", "q"]
+    backward = next(c for c in calls if 'bindings = "dout' in c)
+    assert 'bindings = "dout,q,k,v,out,lse,alibi_slopes,dlse,dq,dk,dv' in backward
+
+
+@pytest.mark.parametrize("slopes_axis, per_batch", [(0, False), (None, False), (0, True), (None, True)])
+def test_vmap_with_alibi_slopes(slopes_axis, per_batch):
+    q, k, v, _ = random_inputs(SHAPE, "float32", seed=5)
+    qs = np.stack([q, 0.5 * q, -q])
+    slopes = _slopes(per_batch)
+    ss = np.stack([slopes, 2 * slopes, 0.5 * slopes]) if slopes_axis == 0 else slopes
+    options = dict(window_size=(9, 3), softcap=4.0)
+    got = jax.vmap(lambda q, s: cfj.attention(q, k, v, alibi_slopes=s, **options), in_axes=(0, slopes_axis))(qs, ss)
+    for m in range(3):
+        expected = cuflash.attention(qs[m], k, v, alibi_slopes=ss[m] if slopes_axis == 0 else ss, **options)
+        assert np.array_equal(np.asarray(got[m]), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_options_on_tensor_cores_meet_the_rule(dtype):
+    q, k, v, dout = random_inputs(SHAPE, dtype, seed=8)
+    slopes = _slopes(True)
+    options = dict(window_size=(11, 0), softcap=5.0, alibi_slopes=slopes)
+    out, vjp = jax.vjp(lambda q, k, v: cfj.attention(q, k, v, **options), q, k, v)
+    ref = T.forward_references(q, k, v, **options)
+    T.check_close("out", np.asarray(out), ref.out, ref.out_lowp, T.FORWARD_FACTOR)
+    bref = T.backward_references(dout, q, k, v, **options)
+    for name, got in zip(("dq", "dk", "dv"), vjp(jnp.asarray(dout))):
+        T.check_close(name, np.asarray(got), getattr(bref, name), getattr(bref, name + "_lowp"), T.BACKWARD_FACTOR,
+                      atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "standard"])
+def test_options_without_kernels_are_refused_at_trace_time(algorithm):
+    q, k, v, _ = random_inputs(SHAPE, "float32", seed=0)
+    with pytest.raises(ValueError, match=f"softcap is supported by algorithm='fa2' only, got algorithm='{algorithm}'"):
+        jax.jit(lambda q: cfj.attention(q, k, v, softcap=1.0, algorithm=algorithm))(q)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        cfj.attention(q, k, v, alibi_slopes=np.zeros((3,), np.float32))
