@@ -19,8 +19,8 @@
 // Kernels fold the scale into their exponents (exp2(x * scale_log2 - m)), so the hook returns the score
 // divided by scale: x itself when nothing is on, and the scores, the lse and every max stay as before.
 // The backward also asks for d score / d (scale x) = 1 - tanh^2 (1 without softcap), the factor its dS
-// takes before the dQ and dK products. Every kernel calls the hook on q.k before masking; fa1 and the
-// standard kernels take only its identity (the Python plans refuse softcap and ALiBi for them).
+// takes before the dQ and dK products. Every kernel calls a hook on q.k before masking: the fa2 kernels this
+// one, fa1 and the standard kernels IdentityScoreHook (the Python plans refuse softcap and ALiBi for them).
 #pragma once
 
 #include "common/attention_params.cuh"
@@ -98,26 +98,30 @@ struct MaskPolicy {
   }
 };
 
+// tanh(x) = 1 - 2 / (e^(2x) + 1): one ex2, one division. Its absolute error is a few float32 ulps of 1 (the softcapped
+// score c tanh carries c times that, as a float32 score of size c does anyway); it saturates to +-1 without a NaN.
+// Chosen over tanhf, whose longer sequence pushed the tensor-core backward past the register limit (spills).
+__device__ __forceinline__ float tanh_by_exp2(float x) {
+  return 1.f - 2.f / (arch::exp2_approx(x * (2.f * kLog2e)) + 1.f);
+}
+
 struct ScoreHook {
-  float cap_outer;  // softcap / scale (0: no softcap)
-  float cap_inner;  // scale / softcap
-  float slope;      // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
-  int diagonal0;    // MaskPolicy::diagonal(0): row i's diagonal key is i + diagonal0
+  // The kernel's parameters: the softcap factors (AttentionParams packs c / scale and scale / c) and the diagonal
+  // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
+  // tensor-core kernels run at the register limit).
+  const AttentionParams& p;
+  float slope;  // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
 
-  // The identity (fa1, standard attention).
-  __device__ __forceinline__ static ScoreHook identity() { return ScoreHook{0.f, 0.f, 0.f, 0}; }
-
-  // The softcap factors come straight from the parameter bank (AttentionParams packs them) so the compiler need not
-  // hold them in registers; the slope is one load per (batch, head).
   __device__ __forceinline__ static ScoreHook of(const AttentionParams& p, int batch, int head) {
     const float slope =
         p.alibi_slopes != nullptr ? arch::load(p.alibi_slopes + batch * p.alibi_batch_stride + head) / p.softmax_scale
                                   : 0.f;
-    return ScoreHook{p.softcap_outer, p.softcap_inner, slope, MaskPolicy::of(p).diagonal(0)};
+    return ScoreHook{p, slope};
   }
 
+  __device__ __forceinline__ bool softcapped() const { return p.softcap_outer != 0.f; }
   // Whether the hook changes anything (block-uniform: kernels skip the element loop when it does not).
-  __device__ __forceinline__ bool active() const { return cap_outer != 0.f || slope != 0.f; }
+  __device__ __forceinline__ bool active() const { return softcapped() || slope != 0.f; }
 
   // score / scale for x = q.k of (row, key).
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
@@ -128,14 +132,20 @@ struct ScoreHook {
   // The same, and d score / d (scale x) in `slope_of_score` (1 - tanh^2 with softcap, else 1).
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
     slope_of_score = 1.f;
-    if (cap_outer != 0.f) {
-      const float t = tanhf(qk * cap_inner);
+    if (softcapped()) {
+      const float t = tanh_by_exp2(qk * p.softcap_inner);
       slope_of_score = fmaf(-t, t, 1.f);
-      qk = cap_outer * t;
+      qk = p.softcap_outer * t;
     }
-    if (slope != 0.f) qk -= slope * static_cast<float>(abs(row + diagonal0 - key));
+    if (slope != 0.f) qk -= slope * static_cast<float>(abs(MaskPolicy::of(p).diagonal(row) - key));
     return qk;
   }
+};
+
+// What fa1 and standard attention call where fa2 calls ScoreHook: the identity (the Python plans refuse softcap and
+// ALiBi for them, so nothing else is packed).
+struct IdentityScoreHook {
+  __device__ __forceinline__ float operator()(float qk, int /*row*/, int /*key*/) const { return qk; }
 };
 
 }  // namespace cuflash

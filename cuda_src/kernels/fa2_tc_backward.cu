@@ -152,7 +152,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-    const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
     const bool q_vector = fa2tc::rows_16b_aligned(q_head, p.q_stride.row);
@@ -185,6 +184,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
                                                                                            s_n0, lane);
         const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+        // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
+        // limit), for one cached load per Q block.
+        const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
 #pragma unroll
         for (int i = 0; i < SdP::kMTiles; ++i)
 #pragma unroll
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                 const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
                 prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
                 if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-                grad[e] = prob[e] * (dp.c[i][j][2 * half + e] - dot) * dscore;
+                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
               }
               *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
               *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =

@@ -146,22 +146,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
                                                                                 lane);
 
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
-      // Both tests are block-uniform, so an unmasked tile of plain attention runs neither loop.
       const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
-      if (score_hook.active() || masked) {
 #pragma unroll
-        for (int r = 0; r < kRows; ++r)
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-          for (int j = 0; j < Tr::kKeyTiles; ++j)
+        for (int j = 0; j < Tr::kKeyTiles; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& x = s.c[r / 2][j][2 * (r % 2) + e];
-              const int row = row0 + lane_row(r);
-              const int key = key0 + 8 * j + 2 * quad_col + e;
-              x = score_hook(x, row, key);
-              if (masked && !mask.visible(row, key)) x = neg_inf();
-            }
-      }
+          for (int e = 0; e < 2; ++e) {
+            float& x = s.c[r / 2][j][2 * (r % 2) + e];
+            const int row = row0 + lane_row(r);
+            const int key = key0 + 8 * j + 2 * quad_col + e;
+            x = score_hook(x, row, key);  // its tests are block-uniform: plain attention pays two branches
+            if (masked && !mask.visible(row, key)) x = neg_inf();
+          }
 
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j

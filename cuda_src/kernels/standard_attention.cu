@@ -342,7 +342,7 @@ struct ScoresProduct {
             tensor_operand(info.k<T>(p), p.k_stride, info.seqlen_k)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
-    const float s = MaskPolicy::of(p).visible(query, key) ? ScoreHook::identity()(acc, query, key) * p.softmax_scale : neg_inf();
+    const float s = MaskPolicy::of(p).visible(query, key) ? IdentityScoreHook{}(acc, query, key) * p.softmax_scale : neg_inf();
     arch::store(p.scores + info.score_row_offset(p, query) + key, s);
   }
 };

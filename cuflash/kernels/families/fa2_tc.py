@@ -137,7 +137,7 @@ class BackwardTraits(fa2.TileTraits):
 # with 4 warps (32 x 64 needs 104 KB).
 BACKWARD_CHOICES = {
     32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
-    64: (BackwardTraits(64, block_m=64, block_n=128, warps=8),),
+    64: (BackwardTraits(64, block_m=64, block_n=64, warps=8),),  # 64x128 spilled 4 bytes on sm_90 with the ScoreHook
     96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
     128: (BackwardTraits(128, block_m=64, block_n=64, warps=8),),
     192: (BackwardTraits(192, block_m=32, block_n=64, warps=8),),
