@@ -43,7 +43,6 @@ class _Placement:
                 "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
             )
         self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
-        self.names = names
         self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
         on_gpu = {_is_cupy(a) for a in self.arrays}
         if len(on_gpu) > 1:
@@ -119,23 +118,18 @@ def _contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(_ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
 
 
-def _optional(names: tuple[str, ...], arrays: tuple[Any, ...], **optional: Any):
-    """Append the optional arrays that are given (not None) to ``names`` and ``arrays``."""
-    given = {name: a for name, a in optional.items() if a is not None}
-    return names + tuple(given), arrays + tuple(given.values())
+def _place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -> tuple[_Placement, Any]:
+    """The placement of the arrays and of alibi_slopes when given, and the placed slopes made C-contiguous
+    (kernels index them densely) or None."""
+    if alibi_slopes is None:
+        return _Placement(names, arrays), None
+    placement = _Placement(names + ("alibi_slopes",), arrays + (alibi_slopes,))
+    slopes = placement.arrays[-1]
+    return placement, slopes if slopes.flags.c_contiguous else _ascontiguous(slopes)
 
 
-def _placed(placement: _Placement, name: str) -> Any:
-    return dict(zip(placement.names, placement.arrays)).get(name)
-
-
-def _side_inputs(placement: _Placement) -> dict[str, Any]:
-    """The placed optional float32 inputs (alibi_slopes), made C-contiguous: kernels index them densely."""
-    side = {}
-    for name, array in zip(placement.names, placement.arrays):
-        if name == "alibi_slopes":
-            side[name] = array if array.flags.c_contiguous else _ascontiguous(array)
-    return side
+def _side_inputs(alibi_slopes: Any) -> dict[str, Any]:
+    return {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
 
 
 _OPTIONS_DOC = """
@@ -166,14 +160,13 @@ def attention(
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
-    placement = _Placement(*_optional(("q", "k", "v"), (q, k, v), alibi_slopes=alibi_slopes))
+    placement, alibi_slopes = _place(("q", "k", "v"), (q, k, v), alibi_slopes)
     q, k, v = placement.arrays[:3]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=_placed(placement, "alibi_slopes"))
+                          alibi_slopes=alibi_slopes)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
-    side = _side_inputs(placement)
     q, k, v = _contiguous_last_dim((q, k, v))
 
     backend = placement.backend()
@@ -186,7 +179,7 @@ def attention(
             lse[...] = -np.inf
         elif out.size:
             program = plans.forward_program(algorithm, problem, backend.target)
-            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse, **side})
+            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_side_inputs(alibi_slopes)})
     out, lse = placement.export(out), placement.export(lse)
     return (out, lse) if return_lse else out
 
@@ -207,17 +200,15 @@ def attention_backward(
     algorithm: str = "fa2",
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
-    placement = _Placement(*_optional(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse),
-                                      alibi_slopes=alibi_slopes))
+    placement, alibi_slopes = _place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=_placed(placement, "alibi_slopes"), deterministic=deterministic)
+                          alibi_slopes=alibi_slopes, deterministic=deterministic)
     V.check_like("dout", dout, "q", q)
     V.check_like("out", out, "q", q)
     V.check_lse(lse, problem)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     catalog.check_options(algorithm, problem)
-    side = _side_inputs(placement)
     dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
         lse = _ascontiguous(lse)
@@ -234,7 +225,7 @@ def attention_backward(
         elif dq.size:
             program = plans.backward_program(algorithm, problem, backend.target)
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-                      **side}
+                      **_side_inputs(alibi_slopes)}
             run_program(backend, program, problem, scale, arrays)
     return placement.export(dq), placement.export(dk), placement.export(dv)
 

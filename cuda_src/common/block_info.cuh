@@ -77,6 +77,10 @@ struct BlockInfo {
   __device__ __forceinline__ long long dense_k_offset(const AttentionParams& p) const {
     return static_cast<long long>(batch) * seqlen_k * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
   }
+  // Row 0 of this (batch, head) in slice `slice` of dq_accum (num_dq_splits, batch, seqlen_q, nheads, d).
+  __device__ __forceinline__ float* dq_accum(const AttentionParams& p, int slice) const {
+    return p.dq_accum + slice * dense_q_elements(p) + dense_q_offset(p);
+  }
   // Floats in one slice of the split dq_accum (num_dq_splits, batch, seqlen_q, nheads, d).
   __device__ __forceinline__ static long long dense_q_elements(const AttentionParams& p) {
     return static_cast<long long>(p.batch) * p.seqlen_q * dense_row_stride(p);

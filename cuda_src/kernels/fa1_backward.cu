@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   // dq_accum (1, batch, seqlen_q, nheads, headdim) and dk_accum / dv_accum
   // (batch, seqlen_k, nheads, headdim) are dense: one row of this head every nheads * d floats.
   const long long accum_row_stride = BlockInfo::dense_row_stride(p);
-  float* const dq_acc = p.dq_accum + info.dense_q_offset(p);
+  float* const dq_acc = info.dq_accum(p, 0);
   float* const dk_part = grouped ? p.dk_accum + info.dense_k_offset(p) : nullptr;
   float* const dv_part = grouped ? p.dv_accum + info.dense_k_offset(p) : nullptr;
 

@@ -231,8 +231,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
     const long long row_base = info.row_stats_offset(p);
-    // dq_accum is (slices, batch, seqlen_q, nheads, d); this block writes slice n_block (split mode) or 0.
-    float* dq_head = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) + info.dense_q_offset(p);
+    float* dq_head = info.dq_accum(p, split_dq ? n_block : 0);  // slice n_block (split mode) or the one slice
     const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
     for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
@@ -359,7 +358,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kerne
   for (int c = threadIdx.x; c < rows * chunks_per_row; c += fa2::RowKernel::kThreads) {
     const int row = row0 + c / chunks_per_row;
     const int dim0 = (c % chunks_per_row) * 4;
-    const float* accum = p.dq_accum + info.dense_q_offset(p) + row * BlockInfo::dense_row_stride(p) + dim0;
+    const float* accum = info.dq_accum(p, 0) + row * BlockInfo::dense_row_stride(p) + dim0;
     const IndexRange slices = fa2::dq_slices_of_row<BlockN>(p, row);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = slices.begin; j < slices.end; ++j) {  // fixed order: bitwise reproducible

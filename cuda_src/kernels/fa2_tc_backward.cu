@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     const bool q_vector = fa2tc::rows_16b_aligned(q_head, p.q_stride.row);
     const bool do_vector = fa2tc::rows_16b_aligned(do_head, p.dout_stride.row);
     const long long row_base = info.row_stats_offset(p);
-    // dq_accum is (slices, batch, seqlen_q, nheads, d); this block writes slice n_block (split mode) or 0.
+    // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: this kernel runs at the register limit, and
+    // through the helper ptxas spilled 8 bytes at d256 on sm_90.
     float* dq_head = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) + info.dense_q_offset(p);
     const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
