@@ -10,7 +10,8 @@ libraries, via DLPack) on the GPU. JAX users: ``cuflash.jax.attention``.
 """
 
 from .api import attention, attention_backward
+from .dropout import dropout_mask
 from .kernels.catalog import algorithms as available_algorithms
 
-__all__ = ["attention", "attention_backward", "available_algorithms"]
+__all__ = ["attention", "attention_backward", "available_algorithms", "dropout_mask"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import math
 import numbers
 from typing import Any
 
+from .dropout import check_dropout_p  # dropout's checks live beside its rule
 from .kernels.program import ELEMENT_DTYPES, Problem
 from .mask import Mask
 
@@ -103,7 +104,7 @@ def check_alibi_slopes(alibi_slopes: Any, batch: int, nheads: int) -> str | None
 
 
 def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
-              alibi_slopes: Any = None, deterministic: Any = False) -> Problem:
+              alibi_slopes: Any = None, dropout_p: Any = 0.0, deterministic: Any = False) -> Problem:
     """Validate q, k, v and the attention options, and return the Problem they describe."""
     batch, seqlen_q, nheads, headdim = _check_4d("q", q, "(batch, seqlen_q, nheads, headdim)")
     kshape = _check_4d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
@@ -145,6 +146,7 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
         deterministic=check_bool("deterministic", deterministic),
         softcap=check_softcap(softcap),
         alibi=check_alibi_slopes(alibi_slopes, batch, nheads),
+        dropout_p=check_dropout_p(dropout_p),
     )
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _validation as V
 from .backends.program import run_program
+from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
 
 _DL_CPU = 1
@@ -128,12 +129,16 @@ def _place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -
     return placement, slopes if slopes.flags.c_contiguous else _ascontiguous(slopes)
 
 
-def _side_inputs(alibi_slopes: Any) -> dict[str, Any]:
-    return {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None) -> dict[str, Any]:
+    """The optional kernel inputs: ALiBi slopes, and dropout's seed words on the backend's device."""
+    inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    if problem.dropout_p > 0.0:
+        inputs["dropout_seed"] = backend.upload(seed_words(dropout_seed))
+    return inputs
 
 
 _OPTIONS_DOC = """
-    Options (all algorithms take windows; softcap and ALiBi need algorithm="fa2"):
+    Options (all algorithms take windows; softcap, ALiBi and dropout need algorithm="fa2"):
 
     - ``causal``: the mask's diagonal is aligned to the bottom-right corner: with
       off = seqlen_k - seqlen_q, query i sees key j iff j <= i + off.
@@ -143,6 +148,11 @@ _OPTIONS_DOC = """
     - ``softcap=c > 0``: the score is c * tanh(scale * q.k / c) instead of scale * q.k.
     - ``alibi_slopes``: float32, (nheads,) or (batch, nheads); -slope * |i + off - j| is
       added to the (softcapped) score of query head h (the lse includes it).
+    - ``dropout_p`` in [0, 1) with ``dropout_seed`` (an int, required when dropout_p > 0):
+      after the softmax, P is multiplied by keep / (1 - dropout_p); the lse is unchanged.
+      The keep mask is a pure function of (seed, batch, head, i, j), the same on every
+      algorithm variant and backend; ``cuflash.dropout_mask`` returns it. The backward
+      must get the forward's dropout_p and dropout_seed.
 
     A query row that sees no key gets output 0, lse -inf and zero gradients."""
 
@@ -157,13 +167,16 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
     placement, alibi_slopes = _place(("q", "k", "v"), (q, k, v), alibi_slopes)
     q, k, v = placement.arrays[:3]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes)
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
@@ -179,7 +192,9 @@ def attention(
             lse[...] = -np.inf
         elif out.size:
             program = plans.forward_program(algorithm, problem, backend.target)
-            run_program(backend, program, problem, scale, {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_side_inputs(alibi_slopes)})
+            arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
+                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed)}
+            run_program(backend, program, problem, scale, arrays)
     out, lse = placement.export(out), placement.export(lse)
     return (out, lse) if return_lse else out
 
@@ -197,13 +212,16 @@ def attention_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     algorithm: str = "fa2",
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     placement, alibi_slopes = _place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes, deterministic=deterministic)
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
     V.check_like("dout", dout, "q", q)
     V.check_like("out", out, "q", q)
     V.check_lse(lse, problem)
@@ -225,7 +243,7 @@ def attention_backward(
         elif dq.size:
             program = plans.backward_program(algorithm, problem, backend.target)
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-                      **_side_inputs(alibi_slopes)}
+                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed)}
             run_program(backend, program, problem, scale, arrays)
     return placement.export(dq), placement.export(dk), placement.export(dv)
 

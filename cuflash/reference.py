@@ -186,13 +186,38 @@ def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc
     return _round(probabilities, dtype, acc), lse[..., 0]
 
 
-def _forward_block(qg, kb, vb, visible, scores_of, dtype, acc):
+def _forward_block(qg, kb, vb, visible, scores_of, dropout, dtype, acc):
     """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``; ``scores_of``
-    maps q.k to (score, d score / d (scale q.k)). Returns (P, out, lse, d score / d (scale q.k))."""
+    maps q.k to (score, d score / d (scale q.k)); ``dropout`` is None or the block's factor keep / (1 - p).
+    Returns (P, dropout's factor or None, out, lse, d score / d (scale q.k))."""
     scores, dscore = scores_of(qg @ kb.T)
     probabilities, lse = _softmax_block(_round(scores, dtype, acc), visible, dtype, acc)
-    out = _round(probabilities @ vb, dtype, acc)
+    dropped = probabilities if dropout is None else _round(probabilities * dropout, dtype, acc)
+    out = _round(dropped @ vb, dtype, acc)
     return probabilities, out, lse, dscore
+
+
+class _Dropout:
+    """Dropout of one call: per block, the factor keep / (1 - dropout_p) of ``dropout_mask`` (None: no dropout)."""
+
+    def __init__(self, dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc):
+        self.mask = None
+        if not dropout_p:
+            return
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs dropout_mask (cuflash.dropout_mask gives the kernels' mask)")
+        mask = np.asarray(dropout_mask)
+        if mask.shape != (batch, nheads, seqlen_q, seqlen_k) or mask.dtype != np.bool_:
+            raise ValueError(f"dropout_mask must be bool {(batch, nheads, seqlen_q, seqlen_k)}, "
+                             f"got {mask.dtype} {mask.shape}")
+        self.mask, self.rescale = mask, acc.type(1.0 / (1.0 - dropout_p))
+
+    def __call__(self, b, heads, rows):
+        if self.mask is None:
+            return None
+        return self.mask[b, heads, rows.start:rows.stop, :] * self.rescale
 
 
 def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
@@ -201,13 +226,16 @@ def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
 
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                        window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dtype=np.float64):
+                        window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                        dropout_mask=None, dtype=np.float64):
     """Attention forward. Returns ``(out, lse)``.
 
     out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
     ``softmax_scale`` defaults to 1/sqrt(headdim); ``window_size``, ``softcap`` and ``alibi_slopes`` mean what
-    they mean for ``cuflash.attention``. See the module docstring for masking, GQA and the low-precision
-    emulation that ``dtype`` selects.
+    they mean for ``cuflash.attention``. With ``dropout_p`` > 0, ``dropout_mask`` (bool, (batch, nheads,
+    seqlen_q, seqlen_k), True = kept; ``cuflash.dropout_mask`` makes the kernels' one) multiplies P by
+    keep / (1 - dropout_p) before P V; the lse is unchanged. See the module docstring for masking, GQA and the
+    low-precision emulation that ``dtype`` selects.
     """
     dtype = resolve_dtype(dtype)
     acc = accumulator_dtype(dtype)
@@ -216,13 +244,15 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     scale = _scale(softmax_scale, headdim)
     mask = _mask_of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
+    dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
         visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
         qg = _group_rows(q, b, heads, rows)
         _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
-                                            lambda qk: scores_of(qk, b, heads, rows), dtype, acc)
+                                            lambda qk: scores_of(qk, b, heads, rows), dropout_of(b, heads, rows),
+                                            dtype, acc)
         out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
         lse[b, heads, rows.start:rows.stop] = lse_g
     return out.astype(dtype), lse
@@ -230,14 +260,15 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
 
 def attention_backward_reference(
     dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-    softcap: float = 0.0, alibi_slopes=None, dtype=np.float64
+    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64
 ):
     """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``.
 
     With grouped heads, dk and dv of a kv head are the sums over the query heads that read it. Rows that see no
     key contribute nothing and receive zero dq. The math is FlashAttention 2's: P recomputed from q and k,
     dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D) * score', dQ = scale dS K, dK = scale dS^T Q
-    (score' = d score / d (scale q.k): 1 - tanh^2 with softcap, else 1).
+    (score' = d score / d (scale q.k): 1 - tanh^2 with softcap, else 1). With dropout (factor Z = keep / (1 - p)):
+    dV = (P Z)^T dO and dP = (dO V^T) Z; D = rowsum(dO * O) is unchanged (O is the dropped output).
     In the low-precision emulation P, O, dP and dS are rounded to ``dtype`` as a kernel feeding them to MMAs
     would, D and the group sums stay in the accumulator, and each gradient is rounded once at the end.
     """
@@ -250,6 +281,7 @@ def attention_backward_reference(
     scale = _scale(softmax_scale, headdim)
     mask = _mask_of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
+    dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     dq = np.zeros(q.shape, dtype=acc)
     dk = np.zeros(k.shape, dtype=acc)
     dv = np.zeros(v.shape, dtype=acc)
@@ -258,12 +290,17 @@ def attention_backward_reference(
         qg = _group_rows(q, b, heads, rows)
         dog = _group_rows(dout, b, heads, rows)
         kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
+        dropout = dropout_of(b, heads, rows)
         probabilities, out_g, _, dscore = _forward_block(qg, kb, vb, visible,
-                                                         lambda qk: scores_of(qk, b, heads, rows), dtype, acc)
+                                                         lambda qk: scores_of(qk, b, heads, rows), dropout,
+                                                         dtype, acc)
+        dropped = probabilities if dropout is None else _round(probabilities * dropout, dtype, acc)
         # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
         # gradients are rounded to ``dtype`` once, at the end.
-        dv[b, :, kv_head, :] += (probabilities.transpose(0, 2, 1) @ dog).sum(axis=0)
+        dv[b, :, kv_head, :] += (dropped.transpose(0, 2, 1) @ dog).sum(axis=0)
         dprobabilities = _round(dog @ vb.T, dtype, acc)
+        if dropout is not None:
+            dprobabilities = dprobabilities * dropout
         delta = np.sum(dog * out_g, axis=-1, keepdims=True)
         dscores = _round(probabilities * (dprobabilities - delta) * dscore, dtype, acc)
         dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)

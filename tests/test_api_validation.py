@@ -182,6 +182,15 @@ OPTION_ERRORS = [
     (dict(alibi_slopes=[0.1] * 4), TypeError, ["alibi_slopes", "list"]),
     (dict(softcap=1.0, algorithm="fa1"), ValueError, ["softcap", "algorithm='fa2'", "'fa1'"]),
     (dict(alibi_slopes=np.zeros(4, np.float32), algorithm="standard"), ValueError, ["alibi", "'fa2'", "'standard'"]),
+    (dict(dropout_p=1.0, dropout_seed=1), ValueError, ["dropout_p", "[0, 1)"]),
+    (dict(dropout_p=-0.1, dropout_seed=1), ValueError, ["dropout_p", "[0, 1)"]),
+    (dict(dropout_p=float("nan"), dropout_seed=1), ValueError, ["dropout_p", "[0, 1)"]),
+    (dict(dropout_p="0.1", dropout_seed=1), TypeError, ["dropout_p", "real number"]),
+    (dict(dropout_p=0.1), ValueError, ["dropout_seed", "required"]),
+    (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, ["dropout_seed", "int"]),
+    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, ["dropout_seed", "2**64"]),
+    (dict(dropout_p=0.1, dropout_seed=2**64), ValueError, ["dropout_seed", "2**64"]),
+    (dict(dropout_p=0.1, dropout_seed=3, algorithm="fa1"), ValueError, ["dropout", "'fa2'", "'fa1'"]),
 ]
 
 

@@ -7,6 +7,9 @@ from the mirror). Both must agree with the bytes Python packs.
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from cuflash import sim
@@ -50,6 +53,10 @@ def test_pack_params_round_trip():
     assert (packed["batch"], packed["seqlen_q"], packed["seqlen_k"]) == (2, 3, 5)
     assert (packed["nheads"], packed["nheads_k"], packed["headdim"]) == (4, 2, 7)
     assert (packed["window_left"], packed["window_right"]) == (-1, 0) and packed["num_dq_splits"] == 3
+    assert (packed["dropout_threshold"], packed["dropout_rescale"]) == (0, 1.0)
+    dropping = params.pack_params(dataclasses.replace(problem, dropout_p=0.25), softmax_scale=0.5, pointers={},
+                                  strides={})
+    assert dropping["dropout_threshold"] == 2**30 and dropping["dropout_rescale"] == np.float32(1 / 0.75)
     assert packed["softmax_scale_log2"] == pytest.approx(0.5 * 1.4426950408889634)
     with pytest.raises(KeyError, match="no pointer field"):
         params.pack_params(problem, softmax_scale=1.0, pointers={"bogus": 1}, strides={})
@@ -57,9 +64,9 @@ def test_pack_params_round_trip():
 
 def test_the_mirror_is_derived_from_the_header_not_copied():
     text = params.HEADER.read_text()
-    assert "X(dlse)\n" in text and "int alibi_batch_stride;" in text
-    grown = text.replace("X(dlse)\n", "X(dlse) \\\n  X(extra_buffer)\n").replace(
-        "int alibi_batch_stride;", "int alibi_batch_stride;\n  float new_scalar;").replace(
+    assert "X(dropout_seed)\n" in text and "float dropout_rescale;" in text
+    grown = text.replace("X(dropout_seed)\n", "X(dropout_seed) \\\n  X(extra_buffer)\n").replace(
+        "float dropout_rescale;", "float dropout_rescale;\n  float new_scalar;").replace(
         "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
     assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")

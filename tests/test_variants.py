@@ -1,8 +1,9 @@
-"""FlashAttention-2's options on plain attention: local windows, softcap and ALiBi ([variants]).
+"""FlashAttention-2's options on plain attention: local windows, softcap, ALiBi and dropout ([variants]).
 
 * Every option alone and combined, in float32 (the SIMT fa2) and float16/bfloat16 (the tensor-core fa2), forward
   and backward, on odd shapes, GQA/MQA, seqlen_q != seqlen_k and rows that see no key, against the float64
-  reference under FA2's rule (cuflash._tolerance); fa1 and standard attention with windows.
+  reference under FA2's rule (cuflash._tolerance; with dropout the reference is fed cuflash.dropout_mask); fa1
+  and standard attention with windows. tests/test_dropout.py shows the kernels drop exactly that mask's elements.
 * The reference itself against oracles nobody here wrote: jax.nn.dot_product_attention with a boolean mask and an
   additive bias (windows, ALiBi), and JAX autodiff of a plain jnp softcapped attention for the gradients.
 * Block skipping covers both sides of the band: the simulator's traffic equals the tile formula, which visits only
@@ -45,6 +46,9 @@ OPTIONS = {
     "alibi": dict(alibi=True),
     "softcap-alibi": dict(softcap=6.0, alibi=True),
     "window-softcap-alibi-causal": dict(window_size=(30, 5), causal=True, softcap=4.0, alibi=True),
+    "dropout": dict(dropout_p=0.17),
+    "dropout-window-causal-softcap-alibi": dict(dropout_p=0.3, window_size=(25, -1), causal=True, softcap=5.0,
+                                                alibi=True),
 }
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -78,12 +82,24 @@ def _options(name: str, shape, per_batch: bool, seed: int) -> dict:
     options = dict(OPTIONS[name])
     if options.pop("alibi", False):
         options["alibi_slopes"] = _slopes(shape, per_batch, seed)
+    if "dropout_p" in options:
+        options["dropout_seed"] = 2**40 + 977 * seed  # a seed with both 32-bit words in use
+    return options
+
+
+def _reference_options(options: dict, q, k) -> dict:
+    """The reference's options for a cuflash call's: dropout's seed becomes the mask cuflash.dropout_mask gives."""
+    options = dict(options)
+    seed = options.pop("dropout_seed", None)
+    if seed is not None:
+        batch, seqlen_q, nheads, _ = q.shape
+        options["dropout_mask"] = cuflash.dropout_mask(seed, batch, nheads, seqlen_q, k.shape[1], options["dropout_p"])
     return options
 
 
 def _check(q, k, v, dout, options, algorithm="fa2", deterministic=False):
     out, lse = cuflash.attention(q, k, v, algorithm=algorithm, return_lse=True, **options)
-    ref = tol.forward_references(q, k, v, **options)
+    ref = tol.forward_references(q, k, v, **_reference_options(options, q, k))
     tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
     tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
     empty = rows_without_key(q.shape[1], k.shape[1], options.get("causal", False), options.get("window_size", (-1, -1)))
@@ -91,7 +107,7 @@ def _check(q, k, v, dout, options, algorithm="fa2", deterministic=False):
 
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, algorithm=algorithm, deterministic=deterministic,
                                        **options)
-    bref = tol.backward_references(dout, q, k, v, **options)
+    bref = tol.backward_references(dout, q, k, v, **_reference_options(options, q, k))
     for name, got in zip(("dq", "dk", "dv"), grads):
         assert got.dtype == q.dtype
         tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
@@ -133,11 +149,12 @@ def test_fa1_and_standard_take_windows(algorithm, dtype):
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "standard"])
-@pytest.mark.parametrize("option", ["softcap", "alibi"])
+@pytest.mark.parametrize("option", ["softcap", "alibi", "dropout"])
 def test_options_without_kernels_are_refused_naming_fa2(algorithm, option):
     shape = (1, 8, 8, 2, 2, 16)
     q, k, v, dout = random_inputs(shape, "float32", seed=0)
-    options = dict(softcap=1.0) if option == "softcap" else dict(alibi_slopes=_slopes(shape, False, 0))
+    options = {"softcap": dict(softcap=1.0), "alibi": dict(alibi_slopes=_slopes(shape, False, 0)),
+               "dropout": dict(dropout_p=0.1, dropout_seed=5)}[option]
     with pytest.raises(ValueError, match=f"{option} is supported by algorithm='fa2' only, got algorithm='{algorithm}'"):
         cuflash.attention(q, k, v, algorithm=algorithm, **options)
     out, lse = cuflash.attention(q, k, v, return_lse=True)

@@ -55,6 +55,8 @@ struct TensorStrides {
 //   alibi_slopes input (read only): ALiBi slope per query head, (nheads,) or (batch, nheads); null: no ALiBi
 //   dlse         input (read only): backward, d loss / d lse, (batch, nheads, seqlen_q); null: 0. Since
 //                d lse_i / d score_ij = P_ij, it adds dlse_i P_ij to dS_ij: the backward uses D - dlse for D
+//   dropout_seed input (read only): dropout's 64-bit seed as two 32-bit words, low first (dropout.cuh); read
+//                only when dropout_threshold != 0
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -67,7 +69,8 @@ struct TensorStrides {
   X(dk_accum)                          \
   X(dv_accum)                           \
   X(alibi_slopes)                      \
-  X(dlse)
+  X(dlse)                              \
+  X(dropout_seed)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -101,6 +104,11 @@ struct AttentionParams {
   float softcap_outer;
   float softcap_inner;
   int alibi_batch_stride;  // slopes of batch b start at alibi_slopes + b * alibi_batch_stride (0 or nheads)
+
+  // dropout.cuh: an element is dropped iff its Philox word < dropout_threshold = floor(dropout_p 2^32) (0: no
+  // dropout); kept probabilities are multiplied by dropout_rescale = 1 / (1 - dropout_p).
+  unsigned dropout_threshold;
+  float dropout_rescale;
 };
 
 }  // namespace cuflash

@@ -15,8 +15,9 @@
 //    Q block with a row at or below the diagonal; the others are skipped unread). Per Q block i:
 //        load Q_i, dO_i (shared memory), lse_i, D_i
 //        S = Q_i K_j^T, dP = dO_i V_j^T                          (mma_nt, block-wide tiling)
-//        P = exp2((hook(S) * scale - lse) * log2 e) (0 where masked), dS = P * (dP - D) * hook' -> shared memory
-//        (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi)
+//        P = exp2((hook(S) * scale - lse) * log2 e) (0 where masked), dS = P * (dP Z - D) * hook' -> shared memory
+//        (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's
+//        factor keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, what multiplied V in the forward)
 //        dV_j += P^T dO_i, dK_j += dS^T Q_i                      (mma_tn, keys x head dim)
 //        dQ_i += dS K_j -> float32 dq_accum                      (mma_nn, rows x head dim)
 //    dq update: num_dq_splits == 1: red.global.add.f32 (arch::atomic_add) into one
@@ -228,6 +229,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
     const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
+    const Dropout dropout = Dropout::of(p, batch, info.head);
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
     const long long row_base = info.row_stats_offset(p);
@@ -271,8 +273,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
             const float qk = score_hook(s[i][j], row0 + r, key0 + c, dscore);
             float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
             if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
-            p_tile[r * Tr::kPStride + c] = prob;
-            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] - dot) * dscore;
+            const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
+            p_tile[r * Tr::kPStride + c] = prob * kept;
+            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
           }
         }
       }

@@ -231,6 +231,18 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
           for (int e = 0; e < 4; ++e) acc_o[i][j][e] *= correction;
       }
 
+      // Dropout (dropout.cuh) after the row sums, which normalize the undropped softmax; the kept P is scaled by
+      // 1 / (1 - dropout_p) once, in the epilogue. Made here so its seed is not live through the whole kernel
+      // (held from the start, it made the d64 instance spill on sm_120).
+      const Dropout dropout = Dropout::of(p, info.batch, info.head);
+      if (dropout.active()) {
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j)
+            if (!dropout.keep(first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols)) s[i][j] = 0.f;
+      }
+
       // Stage P in the warp's slab: P V needs whole rows, spread over the row group's 8 lanes.
 #pragma unroll
       for (int i = 0; i < TM; ++i)
@@ -252,7 +264,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     const float l = fa2::group_sum<kLaneCols>(row_sum[i]);
     const int row = first_row + i * kLaneRows;
     if (row >= p.seqlen_q) continue;
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float inv_l = l > 0.f ? p.dropout_rescale / l : 0.f;  // 1 / (1 - dropout_p); 1 without dropout
 #pragma unroll
     for (int j = 0; j < TC; ++j) {
       const int dim0 = (lane_col + j * kLaneCols) * 4;

@@ -11,8 +11,9 @@
 // q_blocks; the others are skipped unread). Per Q block i:
 //     load Q_i, dO_i (cp.async, 16-byte, zero-filled), lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
-//     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP - D) hook'  -> 16-bit, swizzled smem
-//     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi)
+//     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
+//     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
+//     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans
 //   dq_accum: one zero-initialised slice updated with red.global.add.f32 (atomic mode), or slice j written with
@@ -95,7 +96,8 @@ struct BackwardTraits {
 
 }  // namespace fa2tc
 
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+// WithDropout: a template flag, as in the tensor-core forward (a runtime flag spilled the instances without it).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core backward takes __half or __nv_bfloat16");
   using Tr = fa2tc::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -189,7 +191,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         // limit), for one cached load per Q block.
         const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
 #pragma unroll
-        for (int i = 0; i < SdP::kMTiles; ++i)
+        for (int i = 0; i < SdP::kMTiles; ++i) {
+          // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
+          unsigned keep_bits[SdP::kNTiles];
+          if (WithDropout) {
+            const Dropout dropout = Dropout::of(p, batch, info.head);
+#pragma unroll
+            for (int j = 0; j < SdP::kNTiles; ++j)
+              keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
+          }
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = s_m0 + 16 * i + quad_row + 8 * half;
@@ -205,13 +215,20 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                 const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
                 prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
                 if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
+                  const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
+                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
+                  prob[e] *= kept;
+                } else {
+                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                }
               }
               *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
               *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
                   arch::pack_float2<T>(grad[0], grad[1]);
             }
           }
+        }
       }
       __syncthreads();  // P, dS complete
 

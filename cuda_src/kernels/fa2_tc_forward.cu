@@ -68,7 +68,11 @@ struct ForwardTraits {
 
 // __launch_bounds__(threads, 1): as the SIMT forward, shared memory bounds the blocks per SM; ptxas may use up
 // to 255 registers for the O and S accumulators rather than spill.
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+//
+// WithDropout: dropout (dropout.cuh) is a template flag here, as in FA2: its Philox work inside the K/V loop would
+// push the instances without it past the register limit (a runtime flag spilled 100 to 600 bytes per instance),
+// and the instances with it take their own tiles (fa2_tc.py).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core forward takes __half or __nv_bfloat16");
   using Tr = fa2tc::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -202,6 +206,21 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
       unsigned p_frag[MT][Tr::kKeyTiles / 2][4];  // P = S rounded to T, as A operands
       fa2tc::to_a_operand<T>(p_frag, s);
+      if (WithDropout) {
+        // After the row sums (l normalizes the undropped softmax) and on the packed P (half the registers of S):
+        // one Philox evaluation per n8 tile and strip zeroes the dropped halves; the kept P is scaled by
+        // 1 / (1 - dropout_p) once, in the epilogue. Made here so the seed is live only through this loop.
+        const Dropout dropout = Dropout::of(p, info.batch, info.head);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < Tr::kKeyTiles; ++j) {
+            const unsigned bits = dropout.keep_bits(row0 + lane_row(2 * i), key0 + 8 * j + 2 * quad_col);
+            unsigned* rows_g_and_g8 = &p_frag[i][j / 2][2 * (j % 2)];  // to_a_operand's layout
+            rows_g_and_g8[0] &= Dropout::half_mask(bits);
+            rows_g_and_g8[1] &= Dropout::half_mask(bits >> 2);
+          }
+      }
       fa2tc::gemm_rs<T, KVTile>(acc_o, p_frag, v_tile, lane);
     }
   }
@@ -214,7 +233,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float l = fa2tc::quad_sum(row_sum[r]);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float inv_l = l > 0.f ? (WithDropout ? p.dropout_rescale : 1.f) / l : 0.f;  // rescale: 1 / (1 - p)
     const int row = lane_row(r);
 #pragma unroll
     for (int j = 0; j < Tr::kDimTiles; ++j) {

@@ -32,6 +32,7 @@
 #include "arch/arch.cuh"
 #include "common/block_info.cuh"
 #include "common/kernel_utils.cuh"
+#include "common/dropout.cuh"
 #include "common/mask.cuh"
 
 namespace cuflash {

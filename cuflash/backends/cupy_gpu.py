@@ -48,6 +48,9 @@ class CupyBackend:
     def empty(self, shape: tuple[int, ...], dtype):
         return self._cupy.empty(shape, dtype=dtype)
 
+    def upload(self, host: np.ndarray):
+        return self._cupy.asarray(host)
+
     def address(self, array) -> int:
         return int(array.data.ptr)
 

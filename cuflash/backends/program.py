@@ -27,6 +27,9 @@ class ArrayBackend(Protocol):
     def zeros(self, shape: tuple[int, ...]) -> Any:
         """A zero-filled float32 buffer."""
 
+    def upload(self, host: np.ndarray) -> Any:
+        """A device copy of a small host array (side inputs made by the API, such as dropout's seed words)."""
+
     def address(self, array: Any) -> int: ...
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[Any]) -> None: ...

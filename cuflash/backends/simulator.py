@@ -47,6 +47,9 @@ class SimulatorBackend:
         out.view(np.uint8).fill(0xFF)
         return out
 
+    def upload(self, host: np.ndarray) -> np.ndarray:
+        return np.array(host, copy=True)
+
     def address(self, array: np.ndarray) -> int:
         return int(array.ctypes.data)
 

@@ -26,6 +26,8 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_rng: Any = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
     deterministic: bool = False,
@@ -40,7 +42,12 @@ def attention(
     ``softmax_scale`` (a Python number, static) defaults to 1/sqrt(headdim).
     ``window_size`` and ``softcap`` (static) and ``alibi_slopes`` (a float32 array,
     (nheads,) or (batch, nheads); no gradient flows to it) mean what they mean for
-    ``cuflash.attention``. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    ``cuflash.attention``. ``dropout_p`` (static) with ``dropout_rng``, a JAX PRNG key (required when
+    dropout_p > 0; it may be traced): the kernels' 64-bit dropout seed is drawn from it
+    (``dropout_seed(rng)`` gives it as an int, so ``cuflash.dropout_mask(dropout_seed(rng), ...)`` is the
+    mask applied). Under vmap each mapped element runs its own call with dropout (the mask depends on the
+    batch index), so vmap equals a loop; under shard_map fold the shard's index into the key, or every
+    shard drops the same pattern. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 
     Arguments are checked when the call is traced, with the same checks and messages
     as ``cuflash.attention``. Works under ``jit``, ``grad``/``vjp`` (the backward runs
@@ -59,14 +66,39 @@ def attention(
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes, deterministic=deterministic)
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
-    arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
-    q, k, v, *slopes = _share_varying_axes(*(jnp.asarray(x) for x in arrays))
-    out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v, tuple(slopes))
+    side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)  # in _primitives.side_input_names order
+    if problem.dropout_p > 0.0:
+        side += (jax.lax.bitcast_convert_type(_seed_bits(_check_rng(dropout_rng)), jnp.float32),)
+    q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
+    out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v, tuple(side))
     return (out, lse) if return_lse else out
+
+
+def _check_rng(rng):
+    if rng is None:
+        raise ValueError("dropout_rng (a JAX PRNG key) is required when dropout_p > 0")
+    typed = hasattr(rng, "dtype") and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    raw = hasattr(rng, "dtype") and str(rng.dtype) == "uint32" and tuple(rng.shape) == (2,)
+    if not ((typed and tuple(rng.shape) == ()) or raw):
+        raise TypeError("dropout_rng must be one JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)), "
+                        f"got {getattr(rng, 'dtype', type(rng).__name__)} {tuple(getattr(rng, 'shape', ()))}")
+    return rng
+
+
+def _seed_bits(rng):
+    """The dropout seed's two 32-bit words (low first) drawn from a PRNG key."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def dropout_seed(dropout_rng) -> int:
+    """The 64-bit dropout seed ``attention`` uses for a concrete ``dropout_rng``: ``cuflash.dropout_mask`` of it is
+    the mask the kernels apply."""
+    low, high = (int(w) for w in np.asarray(_seed_bits(_check_rng(dropout_rng))))
+    return low | high << 32
 
 
 # ---------------------------------------------------------------------------
@@ -99,7 +131,7 @@ def _share_varying_axes(*arrays):
 # The two directions, with the no-launch cases of cuflash.attention handled at trace time.
 
 
-def _forward(config: CallConfig, q, k, v, slopes=()):
+def _forward(config: CallConfig, q, k, v, side=()):
     problem = config.problem
     axes = _varying_axes(q)
     out_shape = tensor_shape("out", problem)
@@ -108,32 +140,33 @@ def _forward(config: CallConfig, q, k, v, slopes=()):
         out = jnp.zeros(out_shape, q.dtype)
         lse = jnp.full(tensor_shape("lse", problem), -np.inf, jnp.float32)
     else:
-        out, lse = attention_forward_p.bind(q, k, v, *slopes, config=config)
+        out, lse = attention_forward_p.bind(q, k, v, *side, config=config)
     return _mark_varying(out, axes), _mark_varying(lse, axes)
 
 
-def _backward(config: CallConfig, dout, q, k, v, out, lse, slopes=(), dlse=None):
+def _backward(config: CallConfig, dout, q, k, v, out, lse, side=(), dlse=None):
     problem = config.problem
     axes = _varying_axes(q)
     if problem.seqlen_k == 0 or problem.seqlen_q == 0 or 0 in tensor_shape("out", problem):
         grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
     else:
-        extra = (*slopes,) if dlse is None else (*slopes, dlse.astype(jnp.float32))
+        extra = (*side,) if dlse is None else (*side, dlse.astype(jnp.float32))
         config = dataclasses.replace(config, with_dlse=dlse is not None)
         grads = attention_backward_p.bind(dout.astype(q.dtype), q, k, v, out, lse, *extra, config=config)
     return tuple(_mark_varying(g, axes) for g in grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(config: CallConfig, q, k, v, slopes):
-    return _forward(config, q, k, v, slopes)
+def _attention(config: CallConfig, q, k, v, side):
+    return _forward(config, q, k, v, side)
 
 
-def _attention_fwd(config: CallConfig, q, k, v, slopes):
+def _attention_fwd(config: CallConfig, q, k, v, side):
+    """side: the optional inputs (ALiBi slopes, dropout's seed words): residuals, no gradient."""
     q, k, v = q.value, k.value, v.value  # CustomVJPPrimal (symbolic_zeros=True)
-    slopes = tuple(s.value for s in slopes)
-    out, lse = _forward(config, q, k, v, slopes)
-    return (out, lse), (q, k, v, slopes, out, lse)
+    side = tuple(s.value for s in side)
+    out, lse = _forward(config, q, k, v, side)
+    return (out, lse), (q, k, v, side, out, lse)
 
 
 def _is_zero(cotangent) -> bool:
@@ -143,14 +176,14 @@ def _is_zero(cotangent) -> bool:
 def _attention_bwd(config: CallConfig, residuals, cotangents):
     """The backward kernels with the lse's cotangent folded into D (attention_params.cuh's dlse): exact for every
     option, softcap included, at no extra launch."""
-    q, k, v, slopes, out, lse = residuals
+    q, k, v, side, out, lse = residuals
     dout, dlse = cotangents
-    no_slope_gradient = tuple(jnp.zeros(s.shape, s.dtype) for s in slopes)
+    no_side_gradient = tuple(jnp.zeros(s.shape, s.dtype) for s in side)
     if _is_zero(dout) and _is_zero(dlse):
-        return (*(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), no_slope_gradient)
+        return (*(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), no_side_gradient)
     dout = jnp.zeros(q.shape, q.dtype) if _is_zero(dout) else dout
-    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, slopes, None if _is_zero(dlse) else dlse)
-    return dq, dk, dv, no_slope_gradient
+    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, side, None if _is_zero(dlse) else dlse)
+    return dq, dk, dv, no_side_gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -63,11 +63,16 @@ BACKWARD_RESULTS = ("dq", "dk", "dv")
 def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
     """The AttentionParams fields a call's operands bind, in order: the fixed ones, then the optional inputs."""
     names = FORWARD_OPERANDS if direction == "forward" else BACKWARD_OPERANDS
-    if config.problem.alibi is not None:
-        names += ("alibi_slopes",)
+    names += side_input_names(config.problem)
     if direction == "backward" and config.with_dlse:
         names += ("dlse",)
     return names
+
+
+def side_input_names(problem: Problem) -> tuple[str, ...]:
+    """The optional inputs both directions take, in operand order: ALiBi slopes, dropout's seed words."""
+    names = ("alibi_slopes",) if problem.alibi is not None else ()
+    return names + (("dropout_seed",) if problem.dropout_p > 0.0 else ())
 
 
 def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
@@ -224,12 +229,18 @@ def _batching(direction: str, args, dims, *, config: CallConfig):
     """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit.
 
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
-    broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes."""
+    broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
+    With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change:
+    each mapped element then runs its own call, so vmap equals a loop of per-element calls, bitwise."""
     primitive = _PRIMITIVES[direction]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
+    if problem.dropout_p > 0.0:
+        members = [primitive.bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)),
+                                  config=config) for m in range(size)]
+        return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
     args, dims = list(args), list(dims)
     shared_slopes = None
     if "alibi_slopes" in names:

@@ -16,6 +16,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from .._paths import CUDA_SRC
+from ..dropout import dropout_threshold
 
 HEADER = CUDA_SRC / "common" / "attention_params.cuh"
 
@@ -63,7 +64,7 @@ def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[
         if statement in expansions:
             fields += expansions[statement]
             continue
-        m = re.fullmatch(r"(int|float|long long) (\w+);", statement)
+        m = re.fullmatch(r"(int|unsigned|float|long long) (\w+);", statement)
         if m is None:
             raise ValueError(f"{HEADER.name}: cannot read the AttentionParams member {statement!r}")
         fields.append((m.group(2), m.group(1)))
@@ -79,7 +80,7 @@ STRIDED_TENSORS = TENSOR_FIELDS
 SCALAR_FIELDS = tuple(path for path, _ in _FIELDS if "." not in path and path not in POINTER_FIELDS)
 
 _NUMPY_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "long long": np.int64,
-                "int": np.int32, "float": np.float32}
+                "int": np.int32, "unsigned": np.uint32, "float": np.float32}
 
 
 def _params_dtype(fields: list[tuple[str, str]]) -> np.dtype:
@@ -145,4 +146,6 @@ def pack_params(
         params["softcap_outer"] = problem.softcap / softmax_scale
         params["softcap_inner"] = softmax_scale / problem.softcap
     params["alibi_batch_stride"] = problem.nheads if problem.alibi == "batch_heads" else 0
+    params["dropout_threshold"] = dropout_threshold(problem.dropout_p)
+    params["dropout_rescale"] = 1.0 / (1.0 - problem.dropout_p)
     return params[()]

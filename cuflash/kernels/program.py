@@ -21,7 +21,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi")
+OPTIONS = ("softcap", "alibi", "dropout")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -64,6 +64,8 @@ class Problem:
     # None, "heads" (nheads,) or "batch_heads" (batch, nheads).
     softcap: float = 0.0
     alibi: str | None = None
+    # Dropout probability in [0, 1) (dropout.cuh; the seed is data, a side input).
+    dropout_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -79,6 +81,8 @@ class Problem:
             raise ValueError(f"Problem.softcap must be a float >= 0, got {self.softcap!r}")
         if self.alibi not in ALIBI_LAYOUTS:
             raise ValueError(f"Problem.alibi must be one of {ALIBI_LAYOUTS}, got {self.alibi!r}")
+        if not (isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0):
+            raise ValueError(f"Problem.dropout_p must be a float in [0, 1), got {self.dropout_p!r}")
 
     @property
     def options(self) -> frozenset[str]:
@@ -88,6 +92,8 @@ class Problem:
             used.add("softcap")
         if self.alibi is not None:
             used.add("alibi")
+        if self.dropout_p > 0.0:
+            used.add("dropout")
         return frozenset(used)
 
     @functools.cached_property

@@ -1,4 +1,4 @@
-"""cuflash.jax.attention with FlashAttention-2's options (windows, softcap, ALiBi), on the CPU simulator.
+"""cuflash.jax.attention with FlashAttention-2's options (windows, softcap, ALiBi, dropout), on the CPU simulator.
 
 * jit(grad) of a loss through out and lse equals JAX autodiff of a plain jnp attention written from the options'
   formulas (float32, to float32 accuracy), for fa2 with every option and for fa1 and standard with windows;
@@ -6,7 +6,9 @@
   custom call, nothing else;
 * vmap with ALiBi slopes mapped, shared, per head and per (batch, head) equals per-element calls;
 * 16-bit inputs: the tensor-core kernels within FA2's rule of the float64 reference;
-* options fa1 and standard lack are refused naming fa2, at trace time.
+* options fa1 and standard lack are refused naming fa2, at trace time;
+* dropout from a (traced) PRNG key: grad equals autodiff of the plain attention fed cuflash.dropout_mask of
+  cuflash.jax.dropout_seed(key), vmap over keys equals a loop, and keys are checked.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def _band(seqlen_q, seqlen_k, left, right):
     return ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right)), np.abs(i - j)
 
 
-def plain_attention(q, k, v, *, scale, window_size=(-1, -1), causal=False, softcap=0.0, slopes=None):
-    """Attention in jnp from the options' formulas: (out, lse), lse 0 on rows that see no key."""
+def plain_attention(q, k, v, *, scale, window_size=(-1, -1), causal=False, softcap=0.0, slopes=None, keep=None,
+                    dropout_p=0.0):
+    """Attention in jnp from the options' formulas: (out, lse), lse 0 on rows that see no key. ``keep``: dropout's
+    mask (batch, nheads, seqlen_q, seqlen_k); P is multiplied by keep / (1 - dropout_p) before P V."""
     left, right = window_size
     visible, distance = _band(q.shape[1], k.shape[1], left, 0 if causal else right)
     group = q.shape[2] // k.shape[2]
@@ -53,6 +57,8 @@ def plain_attention(q, k, v, *, scale, window_size=(-1, -1), causal=False, softc
     seen = visible.any(axis=1)[None, None, :]
     lse = jnp.where(seen, jax.nn.logsumexp(jnp.where(seen[..., None], s, 0.0), axis=-1), 0.0)
     p = jnp.where(seen[..., None], jax.nn.softmax(jnp.where(seen[..., None], s, 0.0), axis=-1), 0.0)
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
     return jnp.einsum("bhqk,bkhd->bqhd", p * visible, v), lse
 
 
@@ -138,3 +144,64 @@ def test_options_without_kernels_are_refused_at_trace_time(algorithm):
         jax.jit(lambda q: cfj.attention(q, k, v, softcap=1.0, algorithm=algorithm))(q)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         cfj.attention(q, k, v, alibi_slopes=np.zeros((3,), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dropout_grad_equals_autodiff_with_dropout_mask(dtype):
+    """A traced key under jit: the kernels drop cuflash.dropout_mask(dropout_seed(key)), forward and backward."""
+    q, k, v, dout = random_inputs(SHAPE, dtype, seed=12)
+    key = jax.random.key(2024)
+    p = 0.3
+    options = dict(window_size=(12, -1), causal=True, softcap=4.0)
+    keep = cuflash.dropout_mask(cfj.dropout_seed(key), SHAPE[0], SHAPE[3], SHAPE[1], SHAPE[2], p)
+
+    def ours(q, k, v, key):
+        out = cfj.attention(q, k, v, softmax_scale=0.5, dropout_p=p, dropout_rng=key, **options)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(np.float32))
+
+    value, grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, k, v, key)
+    if dtype == "float32":
+        def theirs(q, k, v):
+            return jnp.sum(plain_attention(q, k, v, scale=0.5, keep=keep, dropout_p=p, **options)[0] * dout)
+
+        value_ref, grads_ref = jax.value_and_grad(theirs, argnums=(0, 1, 2))(q, k, v)
+        np.testing.assert_allclose(value, value_ref, rtol=2e-5)
+        for name, a, b in zip(("dq", "dk", "dv"), grads, grads_ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-5, atol=3e-5, err_msg=name)
+    else:  # the tensor-core kernels against the float64 reference fed the same mask
+        bref = T.backward_references(dout, q, k, v, softmax_scale=0.5, dropout_p=p, dropout_mask=keep, **options)
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            T.check_close(name, np.asarray(got), getattr(bref, name), getattr(bref, name + "_lowp"),
+                          T.BACKWARD_FACTOR, atol=1e-5)
+    out = cfj.attention(q, k, v, softmax_scale=0.5, dropout_p=p, dropout_rng=key, **options)
+    expected = cuflash.attention(q, k, v, softmax_scale=0.5, dropout_p=p, dropout_seed=cfj.dropout_seed(key),
+                                 **options)
+    assert np.array_equal(np.asarray(out), expected)
+
+
+def test_vmap_over_dropout_keys_equals_a_loop():
+    q, k, v, _ = random_inputs(SHAPE, "float32", seed=13)
+    keys = jax.random.split(jax.random.key(7), 3)
+    got = jax.jit(jax.vmap(lambda key: cfj.attention(q, k, v, dropout_p=0.2, dropout_rng=key)))(keys)
+    for m in range(3):
+        expected = cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cfj.dropout_seed(keys[m]))
+        assert np.array_equal(np.asarray(got[m]), expected)
+    shared = jax.vmap(lambda q: cfj.attention(q, k, v, dropout_p=0.2, dropout_rng=keys[0]))(np.stack([q, -q]))
+    assert np.array_equal(np.asarray(shared[1]),
+                          cuflash.attention(-q, k, v, dropout_p=0.2, dropout_seed=cfj.dropout_seed(keys[0])))
+
+
+def test_dropout_keys_are_checked():
+    q, k, v, _ = random_inputs(SHAPE, "float32", seed=0)
+    with pytest.raises(ValueError, match="dropout_rng .* is required"):
+        cfj.attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(TypeError, match="dropout_rng must be one JAX PRNG key"):
+        cfj.attention(q, k, v, dropout_p=0.1, dropout_rng=jax.random.split(jax.random.key(0), 2))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        cfj.attention(q, k, v, dropout_p=1.5, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="dropout is supported by algorithm='fa2' only"):
+        cfj.attention(q, k, v, dropout_p=0.1, dropout_rng=jax.random.key(0), algorithm="fa1")
+    legacy = jax.random.PRNGKey(3)  # raw uint32[2] keys work too
+    out = cfj.attention(q, k, v, dropout_p=0.1, dropout_rng=legacy)
+    assert np.array_equal(np.asarray(out), cuflash.attention(q, k, v, dropout_p=0.1,
+                                                             dropout_seed=cfj.dropout_seed(legacy)))

@@ -18,6 +18,7 @@ one, the extra columns zero-filled in shared memory and never read from global m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..program import KernelInstance, LaunchPlan, Problem, Program, ceil_div
@@ -32,11 +33,18 @@ HEAD_DIMS = fa2.HEAD_DIMS
 _ELEMENT_BYTES = 2
 
 
+def _with_dropout(instance: KernelInstance, dropout: bool) -> KernelInstance:
+    """The kernels' last template flag, WithDropout (default false, so instances without it keep their names)."""
+    return KernelInstance(instance.source, instance.name_expr[:-1] + ", true>") if dropout else instance
+
+
 @dataclass(frozen=True)
 class ForwardTraits(fa2.TileTraits):
-    """fa2tc::ForwardTraits: a (block_m x block_n) tile, ``warps`` warps each owning block_m / warps query rows."""
+    """fa2tc::ForwardTraits: a (block_m x block_n) tile, ``warps`` warps each owning block_m / warps query rows;
+    ``dropout``: the instance with dropout (the kernel's WithDropout flag)."""
 
     element_types = DTYPES
+    dropout: bool = False
 
     def _check_tiles(self) -> None:
         if self.block_m % (16 * self.warps):
@@ -50,7 +58,7 @@ class ForwardTraits(fa2.TileTraits):
         return (self.block_m + 2 * self.block_n) * self.head_dim * _ELEMENT_BYTES
 
     def instance(self, dtype: str) -> KernelInstance:
-        return self._instance(FORWARD_SOURCE, "fa2_tc_forward_kernel", dtype)
+        return _with_dropout(self._instance(FORWARD_SOURCE, "fa2_tc_forward_kernel", dtype), self.dropout)
 
 
 # The forward tiles, from FA2's table for sm80/sm90 without dropout (../shared/notes/anchors.md), with 128-row Q
@@ -75,9 +83,22 @@ FORWARD_CHOICES_99KB = {
     128: (ForwardTraits(128, block_m=128, block_n=64, warps=8),),
     256: (ForwardTraits(256, block_m=64, block_n=64, warps=4),),
 }
+# With dropout (FA2 also compiles it as a template flag, with its own tile rows): the Philox work in the K/V loop
+# needs registers, and where the tile above spilled with it (d64 and d96 at 128 x 64, d128 at 128 x 32 with 4 warps:
+# 20 to 72 bytes on sm_80 / sm_90) the table takes the next narrower tile (128 x 32), or at d128 one strip per warp
+# (8 warps); d256 keeps 64 x 64 with 4 warps on every target. One table for every target: all fit 99 KB.
+FORWARD_CHOICES_DROPOUT = {
+    32: (ForwardTraits(32, block_m=128, block_n=64, warps=4, dropout=True),),
+    64: (ForwardTraits(64, block_m=128, block_n=32, warps=4, dropout=True),),
+    96: (ForwardTraits(96, block_m=128, block_n=32, warps=4, dropout=True),),
+    128: (ForwardTraits(128, block_m=128, block_n=32, warps=8, dropout=True),),
+    192: (ForwardTraits(192, block_m=128, block_n=64, warps=8, dropout=True),),
+    256: (ForwardTraits(256, block_m=64, block_n=64, warps=4, dropout=True),),
+}
 # The per-block shared-memory limit up to which a target takes the 99 KB rows.
 SMALL_SMEM_LIMIT = 99 * 1024
 assert tuple(FORWARD_CHOICES) == HEAD_DIMS and tuple(FORWARD_CHOICES_99KB) == HEAD_DIMS
+assert tuple(FORWARD_CHOICES_DROPOUT) == HEAD_DIMS
 
 
 def _resident_rows(traits: ForwardTraits, target: Target) -> int:
@@ -85,8 +106,11 @@ def _resident_rows(traits: ForwardTraits, target: Target) -> int:
     return blocks * traits.block_m
 
 
-def forward_traits(headdim: int, target: Target) -> ForwardTraits:
-    table = FORWARD_CHOICES_99KB if target.smem_per_block_bytes <= SMALL_SMEM_LIMIT else FORWARD_CHOICES
+def forward_traits(headdim: int, target: Target, dropout: bool = False) -> ForwardTraits:
+    if dropout:
+        table = FORWARD_CHOICES_DROPOUT
+    else:
+        table = FORWARD_CHOICES_99KB if target.smem_per_block_bytes <= SMALL_SMEM_LIMIT else FORWARD_CHOICES
     fitting = [t for t in table[fa2.compiled_head_dim(headdim)] if t.smem_bytes <= target.smem_per_block_bytes]
     if not fitting:
         raise ValueError(f"no tensor-core fa2 tile of head dim {headdim} fits {target.arch}'s shared memory")
@@ -105,9 +129,11 @@ def pick_warps_m(rows: int, cols: int, warps: int) -> int:
 
 @dataclass(frozen=True)
 class BackwardTraits(fa2.TileTraits):
-    """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps."""
+    """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps;
+    ``dropout``: the instance with dropout (the kernel's WithDropout flag)."""
 
     element_types = DTYPES
+    dropout: bool = False
 
     def _check_tiles(self) -> None:
         if self.block_m % 16 or self.block_n % 32 or self.block_m > self.threads:
@@ -124,7 +150,7 @@ class BackwardTraits(fa2.TileTraits):
         return _ELEMENT_BYTES * (2 * n * d + 2 * m * d + 2 * m * n) + 2 * 4 * m
 
     def instance(self, dtype: str) -> KernelInstance:
-        return self._instance(BACKWARD_SOURCE, "fa2_tc_backward_kernel", dtype)
+        return _with_dropout(self._instance(BACKWARD_SOURCE, "fa2_tc_backward_kernel", dtype), self.dropout)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -144,18 +170,27 @@ BACKWARD_CHOICES = {
     256: (BackwardTraits(256, block_m=32, block_n=64, warps=8), BackwardTraits(256, block_m=32, block_n=32, warps=4)),
 }
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
+# With dropout: the same tiles (spill-free with it), but at d256 only 32 x 32 with 4 warps (32 x 64 with 8 spilled
+# 4 bytes on sm_90).
+BACKWARD_CHOICES_DROPOUT = {
+    **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
+    256: (BackwardTraits(256, block_m=32, block_n=32, warps=4, dropout=True),),
+}
 
 
-def backward_traits(headdim: int, target: Target) -> BackwardTraits:
-    return fa2.fitting(BACKWARD_CHOICES[fa2.compiled_head_dim(headdim)], target)
+def backward_traits(headdim: int, target: Target, dropout: bool = False) -> BackwardTraits:
+    table = BACKWARD_CHOICES_DROPOUT if dropout else BACKWARD_CHOICES
+    return fa2.fitting(table[fa2.compiled_head_dim(headdim)], target)
 
 
 def instances(target: Target) -> list[KernelInstance]:
     """Every instance the plans for ``target`` may launch."""
     found: list[KernelInstance] = []
     for dtype in DTYPES:
-        found += [forward_traits(hd, target).instance(dtype) for hd in HEAD_DIMS]
-        backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
+        backward = []
+        for dropout in (False, True):
+            found += [forward_traits(hd, target, dropout).instance(dtype) for hd in HEAD_DIMS]
+            backward += [backward_traits(hd, target, dropout) for hd in HEAD_DIMS]
         found += [traits.instance(dtype) for traits in backward]
         found.append(fa2.dout_dot_out_instance(dtype))
         found += [fa2.convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
@@ -165,7 +200,8 @@ def instances(target: Target) -> list[KernelInstance]:
 _SHAPES = {
     traits.instance(dtype): (traits.smem_bytes, traits.threads)
     for dtype in DTYPES
-    for table in (FORWARD_CHOICES, FORWARD_CHOICES_99KB, BACKWARD_CHOICES)
+    for table in (FORWARD_CHOICES, FORWARD_CHOICES_99KB, FORWARD_CHOICES_DROPOUT, BACKWARD_CHOICES,
+                  BACKWARD_CHOICES_DROPOUT)
     for choices in table.values()
     for traits in choices
 }
@@ -175,7 +211,8 @@ _SHAPES.update(
     for dtype in DTYPES
     for instance in (
         fa2.dout_dot_out_instance(dtype),
-        *(fa2.convert_dq_instance(dtype, t.block_n) for choices in BACKWARD_CHOICES.values() for t in choices),
+        *(fa2.convert_dq_instance(dtype, t.block_n) for table in (BACKWARD_CHOICES, BACKWARD_CHOICES_DROPOUT)
+          for choices in table.values() for t in choices),
     )
 )
 
@@ -195,21 +232,25 @@ def threads(instance: KernelInstance) -> int:
     return _shape(instance)[1]
 
 
+def _dropout(problem: Problem) -> bool:
+    return problem.dropout_p > 0.0
+
+
 def forward_program(problem: Problem, target: Target) -> Program:
-    traits = forward_traits(problem.headdim, target)
+    traits = forward_traits(problem.headdim, target, _dropout(problem))
     grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
     launch = LaunchPlan(traits.instance(problem.dtype), fa2.check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
     return Program(launches=(launch,))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target))
+    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target, _dropout(problem)))
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
-    traits = forward_traits(problem.headdim, target)
+    traits = forward_traits(problem.headdim, target, _dropout(problem))
     return fa2.forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
-    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target))
+    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target, _dropout(problem)))
