@@ -68,13 +68,9 @@ def check_mask(causal: Any, window_size: Any, seqlen_q: int, seqlen_k: int) -> M
     for i, w in enumerate((left, right)):
         if w < -1:
             raise ValueError(f"window_size[{i}] must be >= -1 (-1: unbounded), got {w}")
-    if causal:
-        right = 0
-    if left >= seqlen_k:
-        left = -1
-    if right >= seqlen_q and right > 0:
-        right = -1
-    return Mask(left, right)
+    mask = Mask.of(causal, (left, right))
+    left, right = mask.window_left, mask.window_right
+    return Mask(-1 if left >= seqlen_k else left, -1 if right >= seqlen_q and right > 0 else right)
 
 
 def check_softcap(softcap: Any) -> float:

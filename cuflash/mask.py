@@ -51,6 +51,12 @@ class Mask:
     def causal(cls, flag: bool = True) -> Mask:
         return cls(-1, 0) if flag else cls()
 
+    @classmethod
+    def of(cls, causal: bool, window_size: tuple[int, int]) -> Mask:
+        """The mask of the API's ``causal`` and ``window_size=(left, right)``: causal sets right = 0."""
+        left, right = window_size
+        return cls(left, 0 if causal else right)
+
     @property
     def is_causal(self) -> bool:
         return self.window_left < 0 and self.window_right == 0

@@ -103,11 +103,6 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int
     return batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim
 
 
-def _mask_of(causal: bool, window_size) -> Mask:
-    left, right = window_size
-    return Mask(left, 0 if causal else right)
-
-
 def _visible_keys(rows: range, seqlen_q: int, seqlen_k: int, mask: Mask) -> np.ndarray:
     """(len(rows), seqlen_k) bool: which keys the query rows ``rows`` attend to (cuflash.mask decides)."""
     policy = mask.policy(seqlen_q, seqlen_k)
@@ -189,12 +184,12 @@ def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc
 def _forward_block(qg, kb, vb, visible, scores_of, dropout, dtype, acc):
     """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``; ``scores_of``
     maps q.k to (score, d score / d (scale q.k)); ``dropout`` is None or the block's factor keep / (1 - p).
-    Returns (P, dropout's factor or None, out, lse, d score / d (scale q.k))."""
+    Returns (P, the P that multiplies V (P times the dropout factor), out, lse, d score / d (scale q.k))."""
     scores, dscore = scores_of(qg @ kb.T)
     probabilities, lse = _softmax_block(_round(scores, dtype, acc), visible, dtype, acc)
     dropped = probabilities if dropout is None else _round(probabilities * dropout, dtype, acc)
     out = _round(dropped @ vb, dtype, acc)
-    return probabilities, out, lse, dscore
+    return probabilities, dropped, out, lse, dscore
 
 
 class _Dropout:
@@ -242,7 +237,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     q, k, v = _prepare((q, k, v), dtype, acc)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
     scale = _scale(softmax_scale, headdim)
-    mask = _mask_of(causal, window_size)
+    mask = Mask.of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
@@ -250,7 +245,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
         visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
         qg = _group_rows(q, b, heads, rows)
-        _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
+        _, _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
                                             lambda qk: scores_of(qk, b, heads, rows), dropout_of(b, heads, rows),
                                             dtype, acc)
         out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
@@ -279,7 +274,7 @@ def attention_backward_reference(
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     scale = _scale(softmax_scale, headdim)
-    mask = _mask_of(causal, window_size)
+    mask = Mask.of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     dq = np.zeros(q.shape, dtype=acc)
@@ -291,10 +286,9 @@ def attention_backward_reference(
         dog = _group_rows(dout, b, heads, rows)
         kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
         dropout = dropout_of(b, heads, rows)
-        probabilities, out_g, _, dscore = _forward_block(qg, kb, vb, visible,
-                                                         lambda qk: scores_of(qk, b, heads, rows), dropout,
-                                                         dtype, acc)
-        dropped = probabilities if dropout is None else _round(probabilities * dropout, dtype, acc)
+        probabilities, dropped, out_g, _, dscore = _forward_block(qg, kb, vb, visible,
+                                                                  lambda qk: scores_of(qk, b, heads, rows),
+                                                                  dropout, dtype, acc)
         # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
         # gradients are rounded to ``dtype`` once, at the end.
         dv[b, :, kv_head, :] += (dropped.transpose(0, 2, 1) @ dog).sum(axis=0)

@@ -49,5 +49,4 @@ def random_inputs(shape, dtype, seed):
 def rows_without_key(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1)) -> np.ndarray:
     """Boolean mask of the query rows that see no key (bottom-right aligned causal mask and local window, or no
     keys at all)."""
-    left, right = window_size
-    return Mask(left, 0 if causal else right).policy(seqlen_q, seqlen_k).rows_without_key()
+    return Mask.of(causal, window_size).policy(seqlen_q, seqlen_k).rows_without_key()

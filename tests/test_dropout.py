@@ -78,6 +78,12 @@ def _exposing_forward_inputs(shape, dtype):
     return q, k, v
 
 
+def _visible(seqlen_q, seqlen_k, causal):
+    """Bottom-right causal visibility written from its definition (not through cuflash.mask)."""
+    full = np.ones((seqlen_q, seqlen_k), bool)
+    return np.tril(full, seqlen_k - seqlen_q) if causal else full
+
+
 KERNEL_CASES = [
     # (dtype, target, shape (b, sq, sk, h, hk, d), causal); the backward is exposed where h == hk and d >= sq.
     ("float32", "sm_80", (2, 37, 50, 4, 2, 64), False),
@@ -98,8 +104,7 @@ def test_kernels_drop_exactly_dropout_mask(dtype, arch, shape, causal):
         out, lse = cuflash.attention(q, k, v, causal=causal, dropout_p=p, dropout_seed=seed, return_lse=True)
     tc = dtype != "float32"
     assert any(r.kernel.startswith("cuflash::fa2_tc_forward" if tc else "cuflash::fa2_forward") for r in records.launches)
-    visible = np.tril(np.ones((seqlen_q, seqlen_k), bool), seqlen_k - seqlen_q) if causal else np.ones(
-        (seqlen_q, seqlen_k), bool)
+    visible = _visible(seqlen_q, seqlen_k, causal)
     seen = out.astype(np.float32)[..., :seqlen_k].transpose(0, 2, 1, 3) != 0  # (b, h, sq, sk)
     assert np.array_equal(seen, keep & visible), np.argwhere(seen != (keep & visible))[:5]
     # The kept values are 1 / ((1 - p) keys seen), to the output's precision; the lse ignores dropout.
@@ -174,8 +179,7 @@ from cuflash import _tolerance as tol  # noqa: E402
 from cuflash.kernels.families import fa2_tc  # noqa: E402
 from cuflash.kernels.targets import target  # noqa: E402
 
-PLANNED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
-INSTANCE_SHAPES = {32: 27, 64: 64, 96: 90, 128: 123, 192: 160, 256: 256}
+from test_fa2_tc import INSTANCE_SHAPES, PLANNED_ARCHS  # noqa: E402 (the head dims per instance, the targets)
 # Small enough to keep 12 instance pairs under race mode and ASan cheap: ragged Q and K/V blocks, several blocks
 # per loop in every tile, GQA, causal with seqlen_q > seqlen_k (rows that see no key).
 INSTANCE_PROBLEM = (1, 100, 90, 2, 1)
@@ -271,8 +275,7 @@ def test_gpu_drops_exactly_dropout_mask(dtype, arch, shape, causal):
     keep = cuflash.dropout_mask(seed, batch, nheads, seqlen_q, seqlen_k, p)
     q, k, v = (cupy.asarray(x) for x in _exposing_forward_inputs(shape, dtype))
     out = cupy.asnumpy(cuflash.attention(q, k, v, causal=causal, dropout_p=p, dropout_seed=seed))
-    visible = np.tril(np.ones((seqlen_q, seqlen_k), bool), seqlen_k - seqlen_q) if causal else np.ones(
-        (seqlen_q, seqlen_k), bool)
+    visible = _visible(seqlen_q, seqlen_k, causal)
     seen = out.astype(np.float32)[..., :seqlen_k].transpose(0, 2, 1, 3) != 0
     assert np.array_equal(seen, keep & visible)
 
