@@ -55,9 +55,12 @@ class CupyBackend:
         return int(array.data.ptr)
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence) -> None:
-        function(plan.kernel, plan.dynamic_smem_bytes, self.arch, self.device_id)(
-            plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes
-        )
+        kernel = function(plan.kernel, plan.dynamic_smem_bytes, self.arch, self.device_id)
+        threads = int(np.prod(plan.block))
+        if threads > kernel.max_threads_per_block:  # the simulator refuses the same launch
+            raise RuntimeError(f"launch plan gives {plan.kernel.name_expr} a block of {threads} threads, more than "
+                               f"its __launch_bounds__ maximum of {kernel.max_threads_per_block}")
+        kernel(plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes)
 
 
 @functools.lru_cache(maxsize=None)

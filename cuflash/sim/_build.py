@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -140,7 +141,7 @@ def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
     cxx = compiler()
     kernel_flags, runtime_flags, link_flags = _MODE_FLAGS[mode]
     parts = [
-        "cuflash-sim-lib-v2",
+        "cuflash-sim-lib-v3",
         mode,
         compiler_identity(cxx),
         " ".join(_COMMON_FLAGS + _KERNEL_FLAGS + kernel_flags + extra_flags() + runtime_flags + link_flags),
@@ -183,18 +184,148 @@ def _launcher_symbol(inst: KernelInstance) -> str:
     return "cuflash_sim_launch_" + hashlib.sha256(f"{inst.source_path}\0{inst.name_expr}".encode()).hexdigest()[:16]
 
 
+# ---- __launch_bounds__ ---------------------------------------------------------------------
+# g++ cannot read an attribute back, so the build reads each kernel's bound from the source: a
+# preprocessing pass (macro-generated kernels included) in which cuda_sim.h turns __launch_bounds__
+# into a marker, then a helper with the kernel's own template head evaluates the first argument for
+# each instance (so "Warps * 32" or "Traits::kThreads" mean what they mean to nvcc).
+
+_BOUNDS_MARK = "__cuflash_launch_bounds__"
+
+
+@dataclass(frozen=True)
+class LaunchBound:
+    kernel: str  # the kernel's unqualified name
+    template_head: str  # "template <class T, int Warps>", or "" for a plain function
+    max_threads: str  # the first __launch_bounds__ argument, as written
+
+
+def _balanced_end(text: str, start: int, open_: str, close: str) -> int:
+    """Index just past the bracket that closes the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_:
+            depth += 1
+        elif text[i] == close:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise BuildError(f"unbalanced {open_}{close} in the preprocessed kernel source")
+
+
+def _template_head_before(text: str, end: int) -> str:
+    """The `template <...>` that ends at text[:end] (after whitespace), or ""."""
+    i = len(text[:end].rstrip())
+    if i == 0 or text[i - 1] != ">":
+        return ""
+    depth = 0
+    for j in range(i - 1, -1, -1):
+        if text[j] == ">":
+            depth += 1
+        elif text[j] == "<":
+            depth -= 1
+            if depth == 0:
+                head = re.search(r"\btemplate\s*$", text[:j])
+                if head is None:
+                    raise BuildError(f"cannot read the template head before {text[j:i][:80]!r}")
+                return "template " + text[j:i]
+    raise BuildError("unbalanced <> before a __launch_bounds__ kernel")
+
+
+def _split_top_level(args: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in args:
+        if ch in "(<[{":
+            depth += 1
+        elif ch in ")>]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return [p.strip() for p in parts]
+
+
+def parse_launch_bounds(preprocessed: str) -> dict[str, LaunchBound]:
+    """Every `void <marker>(args) name(` in a preprocessed source, by kernel name."""
+    bounds: dict[str, LaunchBound] = {}
+    for match in re.finditer(r"\b" + _BOUNDS_MARK + r"\s*\(", preprocessed):
+        args_end = _balanced_end(preprocessed, match.end() - 1, "(", ")")
+        args = preprocessed[match.end():args_end - 1]
+        name = re.match(r"\s*(\w+)\s*\(", preprocessed[args_end:])
+        before = re.search(r"\bvoid\s*$", preprocessed[:match.start()])
+        if name is None or before is None:
+            context = preprocessed[max(0, match.start() - 60):args_end + 60]
+            raise BuildError(f"write kernels as `__global__ void __launch_bounds__(...) name(`; found {context!r}")
+        bound = LaunchBound(name.group(1), _template_head_before(preprocessed, before.start()),
+                            _split_top_level(args)[0])
+        if bounds.get(bound.kernel, bound) != bound:
+            raise BuildError(f"two kernels named {bound.kernel} with different __launch_bounds__")
+        bounds[bound.kernel] = bound
+    return bounds
+
+
+def launch_bounds(source: Path) -> dict[str, LaunchBound]:
+    """The __launch_bounds__ of every kernel `source` defines (or includes), by kernel name."""
+    key = (source, _file_hash(source), _tree_hash(CUDA_SRC))  # what the preprocessed text depends on
+    with _hash_lock:
+        found = _launch_bounds_found.get(key)
+    if found is None:
+        found = _read_launch_bounds(source)
+        with _hash_lock:
+            _launch_bounds_found[key] = found
+    return found
+
+
+_launch_bounds_found: dict[tuple[Path, str, str], dict[str, LaunchBound]] = {}
+
+
+def _read_launch_bounds(source: Path) -> dict[str, LaunchBound]:
+    cmd = [compiler(), "-x", "c++", "-std=c++20", "-E", "-P", "-DCUFLASH_SIM_LAUNCH_BOUNDS_PROBE=1", f"-I{CUDA_SRC}", str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"simulator build failed (preprocessing {source.name}):\n$ {shlex.join(cmd)}\n"
+                         f"{proc.stderr[-20000:]}")
+    return parse_launch_bounds(proc.stdout)
+
+
+def _split_name_expr(name_expr: str) -> tuple[list[str], str, str]:
+    """"ns::kernel<args>" -> (["ns"], "kernel", "<args>")."""
+    cut = name_expr.find("<")
+    path, targs = (name_expr, "") if cut < 0 else (name_expr[:cut], name_expr[cut:])
+    *namespaces, kernel = path.strip().lstrip(":").split("::")
+    return [n.strip() for n in namespaces], kernel.strip(), targs
+
+
+def _bound_helper(bound: LaunchBound) -> str:
+    return (f"{bound.template_head} constexpr long long cuflash_sim_max_threads_{bound.kernel}() "
+            f"{{ return static_cast<long long>({bound.max_threads}); }}")
+
+
 def _kernel_tu(source: Path, instances: Sequence[KernelInstance]) -> str:
+    bounds = launch_bounds(source)
     lines = [
         f"// Generated by cuflash.sim: launchers for {source.name}.",
         f'#include "{source}"',
         "",
     ]
+    helpers_done = set()
     for inst in instances:
+        namespaces, kernel, targs = _split_name_expr(inst.name_expr)
+        bound = bounds.get(kernel)
+        if bound is not None and (tuple(namespaces), kernel) not in helpers_done:
+            helpers_done.add((tuple(namespaces), kernel))
+            opening = " ".join(f"namespace {n} {{" for n in namespaces)
+            lines += [f"{opening} {_bound_helper(bound)} {'}' * len(namespaces)}", ""]
+        qualified = "".join(f"::{n}" for n in namespaces) + f"::cuflash_sim_max_threads_{kernel}{targs}()"
+        max_threads = qualified if bound is not None else "1024"
         lines += [
             f"// {inst.name_expr}",
             f'extern "C" __attribute__((visibility("hidden"))) int {_launcher_symbol(inst)}(',
             "    cuflash_sim_launch_request* request) {",
-            f"  return ::cuflash::sim::launch_kernel(&{inst.name_expr}, request);",
+            f"  return ::cuflash::sim::launch_kernel(&{inst.name_expr}, request, {max_threads});",
             "}",
             "",
         ]

@@ -7,7 +7,8 @@ Each check has a planted bug that it catches and a fixed twin that passes:
   result changes with the seed;
 - shared memory: natural alignment and bounds on both sides (race mode: every access; normal
   mode: guard pages), a 1024-byte aligned base;
-- automatic variables start as a garbage pattern, so a forgotten accumulator reset shows.
+- automatic variables start as a garbage pattern, so a forgotten accumulator reset shows;
+- a block larger than the kernel's __launch_bounds__ is refused, as a GPU refuses it.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import numpy as np
 import pytest
 
 import cuflash.sim as sim
+from cuflash._paths import CUDA_SRC
 from cuflash.kernels.program import KernelInstance
 from simkit import KERNELS, args
 
 SOURCE = KERNELS / "sim_strict.cu"
 NAMES = ("pipeline_kernel", "own_destination_kernel", "vector_read_kernel", "shared_index_kernel",
-         "smem_base_kernel", "accumulator_kernel")
+         "smem_base_kernel", "accumulator_kernel", "bounded_kernel", "bounded_template_kernel<2>",
+         "bounded_template_kernel<4, 7>")
 SEEDS = range(6)
 
 
@@ -188,3 +191,52 @@ def test_exp2_approx_flushes_subnormals_like_ex2_approx_ftz():
     expected[np.abs(x) < np.finfo(np.float32).tiny] = 1.0  # subnormal inputs flush to 0: 2^0
     np.testing.assert_allclose(out, expected.astype(np.float32), rtol=2**-22, atol=0)
     assert out[0] == 0.0 and np.signbit(out[0]) == False  # noqa: E712
+
+
+# ---- __launch_bounds__ -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, bound", [("bounded_kernel", 64), ("bounded_template_kernel<2>", 64),
+                                         ("bounded_template_kernel<4, 7>", 128)])
+@pytest.mark.parametrize("mode", ["normal", "race"])
+def test_block_within_launch_bounds_runs(name, bound, mode):
+    for block in (1, bound // 2, bound):
+        out = np.full(bound, -1, np.int32)
+        with sim.checking(mode):
+            launch(name, block, out0=out)
+        np.testing.assert_array_equal(out[:block], np.arange(block))
+
+
+@pytest.mark.parametrize("name, bound", [("bounded_kernel", 64), ("bounded_template_kernel<2>", 64),
+                                         ("bounded_template_kernel<4, 7>", 128)])
+def test_block_beyond_launch_bounds_is_refused(name, bound):
+    out = np.full(1024, -1, np.int32)
+    for block in (bound + 1, (bound // 2, 3, 1), 1024):
+        with pytest.raises(sim.KernelError, match=f"__launch_bounds__ maximum of {bound}"):
+            launch(name, block, out0=out)
+    assert np.all(out == -1)  # refused before any thread ran
+
+
+def test_launch_bounds_are_read_from_macro_generated_and_template_kernels():
+    from cuflash.sim import _build
+    from cuflash.kernels import catalog
+
+    found = _build.launch_bounds(SOURCE)
+    assert found["bounded_kernel"].max_threads == "64"
+    assert found["bounded_template_kernel"].max_threads == "Warps * 32"
+    assert found["bounded_template_kernel"].template_head == "template <int Warps, int Unused = 7>"
+    assert found["bounded_kernel"].template_head == ""
+    # Every kernel the library ships states its bound (the standard GEMMs come from a macro).
+    kernels_by_source: dict = {}
+    for inst in catalog.all_instances():
+        kernels_by_source.setdefault(inst.source_path, set()).add(_build._split_name_expr(inst.name_expr)[1])
+    assert "standard_scores_kernel" in kernels_by_source[CUDA_SRC / "kernels" / "standard_attention.cu"]
+    for source, kernels in kernels_by_source.items():
+        assert kernels <= set(_build.launch_bounds(source)), (source.name, kernels - set(_build.launch_bounds(source)))
+
+
+def test_launch_bounds_in_another_position_is_a_build_error():
+    from cuflash.sim import _build
+
+    with pytest.raises(_build.BuildError, match=r"__global__ void __launch_bounds__\(\.\.\.\) name\("):
+        _build.parse_launch_bounds("__global__ __cuflash_launch_bounds__(64) void f(int) {}")

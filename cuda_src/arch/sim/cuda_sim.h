@@ -37,7 +37,13 @@
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
+// __launch_bounds__ is enforced at launch: the simulator build reads each kernel's bound from the
+// preprocessed source, where the probe build leaves this marker (cuflash/sim/_build.py, launch_bounds).
+#ifdef CUFLASH_SIM_LAUNCH_BOUNDS_PROBE
+#define __launch_bounds__(...) __cuflash_launch_bounds__(__VA_ARGS__)
+#else
 #define __launch_bounds__(...)
+#endif
 #define __align__(n) __attribute__((aligned(n)))
 // __shared__ is deliberately not defined: kernels use only dynamic shared memory,
 // and a static __shared__ array would silently become per-fiber or per-process memory.
@@ -496,7 +502,7 @@ __forceinline__ unsigned vote(const Site& site, unsigned mask, int predicate) {
 using LaunchRequest = ::cuflash_sim_launch_request;  // the C ABI struct of sim_abi.h
 using KernelThunk = void (*)(const void* kernel, const void* params);
 CUFLASH_SIM_API int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel,
-                               unsigned long long params_size);
+                               unsigned long long params_size, long long max_threads);
 
 template <class P>
 void kernel_thunk(const void* kernel, const void* params) {
@@ -505,13 +511,15 @@ void kernel_thunk(const void* kernel, const void* params) {
   reinterpret_cast<void (*)(P)>(const_cast<void*>(kernel))(p);
 }
 
-// Type-erases a kernel taking one trivially-copyable argument by value.
+// Type-erases a kernel taking one trivially-copyable argument by value. max_threads: the first
+// argument of the kernel's __launch_bounds__ (1024, the hardware limit, when it has none).
 template <class P>
-int launch_kernel(void (*kernel)(P), LaunchRequest* request) {
+int launch_kernel(void (*kernel)(P), LaunchRequest* request, long long max_threads = 1024) {
   using Param = std::remove_cv_t<std::remove_reference_t<P>>;
   static_assert(std::is_trivially_copyable_v<Param>, "kernel arguments must be trivially copyable");
   static_assert(!std::is_reference_v<P>, "kernels take their argument by value");
-  return run_launch(request, &kernel_thunk<Param>, reinterpret_cast<const void*>(kernel), sizeof(Param));
+  return run_launch(request, &kernel_thunk<Param>, reinterpret_cast<const void*>(kernel), sizeof(Param),
+                    max_threads);
 }
 
 }  // namespace cuflash::sim

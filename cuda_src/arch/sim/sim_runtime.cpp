@@ -910,7 +910,8 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
 
 namespace cuflash::sim {
 
-int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, unsigned long long params_size) {
+int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, unsigned long long params_size,
+               long long max_threads) {
   const char* name = request->kernel_name ? request->kernel_name : "?";
   request->bytes_read = 0;
   request->bytes_written = 0;
@@ -925,6 +926,13 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   if (bd[0] == 0 || bd[1] == 0 || bd[2] == 0 || bd[0] > 1024 || bd[1] > 1024 || bd[2] > 64 ||
       threads > kMaxThreadsPerBlock)
     return reject(format("block (%u,%u,%u): need 1..1024 threads, x,y <= 1024, z <= 64", bd[0], bd[1], bd[2]));
+  // A GPU refuses a block larger than the kernel's __launch_bounds__ (its maxThreadsPerBlock): ptxas
+  // may have given each thread more registers than such a block could get.
+  if (max_threads < 1 || max_threads > kMaxThreadsPerBlock)
+    return reject(format("__launch_bounds__ maximum of %lld threads: need 1..%u", max_threads, kMaxThreadsPerBlock));
+  if (threads > static_cast<unsigned long long>(max_threads))
+    return reject(format("block (%u,%u,%u) has %llu threads, more than the kernel's __launch_bounds__ maximum of %lld",
+                         bd[0], bd[1], bd[2], threads, max_threads));
   if (gd[0] > 0x7fffffffu || gd[1] > 65535 || gd[2] > 65535)
     return reject(format("grid (%u,%u,%u): need x < 2^31, y,z <= 65535", gd[0], gd[1], gd[2]));
   if (request->params_size != params_size)

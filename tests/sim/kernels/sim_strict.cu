@@ -1,6 +1,6 @@
 // Planted-bug kernels for the simulator's strict checks (tests/sim/test_sim_strict.py): cp.async
-// copies in flight, shared-memory alignment and bounds, the shared-memory base, and
-// pattern-initialized automatic variables. Each bug has a mode that fixes it.
+// copies in flight, shared-memory alignment and bounds, the shared-memory base,
+// pattern-initialized automatic variables, and __launch_bounds__. Each bug has a mode that fixes it.
 #include "arch/arch.cuh"
 
 namespace simstrict {
@@ -107,6 +107,18 @@ __global__ void accumulator_kernel(const Args a) {
   for (int k = 0; k < a.n; ++k)
     for (int i = 0; i < 4; ++i) acc[i] += 1.f;
   store(static_cast<float*>(a.out0) + threadIdx.x, acc[threadIdx.x % 4]);
+}
+
+// out0[t] = t. Declares at most 64 threads per block (and two blocks per SM, which changes nothing
+// here): a larger block is refused, as a GPU refuses it.
+__global__ void __launch_bounds__(64, 2) bounded_kernel(const Args a) {
+  store(static_cast<int*>(a.out0) + threadIdx.x, static_cast<int>(threadIdx.x));
+}
+
+// The same with a bound computed from template parameters, written as the fa2 kernels write theirs.
+template <int Warps, int Unused = 7>
+__global__ void __launch_bounds__(Warps * 32, 1) bounded_template_kernel(const Args a) {
+  store(static_cast<int*>(a.out0) + threadIdx.x, static_cast<int>(threadIdx.x) + Unused - 7);
 }
 
 }  // namespace simstrict
