@@ -283,7 +283,8 @@ _launch_bounds_found: dict[tuple[Path, str, str], dict[str, LaunchBound]] = {}
 
 
 def _read_launch_bounds(source: Path) -> dict[str, LaunchBound]:
-    cmd = [compiler(), "-x", "c++", "-std=c++20", "-E", "-P", "-DCUFLASH_SIM_LAUNCH_BOUNDS_PROBE=1", f"-I{CUDA_SRC}", str(source)]
+    cmd = [compiler(), "-x", "c++", "-std=c++20", "-E", "-P", "-DCUFLASH_SIM_LAUNCH_BOUNDS_PROBE=1", f"-I{CUDA_SRC}",
+           str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError(f"simulator build failed (preprocessing {source.name}):\n$ {shlex.join(cmd)}\n"

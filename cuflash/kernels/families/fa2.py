@@ -225,7 +225,12 @@ DTYPES = ("float32",)
 
 def backward_instances(target: Target, dtype: str) -> list[KernelInstance]:
     """The backward program's instances for one element type on ``target``."""
-    backward = [backward_traits(hd, target) for hd in HEAD_DIMS]
+    return backward_program_instances([backward_traits(hd, target) for hd in HEAD_DIMS], dtype)
+
+
+def backward_program_instances(backward: list, dtype: str) -> list[KernelInstance]:
+    """The instances of backward_program_for over the main-kernel tiles ``backward`` (SIMT or tensor-core): each
+    main kernel, the pre-pass, and one convert kernel per block_n."""
     found = [traits.instance(dtype) for traits in backward]
     found.append(dout_dot_out_instance(dtype))
     found += [convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]

@@ -191,9 +191,7 @@ def instances(target: Target) -> list[KernelInstance]:
         for dropout in (False, True):
             found += [forward_traits(hd, target, dropout).instance(dtype) for hd in HEAD_DIMS]
             backward += [backward_traits(hd, target, dropout) for hd in HEAD_DIMS]
-        found += [traits.instance(dtype) for traits in backward]
-        found.append(fa2.dout_dot_out_instance(dtype))
-        found += [fa2.convert_dq_instance(dtype, n) for n in sorted({t.block_n for t in backward})]
+        found += fa2.backward_program_instances(backward, dtype)
     return found
 
 
