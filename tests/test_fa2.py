@@ -258,7 +258,7 @@ def test_dout_dot_out_and_deterministic_slices():
     p = np.where(visible, np.exp(s - lse[..., None].astype(np.float64)), 0.0)
     dp = np.einsum("bihd,bjhd->bhij", dout.astype(np.float64), v64)
     ds = p * (dp - scratch["dout_dot_out"][..., None])
-    accum = scratch["dq_accum"]
+    accum = scratch["dq_accum"].reshape(program.num_dq_splits, *dq.shape)  # (splits, rows, heads, d) by batch
     for j in range(program.num_dq_splits):
         keys_j = slice(j * block_n, (j + 1) * block_n)
         part = np.einsum("bhij,bjhd->bihd", ds[..., keys_j], k64[:, keys_j])

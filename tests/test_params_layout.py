@@ -64,8 +64,8 @@ def test_pack_params_round_trip():
 
 def test_the_mirror_is_derived_from_the_header_not_copied():
     text = params.HEADER.read_text()
-    assert "X(dropout_seed)\n" in text and "float dropout_rescale;" in text
-    grown = text.replace("X(dropout_seed)\n", "X(dropout_seed) \\\n  X(extra_buffer)\n").replace(
+    assert "X(cu_seqlens_k)\n" in text and "float dropout_rescale;" in text
+    grown = text.replace("X(cu_seqlens_k)\n", "X(cu_seqlens_k) \\\n  X(extra_buffer)\n").replace(
         "float dropout_rescale;", "float dropout_rescale;\n  float new_scalar;").replace(
         "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)

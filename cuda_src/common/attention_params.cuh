@@ -57,6 +57,11 @@ struct TensorStrides {
 //                d lse_i / d score_ij = P_ij, it adds dlse_i P_ij to dS_ij: the backward uses D - dlse for D
 //   dropout_seed input (read only): dropout's 64-bit seed as two 32-bit words, low first (dropout.cuh); read
 //                only when dropout_threshold != 0
+//   cu_seqlens_q input (read only): varlen batches, int32 words (batch + 1): sequence b holds query rows
+//                cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, out, dout, dq (total_q, nheads, headdim; batch
+//                stride 0) and the row-stats buffers become (nheads, total_q); null: fixed length (block_info.cuh)
+//   cu_seqlens_k input (read only): the same for keys: k, v, dk, dv (total_k, nheads_k, headdim); set with
+//                cu_seqlens_q
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -70,7 +75,9 @@ struct TensorStrides {
   X(dv_accum)                           \
   X(alibi_slopes)                      \
   X(dlse)                              \
-  X(dropout_seed)
+  X(dropout_seed)                      \
+  X(cu_seqlens_q)                      \
+  X(cu_seqlens_k)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -91,6 +98,9 @@ struct AttentionParams {
   int nheads;
   int nheads_k;
   int headdim;
+  int total_q;  // query rows of the whole batch: batch * seqlen_q, or cu_seqlens_q[batch] for varlen (where
+                // seqlen_q and seqlen_k are the longest sequence's lengths)
+  int total_k;  // key rows of the whole batch, likewise
 
   float softmax_scale;       // multiplies q.k
   float softmax_scale_log2;  // softmax_scale * log2(e): exp(s*x - m) = exp2(x*scale_log2 - m*log2e)

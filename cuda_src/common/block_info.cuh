@@ -4,8 +4,18 @@
 // tensors (strided, (batch, row, head) strides in AttentionParams) and the float32 side buffers
 // (dense, in the shapes attention_params.cuh gives). Query-side tensors (q, out, dout, dq) are
 // indexed by the query head, key-side ones (k, v, dk, dv) by its kv head (GQA/MQA: query head h
-// reads kv head h / (nheads / nheads_k)). Variable-length batches and paged K/V change only this
-// file: where a sequence starts and how long it is.
+// reads kv head h / (nheads / nheads_k)).
+//
+// Variable-length batches (cu_seqlens_q/k set, attention_params.cuh) change only this file: sequence b
+// holds query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of the packed (total_q, nheads, d) tensors and
+// keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1]; p.seqlen_q and p.seqlen_k are then the longest lengths (the
+// grid's extent). Row indices inside a kernel are always positions within the sequence.
+//
+// Why the lengths are methods, not members: a fixed-length kernel reads them from the parameter bank
+// where it uses them and holds no register for them; a varlen one loads them from cu_seqlens where it
+// uses them (L1 hits). Members loaded once would stay live through the K/V loops, and the tensor-core
+// kernels, at the 255-register limit, spilled for those two registers. So kernels call seqlen_q(p) and
+// seqlen_k(p) at each use and keep nothing derived from them across a barrier.
 #pragma once
 
 #include "arch/arch.cuh"
@@ -17,79 +27,122 @@ struct BlockInfo {
   int batch;
   int head;     // the query head
   int kv_head;  // the kv head it reads
-  int seqlen_q;
-  int seqlen_k;
 
   __device__ __forceinline__ static int group_size(const AttentionParams& p) { return p.nheads / p.nheads_k; }
 
   __device__ __forceinline__ static BlockInfo of(const AttentionParams& p, int batch, int head) {
-    return BlockInfo{batch, head, head / group_size(p), p.seqlen_q, p.seqlen_k};
+    return BlockInfo{batch, head, head / group_size(p)};
   }
   // Query head `member` (0 .. group_size - 1) of kv head `kv_head`.
   __device__ __forceinline__ static BlockInfo of_group(const AttentionParams& p, int batch, int kv_head, int member) {
     return of(p, batch, kv_head * group_size(p) + member);
   }
 
+  __device__ __forceinline__ static bool varlen(const AttentionParams& p) { return p.cu_seqlens_q != nullptr; }
+
+  // Length of this sequence: its queries and its keys.
+  __device__ __forceinline__ int seqlen_q(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_q, batch + 1) - cu_seqlen(p.cu_seqlens_q, batch) : p.seqlen_q;
+  }
+  __device__ __forceinline__ int seqlen_k(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch + 1) - cu_seqlen(p.cu_seqlens_k, batch) : p.seqlen_k;
+  }
+  // Index of this sequence's row 0 among all query (key) rows of the batch: b * seqlen (fixed length) or
+  // cu_seqlens[b] (varlen). The dense float32 buffers are laid out over these rows.
+  __device__ __forceinline__ long long q_row0(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_q, batch) : static_cast<long long>(batch) * p.seqlen_q;
+  }
+  __device__ __forceinline__ long long k_row0(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : static_cast<long long>(batch) * p.seqlen_k;
+  }
+
   // Element tensors at row 0 of this (batch, head).
   template <class T>
-  __device__ __forceinline__ const T* q(const AttentionParams& p) const { return at<const T>(p.q, p.q_stride, head); }
+  __device__ __forceinline__ const T* q(const AttentionParams& p) const {
+    return at<const T>(p.q, p.q_stride, q_start(p), head);
+  }
   template <class T>
-  __device__ __forceinline__ const T* k(const AttentionParams& p) const { return at<const T>(p.k, p.k_stride, kv_head); }
+  __device__ __forceinline__ const T* k(const AttentionParams& p) const {
+    return at<const T>(p.k, p.k_stride, k_start(p), kv_head);
+  }
   template <class T>
-  __device__ __forceinline__ const T* v(const AttentionParams& p) const { return at<const T>(p.v, p.v_stride, kv_head); }
+  __device__ __forceinline__ const T* v(const AttentionParams& p) const {
+    return at<const T>(p.v, p.v_stride, k_start(p), kv_head);
+  }
   template <class T>
-  __device__ __forceinline__ T* out(const AttentionParams& p) const { return at<T>(p.out, p.out_stride, head); }
+  __device__ __forceinline__ T* out(const AttentionParams& p) const {
+    return at<T>(p.out, p.out_stride, q_start(p), head);
+  }
   template <class T>
   __device__ __forceinline__ const T* out_in(const AttentionParams& p) const {
-    return at<const T>(p.out, p.out_stride, head);
+    return at<const T>(p.out, p.out_stride, q_start(p), head);
   }
   template <class T>
   __device__ __forceinline__ const T* dout(const AttentionParams& p) const {
-    return at<const T>(p.dout, p.dout_stride, head);
+    return at<const T>(p.dout, p.dout_stride, q_start(p), head);
   }
   template <class T>
-  __device__ __forceinline__ T* dq(const AttentionParams& p) const { return at<T>(p.dq, p.dq_stride, head); }
+  __device__ __forceinline__ T* dq(const AttentionParams& p) const {
+    return at<T>(p.dq, p.dq_stride, q_start(p), head);
+  }
   template <class T>
-  __device__ __forceinline__ T* dk(const AttentionParams& p) const { return at<T>(p.dk, p.dk_stride, kv_head); }
+  __device__ __forceinline__ T* dk(const AttentionParams& p) const {
+    return at<T>(p.dk, p.dk_stride, k_start(p), kv_head);
+  }
   template <class T>
-  __device__ __forceinline__ T* dv(const AttentionParams& p) const { return at<T>(p.dv, p.dv_stride, kv_head); }
+  __device__ __forceinline__ T* dv(const AttentionParams& p) const {
+    return at<T>(p.dv, p.dv_stride, k_start(p), kv_head);
+  }
 
-  // Float32 per-row statistics, (batch, nheads, seqlen_q): lse, dout_dot_out, row_max, row_sum.
+  // Float32 per-row statistics (lse, dout_dot_out, row_max, row_sum): (batch, nheads, seqlen_q), or
+  // (nheads, total_q) for varlen (FlashAttention-2's layout).
   __device__ __forceinline__ long long row_stats_offset(const AttentionParams& p) const {
-    return (static_cast<long long>(batch) * p.nheads + head) * seqlen_q;
+    return varlen(p) ? static_cast<long long>(head) * p.total_q + q_row0(p)
+                     : (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
   }
-  // Float32 score matrices, (batch, nheads, seqlen_q, seqlen_k): scores, probs.
+  // Float32 score matrices, (batch, nheads, seqlen_q, seqlen_k): scores, probs (fixed length only).
   __device__ __forceinline__ long long score_matrix_offset(const AttentionParams& p) const {
-    return row_stats_offset(p) * seqlen_k;
+    return row_stats_offset(p) * p.seqlen_k;
   }
   __device__ __forceinline__ long long score_row_offset(const AttentionParams& p, int query) const {
-    return score_matrix_offset(p) + static_cast<long long>(query) * seqlen_k;
+    return score_matrix_offset(p) + static_cast<long long>(query) * p.seqlen_k;
   }
-  // Dense float32 accumulators in the tensor layout (batch, seqlen, nheads, d), one row every
-  // dense_row_stride floats: out_accum and dq_accum over seqlen_q, dk_accum and dv_accum over seqlen_k
-  // (per query head).
+  // Dense float32 accumulators in the tensor layout (rows, nheads, d) over all query (key) rows, one row
+  // every dense_row_stride floats: out_accum and dq_accum over query rows, dk_accum and dv_accum over key
+  // rows (per query head).
   __device__ __forceinline__ static long long dense_row_stride(const AttentionParams& p) {
     return static_cast<long long>(p.nheads) * p.headdim;
   }
   __device__ __forceinline__ long long dense_q_offset(const AttentionParams& p) const {
-    return static_cast<long long>(batch) * seqlen_q * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
+    return q_row0(p) * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
   }
   __device__ __forceinline__ long long dense_k_offset(const AttentionParams& p) const {
-    return static_cast<long long>(batch) * seqlen_k * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
+    return k_row0(p) * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
   }
-  // Row 0 of this (batch, head) in slice `slice` of dq_accum (num_dq_splits, batch, seqlen_q, nheads, d).
+  // Row 0 of this (batch, head) in slice `slice` of dq_accum (num_dq_splits, total_q, nheads, d).
   __device__ __forceinline__ float* dq_accum(const AttentionParams& p, int slice) const {
     return p.dq_accum + slice * dense_q_elements(p) + dense_q_offset(p);
   }
-  // Floats in one slice of the split dq_accum (num_dq_splits, batch, seqlen_q, nheads, d).
+  // Floats in one slice of the split dq_accum (num_dq_splits, total_q, nheads, d); total_q = batch * seqlen_q
+  // for fixed-length batches.
   __device__ __forceinline__ static long long dense_q_elements(const AttentionParams& p) {
-    return static_cast<long long>(p.batch) * p.seqlen_q * dense_row_stride(p);
+    return static_cast<long long>(p.total_q) * dense_row_stride(p);
   }
 
  private:
+  __device__ __forceinline__ static int cu_seqlen(const float* cu_seqlens, int index) {
+    return arch::load(reinterpret_cast<const int*>(cu_seqlens) + index);
+  }
+  // Row 0 of this sequence in a strided tensor: varlen tensors are (total, heads, d), batch stride 0.
+  __device__ __forceinline__ int q_start(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_q, batch) : 0;
+  }
+  __device__ __forceinline__ int k_start(const AttentionParams& p) const {
+    return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : 0;
+  }
   template <class T, class Void>
-  __device__ __forceinline__ T* at(Void* base, const TensorStrides& s, int head_index) const {
-    return static_cast<T*>(base) + batch * s.batch + head_index * s.head;
+  __device__ __forceinline__ T* at(Void* base, const TensorStrides& s, int row, int head_index) const {
+    return static_cast<T*>(base) + batch * s.batch + row * s.row + head_index * s.head;
   }
 };
 

@@ -24,6 +24,7 @@
 #pragma once
 
 #include "common/attention_params.cuh"
+#include "common/block_info.cuh"
 #include "common/kernel_utils.cuh"
 
 namespace cuflash {
@@ -42,8 +43,10 @@ struct MaskPolicy {
   int window_left;   // -1: unbounded
   int window_right;  // -1: unbounded; 0: causal
 
-  __device__ __forceinline__ static MaskPolicy of(const AttentionParams& p) {
-    return MaskPolicy{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  // The policy of the sequence `info` works on (its own lengths, for varlen too). Kernels make it where they use it
+  // rather than once per block: see block_info.cuh for why the lengths are not kept in registers.
+  __device__ __forceinline__ static MaskPolicy of(const AttentionParams& p, const BlockInfo& info) {
+    return MaskPolicy{info.seqlen_q(p), info.seqlen_k(p), p.window_left, p.window_right};
   }
 
   __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
@@ -110,13 +113,15 @@ struct ScoreHook {
   // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
   // tensor-core kernels run at the register limit).
   const AttentionParams& p;
-  float slope;  // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
+  const BlockInfo& info;  // the sequence: ALiBi's diagonal is its own
+  float slope;            // ALiBi slope / scale of this (batch, head) (0: no ALiBi)
 
-  __device__ __forceinline__ static ScoreHook of(const AttentionParams& p, int batch, int head) {
-    const float slope =
-        p.alibi_slopes != nullptr ? arch::load(p.alibi_slopes + batch * p.alibi_batch_stride + head) / p.softmax_scale
-                                  : 0.f;
-    return ScoreHook{p, slope};
+  __device__ __forceinline__ static ScoreHook of(const AttentionParams& p, const BlockInfo& info) {
+    const float slope = p.alibi_slopes != nullptr
+                            ? arch::load(p.alibi_slopes + info.batch * p.alibi_batch_stride + info.head) /
+                                  p.softmax_scale
+                            : 0.f;
+    return ScoreHook{p, info, slope};
   }
 
   __device__ __forceinline__ bool softcapped() const { return p.softcap_outer != 0.f; }
@@ -137,7 +142,7 @@ struct ScoreHook {
       slope_of_score = fmaf(-t, t, 1.f);
       qk = p.softcap_outer * t;
     }
-    if (slope != 0.f) qk -= slope * static_cast<float>(abs(MaskPolicy::of(p).diagonal(row) - key));
+    if (slope != 0.f) qk -= slope * static_cast<float>(abs(MaskPolicy::of(p, info).diagonal(row) - key));
     return qk;
   }
 };

@@ -101,7 +101,7 @@ struct TensorGeometry {
   TensorStrides strides;
 };
 
-inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, TensorGeometry* geometry) {
+inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, bool packed, TensorGeometry* geometry) {
   struct Entry {
     const char* name;
     TensorStrides AttentionParams::*strides;
@@ -112,8 +112,11 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, Te
 #undef CUFLASH_TENSOR_GEOMETRY
   for (const Entry& entry : kTensors) {
     if (name != entry.name) continue;
-    geometry->extents[0] = p.batch;
-    geometry->extents[1] = entry.query_side ? p.seqlen_q : p.seqlen_k;
+    // Varlen tensors (packed: cu_seqlens bound) are (total, heads, headdim), one "batch" of all rows
+    // (block_info.cuh). Whether the cu_seqlens stay inside them is data the handler does not read (the Python
+    // entry points check it where the values are concrete).
+    geometry->extents[0] = packed ? 1 : p.batch;
+    geometry->extents[1] = packed ? (entry.query_side ? p.total_q : p.total_k) : entry.query_side ? p.seqlen_q : p.seqlen_k;
     geometry->extents[2] = entry.query_side ? p.nheads : p.nheads_k;
     geometry->extents[3] = p.headdim;
     geometry->strides = p.*entry.strides;
@@ -125,9 +128,10 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, Te
 // A tensor's kernel reach (last element touched + 1) must lie inside the buffer XLA gave us:
 // a mismatch between the params attribute and the operand shapes would otherwise be an
 // out-of-bounds access on the GPU.
-inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer& buffer, std::size_t element_bytes) {
+inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer& buffer, bool packed,
+                                    std::size_t element_bytes) {
   TensorGeometry g;
-  if (!TensorGeometryOf(p, buffer.field->name, &g))
+  if (!TensorGeometryOf(p, buffer.field->name, packed, &g))
     return Invalid(std::string(buffer.field->name) + " is not a tensor field");
   const long long* extents = g.extents;
   const TensorStrides& strides = g.strides;
@@ -211,11 +215,14 @@ inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets 
     } else if (type != ffi::DataType::F32) {
       return Invalid(std::string("side buffer ") + field->name + " must be float32");
     }
-    BoundBuffer bound{field, data, bytes, is_result, is_result && zero_init[i - num_args] != 0};
-    if (field->is_tensor) {
-      if (ffi::Error error = CheckTensorExtent(call->params, bound, ffi::ByteWidth(type)); error.failure()) return error;
-    }
-    call->buffers.push_back(bound);
+    call->buffers.push_back(BoundBuffer{field, data, bytes, is_result, is_result && zero_init[i - num_args] != 0});
+  }
+  bool packed = false;
+  for (const BoundBuffer& bound : call->buffers) packed = packed || std::string_view(bound.field->name) == "cu_seqlens_q";
+  for (const BoundBuffer& bound : call->buffers) {
+    if (!bound.field->is_tensor) continue;
+    if (ffi::Error error = CheckTensorExtent(call->params, bound, packed, ffi::ByteWidth(tensor_type)); error.failure())
+      return error;
   }
 
   const std::vector<std::string_view> kernel_names = Split(kernels, ';');

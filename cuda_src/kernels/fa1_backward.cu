@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   const float scale = p.softmax_scale;
   const int num_q_blocks = ceil_div(p.seqlen_q, BlockRows);
   const int num_kv_blocks = ceil_div(p.seqlen_k, BlockCols);
-  const MaskPolicy mask = MaskPolicy::of(p);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
   const IdentityScoreHook score_hook{};  // fa1 takes no softcap or ALiBi
 
   const T* const q = info.q<T>(p);

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
   const BlockInfo info = BlockInfo::of(p, blockIdx.y, blockIdx.x);
   const int d = p.headdim;
   const int num_q_blocks = ceil_div(p.seqlen_q, BlockRows);
-  const MaskPolicy mask = MaskPolicy::of(p);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
   const IdentityScoreHook score_hook{};  // fa1 takes no softcap or ALiBi
 
   const T* const q = info.q<T>(p);

@@ -123,8 +123,8 @@ struct RowKernel {
 // holds K/V block j's part and exists for the row when the row sees a key of block j (then
 // block j visits the row's Q block); otherwise the single slice 0 holds every block's part.
 template <int BlockN>
-__device__ __forceinline__ IndexRange dq_slices_of_row(const AttentionParams& p, int row) {
-  const IndexRange blocks = MaskPolicy::of(p).kv_blocks<BlockN>(row, row + 1);
+__device__ __forceinline__ IndexRange dq_slices_of_row(const AttentionParams& p, const BlockInfo& info, int row) {
+  const IndexRange blocks = MaskPolicy::of(p, info).kv_blocks<BlockN>(row, row + 1);
   if (blocks.empty()) return IndexRange{0, 0};
   return p.num_dq_splits > 1 ? blocks : IndexRange{0, 1};
 }
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
   const T* dout = info.dout<T>(p);
   const T* out = info.out_in<T>(p);
   float* dot = p.dout_dot_out + info.row_stats_offset(p);
-  const int row_end = min(p.seqlen_q, (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);
+  const int row_end = min(info.seqlen_q(p), (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);
   for (int row = blockIdx.x * fa2::RowKernel::kRows + threadIdx.x / 32; row < row_end; row += kWarps) {
     float sum = 0.f;
     for (int dim0 = lane * 4; dim0 < p.headdim; dim0 += 128) {
@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
   const int key0 = n_block * BlockN;
-  const int block_keys = min(BlockN, p.seqlen_k - key0);
+  if (key0 >= kv_info.seqlen_k(p)) return;  // past its sequence's keys (varlen): the whole block, before any barrier
+  const int block_keys = min(BlockN, kv_info.seqlen_k(p) - key0);
   const float softmax_scale = p.softmax_scale;
   const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
 
@@ -224,11 +225,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
 
-  const MaskPolicy mask = MaskPolicy::of(p);
+  const MaskPolicy mask = MaskPolicy::of(p, kv_info);  // the sequence's: the same for every head of the group
   const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-    const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
+    const ScoreHook score_hook = ScoreHook::of(p, info);
     const Dropout dropout = Dropout::of(p, batch, info.head);
     const T* q_head = info.q<T>(p);
     const T* do_head = info.dout<T>(p);
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 
     for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
       const int row0 = m_block * BlockM;
-      const int block_rows = min(BlockM, p.seqlen_q - row0);
+      const int block_rows = min(BlockM, mask.seqlen_q - row0);
       __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS
       fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row,
                                                       block_rows, d, tid, kThreads);
@@ -355,14 +356,14 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kerne
   const int d = p.headdim;
   const int chunks_per_row = ceil_div(d, 4);
   const int row0 = blockIdx.x * fa2::RowKernel::kRows;
-  const int rows = min(fa2::RowKernel::kRows, p.seqlen_q - row0);
+  const int rows = min(fa2::RowKernel::kRows, info.seqlen_q(p) - row0);
   const long long slice_stride = BlockInfo::dense_q_elements(p);
   T* dq = info.dq<T>(p);
   for (int c = threadIdx.x; c < rows * chunks_per_row; c += fa2::RowKernel::kThreads) {
     const int row = row0 + c / chunks_per_row;
     const int dim0 = (c % chunks_per_row) * 4;
     const float* accum = info.dq_accum(p, 0) + row * BlockInfo::dense_row_stride(p) + dim0;
-    const IndexRange slices = fa2::dq_slices_of_row<BlockN>(p, row);
+    const IndexRange slices = fa2::dq_slices_of_row<BlockN>(p, info, row);
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = slices.begin; j < slices.end; ++j) {  // fixed order: bitwise reproducible
       const float4 x = fa2::load_chunk4(accum + j * slice_stride, d - dim0);

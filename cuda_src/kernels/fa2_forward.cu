@@ -5,7 +5,9 @@
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one
-//           head; query head h reads kv head h / (nheads / nheads_k) (GQA / MQA).
+//           head; query head h reads kv head h / (nheads / nheads_k) (GQA / MQA). Varlen
+//           (block_info.cuh): batch counts sequences, the grid spans the longest one, and a
+//           block past its own sequence's rows returns at once.
 //   block = Warps x 32 threads. Each warp owns BlockM / Warps consecutive query rows for the
 //           whole kernel: their running max m, running sum l and un-normalised O stay in its
 //           registers, so no softmax statistic ever goes through shared memory between warps
@@ -127,10 +129,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   const int d = p.headdim;
 
   const int row0 = m_block * BlockM;
-  if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
-  const int block_rows = min(BlockM, p.seqlen_q - row0);
-  const MaskPolicy mask = MaskPolicy::of(p);
-  const ScoreHook score_hook = ScoreHook::of(p, info.batch, info.head);
+  if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
+  const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
+  const ScoreHook score_hook = ScoreHook::of(p, info);
   const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
 
   // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
     for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
       const int key0 = n_block * BlockN;
-      const int block_keys = min(BlockN, p.seqlen_k - key0);
+      const int block_keys = min(BlockN, mask.seqlen_k - key0);
       __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
       fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k + key0 * p.k_stride.row, p.k_stride.row,
                                                       block_keys, d, threadIdx.x, Tr::kThreads);
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   for (int i = 0; i < TM; ++i) {
     const float l = fa2::group_sum<kLaneCols>(row_sum[i]);
     const int row = first_row + i * kLaneRows;
-    if (row >= p.seqlen_q) continue;
+    if (row >= mask.seqlen_q) continue;
     const float inv_l = l > 0.f ? p.dropout_rescale / l : 0.f;  // 1 / (1 - dropout_p); 1 without dropout
 #pragma unroll
     for (int j = 0; j < TC; ++j) {

@@ -15,11 +15,13 @@
 //     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
-//     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans
+//     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans (in column chunks)
 //   dq_accum: one zero-initialised slice updated with red.global.add.f32 (atomic mode), or slice j written with
 //   plain stores by K/V block j (deterministic mode), exactly as in the SIMT backward.
 //   At the end dK_j * scale and dV_j are rounded to T, staged through the K and V buffers and written in 16-byte
 //   chunks.
+// Varlen (block_info.cuh): the grid spans the longest sequence; a block past its sequence's keys returns at once,
+// and every length and sequence offset is re-read where it is used.
 // Warps: each product is tiled over all Warps warps as WarpsM x WarpsN warp tiles of whole 16-row strips and
 // pairs of n8 tiles (WarpTiling below; the S/dP, dK/dV and dQ tilings differ). dK/dV stay in the registers of
 // the warps that own them for the whole kernel.
@@ -76,6 +78,13 @@ struct BackwardTraits {
   using SdP = WarpTiling<BlockM, BlockN, Warps>;   // S, dP, P, dS
   using DkDv = WarpTiling<BlockN, HeadDim, Warps>;  // dK, dV
   using Dq = WarpTiling<BlockM, HeadDim, Warps>;    // dQ
+  // dQ_i is computed in column chunks of kDqChunkTiles n8 tiles per warp: a chunk's accumulators are live beside
+  // dK and dV. 4, or 8 where dK and dV hold 16 n8 tiles per warp each (d256 on 8 warps): the settings at which the
+  // compile report shows every instance spill-free on every target (whole rows spilled 4 to 24 bytes at d128 and
+  // d256 once varlen's sequence offsets took their registers; chunks of 4 spilled d256 on 8 warps).
+  static constexpr int kDqChunkTiles = Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
+  static constexpr int kDqChunks = Dq::kNTiles > kDqChunkTiles ? Dq::kNTiles / kDqChunkTiles : 1;
+  static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
   using QTile = SwizzledTile<BlockM, HeadDim>;
@@ -134,14 +143,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
   const int key0 = n_block * BlockN;
-  const int block_keys = min(BlockN, p.seqlen_k - key0);
+  if (key0 >= kv_info.seqlen_k(p)) return;  // past its sequence's keys (varlen): the whole block, before any barrier
+  // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
+  auto block_keys = [&] { return min(BlockN, kv_info.seqlen_k(p) - key0); };
   const float softmax_scale = p.softmax_scale;
 
   const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
   const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-  fa2tc::load_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys, d, fa2tc::rows_16b_aligned(k, p.k_stride.row),
+  fa2tc::load_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys(), d, fa2tc::rows_16b_aligned(k, p.k_stride.row),
                            tid, Tr::kThreads);
-  fa2tc::load_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys, d, fa2tc::rows_16b_aligned(v, p.v_stride.row),
+  fa2tc::load_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys(), d, fa2tc::rows_16b_aligned(v, p.v_stride.row),
                            tid, Tr::kThreads);
   arch::cp_async_commit();
 
@@ -149,31 +160,28 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   acc_dk.zero();
   acc_dv.zero();
 
-  const MaskPolicy mask = MaskPolicy::of(p);
-  const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+  const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
   const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
   for (int h = 0; h < group; ++h) {
     const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-    const T* q_head = info.q<T>(p);
-    const T* do_head = info.dout<T>(p);
-    const bool q_vector = fa2tc::rows_16b_aligned(q_head, p.q_stride.row);
-    const bool do_vector = fa2tc::rows_16b_aligned(do_head, p.dout_stride.row);
-    const long long row_base = info.row_stats_offset(p);
-    // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: this kernel runs at the register limit, and
-    // through the helper ptxas spilled 8 bytes at d256 on sm_90.
-    float* dq_head = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) + info.dense_q_offset(p);
-    const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
     for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
       const int row0 = m_block * BlockM;
-      const int block_rows = min(BlockM, p.seqlen_q - row0);
+      auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
       __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS, lse, D
-      fa2tc::load_tile<QTile>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row, block_rows, d, q_vector, tid,
-                              Tr::kThreads);
-      fa2tc::load_tile<QTile>(do_tile, do_head + row0 * p.dout_stride.row, p.dout_stride.row, block_rows, d,
-                              do_vector, tid, Tr::kThreads);
+      // The head's pointers are formed per Q block, not per head: for varlen they come from cu_seqlens, re-read
+      // after the barrier, so none of them stays live through the products (the kernel runs at the register
+      // limit; held per head they spilled 4 to 32 bytes).
+      {
+        const T* q_rows = info.q<T>(p) + row0 * p.q_stride.row;
+        const T* do_rows = info.dout<T>(p) + row0 * p.dout_stride.row;
+        fa2tc::load_tile<QTile>(q_tile, q_rows, p.q_stride.row, block_rows(), d,
+                                fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid, Tr::kThreads);
+        fa2tc::load_tile<QTile>(do_tile, do_rows, p.dout_stride.row, block_rows(), d,
+                                fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid, Tr::kThreads);
+      }
       arch::cp_async_commit();
-      fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, tid, lse_rows, dot_rows);
+      fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
       arch::cp_async_wait<0>();
       __syncthreads();  // Q_i, dO_i (and K_j, V_j the first time), lse, D visible to all
 
@@ -186,10 +194,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                                                                                            s_n0, lane);
         fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
                                                                                            s_n0, lane);
-        const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+        const MaskPolicy mask = MaskPolicy::of(p, info);
+        const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
         // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
         // limit), for one cached load per Q block.
-        const ScoreHook score_hook = ScoreHook::of(p, batch, info.head);
+        const ScoreHook score_hook = ScoreHook::of(p, info);
 #pragma unroll
         for (int i = 0; i < SdP::kMTiles; ++i) {
           // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
@@ -238,24 +247,31 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
                                                                                        q_tile, DkDv::n0(warp), lane);
 
-      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale).
-      {
-        fa2tc::Accumulator<Dq::kMTiles, Dq::kNTiles> dq;
+      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
+      // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
+#pragma unroll 1
+      for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
+        constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
+        const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
+        fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
         dq.zero();
-        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, Dq::kNTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
-                                                                                       k_tile, Dq::n0(warp), lane);
+        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
+                                                                                       k_tile, n0, lane);
 #pragma unroll
         for (int i = 0; i < Dq::kMTiles; ++i)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = Dq::m0(warp) + 16 * i + quad_row + 8 * half;
-            if (r >= block_rows) continue;
-            float* dq_row = dq_head + (row0 + r) * dq_row_stride;
+            if (r >= block_rows()) continue;
+            // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: through the helper ptxas spilled 8 bytes
+            // at d256 on sm_90.
+            float* dq_row = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) +
+                            info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
 #pragma unroll
-            for (int j = 0; j < Dq::kNTiles; ++j)
+            for (int j = 0; j < kChunkTiles; ++j)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const int col = Dq::n0(warp) + 8 * j + 2 * quad_col + e;
+                const int col = n0 + 8 * j + 2 * quad_col + e;
                 if (col >= d) continue;
                 if (split_dq)
                   arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
@@ -291,8 +307,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   __syncthreads();
   T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
   T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
-  fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys, d, tid, Tr::kThreads);
-  fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys, d, tid, Tr::kThreads);
+  fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
+  fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
 }
 
 }  // namespace cuflash

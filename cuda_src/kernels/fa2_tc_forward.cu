@@ -6,6 +6,8 @@
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head; query head h
 //           reads kv head h / (nheads / nheads_k) (block_info.cuh).
+//           Varlen (block_info.cuh): the grid spans the longest sequence and a block past its own sequence's
+//           rows returns at once; lengths and offsets are re-read where used (none held through the K/V loop).
 //   block = Warps x 32 threads; warp w owns the 16 MTiles query rows w * 16 MTiles .. of the Q block (whole
 //           m16 MMA strips) for the whole kernel, so its softmax statistics never leave its registers and a
 //           row's max and sum need only the 4 lanes of a quad (2 xor-shuffles).
@@ -93,11 +95,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   const int d = p.headdim;
 
   const int row0 = m_block * BlockM;
-  if (row0 >= p.seqlen_q) return;  // the whole block: uniform, before any barrier
-  const int block_rows = min(BlockM, p.seqlen_q - row0);
-  const MaskPolicy mask = MaskPolicy::of(p);
-  const ScoreHook score_hook = ScoreHook::of(p, info.batch, info.head);
-  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+  if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
+  // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
+  auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
+  const ScoreHook score_hook = ScoreHook::of(p, info);
+  const IndexRange n_range = MaskPolicy::of(p, info).kv_blocks<BlockN>(row0, row0 + block_rows());
 
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   // Block-relative row of this lane's accumulator row r (strip r / 2, half r % 2).
@@ -129,9 +131,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool k_vector = fa2tc::rows_16b_aligned(k, p.k_stride.row);
     const bool v_vector = fa2tc::rows_16b_aligned(v, p.v_stride.row);
     const float scale_log2 = p.softmax_scale_log2;
-    auto block_keys = [&](int n_block) { return min(BlockN, p.seqlen_k - n_block * BlockN); };
+    auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
 
-    fa2tc::load_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, q_vector, threadIdx.x, Tr::kThreads);
+    fa2tc::load_tile<QTile>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x, Tr::kThreads);
     fa2tc::load_tile<KVTile>(k_tile, k + (n_range.end - 1) * BlockN * p.k_stride.row, p.k_stride.row,
                              block_keys(n_range.end - 1), d, k_vector, threadIdx.x, Tr::kThreads);
     arch::cp_async_commit();
@@ -150,7 +152,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
                                                                                 lane);
 
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
-      const bool masked = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+      const MaskPolicy mask = MaskPolicy::of(p, info);
+      const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -241,11 +244,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, 8 * j + 2 * quad_col)) =
           arch::pack_float2<T>(o[0] * inv_l, o[1] * inv_l);
     }
-    if (quad_col == 0 && row0 + row < p.seqlen_q)
+    if (quad_col == 0 && row0 + row < info.seqlen_q(p))
       arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[r], kLn2, logf(l)) : neg_inf());  // (m log2 e + log2 l) ln 2
   }
   __syncwarp();
-  fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows, d,
+  fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows(), d,
                            lane, 32);
 }
 

@@ -199,9 +199,10 @@ struct KRange {
 // Begins are rounded down to a multiple of kBlockK so loads stay aligned to the k steps; the extra
 // terms are exact zeros (P and dS are 0 where masked).
 template <MaskSkip Skip>
-__device__ __forceinline__ KRange tile_k_range(const AttentionParams& p, int m0, int n0, int m, int n, int k) {
+__device__ __forceinline__ KRange tile_k_range(const AttentionParams& p, const BlockInfo& info, int m0, int n0, int m,
+                                               int n, int k) {
   using Traits = StandardGemmTraits;
-  const MaskPolicy mask = MaskPolicy::of(p);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
   const int m_end = min(m0 + Traits::kBlockM, m);
   if (Skip == MaskSkip::kMaskedTiles) {  // rows are queries, columns keys
     const IndexRange keys = mask.keys_of_rows(m0, m_end);
@@ -228,7 +229,7 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
   const int m0 = static_cast<int>(blockIdx.x / n_tiles) * Traits::kBlockM;
   const int n0 = static_cast<int>(blockIdx.x % n_tiles) * Traits::kBlockN;
 
-  const KRange range = tile_k_range<Product::kMaskSkip>(p, m0, n0, shape.m, shape.n, shape.k);
+  const KRange range = tile_k_range<Product::kMaskSkip>(p, info, m0, n0, shape.m, shape.n, shape.k);
   const int steps_per_member = range.end > range.begin ? (range.end - range.begin + Traits::kBlockK - 1) / Traits::kBlockK : 0;
   const int steps = steps_per_member * shape.group_count;
 
@@ -323,8 +324,8 @@ __device__ __forceinline__ GemmOperand<T> tensor_operand(const T* head_base, con
 // One (seqlen_q x seqlen_k) slice of scores/probs; consecutive query heads are consecutive slices.
 __device__ __forceinline__ GemmOperand<float> matrix_operand(const float* matrix, const AttentionParams& p,
                                                             const BlockInfo& info, int outer_extent) {
-  const long long slice = static_cast<long long>(info.seqlen_q) * info.seqlen_k;
-  return GemmOperand<float>{matrix + info.score_matrix_offset(p), info.seqlen_k, slice, outer_extent};
+  const long long slice = static_cast<long long>(info.seqlen_q(p)) * info.seqlen_k(p);
+  return GemmOperand<float>{matrix + info.score_matrix_offset(p), info.seqlen_k(p), slice, outer_extent};
 }
 
 // S = scale Q K^T (M = seqlen_q, N = seqlen_k, K = d).
@@ -338,11 +339,14 @@ struct ScoresProduct {
   static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.q<T>(p), p.q_stride, info.seqlen_q),
-            tensor_operand(info.k<T>(p), p.k_stride, info.seqlen_k)};
+    return {info.seqlen_q(p), info.seqlen_k(p), p.headdim, 1,
+            tensor_operand(info.q<T>(p), p.q_stride, info.seqlen_q(p)),
+            tensor_operand(info.k<T>(p), p.k_stride, info.seqlen_k(p))};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
-    const float s = MaskPolicy::of(p).visible(query, key) ? IdentityScoreHook{}(acc, query, key) * p.softmax_scale : neg_inf();
+    const float s = MaskPolicy::of(p, info).visible(query, key)
+                        ? IdentityScoreHook{}(acc, query, key) * p.softmax_scale
+                        : neg_inf();
     arch::store(p.scores + info.score_row_offset(p, query) + key, s);
   }
 };
@@ -358,7 +362,7 @@ struct OutProduct {
   static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.probs, p, info, info.seqlen_q),
+    return {info.seqlen_q(p), p.headdim, info.seqlen_k(p), 1, matrix_operand(p.probs, p, info, info.seqlen_q(p)),
             tensor_operand(info.v<T>(p), p.v_stride, p.headdim)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int col, float acc) {
@@ -377,12 +381,13 @@ struct DpProduct {
   static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<T, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_q, info.seqlen_k, p.headdim, 1, tensor_operand(info.dout<T>(p), p.dout_stride, info.seqlen_q),
-            tensor_operand(info.v<T>(p), p.v_stride, info.seqlen_k)};
+    return {info.seqlen_q(p), info.seqlen_k(p), p.headdim, 1,
+            tensor_operand(info.dout<T>(p), p.dout_stride, info.seqlen_q(p)),
+            tensor_operand(info.v<T>(p), p.v_stride, info.seqlen_k(p))};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int key, float acc) {
     arch::store(p.scores + info.score_row_offset(p, query) + key,
-                MaskPolicy::of(p).visible(query, key) ? acc : 0.f);
+                MaskPolicy::of(p, info).visible(query, key) ? acc : 0.f);
   }
 };
 
@@ -397,7 +402,7 @@ struct DqProduct {
   static constexpr bool kOverKvHeads = false;
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_q, p.headdim, info.seqlen_k, 1, matrix_operand(p.scores, p, info, info.seqlen_q),
+    return {info.seqlen_q(p), p.headdim, info.seqlen_k(p), 1, matrix_operand(p.scores, p, info, info.seqlen_q(p)),
             tensor_operand(info.k<T>(p), p.k_stride, p.headdim)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int query, int col, float acc) {
@@ -417,8 +422,9 @@ struct DvProduct {
   static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads, K over the group's query heads
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
-            matrix_operand(p.probs, p, info, info.seqlen_k), tensor_operand(info.dout<T>(p), p.dout_stride, p.headdim)};
+    return {info.seqlen_k(p), p.headdim, info.seqlen_q(p), BlockInfo::group_size(p),
+            matrix_operand(p.probs, p, info, info.seqlen_k(p)),
+            tensor_operand(info.dout<T>(p), p.dout_stride, p.headdim)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int key, int col, float acc) {
     arch::store(info.dv<T>(p) + key * p.dv_stride.row + col, from_float<T>(acc));
@@ -436,8 +442,8 @@ struct DkProduct {
   static constexpr bool kOverKvHeads = true;  // grid.y runs over kv heads, K over the group's query heads
 
   __device__ static GemmShape<float, T> shape(const AttentionParams& p, const BlockInfo& info) {
-    return {info.seqlen_k, p.headdim, info.seqlen_q, BlockInfo::group_size(p),
-            matrix_operand(p.scores, p, info, info.seqlen_k), tensor_operand(info.q<T>(p), p.q_stride, p.headdim)};
+    return {info.seqlen_k(p), p.headdim, info.seqlen_q(p), BlockInfo::group_size(p),
+            matrix_operand(p.scores, p, info, info.seqlen_k(p)), tensor_operand(info.q<T>(p), p.q_stride, p.headdim)};
   }
   __device__ static void store(const AttentionParams& p, const BlockInfo& info, int key, int col, float acc) {
     arch::store(info.dk<T>(p) + key * p.dk_stride.row + col, from_float<T>(acc * p.softmax_scale));
@@ -568,7 +574,7 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
-  if (query >= info.seqlen_q) return;  // the whole warp leaves together, before any shuffle
+  if (query >= info.seqlen_q(p)) return;  // the whole warp leaves together, before any shuffle
 
   const long long matrix_row = info.score_row_offset(p, query);
   float* scores = p.scores + matrix_row;
@@ -602,7 +608,7 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_dout_dot
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
-  if (query >= info.seqlen_q) return;
+  if (query >= info.seqlen_q(p)) return;
 
   const T* dout = info.dout<T>(p) + query * p.dout_stride.row;
   const T* out = info.out_in<T>(p) + query * p.out_stride.row;

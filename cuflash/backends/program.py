@@ -36,9 +36,11 @@ class ArrayBackend(Protocol):
 
 
 def element_strides(array: Any) -> tuple[int, int, int]:
-    """(batch, row, head) strides in elements of a (batch, seqlen, heads, headdim) array."""
+    """(batch, row, head) strides in elements of a (batch, seqlen, heads, headdim) array, or of a packed varlen
+    (total, heads, headdim) one, whose batch stride is 0 (block_info.cuh finds its sequences by cu_seqlens)."""
     itemsize = array.dtype.itemsize
-    return tuple(int(s) // itemsize for s in array.strides[:3])  # type: ignore[return-value]
+    strides = tuple(int(s) // itemsize for s in array.strides[:-1])
+    return strides if len(strides) == 3 else (0, *strides)  # type: ignore[return-value]
 
 
 def run_program(

@@ -137,6 +137,8 @@ def pack_params(
         params[f"{name}_stride"] = (b, r, h)
     for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim"):
         params[name] = getattr(problem, name)
+    params["total_q"] = problem.rows_q
+    params["total_k"] = problem.rows_k
     params["softmax_scale"] = softmax_scale
     params["softmax_scale_log2"] = softmax_scale * math.log2(math.e)
     params["window_left"] = problem.mask.window_left

@@ -21,7 +21,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -66,6 +66,11 @@ class Problem:
     alibi: str | None = None
     # Dropout probability in [0, 1) (dropout.cuh; the seed is data, a side input).
     dropout_p: float = 0.0
+    # Varlen (block_info.cuh): query and key rows of the packed (total, heads, d) tensors, None for fixed-length
+    # batches. Then batch counts sequences and seqlen_q / seqlen_k are the longest ones (the grid's extent); the
+    # lengths themselves are data (cu_seqlens side inputs), so nothing here depends on them.
+    total_q: int | None = None
+    total_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -83,6 +88,10 @@ class Problem:
             raise ValueError(f"Problem.alibi must be one of {ALIBI_LAYOUTS}, got {self.alibi!r}")
         if not (isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0):
             raise ValueError(f"Problem.dropout_p must be a float in [0, 1), got {self.dropout_p!r}")
+        if (self.total_q is None) != (self.total_k is None):
+            raise ValueError("Problem.total_q and Problem.total_k are set together (varlen) or not at all")
+        if self.varlen and not (0 <= self.total_q and 0 <= self.total_k):
+            raise ValueError(f"Problem.total_q and total_k must be >= 0, got {self.total_q} and {self.total_k}")
 
     @property
     def options(self) -> frozenset[str]:
@@ -94,11 +103,35 @@ class Problem:
             used.add("alibi")
         if self.dropout_p > 0.0:
             used.add("dropout")
+        if self.varlen:
+            used.add("varlen")
         return frozenset(used)
+
+    @property
+    def varlen(self) -> bool:
+        return self.total_q is not None
+
+    @property
+    def rows_q(self) -> int:
+        """Query rows of the whole batch: the rows of the dense float32 buffers (dq_accum, out_accum)."""
+        return self.total_q if self.total_q is not None else self.batch * self.seqlen_q
+
+    @property
+    def rows_k(self) -> int:
+        """Key rows of the whole batch."""
+        return self.total_k if self.total_k is not None else self.batch * self.seqlen_k
+
+    @property
+    def row_stats_shape(self) -> tuple[int, ...]:
+        """Shape of the float32 per-row statistics (lse, D): (batch, nheads, seqlen_q), or (nheads, total_q)."""
+        return (self.nheads, self.total_q) if self.total_q is not None else (self.batch, self.nheads, self.seqlen_q)
 
     @functools.cached_property
     def mask_policy(self) -> MaskPolicy:
         """The NumPy twin of mask.cuh for this problem (made once: traffic formulas ask per tile and per row)."""
+        if self.varlen:
+            raise ValueError("a varlen problem has one mask per sequence, of lengths that are data (cu_seqlens): "
+                             "use Mask.policy(seqlen_q, seqlen_k) per sequence")
         return self.mask.policy(self.seqlen_q, self.seqlen_k)
 
     @property

@@ -16,7 +16,7 @@ namespace masktest {
 template <int BlockM, int BlockN>
 __global__ void mask_probe_kernel(const cuflash::AttentionParams p) {
   using cuflash::IndexRange;
-  const cuflash::MaskPolicy mask = cuflash::MaskPolicy::of(p);
+  const cuflash::MaskPolicy mask = cuflash::MaskPolicy::of(p, cuflash::BlockInfo::of(p, 0, 0));
   int* out = static_cast<int*>(p.out);
   const int sq = p.seqlen_q, sk = p.seqlen_k;
   const int nq = cuflash::ceil_div(sq, BlockM), nk = cuflash::ceil_div(sk, BlockN);

@@ -327,12 +327,12 @@ def backward_program_for(problem: Problem, traits) -> Program:
         _row_kernel_launch(traits.convert_instance(problem.dtype), problem),
     )
     scratch = (
-        Scratch("dout_dot_out", (problem.batch, problem.nheads, problem.seqlen_q)),
+        Scratch("dout_dot_out", problem.row_stats_shape),
         # A single slice is accumulated with atomics and must start at 0; split slices are only ever stored to
         # (and read back only where stored), so they are left unfilled.
         Scratch(
             "dq_accum",
-            (splits, problem.batch, problem.seqlen_q, problem.nheads, problem.headdim),
+            (splits, problem.rows_q, problem.nheads, problem.headdim),
             zero_init=splits == 1,
         ),
     )

@@ -170,11 +170,11 @@ BACKWARD_CHOICES = {
     256: (BackwardTraits(256, block_m=32, block_n=64, warps=8), BackwardTraits(256, block_m=32, block_n=32, warps=4)),
 }
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
-# With dropout: the same tiles (spill-free with it), but at d256 only 32 x 32 with 4 warps (32 x 64 with 8 spilled
-# 4 bytes on sm_90).
+# With dropout: the same tiles (spill-free with it), but at d192 and d256 only 32 x 32 with 4 warps (32 x 64 with 8
+# spilled 4 bytes on sm_90 at both).
 BACKWARD_CHOICES_DROPOUT = {
     **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
-    256: (BackwardTraits(256, block_m=32, block_n=32, warps=4, dropout=True),),
+    **{hd: (BackwardTraits(hd, block_m=32, block_n=32, warps=4, dropout=True),) for hd in (192, 256)},
 }
 
 
