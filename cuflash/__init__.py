@@ -4,14 +4,16 @@
     out = cuflash.attention(q, k, v, causal=True)                 # fa2 by default
     out, lse = cuflash.attention(q, k, v, return_lse=True, algorithm="fa1")
     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse)
+    out = cuflash.attention_varlen(q_packed, k_packed, v_packed, cu_seqlens_q, cu_seqlens_k)
 
 NumPy arrays run on the CPU simulator, CuPy arrays (and CUDA arrays of other
 libraries, via DLPack) on the GPU. JAX users: ``cuflash.jax.attention``.
 """
 
-from .api import attention, attention_backward
+from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .dropout import dropout_mask
 from .kernels.catalog import algorithms as available_algorithms
 
-__all__ = ["attention", "attention_backward", "available_algorithms", "dropout_mask"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "available_algorithms",
+           "dropout_mask"]
 __version__ = "0.1.0"

@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cuflash.reference import accumulator_dtype, attention_backward_reference, attention_reference, resolve_dtype
+from cuflash.reference import (accumulator_dtype, attention_backward_reference, attention_reference,
+                               attention_varlen_backward_reference, attention_varlen_reference, resolve_dtype)
 
 __all__ = [
     "CloseCheck",
@@ -140,19 +141,29 @@ class BackwardReferences(NamedTuple):
     dv_lowp: np.ndarray
 
 
-def forward_references(q, k, v, **options) -> ForwardReferences:
+def forward_references(q, k, v, *, cu_seqlens=None, **options) -> ForwardReferences:
     """The float64 reference and its low-precision twin in q's precision, ready for ``check_close``.
 
-    ``options``: those of ``attention_reference`` (causal, softmax_scale, window_size, softcap, alibi_slopes)."""
+    ``options``: those of ``attention_reference`` (causal, softmax_scale, window_size, softcap, alibi_slopes).
+    ``cu_seqlens=(cu_seqlens_q, cu_seqlens_k)``: packed varlen inputs (``attention_varlen_reference``)."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
-    out, lse = attention_reference(q, k, v, **options)
-    out_lowp, lse_lowp = attention_reference(q, k, v, **options, dtype=lowp)
+    if cu_seqlens is not None:
+        out, lse = attention_varlen_reference(q, k, v, *cu_seqlens, **options)
+        out_lowp, lse_lowp = attention_varlen_reference(q, k, v, *cu_seqlens, **options, dtype=lowp)
+    else:
+        out, lse = attention_reference(q, k, v, **options)
+        out_lowp, lse_lowp = attention_reference(q, k, v, **options, dtype=lowp)
     return ForwardReferences(out, lse, out_lowp, lse_lowp)
 
 
-def backward_references(dout, q, k, v, **options) -> BackwardReferences:
-    """Float64 gradients and their low-precision twins in q's precision, ready for ``check_close``."""
+def backward_references(dout, q, k, v, *, cu_seqlens=None, **options) -> BackwardReferences:
+    """Float64 gradients and their low-precision twins in q's precision, ready for ``check_close``
+    (``cu_seqlens`` as for ``forward_references``)."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
-    grads = attention_backward_reference(dout, q, k, v, **options)
-    grads_lowp = attention_backward_reference(dout, q, k, v, **options, dtype=lowp)
+    if cu_seqlens is not None:
+        grads = attention_varlen_backward_reference(dout, q, k, v, *cu_seqlens, **options)
+        grads_lowp = attention_varlen_backward_reference(dout, q, k, v, *cu_seqlens, **options, dtype=lowp)
+    else:
+        grads = attention_backward_reference(dout, q, k, v, **options)
+        grads_lowp = attention_backward_reference(dout, q, k, v, **options, dtype=lowp)
     return BackwardReferences(*grads, *grads_lowp)

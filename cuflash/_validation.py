@@ -11,6 +11,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 from .dropout import check_dropout_p  # dropout's checks live beside its rule
 from .kernels.program import ELEMENT_DTYPES, Problem
 from .mask import Mask
@@ -42,11 +44,13 @@ def check_softmax_scale(softmax_scale: Any, headdim: int) -> float:
     return scale
 
 
-def _check_4d(name: str, array: Any, layout: str) -> tuple[int, int, int, int]:
+def _check_ndim(name: str, array: Any, layout: str) -> tuple[int, ...]:
+    """The shape of ``array``, which must have one dimension per name in ``layout``."""
     shape = tuple(array.shape)
-    if len(shape) != 4:
-        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {shape}")
-    return shape  # type: ignore[return-value]
+    ndim = layout.count(",") + 1
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {shape}")
+    return shape
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -102,14 +106,100 @@ def check_alibi_slopes(alibi_slopes: Any, batch: int, nheads: int) -> str | None
 def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
               alibi_slopes: Any = None, dropout_p: Any = 0.0, deterministic: Any = False) -> Problem:
     """Validate q, k, v and the attention options, and return the Problem they describe."""
-    batch, seqlen_q, nheads, headdim = _check_4d("q", q, "(batch, seqlen_q, nheads, headdim)")
-    kshape = _check_4d("k", k, "(batch, seqlen_k, nheads_k, headdim)")
-    vshape = _check_4d("v", v, "(batch, seqlen_k, nheads_k, headdim)")
+    batch, seqlen_q, nheads, headdim = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")
+    kshape = _check_ndim("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    vshape = _check_ndim("v", v, "(batch, seqlen_k, nheads_k, headdim)")
     if kshape != vshape:
         raise ValueError(f"k and v must have the same shape, got k {kshape} and v {vshape}")
     kbatch, seqlen_k, nheads_k, kheaddim = kshape
     if kbatch != batch:
         raise ValueError(f"k must have the batch size of q ({batch}), got {kbatch}")
+    return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+                    headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
+                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+
+
+def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
+                     max_seqlen_q: Any, max_seqlen_k: Any, **options: Any) -> Problem:
+    """Validate packed q (total_q, nheads, d), k, v (total_k, nheads_k, d), the host copies of cu_seqlens_q/k
+    (check_cu_seqlens) and the options; return the varlen Problem (batch = sequences, seqlen = max_seqlen).
+    ``options``: causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, as for check_qkv."""
+    (total_q, _, _), (total_k, _, _) = _packed_shapes(q, k, v)
+    lengths_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (rows of q)")
+    lengths_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (rows of k and v)")
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{len(lengths_q) + 1} and {len(lengths_k) + 1}")
+    seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
+    seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
+    return varlen_problem(q, k, v, batch=len(lengths_q), max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, **options)
+
+
+def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: Any,
+                   window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None, dropout_p: Any = 0.0,
+                   deterministic: Any = False) -> Problem:
+    """The varlen Problem of packed q, k, v for ``batch`` sequences of at most max_seqlen_q / max_seqlen_k rows,
+    without looking at the cu_seqlens values (check_varlen_qkv does; JAX calls this directly when they are traced)."""
+    (total_q, nheads, headdim), (total_k, nheads_k, kheaddim) = _packed_shapes(q, k, v)
+    seqlen_q, seqlen_k = (_check_int(name, x) for name, x in (("max_seqlen_q", max_seqlen_q),
+                                                              ("max_seqlen_k", max_seqlen_k)))
+    for name, x in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k)):
+        if x < 0:
+            raise ValueError(f"{name} must be >= 0, got {x}")
+    return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+                    headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
+                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, total_q=total_q,
+                    total_k=total_k)
+
+
+def _packed_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of packed varlen q and of k (= v's): (total, heads, headdim)."""
+    qshape = _check_ndim("q", q, "(total_q, nheads, headdim)")
+    kshape = _check_ndim("k", k, "(total_k, nheads_k, headdim)")
+    vshape = _check_ndim("v", v, "(total_k, nheads_k, headdim)")
+    if kshape != vshape:
+        raise ValueError(f"k and v must have the same shape, got k {kshape} and v {vshape}")
+    return qshape, kshape
+
+
+def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int, total_name: str) -> np.ndarray:
+    """The sequence lengths of ``cu_seqlens`` (a host copy): int32, (batch + 1,), 0 first, nondecreasing, last =
+    ``total``. Zero-length sequences are allowed."""
+    if dtype_name(cu_seqlens) != "int32":
+        raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu_seqlens)}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.shape[0] - 1 > MAX_GRID_YZ:
+        raise ValueError(f"{name} describes {cu_seqlens.shape[0] - 1} sequences, more than {MAX_GRID_YZ}")
+    lengths = np.diff(cu_seqlens.astype(np.int64))
+    if cu_seqlens[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu_seqlens[0])}")
+    if np.any(lengths < 0):
+        at = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be nondecreasing, got {name}[{at + 1}] = {int(cu_seqlens[at + 1])} < "
+                         f"{name}[{at}] = {int(cu_seqlens[at])}")
+    if int(cu_seqlens[-1]) != total:
+        raise ValueError(f"{name}[-1] must equal {total_name} = {total}, got {int(cu_seqlens[-1])}")
+    return lengths
+
+
+def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: str) -> int:
+    """``max_seqlen`` (default: the longest of ``lengths``), at least the longest."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    if max_seqlen is None:
+        return longest
+    value = _check_int(name, max_seqlen)
+    if value < longest:
+        raise ValueError(f"{name} must be at least the longest sequence of {cu_name} ({longest}), got {value}")
+    if value > MAX_SEQLEN:
+        raise ValueError(f"{name} must be below 2**31, got {value}")
+    return value
+
+
+def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int,
+             headdim: int, kheaddim: int, causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
+             dropout_p: Any, deterministic: Any, total_q: int | None = None, total_k: int | None = None) -> Problem:
+    """The checks fixed-length and varlen inputs share (heads, head dim, dtypes, options), then the Problem."""
     if kheaddim != headdim:
         raise ValueError(f"k and v must have the head dim of q ({headdim}), got {kheaddim}")
     if not 1 <= headdim <= MAX_HEADDIM:
@@ -122,7 +212,7 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
         )
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise ValueError(f"batch and nheads must be at most {MAX_GRID_YZ}, got {batch} and {nheads}")
-    if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN:
+    if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN or (total_q or 0) > MAX_SEQLEN or (total_k or 0) > MAX_SEQLEN:
         raise ValueError(f"sequence lengths must be below 2**31, got {seqlen_q} and {seqlen_k}")
     dtypes = {name: dtype_name(a) for name, a in (("q", q), ("k", k), ("v", v))}
     for name, dt in dtypes.items():
@@ -143,6 +233,8 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
         softcap=check_softcap(softcap),
         alibi=check_alibi_slopes(alibi_slopes, batch, nheads),
         dropout_p=check_dropout_p(dropout_p),
+        total_q=total_q,
+        total_k=total_k,
     )
 
 
@@ -155,9 +247,10 @@ def check_like(name: str, array: Any, like_name: str, like: Any) -> None:
 
 
 def check_lse(lse: Any, problem: Problem) -> None:
-    expected = (problem.batch, problem.nheads, problem.seqlen_q)
+    expected = problem.row_stats_shape
+    layout = "(nheads, total_q)" if problem.varlen else "(batch, nheads, seqlen_q)"
     if tuple(lse.shape) != expected:
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
+        raise ValueError(f"lse must have shape {layout} = {expected}, got {tuple(lse.shape)}")
     if dtype_name(lse) != "float32":
         raise TypeError(f"lse must have dtype float32, got {dtype_name(lse)}")
 

@@ -129,12 +129,84 @@ def _place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -
     return placement, slopes if slopes.flags.c_contiguous else _ascontiguous(slopes)
 
 
-def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None) -> dict[str, Any]:
-    """The optional kernel inputs: ALiBi slopes, and dropout's seed words on the backend's device."""
+def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
+                 cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """The optional kernel inputs: ALiBi slopes, dropout's seed words and varlen's cu_seqlens on the backend's
+    device (uploaded from the checked host copies; int32 words in float32-typed side buffers)."""
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     if problem.dropout_p > 0.0:
         inputs["dropout_seed"] = backend.upload(seed_words(dropout_seed))
+    if cu_seqlens is not None:
+        for name, host in zip(("cu_seqlens_q", "cu_seqlens_k"), cu_seqlens):
+            inputs[name] = backend.upload(np.ascontiguousarray(host, dtype=np.int32).view(np.float32))
     return inputs
+
+
+def _host_copy(array: Any) -> np.ndarray:
+    """A NumPy copy of a placed array (CuPy: copied from the device, which waits for it)."""
+    return np.array(array.get() if _is_cupy(array) else array)
+
+
+def _forward(placement: _Placement, problem: plans.Problem, q: Any, k: Any, v: Any, *, softmax_scale: Any,
+             alibi_slopes: Any, dropout_seed: Any, algorithm: str, return_lse: Any,
+             cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+    """The forward every entry point runs once its arrays are placed and its Problem checked."""
+    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
+    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+    return_lse = V.check_bool("return_lse", return_lse)
+    catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
+    q, k, v = _contiguous_last_dim((q, k, v))
+
+    backend = placement.backend()
+    with backend.device():
+        out = backend.empty(tuple(q.shape), q.dtype)
+        lse = backend.empty(problem.row_stats_shape, np.float32)
+        if problem.seqlen_k == 0:
+            # No key at all: every row sees no key (the kernels' rule, without a launch).
+            out[...] = 0
+            lse[...] = -np.inf
+        elif out.size:
+            program = plans.forward_program(algorithm, problem, backend.target)
+            arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
+                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens)}
+            run_program(backend, program, problem, scale, arrays)
+    out, lse = placement.export(out), placement.export(lse)
+    return (out, lse) if return_lse else out
+
+
+def _backward(placement: _Placement, problem: plans.Problem, dout: Any, q: Any, k: Any, v: Any, out: Any,
+              lse: Any, *, softmax_scale: Any, alibi_slopes: Any, dropout_seed: Any, algorithm: str,
+              cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, Any, Any]:
+    """The backward every entry point runs once its arrays are placed and its Problem checked."""
+    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
+    V.check_like("dout", dout, "q", q)
+    V.check_like("out", out, "q", q)
+    V.check_lse(lse, problem)
+    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+    catalog.check_options(algorithm, problem)
+    dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
+    if not lse.flags.c_contiguous:
+        lse = _ascontiguous(lse)
+
+    backend = placement.backend()
+    with backend.device():
+        dq = backend.empty(tuple(q.shape), q.dtype)
+        dk = backend.empty(tuple(k.shape), k.dtype)
+        dv = backend.empty(tuple(v.shape), v.dtype)
+        if problem.seqlen_k == 0 or problem.seqlen_q == 0:
+            # Nothing attends to anything: all gradients are zero.
+            for grad in (dq, dk, dv):
+                grad[...] = 0
+        elif dq.size:
+            program = plans.backward_program(algorithm, problem, backend.target)
+            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens)}
+            run_program(backend, program, problem, scale, arrays)
+        elif dk.size:
+            # Varlen with no query row at all (total_q = 0): no key is seen.
+            dk[...] = 0
+            dv[...] = 0
+    return placement.export(dq), placement.export(dk), placement.export(dv)
 
 
 _OPTIONS_DOC = """
@@ -176,27 +248,8 @@ def attention(
     q, k, v = placement.arrays[:3]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
-    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    return_lse = V.check_bool("return_lse", return_lse)
-    catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
-    q, k, v = _contiguous_last_dim((q, k, v))
-
-    backend = placement.backend()
-    with backend.device():
-        out = backend.empty(tuple(q.shape), q.dtype)
-        lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
-        if problem.seqlen_k == 0:
-            # No key at all: every row sees no key (the kernels' rule, without a launch).
-            out[...] = 0
-            lse[...] = -np.inf
-        elif out.size:
-            program = plans.forward_program(algorithm, problem, backend.target)
-            arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
-                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed)}
-            run_program(backend, program, problem, scale, arrays)
-    out, lse = placement.export(out), placement.export(lse)
-    return (out, lse) if return_lse else out
+    return _forward(placement, problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                    dropout_seed=dropout_seed, algorithm=algorithm, return_lse=return_lse)
 
 
 def attention_backward(
@@ -221,31 +274,72 @@ def attention_backward(
     dout, q, k, v, out, lse = placement.arrays[:6]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
-    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
-    V.check_like("dout", dout, "q", q)
-    V.check_like("out", out, "q", q)
-    V.check_lse(lse, problem)
-    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    catalog.check_options(algorithm, problem)
-    dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
-    if not lse.flags.c_contiguous:
-        lse = _ascontiguous(lse)
+    return _backward(placement, problem, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, algorithm=algorithm)
 
-    backend = placement.backend()
-    with backend.device():
-        dq = backend.empty(tuple(q.shape), q.dtype)
-        dk = backend.empty(tuple(k.shape), k.dtype)
-        dv = backend.empty(tuple(v.shape), v.dtype)
-        if problem.seqlen_k == 0 or problem.seqlen_q == 0:
-            # Nothing attends to anything: all gradients are zero.
-            for grad in (dq, dk, dv):
-                grad[...] = 0
-        elif dq.size:
-            program = plans.backward_program(algorithm, problem, backend.target)
-            arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed)}
-            run_program(backend, program, problem, scale, arrays)
-    return placement.export(dq), placement.export(dk), placement.export(dv)
+
+def attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    algorithm: str = "fa2",
+    return_lse: bool = False,
+) -> Any:
+    placement, alibi_slopes = _place(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+                                     (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
+    q, k, v = placement.arrays[:3]
+    cu_seqlens = (_host_copy(placement.arrays[3]), _host_copy(placement.arrays[4]))
+    problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                 causal=causal, window_size=window_size, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    return _forward(placement, problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                    dropout_seed=dropout_seed, algorithm=algorithm, return_lse=return_lse, cu_seqlens=cu_seqlens)
+
+
+def attention_varlen_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    algorithm: str = "fa2",
+    deterministic: bool = False,
+) -> tuple[Any, Any, Any]:
+    names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
+    placement, alibi_slopes = _place(names, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
+    dout, q, k, v, out, lse = placement.arrays[:6]
+    cu_seqlens = (_host_copy(placement.arrays[6]), _host_copy(placement.arrays[7]))
+    problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                 causal=causal, window_size=window_size, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+    return _backward(placement, problem, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, algorithm=algorithm,
+                     cu_seqlens=cu_seqlens)
 
 
 attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = scale * q k^T (see options).
@@ -266,4 +360,25 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given do
     query heads of a group). ``deterministic=True`` asks for bitwise-reproducible
     gradients (the fa2 backward otherwise accumulates dq with float32 atomics, whose order
     varies between runs on a GPU). No gradient flows to alibi_slopes.
+""" + _OPTIONS_DOC
+
+attention_varlen.__doc__ = """Attention over a batch of variable-length sequences packed without padding.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim). cu_seqlens_q and
+    cu_seqlens_k: int32 (batch + 1,), from 0 to total_q (total_k), nondecreasing: sequence b
+    is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q attending to rows cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1] of k and v, exactly as ``attention`` on that sequence alone (the mask's
+    off = seqlen_k - seqlen_q is the sequence's own). Zero-length sequences are allowed.
+    The cu_seqlens are read on the host before any kernel runs (a CuPy array is copied, which
+    waits for the device). ``max_seqlen_q`` / ``max_seqlen_k`` default to the longest sequence;
+    a larger value only enlarges the grid, a smaller one is an error. ``alibi_slopes`` may be
+    (batch, nheads) per sequence. algorithm="fa2" only; no work or traffic for padding.
+
+    Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
+""" + _OPTIONS_DOC
+
+attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention_varlen`` given dout = dL/dout.
+
+    Arguments as for ``attention_varlen`` (out and lse as it returned them); dq is like q,
+    dk and dv like k and v. ``deterministic=True`` as in ``attention_backward``.
 """ + _OPTIONS_DOC

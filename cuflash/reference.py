@@ -300,3 +300,70 @@ def attention_backward_reference(
         dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
         dk[b, :, kv_head, :] += (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(b, query rows, key rows) of each sequence of a varlen batch, as slices of the packed tensors."""
+    cu_q, cu_k = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be (batch + 1,) arrays, got {cu_q.shape} and "
+                         f"{cu_k.shape}")
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def _sequence_options(b: int, rows: slice, keys: slice, alibi_slopes, dropout_mask) -> dict:
+    """The per-sequence options of a varlen batch: its ALiBi slopes row and the corner of the dropout mask its
+    positions index ((batch, nheads, max_seqlen_q, max_seqlen_k), as ``cuflash.dropout_mask`` makes it)."""
+    slopes = np.asarray(alibi_slopes) if alibi_slopes is not None else None
+    return {
+        "alibi_slopes": slopes[b:b + 1] if slopes is not None and slopes.ndim == 2 else slopes,
+        "dropout_mask": None if dropout_mask is None
+        else dropout_mask[b:b + 1, :, :rows.stop - rows.start, :keys.stop - keys.start],
+    }
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
+                               softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                               alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64):
+    """Varlen attention forward: ``attention_reference`` of each sequence alone. Returns ``(out, lse)``.
+
+    q (total_q, nheads, d), k and v (total_k, nheads_k, d), cu_seqlens as for ``cuflash.attention_varlen``;
+    out (total_q, nheads, d) in ``dtype``, lse (nheads, total_q). ``alibi_slopes`` (nheads,) or (batch, nheads);
+    ``dropout_mask`` (batch, nheads, max_seqlen_q, max_seqlen_k) indexed by positions within each sequence.
+    """
+    dtype = resolve_dtype(dtype)
+    acc = accumulator_dtype(dtype)
+    q, k, v = (np.asarray(a) for a in (q, k, v))
+    scale = _scale(softmax_scale, q.shape[-1])
+    out = np.zeros(q.shape, dtype=dtype)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=acc)
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        out_b, lse_b = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
+                                           softmax_scale=scale, window_size=window_size, softcap=softcap,
+                                           dropout_p=dropout_p, dtype=dtype,
+                                           **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
+        out[rows] = out_b[0]
+        lse[:, rows] = lse_b[0]
+    return out, lse
+
+
+def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
+                                        softmax_scale: float | None = None, window_size=(-1, -1),
+                                        softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                                        dropout_mask=None, dtype=np.float64):
+    """Gradients of ``attention_varlen_reference``: ``attention_backward_reference`` of each sequence alone.
+    Returns ``(dq, dk, dv)`` shaped like q, k, v, in ``dtype``."""
+    dtype = resolve_dtype(dtype)
+    dout, q, k, v = (np.asarray(a) for a in (dout, q, k, v))
+    scale = _scale(softmax_scale, q.shape[-1])
+    dq = np.zeros(q.shape, dtype=dtype)
+    dk = np.zeros(k.shape, dtype=dtype)
+    dv = np.zeros(v.shape, dtype=dtype)
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
+                                             causal=causal, softmax_scale=scale, window_size=window_size,
+                                             softcap=softcap, dropout_p=dropout_p, dtype=dtype,
+                                             **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+    return dq, dk, dv
