@@ -11,6 +11,6 @@ simulator. The handler library is built with cffi at first use and cached under
 ~/.cache/cuflash/jax_ffi); ``python -m cuflash.jax.build`` builds it ahead of time.
 """
 
-from ._attention import attention, dropout_seed
+from ._attention import attention, attention_varlen, dropout_seed
 
-__all__ = ["attention", "dropout_seed"]
+__all__ = ["attention", "attention_varlen", "dropout_seed"]

@@ -67,12 +67,86 @@ def attention(
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+    return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
+                 algorithm=algorithm, return_lse=return_lse)
+
+
+def attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    dropout_rng: Any = None,
+    algorithm: str = "fa2",
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> Any:
+    """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
+    nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,); returns out, or (out, lse) with lse
+    float32 (nheads, total_q). Options, autodiff and platforms as for ``attention``.
+
+    The grid's extent is static: when the cu_seqlens are traced (under ``jit``, or computed), ``max_seqlen_q`` and
+    ``max_seqlen_k`` (Python ints) are required and must bound every sequence, and the cu_seqlens values are taken
+    as they are (0 first, nondecreasing, last = total), as FlashAttention-2 takes them. Concrete cu_seqlens are
+    checked like ``cuflash.attention_varlen``'s, and max_seqlen defaults to the longest sequence. vmap runs one
+    call per mapped element.
+    """
+    for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   dropout_p=dropout_p, deterministic=deterministic)
+    concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k)]
+    if all(x is not None for x in concrete):
+        problem = V.check_varlen_qkv(q, k, v, *concrete, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     **options)
+    else:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if V.dtype_name(cu) != "int32" or len(cu.shape) != 1 or cu.shape[0] < 1:
+                raise TypeError(f"{name} must be an int32 array of shape (batch + 1,), got {V.dtype_name(cu)} "
+                                f"{tuple(cu.shape)}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is None:
+                raise ValueError(f"{name} (a Python int) is required when the cu_seqlens are traced")
+        problem = V.varlen_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k, **options)
+    cu_words = tuple(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)
+                     for x in (cu_seqlens_q, cu_seqlens_k))
+    return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
+                 algorithm=algorithm, return_lse=return_lse, cu_words=cu_words)
+
+
+def _concrete(array) -> np.ndarray | None:
+    """A host copy of ``array`` when its values are known at trace time, else None."""
+    try:
+        return np.asarray(array)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _call(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse, cu_words=()):
+    """What attention and attention_varlen share once the Problem is checked: the side inputs, in
+    _primitives.side_input_names order, and the differentiable call."""
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
-    side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)  # in _primitives.side_input_names order
+    side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
     if problem.dropout_p > 0.0:
         side += (jax.lax.bitcast_convert_type(_seed_bits(_check_rng(dropout_rng)), jnp.float32),)
+    side += tuple(cu_words)
     q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
     out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v, tuple(side))
     return (out, lse) if return_lse else out

@@ -70,23 +70,31 @@ def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
 
 
 def side_input_names(problem: Problem) -> tuple[str, ...]:
-    """The optional inputs both directions take, in operand order: ALiBi slopes, dropout's seed words."""
+    """The optional inputs both directions take, in operand order: ALiBi slopes, dropout's seed words, varlen's
+    cu_seqlens (int32 words as float32)."""
     names = ("alibi_slopes",) if problem.alibi is not None else ()
-    return names + (("dropout_seed",) if problem.dropout_p > 0.0 else ())
+    names += ("dropout_seed",) if problem.dropout_p > 0.0 else ()
+    return names + (("cu_seqlens_q", "cu_seqlens_k") if problem.varlen else ())
 
 
 def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
+    """(batch, seqlen, heads, d) tensors and (batch, nheads, seqlen_q) row stats, or for varlen the packed
+    (total, heads, d) tensors and (nheads, total_q) row stats."""
     if name in ("lse", "dlse"):
-        return (problem.batch, problem.nheads, problem.seqlen_q)
-    if name in QUERY_SIDE_TENSORS:  # (batch, seqlen_q, nheads, d); the others use seqlen_k, nheads_k
-        return (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim)
-    return (problem.batch, problem.seqlen_k, problem.nheads_k, problem.headdim)
+        return problem.row_stats_shape
+    query_side = name in QUERY_SIDE_TENSORS  # q, out, dout, dq; the others use seqlen_k, nheads_k
+    heads = problem.nheads if query_side else problem.nheads_k
+    if problem.varlen:
+        return (problem.total_q if query_side else problem.total_k, heads, problem.headdim)
+    return (problem.batch, problem.seqlen_q if query_side else problem.seqlen_k, heads, problem.headdim)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(batch, row, head) element strides of a row-major (batch, seqlen, heads, headdim) array."""
-    _, rows, heads, headdim = shape
-    return (rows * heads * headdim, heads * headdim, headdim)
+    """(batch, row, head) element strides of a row-major (batch, seqlen, heads, headdim) array, or of a packed
+    (total, heads, headdim) one (batch stride 0, as backends.program.element_strides)."""
+    *outer, heads, headdim = shape
+    rows = outer[-1]
+    return (rows * heads * headdim if len(outer) == 2 else 0, heads * headdim, headdim)
 
 
 def target_for(platform: str) -> Target:
@@ -230,14 +238,15 @@ def _batching(direction: str, args, dims, *, config: CallConfig):
 
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
     broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
-    With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change:
-    each mapped element then runs its own call, so vmap equals a loop of per-element calls, bitwise."""
+    With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change;
+    varlen tensors are packed along their only outer axis, which has no batch to fold into: in both cases each
+    mapped element runs its own call, so vmap equals a loop of per-element calls, bitwise."""
     primitive = _PRIMITIVES[direction]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
-    if problem.dropout_p > 0.0:
+    if problem.dropout_p > 0.0 or problem.varlen:
         members = [primitive.bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)),
                                   config=config) for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
