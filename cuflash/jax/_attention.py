@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .. import _validation as V
 from ..kernels import catalog
-from ._primitives import CallConfig, attention_backward_p, attention_forward_p, tensor_shape
+from ._primitives import CallConfig, call, tensor_shape
 
 
 def attention(
@@ -53,7 +53,9 @@ def attention(
     as ``cuflash.attention``. Works under ``jit``, ``grad``/``vjp`` (the backward runs
     the library's backward kernels on saved q, k, v, out, lse; the gradient through
     lse is exact too), ``vmap`` (the mapped axis is folded into the batch so one
-    launch covers it) and ``shard_map`` (outputs vary along the inputs' mesh axes).
+    launch covers it), ``shard_map`` (outputs vary along the inputs' mesh axes) and plain ``jit`` over inputs
+    sharded along batch and heads (one call per device on its shard, no collective; see _partitioning.py for
+    what stays whole).
     ``deterministic=True`` asks the backward for bitwise-reproducible gradients.
 
     Runs on the CPU (the simulator: every CUDA thread a fiber; slow, exact to the
@@ -214,7 +216,7 @@ def _forward(config: CallConfig, q, k, v, side=()):
         out = jnp.zeros(out_shape, q.dtype)
         lse = jnp.full(tensor_shape("lse", problem), -np.inf, jnp.float32)
     else:
-        out, lse = attention_forward_p.bind(q, k, v, *side, config=config)
+        out, lse = call("forward", config, q, k, v, *side)
     return _mark_varying(out, axes), _mark_varying(lse, axes)
 
 
@@ -226,7 +228,7 @@ def _backward(config: CallConfig, dout, q, k, v, out, lse, side=(), dlse=None):
     else:
         extra = (*side,) if dlse is None else (*side, dlse.astype(jnp.float32))
         config = dataclasses.replace(config, with_dlse=dlse is not None)
-        grads = attention_backward_p.bind(dout.astype(q.dtype), q, k, v, out, lse, *extra, config=config)
+        grads = call("backward", config, dout.astype(q.dtype), q, k, v, out, lse, *extra)
     return tuple(_mark_varying(g, axes) for g in grads)
 
 

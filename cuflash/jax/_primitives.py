@@ -32,6 +32,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -41,7 +42,7 @@ from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
 from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
-from . import _ffi
+from . import _ffi, _partitioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,21 +235,24 @@ def _move_to_front(x, dim, size):
 
 
 def _batching(direction: str, args, dims, *, config: CallConfig):
-    """vmap: fold the mapped axis into batch (one launch), chunked to respect the grid limit.
+    return batched_call(direction, config, args, dims, _PRIMITIVES[direction].bind)
+
+
+def batched_call(direction: str, config: CallConfig, args, dims, bind):
+    """vmap of one call (``bind(*arrays, config=...)`` makes the unbatched calls): fold the mapped axis into batch (one launch), chunked to respect the grid limit.
 
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
     broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
     With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change;
     varlen tensors are packed along their only outer axis, which has no batch to fold into: in both cases each
     mapped element runs its own call, so vmap equals a loop of per-element calls, bitwise."""
-    primitive = _PRIMITIVES[direction]
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
     if problem.dropout_p > 0.0 or problem.varlen:
-        members = [primitive.bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)),
-                                  config=config) for m in range(size)]
+        members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
+                   for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
     args, dims = list(args), list(dims)
     shared_slopes = None
@@ -269,7 +273,7 @@ def _batching(direction: str, args, dims, *, config: CallConfig):
         part = args if members == size else [x if x is shared_slopes else x[start : start + members] for x in args]
         folded = [x if x is shared_slopes else x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
         problem = dataclasses.replace(config.problem, batch=members * batch)
-        outs = primitive.bind(*folded, config=dataclasses.replace(config, problem=problem))
+        outs = bind(*folded, config=dataclasses.replace(config, problem=problem))
         pieces.append([o.reshape((members, batch) + o.shape[1:]) for o in outs])
     if len(pieces) == 1:
         results = pieces[0]
@@ -292,3 +296,40 @@ for _direction, _primitive in _PRIMITIVES.items():
         mlir.register_lowering(
             _primitive, functools.partial(_lowering, direction=_direction, platform=_platform), platform=_platform
         )
+
+
+# ---------------------------------------------------------------------------
+# The call the differentiable functions make: partitioned under sharded jit where the problem allows it.
+
+
+def call(direction: str, config: CallConfig, *arrays):
+    """One forward or backward call on ``arrays`` (operand_names order). Calls that may be split along batch and kv
+    heads go through custom_partitioning (_partitioning.py), wrapped in custom_vmap because custom_partitioning has
+    no batching rule of its own: vmap folds into the batch as the primitive's rule does."""
+    if not _partitioning.partitionable(config.problem):
+        return _PRIMITIVES[direction].bind(*arrays, config=config)
+    return _partitioned(direction, config)(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _partitioned(direction: str, config: CallConfig):
+    primitive = _PRIMITIVES[direction]
+    results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
+
+    def bind(problem: Problem, *arrays):
+        return primitive.bind(*arrays, config=dataclasses.replace(config, problem=problem))
+
+    partitioned = _partitioning.partitioned_call(bind, operand_names(direction, config), results, config.problem)
+
+    @custom_vmap
+    def run(*arrays):
+        return partitioned(*arrays)
+
+    @run.def_vmap
+    def run_batched(axis_size, in_batched, *arrays):
+        dims = [0 if batched else None for batched in in_batched]
+        outs, out_dims = batched_call(direction, config, arrays, dims,
+                                      lambda *a, config: call(direction, config, *a))
+        return tuple(outs), tuple(d == 0 for d in out_dims)
+
+    return run

@@ -1,4 +1,5 @@
-"""cuflash.jax in fresh processes: shard_map on 4 host devices, and JAX's persistent compilation cache.
+"""cuflash.jax in fresh processes: shard_map on 4 host devices, plain jit over sharded inputs on 8, and JAX's
+persistent compilation cache.
 
 Both need a Python of their own: the host device count is fixed when JAX initialises, and a persistent-cache
 hit only means something in a process that never compiled the function. The workers beside this file print
@@ -49,6 +50,28 @@ def test_shard_map_along_batch_and_heads_forward_and_grad():
     # shards' partial sums, equal up to summation order.
     for name in results:
         assert max(results[name]["grads_vs_unsharded"]) < 1e-5, name
+
+
+def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives():
+    """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
+    forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
+    sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
+    the lse's cotangent). A sharded sequence is gathered (the documented fallback) with the same results."""
+    results = run_worker("sharded_jit_worker.py")
+    assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
+                            for case in ("batch", "heads", "batch+heads", "sequence")}
+    expected_specs = {"batch": ("P('data',)", "P('data',)"), "heads": ("P(None, None, 'model')", "P(None, 'model')"),
+                      "batch+heads": ("P('data', None, 'model')", "P('data', 'model')")}
+    for name, case in results.items():
+        assert case["bitwise"] == [True] * 5, name
+        assert case["custom_calls"] == 2, name
+        split = name.split(":")[1]
+        if split == "sequence":
+            assert "all-gather" in case["collectives"], name
+            continue
+        assert case["collectives"] == [], name
+        tensor, rows = expected_specs[split]
+        assert case["shardings"] == [tensor, rows, tensor, tensor, tensor], name
 
 
 def test_two_processes_share_the_persistent_compilation_cache(tmp_path):

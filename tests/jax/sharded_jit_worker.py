@@ -1,0 +1,74 @@
+"""Run by test_jax_subprocesses.py in a fresh Python: cuflash.jax.attention under plain jax.jit on 8 host devices
+with inputs sharded along batch, heads, or both, in both mesh axis types (Auto and Explicit).
+
+XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before JAX initialises. Prints one JSON object: per
+(axis type, case), whether each result (out, lse, dq, dk, dv) is bitwise the unsharded one, the collectives found
+in the compiled HLO, and the shardings of the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import cuflash.jax as cfj  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+# name: (spec of the (batch, seq, heads, d) tensors, spec of lse-shaped (batch, heads, seq) ones)
+CASES = {
+    "batch": (P("data"), P("data")),
+    "heads": (P(None, None, "model"), P(None, "model")),
+    "batch+heads": (P("data", None, "model"), P("data", "model")),
+    # Not split (the sequence stays whole without ring attention): XLA gathers, the results are the same.
+    "sequence": (P(None, "model"), P(None, None, "model")),
+}
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = 4, 36, 44, 8, 4, 24  # GQA: groups of 2 per kv head
+    q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(np.float32)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(np.float32)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dlse = rng.standard_normal((batch, nheads, seqlen_q)).astype(np.float32)
+    slopes = rng.uniform(0.1, 0.5, (batch, nheads)).astype(np.float32)
+
+    def step(q, k, v, dout, dlse, slopes):
+        def attention(q, k, v):
+            return cfj.attention(q, k, v, causal=True, window_size=(20, -1), softcap=4.0, alibi_slopes=slopes,
+                                 return_lse=True)
+        (out, lse), pull = jax.vjp(attention, q, k, v)
+        return (out, lse, *pull((dout, dlse)))
+
+    want = jax.jit(step)(q, k, v, dout, dlse, slopes)
+    results = {}
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type, axis_type))
+        for name, (spec, lse_spec) in CASES.items():
+            tensor, rows = NamedSharding(mesh, spec), NamedSharding(mesh, lse_spec)
+            slopes_spec = NamedSharding(mesh, P(*tuple(lse_spec)[:2]))
+            args = [jax.device_put(x, tensor) for x in (q, k, v, dout)]
+            args += [jax.device_put(dlse, rows), jax.device_put(slopes, slopes_spec)]
+            compiled = jax.jit(step).lower(*args).compile()
+            got = compiled(*args)
+            hlo = compiled.as_text()
+            results[f"{axis_type.name}:{name}"] = {
+                "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, want)],
+                "collectives": [c for c in COLLECTIVES if c in hlo],
+                "custom_calls": hlo.count("cuflash_program"),
+                "shardings": [str(x.sharding.spec) for x in got],
+            }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
