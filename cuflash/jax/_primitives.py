@@ -241,6 +241,8 @@ def _batching(direction: str, args, dims, *, config: CallConfig):
 def batched_call(direction: str, config: CallConfig, args, dims, bind):
     """vmap of one call (``bind(*arrays, config=...)`` makes the unbatched calls): fold the mapped axis into batch (one launch), chunked to respect the grid limit.
 
+    A forward whose k and v are not mapped folds the mapped axis into the query heads instead, so k and v are not
+    broadcast (_forward_folded_into_heads).
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
     broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
     With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change;
@@ -254,6 +256,9 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
+    if (direction == "forward" and dims[names.index("k")] is None and dims[names.index("v")] is None
+            and problem.nheads * size <= V.MAX_GRID_YZ):
+        return _forward_folded_into_heads(config, args, dims, size, bind)
     args, dims = list(args), list(dims)
     shared_slopes = None
     if "alibi_slopes" in names:
@@ -280,6 +285,33 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     else:
         results = [jnp.concatenate(parts, axis=0) for parts in zip(*pieces)]
     return results, [0] * len(results)
+
+
+def _forward_folded_into_heads(config: CallConfig, args, dims, size: int, bind):
+    """vmap of a forward call whose k and v are shared by every mapped element: the mapped axis becomes part of the
+    query heads (query head h of element m is head h * size + m, so each kv head's group grows by size and keeps
+    its query heads together). One launch, and k and v are read as they are, never broadcast or copied.
+
+    Each (batch, head, row) computes exactly what it computes unbatched: the results are bitwise a loop's."""
+    problem = config.problem
+    names = operand_names("forward", config)
+    nheads, batch = problem.nheads, problem.batch
+    inputs = {name: (x, d) for name, x, d in zip(names, args, dims)}
+    q = _move_to_front(*inputs["q"], size)  # (size, batch, seqlen_q, nheads, d)
+    q = jnp.moveaxis(q, 0, 3).reshape(batch, problem.seqlen_q, nheads * size, problem.headdim)
+    folded = {"q": q, "k": inputs["k"][0], "v": inputs["v"][0]}
+    alibi = problem.alibi
+    if alibi is not None:
+        slopes, slopes_dim = inputs["alibi_slopes"]
+        slopes = _move_to_front(slopes, slopes_dim, size).reshape(size, -1, nheads)
+        slopes = jnp.broadcast_to(slopes, (size, batch, nheads))  # (size, batch, nheads)
+        folded["alibi_slopes"] = jnp.moveaxis(slopes, 0, 2).reshape(batch, nheads * size)
+        alibi = "batch_heads"
+    local = dataclasses.replace(problem, nheads=nheads * size, alibi=alibi)
+    out, lse = bind(*(folded[name] for name in names), config=dataclasses.replace(config, problem=local))
+    out = jnp.moveaxis(out.reshape(batch, problem.seqlen_q, nheads, size, problem.headdim), 3, 0)
+    lse = jnp.moveaxis(lse.reshape(batch, nheads, size, problem.seqlen_q), 2, 0)
+    return [out, lse], [0, 0]
 
 
 def _impl(direction: str, *args, config: CallConfig):

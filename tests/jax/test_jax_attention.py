@@ -439,3 +439,32 @@ def test_vmap_splits_the_mapped_axis_when_the_folded_batch_exceeds_the_grid_limi
     out = f(q, k)
     for i in range(5):
         np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(cfj.attention(q[i], k[i], k[i])))
+
+
+@pytest.mark.parametrize("alibi", [None, "heads", "batch_heads-mapped"])
+def test_vmap_over_q_with_shared_k_v_folds_into_heads_without_copying_k_v(alibi):
+    """vmap over q alone (k and v shared): the mapped axis joins the query heads (whole GQA groups), so the forward
+    is one call on k and v as they are: no broadcast of k or v in the HLO, and bitwise a loop of calls."""
+    rng = np.random.default_rng(41)
+    mapped, b, sq, sk, h, hk, d = 3, 2, 9, 14, 4, 2, 24
+    q = rng.standard_normal((mapped, b, sq, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, sk, hk, d)).astype(np.float32)
+    v = rng.standard_normal((b, sk, hk, d)).astype(np.float32)
+    slopes = {None: None, "heads": rng.uniform(0.1, 0.5, (h,)).astype(np.float32),
+              "batch_heads-mapped": rng.uniform(0.1, 0.5, (mapped, b, h)).astype(np.float32)}[alibi]
+    slopes_axis = 0 if alibi == "batch_heads-mapped" else None
+
+    def attend(q, slopes, k, v):
+        return cfj.attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True)
+
+    f = jax.jit(jax.vmap(attend, in_axes=(0, slopes_axis, None, None)))
+    out, lse = f(q, slopes, k, v)
+    for i in range(mapped):
+        out_i, lse_i = attend(q[i], None if slopes is None else slopes[i] if slopes_axis == 0 else slopes, k, v)
+        assert np.array_equal(np.asarray(out[i]), np.asarray(out_i))
+        assert np.array_equal(np.asarray(lse[i]), np.asarray(lse_i))
+    hlo = f.lower(q, slopes, k, v).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", hlo)
+    assert len(calls) == 1 and all(y == h * mapped for y in _grid_of(calls[0])[1::3]), calls
+    kv_batched = f"tensor<{mapped}x{b}x{sk}x{hk}x{d}xf32>"
+    assert kv_batched not in hlo, "k or v was broadcast over the mapped axis"
