@@ -13,5 +13,6 @@ simulator. The handler library is built with cffi at first use and cached under
 
 from ._attention import attention, attention_varlen, dropout_seed
 from ._dot_product import dot_product_attention
+from ._ring import ring_attention
 
-__all__ = ["attention", "attention_varlen", "dot_product_attention", "dropout_seed"]
+__all__ = ["attention", "attention_varlen", "dot_product_attention", "dropout_seed", "ring_attention"]

@@ -1,5 +1,5 @@
-"""cuflash.jax in fresh processes: shard_map on 4 host devices, plain jit over sharded inputs on 8, and JAX's
-persistent compilation cache.
+"""cuflash.jax in fresh processes: shard_map on 4 host devices, plain jit over sharded inputs on 8, ring attention
+on 4 and 8, and JAX's persistent compilation cache.
 
 Both need a Python of their own: the host device count is fixed when JAX initialises, and a persistent-cache
 hit only means something in a process that never compiled the function. The workers beside this file print
@@ -72,6 +72,22 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
         assert case["collectives"] == [], name
         tensor, rows = expected_specs[split]
         assert case["shardings"] == [tensor, rows, tensor, tensor, tensor], name
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_ring_attention_over_a_sharded_sequence(devices):
+    """[jax-scale] 2: the sequence sharded over 4 and 8 host devices, causal (contiguous shards reordered to zig-zag
+    inside, and shards already in zig-zag order) and not (keys longer than queries), GQA and MQA: out, lse and the
+    gradients within float32 rounding of one unsharded call. Every device makes the same calls: 3 at the first
+    causal step and one per later step, each over 2 chunk pairs (the cond picks one of two equal-work branches),
+    so the recorded forward launches are exactly n (n + 2) causal and n * n without a mask."""
+    results = run_worker("ring_worker.py", str(devices))
+    assert set(results) == {"causal-gqa", "causal-mqa-zigzag", "full-longer-keys"}
+    for name, case in results.items():
+        for difference, scale in zip(case["differences"], case["scale"]):
+            assert difference <= 1e-5 * max(1.0, scale), (name, case)
+        causal = name.startswith("causal")
+        assert case["forward_launches"] == devices * (devices + 2 if causal else devices), (name, case)
 
 
 def test_two_processes_share_the_persistent_compilation_cache(tmp_path):
