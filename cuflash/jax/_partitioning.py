@@ -10,10 +10,13 @@ How: each primitive's lowering wraps the call in ``jax.experimental.custom_parti
 makes the per-device call: the Problem with the local batch and heads, lowered straight to the FFI custom call.
 On one device, or inside a fully manual ``shard_map``, custom_partitioning lowers the call directly.
 
-What stays whole, and so is gathered by XLA when an input is sharded there: the sequence axes (ring attention is
-the way to shard them), the head dim, a head sharding that does not divide the kv heads (it would split a group),
-and calls with dropout (its keep mask is a function of the global batch and head index) or varlen (packed rows
-have no batch axis).
+A sequence axis that q, k and v share runs as ring attention over it (_ring.py: K/V blocks rotate, partial results
+merge by lse; under causal a zig-zag order balances the work), forward and backward, when the problem allows it:
+no ALiBi, no window but causal, and shards that split evenly (see ring_possible).
+
+What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
+cannot take, a head sharding that does not divide the kv heads (it would split a group), and calls with dropout
+(its keep mask is a function of the global batch and head index) or varlen (packed rows have no batch axis).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..kernels.program import Problem
+from ..mask import Mask
 
 
 def partitionable(problem: Problem) -> bool:
@@ -56,36 +60,69 @@ def _axis_size(mesh, axis: Any) -> int:
     return math.prod(mesh.shape[name] for name in names)
 
 
-def _spec_of(name: str, problem: Problem, batch_axis: Any, head_axis: Any) -> PartitionSpec:
-    term = _einsum_term(name, problem).split(" ")
-    axes = {"b": batch_axis, "g": head_axis, "(g": head_axis}
-    return PartitionSpec(*(axes.get(factor) for factor in term if factor != "r)"))
+def _spec_of(name: str, problem: Problem, split: "Split") -> PartitionSpec:
+    axes = {"b": split.batch, "g": split.heads, "(g": split.heads, "s": split.sequence, "t": split.sequence}
+    return PartitionSpec(*(axes.get(factor) for factor in _einsum_term(name, problem).split(" ") if factor != "r)"))
 
 
-def local_split(mesh, q_sharding: Any, problem: Problem) -> tuple[Any, Any]:
-    """(batch mesh axis, head mesh axis) a call is split along: q's, where they divide the batch and the kv heads."""
-    spec = getattr(q_sharding, "spec", None)
-    if not isinstance(q_sharding, NamedSharding) or spec is None:
-        return None, None
-    spec = tuple(spec) + (None,) * (4 - len(spec))
-    batch_axis, head_axis = spec[0], spec[2]
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes a call is split along: batch, kv heads (with their groups) and, by ring attention, the
+    sequence (None: not split along it)."""
+
+    batch: Any = None
+    heads: Any = None
+    sequence: Any = None
+
+
+def ring_possible(problem: Problem, parts: int) -> bool:
+    """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi
+    and no window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks
+    per device under causal, of equal queries and keys)."""
+    if problem.alibi is not None or problem.mask not in (Mask(), Mask(-1, 0)):
+        return False
+    if problem.mask == Mask(-1, 0):
+        return problem.seqlen_q == problem.seqlen_k and problem.seqlen_q % (2 * parts) == 0
+    return problem.seqlen_q % parts == 0 and problem.seqlen_k % parts == 0
+
+
+def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Split:
+    """How a call is split: along q's batch and head axes where they divide the batch and the kv heads, and along
+    the sequence axis q and k share where ring attention can run the problem."""
+    def spec(sharding):
+        found = getattr(sharding, "spec", None)
+        if not isinstance(sharding, NamedSharding) or found is None:
+            return (None,) * 4
+        return tuple(found) + (None,) * (4 - len(found))
+
+    q_spec, k_spec = spec(q_sharding), spec(k_sharding)
+    batch_axis, sequence_axis, head_axis = q_spec[0], q_spec[1], q_spec[2]
     if problem.batch % _axis_size(mesh, batch_axis):
         batch_axis = None
     if problem.nheads_k % _axis_size(mesh, head_axis):
         head_axis = None  # it would split a GQA group
-    return batch_axis, head_axis
+    if sequence_axis != k_spec[1] or not ring_possible(problem, _axis_size(mesh, sequence_axis)):
+        sequence_axis = None
+    used = [a for axis in (batch_axis, head_axis) if axis is not None for a in (axis if isinstance(axis, tuple)
+                                                                                else (axis,))]
+    if sequence_axis is not None and any(a in used for a in (sequence_axis if isinstance(sequence_axis, tuple)
+                                                               else (sequence_axis,))):
+        sequence_axis = None
+    return Split(batch_axis, head_axis, sequence_axis)
 
 
-def local_problem(mesh, problem: Problem, batch_axis: Any, head_axis: Any) -> Problem:
-    batch_parts, head_parts = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
+def local_problem(mesh, problem: Problem, split: Split) -> Problem:
+    batch_parts, head_parts = _axis_size(mesh, split.batch), _axis_size(mesh, split.heads)
     return dataclasses.replace(problem, batch=problem.batch // batch_parts, nheads=problem.nheads // head_parts,
                                nheads_k=problem.nheads_k // head_parts)
 
 
-def partitioned_call(bind, operands: Sequence[str], results: Sequence[str], problem: Problem):
-    """A custom_partitioning function of the operands that calls ``bind(local_problem, *operands)`` per device.
+def partitioned_call(direction: str, bind, operands: Sequence[str], results: Sequence[str], problem: Problem):
+    """A custom_partitioning function of the operands that runs the call per device on its shard.
 
-    ``bind(problem, *arrays)`` binds the primitive for ``problem`` lowered straight to the custom call."""
+    ``bind(problem, *arrays)`` binds the primitive for ``problem`` lowered straight to the custom call. Split along
+    batch and heads, each device makes the call once with its local batch and heads; split along the sequence,
+    it runs the ring (_ring.py) of such calls over that mesh axis."""
 
     def call(*arrays):
         return tuple(bind(problem, *arrays))
@@ -93,25 +130,54 @@ def partitioned_call(bind, operands: Sequence[str], results: Sequence[str], prob
     wrapped = custom_partitioning(call)
 
     def shardings(mesh, arg_shapes):
-        batch_axis, head_axis = local_split(mesh, arg_shapes[operands.index("q")].sharding, problem)
-        arg_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, batch_axis, head_axis)) for n in operands)
-        result_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, batch_axis, head_axis)) for n in results)
-        return batch_axis, head_axis, arg_shardings, result_shardings
+        split = local_split(mesh, arg_shapes[operands.index("q")].sharding, arg_shapes[operands.index("k")].sharding,
+                            problem)
+        arg_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split)) for n in operands)
+        result_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split)) for n in results)
+        return split, arg_shardings, result_shardings
 
     def partition(mesh, arg_shapes, result_shape):
-        batch_axis, head_axis, arg_shardings, result_shardings = shardings(mesh, arg_shapes)
-        local = local_problem(mesh, problem, batch_axis, head_axis)
-
-        def lower_fn(*arrays):
-            return tuple(bind(local, *arrays))
-
+        split, arg_shardings, result_shardings = shardings(mesh, arg_shapes)
+        local = local_problem(mesh, problem, split)
+        if split.sequence is None:
+            def lower_fn(*arrays):
+                return tuple(bind(local, *arrays))
+        else:
+            lower_fn = _ring_lowering(direction, bind, operands, local, split.sequence)
         return mesh, lower_fn, result_shardings, arg_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
-        return shardings(mesh, arg_shapes)[3]
+        return shardings(mesh, arg_shapes)[2]
 
     rule = sharding_rule(operands, results, problem)
     wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                          sharding_rule=rule, need_replication_factors=("s", "d", "t"),  # in order of appearance
-                          r=problem.group_size)
+                          sharding_rule=rule, need_replication_factors=("d",), r=problem.group_size)
     return wrapped
+
+
+def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem, axis: Any):
+    """The per-device function of a sequence-split call: ring_forward or ring_backward of per-block calls."""
+    from ._ring import ring_backward, ring_forward
+
+    causal = local.mask == Mask(-1, 0)
+
+    def block(q_rows: int, k_rows: int, causal: bool) -> Problem:
+        return dataclasses.replace(local, seqlen_q=q_rows, seqlen_k=k_rows, mask=Mask(-1, 0) if causal else Mask())
+
+    if direction == "forward":
+        def forward(q, k, v, causal):
+            return tuple(bind(block(q.shape[1], k.shape[1], causal), q, k, v))
+
+        def lower_fn(q, k, v):
+            return ring_forward(q, k, v, forward, axis_name=axis, causal=causal)
+        return lower_fn
+
+    def backward(dout, q, k, v, out, lse, dlse, causal):
+        extra = () if dlse is None else (dlse,)
+        return tuple(bind(block(q.shape[1], k.shape[1], causal), dout, q, k, v, out, lse, *extra))
+
+    def lower_fn(*arrays):
+        named = dict(zip(operands, arrays))
+        return ring_backward(named["dout"], named["q"], named["k"], named["v"], named["out"], named["lse"],
+                             named.get("dlse"), backward, axis_name=axis, causal=causal)
+    return lower_fn

@@ -351,7 +351,8 @@ def _partitioned(direction: str, config: CallConfig):
     def bind(problem: Problem, *arrays):
         return primitive.bind(*arrays, config=dataclasses.replace(config, problem=problem))
 
-    partitioned = _partitioning.partitioned_call(bind, operand_names(direction, config), results, config.problem)
+    partitioned = _partitioning.partitioned_call(direction, bind, operand_names(direction, config), results,
+                                                 config.problem)
 
     @custom_vmap
     def run(*arrays):

@@ -64,31 +64,41 @@ def ring_attention(
     and an even local length (two chunks per device). Returns the local shard of out (and of lse, (batch, nheads,
     local rows) float32), in q's layout. Differentiable; batch and heads may be sharded along other axes as usual.
     """
+    def forward(q, k, v, causal):
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+    out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout)
+    return (out, lse) if return_lse else out
+
+
+def check_ring(q_rows: int, k_rows: int, causal: bool, layout: str) -> None:
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    if causal and (q_rows != k_rows or q_rows % 2):
+        raise ValueError(f"causal ring attention needs seqlen_q == seqlen_k and an even local length (two chunks per "
+                         f"device), got local q {q_rows} and k {k_rows} rows")
+
+
+def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str = "contiguous"):
+    """(out, lse) of the local queries against the whole ring's keys. ``forward(q, k, v, causal)`` -> (out, lse)
+    is one local call (public and differentiable for ring_attention, the primitive for the sharding rule)."""
+    check_ring(q.shape[1], k.shape[1], causal, layout)
     n = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
-    ring = [(i, (i + 1) % n) for i in range(n)]
 
     def shifted(x):
-        return jax.lax.ppermute(x, axis_name, ring)
-
-    def call(q, k, v, causal=False):
-        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        return jax.lax.ppermute(x, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
     if not causal:
         out, lse = _empty(q)
         for step in range(n):
             if step + 1 < n:
                 k_next, v_next = shifted(k), shifted(v)  # issued before the local call: may overlap it
-            out, lse = _merge(out, lse, *call(q, k, v))
+            out, lse = _merge(out, lse, *forward(q, k, v, False))
             if step + 1 < n:
                 k, v = k_next, v_next
-        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+        return out.astype(q.dtype), lse
 
-    if q.shape[1] != k.shape[1] or q.shape[1] % 2:
-        raise ValueError(f"causal ring attention needs seqlen_q == seqlen_k and an even local length (two chunks per "
-                         f"device), got local q {q.shape[1]} and k {k.shape[1]} rows")
     if layout == "contiguous":
         q, k, v = (_to_zigzag(x, axis_name, n, index) for x in (q, k, v))
     chunk = q.shape[1] // 2
@@ -96,9 +106,9 @@ def ring_attention(
 
     # Step 0: own chunks (i, 2n-1-i) against themselves: causal on the diagonal, the second query chunk sees the
     # whole first key chunk, the first query chunk nothing of the second key chunk.
-    out_first, lse_first = call(q_first, k[:, :chunk], v[:, :chunk], causal=True)
-    out_second, lse_second = _merge(*_as_f32(call(q_second, k[:, chunk:], v[:, chunk:], causal=True)),
-                                    *call(q_second, k[:, :chunk], v[:, :chunk]))
+    out_first, lse_first = forward(q_first, k[:, :chunk], v[:, :chunk], True)
+    out_second, lse_second = _merge(*_as_f32(forward(q_second, k[:, chunk:], v[:, chunk:], True)),
+                                    *forward(q_second, k[:, :chunk], v[:, :chunk], False))
     out = jnp.concatenate([out_first.astype(jnp.float32), out_second], axis=1)
     lse = jnp.concatenate([lse_first, lse_second], axis=2)
 
@@ -107,12 +117,12 @@ def ring_attention(
         source = (index - step) % n  # the device whose block arrived: it holds chunks source, 2n-1-source
 
         def earlier(k, v):  # source < index: all queries see the block's first chunk, none its second
-            return call(q, k[:, :chunk], v[:, :chunk])
+            return forward(q, k[:, :chunk], v[:, :chunk], False)
 
         def later(k, v):  # source > index: only the second query chunk sees the block, all of it
-            part_out, part_lse = call(q_second, k, v)
+            part_out, part_lse = forward(q_second, k, v, False)
             none_out, none_lse = _empty(q_first)
-            return (jnp.concatenate([none_out.astype(q.dtype), part_out], axis=1),
+            return (jnp.concatenate([none_out.astype(part_out.dtype), part_out], axis=1),
                     jnp.concatenate([none_lse, part_lse], axis=2))
 
         out, lse = _merge(out, lse, *jax.lax.cond(source < index, earlier, later, k, v))
@@ -121,7 +131,82 @@ def ring_attention(
     if layout == "contiguous":
         out = _from_zigzag(out, axis_name, n, index)
         lse = jnp.swapaxes(_from_zigzag(jnp.swapaxes(lse, 1, 2), axis_name, n, index), 1, 2)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, causal: bool,
+                  layout: str = "contiguous"):
+    """(dq, dk, dv) of the local shards by the same ring: each step runs ``backward(dout, q, k, v, out, lse, dlse,
+    causal)`` -> (dq, dk, dv) on the local rows against the block it holds, with the final out and lse (so P and
+    D are the whole attention's); dq accumulates locally, and dK, dV accumulate in float32 on the block's own
+    travelling copy, which returns to the block's device after the last step. ``dlse``: the lse's cotangent or
+    None."""
+    check_ring(q.shape[1], k.shape[1], causal, layout)
+    n = jax.lax.axis_size(axis_name)
+    index = jax.lax.axis_index(axis_name)
+
+    def shifted(*xs):
+        return tuple(jax.lax.ppermute(x, axis_name, [(i, (i + 1) % n) for i in range(n)]) for x in xs)
+
+    def f32(*xs):
+        return tuple(x.astype(jnp.float32) for x in xs)
+
+    if not causal:
+        dq = jnp.zeros(q.shape, jnp.float32)
+        dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+        for step in range(n):
+            part_dq, part_dk, part_dv = f32(*backward(dout, q, k, v, out, lse, dlse, False))
+            dq, dk, dv = dq + part_dq, dk + part_dk, dv + part_dv
+            k, v, dk, dv = shifted(k, v, dk, dv)  # after n shifts each block and its gradients are home again
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    zig = layout == "contiguous"
+    if zig:
+        dout, q, k, v, out = (_to_zigzag(x, axis_name, n, index) for x in (dout, q, k, v, out))
+        lse, dlse = (None if x is None else jnp.swapaxes(_to_zigzag(jnp.swapaxes(x, 1, 2), axis_name, n, index), 1, 2)
+                     for x in (lse, dlse))
+    chunk = q.shape[1] // 2
+
+    def rows(x, part):  # first or second query chunk of a (batch, rows, ...) or (batch, heads, rows) array
+        if x is None:
+            return None
+        axis = 2 if x.ndim == 3 else 1
+        return jax.lax.slice_in_dim(x, part * chunk, (part + 1) * chunk, axis=axis)
+
+    def call(part, k, v, causal):  # the backward of query chunk `part` (None: both) against k, v
+        if part is None:
+            return f32(*backward(dout, q, k, v, out, lse, dlse, causal))
+        return f32(*backward(rows(dout, part), rows(q, part), k, v, rows(out, part), rows(lse, part),
+                             rows(dlse, part), causal))
+
+    # Step 0, as in ring_forward: (first, first) causal, (second, second) causal, (second, first) full.
+    dq0, dk0, dv0 = call(0, k[:, :chunk], v[:, :chunk], True)
+    dq1, dk1, dv1 = call(1, k[:, chunk:], v[:, chunk:], True)
+    dq1b, dk0b, dv0b = call(1, k[:, :chunk], v[:, :chunk], False)
+    dq = jnp.concatenate([dq0, dq1 + dq1b], axis=1)
+    dk = jnp.concatenate([dk0 + dk0b, dk1], axis=1)
+    dv = jnp.concatenate([dv0 + dv0b, dv1], axis=1)
+    k, v, dk, dv = shifted(k, v, dk, dv)
+
+    for step in range(1, n):
+        source = (index - step) % n
+
+        def earlier(k, v):  # all queries against the block's first chunk
+            part_dq, part_dk, part_dv = call(None, k[:, :chunk], v[:, :chunk], False)
+            zeros = jnp.zeros((k.shape[0], k.shape[1] - chunk, *k.shape[2:]), jnp.float32)
+            return part_dq, jnp.concatenate([part_dk, zeros], axis=1), jnp.concatenate([part_dv, zeros], axis=1)
+
+        def later(k, v):  # the second query chunk against the whole block
+            part_dq, part_dk, part_dv = call(1, k, v, False)
+            return jnp.concatenate([jnp.zeros_like(part_dq), part_dq], axis=1), part_dk, part_dv
+
+        part_dq, part_dk, part_dv = jax.lax.cond(source < index, earlier, later, k, v)
+        dq, dk, dv = dq + part_dq, dk + part_dk, dv + part_dv
+        k, v, dk, dv = shifted(k, v, dk, dv)
+
+    if zig:
+        dq, dk, dv = (_from_zigzag(x, axis_name, n, index) for x in (dq, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _as_f32(pair):

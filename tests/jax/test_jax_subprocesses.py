@@ -56,10 +56,20 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent). A sharded sequence is gathered (the documented fallback) with the same results."""
+    the lse's cotangent). A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the
+    same results; a causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
-                            for case in ("batch", "heads", "batch+heads", "sequence")}
+                            for case in ("batch", "heads", "batch+heads", "sequence", "ring")}
+    for mode in ("Auto", "Explicit"):
+        # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
+        # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
+        # within float32 rounding of the unsharded call.
+        ring = results.pop(f"{mode}:ring")
+        assert ring["collectives"] == ["collective-permute"], ring
+        assert ring["shardings"] == ["P('data', 'model')", "P('data', None, 'model')"] + ["P('data', 'model')"] * 3
+        for difference, scale in zip(ring["differences"], ring["scale"]):
+            assert difference <= 1e-5 * max(1.0, scale), ring
     expected_specs = {"batch": ("P('data',)", "P('data',)"), "heads": ("P(None, None, 'model')", "P(None, 'model')"),
                       "batch+heads": ("P('data', None, 'model')", "P('data', 'model')")}
     for name, case in results.items():
