@@ -78,3 +78,12 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     graph["cuflash.kernels.program"] = graph["cuflash.kernels.program"] | {"cuflash.kernels.plans"}
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1] and "cuflash.kernels.program" in cycle
+
+
+def test_only_public_jax_apis():
+    """[jax-scale] 4: nothing in cuflash reaches into jax._src (private, changes between releases)."""
+    package = Path(__file__).resolve().parents[1] / "cuflash"
+    found = [f"{path.relative_to(package)}:{number}" for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "jax._src" in line.split("#")[0] or "from jax._src" in line]
+    assert not found, found

@@ -11,8 +11,7 @@ simulator. The handler library is built with cffi at first use and cached under
 ~/.cache/cuflash/jax_ffi); ``python -m cuflash.jax.build`` builds it ahead of time.
 """
 
-from ._attention import attention, attention_varlen, dropout_seed
+from ._attention import attention, attention_varlen, dropout_seed, ring_attention
 from ._dot_product import dot_product_attention
-from ._ring import ring_attention
 
 __all__ = ["attention", "attention_varlen", "dot_product_attention", "dropout_seed", "ring_attention"]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from .. import _validation as V
 from ..kernels import catalog
 from ._primitives import CallConfig, call, tensor_shape
+from ._ring import ring_forward
 
 
 def attention(
@@ -129,6 +130,33 @@ def attention_varlen(
                      for x in (cu_seqlens_q, cu_seqlens_k))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
                  algorithm=algorithm, return_lse=return_lse, cu_words=cu_words)
+
+
+def ring_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    axis_name: str,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+) -> Any:
+    """Attention of a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
+
+    q: (batch, seqlen_q / n, nheads, headdim) and k, v: (batch, seqlen_k / n, nheads_k, headdim), the local shards
+    of a sequence split over the n devices of ``axis_name`` (GQA/MQA as in ``attention``). ``layout``:
+    "contiguous" (device i holds rows i L .. (i + 1) L - 1, what a sequence-sharded PartitionSpec gives) or
+    "zigzag" (already reordered: device i holds chunks i and 2n-1-i of 2n). ``causal`` needs seqlen_q == seqlen_k
+    and an even local length (two chunks per device). Returns the local shard of out (and of lse, (batch, nheads,
+    local rows) float32), in q's layout. Differentiable; batch and heads may be sharded along other axes as usual.
+    """
+    def forward(q, k, v, causal):
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+    out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout)
+    return (out, lse) if return_lse else out
 
 
 def _concrete(array) -> np.ndarray | None:

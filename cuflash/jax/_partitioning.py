@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..kernels.program import Problem
 from ..mask import Mask
+from ._ring import ring_backward, ring_forward
 
 
 def partitionable(problem: Problem) -> bool:
@@ -157,8 +158,6 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
 
 def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem, axis: Any):
     """The per-device function of a sequence-split call: ring_forward or ring_backward of per-block calls."""
-    from ._ring import ring_backward, ring_forward
-
     causal = local.mask == Mask(-1, 0)
 
     def block(q_rows: int, k_rows: int, causal: bool) -> Problem:

@@ -314,10 +314,15 @@ def _forward_folded_into_heads(config: CallConfig, args, dims, size: int, bind):
     return [out, lse], [0, 0]
 
 
-def _impl(direction: str, *args, config: CallConfig):
-    from jax._src import dispatch  # eager calls run the primitive as a one-op jitted computation
+@functools.lru_cache(maxsize=256)
+def _eager(direction: str, config: CallConfig):
+    primitive = _PRIMITIVES[direction]
+    return jax.jit(lambda *args: primitive.bind(*args, config=config))
 
-    return dispatch.apply_primitive(_PRIMITIVES[direction], *args, config=config)
+
+def _impl(direction: str, *args, config: CallConfig):
+    """Eager calls run the primitive as a one-op jitted computation (cached per direction and config)."""
+    return _eager(direction, config)(*args)
 
 
 for _direction, _primitive in _PRIMITIVES.items():

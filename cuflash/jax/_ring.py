@@ -1,4 +1,5 @@
-"""``cuflash.jax.ring_attention``: attention over a sequence sharded along a mesh axis, inside ``jax.shard_map``.
+"""Ring attention (``cuflash.jax.ring_attention`` and the sharding rule's sequence split): attention over a
+sequence sharded along a mesh axis, run inside ``jax.shard_map`` or a custom_partitioning lowering.
 
 Each device holds a shard of the queries and of the keys/values. K/V blocks travel around the ring (``ppermute``
 to the next device) while each device attends its queries to the block it holds; the partial results merge by
@@ -19,12 +20,8 @@ so dK and dV return to the devices that own the blocks.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-
-from ._attention import attention
 
 
 def _merge(out, lse, part_out, part_lse):
@@ -42,33 +39,6 @@ def _merge(out, lse, part_out, part_lse):
 def _empty(q):
     batch, rows, nheads, _ = q.shape
     return jnp.zeros(q.shape, jnp.float32), jnp.full((batch, nheads, rows), -jnp.inf, jnp.float32)
-
-
-def ring_attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    axis_name: str,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-) -> Any:
-    """Attention of a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
-
-    q: (batch, seqlen_q / n, nheads, headdim) and k, v: (batch, seqlen_k / n, nheads_k, headdim), the local shards
-    of a sequence split over the n devices of ``axis_name`` (GQA/MQA as in ``attention``). ``layout``:
-    "contiguous" (device i holds rows i L .. (i + 1) L - 1, what a sequence-sharded PartitionSpec gives) or
-    "zigzag" (already reordered: device i holds chunks i and 2n-1-i of 2n). ``causal`` needs seqlen_q == seqlen_k
-    and an even local length (two chunks per device). Returns the local shard of out (and of lse, (batch, nheads,
-    local rows) float32), in q's layout. Differentiable; batch and heads may be sharded along other axes as usual.
-    """
-    def forward(q, k, v, causal):
-        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-
-    out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout)
-    return (out, lse) if return_lse else out
 
 
 def check_ring(q_rows: int, k_rows: int, causal: bool, layout: str) -> None:
