@@ -85,12 +85,14 @@ FORWARD_CHOICES_99KB = {
 }
 # With dropout (FA2 also compiles it as a template flag, with its own tile rows): the Philox work in the K/V loop
 # needs registers, and where the tile above spilled with it (d64 and d96 at 128 x 64, d128 at 128 x 32 with 4 warps:
-# 20 to 72 bytes on sm_80 / sm_90) the table takes the next narrower tile (128 x 32), or at d128 one strip per warp
-# (8 warps); d256 keeps 64 x 64 with 4 warps on every target. One table for every target: all fit 99 KB.
+# 20 to 72 bytes on sm_80 / sm_90) the table takes the next narrower tile (128 x 32), or at d96 and d128 one strip
+# per warp (8 warps; d96 at 128 x 32 with 4 warps sat at 255 registers and spilled 8 bytes on sm_120 once
+# AttentionParams grew varlen's fields); d256 keeps 64 x 64 with 4 warps on every target. One table for every
+# target: all fit 99 KB.
 FORWARD_CHOICES_DROPOUT = {
     32: (ForwardTraits(32, block_m=128, block_n=64, warps=4, dropout=True),),
     64: (ForwardTraits(64, block_m=128, block_n=32, warps=4, dropout=True),),
-    96: (ForwardTraits(96, block_m=128, block_n=32, warps=4, dropout=True),),
+    96: (ForwardTraits(96, block_m=128, block_n=32, warps=8, dropout=True),),
     128: (ForwardTraits(128, block_m=128, block_n=32, warps=8, dropout=True),),
     192: (ForwardTraits(192, block_m=128, block_n=64, warps=8, dropout=True),),
     256: (ForwardTraits(256, block_m=64, block_n=64, warps=4, dropout=True),),
