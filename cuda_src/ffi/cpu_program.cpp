@@ -93,21 +93,24 @@ void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& 
 ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const uint8_t> params,
                           std::string_view bindings, ffi::Span<const uint8_t> zero_init, std::string_view kernels,
                           ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-                          ffi::Span<const int32_t> smem) {
+                          ffi::Span<const int32_t> smem, std::string_view version) {
   ProgramCall call;
   if (ffi::Error error =
-          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, &call);
+          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, version, &call);
       error.failure())
     return error;
 
-  // Resolve every kernel before touching any buffer, so a missing one fails cleanly.
+  // Resolve every kernel before touching any buffer, so a missing one fails cleanly. A kernel this process never
+  // lowered (a deserialized executable) is built and registered by the Python resolver on first execution.
   std::vector<SimLaunchEntry> entries;
   for (const KernelLaunch& launch : call.launches) {
     SimLaunchEntry entry = FindSimKernel(launch.name);
+    if (entry == nullptr && ResolveKernel(launch.name, "sim")) entry = FindSimKernel(launch.name);
     if (entry == nullptr)
       return ffi::Error(ffi::ErrorCode::kNotFound,
                         "cuflash CPU handler: no simulator kernel registered for " + launch.name +
-                            " (kernels are registered when cuflash.jax lowers a call in this process)");
+                            " (kernels are registered when cuflash.jax lowers a call, or on first execution once "
+                            "cuflash.jax is imported)");
     entries.push_back(entry);
   }
 
@@ -203,3 +206,9 @@ long long cuflash_ffi_pointer_field_offset(const char* name) {
 }
 
 }  // extern "C"
+
+extern "C" void cuflash_ffi_set_resolver(cuflash_ffi_resolver resolver) {
+  cuflash::ffi_handlers::KernelResolver().store(resolver);
+}
+
+extern "C" const char* cuflash_ffi_version(void) { return CUFLASH_VERSION; }

@@ -182,19 +182,46 @@ ffi::Error ContextArchLocked(const Driver& driver, CUcontext context, std::strin
   return ffi::Error::Success();
 }
 
-// The function for one launch in this context, loading its module on first use.
+ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function,
+                             std::string* missing_arch);
+
+// A kernel this process never lowered (a deserialized executable) is compiled and registered by the Python
+// resolver on first execution, called without the lock (it registers through cuflash_ffi_register_cubin).
 ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function) {
+  std::string missing_arch;
+  {
+    std::lock_guard<std::mutex> lock(StateMutex());
+    if (ffi::Error error = GetFunctionLocked(driver, context, launch, function, &missing_arch); error.failure())
+      return error;
+  }
+  if (missing_arch.empty()) return ffi::Error::Success();
+  ResolveKernel(launch.name, missing_arch);
   std::lock_guard<std::mutex> lock(StateMutex());
+  if (ffi::Error error = GetFunctionLocked(driver, context, launch, function, &missing_arch); error.failure())
+    return error;
+  if (!missing_arch.empty())
+    return ffi::Error(ffi::ErrorCode::kNotFound,
+                      "cuflash CUDA handler: no CUBIN registered for " + launch.name + " on " + missing_arch +
+                          " (kernels are compiled and registered when cuflash.jax lowers a call, or on first "
+                          "execution once cuflash.jax is imported)");
+  return ffi::Error::Success();
+}
+
+// The function for one launch, loading its module on first use; *missing_arch is set (and nothing else done) when
+// no CUBIN is registered for it.
+ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function,
+                             std::string* missing_arch) {
+  missing_arch->clear();
   auto key = std::make_pair(context, launch.name);
   auto it = Loaded().find(key);
   if (it == Loaded().end()) {
     std::string arch;
     if (ffi::Error error = ContextArchLocked(driver, context, &arch); error.failure()) return error;
     auto cubin = Cubins().find({launch.name, arch});
-    if (cubin == Cubins().end())
-      return ffi::Error(ffi::ErrorCode::kNotFound,
-                        "cuflash CUDA handler: no CUBIN registered for " + launch.name + " on " + arch +
-                            " (kernels are compiled and registered when cuflash.jax lowers a call in this process)");
+    if (cubin == Cubins().end()) {
+      *missing_arch = arch;
+      return ffi::Error::Success();
+    }
     CUmodule module;
     if (CUresult r = driver.ModuleLoadData(&module, cubin->second->image.data()); r != CUDA_SUCCESS)
       return CudaError(driver, r, "cuModuleLoadData of " + launch.name + " for " + arch);
@@ -221,13 +248,13 @@ ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaun
 ffi::Error CudaProgramImpl(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                            ffi::Span<const uint8_t> params, std::string_view bindings,
                            ffi::Span<const uint8_t> zero_init, std::string_view kernels, ffi::Span<const int32_t> grid,
-                           ffi::Span<const int32_t> block, ffi::Span<const int32_t> smem) {
+                           ffi::Span<const int32_t> block, ffi::Span<const int32_t> smem, std::string_view version) {
   const Driver& driver = LoadDriver();
   if (!driver.status.empty()) return ffi::Error::Internal("cuflash CUDA handler: " + driver.status);
 
   ProgramCall call;
   if (ffi::Error error =
-          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, &call);
+          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, version, &call);
       error.failure())
     return error;
 

@@ -42,6 +42,16 @@ void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const c
                                 const void* cubin, unsigned long long cubin_size);
 int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch);
 
+/* Resolver for kernels this process never lowered (an executable deserialized from jax.export): the handlers
+   call it with the kernel's name expression and "sim" (CPU) or "sm_XY" (CUDA) when their registry lacks it,
+   without holding any lock; it registers the kernel as lowering would and returns 0, or nonzero if it cannot.
+   Python installs it when cuflash.jax is imported. */
+typedef int (*cuflash_ffi_resolver)(const char* name_expr, const char* target);
+void cuflash_ffi_set_resolver(cuflash_ffi_resolver resolver);
+
+/* The cuflash version the library was built for: calls lowered by another version are refused. */
+const char* cuflash_ffi_version(void);
+
 /* Loads the CUDA driver (libcuda.so.1) and its entry points if not done yet:
    "" when usable, else why not. Never needs a GPU to answer. */
 const char* cuflash_ffi_cuda_driver_status(void);

@@ -18,6 +18,7 @@
 // lowering, so an executable from JAX's persistent cache finds them in another process.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "common/attention_params.cuh"
+#include "ffi/ffi_abi.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace cuflash::ffi_handlers {
@@ -150,11 +152,28 @@ inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer&
   return ffi::Error::Success();
 }
 
+#ifndef CUFLASH_VERSION
+#error "the FFI library is built with -DCUFLASH_VERSION=\"<cuflash version>\" (cuflash/jax/_ffi.py)"
+#endif
+
+// The Python resolver (ffi_abi.h): registers a kernel this process never lowered. Called without locks held.
+inline std::atomic<cuflash_ffi_resolver>& KernelResolver() {
+  static std::atomic<cuflash_ffi_resolver> resolver{nullptr};
+  return resolver;
+}
+inline bool ResolveKernel(const std::string& name, const std::string& target) {
+  cuflash_ffi_resolver resolver = KernelResolver().load();
+  return resolver != nullptr && resolver(name.c_str(), target.c_str()) == 0;
+}
+
 inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets rets,
                                     ffi::Span<const uint8_t> params, std::string_view bindings,
                                     ffi::Span<const uint8_t> zero_init, std::string_view kernels,
                                     ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-                                    ffi::Span<const int32_t> smem, ProgramCall* call) {
+                                    ffi::Span<const int32_t> smem, std::string_view version, ProgramCall* call) {
+  if (version != CUFLASH_VERSION)
+    return Invalid("this call was lowered by cuflash " + std::string(version) + ", but the handler library is " +
+                   CUFLASH_VERSION + " (an exported executable runs with the cuflash version that exported it)");
   if (params.size() != sizeof(AttentionParams))
     return Invalid("params attribute has " + std::to_string(params.size()) + " bytes but sizeof(AttentionParams) is " +
                    std::to_string(sizeof(AttentionParams)) + " (Python mirror and C++ header disagree)");
@@ -265,6 +284,7 @@ inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets 
       .Attr<std::string_view>("kernels")                            \
       .Attr<xla::ffi::Span<const int32_t>>("grid")                 \
       .Attr<xla::ffi::Span<const int32_t>>("block")                \
-      .Attr<xla::ffi::Span<const int32_t>>("smem")
+      .Attr<xla::ffi::Span<const int32_t>>("smem")                 \
+      .Attr<std::string_view>("version")
 
 }  // namespace cuflash::ffi_handlers

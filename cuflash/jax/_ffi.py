@@ -99,10 +99,17 @@ def _hash_file(h, path: Path) -> None:
     h.update(b"\0")
 
 
+def version_flag() -> str:
+    """The define the handlers compare each call's version attribute with (program_call.h)."""
+    from .. import __version__
+
+    return f'-DCUFLASH_VERSION="{__version__}"'
+
+
 def _build_inputs() -> tuple[str, list[str]]:
     """(cache key, extra compile args) of the library for this environment."""
     cuda_include = cuda_include_dir()
-    flags = list(COMPILE_FLAGS)
+    flags = list(COMPILE_FLAGS) + [version_flag()]
     flags += ["-isystem", str(xla_include_dir())]
     if cuda_include is not None:
         flags += ["-isystem", str(cuda_include), "-DCUFLASH_FFI_WITH_CUDA=1"]
@@ -224,6 +231,33 @@ def register_targets() -> None:
             capsule = jax.ffi.pycapsule(_address(lib.cuflash_ffi_cuda_handler()))
             jax.ffi.register_ffi_target(TARGET_NAME, capsule, platform="CUDA", api_version=1)
             _registered_platforms.add("CUDA")
+
+
+_resolver = None  # the cffi callback the handlers call; kept alive here
+
+
+def set_resolver(resolve) -> None:
+    """Install ``resolve(name_expr, target) -> bool`` (target "sim" or "sm_XY") as the handlers' resolver for
+    kernels this process never lowered (ffi_abi.h)."""
+    global _resolver
+    ffi, lib = library().ffi, library().lib
+
+    def callback(name_expr, target):
+        try:
+            return 0 if resolve(ffi.string(name_expr).decode(), ffi.string(target).decode()) else 1
+        except Exception:  # an exception must not cross into the handler; it reports the kernel as missing
+            import traceback
+
+            traceback.print_exc()
+            return 1
+
+    with _lock:
+        _resolver = ffi.callback("cuflash_ffi_resolver", callback)
+        lib.cuflash_ffi_set_resolver(_resolver)
+
+
+def library_version() -> str:
+    return library().ffi.string(library().lib.cuflash_ffi_version()).decode()
 
 
 def register_sim_kernel(name_expr: str, entry_address: int) -> None:

@@ -36,6 +36,7 @@ from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from .. import __version__
 from .. import _validation as V
 from ..kernels import plans, targets
 from ..kernels.targets import Target
@@ -139,6 +140,7 @@ def custom_call_attributes(
         grid=np.asarray([d for plan in launches for d in plan.grid], dtype=np.int32),
         block=np.asarray([d for plan in launches for d in plan.block], dtype=np.int32),
         smem=np.asarray([plan.dynamic_smem_bytes for plan in launches], dtype=np.int32),
+        version=__version__,  # the handler refuses a call lowered by another cuflash version
     )
 
 
@@ -193,6 +195,37 @@ def register_cuda_kernels(instances: Sequence[KernelInstance]) -> None:
 
 
 _REGISTER_KERNELS = {"cpu": register_cpu_kernels, "cuda": register_cuda_kernels}
+
+
+@functools.lru_cache(maxsize=1)
+def _instances_by_name() -> dict[str, KernelInstance]:
+    from ..kernels import catalog
+
+    return {instance.name_expr: instance for instance in catalog.all_instances()}
+
+
+def resolve_kernel(name_expr: str, target: str) -> bool:
+    """Register a kernel the handlers met without this process having lowered a call to it (an executable from
+    jax.export or another process's cache): "sim" registers the simulator library's entry in the current checking
+    mode, "sm_XY" the CUBIN NVRTC compiles for that arch. False for a name the catalog does not know."""
+    instance = _instances_by_name().get(name_expr)
+    if instance is None:
+        return False
+    if target == "sim":
+        register_cpu_kernels([instance])
+        return True
+    from ..kernels import nvrtc
+
+    compiled = nvrtc.compile_instance(instance, target)
+    _ffi.register_cubin(instance.name_expr, target, compiled.lowered_name, compiled.cubin)
+    return True
+
+
+def install() -> None:
+    """Register the custom-call targets with JAX and the kernel resolver with the handlers: what a process that
+    runs a deserialized (jax.export) executable needs before its first call. Done when cuflash.jax is imported."""
+    _ffi.register_targets()
+    _ffi.set_resolver(resolve_kernel)
 
 
 # ---------------------------------------------------------------------------

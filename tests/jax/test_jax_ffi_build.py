@@ -19,7 +19,7 @@ from conftest import gpu_count  # noqa: E402
 
 
 def _syntax_check(source: str, *defines: str) -> subprocess.CompletedProcess:
-    flags = ["-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-I", str(CUDA_SRC)]
+    flags = ["-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-I", str(CUDA_SRC), _ffi.version_flag()]
     flags += ["-isystem", str(_ffi.xla_include_dir())]
     cuda_include = _ffi.cuda_include_dir()
     if cuda_include is not None:

@@ -100,6 +100,30 @@ def test_ring_attention_over_a_sharded_sequence(devices):
         assert case["forward_launches"] == devices * (devices + 2 if causal else devices), (name, case)
 
 
+def test_jax_export_round_trip_in_a_fresh_process(tmp_path):
+    """[jax-scale] 4: a forward and grad exported with jax.export (the custom call allowed explicitly), serialized,
+    then deserialized and run in a process that never lowered cuflash: importing cuflash.jax registers the target
+    and the kernel resolver, the kernels register on first execution, and the results are bitwise the exporter's."""
+    blob = tmp_path / "attention.jax_exported"
+    exported = run_worker("export_worker.py", "export", str(blob))
+    assert exported["custom_calls"] == 3  # the forward, and the grad's own forward and backward
+    called = run_worker("export_worker.py", "call", str(blob))
+    assert called["bitwise"] == [True] * 4
+
+
+def test_a_call_lowered_by_another_cuflash_version_is_refused(monkeypatch):
+    import jax
+    import numpy as np
+
+    import cuflash.jax as cfj
+    from cuflash.jax import _primitives
+
+    monkeypatch.setattr(_primitives, "__version__", "0.0.0-another")
+    q = np.ones((1, 4, 1, 8), np.float32)
+    with pytest.raises(Exception, match="lowered by cuflash 0.0.0-another, but the handler library is"):
+        jax.block_until_ready(jax.jit(lambda q: cfj.attention(q, q, q, softmax_scale=0.3))(q))
+
+
 def test_two_processes_share_the_persistent_compilation_cache(tmp_path):
     cache = tmp_path / "jax_compilation_cache"
     first = run_worker("persistent_cache_worker.py", str(cache))
