@@ -221,11 +221,22 @@ def resolve_kernel(name_expr: str, target: str) -> bool:
     return True
 
 
+def _forget_sim_kernels() -> None:
+    """Unregister every simulator kernel: the next execution resolves each again in the current checking mode."""
+    for _, instance in list(_sim_registered):
+        _ffi.unregister_sim_kernel(instance.name_expr)
+    _sim_registered.clear()
+
+
 def install() -> None:
     """Register the custom-call targets with JAX and the kernel resolver with the handlers: what a process that
-    runs a deserialized (jax.export) executable needs before its first call. Done when cuflash.jax is imported."""
+    runs a deserialized (jax.export) executable needs before its first call. Done when cuflash.jax is imported.
+    Also makes the simulator's checking mode reach already-compiled executables (sim.on_mode_change)."""
+    from .. import sim
+
     _ffi.register_targets()
     _ffi.set_resolver(resolve_kernel)
+    sim.on_mode_change(_forget_sim_kernels)
 
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ __all__ = [
     "checking",
     "copy_landing",
     "current_mode",
+    "on_mode_change",
     "current_target",
     "targeting",
     "precompile",
@@ -131,6 +132,7 @@ def checking(mode: str) -> Iterator[str]:
         raise ValueError(f"unknown simulator mode {mode!r}; expected one of {_build.MODES}")
     with _mode_lock:
         _mode_stack.append(mode)
+    _notify_mode_change()
     try:
         yield mode
     finally:
@@ -140,6 +142,23 @@ def checking(mode: str) -> Iterator[str]:
                 if _mode_stack[i] == mode:
                     del _mode_stack[i]
                     break
+        _notify_mode_change()
+
+
+_mode_listeners: list = []
+
+
+def on_mode_change(listener) -> None:
+    """Call ``listener()`` whenever checking() enters or leaves a mode: cuflash.jax forgets the kernels its FFI
+    handler registered in the previous mode, so already-compiled executables run in the new one (their kernels
+    are registered again, in the current mode, on their next execution)."""
+    if listener not in _mode_listeners:
+        _mode_listeners.append(listener)
+
+
+def _notify_mode_change() -> None:
+    for listener in list(_mode_listeners):
+        listener()
 
 
 # ---- when cp.async copies land -----------------------------------------------------------

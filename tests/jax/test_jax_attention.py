@@ -479,3 +479,24 @@ def test_vmap_over_q_with_shared_k_v_folds_into_heads_without_copying_k_v(alibi)
     assert len(calls) == 1 and all(y == h * mapped for y in _grid_of(calls[0])[1::3]), calls
     kv_batched = f"tensor<{mapped}x{b}x{sk}x{hk}x{d}xf32>"
     assert kv_batched not in hlo, "k or v was broadcast over the mapped axis"
+
+
+def test_checking_mode_reaches_an_already_compiled_function():
+    """[jax-scale] 4: sim.checking() switches the kernels an already-jitted function runs (the handler forgets
+    its registrations on every mode change and resolves them again in the current mode)."""
+    from cuflash import sim
+    from cuflash.jax import _primitives
+
+    q = np.random.default_rng(7).standard_normal((1, 21, 2, 24)).astype(np.float32)
+    f = jax.jit(lambda q: cfj.attention(q, q, q, causal=True))
+    want = np.asarray(f(q))
+    outside = sim.current_mode()
+    problem = Problem("float32", 1, 21, 21, 2, 2, 24, mask=Mask(-1, 0))
+    instance = plans.forward_program("fa2", problem, SM80).launches[0].kernel
+    assert (outside, instance) in _primitives._sim_registered
+    with sim.checking("race"):
+        got = np.asarray(f(q))
+        assert set(_primitives._sim_registered) == {("race", instance)}
+    assert np.array_equal(got, want)
+    assert np.array_equal(np.asarray(f(q)), want)
+    assert set(_primitives._sim_registered) == {(outside, instance)}
