@@ -6,7 +6,7 @@
 One custom call per launch-plan Program (the forward, or the backward), handled
 by C++ FFI handlers (cuda_src/ffi/): on CUDA they launch the NVRTC CUBINs with
 the driver API on XLA's stream; on the CPU they run the same kernels in the
-simulator. The handler library is built with cffi at first use and cached under
+simulator. The handler library (plain C++, loaded with cffi's ABI mode) is built at first use and cached under
 ``cuflash._paths.cache_dir("jax_ffi")`` ($CUFLASH_CACHE_DIR/jax_ffi, default
 ~/.cache/cuflash/jax_ffi); ``python -m cuflash.jax.build`` builds it ahead of time.
 

@@ -61,7 +61,7 @@ def attention(
 
     Runs on the CPU (the simulator: every CUDA thread a fiber; slow, exact to the
     CUDA programming model) and on CUDA GPUs (CUBINs from NVRTC, launched on XLA's
-    stream). The XLA FFI handlers are built with cffi at first use and cached under
+    stream). The XLA FFI handlers are built (g++, no Python.h) at first use and cached under
     ``cuflash._paths.cache_dir("jax_ffi")``.
     """
     for name, array in (("q", q), ("k", k), ("v", v)):

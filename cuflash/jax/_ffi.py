@@ -1,15 +1,16 @@
-"""The XLA FFI handler library: built with cffi at first use, cached, registered with JAX.
+"""The XLA FFI handler library: a plain shared library built at first use, cached, registered with JAX.
 
-Build: cffi (API mode) compiles ``cuda_src/ffi/cpu_program.cpp`` and
-``cuda_src/ffi/cuda_program.cpp`` with g++ into one Python extension module,
+Build: g++ compiles ``cuda_src/ffi/cpu_program.cpp`` and
+``cuda_src/ffi/cuda_program.cpp`` into one plain shared library (no Python.h;
+Python loads it with cffi's ABI mode from the declarations in ``ffi_abi.h``),
 against the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``)
 and, when the ``nvidia-cuda-runtime`` wheel is installed, its ``cuda.h`` (only
 the header: libcuda is opened with dlopen when a CUDA call first runs, so the
 library builds and loads on machines without a driver or GPU).
 
-Cache: ``cache_dir("jax_ffi")/_cuflash_jax_ffi_<key>.so``; the key hashes the
+Cache: ``cache_dir("jax_ffi")/libcuflash_jax_ffi_<key>.so``; the key hashes the
 handler sources and every header they include from cuda_src, the XLA FFI and
-CUDA headers, the compiler's version line, the flags and the Python ABI. A
+CUDA headers, the compiler's version line and the flags. A
 build happens in a private temporary directory and is moved into place with
 ``os.replace`` under an ``fcntl.flock`` lock, so concurrent processes (pytest
 -n 2) neither see half-written files nor build twice.
@@ -25,14 +26,12 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import importlib.util
 import os
 import re
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -49,7 +48,7 @@ INCLUDED_HEADERS = ("ffi/ffi_abi.h", "ffi/program_call.h", "common/attention_par
 COMPILE_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-Wall")
 LINK_FLAGS = ("-lstdc++", "-ldl")
 
-_BUILD_FORMAT = "cuflash-jax-ffi-v1"
+_BUILD_FORMAT = "cuflash-jax-ffi-v2"  # v2: a plain shared library loaded with cffi's ABI mode
 
 
 class FfiBuildError(RuntimeError):
@@ -114,8 +113,7 @@ def _build_inputs() -> tuple[str, list[str]]:
     if cuda_include is not None:
         flags += ["-isystem", str(cuda_include), "-DCUFLASH_FFI_WITH_CUDA=1"]
     h = hashlib.sha256()
-    for part in (_BUILD_FORMAT, _compiler_identity(_compiler()), " ".join(flags), " ".join(LINK_FLAGS),
-                 sysconfig.get_config_var("EXT_SUFFIX") or "", _cdef_text()):
+    for part in (_BUILD_FORMAT, _compiler_identity(_compiler()), " ".join(flags), " ".join(LINK_FLAGS), _cdef_text()):
         h.update(part.encode())
         h.update(b"\0")
     for name in HANDLER_SOURCES:
@@ -140,51 +138,30 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _compile(module_name: str, flags: list[str], target: Path) -> None:
-    import cffi
-
-    builder = cffi.FFI()
-    builder.cdef(_cdef_text())
-    builder.set_source(
-        module_name,
-        '#include "ffi/ffi_abi.h"\n',
-        sources=[str(FFI_DIR / name) for name in HANDLER_SOURCES],
-        source_extension=".cpp",
-        include_dirs=[str(CUDA_SRC)],
-        extra_compile_args=flags,
-        extra_link_args=list(LINK_FLAGS),
-    )
+def _compile(flags: list[str], target: Path) -> None:
+    """g++ the handler sources into a plain shared library (no Python.h: any Python loads it with cffi's ABI
+    mode, and a host without Python development headers can build it)."""
+    cxx = _compiler()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
-        env_cxx = _compiler()
-        previous = {name: os.environ.get(name) for name in ("CC", "CXX", "LDSHARED")}
-        # setuptools compiles .cpp with $CC; point it (and the linker) at the C++ compiler.
-        os.environ["CC"] = env_cxx
-        os.environ["CXX"] = env_cxx
-        os.environ["LDSHARED"] = f"{env_cxx} -shared"
-        try:
-            built = builder.compile(tmpdir=workdir, verbose=False)
-        except Exception as err:  # setuptools raises CompileError/LinkError with the compiler's output on stderr
-            raise FfiBuildError(f"building the cuflash JAX FFI handlers failed: {err}") from err
-        finally:
-            for name, value in previous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        built = Path(workdir) / target.name
+        command = [cxx, *flags, "-shared", "-I", str(CUDA_SRC), *(str(FFI_DIR / name) for name in HANDLER_SOURCES),
+                   "-o", str(built), *LINK_FLAGS]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise FfiBuildError(f"building the cuflash JAX FFI handlers failed ({' '.join(command)}):\n{run.stderr}")
         os.replace(built, target)
 
 
 def library_path() -> Path:
     """The cached handler library for this environment, building it if needed."""
     key, flags = _build_inputs()
-    module_name = f"_cuflash_jax_ffi_{key}"
     directory = cache_dir("jax_ffi")
-    target = directory / (module_name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    target = directory / f"libcuflash_jax_ffi_{key}.so"
     if target.exists():
         return target
-    with _locked(directory / f"{module_name}.lock"):
+    with _locked(directory / f"libcuflash_jax_ffi_{key}.lock"):
         if not target.exists():
-            _compile(module_name, flags, target)
+            _compile(flags, target)
     return target
 
 
@@ -194,17 +171,16 @@ _registered_platforms: set[str] = set()
 
 
 def library():
-    """The loaded cffi module (``.ffi``, ``.lib``), built at first use."""
+    """The loaded library as ``.ffi`` (its cffi declarations, ffi_abi.h) and ``.lib`` (cffi ABI mode), built at
+    first use."""
     global _module
     with _lock:
         if _module is None:
-            path = library_path()
-            name = path.name.split(".")[0]
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules[name] = module
-            _module = module
+            import cffi
+
+            ffi = cffi.FFI()
+            ffi.cdef(_cdef_text())
+            _module = types.SimpleNamespace(ffi=ffi, lib=ffi.dlopen(str(library_path())))
         return _module
 
 

@@ -64,3 +64,18 @@ def test_cuda_handler_source_builds_without_the_cuda_header_too():
     """Without cuda.h the library still builds; the CUDA platform is then simply not offered."""
     result = _syntax_check("cuda_program.cpp")
     assert result.returncode == 0, result.stderr
+
+
+def test_library_is_a_plain_shared_library_without_python():
+    """[jax-scale] 4: the handlers build with g++ alone (no Python.h) into a library any Python loads with cffi's
+    ABI mode: it references no Python C API symbol."""
+    import shutil
+
+    path = _ffi.library_path()
+    assert path.name.startswith("libcuflash_jax_ffi_") and path.suffix == ".so"
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    undefined = subprocess.run([nm, "-D", "--undefined-only", str(path)], capture_output=True, text=True, check=True)
+    assert not [line for line in undefined.stdout.splitlines() if " Py" in line or "_Py" in line], undefined.stdout
+    assert _ffi.library().lib.cuflash_ffi_params_size() > 0
