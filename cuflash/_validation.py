@@ -7,6 +7,7 @@ CuPy and JAX arrays (abstract values at trace time included).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -268,3 +269,79 @@ def needs_copy(array: Any) -> bool:
     if any(s < 0 or s % itemsize for s in strides):
         return True
     return shape[-1] > 1 and strides[-1] != itemsize
+
+
+def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, *,
+                  causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any) -> tuple[Problem, np.ndarray]:
+    """Validate attention_with_kvcache's arguments (``cache_seqlens`` an int, None or a host copy; ``block_table``
+    None or a host copy) and return the Problem and the keys in use per sequence after the new ones are appended
+    (int32, (batch,)). Nothing is written before this returns."""
+    batch, seqlen_q, nheads, headdim = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")
+    paged = block_table is not None
+    layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
+    cache_shape = _check_ndim("k_cache", k_cache, layout)
+    if tuple(v_cache.shape) != cache_shape:
+        raise ValueError(f"v_cache must have k_cache's shape {cache_shape}, got {tuple(v_cache.shape)}")
+    cache_rows, nheads_k, kheaddim = cache_shape[1:]
+    if paged:
+        if dtype_name(block_table) != "int32" or block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be int32 (batch, max_blocks_per_seq) with batch = {batch}, got "
+                             f"{dtype_name(block_table)} {tuple(block_table.shape)}")
+        if cache_rows % 16 or cache_rows == 0:
+            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {cache_rows}")
+        num_pages = cache_shape[0]
+        if block_table.size and (block_table.min() < 0 or block_table.max() >= num_pages):
+            raise ValueError(f"block_table names pages outside the cache: entries must be in [0, {num_pages}), got "
+                             f"[{int(block_table.min())}, {int(block_table.max())}]")
+        capacity = block_table.shape[1] * cache_rows
+    else:
+        if cache_shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch size ({batch}), got {cache_shape[0]}")
+        capacity = cache_rows
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) are given together or not at all")
+    seqlen_new = 0
+    if k is not None:
+        new_shape = _check_ndim("k", k, "(batch, seqlen_new, nheads_k, headdim)")
+        if new_shape[0] != batch or new_shape[2:] != (nheads_k, kheaddim):
+            raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = ({batch}, seqlen_new, "
+                             f"{nheads_k}, {kheaddim}), got {new_shape}")
+        if tuple(v.shape) != new_shape:
+            raise ValueError(f"v must have k's shape {new_shape}, got {tuple(v.shape)}")
+        seqlen_new = new_shape[1]
+        for name, x in (("k", k), ("v", v)):
+            if dtype_name(x) != dtype_name(k_cache):
+                raise TypeError(f"{name} must have the caches' dtype {dtype_name(k_cache)}, got {dtype_name(x)}")
+    if cache_seqlens is None:
+        lengths = np.full(batch, capacity - seqlen_new, np.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(batch, int(cache_seqlens), np.int64)
+    else:
+        if dtype_name(cache_seqlens) != "int32" or tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or an int32 array of shape (batch,) = ({batch},), got "
+                             f"{dtype_name(cache_seqlens)} {tuple(cache_seqlens.shape)}")
+        lengths = cache_seqlens.astype(np.int64)
+    if lengths.size and lengths.min() < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
+    used = lengths + seqlen_new
+    if used.size and used.max() > capacity:
+        b = int(np.argmax(used))
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(lengths[b])} + {seqlen_new} exceeds the cache's "
+                         f"capacity of {capacity} rows")
+    problem = _problem(q, k_cache, v_cache, batch=batch, seqlen_q=seqlen_q, seqlen_k=int(used.max(initial=0)),
+                       nheads=nheads, nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0,
+                       deterministic=False)
+    problem = dataclasses.replace(problem, kvcache=True, page_size=cache_rows if paged else 0,
+                                  pages_per_sequence=block_table.shape[1] if paged else 0)
+    return problem, used.astype(np.int32)
+
+
+def check_num_splits(num_splits: Any) -> int:
+    """attention_with_kvcache's num_splits: 0 (heuristic) or 1; split-KV (n > 1) is not implemented yet."""
+    value = _check_int("num_splits", num_splits)
+    if value < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: heuristic), got {value}")
+    if value > 1:
+        raise ValueError(f"num_splits={value}: split-KV is not implemented yet; use 0 or 1")
+    return value

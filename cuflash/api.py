@@ -342,6 +342,86 @@ def attention_varlen_backward(
                      cu_seqlens=cu_seqlens)
 
 
+def attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    k: Any = None,
+    v: Any = None,
+    cache_seqlens: Any = None,
+    block_table: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    num_splits: int = 0,
+    algorithm: str = "fa2",
+    return_lse: bool = False,
+) -> Any:
+    optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table)) if x is not None}
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        optional["cache_seqlens"] = cache_seqlens
+    names = ("q", "k_cache", "v_cache", *optional)
+    placement, alibi_slopes = _place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes)
+    placed = dict(zip(names, placement.arrays))
+    q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
+    k, v = placed.get("k"), placed.get("v")
+    table = _host_copy(placed["block_table"]) if "block_table" in placed else None
+    lengths = _host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
+    problem, used = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
+                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    V.check_num_splits(num_splits)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if V.needs_copy(cache):
+            raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its strides "
+                             f"non-negative)")
+    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+    return_lse = V.check_bool("return_lse", return_lse)
+    catalog.check_options(algorithm, problem)
+    if k is not None and k.shape[1]:
+        _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
+    (q,) = _contiguous_last_dim((q,))
+
+    backend = placement.backend()
+    with backend.device():
+        out = backend.empty(tuple(q.shape), q.dtype)
+        lse = backend.empty(problem.row_stats_shape, np.float32)
+        if problem.seqlen_k == 0:
+            out[...] = 0
+            lse[...] = -np.inf
+        elif out.size:
+            program = plans.forward_program(algorithm, problem, backend.target)
+            inputs = {"seqused_k": backend.upload(used.view(np.float32))}
+            if table is not None:
+                inputs["block_table"] = backend.upload(np.ascontiguousarray(table).view(np.float32))
+            arrays = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse,
+                      **_side_inputs(backend, alibi_slopes, problem, None), **inputs}
+            run_program(backend, program, problem, scale, arrays)
+    out, lse = placement.export(out), placement.export(lse)
+    return (out, lse) if return_lse else out
+
+
+def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, table: np.ndarray | None) -> None:
+    """Write the new rows into the caches in place: k[b, i] to key row starts[b] + i of sequence b (its page and
+    row in the page when paged). One scatter per cache, in the caches' own array library."""
+    batch, seqlen_new = k.shape[:2]
+    rows = starts.astype(np.int64)[:, None] + np.arange(seqlen_new)[None, :]  # (batch, seqlen_new)
+    if table is None:
+        outer = np.broadcast_to(np.arange(batch)[:, None], rows.shape)
+    else:
+        page_size = k_cache.shape[1]
+        outer = np.take_along_axis(table.astype(np.int64), rows // page_size, axis=1)
+        rows = rows % page_size
+    if not isinstance(k_cache, np.ndarray):
+        import cupy
+
+        outer, rows = cupy.asarray(outer), cupy.asarray(rows)
+    k_cache[outer, rows] = k
+    v_cache[outer, rows] = v
+
+
 attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = scale * q k^T (see options).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
@@ -382,3 +462,19 @@ attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention_var
     Arguments as for ``attention_varlen`` (out and lse as it returned them); dq is like q,
     dk and dv like k and v. ``deterministic=True`` as in ``attention_backward``.
 """ + _OPTIONS_DOC
+
+attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending new keys and values first (inference).
+
+    q: (batch, seqlen_q, nheads, headdim). Caches: k_cache, v_cache (batch, seqlen_cache, nheads_k,
+    headdim), or paged (num_pages, page_size, nheads_k, headdim) with ``block_table`` int32 (batch,
+    max_blocks_per_seq) naming each sequence's pages in order (any page size that is a multiple of 16).
+    ``cache_seqlens``: int32 (batch,), an int, or None (the cache is full but for the new rows): the rows
+    already in use per sequence. New ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) are written into
+    the caches in place at rows cache_seqlens[b] .. + seqlen_new; then q attends to keys
+    [0, cache_seqlens[b] + seqlen_new) of its sequence, the mask's diagonal aligned bottom-right to that
+    length (off = cache_seqlens[b] + seqlen_new - seqlen_q). Window, softcap and ALiBi as for ``attention``;
+    no dropout, no backward. ``num_splits``: 0 (the heuristic) or 1 run the kernels unsplit; split-KV
+    (n > 1) is not implemented yet and raises. cache_seqlens and block_table are read on the host and
+    checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
+    were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+"""

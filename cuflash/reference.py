@@ -367,3 +367,41 @@ def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_
                                              **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
     return dq, dk, dv
+
+
+def kvcache_keys(cache, lengths, block_table=None):
+    """Each sequence's keys in use, as a list of (length, nheads_k, headdim) arrays: rows [0, lengths[b]) of
+    cache[b], or for a paged cache (num_pages, page_size, ...) row j of page block_table[b][j // page_size]."""
+    cache = np.asarray(cache)
+    keys = []
+    for b, length in enumerate(np.asarray(lengths, dtype=np.int64)):
+        rows = np.arange(length)
+        if block_table is None:
+            keys.append(cache[b, rows])
+        else:
+            page_size = cache.shape[1]
+            pages = np.asarray(block_table)[b, rows // page_size]
+            keys.append(cache[pages, rows % page_size])
+    return keys
+
+
+def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, causal: bool = False,
+                                     softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                                     alibi_slopes=None, dtype=np.float64):
+    """Attention of q over the first ``lengths[b]`` keys of each sequence's cache (after any append): an explicit
+    loop of ``attention_reference`` per sequence, causal aligned bottom-right to that length. Returns (out, lse)."""
+    dtype = resolve_dtype(dtype)
+    acc = accumulator_dtype(dtype)
+    q = np.asarray(q)
+    scale = _scale(softmax_scale, q.shape[-1])
+    out = np.zeros(q.shape, dtype=dtype)
+    lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, dtype=acc)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
+    for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, lengths, block_table),
+                                           kvcache_keys(v_cache, lengths, block_table))):
+        row_slopes = slopes[b:b + 1] if slopes is not None and slopes.ndim == 2 else slopes
+        out_b, lse_b = attention_reference(q[b:b + 1], keys[None], values[None], causal=causal, softmax_scale=scale,
+                                           window_size=window_size, softcap=softcap, alibi_slopes=row_slopes,
+                                           dtype=dtype)
+        out[b], lse[b] = out_b[0], lse_b[0]
+    return out, lse

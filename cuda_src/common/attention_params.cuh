@@ -62,6 +62,12 @@ struct TensorStrides {
 //                stride 0) and the row-stats buffers become (nheads, total_q); null: fixed length (block_info.cuh)
 //   cu_seqlens_k input (read only): the same for keys: k, v, dk, dv (total_k, nheads_k, headdim); set with
 //                cu_seqlens_q
+//   seqused_k    input (read only): KV cache, int32 words (batch): keys 0 .. seqused_k[b] of sequence b are in use
+//                (the cache's rows past them are not read); null: all seqlen_k
+//   block_table  input (read only): paged KV cache, int32 words (batch, block_table_stride): row j of sequence b's
+//                keys is row j % page_size of page block_table[b][j / page_size] of k and v, which are then
+//                (num_pages, page_size, nheads_k, headdim) with the page stride in place of the batch stride;
+//                null: contiguous (block_info.cuh)
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -77,7 +83,9 @@ struct TensorStrides {
   X(dlse)                              \
   X(dropout_seed)                      \
   X(cu_seqlens_q)                      \
-  X(cu_seqlens_k)
+  X(cu_seqlens_k)                      \
+  X(seqused_k)                         \
+  X(block_table)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -119,6 +127,9 @@ struct AttentionParams {
   // dropout); kept probabilities are multiplied by dropout_rescale = 1 / (1 - dropout_p).
   unsigned dropout_threshold;
   float dropout_rescale;
+
+  int page_size;           // paged KV cache: rows per page (a multiple of 16); block_table null: unused
+  int block_table_stride;  // int32 words between the block_table rows of consecutive sequences
 };
 
 }  // namespace cuflash

@@ -23,6 +23,34 @@
 
 namespace cuflash {
 
+// Rows first_row, first_row + 1, ... of one head of a key-side tensor. Contiguous: head_base + j row_stride.
+// Paged KV cache: row j lives at row j % page_size of page pages[j / page_size], pages page_stride apart
+// (the cache's batch stride). The page lookup is one int load per row; the contiguous path is the old
+// pointer arithmetic (pages is a literal null there, so the branch folds away).
+template <class T>
+struct KeyRows {
+  T* head_base;  // contiguous: row 0 of the sequence's head; paged: the head in page 0
+  long long row_stride;
+  long long page_stride;
+  const int* pages;  // the sequence's row of block_table; null: contiguous
+  int page_size;
+  int first_row;
+
+  __device__ __forceinline__ T* row(int r) const {
+    const int j = first_row + r;
+    if (pages == nullptr) return head_base + static_cast<long long>(j) * row_stride;
+    const unsigned page = static_cast<unsigned>(j) / static_cast<unsigned>(page_size);  // rows are >= 0
+    const unsigned in_page = static_cast<unsigned>(j) - page * static_cast<unsigned>(page_size);
+    return head_base + static_cast<long long>(arch::load(pages + page)) * page_stride +
+           static_cast<long long>(in_page) * row_stride;
+  }
+  // Whether every row starts 16-byte aligned (the tensor-core loads then use 16-byte cp.async).
+  __device__ __forceinline__ bool rows_16b_aligned() const {
+    return (reinterpret_cast<unsigned long long>(head_base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0 &&
+           (pages == nullptr || (page_stride * sizeof(T)) % 16 == 0);
+  }
+};
+
 struct BlockInfo {
   int batch;
   int head;     // the query head
@@ -45,6 +73,7 @@ struct BlockInfo {
     return varlen(p) ? cu_seqlen(p.cu_seqlens_q, batch + 1) - cu_seqlen(p.cu_seqlens_q, batch) : p.seqlen_q;
   }
   __device__ __forceinline__ int seqlen_k(const AttentionParams& p) const {
+    if (p.seqused_k != nullptr) return cu_seqlen(p.seqused_k, batch);  // KV cache: the keys in use
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch + 1) - cu_seqlen(p.cu_seqlens_k, batch) : p.seqlen_k;
   }
   // Index of this sequence's row 0 among all query (key) rows of the batch: b * seqlen (fixed length) or
@@ -94,6 +123,17 @@ struct BlockInfo {
     return at<T>(p.dv, p.dv_stride, k_start(p), kv_head);
   }
 
+  // Rows first_row, first_row + 1, ... of this sequence's k or v (its kv head): contiguous, or spread over the
+  // pages of a paged KV cache (KeyRows below). The forward kernels load K/V blocks through these.
+  template <class T>
+  __device__ __forceinline__ KeyRows<const T> k_rows(const AttentionParams& p, int first_row) const {
+    return key_rows<const T>(p, p.k, p.k_stride, first_row);
+  }
+  template <class T>
+  __device__ __forceinline__ KeyRows<const T> v_rows(const AttentionParams& p, int first_row) const {
+    return key_rows<const T>(p, p.v, p.v_stride, first_row);
+  }
+
   // Float32 per-row statistics (lse, dout_dot_out, row_max, row_sum): (batch, nheads, seqlen_q), or
   // (nheads, total_q) for varlen (FlashAttention-2's layout).
   __device__ __forceinline__ long long row_stats_offset(const AttentionParams& p) const {
@@ -139,6 +179,14 @@ struct BlockInfo {
   }
   __device__ __forceinline__ int k_start(const AttentionParams& p) const {
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : 0;
+  }
+  template <class T, class Void>
+  __device__ __forceinline__ KeyRows<T> key_rows(const AttentionParams& p, Void* base, const TensorStrides& s,
+                                                 int first_row) const {
+    if (p.block_table == nullptr)
+      return KeyRows<T>{at<T>(base, s, k_start(p), kv_head), s.row, 0, nullptr, 0, first_row};
+    const int* pages = reinterpret_cast<const int*>(p.block_table) + batch * p.block_table_stride;
+    return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages, p.page_size, first_row};
   }
   template <class T, class Void>
   __device__ __forceinline__ T* at(Void* base, const TensorStrides& s, int row, int head_index) const {

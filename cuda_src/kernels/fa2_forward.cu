@@ -156,8 +156,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
   if (!n_range.empty()) {
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
-    const T* k = info.k<T>(p);
-    const T* v = info.v<T>(p);
     float* q_tile = smem + Tr::kQOffset;
     float* k_tile = smem + Tr::kKOffset;
     float* v_tile = smem + Tr::kVOffset;
@@ -172,9 +170,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       const int key0 = n_block * BlockN;
       const int block_keys = min(BlockN, mask.seqlen_k - key0);
       __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
-      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k + key0 * p.k_stride.row, p.k_stride.row,
-                                                      block_keys, d, threadIdx.x, Tr::kThreads);
-      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row,
+      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, info.k_rows<T>(p, key0), block_keys, d, threadIdx.x,
+                                                      Tr::kThreads);
+      fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, info.v_rows<T>(p, key0),
                                                       block_keys, d, threadIdx.x, Tr::kThreads);
       __syncthreads();
 

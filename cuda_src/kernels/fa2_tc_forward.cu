@@ -125,25 +125,23 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
   if (!n_range.empty()) {
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
-    const T* k = info.k<T>(p);
-    const T* v = info.v<T>(p);
     const bool q_vector = fa2tc::rows_16b_aligned(q, p.q_stride.row);
-    const bool k_vector = fa2tc::rows_16b_aligned(k, p.k_stride.row);
-    const bool v_vector = fa2tc::rows_16b_aligned(v, p.v_stride.row);
+    const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
+    const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     const float scale_log2 = p.softmax_scale_log2;
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
 
     fa2tc::load_tile<QTile>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x, Tr::kThreads);
-    fa2tc::load_tile<KVTile>(k_tile, k + (n_range.end - 1) * BlockN * p.k_stride.row, p.k_stride.row,
-                             block_keys(n_range.end - 1), d, k_vector, threadIdx.x, Tr::kThreads);
+    fa2tc::load_tile<KVTile>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN), block_keys(n_range.end - 1), d,
+                             k_vector, threadIdx.x, Tr::kThreads);
     arch::cp_async_commit();
 
     for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
       const int key0 = n_block * BlockN;
       arch::cp_async_wait<0>();
       __syncthreads();  // K_j (and Q) visible to all; every warp is done with V_{j+1}
-      fa2tc::load_tile<KVTile>(v_tile, v + key0 * p.v_stride.row, p.v_stride.row, block_keys(n_block), d, v_vector,
-                               threadIdx.x, Tr::kThreads);
+      fa2tc::load_tile<KVTile>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector, threadIdx.x,
+                               Tr::kThreads);
       arch::cp_async_commit();
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
@@ -170,8 +168,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j
       if (n_block > n_range.begin) {
-        fa2tc::load_tile<KVTile>(k_tile, k + (key0 - BlockN) * p.k_stride.row, p.k_stride.row, block_keys(n_block - 1), d,
-                                 k_vector,
+        fa2tc::load_tile<KVTile>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1), d, k_vector,
                                  threadIdx.x, Tr::kThreads);
         arch::cp_async_commit();
       }

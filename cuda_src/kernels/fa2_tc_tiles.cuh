@@ -99,7 +99,7 @@ __device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_st
 // vector: 16-byte cp.async (asynchronous: the caller commits the group and waits for it); otherwise element
 // loads and a 16-byte shared store (synchronous). Either way exactly the valid elements are read.
 template <class Tile, class T>
-__device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+__device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<const T>& rows, int valid_rows,
                                           int headdim, bool vector, int thread, int threads) {
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, lon
       const int col = (c % Tile::kChunksPerRow) * kChunkElems;
       const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
       // A zero-byte copy still needs an aligned source address: the tile's own start.
-      const T* from = valid > 0 ? src + row * row_stride + col : src;
+      const T* from = valid > 0 ? rows.row(row) + col : rows.head_base;
       arch::cp_async<16>(tile + Tile::chunk_offset(row, col / kChunkElems), from, valid * 2);
     }
   } else {
@@ -121,12 +121,25 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, lon
       const int row = c / Tile::kChunksPerRow;
       const int col = (c % Tile::kChunksPerRow) * kChunkElems;
       const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
-      const unsigned short* from = reinterpret_cast<const unsigned short*>(src + row * row_stride + col);
       unsigned short* to = reinterpret_cast<unsigned short*>(tile + Tile::chunk_offset(row, col / kChunkElems));
+      if (valid == 0) {
+#pragma unroll 1
+        for (int e = 0; e < kChunkElems; ++e) to[e] = 0;
+        continue;
+      }
+      const unsigned short* from = reinterpret_cast<const unsigned short*>(rows.row(row) + col);
 #pragma unroll 1
       for (int e = 0; e < kChunkElems; ++e) to[e] = e < valid ? arch::load(from + e) : static_cast<unsigned short>(0);
     }
   }
+}
+
+// The same from contiguous rows: src[r * row_stride + c].
+template <class Tile, class T>
+__device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+                                          int headdim, bool vector, int thread, int threads) {
+  load_tile<Tile>(tile, KeyRows<const T>{src, row_stride, 0, nullptr, 0, 0}, valid_rows, headdim, vector, thread,
+                  threads);
 }
 
 // ---- fragments ------------------------------------------------------------------------------------------

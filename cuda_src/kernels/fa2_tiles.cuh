@@ -96,17 +96,25 @@ __device__ __forceinline__ void sts4(float* p, float4 v) { *reinterpret_cast<flo
 // `thread` share the work; consecutive threads take consecutive 4-element chunks of a row
 // (coalesced along the contiguous head dim).
 template <int Rows, int Width, int Stride, class T>
-__device__ __forceinline__ void load_tile(float* tile, const T* rows, long long row_stride, int valid_rows,
-                                          int headdim, int thread, int threads) {
+__device__ __forceinline__ void load_tile(float* tile, const KeyRows<const T>& rows, int valid_rows, int headdim,
+                                          int thread, int threads) {
   static_assert(Width % 4 == 0 && Stride % 4 == 0, "tiles move in float4 chunks");
   constexpr int kChunksPerRow = Width / 4;
   for (int c = thread; c < Rows * kChunksPerRow; c += threads) {
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 4;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < valid_rows) x = load_chunk4(rows + r * row_stride + col, headdim - col);
+    if (r < valid_rows) x = load_chunk4(rows.row(r) + col, headdim - col);
     sts4(tile + r * Stride + col, x);
   }
+}
+
+// The same from contiguous rows: rows[r * row_stride + c].
+template <int Rows, int Width, int Stride, class T>
+__device__ __forceinline__ void load_tile(float* tile, const T* rows, long long row_stride, int valid_rows,
+                                          int headdim, int thread, int threads) {
+  load_tile<Rows, Width, Stride>(tile, KeyRows<const T>{rows, row_stride, 0, nullptr, 0, 0}, valid_rows, headdim,
+                                 thread, threads);
 }
 
 // ---- register-blocked products over shared-memory tiles ----------------------------------

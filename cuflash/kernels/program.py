@@ -21,7 +21,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout", "varlen")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -71,6 +71,12 @@ class Problem:
     # lengths themselves are data (cu_seqlens side inputs), so nothing here depends on them.
     total_q: int | None = None
     total_k: int | None = None
+    # KV cache (block_info.cuh): each sequence's keys in use come from a side input (seqused_k) and seqlen_k is the
+    # largest; page_size > 0: k and v are paged, (num_pages, page_size, nheads_k, d), each sequence's pages named
+    # by a row of pages_per_sequence entries of block_table.
+    kvcache: bool = False
+    page_size: int = 0
+    pages_per_sequence: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -92,6 +98,8 @@ class Problem:
             raise ValueError("Problem.total_q and Problem.total_k are set together (varlen) or not at all")
         if self.varlen and not (0 <= self.total_q and 0 <= self.total_k):
             raise ValueError(f"Problem.total_q and total_k must be >= 0, got {self.total_q} and {self.total_k}")
+        if self.page_size and not (self.kvcache and self.page_size % 16 == 0 and self.pages_per_sequence > 0):
+            raise ValueError("Problem.page_size (a multiple of 16) needs kvcache and pages_per_sequence > 0")
 
     @property
     def options(self) -> frozenset[str]:
@@ -105,6 +113,10 @@ class Problem:
             used.add("dropout")
         if self.varlen:
             used.add("varlen")
+        if self.kvcache:
+            used.add("kvcache")
+        if self.page_size:
+            used.add("paged")
         return frozenset(used)
 
     @property

@@ -319,6 +319,8 @@ def backward_program_for(problem: Problem, traits) -> Program:
     """The three-launch backward (pre-pass, the main kernel of ``traits``, convert) and its scratch; ``traits`` is
     a SIMT BackwardTraits or a tensor-core one (fa2_tc.py): anything with instance(dtype), convert_instance(dtype),
     threads, smem_bytes, block_m and block_n."""
+    if problem.kvcache:
+        raise ValueError("a KV cache is for the forward only (attention_with_kvcache has no backward)")
     splits = num_dq_splits_for(problem, traits)
     main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
     launches = (

@@ -67,7 +67,8 @@ class ForwardTraits(fa2.TileTraits):
 # sm_90), the table takes FA2's next tile (its dropout / sm86 rows): a narrower K/V block keeps the two 16-row
 # strips per warp that let each K and V fragment feed two MMAs. Targets whose blocks may have 99 KB (sm_86,
 # sm_89, sm_120) have their own rows, as in FA2: at d128, ptxas for sm_120 spills the 4-warp 128 x 32 tile, so
-# those targets take 8 warps of one strip each. Where a head dim lists two tiles, forward_traits picks the one
+# those targets take 8 warps of one strip each, and at d96 too (128 x 64 with 4 warps spilled 28 bytes on sm_120
+# once the K/V loads learned paged caches). Where a head dim lists two tiles, forward_traits picks the one
 # with more query rows resident per SM (by shared memory), ties to the smaller block: FA2's d256 choice
 # (128 x 64 with 8 warps on A100, 64 x 64 with 4 warps and two blocks per SM on H100).
 FORWARD_CHOICES = {
@@ -80,6 +81,7 @@ FORWARD_CHOICES = {
 }
 FORWARD_CHOICES_99KB = {
     **FORWARD_CHOICES,
+    96: (ForwardTraits(96, block_m=128, block_n=64, warps=8),),
     128: (ForwardTraits(128, block_m=128, block_n=64, warps=8),),
     256: (ForwardTraits(256, block_m=64, block_n=64, warps=4),),
 }
