@@ -138,8 +138,14 @@ def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropou
         inputs["dropout_seed"] = backend.upload(seed_words(dropout_seed))
     if cu_seqlens is not None:
         for name, host in zip(("cu_seqlens_q", "cu_seqlens_k"), cu_seqlens):
-            inputs[name] = backend.upload(np.ascontiguousarray(host, dtype=np.int32).view(np.float32))
+            inputs[name] = backend.upload(_int32_words(host))
     return inputs
+
+
+def _int32_words(host: np.ndarray) -> np.ndarray:
+    """An int32 side input (cu_seqlens, seqused_k, block_table) as the float32-typed words AttentionParams' side
+    buffers hold (kernels read the bits)."""
+    return np.ascontiguousarray(host, dtype=np.int32).view(np.float32)
 
 
 def _host_copy(array: Any) -> np.ndarray:
@@ -393,9 +399,9 @@ def attention_with_kvcache(
             lse[...] = -np.inf
         elif out.size:
             program = plans.forward_program(algorithm, problem, backend.target)
-            inputs = {"seqused_k": backend.upload(used.view(np.float32))}
+            inputs = {"seqused_k": backend.upload(_int32_words(used))}
             if table is not None:
-                inputs["block_table"] = backend.upload(np.ascontiguousarray(table).view(np.float32))
+                inputs["block_table"] = backend.upload(_int32_words(table))
             arrays = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse,
                       **_side_inputs(backend, alibi_slopes, problem, None), **inputs}
             run_program(backend, program, problem, scale, arrays)
