@@ -57,6 +57,22 @@ class Mask:
         left, right = window_size
         return cls(left, 0 if causal else right)
 
+    @classmethod
+    def top_left(cls, left: int | None, right: int | None, seqlen_q: int, seqlen_k: int) -> Mask | None:
+        """The band i - left <= j <= i + right aligned to the top-left corner (jax.nn.dot_product_attention's
+        local window and causal mask; None: unbounded) as this bottom-right Mask: shifted by seqlen_k - seqlen_q.
+        None when a shifted bound falls below 0, which -1 (unbounded) cannot express."""
+        offset = seqlen_k - seqlen_q
+        bounds = []
+        for bound, shift in ((left, offset), (right, -offset)):
+            if bound is None:
+                bounds.append(-1)
+            elif bound + shift < 0:
+                return None
+            else:
+                bounds.append(bound + shift)
+        return cls(*bounds)
+
     @property
     def is_causal(self) -> bool:
         return self.window_left < 0 and self.window_right == 0

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from .. import _validation as V
 from ..kernels.program import ELEMENT_DTYPES
+from ..mask import Mask
 from ._attention import _call, attention
 
 _warned: set[str] = set()
@@ -39,19 +40,14 @@ def _fallback(reason: str, *args, **kwargs):
     return jax.nn.dot_product_attention(*args, **kwargs)
 
 
-def _window(left: int | None, right: int | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
-    """jax.nn's top-left band [i - left, i + right] (None: unbounded) as cuflash's bottom-right window_size, or None
-    when a shifted bound would fall below 0 (not expressible)."""
-    off = seqlen_k - seqlen_q
-    shifted = []
-    for bound, shift in ((left, off), (right, -off)):
-        if bound is None:
-            shifted.append(-1)
-        elif bound + shift < 0:
-            return None
-        else:
-            shifted.append(bound + shift)
-    return tuple(shifted)  # type: ignore[return-value]
+def band_of(local_window_size: int | tuple[int, int] | None, causal: bool, seqlen_q: int, seqlen_k: int) -> Mask | None:
+    """jax.nn's (top-left) local_window_size and causal flag as cuflash's Mask, or None where it cannot be shifted."""
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+    left, right = local_window_size if local_window_size is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return Mask.top_left(left, right, seqlen_q, seqlen_k)
 
 
 def dot_product_attention(
@@ -88,16 +84,11 @@ def dot_product_attention(
     if len(shape) != 4 or not dtypes <= set(ELEMENT_DTYPES) or len(dtypes) != 1 or not 1 <= shape[-1] <= V.MAX_HEADDIM:
         return _fallback("only 4-D (or 3-D) float16/bfloat16/float32 inputs of one dtype with head dim 1..256 are "
                          "covered", *args, **kwargs)
-    seqlen_q, seqlen_k = shape[1], key.shape[1]
-    if isinstance(local_window_size, int):
-        local_window_size = (local_window_size, local_window_size)
-    left, right = local_window_size if local_window_size is not None else (None, None)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    window = _window(left, right, seqlen_q, seqlen_k)
-    if window is None:
+    mask = band_of(local_window_size, is_causal, shape[1], key.shape[1])
+    if mask is None:
         return _fallback("a causal mask or local window top-left aligned with seqlen_q != seqlen_k that cuflash's "
                          "bottom-right windows cannot express", *args, **kwargs)
+    window = (mask.window_left, mask.window_right)
     lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
     if lengths and window != (-1, -1):
         return _fallback("sequence lengths together with a causal mask or window (jax.nn aligns them top-left per "

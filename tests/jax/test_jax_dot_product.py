@@ -36,11 +36,8 @@ CASES = {
 def _expressible(name: str, shape) -> bool:
     """Whether cuflash covers the case's band on this shape (else it is a fallback, tested below)."""
     options = CASES[name]
-    window = options.get("local_window_size")
-    left, right = (window, window) if isinstance(window, int) else window or (None, None)
-    if options.get("is_causal"):
-        right = 0 if right is None else min(right, 0)
-    return _dot_product._window(left, right, shape[1], shape[2]) is not None
+    return _dot_product.band_of(options.get("local_window_size"), options.get("is_causal", False), shape[1],
+                                shape[2]) is not None
 
 
 def _grid():
