@@ -87,3 +87,18 @@ def test_only_public_jax_apis():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if "jax._src" in line.split("#")[0] or "from jax._src" in line]
     assert not found, found
+
+
+def test_the_minimum_jax_is_the_one_tested():
+    """[jax-scale] 4: setup.cfg asks for the JAX the suite runs with here (0.10.2). Older ones fail: 0.7.0's
+    custom_partitioning takes no factor sizes or replication hints, and with 0.8.0 the shard_map and ring workers
+    and jax.nn's local_window_size comparisons fail."""
+    import configparser
+
+    import jax
+
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    for extra in ("jax", "test"):
+        assert "jax>=0.10.2" in config["options.extras_require"][extra].split()
+    assert tuple(int(x) for x in jax.__version__.split(".")[:3]) >= (0, 10, 2)
