@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .dropout import check_dropout_p  # dropout's checks live beside its rule
+from .kernels.families.fa2 import MAX_KV_SPLITS
 from .kernels.program import ELEMENT_DTYPES, Problem
 from .mask import Mask
 
@@ -338,10 +339,8 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
 
 
 def check_num_splits(num_splits: Any) -> int:
-    """attention_with_kvcache's num_splits: 0 (heuristic) or 1; split-KV (n > 1) is not implemented yet."""
+    """attention_with_kvcache's num_splits: 0 (the heuristic), 1 (no split) or up to the combine kernel's limit."""
     value = _check_int("num_splits", num_splits)
-    if value < 0:
-        raise ValueError(f"num_splits must be >= 0 (0: heuristic), got {value}")
-    if value > 1:
-        raise ValueError(f"num_splits={value}: split-KV is not implemented yet; use 0 or 1")
+    if not 0 <= value <= MAX_KV_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {MAX_KV_SPLITS}] (0: heuristic, 1: no split), got {value}")
     return value

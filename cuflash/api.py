@@ -16,7 +16,8 @@ in place through its strides.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from . import _validation as V
 from .backends.program import run_program
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
+from .kernels.program import gqa_decode_fold
 
 _DL_CPU = 1
 _DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -162,7 +164,16 @@ def _forward(placement: _Placement, problem: plans.Problem, q: Any, k: Any, v: A
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
     q, k, v = _contiguous_last_dim((q, k, v))
+    out, lse = _run_forward(placement, problem, algorithm, scale, q, k, v,
+                            lambda backend: _side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens))
+    return (out, lse) if return_lse else out
 
+
+def _run_forward(placement: _Placement, problem: plans.Problem, algorithm: str, scale: float, q: Any, k: Any, v: Any,
+                 side_inputs: Callable[[Any], dict[str, Any]]) -> tuple[Any, Any]:
+    """Allocate out and lse and run the forward program on checked arguments (``side_inputs(backend)`` gives the
+    optional inputs on the backend's device); the results in the caller's array type. A one-row GQA decode runs
+    folded (program.gqa_decode_fold): the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
     with backend.device():
         out = backend.empty(tuple(q.shape), q.dtype)
@@ -172,12 +183,28 @@ def _forward(placement: _Placement, problem: plans.Problem, q: Any, k: Any, v: A
             out[...] = 0
             lse[...] = -np.inf
         elif out.size:
+            arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+            folded = gqa_decode_fold(problem)
+            if folded is not None:
+                arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
+                              lse=lse.reshape(folded.row_stats_shape))
+                problem = folded
             program = plans.forward_program(algorithm, problem, backend.target)
-            arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
-                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens)}
-            run_program(backend, program, problem, scale, arrays)
-    out, lse = placement.export(out), placement.export(lse)
-    return (out, lse) if return_lse else out
+            run_program(backend, program, problem, scale, {**arrays, **side_inputs(backend)})
+    return placement.export(out), placement.export(lse)
+
+
+def _group_rows(x: Any, group: int) -> Any:
+    """(batch, 1, nheads, d) viewed as (batch, group, nheads / group, d): query head kh * group + m at row m of kv
+    head kh (no copy)."""
+    batch, _, nheads, headdim = x.shape
+    sb, _, sh, sd = x.strides
+    shape, strides = (batch, group, nheads // group, headdim), (sb, sh, group * sh, sd)
+    if isinstance(x, np.ndarray):
+        return np.lib.stride_tricks.as_strided(x, shape, strides)
+    import cupy
+
+    return cupy.lib.stride_tricks.as_strided(x, shape, strides)
 
 
 def _backward(placement: _Placement, problem: plans.Problem, dout: Any, q: Any, k: Any, v: Any, out: Any,
@@ -378,7 +405,7 @@ def attention_with_kvcache(
     lengths = _host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
     problem, used = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    V.check_num_splits(num_splits)
+    problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if V.needs_copy(cache):
             raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its strides "
@@ -390,22 +417,13 @@ def attention_with_kvcache(
         _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
     (q,) = _contiguous_last_dim((q,))
 
-    backend = placement.backend()
-    with backend.device():
-        out = backend.empty(tuple(q.shape), q.dtype)
-        lse = backend.empty(problem.row_stats_shape, np.float32)
-        if problem.seqlen_k == 0:
-            out[...] = 0
-            lse[...] = -np.inf
-        elif out.size:
-            program = plans.forward_program(algorithm, problem, backend.target)
-            inputs = {"seqused_k": backend.upload(_int32_words(used))}
-            if table is not None:
-                inputs["block_table"] = backend.upload(_int32_words(table))
-            arrays = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse,
-                      **_side_inputs(backend, alibi_slopes, problem, None), **inputs}
-            run_program(backend, program, problem, scale, arrays)
-    out, lse = placement.export(out), placement.export(lse)
+    def side_inputs(backend: Any) -> dict[str, Any]:
+        inputs = {"seqused_k": backend.upload(_int32_words(used))}
+        if table is not None:
+            inputs["block_table"] = backend.upload(_int32_words(table))
+        return {**_side_inputs(backend, alibi_slopes, problem, None), **inputs}
+
+    out, lse = _run_forward(placement, problem, algorithm, scale, q, k_cache, v_cache, side_inputs)
     return (out, lse) if return_lse else out
 
 
@@ -479,8 +497,13 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     the caches in place at rows cache_seqlens[b] .. + seqlen_new; then q attends to keys
     [0, cache_seqlens[b] + seqlen_new) of its sequence, the mask's diagonal aligned bottom-right to that
     length (off = cache_seqlens[b] + seqlen_new - seqlen_q). Window, softcap and ALiBi as for ``attention``;
-    no dropout, no backward. ``num_splits``: 0 (the heuristic) or 1 run the kernels unsplit; split-KV
-    (n > 1) is not implemented yet and raises. cache_seqlens and block_table are read on the host and
+    no dropout, no backward. ``num_splits``: split-KV ("flash-decoding"): each sequence's keys are cut into
+    that many ranges computed by separate thread blocks, merged by their lse in a combine kernel (float32
+    partial results). 1: no split; n (<= 128): n splits, at most one per K/V block; 0: FA2's heuristic, which
+    splits only when the unsplit grid leaves SMs idle (the device's SM count; on the simulator the count of
+    its target's representative part, cuflash/kernels/targets.py). A one-row decode over GQA/MQA heads runs
+    with each group's query heads as rows (K and V read once per kv head) when no window's left bound and no
+    ALiBi depend on the row. cache_seqlens and block_table are read on the host and
     checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
     were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 """

@@ -74,6 +74,12 @@ class Mask:
         return cls(*bounds)
 
     @property
+    def last_row_sees_every_key(self) -> bool:
+        """Whether the last query row sees every key, whatever the lengths: its diagonal is the last key, so only a
+        left bound can hide keys from it. One query row under such a mask is unmasked attention."""
+        return self.window_left < 0
+
+    @property
     def is_causal(self) -> bool:
         return self.window_left < 0 and self.window_right == 0
 

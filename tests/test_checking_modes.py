@@ -60,7 +60,25 @@ def run_every_path(algorithm: str, dtype: str = "float16") -> list[str]:
             for name, got in zip(("dq", "dk", "dv"), grads):
                 tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"),
                                 tol.BACKWARD_FACTOR, atol=1e-5 if causal else 0.0)
+    if algorithm == "fa2":
+        launched += _split_kv_decode(rng, dtype)
     return launched
+
+
+def _split_kv_decode(rng, dtype: str) -> list[str]:
+    """fa2's split-KV path: a GQA decode over a paged cache in three splits (the split forward and the combine)."""
+    q, k, v = random_qkv(rng, 2, 1, 80, 4, 2, 40, dtype)  # k, v (2, 80, 2, 40) become 10 pages of 16 rows
+    table = rng.permutation(10).astype(np.int32).reshape(2, 5)
+    k_pages, v_pages = (np.empty((10, 16, 2, 40), x.dtype) for x in (k, v))
+    k_pages[table.ravel()], v_pages[table.ravel()] = (x.reshape(10, 16, 2, 40) for x in (k, v))
+    lengths = np.array([80, 33], np.int32)
+    with sim.record() as rec:
+        out = cuflash.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
+                                             num_splits=3)
+    for b, used in enumerate(lengths):
+        ref = tol.forward_references(q[b:b + 1], k[b:b + 1, :used], v[b:b + 1, :used])
+        tol.check_close("out", out[b:b + 1], ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    return [r.kernel for r in rec.launches]
 
 
 def run_every_variant(algorithm: str) -> list[str]:

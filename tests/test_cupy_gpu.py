@@ -80,3 +80,46 @@ def test_second_gpu_allocates_and_launches_there():
     assert out.device.id == 1
     ref = tol.forward_references(q, k, v)
     tol.check_close("out", cupy.asnumpy(out), ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_kvcache_split_kv_and_decode_fold(dtype):
+    """attention_with_kvcache on CuPy caches: the heuristic sees the device's SM count (a one-row GQA decode of
+    two sequences leaves SMs idle, so it splits), the paged cache is updated in place, and every split count
+    agrees with the float64 reference."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash.backends.cupy_gpu import CupyBackend
+    from cuflash.kernels import plans
+    from cuflash.kernels.program import Problem
+    from cuflash.reference import attention_with_kvcache_reference
+
+    backend = CupyBackend(cupy.cuda.Device().id)
+    assert backend.target.sm_count == cupy.cuda.Device().attributes["MultiProcessorCount"]
+    problem = Problem(dtype, 2, 1, 4096, 8, 2, 128, kvcache=True, num_splits=0)
+    assert plans.forward_program("fa2", problem, backend.target).num_kv_splits > 1
+
+    rng = np.random.default_rng(3)
+    dt = np.float16 if dtype == "float16" else np.float32
+    q = rng.standard_normal((2, 1, 8, 128)).astype(dt)
+    k_pages, v_pages = (rng.standard_normal((2 * 64 + 3, 64, 2, 128)).astype(dt) for _ in range(2))
+    table = rng.permutation(2 * 64 + 3)[:128].astype(np.int32).reshape(2, 64)
+    k_new, v_new = (rng.standard_normal((2, 1, 2, 128)).astype(dt) for _ in range(2))
+    lengths = np.array([4000, 1234], np.int32)
+    gk, gv = cupy.asarray(k_pages), cupy.asarray(v_pages)
+    expected_k = k_pages.copy()
+    for b in range(2):
+        row = int(lengths[b])
+        expected_k[table[b, row // 64], row % 64] = k_new[b, 0]
+    results = {}
+    for splits in (1, 0, 7):
+        gk, gv = cupy.asarray(k_pages), cupy.asarray(v_pages)
+        out = cuflash.attention_with_kvcache(cupy.asarray(q), gk, gv, k=cupy.asarray(k_new), v=cupy.asarray(v_new),
+                                             cache_seqlens=cupy.asarray(lengths), block_table=cupy.asarray(table),
+                                             num_splits=splits)
+        results[splits] = cupy.asnumpy(out)
+        assert np.array_equal(cupy.asnumpy(gk), expected_k)
+    k_done, v_done = cupy.asnumpy(gk), cupy.asnumpy(gv)
+    ref = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table)
+    low = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table, dtype=dt)
+    for splits, out in results.items():
+        tol.check_close(f"out (num_splits={splits})", out, ref[0], low[0], tol.FORWARD_FACTOR)

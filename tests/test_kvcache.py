@@ -5,12 +5,18 @@
   masks, softcap and ALiBi: out and lse against the float64 reference (an explicit loop over sequences) under
   FA2's rule; the new rows land in the caches in place and nothing else in them changes.
 * A paged cache gives the contiguous cache's result bit for bit, and num_splits=1 gives, per sequence, what
-  cuflash.attention gives on that sequence's keys, bit for bit.
-* The race detector on both variants with a paged cache.
+  cuflash.attention gives on that sequence's keys, bit for bit (the GQA decode fold included).
+* Split-KV: every dtype, split counts 2, 3, the heuristic (0) and more splits than K/V blocks, contiguous and
+  paged, with masks, softcap and ALiBi, within FA2's rule of the reference and of num_splits=1; the program
+  (a split forward and the combine kernel, grid and scratch) and the heuristic's choices; splits read every key
+  once; the GQA decode fold reads K and V once per kv head.
+* The race detector on both variants with a paged cache and with splits; AddressSanitizer on the split path.
 * Bad input is refused before anything is written (the caches stay as they were), naming the argument.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -18,6 +24,10 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
+from cuflash.kernels import plans, targets
+from cuflash.kernels.families import fa2, fa2_tc
+from cuflash.kernels.program import Problem, gqa_decode_fold
+from cuflash.mask import Mask
 from cuflash.reference import attention_with_kvcache_reference, kvcache_keys
 from cuflash.testing import numpy_dtype
 
@@ -134,6 +144,177 @@ def test_race_free_with_a_paged_cache(dtype):
     tol.check_close("out", out, ref, low, tol.FORWARD_FACTOR)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gqa_decode_fold_is_attention_on_each_sequences_keys(dtype):
+    """One query row over GQA heads runs folded (the group's heads as rows): bit for bit the unfolded attention."""
+    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES["decode-gqa"], dtype, 1, None, seed=7)
+    problem = _kvcache_problem(q, k_cache, causal=True)
+    assert gqa_decode_fold(problem) is not None
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                              causal=True, num_splits=1, return_lse=True)
+    used = lengths + 1
+    for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, used), kvcache_keys(v_cache, used))):
+        want_out, want_lse = cuflash.attention(q[b:b + 1], keys[None], values[None], causal=True, return_lse=True)
+        assert np.array_equal(out[b:b + 1], want_out) and np.array_equal(lse[b:b + 1], want_lse)
+
+
+def _kvcache_problem(q, k_cache, **options):
+    batch, seqlen_q, nheads, headdim = q.shape
+    return Problem(dtype=q.dtype.name, batch=batch, seqlen_q=seqlen_q,
+                   seqlen_k=k_cache.shape[1], nheads=nheads, nheads_k=k_cache.shape[2], headdim=headdim,
+                   mask=Mask.of(options.get("causal", False), options.get("window_size", (-1, -1))), kvcache=True)
+
+
+def test_gqa_decode_fold_applies_only_where_exact():
+    q = np.zeros((2, 1, 8, 32), np.float16)
+    k_cache = np.zeros((2, 64, 2, 32), np.float16)
+    base = _kvcache_problem(q, k_cache)
+    folded = gqa_decode_fold(base)
+    assert (folded.seqlen_q, folded.nheads, folded.nheads_k, folded.mask) == (4, 2, 2, Mask())
+    assert gqa_decode_fold(dataclasses.replace(base, mask=Mask(-1, 0))) is not None  # causal: the row sees all keys
+    assert gqa_decode_fold(dataclasses.replace(base, mask=Mask(-1, 5))) is not None
+    for unfoldable in (dataclasses.replace(base, mask=Mask(16, 0)),  # the left bound moves with the row
+                       dataclasses.replace(base, alibi="heads"),  # slopes per query head, distances per row
+                       dataclasses.replace(base, seqlen_q=2),
+                       dataclasses.replace(base, nheads=2),  # MHA: nothing to fold
+                       dataclasses.replace(base, kvcache=False)):
+        assert gqa_decode_fold(unfoldable) is None
+
+
+SPLITS = [2, 3, 0, 128]  # 0: the heuristic; 128: more splits than K/V blocks (one per block)
+
+
+def _split_cases():
+    cases = []
+    for i in range(8):
+        dtype, splits, page = DTYPES[i % 3], SPLITS[i % 4], PAGES[(i // 2) % 4]
+        shape, option = list(SHAPES)[i % 2], list(OPTIONS)[(i // 2) % 4]
+        cases.append(pytest.param(dtype, splits, page, shape, option,
+                                  id=f"{dtype}-splits{splits}-page{page}-{shape}-{option}"))
+    return cases
+
+
+def test_split_grid_keeps_every_value_of_every_axis():
+    values = [c.values for c in _split_cases()]
+    for axis, expected in enumerate((DTYPES, SPLITS, PAGES, list(SHAPES), list(OPTIONS))):
+        assert {v[axis] for v in values} == set(expected)
+
+
+@pytest.mark.parametrize("dtype, splits, page, shape_name, option_name", _split_cases())
+def test_splits_match_reference_and_one_split(dtype, splits, page, shape_name, option_name):
+    shape = SHAPES[shape_name]
+    q, k_cache, v_cache, k_new, v_new, lengths, paged = _caches(shape, dtype, 2, page, seed=8 + splits)
+    options = _options(option_name, shape[0], shape[2], seed=9)
+    caches = (paged[0], paged[1]) if paged else (k_cache, v_cache)
+    table = dict(block_table=paged[2]) if paged else {}
+    results = {}
+    for n in (1, splits):
+        k_copy, v_copy = (c.copy() for c in caches)  # each call appends the same rows to its own copy
+        with sim.record() as records:
+            results[n] = cuflash.attention_with_kvcache(q, k_copy, v_copy, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                        num_splits=n, return_lse=True, **table, **options)
+        kernels = [str(launch.kernel) for launch in records.launches]
+        assert any("fa2_split_kv_combine_kernel" in name for name in kernels) == (n != 1 and len(kernels) > 1)
+    used = lengths + 2
+    ref = attention_with_kvcache_reference(q, k_copy, v_copy, used, **table, **options)
+    low = attention_with_kvcache_reference(q, k_copy, v_copy, used, dtype=q.dtype, **table, **options)
+    atol = 4 * options.get("softcap", 0.0) * 2.0**-23  # the kernels' tanh (see test_varlen.py)
+    for n, (out, lse) in results.items():
+        tol.check_close(f"out (num_splits={n})", out, ref[0], low[0], tol.FORWARD_FACTOR, atol=atol)
+        tol.check_close(f"lse (num_splits={n})", lse, ref[1], low[1], tol.FORWARD_FACTOR, atol=atol)
+    # The split result against the unsplit one: the same rule, with num_splits=1 as the reference.
+    tol.check_close("out vs num_splits=1", results[splits][0], results[1][0].astype(np.float64), low[0],
+                    2 * tol.FORWARD_FACTOR, atol=atol)
+
+
+def test_split_program_and_heuristic():
+    target = targets.target("sm_80")
+    problem = Problem(dtype="float16", batch=2, seqlen_q=1, seqlen_k=1000, nheads=4, nheads_k=4, headdim=128,
+                      kvcache=True, num_splits=0)
+    traits = fa2_tc.forward_traits(128, target)
+    program = plans.forward_program("fa2", problem, target)
+    splits = program.num_kv_splits
+    kv_blocks = -(-1000 // traits.block_n)
+    assert 1 < splits <= kv_blocks and splits == fa2.split_heuristic(8, target.sm_count, kv_blocks)
+    forward, combine = program.launches
+    assert forward.grid == (splits, 4, 2) and str(combine.kernel) == "cuflash::fa2_split_kv_combine_kernel<__half>"
+    assert {s.name: s.shape for s in program.scratch} == {"out_accum": (splits, 2, 4, 128),
+                                                         "lse_accum": (splits, 2, 4, 1)}
+    # Asked counts are kept up to one split per K/V block; 1 is the one-launch program.
+    assert plans.forward_program("fa2", dataclasses.replace(problem, num_splits=5), target).num_kv_splits == 5
+    assert plans.forward_program("fa2", dataclasses.replace(problem, num_splits=100), target).num_kv_splits == kv_blocks
+    assert len(plans.forward_program("fa2", dataclasses.replace(problem, num_splits=1), target).launches) == 1
+    # The heuristic: no split once the grid fills 80% of the SMs, or with one K/V block; otherwise the fewest splits
+    # whose last wave is >= 85% as full as the best count's.
+    assert fa2.split_heuristic(blocks=100, sm_count=108, kv_blocks=64) == 1
+    assert fa2.split_heuristic(blocks=8, sm_count=108, kv_blocks=1) == 1
+    assert fa2.split_heuristic(blocks=8, sm_count=108, kv_blocks=4) == 4  # every K/V block its own split
+    # 8 splits fill 128 of 132 SMs (97%); 7 fill 112 (85%), within 85% of that, and fewer splits win.
+    assert fa2.split_heuristic(blocks=16, sm_count=132, kv_blocks=128) == 7
+    assert fa2.split_heuristic(blocks=27, sm_count=108, kv_blocks=64) == 4  # 27 x 4 = 108: exactly one wave
+    # The device's SM count reaches the plan: a larger GPU splits more.
+    small, large = (dataclasses.replace(target, sm_count=n) for n in (16, 132))
+    assert plans.forward_program("fa2", problem, small).num_kv_splits < splits < \
+        plans.forward_program("fa2", problem, large).num_kv_splits
+
+
+def test_splits_read_every_key_once_and_the_fold_reads_kv_once_per_kv_head():
+    """Exact K/V and Q traffic of the forward launch. The simulator also counts every thread's reads of the cache
+    lengths, so the test takes the difference between head dims 64 and 40, which share tiles and loop structure:
+    only the bytes of Q, K and V rows grow, by (64 - 40) * 2 bytes per row read."""
+    batch, nheads, nheads_k, capacity = 3, 4, 2, 192
+    lengths = np.array([192, 150, 64], np.int32)  # 3, 3 and 1 K/V blocks of 64 keys (the d64 tile)
+
+    def forward_bytes(headdim, **options):
+        rng = np.random.default_rng(10)
+        q = rng.standard_normal((batch, 1, nheads, headdim)).astype(np.float16)
+        k_cache, v_cache = (rng.standard_normal((batch, capacity, nheads_k, headdim)).astype(np.float16)
+                            for _ in range(2))
+        with sim.record() as records:
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **options)
+        return records.launches[0].global_bytes_read
+
+    def rows_read(**options):  # Q, K and V rows the forward launch reads
+        return (forward_bytes(64, **options) - forward_bytes(40, **options)) // ((64 - 40) * 2)
+
+    keys = int(lengths.sum())
+    # Folded: every kv head's keys once, and each query head's row once (its group's rows in one Q block).
+    assert rows_read(num_splits=1) == 2 * keys * nheads_k + batch * nheads
+    # Three splits: still every key once; Q is loaded by each split that has keys (3 + 3 + 1 per head group).
+    assert rows_read(num_splits=3) == 2 * keys * nheads_k + (3 + 3 + 1) * nheads
+    # Unfolded (zero ALiBi slopes change no score but keep each query head its own Q block): keys once per query head.
+    assert rows_read(num_splits=1, alibi_slopes=np.zeros(nheads, np.float32)) == 2 * keys * nheads + batch * nheads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_splits_race_free(dtype):
+    q, k_cache, v_cache, k_new, v_new, lengths, paged = _caches(SHAPES["prefill-mqa"], dtype, 2, 48, seed=11)
+    k_paged, v_paged, table = paged
+    with sim.checking("race"):
+        out, lse = cuflash.attention_with_kvcache(q, k_paged, v_paged, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                  block_table=table, causal=True, num_splits=3, return_lse=True)
+    ref, low = (attention_with_kvcache_reference(q, k_paged, v_paged, lengths + 2, block_table=table, causal=True,
+                                                 dtype=dt) for dt in (np.float64, q.dtype))
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+
+
+def _split_decode_under_asan(dtype):
+    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES["decode-gqa"], dtype, 1, None, seed=12)
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                              num_splits=3, return_lse=True)
+    ref = attention_with_kvcache_reference(q, k_cache, v_cache, lengths + 1)
+    low = attention_with_kvcache_reference(q, k_cache, v_cache, lengths + 1, dtype=q.dtype)
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_splits_clean_under_asan(dtype):
+    assert sim.run_in_asan_subprocess(_split_decode_under_asan, dtype) is True
+
+
 # ---------------------------------------------------------------------------
 # Bad input: refused before anything is written.
 
@@ -154,7 +335,9 @@ def _bad_inputs():
         "table-dtype": (dict(paged_base, block_table=table.astype(np.int64)), "block_table must be int32"),
         "table-outside": (dict(paged_base, block_table=outside), "block_table names pages outside the cache"),
         "page-size": (dict(paged_base, k_cache=k_paged[:, :8], v_cache=v_paged[:, :8]), "page size .* multiple of 16"),
-        "splits": (dict(base, num_splits=4), "split-KV is not implemented yet"),
+        "splits-over-limit": (dict(base, num_splits=129), r"num_splits must be in \[0, 128\]"),
+        "splits-negative": (dict(base, num_splits=-1), r"num_splits must be in \[0, 128\]"),
+        "splits-type": (dict(base, num_splits=2.0), "num_splits must be an int"),
         "dropout-algorithm": (dict(base, algorithm="fa1"), "kvcache is supported by algorithm='fa2' only"),
         "cache-not-contiguous": (dict(base, k_cache=np.asfortranarray(k_cache)), "updated in place"),
     }

@@ -64,9 +64,9 @@ def test_pack_params_round_trip():
 
 def test_the_mirror_is_derived_from_the_header_not_copied():
     text = params.HEADER.read_text()
-    assert "X(block_table)\n" in text and "int block_table_stride;" in text
-    grown = text.replace("X(block_table)\n", "X(block_table) \\\n  X(extra_buffer)\n").replace(
-        "int block_table_stride;", "int block_table_stride;\n  float new_scalar;").replace(
+    assert "X(lse_accum)\n" in text and "int num_kv_splits;" in text
+    grown = text.replace("X(lse_accum)\n", "X(lse_accum) \\\n  X(extra_buffer)\n").replace(
+        "int num_kv_splits;", "int num_kv_splits;\n  float new_scalar;").replace(
         "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
     assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")

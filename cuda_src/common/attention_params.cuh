@@ -47,7 +47,8 @@ struct TensorStrides {
 //   probs        standard attention: P, (batch, nheads, seqlen_q, seqlen_k)
 //   row_max      fa1: running m, (batch, nheads, seqlen_q)
 //   row_sum      fa1: running l, (batch, nheads, seqlen_q)
-//   out_accum    fa1 forward: float32 O, (batch, seqlen_q, nheads, headdim)
+//   out_accum    fa1 forward: float32 O, (batch, seqlen_q, nheads, headdim); split-KV forward (num_kv_splits > 1):
+//                each split's O / l, (num_kv_splits, total_q, nheads, headdim)
 //   dout_dot_out backward pre-pass D = rowsum(dO * O), (batch, nheads, seqlen_q)
 //   dq_accum     backward: float32 dQ, (num_dq_splits, batch, seqlen_q, nheads, headdim)
 //   dk_accum     backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
@@ -68,6 +69,8 @@ struct TensorStrides {
 //                keys is row j % page_size of page block_table[b][j / page_size] of k and v, which are then
 //                (num_pages, page_size, nheads_k, headdim) with the page stride in place of the batch stride;
 //                null: contiguous (block_info.cuh)
+//   lse_accum    split-KV forward (num_kv_splits > 1): each split's lse, (num_kv_splits, <the lse's shape>); the
+//                combine kernel (fa2_split_kv_combine.cu) merges them with out_accum into out and lse
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -85,7 +88,8 @@ struct TensorStrides {
   X(cu_seqlens_q)                      \
   X(cu_seqlens_k)                      \
   X(seqused_k)                         \
-  X(block_table)
+  X(block_table)                       \
+  X(lse_accum)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*
@@ -130,6 +134,11 @@ struct AttentionParams {
 
   int page_size;           // paged KV cache: rows per page (a multiple of 16); block_table null: unused
   int block_table_stride;  // int32 words between the block_table rows of consecutive sequences
+
+  // Split-KV (flash-decoding): the forward's grid.x is (Q blocks) x num_kv_splits, block x taking Q block
+  // x / num_kv_splits and the K/V blocks of split x % num_kv_splits (mask.cuh's split_kv_blocks); with more than
+  // one split it writes float32 partial results (out_accum, lse_accum) that the combine kernel merges. 1: no split.
+  int num_kv_splits;
 };
 
 }  // namespace cuflash

@@ -163,6 +163,18 @@ struct BlockInfo {
   __device__ __forceinline__ float* dq_accum(const AttentionParams& p, int slice) const {
     return p.dq_accum + slice * dense_q_elements(p) + dense_q_offset(p);
   }
+  // Row 0 of this (batch, head) in split `split`'s partial results (split-KV forward): its O / l in out_accum
+  // (num_kv_splits, total_q, nheads, d) and its lse in lse_accum (num_kv_splits, <row stats>).
+  __device__ __forceinline__ float* out_accum_split(const AttentionParams& p, int split) const {
+    return p.out_accum + split * dense_q_elements(p) + dense_q_offset(p);
+  }
+  __device__ __forceinline__ float* lse_accum_split(const AttentionParams& p, int split) const {
+    return p.lse_accum + split * row_stats_elements(p) + row_stats_offset(p);
+  }
+  // Floats in one (batch, nheads, seqlen_q) or (nheads, total_q) row-stats buffer.
+  __device__ __forceinline__ static long long row_stats_elements(const AttentionParams& p) {
+    return static_cast<long long>(p.nheads) * p.total_q;
+  }
   // Floats in one slice of the split dq_accum (num_dq_splits, total_q, nheads, d); total_q = batch * seqlen_q
   // for fixed-length batches.
   __device__ __forceinline__ static long long dense_q_elements(const AttentionParams& p) {

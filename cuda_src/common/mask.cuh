@@ -101,6 +101,17 @@ struct MaskPolicy {
   }
 };
 
+// Split-KV (attention_params.cuh's num_kv_splits): which of the `visible` K/V blocks of a Q block split `split` of
+// `num_splits` computes. The sequence's ceil(seqlen_k / BlockN) blocks are cut into runs of ceil(that / num_splits)
+// (FA2's partition: every split but the last gets the same count, so splits finish together); a split whose run
+// misses the Q block's band computes nothing and writes out 0, lse -inf, which the combine weighs by 0.
+template <int BlockN>
+__device__ __forceinline__ IndexRange split_kv_blocks(IndexRange visible, int seqlen_k, int split, int num_splits) {
+  if (num_splits <= 1) return visible;
+  const int per_split = ceil_div(ceil_div(seqlen_k, BlockN), num_splits);
+  return IndexRange{max(visible.begin, split * per_split), min(visible.end, (split + 1) * per_split)};
+}
+
 // tanh(x) = 1 - 2 / (e^(2x) + 1): one ex2, one division. Its absolute error is a few float32 ulps of 1 (the softcapped
 // score c tanh carries c times that, as a float32 score of size c does anyway); it saturates to +-1 without a NaN.
 // Chosen over tanhf, whose longer sequence pushed the tensor-core backward past the register limit (spills).

@@ -113,12 +113,6 @@ struct BackwardTraits {
   static_assert(BlockM % 4 == 0 && BlockN % 32 == 0 && BlockM <= kThreads, "tile shape");
 };
 
-// The pre-pass and convert kernels: 128 threads over 16 query rows per block.
-struct RowKernel {
-  static constexpr int kThreads = 128;
-  static constexpr int kRows = 16;
-};
-
 // Slices of dq_accum that query row `row` reads back. In split mode (num_dq_splits > 1) slice j
 // holds K/V block j's part and exists for the row when the row sees a key of block j (then
 // block j visits the row's Q block); otherwise the single slice 0 holds every block's part.

@@ -25,6 +25,9 @@
 //   row group) and O += P V_j (mma_nn). O is divided by l once, after the loop, and written
 //   with lse = m * scale + log(l) - (m * scale_log2 - offset) * ln 2: the last term takes the
 //   offset's rounding back out, which float32 inputs would otherwise see in the lse.
+//   Split-KV (KV-cache decoding, p.num_kv_splits > 1), as in fa2_tc_forward.cu: grid.x is (Q blocks) x splits,
+//   block x takes Q block x / splits and the K/V blocks of split x % splits (mask.cuh's split_kv_blocks) and
+//   writes float32 O / l and lse to out_accum / lse_accum, which fa2_split_kv_combine.cu merges.
 //
 // Tiles (Python table, cuflash/kernels/families/fa2.py): BlockM x BlockN = 64 x 64 for head
 // dim <= 64, 64 x 32 up to 192, 64 x 32 with 8 warps for 256. FA2's tensor-core traits keep
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
 
-  const int m_block = blockIdx.x;
+  const int m_block = blockIdx.x / p.num_kv_splits;  // the split is blockIdx.x % p.num_kv_splits
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -133,7 +136,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
   const MaskPolicy mask = MaskPolicy::of(p, info);
   const ScoreHook score_hook = ScoreHook::of(p, info);
-  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+  const IndexRange n_range = split_kv_blocks<BlockN>(mask.kv_blocks<BlockN>(row0, row0 + block_rows), mask.seqlen_k,
+                                                     blockIdx.x % p.num_kv_splits, p.num_kv_splits);
 
   // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
   const int warp_row0 = warp * Tr::kRowsPerWarp;
@@ -256,9 +260,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     }
   }
 
-  // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf.
+  // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf. Split-KV: this split's
+  // O / l in float32 (no dropout there) and lse into its slice of out_accum / lse_accum instead.
+  const bool split_kv = p.num_kv_splits > 1;
   T* out = info.out<T>(p);
-  float* lse = p.lse + info.row_stats_offset(p);
+  float* out_part = split_kv ? info.out_accum_split(p, blockIdx.x % p.num_kv_splits) : nullptr;
+  float* lse = split_kv ? info.lse_accum_split(p, blockIdx.x % p.num_kv_splits) : p.lse + info.row_stats_offset(p);
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     const float l = fa2::group_sum<kLaneCols>(row_sum[i]);
@@ -272,7 +279,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       float o[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = acc_o[i][j][e] * inv_l;
-      fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
+      if (split_kv)
+        fa2::store_chunk4(out_part + row * BlockInfo::dense_row_stride(p) + dim0, o, d - dim0);
+      else
+        fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
     }
     if (lane_col == 0) {
       // l = sum 2^(s * scale_log2 - offset) with offset = m * scale_log2 rounded; the rounding

@@ -24,6 +24,11 @@
 //   V buffer free), the second publishes V_j (and makes the K buffer free).
 //   Epilogue: O / l rounded to 16 bits into the warp's own rows of the Q buffer (only this warp ever read
 //   them), then 16-byte coalesced stores; lse = m * scale + log(l).
+//   Split-KV (KV-cache decoding, p.num_kv_splits > 1): grid.x is (Q blocks) x splits; block x takes Q block
+//   x / splits and only the K/V blocks of split x % splits (mask.cuh's split_kv_blocks), and writes its O / l and
+//   lse in float32 to out_accum and lse_accum straight from the accumulators; fa2_split_kv_combine.cu merges the
+//   splits. A runtime field, not a template flag: it only changes the block range and the epilogue, outside the
+//   register-bound K/V loop (the compile report shows no instance grew).
 //
 // Shared memory: Q [BlockM][D], K [BlockN][D], V [BlockN][D], 16-bit, XOR-swizzled (fa2_tc_tiles.cuh):
 //   (BlockM + 2 BlockN) * D * 2 bytes. Registers per thread: O is 4 MTiles D / 8 floats, S 4 MTiles BlockN / 8.
@@ -86,7 +91,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   CUFLASH_DYNAMIC_SMEM(smem);
   if (fa2tc::launch_shape_differs<Tr::kSmemBytes, Tr::kThreads, HeadDim>(p)) __trap();
 
-  const int m_block = blockIdx.x;
+  const int m_block = blockIdx.x / p.num_kv_splits;  // the split, blockIdx.x % p.num_kv_splits, is re-derived
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -99,7 +104,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
   auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
   const ScoreHook score_hook = ScoreHook::of(p, info);
-  const IndexRange n_range = MaskPolicy::of(p, info).kv_blocks<BlockN>(row0, row0 + block_rows());
+  const IndexRange n_range =
+      split_kv_blocks<BlockN>(MaskPolicy::of(p, info).kv_blocks<BlockN>(row0, row0 + block_rows()), info.seqlen_k(p),
+                              blockIdx.x % p.num_kv_splits, p.num_kv_splits);
 
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   // Block-relative row of this lane's accumulator row r (strip r / 2, half r % 2).
@@ -225,6 +232,34 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     }
   }
 
+  // lse of accumulator row r with row sum l: (m log2 e + log2 l) ln 2, or -inf where the row saw no key.
+  auto row_lse = [&](int r, float l) { return l > 0.f ? fmaf(row_max[r], kLn2, logf(l)) : neg_inf(); };
+
+  if (p.num_kv_splits > 1) {
+    // Split-KV: this split's O / l and lse in float32, from the accumulators (the combine kernel rounds to T).
+    // Without dropout (the API allows none here), and with 0 and -inf where the split saw no key of the row.
+    const int split = blockIdx.x % p.num_kv_splits;
+    float* out_part = info.out_accum_split(p, split);
+    float* lse_part = info.lse_accum_split(p, split);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float l = fa2tc::quad_sum(row_sum[r]);  // a quad shuffle: every lane, before the row test
+      const int row = row0 + lane_row(r);
+      if (row >= info.seqlen_q(p)) continue;
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      float* out_row = out_part + row * BlockInfo::dense_row_stride(p);
+#pragma unroll
+      for (int j = 0; j < Tr::kDimTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + 2 * quad_col + e;
+          if (col < d) arch::store(out_row + col, acc_o.c[r / 2][j][2 * (r % 2) + e] * inv_l);
+        }
+      if (quad_col == 0) arch::store(lse_part + row, row_lse(r, l));
+    }
+    return;
+  }
+
   // Epilogue. O / l into this warp's own rows of the Q buffer (no other warp reads them; the warp's last ldmatrix
   // of Q is behind it, and no copy is in flight), then out in 16-byte chunks and lse from one lane per quad.
   T* out = info.out<T>(p) + row0 * p.out_stride.row;
@@ -242,7 +277,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
           arch::pack_float2<T>(o[0] * inv_l, o[1] * inv_l);
     }
     if (quad_col == 0 && row0 + row < info.seqlen_q(p))
-      arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[r], kLn2, logf(l)) : neg_inf());  // (m log2 e + log2 l) ln 2
+      arch::store(lse + row0 + row, row_lse(r, l));
   }
   __syncwarp();
   fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows(), d,

@@ -251,6 +251,13 @@ __device__ __forceinline__ void stage_row_stats(const AttentionParams& p, long l
   dot_rows[thread] = dot;
 }
 
+// The row kernels (the backward's pre-pass and convert kernels, the split-KV combine): 128 threads over 16 query
+// rows per block, a warp per row (fa2.py's ROW_KERNEL_THREADS and ROW_KERNEL_ROWS).
+struct RowKernel {
+  static constexpr int kThreads = 128;
+  static constexpr int kRows = 16;
+};
+
 // Butterfly reductions over the Lanes (a power of two <= 32) consecutive lanes that share a
 // row; every one of them ends with the result, summed in the same order on every rerun.
 template <int Lanes>

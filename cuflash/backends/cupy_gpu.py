@@ -31,7 +31,8 @@ class CupyBackend:
         # compute_capability is a string such as "80" or "90"; plans respect the device's opt-in limit.
         capability = device.compute_capability
         self.target = targets.for_device(
-            int(capability[:-1]), int(capability[-1]), device.attributes.get("MaxSharedMemoryPerBlockOptin")
+            int(capability[:-1]), int(capability[-1]), device.attributes.get("MaxSharedMemoryPerBlockOptin"),
+            device.attributes.get("MultiProcessorCount"),
         )
         self.arch = "sm_" + capability
 

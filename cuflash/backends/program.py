@@ -65,6 +65,7 @@ def run_program(
         pointers={name: backend.address(array) for name, array in bound.items()},
         strides={name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays},
         num_dq_splits=program.num_dq_splits,
+        num_kv_splits=program.num_kv_splits,
     )
     buffers = list(bound.values())
     for plan in program.launches:

@@ -121,6 +121,7 @@ def pack_params(
     pointers: Mapping[str, int],
     strides: Mapping[str, tuple[int, int, int]],
     num_dq_splits: int = 1,
+    num_kv_splits: int = 1,
 ) -> np.void:
     """Pack one AttentionParams value.
 
@@ -144,6 +145,7 @@ def pack_params(
     params["window_left"] = problem.mask.window_left
     params["window_right"] = problem.mask.window_right
     params["num_dq_splits"] = num_dq_splits
+    params["num_kv_splits"] = num_kv_splits  # kernels divide by it: never 0
     if problem.softcap > 0.0:
         params["softcap_outer"] = problem.softcap / softmax_scale
         params["softcap_inner"] = softmax_scale / problem.softcap

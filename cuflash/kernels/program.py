@@ -10,6 +10,7 @@ the plans and the families can all import it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -77,6 +78,10 @@ class Problem:
     kvcache: bool = False
     page_size: int = 0
     pages_per_sequence: int = 0
+    # Split-KV (kvcache only): the keys of each sequence are cut into num_splits ranges of whole K/V blocks, each
+    # computed by its own thread blocks into float32 partial results that a combine kernel merges by their lse.
+    # 1: no split; 0: the family's heuristic for the target (its SM count) picks the number.
+    num_splits: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -100,6 +105,10 @@ class Problem:
             raise ValueError(f"Problem.total_q and total_k must be >= 0, got {self.total_q} and {self.total_k}")
         if self.page_size and not (self.kvcache and self.page_size % 16 == 0 and self.pages_per_sequence > 0):
             raise ValueError("Problem.page_size (a multiple of 16) needs kvcache and pages_per_sequence > 0")
+        if not (isinstance(self.num_splits, int) and self.num_splits >= 0):
+            raise ValueError(f"Problem.num_splits must be an int >= 0, got {self.num_splits!r}")
+        if self.num_splits != 1 and not self.kvcache:
+            raise ValueError("Problem.num_splits other than 1 (split-KV) needs kvcache")
 
     @property
     def options(self) -> frozenset[str]:
@@ -117,6 +126,8 @@ class Problem:
             used.add("kvcache")
         if self.page_size:
             used.add("paged")
+        if self.num_splits != 1:
+            used.add("splitkv")
         return frozenset(used)
 
     @property
@@ -152,6 +163,22 @@ class Problem:
         return self.nheads // self.nheads_k if self.nheads_k else 1
 
 
+def gqa_decode_fold(problem: Problem) -> Problem | None:
+    """The problem a one-row KV-cache decode over GQA/MQA heads becomes when each kv head's group of query heads
+    is laid out as query rows (FA2's decode fold): seqlen_q = group size, nheads = nheads_k, no mask. K and V are
+    then read once per kv head instead of once per query head, and a Q block holds the group instead of one row.
+    Exact only when every folded row attends as the one row did: it sees every key (the mask hides none from a
+    lone last row) and nothing depends on the row or head (no ALiBi, no dropout). None when it does not apply.
+
+    The caller views q and out (batch, 1, nheads, d) as (batch, group, nheads_k, d) (query head kh * group + m at
+    row m of kv head kh: strides (batch, head, group * head)) and the lse (batch, nheads, 1) as (batch, nheads_k,
+    group), the same memory."""
+    if not (problem.kvcache and problem.seqlen_q == 1 and problem.group_size > 1 and problem.alibi is None
+            and problem.dropout_p == 0.0 and problem.mask.last_row_sees_every_key):
+        return None
+    return dataclasses.replace(problem, seqlen_q=problem.group_size, nheads=problem.nheads_k, mask=Mask())
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: KernelInstance
@@ -184,3 +211,4 @@ class Program:
     launches: tuple[LaunchPlan, ...]
     scratch: tuple[Scratch, ...] = field(default=())
     num_dq_splits: int = 1
+    num_kv_splits: int = 1  # split-KV forward (attention_params.cuh): splits of each sequence's K/V blocks

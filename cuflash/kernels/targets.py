@@ -7,6 +7,11 @@ the opt-in dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOp
 The per-SM figures (CUDA C++ Programming Guide, technical specifications per compute
 capability) give the compile report's occupancy bounds. The simulator runs plans for a target
 too (default sm_80) and refuses launches above its limit.
+
+``sm_count`` is the number of SMs the split-KV heuristic plans for (fa2.py's num_splits_for). A device's target
+carries the device's own count (CuPy and JAX read multiProcessorCount); the table's counts are those of one
+representative part per arch (A100 108, A40 84, Jetson AGX Orin 16, L40S 142, H100 SXM 132, B200 148, RTX 5090
+170), which is what the simulator plans with, so a simulated decode splits as it would on that part.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Target:
     registers_per_sm: int = 65536
     reserved_smem_per_block_bytes: int = 1 * KB  # the runtime keeps 1 KB per resident block
     register_alloc_unit: int = 256  # registers are given to a warp in units of 256
+    sm_count: int = 108  # SMs of the device (the table: a representative part per arch, see above)
 
     @property
     def compute_capability(self) -> tuple[int, int]:
@@ -49,14 +55,14 @@ class Target:
 TARGETS = {
     t.arch: t
     for t in (
-        Target("sm_80", 163 * KB, 164 * KB, max_warps_per_sm=64, max_blocks_per_sm=32),
-        Target("sm_86", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=16),
-        Target("sm_87", 163 * KB, 164 * KB, max_warps_per_sm=48, max_blocks_per_sm=16),
-        Target("sm_89", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=24),
-        Target("sm_90", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32),
-        Target("sm_90a", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32),
-        Target("sm_100", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32),
-        Target("sm_120", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=32),
+        Target("sm_80", 163 * KB, 164 * KB, max_warps_per_sm=64, max_blocks_per_sm=32, sm_count=108),
+        Target("sm_86", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=16, sm_count=84),
+        Target("sm_87", 163 * KB, 164 * KB, max_warps_per_sm=48, max_blocks_per_sm=16, sm_count=16),
+        Target("sm_89", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=24, sm_count=142),
+        Target("sm_90", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32, sm_count=132),
+        Target("sm_90a", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32, sm_count=132),
+        Target("sm_100", 227 * KB, 228 * KB, max_warps_per_sm=64, max_blocks_per_sm=32, sm_count=148),
+        Target("sm_120", 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=32, sm_count=170),
     )
 }
 
@@ -69,16 +75,20 @@ def target(arch: str) -> Target:
     return found
 
 
-def for_device(major: int, minor: int, smem_per_block_optin_bytes: int | None = None) -> Target:
-    """The Target of a device from its compute capability and (when the driver tells it) its opt-in
-    shared memory per block, which wins over the table: plans never ask more than the device allows."""
+def for_device(major: int, minor: int, smem_per_block_optin_bytes: int | None = None,
+               sm_count: int | None = None) -> Target:
+    """The Target of a device from its compute capability and (when the driver tells them) its opt-in
+    shared memory per block, which wins over the table (plans never ask more than the device allows), and
+    its SM count (the split-KV heuristic's)."""
     arch = f"sm_{major}{minor}"
     known = TARGETS.get(arch)
     if known is None:
         # A newer GPU than this table: plan for the most conservative known limit, or the device's own.
         known = Target(arch, 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=16)
-    if smem_per_block_optin_bytes is not None and smem_per_block_optin_bytes != known.smem_per_block_bytes:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        return replace(known, smem_per_block_bytes=int(smem_per_block_optin_bytes))
+    if smem_per_block_optin_bytes is not None and smem_per_block_optin_bytes != known.smem_per_block_bytes:
+        known = replace(known, smem_per_block_bytes=int(smem_per_block_optin_bytes))
+    if sm_count is not None and int(sm_count) > 0:
+        known = replace(known, sm_count=int(sm_count))
     return known

@@ -5,6 +5,9 @@ the work partition, the traffic formulas and the masking rules); shared pieces i
 
 Programs
   forward:  one launch, ``fa2_forward_kernel`` over (Q blocks, nheads, batch); writes out and lse.
+            Split-KV (KV-cache decoding with num_kv_splits > 1, ``forward_program_of_tiles``, both variants): the
+            forward over (Q blocks x splits, nheads, batch) writes float32 partial results (``out_accum``,
+            ``lse_accum``), then ``fa2_split_kv_combine_kernel`` merges them into out and lse.
   backward: ``fa2_dout_dot_out_kernel`` (D = rowsum(dO * O) into ``dout_dot_out``), ``fa2_backward_kernel`` over
             (K/V blocks, nheads_k, batch) (dK, dV on chip, dQ into float32 ``dq_accum``), then
             ``fa2_convert_dq_kernel`` (dq = scale * sum of dq_accum slices, in the element type).
@@ -32,6 +35,7 @@ Besides the KernelFamily protocol this module exports the kernels' exact global 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -41,6 +45,9 @@ from ..targets import TARGETS, Target
 NAME = "fa2"
 FORWARD_SOURCE = "kernels/fa2_forward.cu"
 BACKWARD_SOURCE = "kernels/fa2_backward.cu"
+SPLIT_KV_COMBINE_SOURCE = "kernels/fa2_split_kv_combine.cu"
+# The most splits the combine kernel merges (fa2::SplitKvCombine::kMaxSplits), FA2's limit too.
+MAX_KV_SPLITS = 128
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEADDIM = HEAD_DIMS[-1]
@@ -214,6 +221,10 @@ def dout_dot_out_instance(dtype: str) -> KernelInstance:
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_dout_dot_out_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
 
 
+def split_kv_combine_instance(dtype: str) -> KernelInstance:
+    return KernelInstance(SPLIT_KV_COMBINE_SOURCE, f"cuflash::fa2_split_kv_combine_kernel<{CXX_ELEMENT_TYPES[dtype]}>")
+
+
 def convert_dq_instance(dtype: str, block_n: int) -> KernelInstance:
     # Templated on block_n only: in split mode slice j is K/V block j, whatever the head dim.
     return KernelInstance(BACKWARD_SOURCE, f"cuflash::fa2_convert_dq_kernel<{CXX_ELEMENT_TYPES[dtype]}, {block_n}>")
@@ -242,6 +253,7 @@ def instances(target: Target) -> list[KernelInstance]:
     found: list[KernelInstance] = []
     for dtype in DTYPES:
         found += [forward_traits(hd, target).instance(dtype) for hd in HEAD_DIMS]
+        found.append(split_kv_combine_instance(dtype))
         found += backward_instances(target, dtype)
     return found
 
@@ -258,6 +270,7 @@ def _shape_table() -> dict[KernelInstance, tuple[int, int]]:
                 table[traits.instance(dtype)] = (traits.smem_bytes, traits.threads)
                 table[traits.convert_instance(dtype)] = (0, ROW_KERNEL_THREADS)
         table[dout_dot_out_instance(dtype)] = (0, ROW_KERNEL_THREADS)
+        table[split_kv_combine_instance(dtype)] = (0, ROW_KERNEL_THREADS)
     return table
 
 
@@ -296,9 +309,55 @@ def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
 
 def forward_program(problem: Problem, target: Target) -> Program:
     traits = forward_traits(problem.headdim, target)
-    grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
-    launch = LaunchPlan(traits.instance(problem.dtype), check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
-    return Program(launches=(launch,))
+    return forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
+
+
+def forward_program_of_tiles(problem: Problem, target: Target, traits, instance: KernelInstance) -> Program:
+    """The forward of ``traits`` (SIMT or tensor-core: block_m, block_n, threads, smem_bytes) running ``instance``:
+    one launch, or with split-KV the split forward and the combine kernel, with their float32 scratch."""
+    splits = num_kv_splits(problem, target, traits.block_m, traits.block_n)
+    grid = (ceil_div(problem.seqlen_q, traits.block_m) * splits, problem.nheads, problem.batch)
+    launch = LaunchPlan(instance, check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
+    if splits == 1:
+        return Program(launches=(launch,))
+    combine = _row_kernel_launch(split_kv_combine_instance(problem.dtype), problem)
+    # Every split writes every row of its partial results (0 and -inf where it saw no key), so no fill is needed.
+    scratch = (Scratch("out_accum", (splits, problem.rows_q, problem.nheads, problem.headdim)),
+               Scratch("lse_accum", (splits, *problem.row_stats_shape)))
+    return Program(launches=(launch, combine), scratch=scratch, num_kv_splits=splits)
+
+
+def num_kv_splits(problem: Problem, target: Target, block_m: int, block_n: int) -> int:
+    """How many splits a forward over (block_m x block_n) tiles runs: 1 without a KV cache or when asked; the
+    asked number (at most one split per K/V block); or for num_splits = 0 FA2's heuristic on the target's SMs."""
+    if not problem.kvcache or problem.num_splits == 1:
+        return 1
+    kv_blocks = ceil_div(problem.seqlen_k, block_n)
+    if problem.num_splits > 0:
+        return max(1, min(problem.num_splits, kv_blocks, MAX_KV_SPLITS))
+    blocks = problem.batch * problem.nheads * ceil_div(problem.seqlen_q, block_m)
+    return split_heuristic(blocks, target.sm_count, kv_blocks)
+
+
+def split_heuristic(blocks: int, sm_count: int, kv_blocks: int, max_splits: int = MAX_KV_SPLITS) -> int:
+    """FA2's split count (as its paper's flash-decoding heuristic describes it): none when the unsplit grid
+    already fills 80% of the SMs; otherwise the fewest splits whose last wave is nearly as full as the best
+    choice's (efficiency >= 85% of the best, efficiency = waves / ceil(waves)), among the counts that change how
+    many K/V blocks a split gets (ceil(kv_blocks / s) differs from s - 1's)."""
+    if blocks <= 0 or kv_blocks <= 1 or blocks >= 0.8 * sm_count:
+        return 1
+    max_splits = min(max_splits, sm_count, kv_blocks)
+
+    def useful(s: int) -> bool:
+        return s == 1 or ceil_div(kv_blocks, s) != ceil_div(kv_blocks, s - 1)
+
+    def efficiency(s: int) -> float:
+        waves = blocks * s / sm_count
+        return waves / math.ceil(waves)
+
+    candidates = [s for s in range(1, max_splits + 1) if useful(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
 
 
 def num_dq_splits(problem: Problem, target: Target) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..program import KernelInstance, LaunchPlan, Problem, Program, ceil_div
+from ..program import KernelInstance, Problem, Program
 from ..targets import Target
 from . import fa2
 
@@ -195,6 +195,7 @@ def instances(target: Target) -> list[KernelInstance]:
         for dropout in (False, True):
             found += [forward_traits(hd, target, dropout).instance(dtype) for hd in HEAD_DIMS]
             backward += [backward_traits(hd, target, dropout) for hd in HEAD_DIMS]
+        found.append(fa2.split_kv_combine_instance(dtype))
         found += fa2.backward_program_instances(backward, dtype)
     return found
 
@@ -213,6 +214,7 @@ _SHAPES.update(
     for dtype in DTYPES
     for instance in (
         fa2.dout_dot_out_instance(dtype),
+        fa2.split_kv_combine_instance(dtype),
         *(fa2.convert_dq_instance(dtype, t.block_n) for table in (BACKWARD_CHOICES, BACKWARD_CHOICES_DROPOUT)
           for choices in table.values() for t in choices),
     )
@@ -240,9 +242,7 @@ def _dropout(problem: Problem) -> bool:
 
 def forward_program(problem: Problem, target: Target) -> Program:
     traits = forward_traits(problem.headdim, target, _dropout(problem))
-    grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
-    launch = LaunchPlan(traits.instance(problem.dtype), fa2.check_grid(grid), (traits.threads, 1, 1), traits.smem_bytes)
-    return Program(launches=(launch,))
+    return fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
