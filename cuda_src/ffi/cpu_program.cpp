@@ -2,18 +2,35 @@
 // Program on the CPU simulator, the same kernels a GPU runs, every thread a fiber.
 //
 // Its job is to exercise the whole custom-call path in CI (attribute decoding,
-// operand/result binding, extent checks, params patching, launch order) with the
-// code the CUDA handler shares (program_call.h); only the last step differs:
-// instead of cuLaunchKernel, each launch goes to the simulator entry point the
-// registry holds for the kernel's name expression.
+// operand/result binding, extent checks, params patching, launch order, and the
+// split into XLA's stages) with the code the CUDA handler shares (program_call.h);
+// only the last step differs: instead of cuLaunchKernel, each launch goes to the
+// simulator entry point the registry holds for the kernel's name expression.
+//
+// Two stages, as the CUDA handler has:
+//   instantiate  once per compiled call, when XLA builds the executable (also when it
+//                deserializes one): decodes and checks the attributes (DecodeProgramPlan),
+//                resolves every kernel to its simulator entry (asking the Python resolver
+//                for one this process never lowered), and keeps both in a CpuProgramState.
+//                A bad attribute or an unknown kernel therefore fails the compilation,
+//                before any buffer exists.
+//   execute      per run: binds and checks this run's buffers (BindProgramBuffers) and
+//                launches the state's entries. The one thing it may redo is resolution:
+//                cuflash.sim.checking() swaps the simulator library of every kernel and
+//                README promises that functions jitted before it follow, so the registry
+//                counts replacements and removals (a generation) and an execution that
+//                finds the count moved since its state resolved resolves again.
 //
 // Buffers the program does not zero are filled with 0xFF bytes (NaN in float32,
 // float16 and bfloat16) before the first launch, as the NumPy simulator backend
 // does, so an element no kernel writes shows up as NaN instead of stale memory.
 // While Python records (cuflash.jax._ffi.record_launches), each launch's shape and
 // the global traffic the simulator counted are logged, like cuflash.sim.record().
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -39,10 +56,58 @@ std::unordered_map<std::string, SimLaunchEntry>& Registry() {
   return registry;
 }
 
+// Bumped (under the unique lock) whenever an entry is replaced or removed, never when a new name is added: only
+// those can make an entry a state resolved earlier stale.
+std::atomic<std::uint64_t>& RegistryGeneration() {
+  static std::atomic<std::uint64_t> generation{0};
+  return generation;
+}
+
 SimLaunchEntry FindSimKernel(const std::string& name) {
   std::shared_lock lock(RegistryMutex());
   auto it = Registry().find(name);
   return it == Registry().end() ? nullptr : it->second;
+}
+
+// The entry of every launch, in launch order, and the registry generation they were read at (read first, so a
+// change during the lookups shows as a moved generation at the next execution). A kernel this process never
+// lowered (a deserialized executable) is built and registered by the Python resolver, called without locks.
+ffi::Error ResolveSimKernels(const ProgramPlan& plan, std::vector<SimLaunchEntry>* entries,
+                             std::uint64_t* generation) {
+  *generation = RegistryGeneration().load();
+  entries->clear();
+  for (const KernelLaunch& launch : plan.launches) {
+    SimLaunchEntry entry = FindSimKernel(launch.name);
+    if (entry == nullptr && ResolveKernel(launch.name, "sim")) entry = FindSimKernel(launch.name);
+    if (entry == nullptr)
+      return ffi::Error(ffi::ErrorCode::kNotFound,
+                        "cuflash CPU handler: no simulator kernel registered for " + launch.name +
+                            " (kernels are registered when cuflash.jax lowers a call, or when a compiled call is "
+                            "instantiated once cuflash.jax is imported)");
+    entries->push_back(entry);
+  }
+  return ffi::Error::Success();
+}
+
+// The per-instance state XLA keeps from instantiate to every execution of one compiled call, and deletes with the
+// executable (through the deleter of its registered type info).
+struct CpuProgramState {
+  static constexpr const char* kTypeName = "cuflash.CpuProgramState";
+  static inline xla::ffi::TypeId id = {FixedStateTypeId(kTypeName)};  // see FixedStateTypeId
+
+  ProgramPlan plan;
+  // Executions of one executable may run at once (one per host device under shard_map), so the resolution they
+  // may refresh is guarded.
+  std::mutex mutex;
+  std::vector<SimLaunchEntry> entries;
+  std::uint64_t resolved_generation = 0;
+};
+
+const XLA_FFI_TypeInfo kCpuProgramStateTypeInfo = xla::ffi::MakeTypeInfo<CpuProgramState>();
+
+std::atomic<unsigned long long>& CpuInstantiations() {
+  static std::atomic<unsigned long long> count{0};
+  return count;
 }
 
 // One simulated launch at a time per process: each launch already spreads its
@@ -90,29 +155,47 @@ void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& 
   log.records.push_back(record);
 }
 
-ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const uint8_t> params,
-                          std::string_view bindings, ffi::Span<const uint8_t> zero_init, std::string_view kernels,
-                          ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-                          ffi::Span<const int32_t> smem, std::string_view version) {
-  ProgramCall call;
-  if (ffi::Error error =
-          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, version, &call);
+ffi::ErrorOr<std::unique_ptr<CpuProgramState>> CpuProgramInstantiate(
+    ffi::Span<const uint8_t> params, std::string_view bindings, ffi::Span<const uint8_t> zero_init,
+    std::string_view kernels, ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
+    ffi::Span<const int32_t> smem, std::string_view version) {
+  auto state = std::make_unique<CpuProgramState>();
+  if (ffi::Error error = DecodeProgramPlan(params, bindings, zero_init, kernels, grid, block, smem, version,
+                                           &state->plan);
       error.failure())
-    return error;
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  if (ffi::Error error = ResolveSimKernels(state->plan, &state->entries, &state->resolved_generation);
+      error.failure())
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  CpuInstantiations().fetch_add(1);
+  return state;
+}
 
-  // Resolve every kernel before touching any buffer, so a missing one fails cleanly. A kernel this process never
-  // lowered (a deserialized executable) is built and registered by the Python resolver on first execution.
-  std::vector<SimLaunchEntry> entries;
-  for (const KernelLaunch& launch : call.launches) {
-    SimLaunchEntry entry = FindSimKernel(launch.name);
-    if (entry == nullptr && ResolveKernel(launch.name, "sim")) entry = FindSimKernel(launch.name);
-    if (entry == nullptr)
-      return ffi::Error(ffi::ErrorCode::kNotFound,
-                        "cuflash CPU handler: no simulator kernel registered for " + launch.name +
-                            " (kernels are registered when cuflash.jax lowers a call, or on first execution once "
-                            "cuflash.jax is imported)");
-    entries.push_back(entry);
+// The state's entries, resolved again first when the registry changed since they were read.
+ffi::Error CurrentSimKernels(CpuProgramState* state, std::vector<SimLaunchEntry>* entries) {
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    if (state->resolved_generation == RegistryGeneration().load()) {
+      *entries = state->entries;
+      return ffi::Error::Success();
+    }
   }
+  std::uint64_t generation;
+  if (ffi::Error error = ResolveSimKernels(state->plan, entries, &generation); error.failure()) return error;
+  std::lock_guard<std::mutex> lock(state->mutex);
+  state->entries = *entries;
+  state->resolved_generation = generation;
+  return ffi::Error::Success();
+}
+
+ffi::Error CpuProgramExecute(CpuProgramState* state, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const ProgramPlan& plan = state->plan;
+  ProgramCall call;
+  if (ffi::Error error = BindProgramBuffers(plan, args, rets, &call); error.failure()) return error;
+
+  // Resolved before touching any buffer, so a kernel gone missing since instantiation fails cleanly.
+  std::vector<SimLaunchEntry> entries;
+  if (ffi::Error error = CurrentSimKernels(state, &entries); error.failure()) return error;
 
   std::vector<unsigned long long> begins, sizes;
   std::vector<int> writable;
@@ -124,8 +207,8 @@ ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi:
   }
 
   std::lock_guard<std::mutex> serial(SimLaunchMutex());
-  for (std::size_t i = 0; i < call.launches.size(); ++i) {
-    const KernelLaunch& launch = call.launches[i];
+  for (std::size_t i = 0; i < plan.launches.size(); ++i) {
+    const KernelLaunch& launch = plan.launches[i];
     cuflash_sim_launch_request request;
     std::memset(&request, 0, sizeof request);
     request.kernel_name = launch.name.c_str();
@@ -154,23 +237,64 @@ ffi::Error CpuProgramImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi:
 }  // namespace
 }  // namespace cuflash::ffi_handlers
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCpu, cuflash::ffi_handlers::CpuProgramImpl,
-                              CUFLASH_PROGRAM_CALL_ATTRS(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCpuInstantiate, cuflash::ffi_handlers::CpuProgramInstantiate,
+                              CUFLASH_PROGRAM_PLAN_ATTRS(xla::ffi::Ffi::BindInstantiate()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCpu, cuflash::ffi_handlers::CpuProgramExecute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::State<cuflash::ffi_handlers::CpuProgramState>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 extern "C" {
 
-void* cuflash_ffi_cpu_handler(void) { return reinterpret_cast<void*>(&CuflashProgramCpu); }
+int cuflash_ffi_cpu_handlers(cuflash_ffi_handler_bundle* bundle) {
+  using cuflash::ffi_handlers::CpuProgramState;
+  bundle->instantiate = reinterpret_cast<void*>(&CuflashProgramCpuInstantiate);
+  bundle->execute = reinterpret_cast<void*>(&CuflashProgramCpu);
+  bundle->state_type_name = CpuProgramState::kTypeName;
+  bundle->state_type_id = &CpuProgramState::id;
+  bundle->state_type_info = const_cast<XLA_FFI_TypeInfo*>(&cuflash::ffi_handlers::kCpuProgramStateTypeInfo);
+  return 1;
+}
+
+unsigned long long cuflash_ffi_cpu_instantiations(void) { return cuflash::ffi_handlers::CpuInstantiations().load(); }
+
+int cuflash_ffi_handler_traits(void* handler, unsigned* traits) {
+  // The call XLA makes when a handler is registered (xla/ffi/ffi_api.cc, GetMetadata): a call frame whose only
+  // content is the metadata extension, answered by the handler with its API version and traits.
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  metadata.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension{};
+  extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  extension.extension_base.type = XLA_FFI_Extension_Metadata;
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  frame.args.struct_size = XLA_FFI_Args_STRUCT_SIZE;
+  frame.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE;
+  frame.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+  if (handler == nullptr || reinterpret_cast<XLA_FFI_Handler*>(handler)(&frame) != nullptr) return 0;
+  *traits = metadata.traits;
+  return 1;
+}
 
 void cuflash_ffi_register_sim_kernel(const char* name_expr, void* sim_launch_entry) {
   using namespace cuflash::ffi_handlers;
   std::unique_lock lock(RegistryMutex());
-  Registry()[name_expr] = reinterpret_cast<SimLaunchEntry>(sim_launch_entry);
+  auto [it, added] = Registry().try_emplace(name_expr, reinterpret_cast<SimLaunchEntry>(sim_launch_entry));
+  if (!added && it->second != reinterpret_cast<SimLaunchEntry>(sim_launch_entry)) {
+    it->second = reinterpret_cast<SimLaunchEntry>(sim_launch_entry);
+    RegistryGeneration().fetch_add(1);
+  }
 }
 
 void cuflash_ffi_unregister_sim_kernel(const char* name_expr) {
   using namespace cuflash::ffi_handlers;
   std::unique_lock lock(RegistryMutex());
-  Registry().erase(name_expr);
+  if (Registry().erase(name_expr) != 0) RegistryGeneration().fetch_add(1);
 }
 
 int cuflash_ffi_sim_kernel_registered(const char* name_expr) {

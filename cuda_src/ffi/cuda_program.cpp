@@ -1,19 +1,33 @@
 // cuda_program.cpp: the XLA FFI handler for platform "CUDA" — launches the CUBINs
 // of the NVRTC pipeline with the driver API on XLA's stream.
 //
-// Per call: decode and check the attributes (program_call.h, shared with the CPU
-// handler), clear the results the program accumulates into (cuMemsetD8Async on the
-// stream), then cuLaunchKernel each launch in order on the same stream. No host
-// synchronization and no Python: XLA's stream orders the launches after the
-// producers of the operands and before the consumers of the results. Scratch
-// buffers are extra results of the custom call, so XLA owns them and keeps them
-// alive until the stream has run past the kernels.
+// Declared command-buffer compatible (xla::ffi::Traits::kCmdBufferCompatible, which
+// XLA reads from the execute handler's metadata when it is registered), so XLA can
+// record attention calls into its CUDA-graph command buffers instead of splitting
+// the graph at each one. Recording works by stream capture of the execute stage, so
+// everything that is not capturable lives in the instantiate stage:
 //
-// Kernels are found by (name expression, device arch) in a registry Python fills
-// while lowering, with the CUBIN bytes NVRTC cached; a module is loaded once per
-// CUDA context and kept for the life of the process (the first call in a context
-// pays cuModuleLoadData), and the function's maximum dynamic shared memory is
-// raised to what its launches need (CUDA requires that above 48 KB).
+//   instantiate  once per compiled call, when XLA builds (or deserializes) the
+//                executable, with no stream: decodes and checks the attributes
+//                (program_call.h, shared with the CPU handler), then, in every CUDA
+//                context that can run it (the active primary context of each device,
+//                the ones XLA uses), resolves each kernel's CUBIN for that device's
+//                arch (asking the Python resolver to compile one this process never
+//                lowered), loads its module (cuModuleLoadData, kept for the life of the
+//                process and shared by all executables) and raises the function's
+//                maximum dynamic shared memory to what its launches need (CUDA
+//                requires that above 48 KB). The functions go into a CudaProgramState.
+//   execute      per run, possibly under capture: binds and checks the buffers (host
+//                arithmetic), looks up the state's functions for the stream's context,
+//                clears the results the program accumulates into (cuMemsetD8Async) and
+//                cuLaunchKernel's each launch, all on XLA's stream. No allocation, no
+//                synchronization, no module loading, no attribute change: XLA's stream
+//                orders the launches after the producers of the operands and before the
+//                consumers of the results, and scratch buffers are extra results of the
+//                custom call, so XLA owns them and keeps them alive until the stream
+//                has run past the kernels. A context instantiate did not see (one made
+//                active later) is prepared on its first execution outside a capture;
+//                inside one that is refused with an error rather than done.
 //
 // libcuda is opened with dlopen at first use, so this library builds and loads on
 // machines without a driver (CI); entry points come from cuGetProcAddress at the
@@ -26,11 +40,13 @@
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ffi/program_call.h"
@@ -46,6 +62,12 @@ struct Driver {
   PFN_cuCtxPushCurrent_v4000 CtxPushCurrent = nullptr;
   PFN_cuCtxPopCurrent_v4000 CtxPopCurrent = nullptr;
   PFN_cuCtxGetDevice_v2000 CtxGetDevice = nullptr;
+  PFN_cuDeviceGetCount_v2000 DeviceGetCount = nullptr;
+  PFN_cuDeviceGet_v2000 DeviceGet = nullptr;
+  PFN_cuDevicePrimaryCtxGetState_v7000 DevicePrimaryCtxGetState = nullptr;
+  PFN_cuDevicePrimaryCtxRetain_v7000 DevicePrimaryCtxRetain = nullptr;
+  PFN_cuDevicePrimaryCtxRelease_v11000 DevicePrimaryCtxRelease = nullptr;
+  PFN_cuStreamIsCapturing_v10000 StreamIsCapturing = nullptr;
   PFN_cuDeviceGetAttribute_v2000 DeviceGetAttribute = nullptr;
   PFN_cuModuleLoadData_v2000 ModuleLoadData = nullptr;
   PFN_cuModuleGetFunction_v2000 ModuleGetFunction = nullptr;
@@ -86,6 +108,12 @@ const Driver& LoadDriver() {
     load("cuCtxPushCurrent", 4000, d.CtxPushCurrent);
     load("cuCtxPopCurrent", 4000, d.CtxPopCurrent);
     load("cuCtxGetDevice", 2000, d.CtxGetDevice);
+    load("cuDeviceGetCount", 2000, d.DeviceGetCount);
+    load("cuDeviceGet", 2000, d.DeviceGet);
+    load("cuDevicePrimaryCtxGetState", 7000, d.DevicePrimaryCtxGetState);
+    load("cuDevicePrimaryCtxRetain", 7000, d.DevicePrimaryCtxRetain);
+    load("cuDevicePrimaryCtxRelease", 11000, d.DevicePrimaryCtxRelease);
+    load("cuStreamIsCapturing", 10000, d.StreamIsCapturing);
     load("cuDeviceGetAttribute", 2000, d.DeviceGetAttribute);
     load("cuModuleLoadData", 2000, d.ModuleLoadData);
     load("cuModuleGetFunction", 2000, d.ModuleGetFunction);
@@ -186,7 +214,7 @@ ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const Kern
                              std::string* missing_arch);
 
 // A kernel this process never lowered (a deserialized executable) is compiled and registered by the Python
-// resolver on first execution, called without the lock (it registers through cuflash_ffi_register_cubin).
+// resolver, called without the lock (it registers through cuflash_ffi_register_cubin).
 ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function) {
   std::string missing_arch;
   {
@@ -202,8 +230,8 @@ ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaun
   if (!missing_arch.empty())
     return ffi::Error(ffi::ErrorCode::kNotFound,
                       "cuflash CUDA handler: no CUBIN registered for " + launch.name + " on " + missing_arch +
-                          " (kernels are compiled and registered when cuflash.jax lowers a call, or on first "
-                          "execution once cuflash.jax is imported)");
+                          " (kernels are compiled and registered when cuflash.jax lowers a call, or when a "
+                          "compiled call is instantiated once cuflash.jax is imported)");
   return ffi::Error::Success();
 }
 
@@ -245,29 +273,123 @@ ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const Kern
   return ffi::Error::Success();
 }
 
-ffi::Error CudaProgramImpl(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           ffi::Span<const uint8_t> params, std::string_view bindings,
-                           ffi::Span<const uint8_t> zero_init, std::string_view kernels, ffi::Span<const int32_t> grid,
-                           ffi::Span<const int32_t> block, ffi::Span<const int32_t> smem, std::string_view version) {
+// The per-instance state XLA keeps from instantiate to every execution of one compiled call, and deletes with the
+// executable. One executable runs on every device of a multi-GPU client, each in its own context, so the functions
+// are kept per context.
+struct CudaProgramState {
+  static constexpr const char* kTypeName = "cuflash.CudaProgramState";
+  static inline xla::ffi::TypeId id = {FixedStateTypeId(kTypeName)};  // see FixedStateTypeId
+
+  ProgramPlan plan;
+  std::mutex mutex;  // executions on several devices may look up (and, outside a capture, add) at once
+  std::vector<std::pair<CUcontext, std::vector<CUfunction>>> functions;  // per context, one per launch
+};
+
+const XLA_FFI_TypeInfo kCudaProgramStateTypeInfo = xla::ffi::MakeTypeInfo<CudaProgramState>();
+
+std::atomic<unsigned long long>& CudaInstantiations() {
+  static std::atomic<unsigned long long> count{0};
+  return count;
+}
+
+// Everything a context needs before the plan's launches can be recorded in it: each launch's function, its module
+// loaded and its dynamic shared memory limit raised. Makes the context current for the duration.
+ffi::Error PrepareContext(const Driver& driver, CUcontext context, const ProgramPlan& plan,
+                          std::vector<CUfunction>* functions) {
+  ContextGuard guard(driver, context);
+  if (!guard.pushed()) return ffi::Error::Internal("cuflash CUDA handler: cannot make a CUDA context current");
+  functions->assign(plan.launches.size(), nullptr);
+  for (std::size_t i = 0; i < plan.launches.size(); ++i)
+    if (ffi::Error error = GetFunction(driver, context, plan.launches[i], &(*functions)[i]); error.failure())
+      return error;
+  return ffi::Error::Success();
+}
+
+// The contexts XLA runs in are primary contexts, made active when its client starts, before it compiles anything:
+// every active one is prepared (one another library activated costs a few module loads, not a failure). Retaining
+// an active context only counts a reference, released after.
+ffi::Error PrepareActivePrimaryContexts(const Driver& driver, CudaProgramState* state) {
+  int count = 0;
+  if (CUresult r = driver.DeviceGetCount(&count); r != CUDA_SUCCESS) return CudaError(driver, r, "cuDeviceGetCount");
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    CUdevice device;
+    if (CUresult r = driver.DeviceGet(&device, ordinal); r != CUDA_SUCCESS) return CudaError(driver, r, "cuDeviceGet");
+    unsigned flags = 0;
+    int active = 0;
+    if (CUresult r = driver.DevicePrimaryCtxGetState(device, &flags, &active); r != CUDA_SUCCESS)
+      return CudaError(driver, r, "cuDevicePrimaryCtxGetState");
+    if (!active) continue;  // a device this process does not use: creating its context would cost its memory
+    CUcontext context;
+    if (CUresult r = driver.DevicePrimaryCtxRetain(&context, device); r != CUDA_SUCCESS)
+      return CudaError(driver, r, "cuDevicePrimaryCtxRetain");
+    std::vector<CUfunction> functions;
+    ffi::Error error = PrepareContext(driver, context, state->plan, &functions);
+    driver.DevicePrimaryCtxRelease(device);
+    if (error.failure()) return error;
+    state->functions.emplace_back(context, std::move(functions));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaProgramState>> CudaProgramInstantiate(
+    ffi::Span<const uint8_t> params, std::string_view bindings, ffi::Span<const uint8_t> zero_init,
+    std::string_view kernels, ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
+    ffi::Span<const int32_t> smem, std::string_view version) {
+  const Driver& driver = LoadDriver();
+  if (!driver.status.empty())
+    return ffi::Unexpected<ffi::Error>(ffi::Error::Internal("cuflash CUDA handler: " + driver.status));
+  auto state = std::make_unique<CudaProgramState>();
+  if (ffi::Error error = DecodeProgramPlan(params, bindings, zero_init, kernels, grid, block, smem, version,
+                                           &state->plan);
+      error.failure())
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  if (ffi::Error error = PrepareActivePrimaryContexts(driver, state.get()); error.failure())
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  CudaInstantiations().fetch_add(1);
+  return state;
+}
+
+// The functions of the plan in the stream's context: those instantiate prepared, or, for a context it did not see,
+// prepared now, which loads modules and sets attributes and so is refused while the stream is being captured.
+ffi::Error FunctionsFor(const Driver& driver, CudaProgramState* state, CUcontext context, CUstream stream,
+                        std::vector<CUfunction>* functions) {
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    for (const auto& [prepared, found] : state->functions)
+      if (prepared == context) {
+        *functions = found;
+        return ffi::Error::Success();
+      }
+  }
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult r = driver.StreamIsCapturing(stream, &capture); r != CUDA_SUCCESS)
+    return CudaError(driver, r, "cuStreamIsCapturing on XLA's stream");
+  if (capture != CU_STREAM_CAPTURE_STATUS_NONE)
+    return ffi::Error::Internal(
+        "cuflash CUDA handler: XLA is capturing a command buffer in a CUDA context that was not active when this "
+        "call was instantiated, and loading its kernels there is not allowed during a capture");
+  if (ffi::Error error = PrepareContext(driver, context, state->plan, functions); error.failure()) return error;
+  std::lock_guard<std::mutex> lock(state->mutex);
+  state->functions.emplace_back(context, *functions);
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaProgramExecute(CUstream stream, CudaProgramState* state, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets) {
   const Driver& driver = LoadDriver();
   if (!driver.status.empty()) return ffi::Error::Internal("cuflash CUDA handler: " + driver.status);
+  const ProgramPlan& plan = state->plan;
 
   ProgramCall call;
-  if (ffi::Error error =
-          DecodeProgramCall(args, rets, params, bindings, zero_init, kernels, grid, block, smem, version, &call);
-      error.failure())
-    return error;
+  if (ffi::Error error = BindProgramBuffers(plan, args, rets, &call); error.failure()) return error;
 
   CUcontext context;
   if (CUresult r = driver.StreamGetCtx(stream, &context); r != CUDA_SUCCESS)
     return CudaError(driver, r, "cuStreamGetCtx on XLA's stream");
+  std::vector<CUfunction> functions;
+  if (ffi::Error error = FunctionsFor(driver, state, context, stream, &functions); error.failure()) return error;
   ContextGuard guard(driver, context);
   if (!guard.pushed()) return ffi::Error::Internal("cuflash CUDA handler: cannot make XLA's CUDA context current");
-
-  std::vector<CUfunction> functions(call.launches.size());
-  for (std::size_t i = 0; i < call.launches.size(); ++i)
-    if (ffi::Error error = GetFunction(driver, context, call.launches[i], &functions[i]); error.failure())
-      return error;
 
   for (const BoundBuffer& buffer : call.buffers) {
     if (!buffer.zero_init || buffer.bytes == 0) continue;
@@ -275,9 +397,10 @@ ffi::Error CudaProgramImpl(CUstream stream, ffi::RemainingArgs args, ffi::Remain
         r != CUDA_SUCCESS)
       return CudaError(driver, r, std::string("clearing ") + buffer.field->name);
   }
-  for (std::size_t i = 0; i < call.launches.size(); ++i) {
-    const KernelLaunch& launch = call.launches[i];
-    // cuLaunchKernel copies the argument bytes when it returns, so a local struct is fine.
+  for (std::size_t i = 0; i < plan.launches.size(); ++i) {
+    const KernelLaunch& launch = plan.launches[i];
+    // cuLaunchKernel copies the argument bytes when it returns (a captured launch keeps its own copy in the graph
+    // node), so a local struct is fine.
     void* arguments[] = {&call.params};
     if (CUresult r = driver.LaunchKernel(functions[i], launch.grid[0], launch.grid[1], launch.grid[2],
                                          launch.block[0], launch.block[1], launch.block[2],
@@ -291,13 +414,31 @@ ffi::Error CudaProgramImpl(CUstream stream, ffi::RemainingArgs args, ffi::Remain
 }  // namespace
 }  // namespace cuflash::ffi_handlers
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCuda, cuflash::ffi_handlers::CudaProgramImpl,
-                              CUFLASH_PROGRAM_CALL_ATTRS(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<CUstream>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCudaInstantiate, cuflash::ffi_handlers::CudaProgramInstantiate,
+                              CUFLASH_PROGRAM_PLAN_ATTRS(xla::ffi::Ffi::BindInstantiate()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCuda, cuflash::ffi_handlers::CudaProgramExecute,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<CUstream>>()
+                                  .Ctx<xla::ffi::State<cuflash::ffi_handlers::CudaProgramState>>()
+                                  .RemainingArgs()
+                                  .RemainingRets(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {
 
-void* cuflash_ffi_cuda_handler(void) { return reinterpret_cast<void*>(&CuflashProgramCuda); }
+int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle* bundle) {
+  using cuflash::ffi_handlers::CudaProgramState;
+  bundle->instantiate = reinterpret_cast<void*>(&CuflashProgramCudaInstantiate);
+  bundle->execute = reinterpret_cast<void*>(&CuflashProgramCuda);
+  bundle->state_type_name = CudaProgramState::kTypeName;
+  bundle->state_type_id = &CudaProgramState::id;
+  bundle->state_type_info = const_cast<XLA_FFI_TypeInfo*>(&cuflash::ffi_handlers::kCudaProgramStateTypeInfo);
+  return 1;
+}
+
+unsigned long long cuflash_ffi_cuda_instantiations(void) {
+  return cuflash::ffi_handlers::CudaInstantiations().load();
+}
 
 void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,
                                 const void* cubin, unsigned long long cubin_size) {
@@ -323,7 +464,8 @@ const char* cuflash_ffi_cuda_driver_status(void) { return cuflash::ffi_handlers:
 #else  // !CUFLASH_FFI_WITH_CUDA: built without cuda.h; the CUDA platform is not offered.
 
 extern "C" {
-void* cuflash_ffi_cuda_handler(void) { return nullptr; }
+int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle*) { return 0; }
+unsigned long long cuflash_ffi_cuda_instantiations(void) { return 0; }
 void cuflash_ffi_register_cubin(const char*, const char*, const char*, const void*, unsigned long long) {}
 int cuflash_ffi_cubin_registered(const char*, const char*) { return 0; }
 const char* cuflash_ffi_cuda_driver_status(void) {

@@ -8,14 +8,35 @@
 extern "C" {
 #endif
 
-/* Addresses of the XLA FFI handlers (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
-   The CUDA one is NULL when the library was built without the CUDA driver API header. */
-void* cuflash_ffi_cpu_handler(void);
-void* cuflash_ffi_cuda_handler(void);
+/* One platform's XLA FFI handler bundle, for jax.ffi.register_ffi_type and jax.ffi.register_ffi_target:
+   the instantiate stage (decodes the attributes and resolves the kernels once per compiled call, returning a
+   state of the registered type) and the execute stage (binds the buffers and launches). The state type is
+   registered under its name with the id *state_type_id already holds (fixed, see program_call.h). */
+typedef struct cuflash_ffi_handler_bundle {
+  void* instantiate;           /* XLA_FFI_Handler* */
+  void* execute;               /* XLA_FFI_Handler* */
+  const char* state_type_name; /* unique in the process */
+  void* state_type_id;         /* XLA_FFI_TypeId* (an int64) */
+  void* state_type_info;       /* XLA_FFI_TypeInfo* (the state's deleter) */
+} cuflash_ffi_handler_bundle;
+/* Fill *bundle and return 1; the CUDA one returns 0 when the library was built without the CUDA driver API
+   header (the CUDA platform is then not offered). */
+int cuflash_ffi_cpu_handlers(cuflash_ffi_handler_bundle* bundle);
+int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle* bundle);
+
+/* How many states each platform's instantiate stage has created: one per compiled call, however often the
+   executable runs. */
+unsigned long long cuflash_ffi_cpu_instantiations(void);
+unsigned long long cuflash_ffi_cuda_instantiations(void);
+
+/* The traits an XLA_FFI_Handler* reports when XLA registers it (bit 0: command-buffer compatible): 1 and
+   *traits set, or 0 if the handler refused the metadata query. Ask execute handlers (what XLA asks). */
+int cuflash_ffi_handler_traits(void* handler, unsigned* traits);
 
 /* CPU registry: kernel name expression -> the simulator entry point that runs it
    (int cuflash_sim_launch(const char*, cuflash_sim_launch_request*), see arch/sim/sim_abi.h).
-   Filled by Python while lowering; read by the CPU handler at run time. */
+   Filled by Python while lowering; read by the CPU handler when it instantiates a compiled call (and again when
+   an execution finds an entry replaced or removed since). */
 void cuflash_ffi_register_sim_kernel(const char* name_expr, void* sim_launch_entry);
 void cuflash_ffi_unregister_sim_kernel(const char* name_expr);
 int cuflash_ffi_sim_kernel_registered(const char* name_expr);
@@ -42,10 +63,12 @@ void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const c
                                 const void* cubin, unsigned long long cubin_size);
 int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch);
 
-/* Resolver for kernels this process never lowered (an executable deserialized from jax.export): the handlers
-   call it with the kernel's name expression and "sim" (CPU) or "sm_XY" (CUDA) when their registry lacks it,
-   without holding any lock; it registers the kernel as lowering would and returns 0, or nonzero if it cannot.
-   Python installs it when cuflash.jax is imported. */
+/* Resolver for kernels this process never lowered (an executable deserialized from jax.export): the handlers'
+   instantiate stages call it with the kernel's name expression and "sim" (CPU) or "sm_XY" (CUDA) when their
+   registry lacks it, without holding any lock (so do execute stages meeting what instantiate could not
+   prepare: a CPU registry entry replaced or removed since, a CUDA context made active since); it registers the
+   kernel as lowering would and returns 0, or nonzero if it cannot. Python installs it when cuflash.jax is
+   imported. */
 typedef int (*cuflash_ffi_resolver)(const char* name_expr, const char* target);
 void cuflash_ffi_set_resolver(cuflash_ffi_resolver resolver);
 

@@ -62,6 +62,7 @@ struct BoundBuffer {
   const PointerField* field;
   void* data;
   std::size_t bytes;
+  long long leading_extent;  // the buffer's first dimension (1 for a scalar): a paged cache's page count
   bool is_result;
   bool zero_init;
 };
@@ -73,12 +74,32 @@ struct KernelLaunch {
   unsigned dynamic_smem_bytes;
 };
 
-// Everything one custom call needs, decoded and checked; params carry the buffer addresses.
+// What a call's attributes say, decoded and checked once per compiled call (the handlers' instantiate stage):
+// params with every pointer field null, the field each operand and result binds, and the launches.
+struct ProgramPlan {
+  AttentionParams params;
+  std::vector<const PointerField*> bindings;  // operands first, then results
+  std::vector<uint8_t> zero_init;             // one entry per result
+  std::vector<KernelLaunch> launches;
+};
+
+// One execution of a plan (the execute stage): its buffers, checked, and params carrying their addresses.
 struct ProgramCall {
   AttentionParams params;
   std::vector<BoundBuffer> buffers;
-  std::vector<KernelLaunch> launches;
 };
+
+// The XLA FFI type id of a handler's state type, fixed in advance instead of assigned by XLA at registration.
+// Registering a type with a nonzero id is allowed (XLA checks that a name keeps its id), and it has to be known
+// early: an instantiate handler reports its state type id when XLA registers the handler, and JAX's CPU client
+// replays deferred handler registrations before deferred type registrations (a target registered before JAX
+// started its CPU backend would otherwise fail the backend's start). A 64-bit FNV-1a hash of the type's name,
+// with bit 62 set, stays clear of the small ids XLA hands out from its counter.
+constexpr int64_t FixedStateTypeId(std::string_view type_name) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (char c : type_name) hash = (hash ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return static_cast<int64_t>((hash & 0x3fffffffffffffffull) | (1ull << 62));
+}
 
 inline std::vector<std::string_view> Split(std::string_view text, char separator) {
   std::vector<std::string_view> parts;
@@ -103,7 +124,15 @@ struct TensorGeometry {
   TensorStrides strides;
 };
 
-inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, bool packed, TensorGeometry* geometry) {
+// How a call lays its tensors out beyond what each tensor's own params say.
+struct TensorLayout {
+  bool packed;            // varlen (cu_seqlens bound): (total, heads, headdim) tensors
+  bool paged;             // paged KV cache (page_size > 0 and block_table bound): k and v hold pages
+  long long cache_pages;  // paged: the page count of the tensor's buffer
+};
+
+inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, const TensorLayout& layout,
+                             TensorGeometry* geometry) {
   struct Entry {
     const char* name;
     TensorStrides AttentionParams::*strides;
@@ -117,11 +146,19 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, bo
     // Varlen tensors (packed: cu_seqlens bound) are (total, heads, headdim), one "batch" of all rows
     // (block_info.cuh). Whether the cu_seqlens stay inside them is data the handler does not read (the Python
     // entry points check it where the values are concrete).
+    const bool packed = layout.packed;
     geometry->extents[0] = packed ? 1 : p.batch;
     geometry->extents[1] = packed ? (entry.query_side ? p.total_q : p.total_k) : entry.query_side ? p.seqlen_q : p.seqlen_k;
     geometry->extents[2] = entry.query_side ? p.nheads : p.nheads_k;
     geometry->extents[3] = p.headdim;
     geometry->strides = p.*entry.strides;
+    // A paged cache's k and v are (num_pages, page_size, nheads_k, headdim), the page stride in the batch stride
+    // (attention_params.cuh's block_table, block_info.cuh's KeyRows). Which pages a sequence reads is data (the
+    // block_table) the handler does not read, so the check covers every page of the buffer.
+    if (layout.paged && (name == "k" || name == "v")) {
+      geometry->extents[0] = layout.cache_pages;
+      geometry->extents[1] = p.page_size;
+    }
     return true;
   }
   return false;
@@ -130,10 +167,10 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, bo
 // A tensor's kernel reach (last element touched + 1) must lie inside the buffer XLA gave us:
 // a mismatch between the params attribute and the operand shapes would otherwise be an
 // out-of-bounds access on the GPU.
-inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer& buffer, bool packed,
+inline ffi::Error CheckTensorExtent(const AttentionParams& p, const BoundBuffer& buffer, const TensorLayout& layout,
                                     std::size_t element_bytes) {
   TensorGeometry g;
-  if (!TensorGeometryOf(p, buffer.field->name, packed, &g))
+  if (!TensorGeometryOf(p, buffer.field->name, layout, &g))
     return Invalid(std::string(buffer.field->name) + " is not a tensor field");
   const long long* extents = g.extents;
   const TensorStrides& strides = g.strides;
@@ -166,83 +203,41 @@ inline bool ResolveKernel(const std::string& name, const std::string& target) {
   return resolver != nullptr && resolver(name.c_str(), target.c_str()) == 0;
 }
 
-inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                    ffi::Span<const uint8_t> params, std::string_view bindings,
+// The instantiate stage's half: everything the attributes alone determine. Operands and results are not known
+// here (XLA's CPU runtime instantiates with attributes only), so their count and types are checked per call.
+inline ffi::Error DecodeProgramPlan(ffi::Span<const uint8_t> params, std::string_view bindings,
                                     ffi::Span<const uint8_t> zero_init, std::string_view kernels,
                                     ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-                                    ffi::Span<const int32_t> smem, std::string_view version, ProgramCall* call) {
+                                    ffi::Span<const int32_t> smem, std::string_view version, ProgramPlan* plan) {
   if (version != CUFLASH_VERSION)
     return Invalid("this call was lowered by cuflash " + std::string(version) + ", but the handler library is " +
                    CUFLASH_VERSION + " (an exported executable runs with the cuflash version that exported it)");
   if (params.size() != sizeof(AttentionParams))
     return Invalid("params attribute has " + std::to_string(params.size()) + " bytes but sizeof(AttentionParams) is " +
                    std::to_string(sizeof(AttentionParams)) + " (Python mirror and C++ header disagree)");
-  std::memcpy(&call->params, params.begin(), sizeof(AttentionParams));
+  std::memcpy(&plan->params, params.begin(), sizeof(AttentionParams));
 
   // Pointer fields must arrive null: an address in the HLO would be stale in any other run.
   for (const PointerField& field : kPointerFields) {
     std::uintptr_t value;
-    std::memcpy(&value, reinterpret_cast<const unsigned char*>(&call->params) + field.offset, sizeof value);
+    std::memcpy(&value, reinterpret_cast<const unsigned char*>(&plan->params) + field.offset, sizeof value);
     if (value != 0)
       return Invalid(std::string("params attribute carries an address in pointer field ") + field.name +
                      ": addresses must not be baked into the HLO");
   }
 
-  const std::vector<std::string_view> names = Split(bindings, ',');
-  const std::size_t num_args = args.size(), num_rets = rets.size();
-  if (names.size() != num_args + num_rets)
-    return Invalid("bindings name " + std::to_string(names.size()) + " buffers but the call has " +
-                   std::to_string(num_args) + " operands and " + std::to_string(num_rets) + " results");
-  if (zero_init.size() != num_rets)
-    return Invalid("zero_init has " + std::to_string(zero_init.size()) + " entries for " + std::to_string(num_rets) +
-                   " results");
-
-  ffi::DataType tensor_type = ffi::DataType::INVALID;
-  std::string first_tensor;
-  call->buffers.clear();
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    const PointerField* field = FindPointerField(names[i]);
-    if (field == nullptr) return Invalid("binding '" + std::string(names[i]) + "' is not an AttentionParams pointer field");
-    for (const BoundBuffer& other : call->buffers)
-      if (other.field == field) return Invalid("field " + std::string(names[i]) + " is bound twice");
-    const bool is_result = i >= num_args;
-    ffi::DataType type;
-    void* data;
-    std::size_t bytes;
-    if (!is_result) {
-      auto buffer = args.get<ffi::AnyBuffer>(i);
-      if (!buffer.has_value()) return Invalid("operand " + std::to_string(i) + " is not a buffer");
-      type = buffer->element_type();
-      data = buffer->untyped_data();
-      bytes = buffer->size_bytes();
-    } else {
-      auto buffer = rets.get<ffi::AnyBuffer>(i - num_args);
-      if (!buffer.has_value()) return Invalid("result " + std::to_string(i - num_args) + " is not a buffer");
-      type = (*buffer)->element_type();
-      data = (*buffer)->untyped_data();
-      bytes = (*buffer)->size_bytes();
-    }
-    if (field->is_tensor) {
-      if (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16)
-        return Invalid(std::string(field->name) + " must be float32, float16 or bfloat16");
-      if (tensor_type == ffi::DataType::INVALID) {
-        tensor_type = type;
-        first_tensor = field->name;
-      } else if (type != tensor_type) {
-        return Invalid(std::string(field->name) + " and " + first_tensor + " have different element types");
-      }
-    } else if (type != ffi::DataType::F32) {
-      return Invalid(std::string("side buffer ") + field->name + " must be float32");
-    }
-    call->buffers.push_back(BoundBuffer{field, data, bytes, is_result, is_result && zero_init[i - num_args] != 0});
+  plan->bindings.clear();
+  for (std::string_view name : Split(bindings, ',')) {
+    const PointerField* field = FindPointerField(name);
+    if (field == nullptr) return Invalid("binding '" + std::string(name) + "' is not an AttentionParams pointer field");
+    for (const PointerField* other : plan->bindings)
+      if (other == field) return Invalid("field " + std::string(name) + " is bound twice");
+    plan->bindings.push_back(field);
   }
-  bool packed = false;
-  for (const BoundBuffer& bound : call->buffers) packed = packed || std::string_view(bound.field->name) == "cu_seqlens_q";
-  for (const BoundBuffer& bound : call->buffers) {
-    if (!bound.field->is_tensor) continue;
-    if (ffi::Error error = CheckTensorExtent(call->params, bound, packed, ffi::ByteWidth(tensor_type)); error.failure())
-      return error;
-  }
+  if (zero_init.size() > plan->bindings.size())
+    return Invalid("zero_init has " + std::to_string(zero_init.size()) + " entries for " +
+                   std::to_string(plan->bindings.size()) + " bound buffers");
+  plan->zero_init.assign(zero_init.begin(), zero_init.end());
 
   const std::vector<std::string_view> kernel_names = Split(kernels, ';');
   const std::size_t n = kernel_names.size();
@@ -250,7 +245,7 @@ inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets 
     return Invalid(std::to_string(n) + " kernels need " + std::to_string(3 * n) + " grid and block entries and " +
                    std::to_string(n) + " smem entries, got " + std::to_string(grid.size()) + ", " +
                    std::to_string(block.size()) + " and " + std::to_string(smem.size()));
-  call->launches.clear();
+  plan->launches.clear();
   for (std::size_t i = 0; i < n; ++i) {
     KernelLaunch launch;
     launch.name = std::string(kernel_names[i]);
@@ -264,7 +259,79 @@ inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets 
     }
     if (smem[i] < 0) return Invalid("launch of " + launch.name + " has negative dynamic shared memory");
     launch.dynamic_smem_bytes = static_cast<unsigned>(smem[i]);
-    call->launches.push_back(std::move(launch));
+    plan->launches.push_back(std::move(launch));
+  }
+  return ffi::Error::Success();
+}
+
+// The execute stage's half: binds this run's operands and results to the plan's fields, checks their element types
+// and extents against the params, and writes their addresses into call->params. Host arithmetic only: no CUDA
+// call, so it is as legal while XLA captures a command buffer as anywhere else.
+inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                     ProgramCall* call) {
+  const std::size_t num_args = args.size(), num_rets = rets.size();
+  if (plan.bindings.size() != num_args + num_rets)
+    return Invalid("bindings name " + std::to_string(plan.bindings.size()) + " buffers but the call has " +
+                   std::to_string(num_args) + " operands and " + std::to_string(num_rets) + " results");
+  if (plan.zero_init.size() != num_rets)
+    return Invalid("zero_init has " + std::to_string(plan.zero_init.size()) + " entries for " +
+                   std::to_string(num_rets) + " results");
+  call->params = plan.params;
+
+  ffi::DataType tensor_type = ffi::DataType::INVALID;
+  std::string first_tensor;
+  call->buffers.clear();
+  for (std::size_t i = 0; i < plan.bindings.size(); ++i) {
+    const PointerField* field = plan.bindings[i];
+    const bool is_result = i >= num_args;
+    ffi::DataType type;
+    void* data;
+    std::size_t bytes;
+    ffi::AnyBuffer::Dimensions dimensions;
+    if (!is_result) {
+      auto buffer = args.get<ffi::AnyBuffer>(i);
+      if (!buffer.has_value()) return Invalid("operand " + std::to_string(i) + " is not a buffer");
+      type = buffer->element_type();
+      data = buffer->untyped_data();
+      bytes = buffer->size_bytes();
+      dimensions = buffer->dimensions();
+    } else {
+      auto buffer = rets.get<ffi::AnyBuffer>(i - num_args);
+      if (!buffer.has_value()) return Invalid("result " + std::to_string(i - num_args) + " is not a buffer");
+      type = (*buffer)->element_type();
+      data = (*buffer)->untyped_data();
+      bytes = (*buffer)->size_bytes();
+      dimensions = (*buffer)->dimensions();
+    }
+    if (field->is_tensor) {
+      if (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16)
+        return Invalid(std::string(field->name) + " must be float32, float16 or bfloat16");
+      if (tensor_type == ffi::DataType::INVALID) {
+        tensor_type = type;
+        first_tensor = field->name;
+      } else if (type != tensor_type) {
+        return Invalid(std::string(field->name) + " and " + first_tensor + " have different element types");
+      }
+    } else if (type != ffi::DataType::F32) {
+      return Invalid(std::string("side buffer ") + field->name + " must be float32");
+    }
+    const bool zero_init = is_result && plan.zero_init[i - num_args] != 0;
+    const long long leading_extent = dimensions.size() ? static_cast<long long>(dimensions.front()) : 1;
+    call->buffers.push_back(BoundBuffer{field, data, bytes, leading_extent, is_result, zero_init});
+  }
+  bool packed = false, paged = false;
+  for (const BoundBuffer& bound : call->buffers) {
+    packed = packed || std::string_view(bound.field->name) == "cu_seqlens_q";
+    paged = paged || std::string_view(bound.field->name) == "block_table";
+  }
+  paged = paged && call->params.page_size > 0;
+  for (const BoundBuffer& bound : call->buffers) {
+    if (!bound.field->is_tensor) continue;
+    // num_pages is not in AttentionParams (kernels never need it: the block_table names the pages), so a paged
+    // cache's page count is the bound buffer's own leading dimension.
+    const TensorLayout layout{packed, paged, bound.leading_extent};
+    if (ffi::Error error = CheckTensorExtent(call->params, bound, layout, ffi::ByteWidth(tensor_type)); error.failure())
+      return error;
   }
 
   for (const BoundBuffer& buffer : call->buffers) {
@@ -274,11 +341,10 @@ inline ffi::Error DecodeProgramCall(ffi::RemainingArgs args, ffi::RemainingRets 
   return ffi::Error::Success();
 }
 
-// The attribute list both handlers bind, in this order after their platform context.
-#define CUFLASH_PROGRAM_CALL_ATTRS(binding)                         \
-  binding.RemainingArgs()                                           \
-      .RemainingRets()                                              \
-      .Attr<xla::ffi::Span<const uint8_t>>("params")               \
+// The attributes both handlers' instantiate stages bind, in this order after their platform context. The execute
+// stages bind no attribute (XLA then passes them none to decode) and read the plan from their state instead.
+#define CUFLASH_PROGRAM_PLAN_ATTRS(binding)                         \
+  binding.Attr<xla::ffi::Span<const uint8_t>>("params")             \
       .Attr<std::string_view>("bindings")                           \
       .Attr<xla::ffi::Span<const uint8_t>>("zero_init")            \
       .Attr<std::string_view>("kernels")                            \

@@ -18,6 +18,13 @@ build happens in a private temporary directory and is moved into place with
 Registries: the handlers find kernels by name expression in process-global
 tables of the library; :func:`register_sim_kernel` and :func:`register_cubin`
 fill them (cuflash.jax's lowering rules call them), nothing else does.
+
+Stages: each platform's handler is a bundle of two XLA FFI stages (ffi_abi.h):
+instantiate, once per compiled call, decodes the attributes and resolves the
+kernels into a per-instance state of a type registered with XLA; execute binds
+the buffers and launches. :func:`register_targets` registers each state type
+with its handlers; the type ids are fixed in the library, because JAX's CPU
+client replays deferred handlers before deferred types.
 """
 
 from __future__ import annotations
@@ -189,24 +196,72 @@ def _address(pointer) -> int:
     return int(ffi.cast("uintptr_t", pointer))
 
 
+PLATFORMS = ("cpu", "CUDA")
+
+
+def handler_bundle(platform: str):
+    """The library's ``cuflash_ffi_handler_bundle`` for ``platform`` ("cpu" or "CUDA"), or None when it has no
+    handler for it (CUDA without the driver API header at build time)."""
+    module = library()
+    getter = {"cpu": module.lib.cuflash_ffi_cpu_handlers, "CUDA": module.lib.cuflash_ffi_cuda_handlers}[platform]
+    bundle = module.ffi.new("cuflash_ffi_handler_bundle*")
+    return bundle if getter(bundle) else None
+
+
 def has_cuda_handler() -> bool:
-    return _address(library().lib.cuflash_ffi_cuda_handler()) != 0
+    return handler_bundle("CUDA") is not None
 
 
 def register_targets() -> None:
-    """Register the handlers with JAX as ``cuflash_program`` (cpu, and CUDA when built with it)."""
+    """Register the handlers with JAX as ``cuflash_program`` (cpu, and CUDA when built with it): per platform, the
+    state type of its instantiate stage, then the instantiate + execute bundle. JAX defers both for a platform
+    whose backend has not started; the state type ids are fixed in the library, so the order JAX replays them in
+    does not matter (program_call.h, FixedStateTypeId).
+
+    No traits are passed here: XLA reads them from the execute handler itself (the CUDA one declares itself
+    command-buffer compatible), and JAX's GPU plugin refuses traits given at registration."""
     import jax
 
     with _lock:
-        lib = library().lib
-        if "cpu" not in _registered_platforms:
-            capsule = jax.ffi.pycapsule(_address(lib.cuflash_ffi_cpu_handler()))
-            jax.ffi.register_ffi_target(TARGET_NAME, capsule, platform="cpu", api_version=1)
-            _registered_platforms.add("cpu")
-        if "CUDA" not in _registered_platforms and has_cuda_handler():
-            capsule = jax.ffi.pycapsule(_address(lib.cuflash_ffi_cuda_handler()))
-            jax.ffi.register_ffi_target(TARGET_NAME, capsule, platform="CUDA", api_version=1)
-            _registered_platforms.add("CUDA")
+        ffi = library().ffi
+        for platform in PLATFORMS:
+            if platform in _registered_platforms:
+                continue
+            bundle = handler_bundle(platform)
+            if bundle is None:
+                continue
+            state_type = {"type_id": jax.ffi.pycapsule(_address(bundle.state_type_id)),
+                          "type_info": jax.ffi.pycapsule(_address(bundle.state_type_info))}
+            jax.ffi.register_ffi_type(ffi.string(bundle.state_type_name).decode(), state_type, platform=platform)
+            stages = {"instantiate": jax.ffi.pycapsule(_address(bundle.instantiate)),
+                      "execute": jax.ffi.pycapsule(_address(bundle.execute))}
+            jax.ffi.register_ffi_target(TARGET_NAME, stages, platform=platform, api_version=1)
+            _registered_platforms.add(platform)
+
+
+def state_type_id(platform: str) -> int:
+    """The XLA FFI type id of the platform's state type (fixed in the library, registered under its name)."""
+    bundle = handler_bundle(platform)
+    return int(library().ffi.cast("int64_t*", bundle.state_type_id)[0])
+
+
+def execute_handler_traits(platform: str) -> int:
+    """The traits XLA reads from the platform's execute handler when registering it (bit 0: command-buffer
+    compatible), by the same metadata query XLA makes."""
+    module = library()
+    traits = module.ffi.new("unsigned*")
+    if not module.lib.cuflash_ffi_handler_traits(handler_bundle(platform).execute, traits):
+        raise RuntimeError(f"the {platform} execute handler refused XLA's metadata query")
+    return int(traits[0])
+
+
+COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE (xla/ffi/api/c_api.h)
+
+
+def instantiations(platform: str) -> int:
+    """How many states the platform's instantiate stage has created in this process (one per compiled call)."""
+    lib = library().lib
+    return int({"cpu": lib.cuflash_ffi_cpu_instantiations, "CUDA": lib.cuflash_ffi_cuda_instantiations}[platform]())
 
 
 _resolver = None  # the cffi callback the handlers call; kept alive here
@@ -214,7 +269,8 @@ _resolver = None  # the cffi callback the handlers call; kept alive here
 
 def set_resolver(resolve) -> None:
     """Install ``resolve(name_expr, target) -> bool`` (target "sim" or "sm_XY") as the handlers' resolver for
-    kernels this process never lowered (ffi_abi.h)."""
+    kernels this process never lowered (ffi_abi.h). The handlers call it while XLA instantiates a compiled call
+    (while compiling or deserializing it), on XLA's thread."""
     global _resolver
     ffi, lib = library().ffi, library().lib
 

@@ -1,7 +1,8 @@
 """The FFI handler library: both handlers build here; only the CPU one can run (no GPU, no driver).
 
 The CUDA handler is compiled against cuda.h from the nvidia-cuda-runtime wheel and loads libcuda with dlopen
-at first use, so the library builds and loads on this machine; tests marked gpu (test_jax_dlpack.py) run it.
+at first use, so the library builds and loads on this machine; tests marked gpu (test_jax_dlpack.py,
+test_jax_ffi_stages.py) run it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def test_cuda_handler_is_built_and_registered():
     _ffi.register_targets()
     assert _ffi.has_cuda_handler()
     assert {"cpu", "CUDA"} <= _ffi._registered_platforms
+
+
+@pytest.mark.parametrize("platform", _ffi.PLATFORMS)
+def test_each_handler_is_an_instantiate_and_execute_bundle_with_its_own_state_type(platform):
+    if platform == "CUDA" and _ffi.cuda_include_dir() is None:
+        pytest.skip("nvidia-cuda-runtime (cuda.h) is not installed")
+    bundle = _ffi.handler_bundle(platform)
+    assert bundle is not None
+    assert _ffi._address(bundle.instantiate) and _ffi._address(bundle.execute)
+    assert bundle.instantiate != bundle.execute
+    names = {p: _ffi.library().ffi.string(_ffi.handler_bundle(p).state_type_name).decode()
+             for p in _ffi.PLATFORMS if _ffi.handler_bundle(p) is not None}
+    ids = {p: _ffi.state_type_id(p) for p in names}
+    # Each platform's state is a type of its own, with an id fixed before any registration (ffi_abi.h).
+    assert len(set(names.values())) == len(names) and len(set(ids.values())) == len(ids)
+    assert ids[platform] != 0
 
 
 def test_cuda_driver_is_loaded_lazily():
