@@ -277,7 +277,31 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
     """Validate attention_with_kvcache's arguments (``cache_seqlens`` an int, None or a host copy; ``block_table``
     None or a host copy) and return the Problem and the keys in use per sequence after the new ones are appended
     (int32, (batch,)). Nothing is written before this returns."""
-    batch, seqlen_q, nheads, headdim = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")
+    layout = check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)
+    if block_table is not None:
+        check_block_table_values(block_table, layout.num_pages)
+    used = kvcache_used_rows(cache_seqlens, layout)
+    problem = kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=int(used.max(initial=0)), causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return problem, used
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheLayout:
+    """What the shapes of attention_with_kvcache's arrays say, before any value is read."""
+
+    batch: int
+    seqlen_new: int  # rows appended per sequence (0: no k, v)
+    capacity: int  # key rows a sequence can hold: the cache's rows, or its pages' rows when paged
+    page_size: int  # rows per page; 0: contiguous caches
+    pages_per_sequence: int  # block_table's columns (paged only)
+    num_pages: int  # pages of the caches (paged only)
+
+
+def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, block_table: Any) -> KVCacheLayout:
+    """The checks of check_kvcache that read shapes and dtypes only, so they also serve a ``block_table`` whose
+    values are unknown (traced under JAX)."""
+    batch = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")[0]
     paged = block_table is not None
     layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
     cache_shape = _check_ndim("k_cache", k_cache, layout)
@@ -285,20 +309,18 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
         raise ValueError(f"v_cache must have k_cache's shape {cache_shape}, got {tuple(v_cache.shape)}")
     cache_rows, nheads_k, kheaddim = cache_shape[1:]
     if paged:
-        if dtype_name(block_table) != "int32" or block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be int32 (batch, max_blocks_per_seq) with batch = {batch}, got "
-                             f"{dtype_name(block_table)} {tuple(block_table.shape)}")
+        if (dtype_name(block_table) != "int32" or len(block_table.shape) != 2 or block_table.shape[0] != batch
+                or block_table.shape[1] == 0):
+            raise ValueError(f"block_table must be int32 (batch, max_blocks_per_seq) with batch = {batch} and at "
+                             f"least one page per sequence, got {dtype_name(block_table)} {tuple(block_table.shape)}")
         if cache_rows % 16 or cache_rows == 0:
             raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {cache_rows}")
-        num_pages = cache_shape[0]
-        if block_table.size and (block_table.min() < 0 or block_table.max() >= num_pages):
-            raise ValueError(f"block_table names pages outside the cache: entries must be in [0, {num_pages}), got "
-                             f"[{int(block_table.min())}, {int(block_table.max())}]")
-        capacity = block_table.shape[1] * cache_rows
+        pages_per_sequence = block_table.shape[1]
+        capacity = pages_per_sequence * cache_rows
     else:
         if cache_shape[0] != batch:
             raise ValueError(f"k_cache must have q's batch size ({batch}), got {cache_shape[0]}")
-        capacity = cache_rows
+        pages_per_sequence, capacity = 0, cache_rows
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) are given together or not at all")
     seqlen_new = 0
@@ -313,14 +335,35 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
         for name, x in (("k", k), ("v", v)):
             if dtype_name(x) != dtype_name(k_cache):
                 raise TypeError(f"{name} must have the caches' dtype {dtype_name(k_cache)}, got {dtype_name(x)}")
+    return KVCacheLayout(batch=batch, seqlen_new=seqlen_new, capacity=capacity,
+                         page_size=cache_rows if paged else 0, pages_per_sequence=pages_per_sequence,
+                         num_pages=cache_shape[0] if paged else 0)
+
+
+def check_block_table_values(block_table: np.ndarray, num_pages: int) -> None:
+    """Every page a (host copy of a) block_table names exists."""
+    if block_table.size and (block_table.min() < 0 or block_table.max() >= num_pages):
+        raise ValueError(f"block_table names pages outside the cache: entries must be in [0, {num_pages}), got "
+                         f"[{int(block_table.min())}, {int(block_table.max())}]")
+
+
+def check_cache_seqlens_array(cache_seqlens: Any, batch: int) -> None:
+    """The dtype and shape an array cache_seqlens must have (its values unread: they may be traced under JAX)."""
+    if dtype_name(cache_seqlens) != "int32" or tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or an int32 array of shape (batch,) = ({batch},), got "
+                         f"{dtype_name(cache_seqlens)} {tuple(cache_seqlens.shape)}")
+
+
+def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
+    """The key rows in use per sequence once the new ones are appended (int32, (batch,)), from ``cache_seqlens``:
+    None (the cache is full but for the new rows), an int or a host copy; checked against the capacity."""
+    seqlen_new, capacity = layout.seqlen_new, layout.capacity
     if cache_seqlens is None:
-        lengths = np.full(batch, capacity - seqlen_new, np.int64)
+        lengths = np.full(layout.batch, capacity - seqlen_new, np.int64)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        lengths = np.full(batch, int(cache_seqlens), np.int64)
+        lengths = np.full(layout.batch, int(cache_seqlens), np.int64)
     else:
-        if dtype_name(cache_seqlens) != "int32" or tuple(cache_seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must be an int or an int32 array of shape (batch,) = ({batch},), got "
-                             f"{dtype_name(cache_seqlens)} {tuple(cache_seqlens.shape)}")
+        check_cache_seqlens_array(cache_seqlens, layout.batch)
         lengths = cache_seqlens.astype(np.int64)
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
@@ -329,13 +372,20 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
         b = int(np.argmax(used))
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(lengths[b])} + {seqlen_new} exceeds the cache's "
                          f"capacity of {capacity} rows")
-    problem = _problem(q, k_cache, v_cache, batch=batch, seqlen_q=seqlen_q, seqlen_k=int(used.max(initial=0)),
-                       nheads=nheads, nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0,
-                       deterministic=False)
-    problem = dataclasses.replace(problem, kvcache=True, page_size=cache_rows if paged else 0,
-                                  pages_per_sequence=block_table.shape[1] if paged else 0)
-    return problem, used.astype(np.int32)
+    return used.astype(np.int32)
+
+
+def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *, seqlen_k: int, causal: Any,
+                    window_size: Any, softcap: Any, alibi_slopes: Any) -> Problem:
+    """The KV-cache Problem of checked shapes whose longest sequence uses ``seqlen_k`` key rows (the grid's
+    extent: the true longest, or any bound up to the capacity when the lengths are unknown)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k, kheaddim = k_cache.shape[2:]
+    problem = _problem(q, k_cache, v_cache, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                       nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False)
+    return dataclasses.replace(problem, kvcache=True, page_size=layout.page_size,
+                               pages_per_sequence=layout.pages_per_sequence)
 
 
 def check_num_splits(num_splits: Any) -> int:

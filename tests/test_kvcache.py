@@ -333,6 +333,8 @@ def _bad_inputs():
                                                                              "int32 array"),
         "negative-length": (dict(base, cache_seqlens=-1), "cache_seqlens must be >= 0"),
         "table-dtype": (dict(paged_base, block_table=table.astype(np.int64)), "block_table must be int32"),
+        "table-no-pages": (dict(paged_base, block_table=table[:, :0], k=None, v=None, cache_seqlens=0),
+                           "block_table must be int32 .* at least one page per sequence"),
         "table-outside": (dict(paged_base, block_table=outside), "block_table names pages outside the cache"),
         "page-size": (dict(paged_base, k_cache=k_paged[:, :8], v_cache=v_paged[:, :8]), "page size .* multiple of 16"),
         "splits-over-limit": (dict(base, num_splits=129), r"num_splits must be in \[0, 128\]"),

@@ -19,6 +19,7 @@ execution. A call lowered by another cuflash version is refused.
 
 from ._attention import attention, attention_varlen, dropout_seed, ring_attention
 from ._dot_product import dot_product_attention
+from ._kvcache import attention_with_kvcache
 from ._ffi import FfiBuildError as _FfiBuildError
 from ._primitives import install as _install
 
@@ -27,4 +28,5 @@ try:
 except _FfiBuildError:
     pass  # raised again, with the compiler's output, when a call is first lowered
 
-__all__ = ["attention", "attention_varlen", "dot_product_attention", "dropout_seed", "ring_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dot_product_attention", "dropout_seed",
+           "ring_attention"]

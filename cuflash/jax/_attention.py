@@ -126,8 +126,7 @@ def attention_varlen(
                 raise ValueError(f"{name} (a Python int) is required when the cu_seqlens are traced")
         problem = V.varlen_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, **options)
-    cu_words = tuple(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)
-                     for x in (cu_seqlens_q, cu_seqlens_k))
+    cu_words = tuple(_int32_words(x) for x in (cu_seqlens_q, cu_seqlens_k))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
                  algorithm=algorithm, return_lse=return_lse, cu_words=cu_words)
 
@@ -167,19 +166,34 @@ def _concrete(array) -> np.ndarray | None:
         return None
 
 
-def _call(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse, cu_words=()):
-    """What attention and attention_varlen share once the Problem is checked: the side inputs, in
-    _primitives.side_input_names order, and the differentiable call."""
+def _call(problem, q, k, v, *, return_lse, cu_words=(), **options):
+    """What attention and attention_varlen share once the Problem is checked: the call's operands (_call_operands,
+    varlen's cu_seqlens words last) and the differentiable call."""
+    config, return_lse, (q, k, v, side) = _call_operands(problem, q, k, v, return_lse=return_lse,
+                                                         int_words=cu_words, **options)
+    out, lse = _attention(config, q, k, v, side)
+    return (out, lse) if return_lse else out
+
+
+def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse,
+                   int_words=()):
+    """The checked static part of a call (CallConfig, return_lse) and its operands (q, k, v, side): the side inputs
+    in _primitives.side_input_names order, ``int_words`` (int32 side inputs as float32 words) last, all marked
+    varying along the same shard_map axes."""
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
     side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
     if problem.dropout_p > 0.0:
         side += (jax.lax.bitcast_convert_type(_seed_bits(_check_rng(dropout_rng)), jnp.float32),)
-    side += tuple(cu_words)
+    side += tuple(int_words)
     q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
-    out, lse = _attention(CallConfig(algorithm, problem, scale), q, k, v, tuple(side))
-    return (out, lse) if return_lse else out
+    return CallConfig(algorithm, problem, scale), return_lse, (q, k, v, tuple(side))
+
+
+def _int32_words(x):
+    """An int32 side input as the float32-typed words AttentionParams' side buffers hold (kernels read the bits)."""
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)
 
 
 def _check_rng(rng):

@@ -34,8 +34,9 @@ from ._ring import ring_backward, ring_forward
 
 
 def partitionable(problem: Problem) -> bool:
-    """Whether a call may be split along batch and kv heads (see the module docstring)."""
-    return problem.dropout_p == 0.0 and not problem.varlen
+    """Whether a call may be split along batch and kv heads (see the module docstring). Not a KV cache's: the rule
+    has no terms for its side inputs (seqused_k, block_table) or for paged caches, so XLA gathers them."""
+    return problem.dropout_p == 0.0 and not problem.varlen and not problem.kvcache
 
 
 def _einsum_term(name: str, problem: Problem) -> str:

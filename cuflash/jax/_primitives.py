@@ -54,6 +54,8 @@ class CallConfig:
     problem: Problem
     softmax_scale: float
     with_dlse: bool = False  # backward: the lse's cotangent is an operand (attention_params.cuh's dlse)
+    # KV cache: the shape of the caches k and v bind (see tensor_shape), which the Problem does not hold.
+    cache_shape: tuple[int, int, int, int] | None = None
 
 
 FORWARD_OPERANDS = ("q", "k", "v")
@@ -73,17 +75,26 @@ def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
 
 def side_input_names(problem: Problem) -> tuple[str, ...]:
     """The optional inputs both directions take, in operand order: ALiBi slopes, dropout's seed words, varlen's
-    cu_seqlens (int32 words as float32)."""
+    cu_seqlens, a KV cache's keys in use per sequence and a paged one's block_table (int32 words as float32)."""
     names = ("alibi_slopes",) if problem.alibi is not None else ()
     names += ("dropout_seed",) if problem.dropout_p > 0.0 else ()
-    return names + (("cu_seqlens_q", "cu_seqlens_k") if problem.varlen else ())
+    names += ("cu_seqlens_q", "cu_seqlens_k") if problem.varlen else ()
+    names += ("seqused_k",) if problem.kvcache else ()
+    return names + (("block_table",) if problem.page_size else ())
 
 
-def tensor_shape(name: str, problem: Problem) -> tuple[int, ...]:
+def tensor_shape(name: str, problem: Problem, cache_shape: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """(batch, seqlen, heads, d) tensors and (batch, nheads, seqlen_q) row stats, or for varlen the packed
-    (total, heads, d) tensors and (nheads, total_q) row stats."""
+    (total, heads, d) tensors and (nheads, total_q) row stats. A KV cache's k and v are the caches themselves,
+    ``cache_shape``: (batch, seqlen_cache, nheads_k, d), whose rows the Problem's seqlen_k (the longest sequence in
+    use) need not fill, or paged (num_pages, page_size, nheads_k, d), whose page count is no part of the Problem."""
     if name in ("lse", "dlse"):
         return problem.row_stats_shape
+    if problem.kvcache and name in ("k", "v"):
+        if cache_shape is None:
+            raise ValueError("a KV cache's k and v have the caches' shape, which the Problem does not hold: pass "
+                             "cache_shape")
+        return tuple(cache_shape)
     query_side = name in QUERY_SIDE_TENSORS  # q, out, dout, dq; the others use seqlen_k, nheads_k
     heads = problem.nheads if query_side else problem.nheads_k
     if problem.varlen:
@@ -101,13 +112,17 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 def target_for(platform: str) -> Target:
     """The target a plan lowered for ``platform`` is made for: the simulator's on the CPU; on CUDA the
-    local devices' (the smallest shared-memory limit among them, so the plan launches on each)."""
+    local devices' (the smallest shared-memory limit among them, so the plan launches on each), with the smallest
+    SM count among them (the split-KV heuristic's: each device's own where JAX tells it, its arch's otherwise)."""
     if platform == "cpu":
         from .. import sim
 
         return sim.current_target()
-    found = [targets.for_device(*capability) for capability in local_cuda_capabilities()]
-    return min(found, key=lambda t: t.smem_per_block_bytes) if found else targets.target(targets.DEFAULT_ARCH)
+    found = [targets.for_device(*capability, sm_count=sm_count) for capability, sm_count in _local_cuda_devices()]
+    if not found:
+        return targets.target(targets.DEFAULT_ARCH)
+    smallest = min(found, key=lambda t: t.smem_per_block_bytes)
+    return dataclasses.replace(smallest, sm_count=min(t.sm_count for t in found))
 
 
 def program_for(direction: str, config: CallConfig, platform: str = "cpu") -> Program:
@@ -127,8 +142,9 @@ def custom_call_attributes(
         problem,
         softmax_scale=config.softmax_scale,
         pointers={},
-        strides={name: contiguous_strides(tensor_shape(name, problem)) for name in tensors},
+        strides={name: contiguous_strides(tensor_shape(name, problem, config.cache_shape)) for name in tensors},
         num_dq_splits=program.num_dq_splits,
+        num_kv_splits=program.num_kv_splits,
     )
     bindings = list(operands) + list(results) + [scratch.name for scratch in program.scratch]
     zero_init = [0] * len(results) + [int(scratch.zero_init) for scratch in program.scratch]
@@ -163,19 +179,25 @@ def register_cpu_kernels(instances: Sequence[KernelInstance]) -> None:
             _sim_registered[key] = address
 
 
-def local_cuda_capabilities() -> list[tuple[int, int]]:
-    """(major, minor) of every local CUDA device JAX sees (none when JAX has no CUDA backend)."""
+def _local_cuda_devices() -> list[tuple[tuple[int, int], int | None]]:
+    """((major, minor), SM count or None where JAX does not tell it) of every local CUDA device JAX sees (none
+    when JAX has no CUDA backend). JAX's GPU devices report their SMs as ``core_count``."""
     try:
         devices = jax.local_devices(backend="cuda")
     except RuntimeError:
         return []
-    found = set()
+    found = []
     for device in devices:
         capability = getattr(device, "compute_capability", None)
         if capability:
             major, minor = str(capability).split(".")
-            found.add((int(major), int(minor)))
-    return sorted(found)
+            found.append(((int(major), int(minor)), getattr(device, "core_count", None)))
+    return found
+
+
+def local_cuda_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) of every local CUDA device JAX sees (none when JAX has no CUDA backend)."""
+    return sorted({capability for capability, _ in _local_cuda_devices()})
 
 
 def local_cuda_archs() -> list[str]:
@@ -290,13 +312,15 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
     broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
     With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change;
-    varlen tensors are packed along their only outer axis, which has no batch to fold into: in both cases each
-    mapped element runs its own call, so vmap equals a loop of per-element calls, bitwise."""
+    varlen tensors are packed along their only outer axis, which has no batch to fold into; a KV cache's split-KV
+    heuristic depends on the batch, and a paged cache's block_table numbers the pages of one cache: in these cases
+    each mapped element runs its own call (on its slice of each mapped operand), so vmap equals a loop of
+    per-element calls, bitwise."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
-    if problem.dropout_p > 0.0 or problem.varlen:
+    if problem.dropout_p > 0.0 or problem.varlen or problem.kvcache:
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])

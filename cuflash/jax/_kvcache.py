@@ -1,0 +1,142 @@
+"""``cuflash.jax.attention_with_kvcache``: KV-cache decoding on JAX arrays (forward only).
+
+The append is plain JAX (one scatter per cache) before the custom call, which only reads the caches: under
+``jax.jit(f, donate_argnums=...)`` with the caches donated, XLA scatters into their buffers in place and hands them
+back as the updated caches, so a decoding step copies no cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _validation as V
+from ..kernels.program import gqa_decode_fold
+from ._attention import _call_operands, _concrete, _forward, _int32_words
+
+
+def attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    k: Any = None,
+    v: Any = None,
+    cache_seqlens: Any = None,
+    block_table: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    num_splits: int = 0,
+    algorithm: str = "fa2",
+    return_lse: bool = False,
+) -> tuple[Any, ...]:
+    """``cuflash.attention_with_kvcache`` on JAX arrays, functionally: returns ``(out, k_cache, v_cache)``, or
+    ``(out, lse, k_cache, v_cache)`` with ``return_lse``, the caches with the new ``k``, ``v`` rows written at
+    ``cache_seqlens``. Layouts, options and results are those of the NumPy function (same Problem, same kernels:
+    bit for bit its results): contiguous caches (batch, seqlen_cache, nheads_k, headdim) or paged ones
+    (num_pages, page_size, nheads_k, headdim) with an int32 ``block_table`` (batch, max_blocks_per_seq); q attends
+    to keys [0, cache_seqlens[b] + seqlen_new) of its sequence. Shapes, dtypes and static options are checked
+    when the call is traced, with the NumPy function's messages.
+
+    ``cache_seqlens`` (an int, None or an int32 (batch,) array) and ``block_table`` may be traced. Concrete
+    values are checked as the NumPy function checks them (capacity, page numbers). Traced values cannot be: they
+    are taken on trust, as FlashAttention-2 takes them. New rows that fall outside a sequence's capacity (or on
+    a page the table does not name) are dropped by the scatter, but the kernels read keys up to
+    cache_seqlens[b] + seqlen_new through the table as given, so such values give garbage (on a GPU, reads out of
+    bounds). With traced cache_seqlens the grid spans the caches' capacity (their values are unknown when the
+    plan is made), so ``num_splits=0``'s heuristic may split differently from a call with concrete lengths.
+
+    Donate the caches to update them in place: ``jax.jit(step, donate_argnums=(1, 2))`` (see the module
+    docstring). Works under ``jit`` and ``vmap`` (one call per mapped element, each as the unmapped call: vmap
+    equals a loop of calls, bit for bit; each element's slice of a mapped cache is copied for its call). No
+    derivative: it is an inference function, and differentiating it raises a TypeError.
+    """
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table}
+    for name, array in named.items():
+        if array is not None and not (hasattr(array, "shape") and hasattr(array, "dtype")):
+            raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
+    one_length = isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool)
+    lengths_given_as_array = cache_seqlens is not None and not one_length
+    if lengths_given_as_array and not (hasattr(cache_seqlens, "shape") and hasattr(cache_seqlens, "dtype")):
+        raise TypeError(f"cache_seqlens must be an int, None or an int32 array, got {type(cache_seqlens).__name__}")
+
+    # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
+    layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)
+    table = None if block_table is None else _concrete(block_table)
+    if table is not None:
+        V.check_block_table_values(table, layout.num_pages)
+    lengths = _concrete(cache_seqlens) if lengths_given_as_array else cache_seqlens
+    if lengths_given_as_array and lengths is None:  # traced: only the capacity bounds the keys in use
+        V.check_cache_seqlens_array(cache_seqlens, layout.batch)
+        used = jnp.asarray(cache_seqlens) + jnp.int32(layout.seqlen_new)
+        seqlen_k = layout.capacity
+    else:
+        used = V.kvcache_used_rows(lengths, layout)
+        seqlen_k = int(used.max(initial=0))
+    problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
+                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
+
+    k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    if layout.seqlen_new:
+        starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)
+        k_cache = _append(k_cache, jnp.asarray(k), starts, block_table)
+        v_cache = _append(v_cache, jnp.asarray(v), starts, block_table)
+    words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))
+    config, return_lse, (q_call, k_call, v_call, side) = _call_operands(
+        problem, q, k_cache, v_cache, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=None,
+        algorithm=algorithm, return_lse=return_lse, int_words=words)
+    config = dataclasses.replace(config, cache_shape=tuple(k_cache.shape))
+    out, lse = _decode(config, q_call, k_call, v_call, side)
+    return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+def _append(cache, new, starts, block_table):
+    """``cache`` with new[b, i] at key row starts[b] + i of sequence b (its page and row in the page when paged):
+    one scatter. Rows outside the sequence's capacity (only traced lengths can give them) are dropped, negative
+    ones included (no Python-style wrapping), rather than written over another sequence's rows."""
+    batch, seqlen_new = new.shape[:2]
+    rows = starts[:, None] + jnp.arange(seqlen_new, dtype=jnp.int32)[None, :]  # (batch, seqlen_new)
+    if block_table is None:
+        outer = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], rows.shape)
+    else:
+        page_size = cache.shape[1]
+        outer = jnp.take_along_axis(jnp.asarray(block_table), rows // page_size, axis=1, mode="fill",
+                                    fill_value=-1, wrap_negative_indices=False)
+        rows = rows % page_size
+    return cache.at[outer, rows].set(new, mode="drop", wrap_negative_indices=False)
+
+
+def _decode(config, q, k_cache, v_cache, side):
+    """The forward call, with a one-row GQA/MQA decode folded as the NumPy function folds it
+    (program.gqa_decode_fold: each kv head's query heads become the rows of one Q block, so K and V are read once
+    per kv head). JAX cannot view q with the fold's strides, so q and out are transposed (one row each: small)."""
+    folded = gqa_decode_fold(config.problem)
+    if folded is None:
+        return _forward_only(config, q, k_cache, v_cache, side)
+    batch, _, nheads, headdim = q.shape
+    group = folded.seqlen_q
+    # Query head kh * group + m becomes row m of kv head kh.
+    q = q.reshape(batch, nheads // group, group, headdim).swapaxes(1, 2)
+    out, lse = _forward_only(dataclasses.replace(config, problem=folded), q, k_cache, v_cache, side)
+    out = out.swapaxes(1, 2).reshape(batch, 1, nheads, headdim)
+    return out, lse.reshape(batch, nheads, 1)  # (batch, nheads_k, group): the same order as (batch, nheads, 1)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward_only(config, q, k_cache, v_cache, side):
+    return _forward(config, q, k_cache, v_cache, side)
+
+
+@_forward_only.defjvp
+def _no_derivative(config, primals, tangents):
+    raise TypeError("cuflash.jax.attention_with_kvcache has no derivative (KV-cache decoding is inference, forward "
+                    "only): differentiate cuflash.jax.attention instead")
