@@ -1,4 +1,4 @@
-// kernel_utils.cuh: the small numeric helpers every kernel family shares, in one place.
+// kernel_utils.cuh: the small helpers every kernel family shares, in one place.
 //
 // Only plain device functions and constants: NVRTC compiles this without a C++ library, and the
 // simulator links every family into one library, so each helper exists exactly once.
@@ -18,5 +18,15 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 // log2(e): natural-log quantities (scores, the saved LSE) times this are base-2 quantities for ex2.
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Whether this launch differs from the one a kernel's traits describe: exactly SmemBytes of dynamic shared memory
+// and a block of exactly BlockX x BlockY x 1 threads. The Python plans mirror the traits (each family's
+// dynamic_smem_bytes and threads); any difference is a bug on one side, so every kernel tests this first and
+// __trap()s before touching memory (tests/test_launch_shapes.py launches every catalog instance off its shape).
+template <int SmemBytes, int BlockX, int BlockY = 1>
+__device__ __forceinline__ bool launch_differs_from_traits() {
+  return arch::dynamic_smem_size() != static_cast<unsigned>(SmemBytes) || blockDim.x != BlockX || blockDim.y != BlockY ||
+         blockDim.z != 1;
+}
 
 }  // namespace cuflash

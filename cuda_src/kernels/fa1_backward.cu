@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
   constexpr int kSS = Traits::kScoreStride;
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
-  if (arch::dynamic_smem_size() < Traits::kSmemBytes) __trap();
+  if (launch_differs_from_traits<Traits::kSmemBytes, fa1::kThreads>()) __trap();
   float* const smem = reinterpret_cast<float*>(smem_bytes);
   float* const q_tile = smem + Traits::kQ;
   float* const dout_tile = smem + Traits::kDout;
@@ -277,8 +277,9 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_backw
 // GQA/MQA: dk[b, key, hk] = sum over the group's query heads h = hk g .. hk g + g - 1 of
 // dk_accum[b, key, h] (same for dv), summed in head order (deterministic).
 template <class T>
-__global__ void __launch_bounds__(256) fa1_gqa_reduce_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(fa1::kReduceThreads) fa1_gqa_reduce_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "fa1_gqa_reduce_kernel: T is float, __half or __nv_bfloat16");
+  if (launch_differs_from_traits<0, fa1::kReduceThreads>()) __trap();
   const int batch = blockIdx.y;
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);

@@ -20,6 +20,7 @@ namespace cuflash {
 namespace fa1 {
 
 constexpr int kThreads = 128;
+constexpr int kReduceThreads = 256;  // fa1_gqa_reduce_kernel's block (fa1.py's REDUCE_THREADS)
 // The launch plan gives both kernels the largest budget its target allows (the
 // paper's M: 163 KB on sm_80/87, 99 KB on sm_86/89/120; families/fa1.py
 // BUDGETS), so one block is resident per SM.

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(fa1::kThreads, fa1::kMinBlocksPerSm) fa1_forwa
   constexpr int kSS = Traits::kScoreStride;
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
-  if (arch::dynamic_smem_size() < Traits::kSmemBytes) __trap();
+  if (launch_differs_from_traits<Traits::kSmemBytes, fa1::kThreads>()) __trap();
   float* const smem = reinterpret_cast<float*>(smem_bytes);
   float* const q_tile = smem + Traits::kQ;
   float* const k_tile = smem + Traits::kK;

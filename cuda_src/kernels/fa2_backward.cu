@@ -130,7 +130,7 @@ template <class T>
 __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   constexpr int kWarps = fa2::RowKernel::kThreads / 32;
-  if (blockDim.x != fa2::RowKernel::kThreads) __trap();
+  if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>()) __trap();
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int lane = threadIdx.x % 32;
   const T* dout = info.dout<T>(p);
@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   const bool split_dq = p.num_dq_splits > 1;
-  if (arch::dynamic_smem_size() < Tr::kSmemBytes || blockDim.x != kThreads || p.headdim > HeadDim ||
-      p.headdim < 1 || (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
+  if (launch_differs_from_traits<Tr::kSmemBytes, kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
+      (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
     __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
   float* k_tile = smem + Tr::kKOffset;
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 template <class T, int BlockN>
 __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
-  if (blockDim.x != fa2::RowKernel::kThreads ||
+  if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>() ||
       (p.num_dq_splits > 1 && p.num_dq_splits != ceil_div(p.seqlen_k, BlockN)))
     __trap();
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);

@@ -118,9 +118,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   // The plan (Python) and these traits must agree on the launch shape; a mismatch is a bug.
-  if (arch::dynamic_smem_size() < Tr::kSmemBytes || blockDim.x != Tr::kThreads || p.headdim > HeadDim ||
-      p.headdim < 1)
-    __trap();
+  if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1) __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
 
   const int m_block = blockIdx.x / p.num_kv_splits;  // the split is blockIdx.x % p.num_kv_splits

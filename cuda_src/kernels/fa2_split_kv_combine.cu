@@ -33,7 +33,9 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
   using Combine = fa2::SplitKvCombine;
   constexpr int kWarps = fa2::RowKernel::kThreads / 32;
   const int splits = p.num_kv_splits;
-  if (blockDim.x != fa2::RowKernel::kThreads || splits < 2 || splits > Combine::kMaxSplits || p.headdim > 256) __trap();
+  if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>() || splits < 2 || splits > Combine::kMaxSplits ||
+      p.headdim > 256)
+    __trap();
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int lane = threadIdx.x % 32;
   const int row_end = min(info.seqlen_q(p), (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);

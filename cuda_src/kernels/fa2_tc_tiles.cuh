@@ -45,8 +45,7 @@ constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
 // the traits must agree exactly; the kernels trap on any mismatch, which is a bug.
 template <int kSmemBytes, int kThreads, int kHeadDim>
 __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
-  return arch::dynamic_smem_size() != kSmemBytes || blockDim.x != kThreads || blockDim.y != 1 || blockDim.z != 1 ||
-         p.headdim > kHeadDim || p.headdim < 1;
+  return launch_differs_from_traits<kSmemBytes, kThreads>() || p.headdim > kHeadDim || p.headdim < 1;
 }
 
 template <int Rows, int Cols>

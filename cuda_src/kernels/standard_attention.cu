@@ -219,7 +219,7 @@ __device__ __forceinline__ void run_standard_gemm(const AttentionParams& p, unsi
   using Traits = StandardGemmTraits;
   using ElemA = typename Product::ElemA;
   using ElemB = typename Product::ElemB;
-  if (arch::dynamic_smem_size() < static_cast<unsigned>(Traits::kSmemBytes)) __trap();
+  if (launch_differs_from_traits<Traits::kSmemBytes, Traits::kThreadsX, Traits::kThreadsY>()) __trap();
 
   // grid.y is a query head, or a kv head for the products over the group (its first query head's info)
   const BlockInfo info = Product::kOverKvHeads ? BlockInfo::of_group(p, blockIdx.z, blockIdx.y, 0)
@@ -571,6 +571,7 @@ __device__ __forceinline__ void softmax_row_streaming(const AttentionParams& p, 
 
 template <SoftmaxPass Pass>
 __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_kernel(const AttentionParams p) {
+  if (launch_differs_from_traits<0, StandardRowTraits::kThreads>()) __trap();
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
@@ -605,6 +606,7 @@ __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_softmax_
 template <class T>
 __global__ void __launch_bounds__(StandardRowTraits::kThreads) standard_dout_dot_out_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "standard attention runs on float, __half, __nv_bfloat16");
+  if (launch_differs_from_traits<0, StandardRowTraits::kThreads>()) __trap();
   const int lane = threadIdx.x % 32;
   const int query = blockIdx.x * StandardRowTraits::kRowsPerBlock + threadIdx.x / 32;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
