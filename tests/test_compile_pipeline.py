@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cuflash._build_cache import include_closure
 from cuflash.kernels import nvrtc, report, targets
 from cuflash.kernels.program import KernelInstance
 
@@ -213,7 +214,7 @@ def test_cache_key_follows_includes_into_cuda_src(monkeypatch, tmp_path):
 
     # The probe includes arch/arch.cuh, which includes common/attention_params.cuh.
     params = (copy / "common" / "attention_params.cuh").resolve()
-    assert params in nvrtc._include_closure(PROBES, [copy.resolve()])
+    assert params in include_closure([PROBES], [copy.resolve()])
     (copy / "common" / "unrelated_new_header.cuh").write_text("#pragma once\n")
     assert nvrtc.cache_key(instance, "sm_80") == before
     params.write_text(params.read_text() + "\n// edited\n")
@@ -223,7 +224,7 @@ def test_cache_key_follows_includes_into_cuda_src(monkeypatch, tmp_path):
     macro_source = tmp_path / "macro_include.cu"
     macro_source.write_text('#define PROBE_HEADER "arch/arch.cuh"\n#include PROBE_HEADER\n')
     macro_instance = probe("anything<0>", macro_source)
-    assert nvrtc._include_closure(macro_source, [copy.resolve()]) is None
+    assert (copy / "kernels" / "fa1_forward.cu").resolve() in include_closure([macro_source], [copy.resolve()])
     key = nvrtc.cache_key(macro_instance, "sm_80")
     (copy / "kernels" / "another_unrelated.cuh").write_text("#pragma once\n")
     assert nvrtc.cache_key(macro_instance, "sm_80") != key

@@ -8,12 +8,9 @@ and, when the ``nvidia-cuda-runtime`` wheel is installed, its ``cuda.h`` (only
 the header: libcuda is opened with dlopen when a CUDA call first runs, so the
 library builds and loads on machines without a driver or GPU).
 
-Cache: ``cache_dir("jax_ffi")/libcuflash_jax_ffi_<key>.so``; the key hashes the
-handler sources and every header they include from cuda_src, the XLA FFI and
-CUDA headers, the compiler's version line and the flags. A
-build happens in a private temporary directory and is moved into place with
-``os.replace`` under an ``fcntl.flock`` lock, so concurrent processes (pytest
--n 2) neither see half-written files nor build twice.
+Cache (cuflash._build_cache): ``cache_dir("jax_ffi")/libcuflash_jax_ffi_<key>.so``; the key hashes the
+handler sources and every file they include (from cuda_src, the XLA FFI and CUDA headers), the compiler's
+version line and the flags.
 
 Registries: the handlers find kernels by name expression in process-global
 tables of the library; :func:`register_sim_kernel` and :func:`register_cubin`
@@ -30,32 +27,28 @@ client replays deferred handlers before deferred types.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
-import hashlib
-import os
 import re
 import subprocess
-import tempfile
 import threading
 import types
 from pathlib import Path
 from typing import Iterator
 
-from .._paths import CUDA_SRC, cache_dir
+from .._build_cache import BuildCache, compiler as _compiler, compiler_identity, content_key
+from .._paths import CUDA_SRC
 
 TARGET_NAME = "cuflash_program"
 
 FFI_DIR = CUDA_SRC / "ffi"
 HANDLER_SOURCES = ("cpu_program.cpp", "cuda_program.cpp")
 ABI_HEADER = FFI_DIR / "ffi_abi.h"
-# Headers the handler sources include from cuda_src (a change to any of them changes the library).
-INCLUDED_HEADERS = ("ffi/ffi_abi.h", "ffi/program_call.h", "common/attention_params.cuh", "arch/sim/sim_abi.h")
 
 COMPILE_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-Wall")
 LINK_FLAGS = ("-lstdc++", "-ldl")
 
-_BUILD_FORMAT = "cuflash-jax-ffi-v2"  # v2: a plain shared library loaded with cffi's ABI mode
+# Bump when how the library is built changes (2: a plain shared library loaded with cffi's ABI mode).
+_CACHE_TAG = "jax-ffi-3"
+_CACHE = BuildCache("jax_ffi")
 
 
 class FfiBuildError(RuntimeError):
@@ -88,23 +81,6 @@ def cuda_include_dir() -> Path | None:
     return None
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
-@functools.lru_cache(maxsize=None)
-def _compiler_identity(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    return out.splitlines()[0] if out else cxx
-
-
-def _hash_file(h, path: Path) -> None:
-    h.update(str(path).encode())
-    h.update(b"\0")
-    h.update(path.read_bytes())
-    h.update(b"\0")
-
-
 def version_flag() -> str:
     """The define the handlers compare each call's version attribute with (program_call.h)."""
     from .. import __version__
@@ -112,64 +88,33 @@ def version_flag() -> str:
     return f'-DCUFLASH_VERSION="{__version__}"'
 
 
-def _build_inputs() -> tuple[str, list[str]]:
-    """(cache key, extra compile args) of the library for this environment."""
+def _compile_flags() -> list[str]:
+    flags = [*COMPILE_FLAGS, version_flag(), "-I", str(CUDA_SRC), "-isystem", str(xla_include_dir())]
     cuda_include = cuda_include_dir()
-    flags = list(COMPILE_FLAGS) + [version_flag()]
-    flags += ["-isystem", str(xla_include_dir())]
     if cuda_include is not None:
         flags += ["-isystem", str(cuda_include), "-DCUFLASH_FFI_WITH_CUDA=1"]
-    h = hashlib.sha256()
-    for part in (_BUILD_FORMAT, _compiler_identity(_compiler()), " ".join(flags), " ".join(LINK_FLAGS), _cdef_text()):
-        h.update(part.encode())
-        h.update(b"\0")
-    for name in HANDLER_SOURCES:
-        _hash_file(h, FFI_DIR / name)
-    for name in INCLUDED_HEADERS:
-        _hash_file(h, CUDA_SRC / name)
-    for header in sorted((xla_include_dir() / "xla" / "ffi" / "api").glob("*.h")):
-        _hash_file(h, header)
-    if cuda_include is not None:
-        for name in ("cuda.h", "cudaTypedefs.h"):
-            _hash_file(h, cuda_include / name)
-    return h.hexdigest()[:20], flags
+    return flags
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def _compile(flags: list[str], target: Path) -> None:
+def _compile(flags: list[str], output: Path) -> None:
     """g++ the handler sources into a plain shared library (no Python.h: any Python loads it with cffi's ABI
     mode, and a host without Python development headers can build it)."""
-    cxx = _compiler()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
-        built = Path(workdir) / target.name
-        command = [cxx, *flags, "-shared", "-I", str(CUDA_SRC), *(str(FFI_DIR / name) for name in HANDLER_SOURCES),
-                   "-o", str(built), *LINK_FLAGS]
-        run = subprocess.run(command, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise FfiBuildError(f"building the cuflash JAX FFI handlers failed ({' '.join(command)}):\n{run.stderr}")
-        os.replace(built, target)
+    command = [_compiler(), *flags, "-shared", *(str(FFI_DIR / name) for name in HANDLER_SOURCES),
+               "-o", str(output), *LINK_FLAGS]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise FfiBuildError(f"building the cuflash JAX FFI handlers failed ({' '.join(command)}):\n{run.stderr}")
 
 
 def library_path() -> Path:
     """The cached handler library for this environment, building it if needed."""
-    key, flags = _build_inputs()
-    directory = cache_dir("jax_ffi")
-    target = directory / f"libcuflash_jax_ffi_{key}.so"
-    if target.exists():
-        return target
-    with _locked(directory / f"libcuflash_jax_ffi_{key}.lock"):
-        if not target.exists():
-            _compile(flags, target)
-    return target
+    flags = _compile_flags()
+    include_dirs = [CUDA_SRC, xla_include_dir(), *filter(None, [cuda_include_dir()])]
+    key = content_key(_CACHE_TAG, toolchain=compiler_identity(_compiler()), options=[*flags, *LINK_FLAGS],
+                      sources=[FFI_DIR / name for name in HANDLER_SOURCES], include_dirs=include_dirs)
+    entry = f"libcuflash_jax_ffi_{key}"
+    library = f"{entry}.so"
+    return _CACHE.get(entry, [library], lambda workdir: _compile(flags, workdir / library)).paths[0]
 
 
 _lock = threading.RLock()

@@ -26,7 +26,6 @@ Options and why:
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import json
@@ -39,20 +38,17 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .._paths import CUDA_SRC, cache_dir
+from .._build_cache import BuildCache, Entry, content_key, write_atomically
+from .._paths import CUDA_SRC
 from .program import KernelInstance
 
-# Bump when the cache entry layout or the meaning of a stored field changes.
-CACHE_FORMAT = 1
+# Bump when what a cache entry holds, or how a cubin is compiled, changes.
+CACHE_TAG = "nvrtc-cubin-2"
 
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-Xptxas=-v", "-lineinfo", "-DNDEBUG")
-
-# Kernel source suffixes whose text can reach a compile (sources and headers).
-SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
 
 class NvrtcError(RuntimeError):
@@ -328,55 +324,10 @@ def parse_resources(log: str, lowered_name: str, arch: str) -> Resources:
 
 
 # ---------------------------------------------------------------------------
-# Cache keys.
+# The disk cache (cuflash._build_cache): entry <key> is <key>.cubin plus its manifest
+# <key>.json, which keeps the compile's record (lowered name, log, resources).
 
-# path -> (stat signature, digest): re-hash a tree only when a file in it changed.
-_tree_digests: dict[str, tuple[tuple, str]] = {}
-_tree_lock = threading.Lock()
-
-
-def _source_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
-
-
-def _tree_digest(root: Path) -> str:
-    """Hash of every kernel source/header under root (relative path + contents)."""
-    files = _source_files(root)
-    signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    key = str(root.resolve())
-    with _tree_lock:
-        cached = _tree_digests.get(key)
-        if cached and cached[0] == signature:
-            return cached[1]
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    value = digest.hexdigest()
-    with _tree_lock:
-        _tree_digests[key] = (signature, value)
-    return value
-
-
-@functools.lru_cache(maxsize=None)
-def _installed_header_version(include_dir: Path) -> str | None:
-    """'nvidia-cuda-runtime==X' when include_dir is that wheel's include folder (fixed for a process)."""
-    marker = (include_dir / "cuda_fp16.h").resolve()
-    for distribution in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13"):
-        try:
-            dist = metadata.distribution(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-        for file in dist.files or ():
-            if file.name == "cuda_fp16.h" and Path(str(dist.locate_file(file))).resolve() == marker:
-                return f"{distribution}=={dist.version}"
-    return None
-
-
-def _include_dir_identity(include_dir: Path) -> str:
-    """Version of the headers behind -I<include_dir> (cuda_fp16.h etc. change between releases)."""
-    # Not the wheel (an override): hash the headers themselves.
-    return _installed_header_version(include_dir.resolve()) or _tree_digest(include_dir)
+_CUBINS = BuildCache("nvrtc")
 
 
 def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
@@ -389,102 +340,49 @@ def _include_dirs() -> list[Path]:
     return [CUDA_SRC.resolve(), cuda_include_dir().resolve()]
 
 
-# An #include line: "quoted", <angled>, or anything else (a macro: not followed statically).
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*(?:"(?P<quoted>[^"]+)"|<(?P<angled>[^>]+)>|(?P<other>\S.*))', re.MULTILINE)
-
-
-def _include_closure(source_path: Path, project_dirs: Sequence[Path]) -> list[Path] | None:
-    """Every project file a compile of source_path can read: the source and, transitively,
-    each header it #includes that resolves inside project_dirs or beside its includer.
-
-    Over-approximates on purpose: includes inside #if branches and comments are
-    followed too. Headers found in neither place come from the CUDA include
-    folder (covered by its version in the key) or do not exist (a compile
-    error, never cached). Returns None if an include is not a literal name,
-    so the caller falls back to hashing whole trees.
-    """
-    seen: dict[Path, None] = {}
-    stack = [source_path.resolve()]
-    while stack:
-        path = stack.pop()
-        if path in seen:
-            continue
-        seen[path] = None
-        for match in _INCLUDE_RE.finditer(path.read_text(errors="replace")):
-            if match["other"] is not None:
-                return None
-            name = match["quoted"] or match["angled"]
-            # NVRTC (like nvcc) looks for "x" beside the including file first, then in -I folders.
-            search = ([path.parent] if match["quoted"] else []) + list(project_dirs)
-            for folder in search:
-                candidate = folder / name
-                if candidate.is_file():
-                    stack.append(candidate.resolve())
-                    break
-    return sorted(seen)
-
-
 def cache_key(instance: KernelInstance, arch: str) -> str:
-    """Hash of everything that decides the CUBIN: the text of every project file the
-    source can include, the instance, the options, the arch, NVRTC's version and
-    the CUDA headers' version.
+    """Hash of everything that decides the CUBIN: the text of every file the source can
+    include (CUDA's headers among them), the instance, the options (the arch among them)
+    and NVRTC's version.
 
     Only the files the source can reach count, so editing one kernel family does
     not invalidate the others' entries.
     """
     include_dirs = _include_dirs()
-    source_path = instance.source_path.resolve()
-    files = _include_closure(source_path, include_dirs[:1])
-    parts = {
-        "format": CACHE_FORMAT,
-        "source": str(source_path),
-        "name_expr": instance.name_expr,
+    return content_key(CACHE_TAG, toolchain=f"nvrtc {nvrtc_version()}", options=compile_options(arch, include_dirs),
+                       sources=[instance.source_path.resolve()], include_dirs=include_dirs,
+                       extra=[instance.name_expr])
+
+
+def _compile_into(workdir: Path, key: str, instance: KernelInstance, arch: str) -> dict:
+    """NVRTC into workdir/<key>.cubin; returns the record the manifest keeps."""
+    options = compile_options(arch, _include_dirs())
+    started = time.perf_counter()
+    cubin, lowered_name, log = _run_nvrtc(instance, arch, options)
+    seconds = time.perf_counter() - started
+    resources = parse_resources(log, lowered_name, arch)
+    (workdir / f"{key}.cubin").write_bytes(cubin)
+    return {
+        "instance": {"source": instance.source, "name_expr": instance.name_expr},
         "arch": arch,
-        "options": compile_options(arch, include_dirs),
-        "cuda_headers": _include_dir_identity(include_dirs[1]),
-        "nvrtc": nvrtc_version(),
+        "options": options,
+        "lowered_name": lowered_name,
+        "log": log,
+        "resources": asdict(resources),
+        "compile_seconds": seconds,
     }
-    if files is not None:
-        parts["texts"] = [(str(path), hashlib.sha256(path.read_bytes()).hexdigest()) for path in files]
-    else:
-        parts["cuda_src"] = _tree_digest(CUDA_SRC)
-        parts["source_dir"] = _tree_digest(source_path.parent)
-        parts["source_text"] = hashlib.sha256(source_path.read_bytes()).hexdigest()
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
-# ---------------------------------------------------------------------------
-# The disk cache: <key>.cubin and <key>.json (the json is written last and
-# records the cubin's hash, so a complete json means a complete entry).
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-def _load_entry(instance: KernelInstance, arch: str, directory: Path, key: str) -> CompiledKernel | None:
-    try:
-        record = json.loads((directory / f"{key}.json").read_text())
-        cubin = (directory / f"{key}.cubin").read_bytes()
-    except (OSError, ValueError):
-        return None
-    if record.get("format") != CACHE_FORMAT or hashlib.sha256(cubin).hexdigest() != record.get("cubin_sha256"):
-        return None
+def _compiled_kernel(instance: KernelInstance, arch: str, entry: Entry) -> CompiledKernel:
+    record = entry.details
     return CompiledKernel(
         instance=instance,
         arch=arch,
-        cubin=cubin,
+        cubin=entry.paths[0].read_bytes(),
         lowered_name=record["lowered_name"],
         log=record["log"],
         resources=Resources(**record["resources"]),
-        cubin_path=str(directory / f"{key}.cubin"),
+        cubin_path=str(entry.paths[0]),
         compile_seconds=record["compile_seconds"],
     )
 
@@ -493,48 +391,11 @@ def compile_instance(instance: KernelInstance, arch: str) -> CompiledKernel:
     """Compile one kernel instance for one arch, through the disk cache.
 
     Safe when several processes ask for the same entry at once: one compiles
-    under an flock on the entry's lock file; the others wait and then read it.
+    under the entry's lock; the others wait and then read it.
     """
     key = cache_key(instance, arch)
-    directory = cache_dir("nvrtc")
-    cached = _load_entry(instance, arch, directory, key)
-    if cached is not None:
-        return cached
-    locks = directory / "locks"
-    locks.mkdir(exist_ok=True)
-    with open(locks / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = _load_entry(instance, arch, directory, key)
-        if cached is not None:
-            return cached
-        options = compile_options(arch, _include_dirs())
-        started = time.perf_counter()
-        cubin, lowered_name, log = _run_nvrtc(instance, arch, options)
-        seconds = time.perf_counter() - started
-        resources = parse_resources(log, lowered_name, arch)
-        record = {
-            "format": CACHE_FORMAT,
-            "instance": {"source": instance.source, "name_expr": instance.name_expr},
-            "arch": arch,
-            "options": options,
-            "lowered_name": lowered_name,
-            "log": log,
-            "resources": asdict(resources),
-            "compile_seconds": seconds,
-            "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
-        }
-        _write_atomically(directory / f"{key}.cubin", cubin)
-        _write_atomically(directory / f"{key}.json", json.dumps(record, indent=1).encode())
-    return CompiledKernel(
-        instance=instance,
-        arch=arch,
-        cubin=cubin,
-        lowered_name=lowered_name,
-        log=log,
-        resources=resources,
-        cubin_path=str(directory / f"{key}.cubin"),
-        compile_seconds=seconds,
-    )
+    entry = _CUBINS.get(key, [f"{key}.cubin"], lambda workdir: _compile_into(workdir, key, instance, arch))
+    return _compiled_kernel(instance, arch, entry)
 
 
 def _compile_or_error(task: tuple[KernelInstance, str]) -> CompiledKernel | CompileError:
@@ -594,13 +455,13 @@ def compile_many(
 
 def _is_cached(instance: KernelInstance, arch: str, with_sass: bool) -> bool:
     try:
-        entry = _load_entry(instance, arch, cache_dir("nvrtc"), cache_key(instance, arch))
+        entry = _CUBINS.lookup(cache_key(instance, arch))
     except OSError:
         return False  # e.g. a missing source: let a worker report it
-    if entry is None:
-        return False
-    verdict = _verdict_path(entry)
-    return not with_sass or (verdict is not None and verdict.exists())
+    if entry is None or not with_sass:
+        return entry is not None
+    verdict = _verdict_path(_compiled_kernel(instance, arch, entry))
+    return verdict is not None and verdict.exists()
 
 
 def _worker_environment() -> dict[str, str]:
@@ -792,7 +653,7 @@ def uses_hmma(compiled: CompiledKernel) -> bool | None:
         return None
     verdict = bool(_HMMA_RE.search(sass))
     if verdict_file is not None:
-        _write_atomically(verdict_file, b"1" if verdict else b"0")
+        write_atomically(verdict_file, b"1" if verdict else b"0")
     return verdict
 
 

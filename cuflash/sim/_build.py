@@ -5,32 +5,27 @@ grouped by source file (one translation unit per file, so a header-heavy kernel
 file is parsed once), the TUs compile in parallel, and one ``.so`` is linked
 with the runtime object (itself cached per mode).
 
-Cache (``cache_dir("sim")``): file names carry a hash of everything that can
-change the binary: mode, flags, compiler version, the instance list, the text of
-every header/runtime source under cuda_src/ and of the kernel files. Builds go
-to a private temporary directory and are moved into place with ``os.replace``
-under an ``fcntl.flock`` lock, so concurrent processes (pytest-xdist) neither
-see half-written files nor build the same thing twice.
+Cache (cuflash._build_cache, ``cache_dir("sim")``): a library's key covers the mode, flags, compiler
+version, instance list, the runtime library it links, and the text of exactly the files its translation units
+include (so editing an FFI header or another family's kernel rebuilds nothing here). The runtime library of a
+mode is an entry of its own, beside the kernel libraries (they find it through $ORIGIN).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import fcntl
-import functools
 import hashlib
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .._build_cache import BuildCache, compiler, compiler_identity, content_key, write_atomically
 from .._paths import CUDA_SRC, cache_dir
 from ..kernels.program import KernelInstance
 
@@ -38,7 +33,13 @@ MODES = ("normal", "race", "asan", "profile")
 
 SIM_DIR = CUDA_SRC / "arch" / "sim"
 RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "sim_profile.cpp", "fiber_switch_x86_64.S")
-HEADER_SUFFIXES = (".cuh", ".h", ".cpp", ".hpp", ".S")
+# What the generated launcher table includes (beside the kernel sources, the rest of a library's input).
+TABLE_INCLUDES = ("arch/sim/sim_abi.h", "common/attention_params.cuh")
+# Bump when the generated translation units, or how a library or the runtime is linked, change.
+_LIBRARY_TAG = "sim-library-4"
+_RUNTIME_TAG = "sim-runtime-3"
+
+_CACHE = BuildCache("sim")
 
 _COMMON_FLAGS = ("-std=c++20", "-O2", "-mf16c", "-fPIC", "-fvisibility=hidden", "-pthread")
 # Kernel TUs only: every automatic variable starts as a repeated 0xFE byte pattern (a NaN-like
@@ -86,85 +87,43 @@ class BuildError(RuntimeError):
     """g++ rejected a simulator translation unit (the message holds its diagnostics)."""
 
 
-def compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
 def extra_flags() -> tuple[str, ...]:
     """$CUFLASH_SIM_CXXFLAGS: extra flags for kernel TUs (e.g. "-O0 -g" to debug a kernel)."""
     return tuple(shlex.split(os.environ.get("CUFLASH_SIM_CXXFLAGS", "")))
 
 
-@functools.lru_cache(maxsize=None)
-def compiler_identity(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    return out.splitlines()[0] if out else cxx
-
-
-# ---- source hashing ---------------------------------------------------------------------
-
-_hash_lock = threading.Lock()
-_file_hashes: dict[Path, tuple[tuple[int, int], str]] = {}
-
-
-def _file_hash(path: Path) -> str:
-    st = path.stat()
-    signature = (st.st_mtime_ns, st.st_size)
-    with _hash_lock:
-        cached = _file_hashes.get(path)
-        if cached and cached[0] == signature:
-            return cached[1]
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    with _hash_lock:
-        _file_hashes[path] = (signature, digest)
-    return digest
-
-
-def _tree_hash(root: Path) -> str:
-    """Hash of every header and runtime source under root (names and contents)."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in HEADER_SUFFIXES and p.is_file()):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(_file_hash(path).encode())
-    return h.hexdigest()
-
-
-def _key(*parts: str) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:24]
-
-
-def library_key(mode: str, instances: Sequence[KernelInstance]) -> str:
-    cxx = compiler()
-    kernel_flags, runtime_flags, link_flags = _MODE_FLAGS[mode]
-    parts = [
-        "cuflash-sim-lib-v3",
-        mode,
-        compiler_identity(cxx),
-        " ".join(_COMMON_FLAGS + _KERNEL_FLAGS + kernel_flags + extra_flags() + runtime_flags + link_flags),
-        _tree_hash(CUDA_SRC),
-    ]
-    for inst in sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr)):
+def _sorted_instances(instances: Iterable[KernelInstance]) -> list[KernelInstance]:
+    instances = sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr))
+    for inst in instances:
         if not inst.source_path.is_file():
             raise BuildError(f"kernel source {inst.source_path} not found (instance {inst.name_expr})")
-        parts += [str(inst.source_path), _file_hash(inst.source_path), inst.name_expr]
-    return _key(*parts)
+    return instances
 
 
-# ---- locking and atomic placement -------------------------------------------------------
+def _runtime_entry(mode: str) -> str:
+    _, runtime_flags, link_flags = _MODE_FLAGS[mode]
+    key = content_key(_RUNTIME_TAG, toolchain=compiler_identity(compiler()),
+                      options=[*_COMMON_FLAGS, *runtime_flags, *link_flags],
+                      sources=[SIM_DIR / name for name in RUNTIME_SOURCES], include_dirs=[CUDA_SRC], extra=[mode])
+    return f"libcuflash_sim_runtime-{mode}-{key}"
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path):
-    with open(lock_path, "a+") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+def library_key(mode: str, instances: Iterable[KernelInstance]) -> str:
+    kernel_flags, _, link_flags = _MODE_FLAGS[mode]
+    instances = _sorted_instances(instances)
+    return content_key(
+        _LIBRARY_TAG,
+        toolchain=compiler_identity(compiler()),
+        options=[*_COMMON_FLAGS, *_KERNEL_FLAGS, *kernel_flags, *extra_flags(), *link_flags],
+        sources=[*(inst.source_path for inst in instances), *(CUDA_SRC / name for name in TABLE_INCLUDES)],
+        include_dirs=[CUDA_SRC],
+        # The runtime's entry names the library this one links (and loads by that name).
+        extra=[mode, _runtime_entry(mode), *(f"{inst.source_path} {inst.name_expr}" for inst in instances)],
+    )
+
+
+def _library_entry(mode: str, instances: Iterable[KernelInstance]) -> str:
+    return f"lib-{mode}-{library_key(mode, instances)}"
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -269,17 +228,20 @@ def parse_launch_bounds(preprocessed: str) -> dict[str, LaunchBound]:
 
 def launch_bounds(source: Path) -> dict[str, LaunchBound]:
     """The __launch_bounds__ of every kernel `source` defines (or includes), by kernel name."""
-    key = (source, _file_hash(source), _tree_hash(CUDA_SRC))  # what the preprocessed text depends on
-    with _hash_lock:
+    # What the preprocessed text depends on: the source, everything it includes, the preprocessor.
+    key = content_key("sim-launch-bounds", toolchain=compiler_identity(compiler()), options=[], sources=[source],
+                      include_dirs=[CUDA_SRC])
+    with _launch_bounds_lock:
         found = _launch_bounds_found.get(key)
     if found is None:
         found = _read_launch_bounds(source)
-        with _hash_lock:
+        with _launch_bounds_lock:
             _launch_bounds_found[key] = found
     return found
 
 
-_launch_bounds_found: dict[tuple[Path, str, str], dict[str, LaunchBound]] = {}
+_launch_bounds_found: dict[str, dict[str, LaunchBound]] = {}
+_launch_bounds_lock = threading.Lock()
 
 
 def _read_launch_bounds(source: Path) -> dict[str, LaunchBound]:
@@ -343,8 +305,7 @@ def _table_tu(instances: Sequence[KernelInstance]) -> str:
         "#include <cstddef>",
         "#include <cstdio>",
         "#include <cstring>",
-        '#include "arch/sim/sim_abi.h"',
-        '#include "common/attention_params.cuh"',
+        *(f'#include "{name}"' for name in TABLE_INCLUDES),
         "",
     ]
     for inst in instances:
@@ -404,35 +365,23 @@ def _runtime_library(mode: str) -> Path:
     costs two memory mappings, and vm.max_map_count is finite).
     """
     _, runtime_flags, link_flags = _MODE_FLAGS[mode]
-    cache = cache_dir("sim")
-    key = _key("cuflash-sim-runtime-v2", mode, compiler_identity(compiler()),
-               " ".join(_COMMON_FLAGS + runtime_flags + link_flags), _tree_hash(CUDA_SRC))
-    target = cache / f"libcuflash_sim_runtime-{mode}-{key}.so"
-    if target.exists():
-        return target
-    with _locked(cache / f"runtime-{mode}-{key}.lock"):
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=cache, prefix="build-runtime-") as tmp:
-            workdir = Path(tmp)
-            objects = []
-            for name in RUNTIME_SOURCES:
-                obj = workdir / (Path(name).name + ".o")
-                _compile(SIM_DIR / name, obj, runtime_flags, f"runtime {name}, mode {mode}")
-                objects.append(str(obj))
-            tmp_lib = workdir / target.name
-            _run([compiler(), *_COMMON_FLAGS, "-shared", f"-Wl,-soname,{target.name}", "-o", str(tmp_lib), *objects,
-                  *link_flags], f"link {target.name}")
-            os.replace(tmp_lib, target)
-    return target
+    entry = _runtime_entry(mode)
+    library = f"{entry}.so"
 
+    def build(workdir: Path) -> None:
+        objects = []
+        for name in RUNTIME_SOURCES:
+            obj = workdir / (name + ".o")
+            _compile(SIM_DIR / name, obj, runtime_flags, f"runtime {name}, mode {mode}")
+            objects.append(str(obj))
+        _run([compiler(), *_COMMON_FLAGS, "-shared", f"-Wl,-soname,{library}", "-o", str(workdir / library),
+              *objects, *link_flags], f"link {library}")
 
-def library_path(mode: str, instances: Sequence[KernelInstance]) -> Path:
-    return cache_dir("sim") / f"lib-{mode}-{library_key(mode, instances)}.so"
+    return _CACHE.get(entry, [library], build).paths[0]
 
 
 def alias_path(mode: str, inst: KernelInstance) -> Path:
-    """Points a single instance at the combined library precompile() built for it."""
+    """Points a single instance at the combined library precompile() built for it (holds its file name)."""
     return cache_dir("sim") / f"alias-{mode}-{library_key(mode, [inst])}.txt"
 
 
@@ -440,30 +389,16 @@ def build_library(mode: str, instances: Sequence[KernelInstance]) -> Path:
     """Build (or find in the cache) the library of `instances` for `mode`."""
     if mode not in MODES:
         raise ValueError(f"unknown simulator mode {mode!r}; expected one of {MODES}")
-    instances = sorted(set(instances), key=lambda i: (str(i.source_path), i.name_expr))
-    target = library_path(mode, instances)
-    if target.exists():
-        return target
-    cache = cache_dir("sim")
-    with _locked(cache / (target.stem + ".lock")):
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
-            workdir = Path(tmp)
-            _build_into(mode, instances, workdir, target)
-    return target
+    instances = _sorted_instances(instances)
+    entry = _library_entry(mode, instances)
+    library = f"{entry}.so"
+    return _CACHE.get(entry, [library], lambda workdir: _build_into(mode, instances, workdir, library)).paths[0]
 
 
-def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, target: Path) -> None:
+def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, library: str) -> None:
     kernel_flags, _, link_flags = _MODE_FLAGS[mode]
-    groups: dict[Path, list[KernelInstance]] = {}
-    for inst in instances:
-        if not inst.source_path.is_file():
-            raise BuildError(f"kernel source {inst.source_path} not found (instance {inst.name_expr})")
-        groups.setdefault(inst.source_path, []).append(inst)
-
     jobs: list[tuple[Path, Path, tuple[str, ...], str]] = []
-    for i, (source, group) in enumerate(sorted(groups.items())):
+    for i, (source, group) in enumerate(sorted(group_by_source(instances).items())):
         tu = workdir / f"kernels_{i}_{source.stem}.cpp"
         tu.write_text(_kernel_tu(source, group))
         jobs.append((tu, tu.with_suffix(".o"), _KERNEL_FLAGS + kernel_flags + extra_flags(),
@@ -481,33 +416,28 @@ def _build_into(mode: str, instances: Sequence[KernelInstance], workdir: Path, t
         runtime = runtime_future.result()
 
     # The runtime sits beside the kernel library in the cache: found through $ORIGIN.
-    tmp_lib = workdir / target.name
     _run(
-        [compiler(), *_COMMON_FLAGS, "-shared", "-o", str(tmp_lib), *[str(j[1]) for j in jobs], str(runtime),
-         "-Wl,-rpath,$ORIGIN", *link_flags],
-        f"link {target.name}",
+        [compiler(), *_COMMON_FLAGS, "-shared", "-o", str(workdir / library), *[str(j[1]) for j in jobs],
+         str(runtime), "-Wl,-rpath,$ORIGIN", *link_flags],
+        f"link {library}",
     )
-    os.replace(tmp_lib, target)
 
 
 def write_alias(mode: str, inst: KernelInstance, library: Path) -> None:
-    alias = alias_path(mode, inst)
-    tmp = alias.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(library.name)
-    os.replace(tmp, alias)
+    write_atomically(alias_path(mode, inst), library.name.encode())
 
 
 def find_library(mode: str, inst: KernelInstance) -> Path | None:
     """A cached library holding `inst` (its own, or a precompiled group's), if any."""
-    own = library_path(mode, [inst])
-    if own.exists():
-        return own
-    alias = alias_path(mode, inst)
-    if alias.exists():
-        candidate = alias.parent / alias.read_text().strip()
-        if candidate.exists():
-            return candidate
-    return None
+    own = _CACHE.lookup(_library_entry(mode, [inst]))
+    if own is not None:
+        return own.paths[0]
+    try:
+        library = alias_path(mode, inst).read_text().strip()
+    except OSError:
+        return None
+    group = _CACHE.lookup(Path(library).stem)  # a library's file name is its entry's name + ".so"
+    return group.paths[0] if group is not None else None
 
 
 def clean_cache() -> None:
