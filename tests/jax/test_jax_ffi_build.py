@@ -15,8 +15,7 @@ pytest.importorskip("jax")
 
 from cuflash._paths import CUDA_SRC  # noqa: E402
 from cuflash.jax import _ffi  # noqa: E402
-
-from conftest import gpu_count  # noqa: E402
+from cuflash.testing import gpu_count  # noqa: E402
 
 
 def _syntax_check(source: str, *defines: str) -> subprocess.CompletedProcess:
