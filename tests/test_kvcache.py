@@ -121,15 +121,20 @@ def test_kvcache_matches_reference_and_appends_in_place(dtype, new, page, shape_
             assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_split_is_attention_on_each_sequences_keys(dtype):
-    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES["prefill-mqa"], dtype, 3, None, seed=4)
+def _check_one_split_is_attention_per_sequence(shape_name, dtype, new, seed):
+    """num_splits=1 over the caches gives, bit for bit, cuflash.attention on each sequence's keys in use."""
+    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES[shape_name], dtype, new, None, seed=seed)
     out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
                                               causal=True, num_splits=1, return_lse=True)
-    used = lengths + 3
+    used = lengths + new
     for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, used), kvcache_keys(v_cache, used))):
         want_out, want_lse = cuflash.attention(q[b:b + 1], keys[None], values[None], causal=True, return_lse=True)
         assert np.array_equal(out[b:b + 1], want_out) and np.array_equal(lse[b:b + 1], want_lse)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_split_is_attention_on_each_sequences_keys(dtype):
+    _check_one_split_is_attention_per_sequence("prefill-mqa", dtype, new=3, seed=4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -147,15 +152,9 @@ def test_race_free_with_a_paged_cache(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_gqa_decode_fold_is_attention_on_each_sequences_keys(dtype):
     """One query row over GQA heads runs folded (the group's heads as rows): bit for bit the unfolded attention."""
-    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES["decode-gqa"], dtype, 1, None, seed=7)
-    problem = _kvcache_problem(q, k_cache, causal=True)
-    assert gqa_decode_fold(problem) is not None
-    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
-                                              causal=True, num_splits=1, return_lse=True)
-    used = lengths + 1
-    for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, used), kvcache_keys(v_cache, used))):
-        want_out, want_lse = cuflash.attention(q[b:b + 1], keys[None], values[None], causal=True, return_lse=True)
-        assert np.array_equal(out[b:b + 1], want_out) and np.array_equal(lse[b:b + 1], want_lse)
+    q, k_cache = _caches(SHAPES["decode-gqa"], dtype, 1, None, seed=7)[:2]
+    assert gqa_decode_fold(_kvcache_problem(q, k_cache, causal=True)) is not None
+    _check_one_split_is_attention_per_sequence("decode-gqa", dtype, new=1, seed=7)
 
 
 def _kvcache_problem(q, k_cache, **options):
