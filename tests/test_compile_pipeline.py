@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cuflash._build_cache import include_closure
+from cuflash.backends import cupy_gpu
 from cuflash.kernels import nvrtc, report, targets
 from cuflash.kernels.program import KernelInstance
 
@@ -45,7 +46,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 needs_sass = pytest.mark.skipif(
-    nvrtc.cuobjdump_path() is None or nvrtc.nvdisasm_path(nvrtc.cuobjdump_path()) is None,
+    nvrtc.cuda_tool("cuobjdump") is None or nvrtc.cuda_tool("nvdisasm") is None,
     reason="cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)",
 )
 
@@ -107,12 +108,34 @@ def test_compile_error_names_instance_and_arch_with_full_log(fresh_cache):
     assert error.instance == instance and error.arch == "sm_90"
     assert 'static assertion failed with "float_only_probe wants float"' in error.log
     assert "with T=double" in error.log
+    # NVRTC's own log, not cuda.core's exception text wrapped around it.
+    assert error.log.startswith(f"{PROBES}(") and "NVRTC_ERROR" not in error.log and "\0" not in error.log
     message = str(error)
     assert "float_only_probe<double>" in message and "sm_90" in message and error.log.strip() in message
     # Failures are not cached.
     assert not list(fresh_cache.glob("*.json"))
     # The same template with a valid argument compiles.
     assert nvrtc.compile_instance(probe("float_only_probe<float>"), "sm_90").resources.registers > 0
+
+
+def test_a_compile_error_in_a_reference_cycle_is_collected_cleanly(fresh_cache, monkeypatch):
+    """A cuda.core Program that the garbage collector frees out of a cycle fails in its __dealloc__
+    (cuda.core 1.2): the traceback of a CompileError must not keep one alive."""
+    import gc
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    def fail_into_a_cycle():
+        try:
+            nvrtc.compile_instance(probe("float_only_probe<double>"), "sm_80")
+        except nvrtc.CompileError as error:
+            kept = error  # this frame holds the error, whose traceback holds this frame
+        return kept.arch
+
+    assert fail_into_a_cycle() == "sm_80"
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
 
 
 def test_compile_error_pickles():
@@ -325,23 +348,32 @@ def test_hmma_verdict_is_cached_beside_the_entry(fresh_cache, monkeypatch):
     assert nvrtc.uses_hmma(compiled) is True
 
 
-def test_hmma_is_none_without_cuobjdump(fresh_cache, monkeypatch, tmp_path):
+@pytest.mark.parametrize("missing", ["cuobjdump", "nvdisasm"])
+def test_hmma_is_none_without_a_sass_tool(fresh_cache, monkeypatch, missing):
     compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")
-    monkeypatch.delenv("CUFLASH_CUOBJDUMP", raising=False)
-    monkeypatch.delenv("CUFLASH_NVDISASM", raising=False)
-    monkeypatch.setattr(nvrtc, "_nvidia_wheel_dirs", lambda: [])
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no system tools either
-    assert nvrtc.cuobjdump_path() is None
+    found = nvrtc.cuda_tool
+    monkeypatch.setattr(nvrtc, "cuda_tool", lambda name: None if name == missing else found(name))
     assert nvrtc.uses_hmma(compiled) is None
 
 
 def test_system_cuda_tools_are_not_needed():
-    """Everything comes from the pip wheels: NVRTC, headers and (when installed) cuobjdump."""
-    assert "site-packages" in str(nvrtc.nvrtc_library_path()) or os.environ.get("CUFLASH_NVRTC_LIB")
-    assert (nvrtc.cuda_include_dir() / "cuda_bf16.h").exists()
-    tool = nvrtc.cuobjdump_path()
-    if tool is not None and not os.environ.get("CUFLASH_CUOBJDUMP"):
-        assert "site-packages" in str(tool) or "/usr/local" not in str(tool)
+    """cuda-pathfinder finds everything in the pip wheels: NVRTC, the CUDA headers the kernels include
+    and (when installed) cuobjdump and nvdisasm."""
+    from cuda import pathfinder
+
+    assert nvrtc.nvrtc_version() >= (13, 0)
+    assert "site-packages" in str(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    include_dir = nvrtc.cuda_include_dir()
+    assert "site-packages" in str(include_dir)
+    cuda_headers = {line.split("<")[1].split(">")[0]
+                    for source in nvrtc.CUDA_SRC.rglob("*.cu*") for line in source.read_text().splitlines()
+                    if line.strip().startswith("#include <cuda")}
+    assert {"cuda_fp16.h", "cuda_bf16.h"} <= cuda_headers
+    assert all((include_dir / header).exists() for header in cuda_headers)
+    for name in ("cuobjdump", "nvdisasm"):
+        tool = nvrtc.cuda_tool(name)
+        if tool is not None:
+            assert "site-packages" in str(tool), tool
 
 
 # ---- the report ------------------------------------------------------------------------
@@ -366,7 +398,7 @@ def test_report_json_rows(shared_cache, probe_catalog, capsys):
     smem_row = by_key[("static_smem_probe<float, 96>", "sm_90")]
     assert smem_row["static_smem_bytes"] == 384 and smem_row["dynamic_smem_bytes"] == 100 * 1024
     assert smem_row["registers"] > 0 and smem_row["spill_store_bytes"] == 0
-    tools = nvrtc.cuobjdump_path() is not None and nvrtc.nvdisasm_path(nvrtc.cuobjdump_path()) is not None
+    tools = nvrtc.cuda_tool("cuobjdump") is not None and nvrtc.cuda_tool("nvdisasm") is not None
     assert by_key[("mma_probe<0>", "sm_80")]["hmma"] is (True if tools else None)
     assert by_key[("static_smem_probe<float, 96>", "sm_80")]["hmma"] is (False if tools else None)
     if tools:  # the compile workers left their verdicts in the cache
@@ -465,17 +497,17 @@ def test_load_function_loads_cached_cubin_and_raises_smem_limit(shared_cache, mo
     compiled = nvrtc.compile_instance(probe("static_smem_probe<float, 96>"), "sm_80")
     device, loads = [0], []
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(device, loads))
-    monkeypatch.setattr(nvrtc, "_loaded", {})
+    monkeypatch.setattr(cupy_gpu, "_loaded", {})
 
-    small = nvrtc.load_function(compiled, dynamic_smem_bytes=1024)
+    small = cupy_gpu.load_function(compiled, dynamic_smem_bytes=1024)
     assert loads == [compiled.cubin_path] and small.name == compiled.lowered_name
     assert small.max_dynamic_shared_size_bytes == 0  # under 48 KB: no opt-in needed
     # 384 static + 48 KB - 100 dynamic crosses 48 KB in total: opt in.
-    big = nvrtc.load_function(compiled, dynamic_smem_bytes=48 * 1024 - 100)
+    big = cupy_gpu.load_function(compiled, dynamic_smem_bytes=48 * 1024 - 100)
     assert big is small and loads == [compiled.cubin_path]
     assert big.max_dynamic_shared_size_bytes == 48 * 1024 - 100
     device[0] = 1
-    other_device = nvrtc.load_function(compiled, dynamic_smem_bytes=0)
+    other_device = cupy_gpu.load_function(compiled, dynamic_smem_bytes=0)
     assert other_device is not small and len(loads) == 2
 
 
@@ -495,7 +527,7 @@ def test_loaded_cubin_runs_on_gpu(shared_cache):
 
     arch = "sm_" + cupy.cuda.Device().compute_capability  # e.g. "80"
     compiled = nvrtc.compile_instance(probe("register_pressure_probe<16, 255>"), arch)
-    kernel = nvrtc.load_function(compiled, dynamic_smem_bytes=0)
+    kernel = cupy_gpu.load_function(compiled, dynamic_smem_bytes=0)
     threads = 64
     values = np.random.default_rng(0).standard_normal(threads * 16).astype(np.float32)
     output = cupy.zeros(threads, dtype=cupy.float32)

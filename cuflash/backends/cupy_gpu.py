@@ -10,6 +10,8 @@ Covered by tests marked ``gpu``.
 from __future__ import annotations
 
 import functools
+import threading
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -71,4 +73,41 @@ def function(kernel: KernelInstance, dynamic_smem_bytes: int, arch: str, device_
     from ..kernels import nvrtc
 
     compiled = nvrtc.compile_instance(kernel, arch)
-    return nvrtc.load_function(compiled, dynamic_smem_bytes=dynamic_smem_bytes)
+    return load_function(compiled, dynamic_smem_bytes=dynamic_smem_bytes)
+
+
+# Dynamic shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_SMEM_LIMIT_BYTES = 48 * 1024
+
+_loaded: dict[tuple[str, str, int], object] = {}
+_loaded_lock = threading.Lock()
+
+
+def load_function(compiled, dynamic_smem_bytes: int | None = None):
+    """The cupy RawKernel for a ``nvrtc.CompiledKernel`` on the current device (cached per device).
+
+    Loads the cached CUBIN file itself (RawModule(path=...)), so the GPU runs
+    the bytes CI compiled. ``dynamic_smem_bytes`` defaults to the launch plan's
+    value; when static + dynamic shared memory exceeds 48 KB, the function's max
+    dynamic shared memory attribute is raised, which CUDA requires before launch.
+    """
+    import cupy
+
+    if dynamic_smem_bytes is None:
+        from ..kernels import catalog
+
+        dynamic_smem_bytes = catalog.dynamic_smem_bytes(compiled.instance)
+    device = cupy.cuda.Device().id
+    key = (compiled.cubin_path, compiled.lowered_name, device)
+    with _loaded_lock:
+        function = _loaded.get(key)
+        if function is None:
+            if Path(compiled.cubin_path).read_bytes() != compiled.cubin:
+                raise RuntimeError(f"{compiled.cubin_path} no longer holds the compiled bytes of {compiled.instance}")
+            module = cupy.RawModule(path=compiled.cubin_path)
+            function = module.get_function(compiled.lowered_name)
+            _loaded[key] = function
+        if compiled.resources.static_smem_bytes + dynamic_smem_bytes > DEFAULT_SMEM_LIMIT_BYTES:
+            if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
+                function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
+    return function

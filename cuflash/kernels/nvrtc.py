@@ -1,37 +1,37 @@
 """The NVRTC compile pipeline: kernel instance + GPU arch -> cached CUBIN and its resource usage.
 
-Everything here runs without a GPU or a CUDA driver. NVRTC is called through
-ctypes on ``libnvrtc.so.13`` from the ``nvidia-cuda-nvrtc`` wheel, because every
-CuPy compile entry point asks the (absent) device for its architecture. Only
-``load_function`` needs a GPU, and it loads the very CUBIN bytes this module
-cached, so what a GPU runs is exactly what CI compiled and measured.
+Everything here runs without a GPU or a CUDA driver. NVRTC is driven through
+NVIDIA's ``cuda-core`` (``Program``/``ProgramOptions``), which compiles to CUBIN
+for an explicit arch without asking for a device; ``cuda-bindings`` reads the
+program log, and ``cuda-pathfinder`` finds the CUDA headers and the SASS tools
+(the nvidia-cuda-* wheels first, then conda and CUDA_PATH). The CuPy backend
+loads the very CUBIN bytes this module cached, so what a GPU runs is exactly
+what CI compiled and measured.
 
 Resource numbers (registers, spills, stack, static shared memory) come only from
-the ptxas report NVRTC writes into the program log with ``-Xptxas=-v``.
+the ptxas report NVRTC writes into the program log with ``--ptxas-options=-v``.
 
 Options and why:
-  -arch=sm_XX      a real architecture, so NVRTC runs ptxas and can emit a CUBIN
+  arch=sm_XX       a real architecture, so NVRTC runs ptxas and can emit a CUBIN
                    and the ptxas report (compute_XX would stop at PTX).
-  -std=c++17       the language level the simulator's g++ build shares.
-  -Xptxas=-v       the resource report parsed below.
-  -lineinfo        source lines in the CUBIN for profilers; it does not change code.
-  -DNDEBUG         release build, as on the simulator side.
-  no -default-device: an unannotated function stays host-only, as under nvcc,
-                   so a kernel calling a helper that lacks __device__ fails here
-                   instead of compiling only for NVRTC.
-  no --use_fast_math: kernels choose their approximations explicitly through the
+  std=c++17        the language level the simulator's g++ build shares.
+  ptxas -v         the resource report parsed below.
+  lineinfo         source lines in the CUBIN for profilers; it does not change code.
+  NDEBUG           release build, as on the simulator side.
+  no device_as_default_execution_space: an unannotated function stays host-only,
+                   as under nvcc, so a kernel calling a helper that lacks
+                   __device__ fails here instead of compiling only for NVRTC.
+  no use_fast_math: kernels choose their approximations explicitly through the
                    arch layer; everything else keeps IEEE semantics.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,13 +46,11 @@ from .._paths import CUDA_SRC
 from .program import KernelInstance
 
 # Bump when what a cache entry holds, or how a cubin is compiled, changes.
-CACHE_TAG = "nvrtc-cubin-2"
-
-COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-Xptxas=-v", "-lineinfo", "-DNDEBUG")
+CACHE_TAG = "nvrtc-cubin-3"
 
 
 class NvrtcError(RuntimeError):
-    """NVRTC is missing or one of its API calls failed outside compilation itself."""
+    """NVRTC or the CUDA headers are missing, or an NVRTC call failed outside compilation itself."""
 
 
 class CompileError(RuntimeError):
@@ -96,7 +94,7 @@ class CompiledKernel:
     lowered_name: str
     log: str
     resources: Resources
-    cubin_path: str  # the cache file holding exactly these bytes (what load_function loads)
+    cubin_path: str  # the cache file holding exactly these bytes (what the CuPy backend loads)
     compile_seconds: float  # NVRTC wall time when this entry was built (not the cache lookup)
 
     @property
@@ -106,109 +104,45 @@ class CompiledKernel:
 
 
 # ---------------------------------------------------------------------------
-# Locating the CUDA wheels.
-
-
-def _nvidia_wheel_dirs() -> list[Path]:
-    """site-packages/nvidia/cu13 directories of the installed NVIDIA wheels."""
-    try:
-        import nvidia  # namespace package shared by the nvidia-cuda-* wheels
-    except ImportError:
-        return []
-    return [Path(p) / "cu13" for p in getattr(nvidia, "__path__", [])]
-
-
-def _find_in_wheels(relative: str) -> Path | None:
-    for root in _nvidia_wheel_dirs():
-        candidate = root / relative
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def nvrtc_library_path() -> Path:
-    override = os.environ.get("CUFLASH_NVRTC_LIB")
-    if override:
-        return Path(override)
-    found = _find_in_wheels("lib/libnvrtc.so.13")
-    if found is None:
-        raise NvrtcError(
-            "libnvrtc.so.13 not found: install the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc) "
-            "or point CUFLASH_NVRTC_LIB at the library"
-        )
-    return found
+# NVRTC through cuda-core.
 
 
 def cuda_include_dir() -> Path:
-    """Where cuda_fp16.h / cuda_bf16.h live (the nvidia-cuda-runtime wheel); CUFLASH_CUDA_INCLUDE overrides."""
-    override = os.environ.get("CUFLASH_CUDA_INCLUDE")
-    if override:
-        return Path(override)
-    found = _find_in_wheels("include/cuda_fp16.h")
+    """Where cuda_fp16.h / cuda_bf16.h live, as cuda-pathfinder finds the CUDA runtime's headers."""
+    from cuda import pathfinder
+
+    found = pathfinder.find_nvidia_header_directory("cudart")
     if found is None:
         raise NvrtcError(
-            "cuda_fp16.h not found: install the nvidia-cuda-runtime wheel (pip install nvidia-cuda-runtime) "
-            "or point CUFLASH_CUDA_INCLUDE at a CUDA include directory"
+            "CUDA headers (cuda_fp16.h) not found: install the nvidia-cuda-runtime wheel "
+            "(pip install nvidia-cuda-runtime) or point CUDA_PATH at a CUDA toolkit"
         )
-    return found.parent
+    return Path(found)
 
 
-# ---------------------------------------------------------------------------
-# ctypes bindings.
+def _check(result, call: str) -> None:
+    from cuda.bindings import nvrtc as nvrtc_api
 
-_lib_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-
-
-def _nvrtc() -> ctypes.CDLL:
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            path = nvrtc_library_path()
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as err:
-                raise NvrtcError(f"cannot load NVRTC from {path}: {err}") from err
-            c_char_pp = ctypes.POINTER(ctypes.c_char_p)
-            prog_p = ctypes.POINTER(ctypes.c_void_p)
-            signatures = {
-                "nvrtcGetErrorString": ([ctypes.c_int], ctypes.c_char_p),
-                "nvrtcVersion": ([ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
-                "nvrtcCreateProgram": (
-                    [prog_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, c_char_pp, c_char_pp],
-                    ctypes.c_int,
-                ),
-                "nvrtcDestroyProgram": ([prog_p], ctypes.c_int),
-                "nvrtcAddNameExpression": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
-                "nvrtcCompileProgram": ([ctypes.c_void_p, ctypes.c_int, c_char_pp], ctypes.c_int),
-                "nvrtcGetLoweredName": ([ctypes.c_void_p, ctypes.c_char_p, c_char_pp], ctypes.c_int),
-                "nvrtcGetProgramLogSize": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
-                "nvrtcGetProgramLog": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
-                "nvrtcGetCUBINSize": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
-                "nvrtcGetCUBIN": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int),
-            }
-            for name, (argtypes, restype) in signatures.items():
-                function = getattr(lib, name)
-                function.argtypes = argtypes
-                function.restype = restype
-            _lib = lib
-        return _lib
-
-
-def _check(result: int, call: str) -> None:
-    if result != 0:
-        message = _nvrtc().nvrtcGetErrorString(result)
-        raise NvrtcError(f"{call} failed: {message.decode() if message else result}")
+    if result != nvrtc_api.nvrtcResult.NVRTC_SUCCESS:
+        raise NvrtcError(f"{call} failed: {result.name}")
 
 
 @functools.lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    return major.value, minor.value
+    try:
+        from cuda.bindings import nvrtc as nvrtc_api
+
+        result, major, minor = nvrtc_api.nvrtcVersion()
+    except (ImportError, RuntimeError) as err:  # pathfinder's DynamicLibNotFoundError is a RuntimeError
+        raise NvrtcError(
+            f"cannot load NVRTC ({err}): install cuflash's cuda13 extra "
+            "(pip install cuda-core cuda-bindings nvidia-cuda-nvrtc)"
+        ) from err
+    _check(result, "nvrtcVersion")
+    return major, minor
 
 
-# Calls of nvrtcCompileProgram made by this process (cache hits do not count).
+# Programs this process has handed to NVRTC (cache hits do not count).
 _nvrtc_compiles = 0
 
 
@@ -217,51 +151,52 @@ def nvrtc_compile_count() -> int:
     return _nvrtc_compiles
 
 
-def _program_log(lib: ctypes.CDLL, program: ctypes.c_void_p) -> str:
-    size = ctypes.c_size_t()
-    _check(lib.nvrtcGetProgramLogSize(program, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-    buffer = ctypes.create_string_buffer(size.value)
-    _check(lib.nvrtcGetProgramLog(program, buffer), "nvrtcGetProgramLog")
-    return buffer.value.decode("utf-8", errors="replace")
+def _program_log(program) -> str:
+    """The program log, read from NVRTC itself: cuda.core passes it on only after a successful compile,
+    and puts a failed one's into its exception's message."""
+    from cuda.bindings import nvrtc as nvrtc_api
+
+    result, size = nvrtc_api.nvrtcGetProgramLogSize(program.handle)
+    _check(result, "nvrtcGetProgramLogSize")
+    buffer = b" " * size
+    (result,) = nvrtc_api.nvrtcGetProgramLog(program.handle, buffer)
+    _check(result, "nvrtcGetProgramLog")
+    return buffer.rstrip(b"\0").decode("utf-8", errors="replace")
 
 
-def _run_nvrtc(instance: KernelInstance, arch: str, options: Sequence[str]) -> tuple[bytes, str, str]:
+def _compile_program(source: str, options, name_expr: str):
+    """cuda.core compiles one program: returns (ObjectCode, or None when NVRTC failed; the log; the failure's text).
+
+    Returns instead of raising so that no traceback keeps the Program alive: cuda.core 1.2's
+    Program.__dealloc__ fails (an "Exception ignored" warning) when the garbage collector frees
+    it out of a reference cycle, which an exception held by its caller easily makes.
+    """
+    from cuda.core import Program
+
+    program = Program(source, "c++", options)
+    try:
+        try:
+            object_code = program.compile("cubin", name_expressions=(name_expr,))
+        except Exception as failure:  # cuda.core's NVRTCError is not public; every failure here is NVRTC's
+            return None, _program_log(program), str(failure)
+        return object_code, _program_log(program), ""
+    finally:
+        program.close()
+
+
+def _run_nvrtc(instance: KernelInstance, arch: str, include_dirs: Sequence[Path]) -> tuple[bytes, str, str]:
     """One NVRTC program for one instance: returns (cubin, lowered name, log) or raises CompileError."""
     global _nvrtc_compiles
-    lib = _nvrtc()
     source_path = instance.source_path.resolve()
-    source = source_path.read_bytes()
-    program = ctypes.c_void_p()
     # The absolute path as the program name: NVRTC then resolves quoted includes
     # relative to the source file's own folder (as nvcc does) and diagnostics
     # name the real file.
-    _check(
-        lib.nvrtcCreateProgram(ctypes.byref(program), source, str(source_path).encode(), 0, None, None),
-        "nvrtcCreateProgram",
-    )
-    try:
-        name_expr = instance.name_expr.encode()
-        _check(lib.nvrtcAddNameExpression(program, name_expr), f"nvrtcAddNameExpression({instance.name_expr!r})")
-        encoded = [option.encode() for option in options]
-        argv = (ctypes.c_char_p * len(encoded))(*encoded)
-        _nvrtc_compiles += 1
-        result = lib.nvrtcCompileProgram(program, len(encoded), argv)
-        log = _program_log(lib, program)
-        if result != 0:
-            reason = lib.nvrtcGetErrorString(result).decode()
-            raise CompileError(instance, arch, log if log.strip() else reason)
-        lowered = ctypes.c_char_p()
-        _check(
-            lib.nvrtcGetLoweredName(program, name_expr, ctypes.byref(lowered)),
-            f"nvrtcGetLoweredName({instance.name_expr!r})",
-        )
-        size = ctypes.c_size_t()
-        _check(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        cubin = ctypes.create_string_buffer(size.value)
-        _check(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-        return cubin.raw, lowered.value.decode(), log
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(program))
+    options = program_options(arch, include_dirs, name=str(source_path))
+    _nvrtc_compiles += 1
+    object_code, log, failure = _compile_program(source_path.read_text(encoding="utf-8"), options, instance.name_expr)
+    if object_code is None:
+        raise CompileError(instance, arch, log if log.strip() else failure)
+    return bytes(object_code.code), object_code.symbol_mapping[instance.name_expr].decode(), log
 
 
 # ---------------------------------------------------------------------------
@@ -330,10 +265,20 @@ def parse_resources(log: str, lowered_name: str, arch: str) -> Resources:
 _CUBINS = BuildCache("nvrtc")
 
 
-def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
+def program_options(arch: str, include_dirs: Sequence[Path], name: str | None = None):
+    """cuda.core's ProgramOptions for one arch (see the module docstring for each choice)."""
     if not re.fullmatch(r"sm_\d+[af]?", arch):
         raise ValueError(f"arch must be a real architecture like 'sm_80' or 'sm_90a', got {arch!r}")
-    return [f"-arch={arch}", *COMPILE_OPTIONS, *(f"-I{d}" for d in include_dirs)]
+    from cuda.core import ProgramOptions
+
+    return ProgramOptions(name=name, arch=arch, std="c++17", ptxas_options="-v", lineinfo=True,
+                          define_macro="NDEBUG", include_path=[str(d) for d in include_dirs])
+
+
+def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
+    """The NVRTC command line cuda.core makes of program_options: what the cache key and the manifest record,
+    so a cuda-core release that spells the options differently also makes new entries."""
+    return [option.decode() for option in program_options(arch, include_dirs).as_bytes("nvrtc", "cubin")]
 
 
 def _include_dirs() -> list[Path]:
@@ -356,16 +301,16 @@ def cache_key(instance: KernelInstance, arch: str) -> str:
 
 def _compile_into(workdir: Path, key: str, instance: KernelInstance, arch: str) -> dict:
     """NVRTC into workdir/<key>.cubin; returns the record the manifest keeps."""
-    options = compile_options(arch, _include_dirs())
+    include_dirs = _include_dirs()
     started = time.perf_counter()
-    cubin, lowered_name, log = _run_nvrtc(instance, arch, options)
+    cubin, lowered_name, log = _run_nvrtc(instance, arch, include_dirs)
     seconds = time.perf_counter() - started
     resources = parse_resources(log, lowered_name, arch)
     (workdir / f"{key}.cubin").write_bytes(cubin)
     return {
         "instance": {"source": instance.source, "name_expr": instance.name_expr},
         "arch": arch,
-        "options": options,
+        "options": compile_options(arch, include_dirs),
         "lowered_name": lowered_name,
         "log": log,
         "resources": asdict(resources),
@@ -556,35 +501,12 @@ def _worker_main() -> None:
 # SASS inspection.
 
 
-def cuobjdump_path() -> Path | None:
-    """cuobjdump: CUFLASH_CUOBJDUMP, else the nvidia-cuda-cuobjdump wheel, else PATH."""
-    override = os.environ.get("CUFLASH_CUOBJDUMP")
-    if override:
-        return Path(override)
-    found = _find_in_wheels("bin/cuobjdump")
-    if found is not None:
-        return found
-    on_path = shutil.which("cuobjdump")
-    return Path(on_path) if on_path else None
+def cuda_tool(name: str) -> Path | None:
+    """cuobjdump or nvdisasm as cuda-pathfinder finds it (the nvidia-cuda-* wheels, conda, CUDA_PATH), else None."""
+    from cuda import pathfinder
 
-
-def nvdisasm_path(cuobjdump: Path | None = None) -> Path | None:
-    """nvdisasm, which cuobjdump 13 runs for --dump-sass: CUFLASH_NVDISASM, beside cuobjdump,
-    the nvidia-cuda-nvdisasm wheel, else PATH."""
-    override = os.environ.get("CUFLASH_NVDISASM")
-    if override:
-        return Path(override)
-    candidates = []
-    if cuobjdump is not None:
-        candidates.append(cuobjdump.parent / "nvdisasm")
-    wheel = _find_in_wheels("bin/nvdisasm")
-    if wheel is not None:
-        candidates.append(wheel)
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate
-    on_path = shutil.which("nvdisasm")
-    return Path(on_path) if on_path else None
+    found = pathfinder.find_nvidia_binary_utility(name)
+    return Path(found) if found else None
 
 
 class SassError(RuntimeError):
@@ -593,8 +515,8 @@ class SassError(RuntimeError):
 
 def dump_sass(compiled: CompiledKernel) -> str | None:
     """SASS of the compiled function, or None when cuobjdump or nvdisasm is not installed."""
-    cuobjdump = cuobjdump_path()
-    nvdisasm = nvdisasm_path(cuobjdump)
+    cuobjdump = cuda_tool("cuobjdump")
+    nvdisasm = cuda_tool("nvdisasm")  # cuobjdump 13 runs it for --dump-sass
     if cuobjdump is None or nvdisasm is None:
         return None
     with tempfile.TemporaryDirectory() as scratch:
@@ -655,46 +577,6 @@ def uses_hmma(compiled: CompiledKernel) -> bool | None:
     if verdict_file is not None:
         write_atomically(verdict_file, b"1" if verdict else b"0")
     return verdict
-
-
-# ---------------------------------------------------------------------------
-# Loading on a GPU (CuPy backend).
-
-# Dynamic shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
-DEFAULT_SMEM_LIMIT_BYTES = 48 * 1024
-
-_loaded: dict[tuple[str, str, int], object] = {}
-_loaded_lock = threading.Lock()
-
-
-def load_function(compiled: CompiledKernel, dynamic_smem_bytes: int | None = None):
-    """The cupy RawKernel for this compiled instance on the current device (cached per device).
-
-    Loads the cached CUBIN file itself (RawModule(path=...)), so the GPU runs
-    the bytes CI compiled. ``dynamic_smem_bytes`` defaults to the launch plan's
-    value; when static + dynamic shared memory exceeds 48 KB, the function's max
-    dynamic shared memory attribute is raised, which CUDA requires before launch.
-    """
-    import cupy
-
-    if dynamic_smem_bytes is None:
-        from . import catalog
-
-        dynamic_smem_bytes = catalog.dynamic_smem_bytes(compiled.instance)
-    device = cupy.cuda.Device().id
-    key = (compiled.cubin_path, compiled.lowered_name, device)
-    with _loaded_lock:
-        function = _loaded.get(key)
-        if function is None:
-            if Path(compiled.cubin_path).read_bytes() != compiled.cubin:
-                raise RuntimeError(f"{compiled.cubin_path} no longer holds the compiled bytes of {compiled.instance}")
-            module = cupy.RawModule(path=compiled.cubin_path)
-            function = module.get_function(compiled.lowered_name)
-            _loaded[key] = function
-        if compiled.resources.static_smem_bytes + dynamic_smem_bytes > DEFAULT_SMEM_LIMIT_BYTES:
-            if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
-                function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
-    return function
 
 
 if __name__ == "__main__":
