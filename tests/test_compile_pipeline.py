@@ -61,14 +61,14 @@ needs_sass = pytest.mark.skipif(
 ])
 def test_template_instance_compiles_with_resources(shared_cache, arch, name_expr, mangled_prefix, smem):
     compiled = nvrtc.compile_instance(probe(name_expr), arch)
-    assert compiled.cubin[:4] == b"\x7fELF"
+    assert compiled.code[:4] == b"\x7fELF"
     assert compiled.lowered_name.startswith(mangled_prefix)
     assert f"Compiling entry function '{compiled.lowered_name}' for '{arch}'" in compiled.log
     assert compiled.resources.registers > 0
     assert compiled.resources.barriers == 1  # the one __syncthreads
     assert compiled.resources.static_smem_bytes == smem  # Elements * sizeof(T)
     assert compiled.resources.spill_store_bytes == compiled.resources.spill_load_bytes == 0
-    assert Path(compiled.cubin_path).read_bytes() == compiled.cubin
+    assert Path(compiled.code_path).read_bytes() == compiled.code
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -146,9 +146,11 @@ def test_compile_error_pickles():
     assert (clone.instance, clone.arch, clone.log) == (error.instance, error.arch, error.log)
 
 
-def test_bad_arch_is_rejected_before_compiling():
+@pytest.mark.parametrize("bad", ["sm80", "90", "compute-90", "lto_90"])
+def test_bad_arch_is_rejected_before_compiling(bad):
+    """sm_XX (a CUBIN) and compute_XX (PTX) are the two forms; anything else is refused before NVRTC runs."""
     with pytest.raises(ValueError, match="real architecture"):
-        nvrtc.compile_options("compute_80", [])
+        nvrtc.compile_options(bad, [])
 
 
 # ---- the disk cache ------------------------------------------------------------
@@ -182,12 +184,12 @@ def test_cache_hit_in_another_process(fresh_cache):
         "from cuflash.kernels import nvrtc\n"
         "from cuflash.kernels.program import KernelInstance\n"
         f"c = nvrtc.compile_instance(KernelInstance({str(PROBES)!r}, {instance.name_expr!r}), 'sm_90')\n"
-        "print(nvrtc.nvrtc_compile_count(), c.cubin_path)\n"
+        "print(nvrtc.nvrtc_compile_count(), c.code_path)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True).stdout
     count, path = out.split()
-    assert count == "0" and path == first.cubin_path
+    assert count == "0" and path == first.code_path
 
 
 def test_source_edit_or_corrupt_entry_recompiles(fresh_cache, tmp_path):
@@ -218,10 +220,10 @@ def test_source_edit_or_corrupt_entry_recompiles(fresh_cache, tmp_path):
     assert edited.resources.static_smem_bytes == 416
 
     # A cubin that no longer matches its record is rebuilt, not trusted.
-    Path(edited.cubin_path).write_bytes(b"garbage")
+    Path(edited.code_path).write_bytes(b"garbage")
     rebuilt = nvrtc.compile_instance(instance, "sm_80")
     assert nvrtc.nvrtc_compile_count() == count + 3
-    assert rebuilt.cubin == edited.cubin == Path(rebuilt.cubin_path).read_bytes()
+    assert rebuilt.code == edited.code == Path(rebuilt.code_path).read_bytes()
 
 
 def test_cache_key_follows_includes_into_cuda_src(monkeypatch, tmp_path):
@@ -256,7 +258,7 @@ def test_cache_key_follows_includes_into_cuda_src(monkeypatch, tmp_path):
 def test_concurrent_compiles_of_one_entry_agree(fresh_cache):
     instance = probe("register_pressure_probe<16, 255>")
     results = nvrtc.compile_many([instance, instance, instance], ["sm_80"], jobs=2)
-    assert len({r.cubin for r in results}) == 1
+    assert len({r.code for r in results}) == 1
     assert len(list(fresh_cache.glob("*.cubin"))) == 1
     assert not list(fresh_cache.glob("*.tmp"))
     # Threads in one process, too.
@@ -266,7 +268,7 @@ def test_concurrent_compiles_of_one_entry_agree(fresh_cache):
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(outputs) == 3 and len({o.cubin for o in outputs}) == 1
+    assert len(outputs) == 3 and len({o.code for o in outputs}) == 1
 
 
 def test_compile_many_keeps_order_and_collects_errors(fresh_cache):
@@ -476,19 +478,20 @@ def test_report_command_line_on_the_real_catalog():
 
 
 class _FakeFunction:
-    def __init__(self, name):
+    def __init__(self, name, static_smem_bytes):
         self.name = name
-        self.max_dynamic_shared_size_bytes = 0
+        # What cuFuncGetAttribute reports before any opt-in: 48 KB less the static shared memory.
+        self.max_dynamic_shared_size_bytes = 48 * 1024 - static_smem_bytes
 
 
-def _fake_cupy(device_id, loads):
+def _fake_cupy(device_id, loads, static_smem_bytes):
     class RawModule:
         def __init__(self, *, path):
             self.path = path
             loads.append(path)
 
         def get_function(self, name):
-            return _FakeFunction(name)
+            return _FakeFunction(name, static_smem_bytes)
 
     return types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=device_id[0])))
 
@@ -496,15 +499,15 @@ def _fake_cupy(device_id, loads):
 def test_load_function_loads_cached_cubin_and_raises_smem_limit(shared_cache, monkeypatch):
     compiled = nvrtc.compile_instance(probe("static_smem_probe<float, 96>"), "sm_80")
     device, loads = [0], []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(device, loads))
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(device, loads, compiled.resources.static_smem_bytes))
     monkeypatch.setattr(cupy_gpu, "_loaded", {})
 
     small = cupy_gpu.load_function(compiled, dynamic_smem_bytes=1024)
-    assert loads == [compiled.cubin_path] and small.name == compiled.lowered_name
-    assert small.max_dynamic_shared_size_bytes == 0  # under 48 KB: no opt-in needed
+    assert loads == [compiled.code_path] and small.name == compiled.lowered_name
+    assert small.max_dynamic_shared_size_bytes == 48 * 1024 - 384  # under 48 KB in total: no opt-in needed
     # 384 static + 48 KB - 100 dynamic crosses 48 KB in total: opt in.
     big = cupy_gpu.load_function(compiled, dynamic_smem_bytes=48 * 1024 - 100)
-    assert big is small and loads == [compiled.cubin_path]
+    assert big is small and loads == [compiled.code_path]
     assert big.max_dynamic_shared_size_bytes == 48 * 1024 - 100
     device[0] = 1
     other_device = cupy_gpu.load_function(compiled, dynamic_smem_bytes=0)
@@ -522,11 +525,14 @@ def _gpu_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs a CUDA GPU")
-def test_loaded_cubin_runs_on_gpu(shared_cache):
+@pytest.mark.parametrize("form", ["cubin", "ptx"])
+def test_loaded_code_runs_on_gpu(shared_cache, form):
+    """The device's CUBIN, and PTX for sm_80 (the toolchain's fallback form), which the driver compiles at load."""
     import cupy
 
-    arch = "sm_" + cupy.cuda.Device().compute_capability  # e.g. "80"
+    arch = "sm_" + cupy.cuda.Device().compute_capability if form == "cubin" else "compute_80"
     compiled = nvrtc.compile_instance(probe("register_pressure_probe<16, 255>"), arch)
+    assert compiled.form == form
     kernel = cupy_gpu.load_function(compiled, dynamic_smem_bytes=0)
     threads = 64
     values = np.random.default_rng(0).standard_normal(threads * 16).astype(np.float32)

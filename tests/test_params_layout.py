@@ -40,7 +40,7 @@ def test_mirror_matches_nvrtc_layout(tmp_path):
         "namespace probe { template <int N> __global__ void layout_probe(const cuflash::AttentionParams p) {} }\n"
     )
     compiled = nvrtc.compile_instance(KernelInstance(str(source), "probe::layout_probe<0>"), "sm_80")
-    assert compiled.cubin
+    assert compiled.code
 
 
 def test_pack_params_round_trip():

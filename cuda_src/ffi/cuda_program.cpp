@@ -141,7 +141,8 @@ ffi::Error CudaError(const Driver& driver, CUresult result, const std::string& w
                              (text ? text : "CUDA error " + std::to_string(static_cast<int>(result))));
 }
 
-struct Cubin {
+// What cuModuleLoadData takes: a CUBIN, or NUL-terminated PTX the driver compiles (kernels/toolchain.py).
+struct ModuleImage {
   std::string lowered_name;
   std::vector<unsigned char> image;
 };
@@ -155,10 +156,10 @@ std::mutex& StateMutex() {
   static std::mutex mutex;
   return mutex;
 }
-// (name expression, arch) -> CUBIN.
-std::map<std::pair<std::string, std::string>, std::shared_ptr<const Cubin>>& Cubins() {
-  static std::map<std::pair<std::string, std::string>, std::shared_ptr<const Cubin>> cubins;
-  return cubins;
+// (name expression, device arch) -> the module image NVRTC built for that device.
+std::map<std::pair<std::string, std::string>, std::shared_ptr<const ModuleImage>>& ModuleImages() {
+  static std::map<std::pair<std::string, std::string>, std::shared_ptr<const ModuleImage>> images;
+  return images;
 }
 // (context, name expression) -> function loaded in that context. Modules are never unloaded.
 std::map<std::pair<CUcontext, std::string>, LoadedKernel>& Loaded() {
@@ -214,7 +215,7 @@ ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const Kern
                              std::string* missing_arch);
 
 // A kernel this process never lowered (a deserialized executable) is compiled and registered by the Python
-// resolver, called without the lock (it registers through cuflash_ffi_register_cubin).
+// resolver, called without the lock (it registers through cuflash_ffi_register_module_image).
 ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaunch& launch, CUfunction* function) {
   std::string missing_arch;
   {
@@ -245,18 +246,18 @@ ffi::Error GetFunctionLocked(const Driver& driver, CUcontext context, const Kern
   if (it == Loaded().end()) {
     std::string arch;
     if (ffi::Error error = ContextArchLocked(driver, context, &arch); error.failure()) return error;
-    auto cubin = Cubins().find({launch.name, arch});
-    if (cubin == Cubins().end()) {
+    auto image = ModuleImages().find({launch.name, arch});
+    if (image == ModuleImages().end()) {
       *missing_arch = arch;
       return ffi::Error::Success();
     }
     CUmodule module;
-    if (CUresult r = driver.ModuleLoadData(&module, cubin->second->image.data()); r != CUDA_SUCCESS)
+    if (CUresult r = driver.ModuleLoadData(&module, image->second->image.data()); r != CUDA_SUCCESS)
       return CudaError(driver, r, "cuModuleLoadData of " + launch.name + " for " + arch);
     LoadedKernel kernel;
-    if (CUresult r = driver.ModuleGetFunction(&kernel.function, module, cubin->second->lowered_name.c_str());
+    if (CUresult r = driver.ModuleGetFunction(&kernel.function, module, image->second->lowered_name.c_str());
         r != CUDA_SUCCESS)
-      return CudaError(driver, r, "cuModuleGetFunction(" + cubin->second->lowered_name + ")");
+      return CudaError(driver, r, "cuModuleGetFunction(" + image->second->lowered_name + ")");
     it = Loaded().emplace(key, kernel).first;
   }
   LoadedKernel& kernel = it->second;
@@ -440,21 +441,21 @@ unsigned long long cuflash_ffi_cuda_instantiations(void) {
   return cuflash::ffi_handlers::CudaInstantiations().load();
 }
 
-void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,
-                                const void* cubin, unsigned long long cubin_size) {
+void cuflash_ffi_register_module_image(const char* name_expr, const char* arch, const char* lowered_name,
+                                       const void* image, unsigned long long image_size) {
   using namespace cuflash::ffi_handlers;
-  auto entry = std::make_shared<Cubin>();
+  auto entry = std::make_shared<ModuleImage>();
   entry->lowered_name = lowered_name;
-  const auto* bytes = static_cast<const unsigned char*>(cubin);
-  entry->image.assign(bytes, bytes + cubin_size);
+  const auto* bytes = static_cast<const unsigned char*>(image);
+  entry->image.assign(bytes, bytes + image_size);
   std::lock_guard<std::mutex> lock(StateMutex());
-  Cubins()[{name_expr, arch}] = std::move(entry);
+  ModuleImages()[{name_expr, arch}] = std::move(entry);
 }
 
-int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch) {
+int cuflash_ffi_module_image_registered(const char* name_expr, const char* arch) {
   using namespace cuflash::ffi_handlers;
   std::lock_guard<std::mutex> lock(StateMutex());
-  return Cubins().count({name_expr, arch}) ? 1 : 0;
+  return ModuleImages().count({name_expr, arch}) ? 1 : 0;
 }
 
 const char* cuflash_ffi_cuda_driver_status(void) { return cuflash::ffi_handlers::LoadDriver().status.c_str(); }
@@ -466,8 +467,8 @@ const char* cuflash_ffi_cuda_driver_status(void) { return cuflash::ffi_handlers:
 extern "C" {
 int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle*) { return 0; }
 unsigned long long cuflash_ffi_cuda_instantiations(void) { return 0; }
-void cuflash_ffi_register_cubin(const char*, const char*, const char*, const void*, unsigned long long) {}
-int cuflash_ffi_cubin_registered(const char*, const char*) { return 0; }
+void cuflash_ffi_register_module_image(const char*, const char*, const char*, const void*, unsigned long long) {}
+int cuflash_ffi_module_image_registered(const char*, const char*) { return 0; }
 const char* cuflash_ffi_cuda_driver_status(void) {
   return "the cuflash FFI library was built without the CUDA driver API header (install nvidia-cuda-runtime)";
 }

@@ -57,11 +57,12 @@ int cuflash_ffi_sim_recorded_count(void);
 /* Copies record `index` into *record: 1 on success, 0 when index is out of range. */
 int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record);
 
-/* CUDA registry: (kernel name expression, "sm_XY") -> the CUBIN NVRTC built and the
-   lowered (mangled) name of the kernel in it. The bytes are copied. */
-void cuflash_ffi_register_cubin(const char* name_expr, const char* arch, const char* lowered_name,
-                                const void* cubin, unsigned long long cubin_size);
-int cuflash_ffi_cubin_registered(const char* name_expr, const char* arch);
+/* CUDA registry: (kernel name expression, the device's "sm_XY") -> the module image NVRTC built for
+   that device (its CUBIN, or NUL-terminated PTX for a GPU newer than NVRTC) and the lowered (mangled)
+   name of the kernel in it. The bytes are copied. */
+void cuflash_ffi_register_module_image(const char* name_expr, const char* arch, const char* lowered_name,
+                                       const void* image, unsigned long long image_size);
+int cuflash_ffi_module_image_registered(const char* name_expr, const char* arch);
 
 /* Resolver for kernels this process never lowered (an executable deserialized from jax.export): the handlers'
    instantiate stages call it with the kernel's name expression and "sim" (CPU) or "sm_XY" (CUDA) when their

@@ -2,8 +2,9 @@
 
 Deliberately thin: the launch plan, parameter packing and scratch layout are the
 shared ones (cuflash.backends.program); this file only allocates with CuPy,
-loads the cubin NVRTC produced for the device's architecture (byte for byte the
-one the compile report describes) and launches it on the current stream.
+loads the code NVRTC produced for the device (kernels.toolchain's choice: the
+CUBIN for its arch, byte for byte the one the compile report describes, or PTX
+for a GPU newer than NVRTC) and launches it on the current stream.
 Covered by tests marked ``gpu``.
 """
 
@@ -16,9 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..kernels.program import KernelInstance
-from ..kernels import targets
-from ..kernels.program import LaunchPlan
+from ..kernels import targets, toolchain
+from ..kernels.program import KernelInstance, LaunchPlan
 
 
 class CupyBackend:
@@ -31,12 +31,13 @@ class CupyBackend:
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
         # compute_capability is a string such as "80" or "90"; plans respect the device's opt-in limit.
-        capability = device.compute_capability
+        major, minor = int(device.compute_capability[:-1]), int(device.compute_capability[-1])
         self.target = targets.for_device(
-            int(capability[:-1]), int(capability[-1]), device.attributes.get("MaxSharedMemoryPerBlockOptin"),
+            major, minor, device.attributes.get("MaxSharedMemoryPerBlockOptin"),
             device.attributes.get("MultiProcessorCount"),
         )
-        self.arch = "sm_" + capability
+        # Before any kernel is compiled: a ToolchainError names the driver, the arch and what to install.
+        self.code = toolchain.code_for_device(major, minor)
 
     def device(self):
         """Allocate and launch on the inputs' GPU, not whichever device is current."""
@@ -58,7 +59,7 @@ class CupyBackend:
         return int(array.data.ptr)
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence) -> None:
-        kernel = function(plan.kernel, plan.dynamic_smem_bytes, self.arch, self.device_id)
+        kernel = function(plan.kernel, plan.dynamic_smem_bytes, self.code.compile_arch, self.device_id)
         threads = int(np.prod(plan.block))
         if threads > kernel.max_threads_per_block:  # the simulator refuses the same launch
             raise RuntimeError(f"launch plan gives {plan.kernel.name_expr} a block of {threads} threads, more than "
@@ -68,16 +69,13 @@ class CupyBackend:
 
 @functools.lru_cache(maxsize=None)
 def function(kernel: KernelInstance, dynamic_smem_bytes: int, arch: str, device_id: int):
-    """The loaded kernel on a device (current when called); resolved once per process,
-    since checking the compile cache reads and hashes the kernel's sources."""
+    """The loaded kernel on a device (current when called), compiled for ``arch`` (sm_XX or compute_XX); resolved
+    once per process, since checking the compile cache reads and hashes the kernel's sources."""
     from ..kernels import nvrtc
 
     compiled = nvrtc.compile_instance(kernel, arch)
     return load_function(compiled, dynamic_smem_bytes=dynamic_smem_bytes)
 
-
-# Dynamic shared memory a block may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
-DEFAULT_SMEM_LIMIT_BYTES = 48 * 1024
 
 _loaded: dict[tuple[str, str, int], object] = {}
 _loaded_lock = threading.Lock()
@@ -86,10 +84,10 @@ _loaded_lock = threading.Lock()
 def load_function(compiled, dynamic_smem_bytes: int | None = None):
     """The cupy RawKernel for a ``nvrtc.CompiledKernel`` on the current device (cached per device).
 
-    Loads the cached CUBIN file itself (RawModule(path=...)), so the GPU runs
-    the bytes CI compiled. ``dynamic_smem_bytes`` defaults to the launch plan's
-    value; when static + dynamic shared memory exceeds 48 KB, the function's max
-    dynamic shared memory attribute is raised, which CUDA requires before launch.
+    Loads the cached CUBIN (or PTX) file itself (RawModule(path=...), cuModuleLoad),
+    so the GPU runs the bytes CI compiled. ``dynamic_smem_bytes`` defaults to the
+    launch plan's value; the function's max dynamic shared memory attribute is
+    raised to it when below (48 KB unless raised), which CUDA requires before launch.
     """
     import cupy
 
@@ -98,16 +96,15 @@ def load_function(compiled, dynamic_smem_bytes: int | None = None):
 
         dynamic_smem_bytes = catalog.dynamic_smem_bytes(compiled.instance)
     device = cupy.cuda.Device().id
-    key = (compiled.cubin_path, compiled.lowered_name, device)
+    key = (compiled.code_path, compiled.lowered_name, device)
     with _loaded_lock:
         function = _loaded.get(key)
         if function is None:
-            if Path(compiled.cubin_path).read_bytes() != compiled.cubin:
-                raise RuntimeError(f"{compiled.cubin_path} no longer holds the compiled bytes of {compiled.instance}")
-            module = cupy.RawModule(path=compiled.cubin_path)
+            if Path(compiled.code_path).read_bytes() != compiled.code:
+                raise RuntimeError(f"{compiled.code_path} no longer holds the compiled bytes of {compiled.instance}")
+            module = cupy.RawModule(path=compiled.code_path)
             function = module.get_function(compiled.lowered_name)
             _loaded[key] = function
-        if compiled.resources.static_smem_bytes + dynamic_smem_bytes > DEFAULT_SMEM_LIMIT_BYTES:
-            if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
-                function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
+        if function.max_dynamic_shared_size_bytes < dynamic_smem_bytes:
+            function.max_dynamic_shared_size_bytes = dynamic_smem_bytes
     return function

@@ -13,7 +13,7 @@ handler sources and every file they include (from cuda_src, the XLA FFI and CUDA
 version line and the flags.
 
 Registries: the handlers find kernels by name expression in process-global
-tables of the library; :func:`register_sim_kernel` and :func:`register_cubin`
+tables of the library; :func:`register_sim_kernel` and :func:`register_module_image`
 fill them (cuflash.jax's lowering rules call them), nothing else does.
 
 Stages: each platform's handler is a bundle of two XLA FFI stages (ffi_abi.h):
@@ -36,6 +36,7 @@ from typing import Iterator
 
 from .._build_cache import BuildCache, compiler as _compiler, compiler_identity, content_key
 from .._paths import CUDA_SRC
+from ..kernels import nvrtc
 
 TARGET_NAME = "cuflash_program"
 
@@ -69,16 +70,14 @@ def xla_include_dir() -> Path:
 
 
 def cuda_include_dir() -> Path | None:
-    """The include dir of the nvidia-cuda-runtime wheel (holds cuda.h), or None when absent."""
+    """The CUDA headers (cuda.h, cudaTypedefs.h) the CUDA handler is built with: those cuda-pathfinder finds for
+    NVRTC (the nvidia-cuda-runtime wheel of CUDA 12 or 13, conda, CUDA_PATH); None when there are none, and
+    the library then has the CPU handler only."""
     try:
-        import nvidia
-    except ImportError:
+        found = nvrtc.find_cuda_include_dir()
+    except ImportError:  # no cuda-pathfinder
         return None
-    for root in getattr(nvidia, "__path__", []):
-        candidate = Path(root) / "cu13" / "include"
-        if (candidate / "cuda.h").is_file() and (candidate / "cudaTypedefs.h").is_file():
-            return candidate
-    return None
+    return found if found is not None and (found / "cudaTypedefs.h").is_file() else None
 
 
 def version_flag() -> str:
@@ -249,14 +248,15 @@ def sim_kernel_registered(name_expr: str) -> bool:
     return bool(library().lib.cuflash_ffi_sim_kernel_registered(name_expr.encode()))
 
 
-def register_cubin(name_expr: str, arch: str, lowered_name: str, cubin: bytes) -> None:
-    library().lib.cuflash_ffi_register_cubin(
-        name_expr.encode(), arch.encode(), lowered_name.encode(), cubin, len(cubin)
+def register_module_image(name_expr: str, arch: str, lowered_name: str, image: bytes) -> None:
+    """Register for devices of ``arch`` the code NVRTC built for them (a CUBIN, or NUL-terminated PTX)."""
+    library().lib.cuflash_ffi_register_module_image(
+        name_expr.encode(), arch.encode(), lowered_name.encode(), image, len(image)
     )
 
 
-def cubin_registered(name_expr: str, arch: str) -> bool:
-    return bool(library().lib.cuflash_ffi_cubin_registered(name_expr.encode(), arch.encode()))
+def module_image_registered(name_expr: str, arch: str) -> bool:
+    return bool(library().lib.cuflash_ffi_module_image_registered(name_expr.encode(), arch.encode()))
 
 
 def cuda_driver_status() -> str:

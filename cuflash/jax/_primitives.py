@@ -205,15 +205,23 @@ def local_cuda_archs() -> list[str]:
     return [f"sm_{major}{minor}" for major, minor in local_cuda_capabilities()]
 
 
-def register_cuda_kernels(instances: Sequence[KernelInstance]) -> None:
-    """Compile (through NVRTC's disk cache) and register CUBINs for every local GPU arch."""
-    from ..kernels import nvrtc
+def register_device_code(instance: KernelInstance, device_arch: str) -> None:
+    """Compile (through NVRTC's disk cache) the code kernels.toolchain chooses for devices of ``device_arch``
+    (their CUBIN, or PTX for a GPU newer than NVRTC; a ToolchainError naming the driver, the arch and what to
+    install when there is none) and register it for them."""
+    from ..kernels import nvrtc, toolchain
 
+    code = toolchain.code_for_device(*targets.capability_of(device_arch))
+    compiled = nvrtc.compile_instance(instance, code.compile_arch)
+    _ffi.register_module_image(instance.name_expr, device_arch, compiled.lowered_name, compiled.code)
+
+
+def register_cuda_kernels(instances: Sequence[KernelInstance]) -> None:
+    """Register the code of these kernels for every local GPU arch (while lowering: before anything runs)."""
     for arch in local_cuda_archs():
         for instance in instances:
-            if not _ffi.cubin_registered(instance.name_expr, arch):
-                compiled = nvrtc.compile_instance(instance, arch)
-                _ffi.register_cubin(instance.name_expr, arch, compiled.lowered_name, compiled.cubin)
+            if not _ffi.module_image_registered(instance.name_expr, arch):
+                register_device_code(instance, arch)
 
 
 _REGISTER_KERNELS = {"cpu": register_cpu_kernels, "cuda": register_cuda_kernels}
@@ -229,17 +237,14 @@ def _instances_by_name() -> dict[str, KernelInstance]:
 def resolve_kernel(name_expr: str, target: str) -> bool:
     """Register a kernel the handlers met without this process having lowered a call to it (an executable from
     jax.export or another process's cache): "sim" registers the simulator library's entry in the current checking
-    mode, "sm_XY" the CUBIN NVRTC compiles for that arch. False for a name the catalog does not know."""
+    mode, "sm_XY" the code NVRTC compiles for devices of that arch. False for a name the catalog does not know."""
     instance = _instances_by_name().get(name_expr)
     if instance is None:
         return False
     if target == "sim":
         register_cpu_kernels([instance])
         return True
-    from ..kernels import nvrtc
-
-    compiled = nvrtc.compile_instance(instance, target)
-    _ffi.register_cubin(instance.name_expr, target, compiled.lowered_name, compiled.cubin)
+    register_device_code(instance, target)
     return True
 
 

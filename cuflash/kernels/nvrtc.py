@@ -11,9 +11,15 @@ what CI compiled and measured.
 Resource numbers (registers, spills, stack, static shared memory) come only from
 the ptxas report NVRTC writes into the program log with ``--ptxas-options=-v``.
 
+Two forms of code: a CUBIN for a real architecture (arch=sm_XX: NVRTC runs ptxas,
+which writes the resource report), what CI compiles, measures and every GPU NVRTC
+knows runs; and PTX for a virtual one (arch=compute_XX), the fallback
+kernels.toolchain picks for a GPU newer than the installed NVRTC, which the driver
+compiles when it loads it (no ptxas, so no resource report).
+
 Options and why:
   arch=sm_XX       a real architecture, so NVRTC runs ptxas and can emit a CUBIN
-                   and the ptxas report (compute_XX would stop at PTX).
+                   and the ptxas report (compute_XX stops at PTX).
   std=c++17        the language level the simulator's g++ build shares.
   ptxas -v         the resource report parsed below.
   lineinfo         source lines in the CUBIN for profilers; it does not change code.
@@ -45,7 +51,7 @@ from .._build_cache import BuildCache, Entry, content_key, write_atomically
 from .._paths import CUDA_SRC
 from .program import KernelInstance
 
-# Bump when what a cache entry holds, or how a cubin is compiled, changes.
+# Bump when what a cache entry holds, or how code is compiled, changes (PTX entries differ by their options).
 CACHE_TAG = "nvrtc-cubin-3"
 
 
@@ -89,13 +95,17 @@ class Resources:
 @dataclass(frozen=True)
 class CompiledKernel:
     instance: KernelInstance
-    arch: str
-    cubin: bytes
+    arch: str  # "sm_80" (code is a CUBIN) or "compute_80" (code is NUL-terminated PTX text)
+    code: bytes  # exactly what the driver loads (cuModuleLoad / cuModuleLoadData take either form)
     lowered_name: str
     log: str
-    resources: Resources
-    cubin_path: str  # the cache file holding exactly these bytes (what the CuPy backend loads)
+    resources: Resources | None  # ptxas's report; None for PTX, which ptxas has not seen
+    code_path: str  # the cache file holding exactly these bytes (what the CuPy backend loads)
     compile_seconds: float  # NVRTC wall time when this entry was built (not the cache lookup)
+
+    @property
+    def form(self) -> str:
+        return code_form(self.arch)
 
     @property
     def warnings(self) -> list[str]:
@@ -107,17 +117,58 @@ class CompiledKernel:
 # NVRTC through cuda-core.
 
 
-def cuda_include_dir() -> Path:
-    """Where cuda_fp16.h / cuda_bf16.h live, as cuda-pathfinder finds the CUDA runtime's headers."""
+def code_form(arch: str) -> str:
+    """"cubin" for a real architecture (sm_80, sm_90a), "ptx" for a virtual one (compute_80)."""
+    if re.fullmatch(r"sm_\d+[af]?", arch):
+        return "cubin"
+    if re.fullmatch(r"compute_\d+[af]?", arch):
+        return "ptx"
+    raise ValueError(f"arch must be a real architecture like 'sm_80' or a virtual one like 'compute_80', got {arch!r}")
+
+
+def cuda_wheels(major: int) -> tuple[str, str]:
+    """The pip wheels of NVRTC and of the CUDA headers of a CUDA major version."""
+    suffix = "-cu12" if major == 12 else ""
+    return f"nvidia-cuda-nvrtc{suffix}", f"nvidia-cuda-runtime{suffix}"
+
+
+def find_cuda_include_dir() -> Path | None:
+    """Where cuda.h, cuda_fp16.h and cuda_bf16.h live, as cuda-pathfinder finds the CUDA runtime's headers
+    (the nvidia-cuda-runtime wheel of CUDA 12 or 13, conda, CUDA_PATH); None when there are none."""
     from cuda import pathfinder
 
     found = pathfinder.find_nvidia_header_directory("cudart")
+    return Path(found) if found else None
+
+
+def cuda_headers_version(include_dir: Path) -> tuple[int, int]:
+    """(major, minor) of the CUDA headers in include_dir, from cuda.h's CUDA_VERSION (12090 is 12.9)."""
+    match = re.search(r"^#define\s+CUDA_VERSION\s+(\d+)", (include_dir / "cuda.h").read_text(errors="replace"), re.M)
+    if match is None:
+        raise NvrtcError(f"{include_dir / 'cuda.h'} does not define CUDA_VERSION")
+    return int(match[1]) // 1000, int(match[1]) % 1000 // 10
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dir() -> Path:
+    """The CUDA headers NVRTC compiles with: found by cuda-pathfinder and of NVRTC's own major version
+    (cuda_fp16.h of another CUDA major need not match what that NVRTC understands)."""
+    found = find_cuda_include_dir()
+    major = nvrtc_version()[0]
+    headers_wheel = cuda_wheels(major)[1]
     if found is None:
         raise NvrtcError(
-            "CUDA headers (cuda_fp16.h) not found: install the nvidia-cuda-runtime wheel "
-            "(pip install nvidia-cuda-runtime) or point CUDA_PATH at a CUDA toolkit"
+            f"CUDA headers (cuda_fp16.h) not found: install the {headers_wheel} wheel (pip install "
+            f"'{headers_wheel}>={major}' for NVRTC {major}) or point CUDA_PATH at a CUDA {major} toolkit"
         )
-    return Path(found)
+    headers = cuda_headers_version(found)
+    if headers[0] != major:
+        raise NvrtcError(
+            f"the CUDA headers at {found} are CUDA {headers[0]}.{headers[1]} but NVRTC is "
+            f"{major}.{nvrtc_version()[1]}: install the headers of CUDA {major} (pip install '{headers_wheel}') "
+            f"or NVRTC {headers[0]} ({cuda_wheels(headers[0])[0]})"
+        )
+    return found.resolve()
 
 
 def _check(result, call: str) -> None:
@@ -135,11 +186,22 @@ def nvrtc_version() -> tuple[int, int]:
         result, major, minor = nvrtc_api.nvrtcVersion()
     except (ImportError, RuntimeError) as err:  # pathfinder's DynamicLibNotFoundError is a RuntimeError
         raise NvrtcError(
-            f"cannot load NVRTC ({err}): install cuflash's cuda13 extra "
-            "(pip install cuda-core cuda-bindings nvidia-cuda-nvrtc)"
+            f"cannot load NVRTC ({err}): install cuflash's extra for your driver's CUDA major version, "
+            "pip install 'cuflash[cuda13]' or 'cuflash[cuda12]' (nvidia-smi shows it as 'CUDA Version')"
         ) from err
     _check(result, "nvrtcVersion")
     return major, minor
+
+
+@functools.lru_cache(maxsize=None)
+def supported_archs() -> tuple[int, ...]:
+    """The real architectures this NVRTC compiles for, as numbers (80 is sm_80, 120 is sm_120), ascending."""
+    from cuda.bindings import nvrtc as nvrtc_api
+
+    nvrtc_version()  # a clear error when NVRTC is missing
+    result, archs = nvrtc_api.nvrtcGetSupportedArchs()
+    _check(result, "nvrtcGetSupportedArchs")
+    return tuple(sorted(int(arch) for arch in archs))
 
 
 # Programs this process has handed to NVRTC (cache hits do not count).
@@ -165,7 +227,8 @@ def _program_log(program) -> str:
 
 
 def _compile_program(source: str, options, name_expr: str):
-    """cuda.core compiles one program: returns (ObjectCode, or None when NVRTC failed; the log; the failure's text).
+    """cuda.core compiles one program to CUBIN: returns (ObjectCode, or None when NVRTC failed; the log; the
+    failure's text).
 
     Returns instead of raising so that no traceback keeps the Program alive: cuda.core 1.2's
     Program.__dealloc__ fails (an "Exception ignored" warning) when the garbage collector frees
@@ -184,16 +247,55 @@ def _compile_program(source: str, options, name_expr: str):
         program.close()
 
 
+def _compile_ptx(source: str, options, name_expr: str) -> tuple[bytes | None, str, str]:
+    """NVRTC compiles one program to PTX through cuda-bindings: returns (NUL-terminated PTX or None when NVRTC
+    failed, the lowered name, the log).
+
+    Not through cuda.core: its compile("ptx") asks the driver whether it could load the result, so it cannot
+    run on a machine without one, where CI checks this fallback. The options are cuda.core's own spelling.
+    """
+    from cuda.bindings import nvrtc as nvrtc_api
+
+    result, program = nvrtc_api.nvrtcCreateProgram(source.encode(), options.name.encode(), 0, [], [])
+    _check(result, "nvrtcCreateProgram")
+    try:
+        _check(nvrtc_api.nvrtcAddNameExpression(program, name_expr.encode())[0], "nvrtcAddNameExpression")
+        flags = options.as_bytes("nvrtc", "ptx")
+        (compiled,) = nvrtc_api.nvrtcCompileProgram(program, len(flags), flags)
+        result, size = nvrtc_api.nvrtcGetProgramLogSize(program)
+        _check(result, "nvrtcGetProgramLogSize")
+        buffer = b" " * size
+        _check(nvrtc_api.nvrtcGetProgramLog(program, buffer)[0], "nvrtcGetProgramLog")
+        log = buffer.rstrip(b"\0").decode("utf-8", errors="replace")
+        if compiled != nvrtc_api.nvrtcResult.NVRTC_SUCCESS:
+            return None, "", log or compiled.name
+        result, lowered = nvrtc_api.nvrtcGetLoweredName(program, name_expr.encode())
+        _check(result, "nvrtcGetLoweredName")
+        result, size = nvrtc_api.nvrtcGetPTXSize(program)
+        _check(result, "nvrtcGetPTXSize")
+        ptx = b" " * size
+        _check(nvrtc_api.nvrtcGetPTX(program, ptx)[0], "nvrtcGetPTX")
+        return ptx.rstrip(b"\0") + b"\0", lowered.decode(), log
+    finally:
+        nvrtc_api.nvrtcDestroyProgram(program)
+
+
 def _run_nvrtc(instance: KernelInstance, arch: str, include_dirs: Sequence[Path]) -> tuple[bytes, str, str]:
-    """One NVRTC program for one instance: returns (cubin, lowered name, log) or raises CompileError."""
+    """One NVRTC program for one instance: returns (CUBIN or PTX, lowered name, log) or raises CompileError."""
     global _nvrtc_compiles
     source_path = instance.source_path.resolve()
     # The absolute path as the program name: NVRTC then resolves quoted includes
     # relative to the source file's own folder (as nvcc does) and diagnostics
     # name the real file.
     options = program_options(arch, include_dirs, name=str(source_path))
+    source = source_path.read_text(encoding="utf-8")
     _nvrtc_compiles += 1
-    object_code, log, failure = _compile_program(source_path.read_text(encoding="utf-8"), options, instance.name_expr)
+    if code_form(arch) == "ptx":
+        ptx, lowered_name, log = _compile_ptx(source, options, instance.name_expr)
+        if ptx is None:
+            raise CompileError(instance, arch, log)
+        return ptx, lowered_name, log
+    object_code, log, failure = _compile_program(source, options, instance.name_expr)
     if object_code is None:
         raise CompileError(instance, arch, log if log.strip() else failure)
     return bytes(object_code.code), object_code.symbol_mapping[instance.name_expr].decode(), log
@@ -259,7 +361,7 @@ def parse_resources(log: str, lowered_name: str, arch: str) -> Resources:
 
 
 # ---------------------------------------------------------------------------
-# The disk cache (cuflash._build_cache): entry <key> is <key>.cubin plus its manifest
+# The disk cache (cuflash._build_cache): entry <key> is <key>.cubin or <key>.ptx plus its manifest
 # <key>.json, which keeps the compile's record (lowered name, log, resources).
 
 _CUBINS = BuildCache("nvrtc")
@@ -267,22 +369,21 @@ _CUBINS = BuildCache("nvrtc")
 
 def program_options(arch: str, include_dirs: Sequence[Path], name: str | None = None):
     """cuda.core's ProgramOptions for one arch (see the module docstring for each choice)."""
-    if not re.fullmatch(r"sm_\d+[af]?", arch):
-        raise ValueError(f"arch must be a real architecture like 'sm_80' or 'sm_90a', got {arch!r}")
     from cuda.core import ProgramOptions
 
-    return ProgramOptions(name=name, arch=arch, std="c++17", ptxas_options="-v", lineinfo=True,
+    ptxas = "-v" if code_form(arch) == "cubin" else None  # PTX never reaches ptxas here
+    return ProgramOptions(name=name, arch=arch, std="c++17", ptxas_options=ptxas, lineinfo=True,
                           define_macro="NDEBUG", include_path=[str(d) for d in include_dirs])
 
 
 def compile_options(arch: str, include_dirs: Sequence[Path]) -> list[str]:
     """The NVRTC command line cuda.core makes of program_options: what the cache key and the manifest record,
     so a cuda-core release that spells the options differently also makes new entries."""
-    return [option.decode() for option in program_options(arch, include_dirs).as_bytes("nvrtc", "cubin")]
+    return [option.decode() for option in program_options(arch, include_dirs).as_bytes("nvrtc", code_form(arch))]
 
 
 def _include_dirs() -> list[Path]:
-    return [CUDA_SRC.resolve(), cuda_include_dir().resolve()]
+    return [CUDA_SRC.resolve(), cuda_include_dir()]
 
 
 def cache_key(instance: KernelInstance, arch: str) -> str:
@@ -299,21 +400,25 @@ def cache_key(instance: KernelInstance, arch: str) -> str:
                        extra=[instance.name_expr])
 
 
+def _code_file(key: str, arch: str) -> str:
+    return f"{key}.{code_form(arch)}"
+
+
 def _compile_into(workdir: Path, key: str, instance: KernelInstance, arch: str) -> dict:
-    """NVRTC into workdir/<key>.cubin; returns the record the manifest keeps."""
+    """NVRTC into workdir/<key>.cubin (or .ptx); returns the record the manifest keeps."""
     include_dirs = _include_dirs()
     started = time.perf_counter()
-    cubin, lowered_name, log = _run_nvrtc(instance, arch, include_dirs)
+    code, lowered_name, log = _run_nvrtc(instance, arch, include_dirs)
     seconds = time.perf_counter() - started
-    resources = parse_resources(log, lowered_name, arch)
-    (workdir / f"{key}.cubin").write_bytes(cubin)
+    resources = parse_resources(log, lowered_name, arch) if code_form(arch) == "cubin" else None
+    (workdir / _code_file(key, arch)).write_bytes(code)
     return {
         "instance": {"source": instance.source, "name_expr": instance.name_expr},
         "arch": arch,
         "options": compile_options(arch, include_dirs),
         "lowered_name": lowered_name,
         "log": log,
-        "resources": asdict(resources),
+        "resources": asdict(resources) if resources else None,
         "compile_seconds": seconds,
     }
 
@@ -323,23 +428,23 @@ def _compiled_kernel(instance: KernelInstance, arch: str, entry: Entry) -> Compi
     return CompiledKernel(
         instance=instance,
         arch=arch,
-        cubin=entry.paths[0].read_bytes(),
+        code=entry.paths[0].read_bytes(),
         lowered_name=record["lowered_name"],
         log=record["log"],
-        resources=Resources(**record["resources"]),
-        cubin_path=str(entry.paths[0]),
+        resources=Resources(**record["resources"]) if record["resources"] else None,
+        code_path=str(entry.paths[0]),
         compile_seconds=record["compile_seconds"],
     )
 
 
 def compile_instance(instance: KernelInstance, arch: str) -> CompiledKernel:
-    """Compile one kernel instance for one arch, through the disk cache.
+    """Compile one kernel instance for one arch, through the disk cache: a CUBIN for sm_XX, PTX for compute_XX.
 
     Safe when several processes ask for the same entry at once: one compiles
     under the entry's lock; the others wait and then read it.
     """
     key = cache_key(instance, arch)
-    entry = _CUBINS.get(key, [f"{key}.cubin"], lambda workdir: _compile_into(workdir, key, instance, arch))
+    entry = _CUBINS.get(key, [_code_file(key, arch)], lambda workdir: _compile_into(workdir, key, instance, arch))
     return _compiled_kernel(instance, arch, entry)
 
 
@@ -519,11 +624,13 @@ def dump_sass(compiled: CompiledKernel) -> str | None:
     nvdisasm = cuda_tool("nvdisasm")  # cuobjdump 13 runs it for --dump-sass
     if cuobjdump is None or nvdisasm is None:
         return None
+    if compiled.form != "cubin":
+        raise SassError(f"{compiled.lowered_name} was compiled to PTX for {compiled.arch}: it has no SASS yet")
     with tempfile.TemporaryDirectory() as scratch:
-        cubin_file = Path(compiled.cubin_path)
-        if not cubin_file.exists() or cubin_file.read_bytes() != compiled.cubin:
+        cubin_file = Path(compiled.code_path)
+        if not cubin_file.exists() or cubin_file.read_bytes() != compiled.code:
             cubin_file = Path(scratch) / "kernel.cubin"
-            cubin_file.write_bytes(compiled.cubin)
+            cubin_file.write_bytes(compiled.code)
         environment = dict(os.environ, NVDISASM_PATH=str(nvdisasm.parent))
         run = subprocess.run(
             [str(cuobjdump), "--dump-sass", "--function", compiled.lowered_name, str(cubin_file)],
@@ -547,9 +654,9 @@ _HMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.MULTI
 
 def _verdict_path(compiled: CompiledKernel) -> Path | None:
     """Where the HMMA verdict for a cache entry is kept (None if the entry no longer holds these bytes)."""
-    cubin_file = Path(compiled.cubin_path)
+    cubin_file = Path(compiled.code_path)
     try:
-        if cubin_file.read_bytes() != compiled.cubin:
+        if cubin_file.read_bytes() != compiled.code:
             return None
     except OSError:
         return None

@@ -8,6 +8,9 @@ block, whether the SASS uses tensor cores (HMMA), the NVRTC compile time, and th
 blocks per SM those numbers and the arch's published limits allow (cuflash/kernels/targets.py).
 Exits 1 if an instance fails to compile or a plan asks for more shared memory than a block of
 its arch may have (it could never launch there).
+
+It compiles with whichever NVRTC is installed (CUDA 12 or 13): without --arch it reports the
+default archs that NVRTC knows and names those it skips; an --arch it does not know is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import catalog, targets
-from .nvrtc import CompiledKernel, CompileError, compile_many, uses_hmma
+from .nvrtc import CompiledKernel, CompileError, compile_many, nvrtc_version, supported_archs, uses_hmma
 from .program import KernelInstance
 
 JSON_KEYS = (
@@ -105,6 +108,18 @@ def build_report(
     return rows, errors
 
 
+def archs_to_report(requested: Sequence[str] | None, known: Sequence[int]) -> tuple[list[str], list[str]]:
+    """(archs to compile, default archs skipped) for NVRTC knowing ``known`` (80 is sm_80); ``requested`` None
+    means the defaults. A requested arch NVRTC does not know is a ValueError."""
+    archs = list(DEFAULT_ARCHS if requested is None else requested)
+    unknown = [arch for arch in archs if targets.arch_number(arch) not in known]
+    if requested is not None and unknown:
+        major, minor = nvrtc_version()
+        raise ValueError(f"NVRTC {major}.{minor} cannot compile for {', '.join(unknown)} (it knows "
+                         f"{', '.join(f'sm_{a}' for a in known)}): install a newer NVRTC or leave these out")
+    return [arch for arch in archs if arch not in unknown], unknown
+
+
 def _yes_no(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
 
@@ -154,14 +169,22 @@ def format_table(rows: Sequence[ReportRow]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash.kernels report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=list(targets.TARGETS),
-                        help="real GPU archs (default: " + " ".join(DEFAULT_ARCHS) + ")")
+    parser.add_argument("--arch", nargs="+", default=None, choices=list(targets.TARGETS),
+                        help="real GPU archs (default: those of " + " ".join(DEFAULT_ARCHS) + " NVRTC knows)")
     parser.add_argument("--json", action="store_true", help="print a JSON list (keys: " + ", ".join(JSON_KEYS) + ")")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     args = parser.parse_args(argv)
 
+    try:
+        archs, skipped = archs_to_report(args.arch, supported_archs())
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if skipped:
+        major, minor = nvrtc_version()
+        print(f"note: NVRTC {major}.{minor} does not know {', '.join(skipped)}: not reported", file=sys.stderr)
     started = time.perf_counter()
-    rows, errors = build_report(args.arch, jobs=args.jobs)
+    rows, errors = build_report(archs, jobs=args.jobs)
     elapsed = time.perf_counter() - started
 
     if args.json:

@@ -22,6 +22,20 @@ KB = 1024
 DEFAULT_ARCH = "sm_80"
 
 
+def capability_of(arch: str) -> tuple[int, int]:
+    """(major, minor) of a real arch's name: sm_90a is (9, 0), sm_120 is (12, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    if not arch.startswith("sm_") or not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"not a real GPU arch name: {arch!r} (expected one like 'sm_90')")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def arch_number(arch: str) -> int:
+    """The number NVRTC lists an arch by (nvrtcGetSupportedArchs): sm_90 is 90, sm_120 is 120."""
+    major, minor = capability_of(arch)
+    return 10 * major + minor
+
+
 @dataclass(frozen=True)
 class Target:
     """One real GPU architecture and its per-block and per-SM limits."""
@@ -38,8 +52,7 @@ class Target:
 
     @property
     def compute_capability(self) -> tuple[int, int]:
-        digits = self.arch.removeprefix("sm_").rstrip("a")
-        return int(digits[:-1]), int(digits[-1])
+        return capability_of(self.arch)
 
     def blocks_per_sm(self, threads: int, registers: int, smem_bytes: int) -> int:
         """Resident blocks per SM of a kernel (0: it cannot launch here)."""

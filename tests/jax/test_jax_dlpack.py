@@ -157,7 +157,7 @@ def test_cuflash_jax_on_a_gpu_matches_the_simulator():
     arch = _primitives.local_cuda_archs()[0]
     problem = Problem("float16", 2, 33, 47, 4, 2, 64, mask=Mask.causal())
     for plan in plans.backward_program("fa2", problem, _primitives.target_for("cuda")).launches:
-        assert _ffi.cubin_registered(plan.kernel.name_expr, arch)
+        assert _ffi.module_image_registered(plan.kernel.name_expr, arch)
     host16 = [np.asarray(x) for x in (q, k, v)]
     out, lse = cuflash.attention(*host16, causal=True, return_lse=True)
     expected = cuflash.attention_backward(weights.astype(np.float16), *host16, out, lse, causal=True)
