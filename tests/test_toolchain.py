@@ -227,15 +227,22 @@ def test_the_cupy_backend_chooses_its_code_when_made(monkeypatch, capability, dr
 
 
 @pytest.mark.gpu
-def test_the_real_device_gets_its_cubin():
+def test_the_real_device_gets_its_cubin_and_plans_for_its_limits():
     import cupy
 
-    capability = cupy.cuda.Device().compute_capability
+    from cuflash.backends.cupy_gpu import CupyBackend
+
+    device = cupy.cuda.Device()
+    capability = device.compute_capability
     choice = toolchain.code_for_device(int(capability[:-1]), int(capability[-1]))
     assert choice.device_arch == "sm_" + capability
     if targets.arch_number(choice.device_arch) in toolchain.installed().supported_archs:
         assert choice.compile_arch == choice.device_arch
     assert toolchain.driver_version()[0] >= toolchain.installed().nvrtc_version[0]
+    backend = CupyBackend(device.id)
+    assert backend.code == choice and backend.target.arch == choice.device_arch
+    assert backend.target.smem_per_block_bytes == device.attributes["MaxSharedMemoryPerBlockOptin"]
+    assert backend.target.sm_count == device.attributes["MultiProcessorCount"]
 
 
 @pytest.mark.gpu

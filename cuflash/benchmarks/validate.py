@@ -2,6 +2,8 @@
 
 Steps, each written to DIR and summarized in DIR/summary.md and DIR/summary.json:
 
+0. the code the device gets (kernels/toolchain.py): the driver's CUDA version, NVRTC's, and
+   whether the device runs its CUBIN or the PTX fallback (a failure names what to install);
 1. the gpu-marked tests of the repository (``tests/``, when cuflash runs from a checkout);
 2. compute-sanitizer's memcheck, racecheck, synccheck and initcheck over
    gpu_workloads' sanitizer grid (every family and variant, small ragged shapes);
@@ -66,6 +68,21 @@ def _tool(name: str) -> str | None:
         if root and candidate.exists():
             return str(candidate)
     return None
+
+
+def step_toolchain(out: Path) -> dict:
+    import cupy
+
+    from ..kernels import toolchain
+
+    capability = cupy.cuda.Device().compute_capability
+    try:
+        choice = toolchain.code_for_device(int(capability[:-1]), int(capability[-1]))
+    except toolchain.ToolchainError as err:
+        return {"status": "fail", "detail": str(err)}
+    driver = toolchain.driver_version()
+    return {"status": "pass", "detail": f"{choice.device_arch} runs {choice.form} for {choice.compile_arch} "
+                                        f"({toolchain.installed().describe()}, driver for CUDA {driver[0]}.{driver[1]})"}
 
 
 def step_tests(out: Path) -> dict:
@@ -206,7 +223,7 @@ def write_summary(out: Path, steps: dict[str, dict], seconds: float) -> Path:
     return path
 
 
-STEPS = {"tests": step_tests, "sanitizer": step_sanitizer, "speed": step_speed, "ncu": step_ncu}
+STEPS = {"toolchain": step_toolchain, "tests": step_tests, "sanitizer": step_sanitizer, "speed": step_speed, "ncu": step_ncu}
 
 
 def main(out: Path, skip: set[str] = frozenset()) -> int:
