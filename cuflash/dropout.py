@@ -40,10 +40,11 @@ def dropout_threshold(dropout_p: float) -> int:
     return min(int(math.floor(dropout_p * 2.0**32)), 2**32 - 1)
 
 
-def seed_words(seed: int) -> np.ndarray:
-    """The kernels' dropout_seed side input: the 64-bit seed as two uint32 words (low first), viewed as float32
-    (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
-    return np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.float32)
+def seed_words(seed: int, first_batch: int = 0, first_head: int = 0) -> np.ndarray:
+    """The kernels' dropout_seed side input (dropout.cuh): the 64-bit seed as two uint32 words (low first), then the
+    global index of the call's first batch and first head (nonzero only for a shard of a larger call), viewed as
+    float32 (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
+    return np.array([seed & 0xFFFFFFFF, seed >> 32, first_batch, first_head], dtype=np.uint32).view(np.float32)
 
 
 def check_dropout_p(dropout_p: Any) -> float:

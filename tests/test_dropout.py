@@ -145,6 +145,30 @@ def test_same_seed_reruns_bitwise_and_another_seed_differs(dtype):
     assert all(np.array_equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_shard_with_its_offsets_drops_what_the_whole_call_drops(monkeypatch, dtype):
+    """The seed buffer's words 2 and 3 (the call's first global batch and head): a call on batches 1..2 and query
+    heads 4..7 of a larger GQA problem, given those offsets, computes bitwise the whole call's slice, forward and
+    backward (what a device's shard does under sharded jit); without them it drops another mask."""
+    from cuflash import api
+    from cuflash.dropout import seed_words
+
+    q, k, v, dout = random_inputs((3, 37, 53, 8, 4, 40), dtype, seed=12)
+    options = dict(causal=True, dropout_p=0.3, dropout_seed=2**36 + 5)
+    whole = cuflash.attention(q, k, v, return_lse=True, **options)
+    whole_grads = cuflash.attention_backward(dout, q, k, v, *whole, deterministic=True, **options)
+    rows, heads, kv_heads = slice(1, 3), slice(4, 8), slice(2, 4)  # query heads 4..7 are kv heads 2..3's groups
+    part = [x[rows, :, h] for x, h in ((q, heads), (k, kv_heads), (v, kv_heads), (dout, heads))]
+    unshifted = cuflash.attention(*part[:3], return_lse=True, **options)
+    assert not np.array_equal(unshifted[0], whole[0][rows, :, heads])
+    monkeypatch.setattr(api, "seed_words", lambda seed: seed_words(seed, 1, 4))
+    out, lse = cuflash.attention(*part[:3], return_lse=True, **options)
+    assert np.array_equal(out, whole[0][rows, :, heads]) and np.array_equal(lse, whole[1][rows, heads])
+    grads = cuflash.attention_backward(part[3], *part[:3], out, lse, deterministic=True, **options)
+    for got, want, h in zip(grads, whole_grads, (heads, kv_heads, kv_heads)):
+        assert np.array_equal(got, want[rows, :, h])
+
+
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 

@@ -12,13 +12,18 @@
 // Kept probabilities are scaled by 1 / (1 - dropout_p) (AttentionParams::dropout_rescale); the lse is not
 // changed by dropout (it normalizes the softmax before anything is dropped).
 //
-// Traffic: with dropout every thread also reads the 8-byte seed (once per kernel in the SIMT kernels, once per K/V
-// block in the tensor-core forward and per Q block and strip in its backward: L1 hits on a GPU, kept out of
+// batch and head are global: a call that holds only a shard of the batch or of the heads (a device's part of a
+// call partitioned under sharded jit) adds the global index of its first batch and first head, so every shard
+// drops exactly the elements the whole call drops.
+//
+// Traffic: with dropout every thread also reads the 16-byte seed buffer (once per kernel in the SIMT kernels, once
+// per K/V block in the tensor-core forward and per Q block and strip in its backward: L1 hits on a GPU, kept out of
 // registers there because those kernels run at the register limit). The kernels' traffic formulas are for
 // attention without dropout.
 //
-// The seed is a side input (AttentionParams::dropout_seed: two 32-bit words, low first, in a float32-typed
-// buffer) rather than a scalar so that JAX can pass a traced seed drawn from a PRNG key under jit.
+// The seed is a side input (AttentionParams::dropout_seed: four 32-bit words in a float32-typed buffer: the seed,
+// low word first, then the call's first global batch and head, 0 unless the call is a shard) rather than scalars
+// so that JAX can pass a traced seed drawn from a PRNG key, and a shard's offsets from its mesh position, under jit.
 #pragma once
 
 #include "arch/arch.cuh"
@@ -55,11 +60,13 @@ struct Dropout {
   int batch;
   int head;
 
-  // batch is the sequence index (for varlen too), head the query head.
+  // batch is the call's sequence index (for varlen too), head its query head; the seed buffer's words 2 and 3
+  // make them global.
   __device__ __forceinline__ static Dropout of(const AttentionParams& p, int batch, int head) {
     if (p.dropout_threshold == 0u) return Dropout{0u, 0u, 0u, 1.f, batch, head};
     const unsigned* seed = reinterpret_cast<const unsigned*>(p.dropout_seed);
-    return Dropout{arch::load(seed), arch::load(seed + 1), p.dropout_threshold, p.dropout_rescale, batch, head};
+    return Dropout{arch::load(seed), arch::load(seed + 1), p.dropout_threshold, p.dropout_rescale,
+                   batch + static_cast<int>(arch::load(seed + 2)), head + static_cast<int>(arch::load(seed + 3))};
   }
 
   // Block-uniform: kernels skip the element work when dropout is off.

@@ -47,8 +47,9 @@ def attention(
     dropout_p > 0; it may be traced): the kernels' 64-bit dropout seed is drawn from it
     (``dropout_seed(rng)`` gives it as an int, so ``cuflash.dropout_mask(dropout_seed(rng), ...)`` is the
     mask applied). Under vmap each mapped element runs its own call with dropout (the mask depends on the
-    batch index), so vmap equals a loop; under shard_map fold the shard's index into the key, or every
-    shard drops the same pattern. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    batch index), so vmap equals a loop; under plain jit over sharded inputs each shard drops what the whole
+    call drops (the kernels get its first global batch and head); under shard_map fold the shard's index into
+    the key, or every shard drops the same pattern. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 
     Arguments are checked when the call is traced, with the same checks and messages
     as ``cuflash.attention``. Works under ``jit``, ``grad``/``vjp`` (the backward runs
@@ -185,7 +186,7 @@ def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
     side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
     if problem.dropout_p > 0.0:
-        side += (jax.lax.bitcast_convert_type(_seed_bits(_check_rng(dropout_rng)), jnp.float32),)
+        side += (dropout_seed_operand(_seed_bits(_check_rng(dropout_rng))),)
     side += tuple(int_words)
     q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
     return CallConfig(algorithm, problem, scale), return_lse, (q, k, v, tuple(side))
@@ -205,6 +206,13 @@ def _check_rng(rng):
         raise TypeError("dropout_rng must be one JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)), "
                         f"got {getattr(rng, 'dtype', type(rng).__name__)} {tuple(getattr(rng, 'shape', ()))}")
     return rng
+
+
+def dropout_seed_operand(seed_bits, first_batch=0, first_head=0):
+    """The kernels' dropout_seed side input (cuflash.dropout.seed_words) of traced seed words: the seed's two words,
+    then the call's first global batch and head (a shard's, _partitioning.py), as float32-typed bits."""
+    offsets = jnp.stack([jnp.asarray(first_batch, jnp.uint32), jnp.asarray(first_head, jnp.uint32)])
+    return jax.lax.bitcast_convert_type(jnp.concatenate([seed_bits, offsets]), jnp.float32)
 
 
 def _seed_bits(rng):

@@ -14,9 +14,14 @@ A sequence axis that q, k and v share runs as ring attention over it (_ring.py: 
 merge by lse; under causal a zig-zag order balances the work), forward and backward, when the problem allows it:
 no ALiBi, no window but causal, and shards that split evenly (see ring_possible).
 
+With dropout the keep mask is a function of the global batch and head index (dropout.cuh), so each device passes
+its shard's first global batch and head in the seed buffer (words 2 and 3, from its mesh position): the shards
+drop exactly what the whole call drops, and the results are bitwise the unsharded ones.
+
 What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
-cannot take, a head sharding that does not divide the kv heads (it would split a group), and calls with dropout
-(its keep mask is a function of the global batch and head index) or varlen (packed rows have no batch axis).
+cannot take (with dropout it takes none: ring blocks would need their global row and key offsets too), a head
+sharding that does not divide the kv heads (it would split a group), and varlen calls (packed rows have no batch
+axis).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ._ring import ring_backward, ring_forward
 def partitionable(problem: Problem) -> bool:
     """Whether a call may be split along batch and kv heads (see the module docstring). Not a KV cache's: the rule
     has no terms for its side inputs (seqused_k, block_table) or for paged caches, so XLA gathers them."""
-    return problem.dropout_p == 0.0 and not problem.varlen and not problem.kvcache
+    return not problem.varlen and not problem.kvcache
 
 
 def _einsum_term(name: str, problem: Problem) -> str:
@@ -44,6 +49,8 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return "b (g r) s"
     if name == "alibi_slopes":
         return "b (g r)" if problem.alibi == "batch_heads" else "(g r)"
+    if name == "dropout_seed":
+        return "w"  # the seed's words: every device gets them all
     if name in ("q", "out", "dout", "dq"):
         return "b s (g r) d"
     return "b t g d"  # k, v, dk, dv
@@ -78,10 +85,10 @@ class Split:
 
 
 def ring_possible(problem: Problem, parts: int) -> bool:
-    """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi
-    and no window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks
+    """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi,
+    dropout or window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks
     per device under causal, of equal queries and keys)."""
-    if problem.alibi is not None or problem.mask not in (Mask(), Mask(-1, 0)):
+    if problem.alibi is not None or problem.dropout_p > 0.0 or problem.mask not in (Mask(), Mask(-1, 0)):
         return False
     if problem.mask == Mask(-1, 0):
         return problem.seqlen_q == problem.seqlen_k and problem.seqlen_q % (2 * parts) == 0
@@ -119,6 +126,18 @@ def local_problem(mesh, problem: Problem, split: Split) -> Problem:
                                nheads_k=problem.nheads_k // head_parts)
 
 
+def _with_shard_offsets(seed, split: Split, local: Problem):
+    """The dropout seed buffer of this device's shard: words 2 and 3 advanced by the global index of the shard's
+    first batch and first query head (dropout.cuh), from the device's position along the split mesh axes."""
+    import jax
+    import jax.numpy as jnp
+
+    words = jax.lax.bitcast_convert_type(seed, jnp.uint32)
+    first = [jnp.uint32(0) if axis is None else jax.lax.axis_index(axis).astype(jnp.uint32) * jnp.uint32(rows)
+             for axis, rows in ((split.batch, local.batch), (split.heads, local.nheads))]
+    return jax.lax.bitcast_convert_type(words.at[2:].add(jnp.stack(first)), jnp.float32)
+
+
 def partitioned_call(direction: str, bind, operands: Sequence[str], results: Sequence[str], problem: Problem):
     """A custom_partitioning function of the operands that runs the call per device on its shard.
 
@@ -143,6 +162,10 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
         local = local_problem(mesh, problem, split)
         if split.sequence is None:
             def lower_fn(*arrays):
+                if "dropout_seed" in operands:
+                    arrays = list(arrays)
+                    i = operands.index("dropout_seed")
+                    arrays[i] = _with_shard_offsets(arrays[i], split, local)
                 return tuple(bind(local, *arrays))
         else:
             lower_fn = _ring_lowering(direction, bind, operands, local, split.sequence)
@@ -153,7 +176,8 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
 
     rule = sharding_rule(operands, results, problem)
     wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                          sharding_rule=rule, need_replication_factors=("d",), r=problem.group_size)
+                          sharding_rule=rule, need_replication_factors=("d", "w") if "dropout_seed" in operands
+                          else ("d",), r=problem.group_size)
     return wrapped
 
 

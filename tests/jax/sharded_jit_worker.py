@@ -67,6 +67,28 @@ def main() -> None:
                 "custom_calls": hlo.count("cuflash_program"),
                 "shardings": [str(x.sharding.spec) for x in got],
             }
+        # Dropout: each shard passes its first global batch and head to the kernels, so it drops what the whole
+        # call drops (bitwise the unsharded results, no collective).
+        def dropout_step(q, k, v, dout, key):
+            out, pull = jax.vjp(lambda q, k, v: cfj.attention(q, k, v, causal=True, dropout_p=0.3, dropout_rng=key),
+                                q, k, v)
+            return (out, *pull(dout))
+
+        key = jax.random.key(11)
+        plain = jax.jit(dropout_step)(q, k, v, dout, key)
+        for name in ("batch", "heads", "batch+heads"):
+            tensor = NamedSharding(mesh, CASES[name][0])
+            args = [jax.device_put(x, tensor) for x in (q, k, v, dout)] + [key]
+            compiled = jax.jit(dropout_step).lower(*args).compile()
+            got = compiled(*args)
+            hlo = compiled.as_text()
+            results[f"{axis_type.name}:dropout {name}"] = {
+                "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, plain)],
+                "dropped": bool(not np.array_equal(np.asarray(plain[0]), np.asarray(want[0]))),
+                "collectives": [c for c in COLLECTIVES if c in hlo],
+                "custom_calls": hlo.count("cuflash_program"),
+                "shardings": [str(x.sharding.spec) for x in got],
+            }
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

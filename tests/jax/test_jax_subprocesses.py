@@ -56,11 +56,12 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent). A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the
-    same results; a causal one without runs as ring attention."""
+    the lse's cotangent; and with dropout, forward and backward). A sequence sharded with ALiBi and a window is
+    gathered (the documented fallback) with the same results; a causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
-                            for case in ("batch", "heads", "batch+heads", "sequence", "ring")}
+                            for case in ("batch", "heads", "batch+heads", "sequence", "ring", "dropout batch",
+                                         "dropout heads", "dropout batch+heads")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -72,6 +73,14 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             assert difference <= 1e-5 * max(1.0, scale), ring
     expected_specs = {"batch": ("P('data',)", "P('data',)"), "heads": ("P(None, None, 'model')", "P(None, 'model')"),
                       "batch+heads": ("P('data', None, 'model')", "P('data', 'model')")}
+    for mode in ("Auto", "Explicit"):
+        # Dropout under sharding: each device's shard carries its first global batch and head, so the results are
+        # bitwise the unsharded call's, with no collective (before: gathered).
+        for split in ("batch", "heads", "batch+heads"):
+            case = results.pop(f"{mode}:dropout {split}")
+            assert case["bitwise"] == [True] * 4 and case["dropped"], (mode, split, case)
+            assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
+            assert case["shardings"] == [expected_specs[split][0]] * 4, (mode, split, case)
     for name, case in results.items():
         assert case["bitwise"] == [True] * 5, name
         assert case["custom_calls"] == 2, name
