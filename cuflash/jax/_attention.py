@@ -103,7 +103,8 @@ def attention_varlen(
     ``max_seqlen_k`` (Python ints) are required and must bound every sequence, and the cu_seqlens values are taken
     as they are (0 first, nondecreasing, last = total), as FlashAttention-2 takes them. Concrete cu_seqlens are
     checked like ``cuflash.attention_varlen``'s, and max_seqlen defaults to the longest sequence. vmap runs one
-    call per mapped element.
+    call per mapped element. Under plain jit over inputs sharded along heads, each device runs the call on its
+    kv heads (whole GQA groups); the packed rows stay whole.
     """
     for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):

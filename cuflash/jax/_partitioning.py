@@ -18,10 +18,12 @@ With dropout the keep mask is a function of the global batch and head index (dro
 its shard's first global batch and head in the seed buffer (words 2 and 3, from its mesh position): the shards
 drop exactly what the whole call drops, and the results are bitwise the unsharded ones.
 
+Varlen calls split along kv heads (packed rows have no batch axis, and every device reads all of cu_seqlens), as
+tensor-parallel training shards them.
+
 What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
 cannot take (with dropout it takes none: ring blocks would need their global row and key offsets too), a head
-sharding that does not divide the kv heads (it would split a group), and varlen calls (packed rows have no batch
-axis).
+sharding that does not divide the kv heads (it would split a group), and a varlen call's packed rows.
 """
 
 from __future__ import annotations
@@ -39,21 +41,38 @@ from ._ring import ring_backward, ring_forward
 
 
 def partitionable(problem: Problem) -> bool:
-    """Whether a call may be split along batch and kv heads (see the module docstring). Not a KV cache's: the rule
-    has no terms for its side inputs (seqused_k, block_table) or for paged caches, so XLA gathers them."""
-    return not problem.varlen and not problem.kvcache
+    """Whether a call may be split along batch and kv heads (see the module docstring); varlen along kv heads only.
+    Not a KV cache's: the rule has no terms for its side inputs (seqused_k, block_table) or for paged caches, so
+    XLA gathers them."""
+    return not problem.kvcache
 
 
 def _einsum_term(name: str, problem: Problem) -> str:
+    """The operand's factors: batch b, sequences s (queries) and t (keys), kv head g with group member r, head dim
+    d; a varlen call's packed rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w."""
+    rows = "" if problem.varlen else "b "
     if name in ("lse", "dlse"):
-        return "b (g r) s"
+        return "(g r) s" if problem.varlen else "b (g r) s"
     if name == "alibi_slopes":
         return "b (g r)" if problem.alibi == "batch_heads" else "(g r)"
     if name == "dropout_seed":
         return "w"  # the seed's words: every device gets them all
+    if name in ("cu_seqlens_q", "cu_seqlens_k"):
+        return "c"  # every device reads every sequence's bounds
     if name in ("q", "out", "dout", "dq"):
-        return "b s (g r) d"
-    return "b t g d"  # k, v, dk, dv
+        return rows + "s (g r) d"
+    return rows + "t g d"  # k, v, dk, dv
+
+
+def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]:
+    """The factors no device may split: the head dim; the seed's words; a varlen call's packed rows, its
+    cu_seqlens and (with per-sequence ALiBi slopes) its batch, since the kernels find sequences by cu_seqlens."""
+    whole = {"d"} | ({"w"} if "dropout_seed" in operands else set())
+    if problem.varlen:
+        whole |= {"s", "t", "c"} | ({"b"} if problem.alibi == "batch_heads" else set())
+    # In the order the rule first names them: Shardy wants its special factors' indices sorted.
+    order = [f.strip("()") for n in operands for f in _einsum_term(n, problem).split(" ")]
+    return tuple(sorted(whole, key=order.index))
 
 
 def sharding_rule(operands: Sequence[str], results: Sequence[str], problem: Problem) -> str:
@@ -105,6 +124,9 @@ def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Spl
         return tuple(found) + (None,) * (4 - len(found))
 
     q_spec, k_spec = spec(q_sharding), spec(k_sharding)
+    if problem.varlen:  # (total, heads, d): only the heads may split
+        head_axis = q_spec[1] if problem.nheads_k % _axis_size(mesh, q_spec[1]) == 0 else None
+        return Split(heads=head_axis)
     batch_axis, sequence_axis, head_axis = q_spec[0], q_spec[1], q_spec[2]
     if problem.batch % _axis_size(mesh, batch_axis):
         batch_axis = None
@@ -176,8 +198,8 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
 
     rule = sharding_rule(operands, results, problem)
     wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                          sharding_rule=rule, need_replication_factors=("d", "w") if "dropout_seed" in operands
-                          else ("d",), r=problem.group_size)
+                          sharding_rule=rule, need_replication_factors=_whole_factors(operands, problem),
+                          r=problem.group_size)
     return wrapped
 
 

@@ -32,6 +32,20 @@ CASES = {
 }
 
 
+def compare_sharded(step, args, want) -> dict:
+    """Run jit(step) on sharded args: whether each result is bitwise ``want``, the collectives and cuflash custom
+    calls in the compiled HLO, and the results' shardings."""
+    compiled = jax.jit(step).lower(*args).compile()
+    got = compiled(*args)
+    hlo = compiled.as_text()
+    return {
+        "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, want)],
+        "collectives": [c for c in COLLECTIVES if c in hlo],
+        "custom_calls": hlo.count("cuflash_program"),
+        "shardings": [str(x.sharding.spec) for x in got],
+    }
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = 4, 36, 44, 8, 4, 24  # GQA: groups of 2 per kv head
@@ -58,15 +72,7 @@ def main() -> None:
             slopes_spec = NamedSharding(mesh, P(*tuple(lse_spec)[:2]))
             args = [jax.device_put(x, tensor) for x in (q, k, v, dout)]
             args += [jax.device_put(dlse, rows), jax.device_put(slopes, slopes_spec)]
-            compiled = jax.jit(step).lower(*args).compile()
-            got = compiled(*args)
-            hlo = compiled.as_text()
-            results[f"{axis_type.name}:{name}"] = {
-                "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, want)],
-                "collectives": [c for c in COLLECTIVES if c in hlo],
-                "custom_calls": hlo.count("cuflash_program"),
-                "shardings": [str(x.sharding.spec) for x in got],
-            }
+            results[f"{axis_type.name}:{name}"] = compare_sharded(step, args, want)
         # Dropout: each shard passes its first global batch and head to the kernels, so it drops what the whole
         # call drops (bitwise the unsharded results, no collective).
         def dropout_step(q, k, v, dout, key):
@@ -79,16 +85,26 @@ def main() -> None:
         for name in ("batch", "heads", "batch+heads"):
             tensor = NamedSharding(mesh, CASES[name][0])
             args = [jax.device_put(x, tensor) for x in (q, k, v, dout)] + [key]
-            compiled = jax.jit(dropout_step).lower(*args).compile()
-            got = compiled(*args)
-            hlo = compiled.as_text()
             results[f"{axis_type.name}:dropout {name}"] = {
-                "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, plain)],
+                **compare_sharded(dropout_step, args, plain),
                 "dropped": bool(not np.array_equal(np.asarray(plain[0]), np.asarray(want[0]))),
-                "collectives": [c for c in COLLECTIVES if c in hlo],
-                "custom_calls": hlo.count("cuflash_program"),
-                "shardings": [str(x.sharding.spec) for x in got],
             }
+        # Varlen (packed rows, cu_seqlens) with its heads sharded, as tensor parallelism shards them: one call per
+        # device on its kv heads, with dropout too (each shard passes its first global head).
+        cu_q, cu_k = np.array([0, 5, 31, 36], np.int32), np.array([0, 17, 20, 44], np.int32)
+        packed = [x.reshape((-1,) + x.shape[2:])[: cu[-1]] for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k), (dout, cu_q))]
+        for dropout_p in (0.0, 0.25):
+            def varlen_step(q, k, v, dout, dropout_p=dropout_p):
+                def attention(q, k, v):
+                    return cfj.attention_varlen(q, k, v, cu_q, cu_k, causal=True, softcap=4.0, dropout_p=dropout_p,
+                                                dropout_rng=jax.random.key(3) if dropout_p else None)
+                out, pull = jax.vjp(attention, q, k, v)
+                return (out, *pull(dout))
+
+            plain = jax.jit(varlen_step)(*packed)
+            heads = NamedSharding(mesh, P(None, "model"))
+            args = [jax.device_put(x, heads) for x in packed]
+            results[f"{axis_type.name}:varlen heads p={dropout_p}"] = compare_sharded(varlen_step, args, plain)
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

@@ -56,12 +56,13 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent; and with dropout, forward and backward). A sequence sharded with ALiBi and a window is
+    the lse's cotangent; and with dropout, forward and backward; varlen calls along heads). A sequence sharded with ALiBi and a window is
     gathered (the documented fallback) with the same results; a causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
                             for case in ("batch", "heads", "batch+heads", "sequence", "ring", "dropout batch",
-                                         "dropout heads", "dropout batch+heads")}
+                                         "dropout heads", "dropout batch+heads", "varlen heads p=0.0",
+                                         "varlen heads p=0.25")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -81,6 +82,11 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             assert case["bitwise"] == [True] * 4 and case["dropped"], (mode, split, case)
             assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
             assert case["shardings"] == [expected_specs[split][0]] * 4, (mode, split, case)
+        # Varlen with its heads sharded (tensor parallelism): per-device calls on the kv heads, no collective.
+        for p in ("0.0", "0.25"):
+            case = results.pop(f"{mode}:varlen heads p={p}")
+            assert case["bitwise"] == [True] * 4 and case["custom_calls"] == 2, (mode, p, case)
+            assert case["collectives"] == [] and case["shardings"] == ["P(None, 'model')"] * 4, (mode, p, case)
     for name, case in results.items():
         assert case["bitwise"] == [True] * 5, name
         assert case["custom_calls"] == 2, name
