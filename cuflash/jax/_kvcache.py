@@ -56,7 +56,8 @@ def attention_with_kvcache(
 
     Donate the caches to update them in place: ``jax.jit(step, donate_argnums=(1, 2))`` (see the module
     docstring). Works under ``jit`` and ``vmap`` (one call per mapped element, each as the unmapped call: vmap
-    equals a loop of calls, bit for bit; each element's slice of a mapped cache is copied for its call). No
+    equals a loop of calls, bit for bit; each element's slice of a mapped cache is copied for its call) and plain
+    ``jit`` over caches sharded along kv heads (and batch, when not paged): one call per device on its shard. No
     derivative: it is an inference function, and differentiating it raises a TypeError.
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table}
@@ -103,16 +104,27 @@ def _append(cache, new, starts, block_table):
     """``cache`` with new[b, i] at key row starts[b] + i of sequence b (its page and row in the page when paged):
     one scatter. Rows outside the sequence's capacity (only traced lengths can give them) are dropped, negative
     ones included (no Python-style wrapping), rather than written over another sequence's rows."""
-    batch, seqlen_new = new.shape[:2]
+    seqlen_new = new.shape[1]
     rows = starts[:, None] + jnp.arange(seqlen_new, dtype=jnp.int32)[None, :]  # (batch, seqlen_new)
     if block_table is None:
-        outer = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], rows.shape)
-    else:
-        page_size = cache.shape[1]
-        outer = jnp.take_along_axis(jnp.asarray(block_table), rows // page_size, axis=1, mode="fill",
-                                    fill_value=-1, wrap_negative_indices=False)
-        rows = rows % page_size
-    return cache.at[outer, rows].set(new, mode="drop", wrap_negative_indices=False)
+        # One scatter per sequence into its own cache, batched by vmap: XLA partitions it along a sharded batch
+        # without gathering the caches (an index into the batch axis would make it gather them).
+        return jax.vmap(lambda c, n, r: c.at[r].set(n, mode="drop", wrap_negative_indices=False))(
+            cache, new, _batch_sharded_like(rows, cache))
+    page_size = cache.shape[1]
+    outer = jnp.take_along_axis(jnp.asarray(block_table), rows // page_size, axis=1, mode="fill",
+                                fill_value=-1, wrap_negative_indices=False)
+    return cache.at[outer, rows % page_size].set(new, mode="drop", wrap_negative_indices=False)
+
+
+def _batch_sharded_like(x, like):
+    """``x`` sharded along its first axis as ``like``'s batch axis is in an Explicit mesh (vmap wants every mapped
+    operand sharded alike there); as it is otherwise."""
+    (batch_axis,) = _explicit_axes(like, (0,))
+    if batch_axis is None:
+        return x
+    batch = jax.sharding.PartitionSpec(batch_axis, *([None] * (x.ndim - 1)))
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(jax.typeof(like).sharding.mesh, batch))
 
 
 def _decode(config, q, k_cache, v_cache, side):
@@ -124,11 +136,29 @@ def _decode(config, q, k_cache, v_cache, side):
         return _forward_only(config, q, k_cache, v_cache, side)
     batch, _, nheads, headdim = q.shape
     group = folded.seqlen_q
-    # Query head kh * group + m becomes row m of kv head kh.
-    q = q.reshape(batch, nheads // group, group, headdim).swapaxes(1, 2)
+    # Query head kh * group + m becomes row m of kv head kh. In an Explicit mesh each reshape names its result's
+    # sharding: batch and heads stay on their mesh axes.
+    batch_axis, head_axis = _explicit_axes(q, (0, 2))
+    q = _reshape(q, (batch, nheads // group, group, headdim), (batch_axis, head_axis, None, None)).swapaxes(1, 2)
     out, lse = _forward_only(dataclasses.replace(config, problem=folded), q, k_cache, v_cache, side)
-    out = out.swapaxes(1, 2).reshape(batch, 1, nheads, headdim)
-    return out, lse.reshape(batch, nheads, 1)  # (batch, nheads_k, group): the same order as (batch, nheads, 1)
+    out = _reshape(out.swapaxes(1, 2), (batch, 1, nheads, headdim), (batch_axis, None, head_axis, None))
+    # lse (batch, nheads_k, group): the same order as (batch, nheads, 1).
+    return out, _reshape(lse, (batch, nheads, 1), (batch_axis, head_axis, None))
+
+
+def _explicit_axes(x, dims):
+    """The mesh axes ``x``'s dimensions ``dims`` are sharded along in an Explicit mesh (None each otherwise)."""
+    spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
+    return tuple(spec[d] if d < len(spec) else None for d in dims)
+
+
+def _reshape(x, shape, spec):
+    """x.reshape(shape), naming the result's sharding ``spec`` where x's type carries one (Explicit mesh axes)."""
+    sharding = jax.typeof(x).sharding
+    if all(axis is None for axis in getattr(sharding, "spec", None) or ()):
+        return x.reshape(shape)
+    out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.lax.reshape(x, shape, out_sharding=out)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

@@ -6,7 +6,7 @@ device's shard: one custom call per device with the local batch and heads, outpu
 
 How: each primitive's lowering wraps the call in ``jax.experimental.custom_partitioning`` with a Shardy rule
 (``b s (g r) d, b t g d, ... -> ...``: batch ``b`` and kv head ``g`` may be sharded, the query head is the compound
-``(g r)`` of kv head and group member, sequence and head dim must stay whole) and a ``partition`` callback that
+``(g r)`` of kv head and group member (``g`` for MHA, ``r`` for MQA), sequence and head dim must stay whole) and a ``partition`` callback that
 makes the per-device call: the Problem with the local batch and heads, lowered straight to the FFI custom call.
 On one device, or inside a fully manual ``shard_map``, custom_partitioning lowers the call directly.
 
@@ -19,11 +19,14 @@ its shard's first global batch and head in the seed buffer (words 2 and 3, from 
 drop exactly what the whole call drops, and the results are bitwise the unsharded ones.
 
 Varlen calls split along kv heads (packed rows have no batch axis, and every device reads all of cu_seqlens), as
-tensor-parallel training shards them.
+tensor-parallel training shards them. KV-cache calls split along kv heads, and a cache that is not paged along
+batch too, as tensor-parallel serving shards its caches; a paged cache's page pool is shared by every sequence,
+so its batch stays whole. Each device's split-KV heuristic (num_splits=0) sees its local problem.
 
 What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
 cannot take (with dropout it takes none: ring blocks would need their global row and key offsets too), a head
-sharding that does not divide the kv heads (it would split a group), and a varlen call's packed rows.
+sharding that does not divide the kv heads (it would split a group), a varlen call's packed rows and a KV cache's
+rows.
 """
 
 from __future__ import annotations
@@ -40,36 +43,49 @@ from ..mask import Mask
 from ._ring import ring_backward, ring_forward
 
 
-def partitionable(problem: Problem) -> bool:
-    """Whether a call may be split along batch and kv heads (see the module docstring); varlen along kv heads only.
-    Not a KV cache's: the rule has no terms for its side inputs (seqused_k, block_table) or for paged caches, so
-    XLA gathers them."""
-    return not problem.kvcache
-
-
 def _einsum_term(name: str, problem: Problem) -> str:
     """The operand's factors: batch b, sequences s (queries) and t (keys), kv head g with group member r, head dim
-    d; a varlen call's packed rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w."""
+    d; a varlen call's packed rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w; a paged
+    KV cache's pages p of y rows each, named by block_table's z columns."""
     rows = "" if problem.varlen else "b "
+    heads = _query_heads(problem)
     if name in ("lse", "dlse"):
-        return "(g r) s" if problem.varlen else "b (g r) s"
+        return f"{heads} s" if problem.varlen else f"b {heads} s"
     if name == "alibi_slopes":
-        return "b (g r)" if problem.alibi == "batch_heads" else "(g r)"
+        return f"b {heads}" if problem.alibi == "batch_heads" else heads
     if name == "dropout_seed":
         return "w"  # the seed's words: every device gets them all
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
         return "c"  # every device reads every sequence's bounds
+    if name == "seqused_k":
+        return "b"
+    if name == "block_table":
+        return "b z"
     if name in ("q", "out", "dout", "dq"):
-        return rows + "s (g r) d"
-    return rows + "t g d"  # k, v, dk, dv
+        return f"{rows}s {heads} d"
+    if problem.page_size:  # k, v: the page pool
+        return "p y g d"
+    return rows + "t g d"  # k, v, dk, dv (a KV cache's rows: its capacity)
+
+
+def _query_heads(problem: Problem) -> str:
+    """The query head's factors: kv head g and group member r; just g without groups (MHA) and just r with one kv
+    head (MQA), since Shardy refuses a compound with a factor of size 1."""
+    if problem.group_size == 1:
+        return "g"
+    return "r" if problem.nheads_k == 1 else "(g r)"
 
 
 def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]:
     """The factors no device may split: the head dim; the seed's words; a varlen call's packed rows, its
-    cu_seqlens and (with per-sequence ALiBi slopes) its batch, since the kernels find sequences by cu_seqlens."""
+    cu_seqlens and (with per-sequence ALiBi slopes) its batch, since the kernels find sequences by cu_seqlens; a
+    KV cache's rows, and for a paged one its pages, their rows and the batch (block_table numbers pages of the whole
+    pool)."""
     whole = {"d"} | ({"w"} if "dropout_seed" in operands else set())
     if problem.varlen:
         whole |= {"s", "t", "c"} | ({"b"} if problem.alibi == "batch_heads" else set())
+    if problem.kvcache:
+        whole |= {"s"} | ({"b", "p", "y", "z"} if problem.page_size else {"t"})
     # In the order the rule first names them: Shardy wants its special factors' indices sorted.
     order = [f.strip("()") for n in operands for f in _einsum_term(n, problem).split(" ")]
     return tuple(sorted(whole, key=order.index))
@@ -128,6 +144,10 @@ def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Spl
         head_axis = q_spec[1] if problem.nheads_k % _axis_size(mesh, q_spec[1]) == 0 else None
         return Split(heads=head_axis)
     batch_axis, sequence_axis, head_axis = q_spec[0], q_spec[1], q_spec[2]
+    if problem.kvcache:  # no ring over a cache; a paged cache's pages serve every sequence
+        sequence_axis = None
+        if problem.page_size:
+            batch_axis = None
     if problem.batch % _axis_size(mesh, batch_axis):
         batch_axis = None
     if problem.nheads_k % _axis_size(mesh, head_axis):
@@ -199,7 +219,7 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
     rule = sharding_rule(operands, results, problem)
     wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
                           sharding_rule=rule, need_replication_factors=_whole_factors(operands, problem),
-                          r=problem.group_size)
+                          **({"r": problem.group_size} if _query_heads(problem) == "(g r)" else {}))
     return wrapped
 
 

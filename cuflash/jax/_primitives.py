@@ -413,11 +413,9 @@ for _direction, _primitive in _PRIMITIVES.items():
 
 
 def call(direction: str, config: CallConfig, *arrays):
-    """One forward or backward call on ``arrays`` (operand_names order). Calls that may be split along batch and kv
-    heads go through custom_partitioning (_partitioning.py), wrapped in custom_vmap because custom_partitioning has
-    no batching rule of its own: vmap folds into the batch as the primitive's rule does."""
-    if not _partitioning.partitionable(config.problem):
-        return _PRIMITIVES[direction].bind(*arrays, config=config)
+    """One forward or backward call on ``arrays`` (operand_names order), through custom_partitioning
+    (_partitioning.py: split along batch and kv heads where the problem allows), wrapped in custom_vmap because
+    custom_partitioning has no batching rule of its own: vmap folds into the batch as the primitive's rule does."""
     return _partitioned(direction, config)(*arrays)
 
 
@@ -426,11 +424,15 @@ def _partitioned(direction: str, config: CallConfig):
     primitive = _PRIMITIVES[direction]
     results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
 
-    def bind(problem: Problem, *arrays):
-        return primitive.bind(*arrays, config=dataclasses.replace(config, problem=problem))
+    names = operand_names(direction, config)
 
-    partitioned = _partitioning.partitioned_call(direction, bind, operand_names(direction, config), results,
-                                                 config.problem)
+    def bind(problem: Problem, *arrays):
+        local = dataclasses.replace(config, problem=problem)
+        if config.cache_shape is not None:  # a device's shard of the caches (strides come from their shape)
+            local = dataclasses.replace(local, cache_shape=tuple(arrays[names.index("k")].shape))
+        return primitive.bind(*arrays, config=local)
+
+    partitioned = _partitioning.partitioned_call(direction, bind, names, results, config.problem)
 
     @custom_vmap
     def run(*arrays):

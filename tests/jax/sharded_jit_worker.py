@@ -105,6 +105,41 @@ def main() -> None:
             heads = NamedSharding(mesh, P(None, "model"))
             args = [jax.device_put(x, heads) for x in packed]
             results[f"{axis_type.name}:varlen heads p={dropout_p}"] = compare_sharded(varlen_step, args, plain)
+        # MHA (no groups) and MQA (one kv head): the rule names their query heads g and r alone.
+        for layout, kv_heads, split_name in (("mha", nheads, "batch+heads"), ("mqa", 1, "batch")):
+            k1, v1 = (x[:, :, :1].repeat(kv_heads, axis=2) + 0.5 * np.arange(kv_heads, dtype=np.float32)[:, None]
+                      for x in (k, v))
+            plain = jax.jit(dropout_step)(q, k1, v1, dout, key)
+            tensor = NamedSharding(mesh, CASES[split_name][0])
+            args = [jax.device_put(x, tensor) for x in (q, k1, v1, dout)] + [key]
+            results[f"{axis_type.name}:{layout} {split_name}"] = compare_sharded(dropout_step, args, plain)
+        # KV caches sharded along kv heads (and batch when not paged), as tensor-parallel serving shards them: a
+        # one-row GQA decode (folded) and a 3-row prefill appending to the caches, contiguous and paged, num_splits=1
+        # (the heuristic would see each device's smaller problem and may split differently).
+        kv_rng = np.random.default_rng(5)
+        contiguous = [kv_rng.standard_normal((batch, 64, nheads_k, headdim)).astype(np.float32) for _ in range(2)]
+        pages = [kv_rng.standard_normal((4 * batch + 1, 16, nheads_k, headdim)).astype(np.float32) for _ in range(2)]
+        table = kv_rng.permutation(4 * batch + 1)[: 4 * batch].astype(np.int32).reshape(batch, 4)
+        lengths = np.array([40, 7, 61, 0], np.int32)
+        for layout, caches, split_name in (("contiguous", contiguous, "batch+heads"), ("paged", pages, "heads")):
+            for rows in (1, 3):
+                q_new = kv_rng.standard_normal((batch, rows, nheads, headdim)).astype(np.float32)
+                k_new, v_new = (kv_rng.standard_normal((batch, rows, nheads_k, headdim)).astype(np.float32)
+                                for _ in range(2))
+
+                def decode(q, k_cache, v_cache, k, v, lengths=lengths - rows + 1 if rows == 1 else lengths,
+                           paged=layout == "paged"):
+                    return cfj.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.maximum(lengths, 0),
+                                                      block_table=table if paged else None, causal=True,
+                                                      num_splits=1, return_lse=True)
+
+                plain = jax.jit(decode)(q_new, *caches, k_new, v_new)
+                spec = CASES[split_name][0] if layout == "contiguous" else P(None, None, "model")
+                tensor = NamedSharding(mesh, spec)
+                args = [jax.device_put(x, tensor) for x in (q_new, k_new, v_new)]
+                args = [args[0]] + [jax.device_put(c, NamedSharding(mesh, P(None, None, "model"))
+                                                   if layout == "paged" else tensor) for c in caches] + args[1:]
+                results[f"{axis_type.name}:kvcache {layout} rows={rows}"] = compare_sharded(decode, args, plain)
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

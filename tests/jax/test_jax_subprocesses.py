@@ -62,7 +62,9 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
                             for case in ("batch", "heads", "batch+heads", "sequence", "ring", "dropout batch",
                                          "dropout heads", "dropout batch+heads", "varlen heads p=0.0",
-                                         "varlen heads p=0.25")}
+                                         "varlen heads p=0.25", "mha batch+heads", "mqa batch",
+                                         "kvcache contiguous rows=1", "kvcache contiguous rows=3",
+                                         "kvcache paged rows=1", "kvcache paged rows=3")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -82,6 +84,21 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             assert case["bitwise"] == [True] * 4 and case["dropped"], (mode, split, case)
             assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
             assert case["shardings"] == [expected_specs[split][0]] * 4, (mode, split, case)
+        # MHA and MQA heads (with dropout): per-device calls, bitwise, no collective.
+        for split, layout in (("batch+heads", "mha"), ("batch", "mqa")):
+            case = results.pop(f"{mode}:{layout} {split}")
+            assert case["bitwise"] == [True] * 4 and case["collectives"] == [], (mode, layout, case)
+            assert case["custom_calls"] == 2 and case["shardings"] == [expected_specs[split][0]] * 4, (mode, layout)
+        # KV caches split along kv heads (and batch when contiguous), a folded one-row GQA decode and a 3-row
+        # prefill appending to the caches: one forward call per device, bitwise, no collective (was: gathered).
+        for layout, split in (("contiguous", "batch+heads"), ("paged", "heads")):
+            tensor, rows = expected_specs[split]
+            for new_rows in (1, 3):
+                case = results.pop(f"{mode}:kvcache {layout} rows={new_rows}")
+                assert case["bitwise"] == [True] * 4 and case["collectives"] == [], (mode, layout, case)
+                assert case["custom_calls"] == 1, (mode, layout, case)
+                specs = [spec.replace(", None)", ")") for spec in case["shardings"]]
+                assert specs == [tensor, rows, tensor, tensor], (mode, layout, case)
         # Varlen with its heads sharded (tensor parallelism): per-device calls on the kv heads, no collective.
         for p in ("0.0", "0.25"):
             case = results.pop(f"{mode}:varlen heads p={p}")
