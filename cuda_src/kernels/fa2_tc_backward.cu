@@ -81,8 +81,16 @@ struct BackwardTraits {
   // dQ_i is computed in column chunks of kDqChunkTiles n8 tiles per warp: a chunk's accumulators are live beside
   // dK and dV. 4, or 8 where dK and dV hold 16 n8 tiles per warp each (d256 on 8 warps): the settings at which the
   // compile report shows every instance spill-free on every target (whole rows spilled 4 to 24 bytes at d128 and
-  // d256 once varlen's sequence offsets took their registers; chunks of 4 spilled d256 on 8 warps).
-  static constexpr int kDqChunkTiles = Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
+  // d256 once varlen's sequence offsets took their registers; chunks of 4 spilled d256 on 8 warps). That one
+  // setting depends on the compiler: NVRTC 12.9's ptxas spills the chunks of 8 (12 bytes on sm_80) and fits
+  // chunks of 4, which NVRTC 13.5's spills (4 bytes on sm_80/86/89). The results do not depend on it: each dQ
+  // element is the same products summed in the same order either way.
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
+  static constexpr bool kWideDqChunks = false;
+#else
+  static constexpr bool kWideDqChunks = true;
+#endif
+  static constexpr int kDqChunkTiles = kWideDqChunks && Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
   static constexpr int kDqChunks = Dq::kNTiles > kDqChunkTiles ? Dq::kNTiles / kDqChunkTiles : 1;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
 
