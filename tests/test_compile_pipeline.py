@@ -407,6 +407,20 @@ def test_report_json_rows(shared_cache, probe_catalog, capsys):
         assert len(list((Path(os.environ["CUFLASH_CACHE_DIR"]) / "nvrtc").glob("*.hmma"))) >= 4
 
 
+def test_report_fails_on_spills_when_asked(shared_cache, monkeypatch, capsys):
+    spilling, clean = probe("register_pressure_probe<64, 32>"), probe("register_pressure_probe<64, 255>")
+    monkeypatch.setattr(report.catalog, "dynamic_smem_bytes", lambda instance: 0)
+    monkeypatch.setattr(report.catalog, "threads", lambda instance: 64)
+    monkeypatch.setattr(report.catalog, "instances", lambda target: [clean])
+    assert report.main(["--arch", "sm_80", "--no-spills"]) == 0
+    monkeypatch.setattr(report.catalog, "instances", lambda target: [clean, spilling])
+    assert report.main(["--arch", "sm_80"]) == 0  # spills are reported, not failed, unless asked
+    capsys.readouterr()
+    assert report.main(["--arch", "sm_80", "--no-spills"]) == 1
+    err = capsys.readouterr().err
+    assert "register_pressure_probe<64, 32> spills on sm_80" in err and "register_pressure_probe<64, 255>" not in err
+
+
 def test_report_table_and_occupancy(shared_cache, probe_catalog, capsys):
     assert report.main(["--arch", "sm_80"]) == 0
     out = capsys.readouterr().out

@@ -1,13 +1,13 @@
 """The compile report: every instance each arch's plans can launch, compiled for that arch.
 
-    python -m cuflash.kernels report --arch sm_80 sm_86 sm_89 sm_90 sm_120 [--json] [--jobs N]
+    python -m cuflash.kernels report --arch sm_80 sm_86 sm_89 sm_90 sm_120 [--json] [--jobs N] [--no-spills]
 
 Per (kernel, arch): registers, spill stores/loads, stack frame, static shared memory (all
 from the ptxas log), dynamic shared memory (from the launch plan) beside the arch's limit per
 block, whether the SASS uses tensor cores (HMMA), the NVRTC compile time, and the resident
 blocks per SM those numbers and the arch's published limits allow (cuflash/kernels/targets.py).
 Exits 1 if an instance fails to compile or a plan asks for more shared memory than a block of
-its arch may have (it could never launch there).
+its arch may have (it could never launch there), and with --no-spills if an instance spills.
 
 It compiles with whichever NVRTC is installed (CUDA 12 or 13): without --arch it reports the
 default archs that NVRTC knows and names those it skips; an --arch it does not know is refused.
@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="real GPU archs (default: those of " + " ".join(DEFAULT_ARCHS) + " NVRTC knows)")
     parser.add_argument("--json", action="store_true", help="print a JSON list (keys: " + ", ".join(JSON_KEYS) + ")")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    parser.add_argument("--no-spills", action="store_true", help="also exit 1 if any instance spills registers")
     args = parser.parse_args(argv)
 
     try:
@@ -203,6 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row.compiled.arch} allows {limit}",
             file=sys.stderr,
         )
+    spilling = [row for row in rows if row.compiled.resources.spill_store_bytes
+                or row.compiled.resources.spill_load_bytes] if args.no_spills else []
+    for row in spilling:
+        r = row.compiled.resources
+        print(f"error: {row.compiled.instance.name_expr} spills on {row.compiled.arch} ({r.spill_store_bytes} bytes "
+              f"stored, {r.spill_load_bytes} loaded, at {r.registers} registers)", file=sys.stderr)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     print(
@@ -210,4 +217,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(sum of NVRTC times when built: {sum(r.compiled.compile_seconds for r in rows):.1f} s)",
         file=sys.stderr,
     )
-    return 1 if errors or too_big else 0
+    return 1 if errors or too_big or spilling else 0
