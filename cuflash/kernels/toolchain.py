@@ -143,7 +143,10 @@ def driver_version() -> tuple[int, int]:
 
         result, encoded = driver.cuDriverGetVersion()
     except (ImportError, RuntimeError) as err:  # pathfinder's DynamicLibNotFoundError is a RuntimeError
-        raise ToolchainError(f"cannot read the CUDA driver's version ({err}): is the NVIDIA driver installed?") from err
+        raise ToolchainError(
+            f"cannot read the CUDA driver's version ({err}): is the NVIDIA driver installed? If it is one for CUDA 12 "
+            f"(nvidia-smi shows 'CUDA Version'), {install_advice(12)}"
+        ) from err
     if result != driver.CUresult.CUDA_SUCCESS:
         raise ToolchainError(f"cuDriverGetVersion failed: {result.name}")
     return parse_cuda_version(int(encoded))
