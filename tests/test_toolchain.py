@@ -117,6 +117,30 @@ def test_the_installed_toolchain_is_nvrtcs_own_report():
     assert {80, 86, 89, 90} <= set(installed.supported_archs)
 
 
+def test_the_machine_report_names_each_devices_code(monkeypatch, capsys):
+    from cuflash.kernels.__main__ import main
+
+    monkeypatch.setattr(toolchain, "installed", lambda: NVRTC_13_5)
+    monkeypatch.setattr(toolchain, "driver_version", lambda: (13, 6))
+    lines, ok = toolchain.machine_report([(9, 0), (13, 0)])
+    assert ok and lines[0].startswith("NVRTC 13.5: compiles for sm_75 sm_80") and "CUDA headers" in lines[1]
+    assert lines[2:] == ["driver: runs CUDA up to 13.6; 2 device(s)", "device 0 (sm_90): cubin for sm_90",
+                         "device 1 (sm_130): ptx for compute_121"]
+    monkeypatch.setattr(toolchain, "driver_version", lambda: (12, 8))
+    monkeypatch.setattr(toolchain, "local_capabilities", lambda: [(8, 9)])
+    assert main(["toolchain"]) == 1
+    out = capsys.readouterr().out
+    assert "device 0 (sm_89): no code:" in out and "cuflash[cuda12]" in out
+
+    def no_driver():
+        raise ToolchainError("cannot read the CUDA driver's version (no libcuda)")
+
+    monkeypatch.setattr(toolchain, "driver_version", no_driver)
+    lines, ok = toolchain.machine_report()
+    assert ok and lines[-2:] == ["no CUDA driver: cannot read the CUDA driver's version (no libcuda)",
+                                 "kernels run on the CPU simulator only"]
+
+
 # ---- the CUDA headers match NVRTC -----------------------------------------------------------------------------
 
 
@@ -243,6 +267,8 @@ def test_the_real_device_gets_its_cubin_and_plans_for_its_limits():
     assert backend.code == choice and backend.target.arch == choice.device_arch
     assert backend.target.smem_per_block_bytes == device.attributes["MaxSharedMemoryPerBlockOptin"]
     assert backend.target.sm_count == device.attributes["MultiProcessorCount"]
+    lines, ok = toolchain.machine_report()
+    assert ok and f"device {device.id} ({choice.device_arch}): {choice.form} for {choice.compile_arch}" in lines
 
 
 @pytest.mark.gpu

@@ -1,10 +1,14 @@
-"""Command line of cuflash.kernels: ``python -m cuflash.kernels report --arch sm_80 sm_90 [--json] [--jobs N]``."""
+"""Command line of cuflash.kernels: ``python -m cuflash.kernels report --arch sm_80 sm_90 [--json] [--jobs N]``
+and ``python -m cuflash.kernels toolchain``."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"report": "compile every catalog instance and print its resource usage"}
+COMMANDS = {
+    "report": "compile every catalog instance and print its resource usage",
+    "toolchain": "the installed NVRTC and CUDA headers, the driver, and the code each local GPU gets",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -13,6 +17,12 @@ def main(argv: list[str]) -> int:
         for name, summary in COMMANDS.items():
             print(f"  {name}: {summary}", file=sys.stderr)
         return 2
+    if argv[0] == "toolchain":
+        from . import toolchain
+
+        lines, ok = toolchain.machine_report()
+        print("\n".join(lines))
+        return 0 if ok else 1
     from . import report
 
     return report.main(argv[1:])

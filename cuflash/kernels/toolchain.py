@@ -155,3 +155,51 @@ def driver_version() -> tuple[int, int]:
 def code_for_device(major: int, minor: int) -> CodeChoice:
     """The code a device of compute capability major.minor gets on this machine (see choose_code)."""
     return choose_code(DeviceDescription((major, minor), driver_version()), installed())
+
+
+def local_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) of every CUDA device the driver sees, by the driver API (a ToolchainError without a driver)."""
+    try:
+        from cuda.bindings import driver
+
+        (result,) = driver.cuInit(0)
+    except (ImportError, RuntimeError) as err:  # pathfinder's DynamicLibNotFoundError is a RuntimeError
+        raise ToolchainError(f"cannot reach the CUDA driver ({err})") from err
+    if result == driver.CUresult.CUDA_ERROR_NO_DEVICE:
+        return []
+    if result != driver.CUresult.CUDA_SUCCESS:
+        raise ToolchainError(f"cuInit failed: {result.name}")
+    attribute = driver.CUdevice_attribute
+    found = []
+    for ordinal in range(driver.cuDeviceGetCount()[1]):
+        device = driver.cuDeviceGet(ordinal)[1]
+        found.append(tuple(int(driver.cuDeviceGetAttribute(which, device)[1]) for which in (
+            attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)))
+    return found
+
+
+def machine_report(capabilities: list[tuple[int, int]] | None = None) -> tuple[list[str], bool]:
+    """``python -m cuflash.kernels toolchain``: lines saying what this machine's NVRTC, CUDA headers and driver are
+    and the code each local device gets (``capabilities``: the driver's devices unless given); and whether every
+    device gets code (True without a driver or devices: the simulator still runs everything)."""
+    from .nvrtc import cuda_headers_version, cuda_include_dir
+
+    tools = installed()
+    headers = cuda_include_dir()
+    lines = [f"{tools.describe()}: compiles for " + " ".join(f"sm_{a}" for a in tools.supported_archs),
+             "CUDA headers {}.{}: {}".format(*cuda_headers_version(headers), headers)]
+    try:
+        driver = driver_version()
+        capabilities = local_capabilities() if capabilities is None else capabilities
+    except ToolchainError as err:
+        return lines + [f"no CUDA driver: {err}", "kernels run on the CPU simulator only"], True
+    lines.append(f"driver: runs CUDA up to {_version(driver)}; {len(capabilities)} device(s)")
+    ok = True
+    for ordinal, (major, minor) in enumerate(capabilities):
+        try:
+            choice = choose_code(DeviceDescription((major, minor), driver), tools)
+            lines.append(f"device {ordinal} ({choice.device_arch}): {choice.form} for {choice.compile_arch}")
+        except ToolchainError as err:
+            ok = False
+            lines.append(f"device {ordinal} (sm_{major}{minor}): no code: {err}")
+    return lines, ok
