@@ -49,7 +49,8 @@ def attention(
     mask applied). Under vmap each mapped element runs its own call with dropout (the mask depends on the
     batch index), so vmap equals a loop; under plain jit over sharded inputs each shard drops what the whole
     call drops (the kernels get its first global batch and head); under shard_map fold the shard's index into
-    the key, or every shard drops the same pattern. Returns out, or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    the key, or every shard drops the same pattern. Returns out, or (out, lse) with lse float32
+    (batch, nheads, seqlen_q).
 
     Arguments are checked when the call is traced, with the same checks and messages
     as ``cuflash.attention``. Works under ``jit``, ``grad``/``vjp`` (the backward runs

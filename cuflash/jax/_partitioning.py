@@ -6,8 +6,9 @@ device's shard: one custom call per device with the local batch and heads, outpu
 
 How: each primitive's lowering wraps the call in ``jax.experimental.custom_partitioning`` with a Shardy rule
 (``b s (g r) d, b t g d, ... -> ...``: batch ``b`` and kv head ``g`` may be sharded, the query head is the compound
-``(g r)`` of kv head and group member (``g`` for MHA, ``r`` for MQA), sequence and head dim must stay whole) and a ``partition`` callback that
-makes the per-device call: the Problem with the local batch and heads, lowered straight to the FFI custom call.
+``(g r)`` of kv head and group member (``g`` for MHA, ``r`` for MQA), sequence and head dim must stay whole) and a
+``partition`` callback that makes the per-device call: the Problem with the local batch and heads, lowered
+straight to the FFI custom call.
 On one device, or inside a fully manual ``shard_map``, custom_partitioning lowers the call directly.
 
 A sequence axis that q, k and v share runs as ring attention over it (_ring.py: K/V blocks rotate, partial results
@@ -35,6 +36,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -171,9 +174,6 @@ def local_problem(mesh, problem: Problem, split: Split) -> Problem:
 def _with_shard_offsets(seed, split: Split, local: Problem):
     """The dropout seed buffer of this device's shard: words 2 and 3 advanced by the global index of the shard's
     first batch and first query head (dropout.cuh), from the device's position along the split mesh axes."""
-    import jax
-    import jax.numpy as jnp
-
     words = jax.lax.bitcast_convert_type(seed, jnp.uint32)
     first = [jnp.uint32(0) if axis is None else jax.lax.axis_index(axis).astype(jnp.uint32) * jnp.uint32(rows)
              for axis, rows in ((split.batch, local.batch), (split.heads, local.nheads))]

@@ -174,7 +174,8 @@ def local_capabilities() -> list[tuple[int, int]]:
     for ordinal in range(driver.cuDeviceGetCount()[1]):
         device = driver.cuDeviceGet(ordinal)[1]
         found.append(tuple(int(driver.cuDeviceGetAttribute(which, device)[1]) for which in (
-            attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)))
+            attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)))
     return found
 
 

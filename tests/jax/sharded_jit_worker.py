@@ -129,7 +129,8 @@ def main() -> None:
 
                 def decode(q, k_cache, v_cache, k, v, lengths=lengths - rows + 1 if rows == 1 else lengths,
                            paged=layout == "paged"):
-                    return cfj.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.maximum(lengths, 0),
+                    return cfj.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                                      cache_seqlens=np.maximum(lengths, 0),
                                                       block_table=table if paged else None, causal=True,
                                                       num_splits=1, return_lse=True)
 

@@ -56,8 +56,9 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent; and with dropout, forward and backward; varlen calls along heads). A sequence sharded with ALiBi and a window is
-    gathered (the documented fallback) with the same results; a causal one without runs as ring attention."""
+    the lse's cotangent; with dropout; for MHA and MQA; varlen calls along heads; KV-cache calls, forward only).
+    A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the same results; a
+    causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
                             for case in ("batch", "heads", "batch+heads", "sequence", "ring", "dropout batch",
