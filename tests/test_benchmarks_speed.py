@@ -114,6 +114,11 @@ def test_fed_milliseconds_come_out_in_measurements_table_json_csv_and_plot_data(
     assert fa2.released == peer.released == len(WORKLOADS)
 
     table = speed.format_table(result)
+    assert "cuflash ran" not in table  # no toolchain given
+    code = "sm_90 CUBINs from NVRTC 13.5, driver for CUDA 13.0"
+    recorded = _sweep([fa2], WORKLOADS[:1], toolchain=code)
+    assert recorded.as_dict()["toolchain"] == code
+    assert speed.format_table(recorded).splitlines()[1] == f"cuflash ran {code}"
     w = WORKLOADS[0]
     forward = next(m for m in result.measurements if m.system == "cuflash-fa2" and m.workload == w
                    and m.direction == "forward")
@@ -228,6 +233,12 @@ def test_cuda_event_timer_and_l2_flush_time_a_real_call():
     assert flush.bytes >= 2 * 1024 * 1024
     sample = timing.measure(lambda: x @ x, timing.CudaEventTimer.cupy(), warmup=1, repeats=3, flush=flush)
     assert all(0 < ms < 1000 for ms in sample.milliseconds)
+
+
+@pytest.mark.gpu
+def test_the_toolchain_line_names_the_code_the_gpu_runs():
+    line = speed.toolchain_line()
+    assert (" CUBINs from NVRTC " in line or " PTX from NVRTC " in line) and ", driver for CUDA " in line
 
 
 @pytest.mark.gpu

@@ -75,6 +75,7 @@ class SweepResult:
     device: str
     timing: str
     systems: list[str]
+    toolchain: str = ""  # the code cuflash's kernels ran as (kernels/toolchain.py): CUBIN or PTX, NVRTC, driver
     measurements: list[Measurement] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
@@ -83,6 +84,7 @@ class SweepResult:
         return {
             "device": self.device,
             "timing": self.timing,
+            "toolchain": self.toolchain,
             "systems": self.systems,
             "measurements": [m.record() for m in self.measurements],
             "checks": [asdict(c) for c in self.checks],
@@ -136,10 +138,10 @@ class Progress:
 def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, directions=DIRECTIONS,
               warmup: int = 3, repeats: int = 10, flush: Callable[[], None] | None = None, device: str = "",
               timing: str = "", check: Callable[..., Check] = check_against_reference,
-              progress_stream=sys.stderr) -> SweepResult:
+              progress_stream=sys.stderr, toolchain: str = "") -> SweepResult:
     """Check, then time, every available system on every workload, in the same process."""
     systems, workloads = list(systems), list(workloads)
-    result = SweepResult(device, timing, [s.key for s in systems])
+    result = SweepResult(device, timing, [s.key for s in systems], toolchain)
     present = []
     for system in systems:
         reason = system.unavailable()
@@ -183,7 +185,8 @@ def sweep_on_gpu(systems, workloads, *, directions=DIRECTIONS, warmup: int = 3, 
     flush = L2Flush()
     return run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats, flush=flush,
                      device=device_name(), timing=f"CUDA events, median of {repeats} after {warmup} warm-up, "
-                                                  f"L2 flushed ({flush.bytes >> 20} MiB written) before each run")
+                                                  f"L2 flushed ({flush.bytes >> 20} MiB written) before each run",
+                     toolchain=toolchain_line())
 
 
 def baseline_system(result: SweepResult) -> str | None:
@@ -203,6 +206,8 @@ def format_table(result: SweepResult) -> str:
     peers = [s for s in timed if not s.startswith("cuflash-")]
     by_key = {(m.system, m.workload, m.direction): m for m in result.measurements}
     lines = [f"{result.device}: TFLOP/s (ms), {result.timing}".strip(": ")]
+    if result.toolchain:
+        lines.append(f"cuflash ran {result.toolchain}")
     for direction in DIRECTIONS:
         workloads = list(dict.fromkeys(m.workload for m in result.measurements if m.direction == direction))
         if not workloads:
@@ -249,6 +254,19 @@ def write_outputs(result: SweepResult, out_dir: Path, stem: str = "speed") -> li
             plots.plot_speed(result, direction, path)
             written.append(path)
     return written
+
+
+def toolchain_line() -> str:
+    """The code cuflash's kernels run as on the current GPU: "sm_90 CUBINs from NVRTC 13.5, driver for CUDA 13.0"."""
+    from cuflash.kernels import toolchain
+
+    from .timing import cupy_or_refuse
+
+    capability = cupy_or_refuse().cuda.Device().compute_capability
+    choice = toolchain.code_for_device(int(capability[:-1]), int(capability[-1]))
+    driver = toolchain.driver_version()
+    return (f"{choice.compile_arch} {'CUBINs' if choice.form == 'cubin' else 'PTX'} from "
+            f"{toolchain.installed().describe()}, driver for CUDA {driver[0]}.{driver[1]}")
 
 
 def device_name() -> str:
