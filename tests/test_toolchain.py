@@ -7,7 +7,6 @@ import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cuflash.kernels import catalog, nvrtc, report, targets, toolchain

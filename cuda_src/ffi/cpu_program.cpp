@@ -248,13 +248,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCpu, cuflash::ffi_handlers::CpuProgr
 extern "C" {
 
 int cuflash_ffi_cpu_handlers(cuflash_ffi_handler_bundle* bundle) {
-  using cuflash::ffi_handlers::CpuProgramState;
-  bundle->instantiate = reinterpret_cast<void*>(&CuflashProgramCpuInstantiate);
-  bundle->execute = reinterpret_cast<void*>(&CuflashProgramCpu);
-  bundle->state_type_name = CpuProgramState::kTypeName;
-  bundle->state_type_id = &CpuProgramState::id;
-  bundle->state_type_info = const_cast<XLA_FFI_TypeInfo*>(&cuflash::ffi_handlers::kCpuProgramStateTypeInfo);
-  return 1;
+  using namespace cuflash::ffi_handlers;
+  return FillHandlerBundle<CpuProgramState>(bundle, CuflashProgramCpuInstantiate, CuflashProgramCpu,
+                                            kCpuProgramStateTypeInfo);
 }
 
 unsigned long long cuflash_ffi_cpu_instantiations(void) { return cuflash::ffi_handlers::CpuInstantiations().load(); }

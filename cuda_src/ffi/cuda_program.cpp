@@ -230,7 +230,7 @@ ffi::Error GetFunction(const Driver& driver, CUcontext context, const KernelLaun
     return error;
   if (!missing_arch.empty())
     return ffi::Error(ffi::ErrorCode::kNotFound,
-                      "cuflash CUDA handler: no CUBIN registered for " + launch.name + " on " + missing_arch +
+                      "cuflash CUDA handler: no code (CUBIN or PTX) registered for " + launch.name + " on " + missing_arch +
                           " (kernels are compiled and registered when cuflash.jax lowers a call, or when a "
                           "compiled call is instantiated once cuflash.jax is imported)");
   return ffi::Error::Success();
@@ -428,13 +428,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CuflashProgramCuda, cuflash::ffi_handlers::CudaPro
 extern "C" {
 
 int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle* bundle) {
-  using cuflash::ffi_handlers::CudaProgramState;
-  bundle->instantiate = reinterpret_cast<void*>(&CuflashProgramCudaInstantiate);
-  bundle->execute = reinterpret_cast<void*>(&CuflashProgramCuda);
-  bundle->state_type_name = CudaProgramState::kTypeName;
-  bundle->state_type_id = &CudaProgramState::id;
-  bundle->state_type_info = const_cast<XLA_FFI_TypeInfo*>(&cuflash::ffi_handlers::kCudaProgramStateTypeInfo);
-  return 1;
+  using namespace cuflash::ffi_handlers;
+  return FillHandlerBundle<CudaProgramState>(bundle, CuflashProgramCudaInstantiate, CuflashProgramCuda,
+                                             kCudaProgramStateTypeInfo);
 }
 
 unsigned long long cuflash_ffi_cuda_instantiations(void) {

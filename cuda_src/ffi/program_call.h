@@ -81,6 +81,8 @@ struct ProgramPlan {
   std::vector<const PointerField*> bindings;  // operands first, then results
   std::vector<uint8_t> zero_init;             // one entry per result
   std::vector<KernelLaunch> launches;
+  bool packed = false;  // varlen: cu_seqlens_q is bound (TensorLayout)
+  bool paged = false;   // paged KV cache: block_table is bound and page_size > 0 (TensorLayout)
 };
 
 // One execution of a plan (the execute stage): its buffers, checked, and params carrying their addresses.
@@ -99,6 +101,18 @@ constexpr int64_t FixedStateTypeId(std::string_view type_name) {
   uint64_t hash = 0xcbf29ce484222325ull;
   for (char c : type_name) hash = (hash ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
   return static_cast<int64_t>((hash & 0x3fffffffffffffffull) | (1ull << 62));
+}
+
+// Fills a platform's handler bundle (ffi_abi.h): its two stages and the state type they share.
+template <class State>
+int FillHandlerBundle(cuflash_ffi_handler_bundle* bundle, XLA_FFI_Handler* instantiate, XLA_FFI_Handler* execute,
+                      const XLA_FFI_TypeInfo& state_type_info) {
+  bundle->instantiate = reinterpret_cast<void*>(instantiate);
+  bundle->execute = reinterpret_cast<void*>(execute);
+  bundle->state_type_name = State::kTypeName;
+  bundle->state_type_id = &State::id;
+  bundle->state_type_info = const_cast<XLA_FFI_TypeInfo*>(&state_type_info);
+  return 1;
 }
 
 inline std::vector<std::string_view> Split(std::string_view text, char separator) {
@@ -227,13 +241,17 @@ inline ffi::Error DecodeProgramPlan(ffi::Span<const uint8_t> params, std::string
   }
 
   plan->bindings.clear();
+  plan->packed = plan->paged = false;
   for (std::string_view name : Split(bindings, ',')) {
     const PointerField* field = FindPointerField(name);
     if (field == nullptr) return Invalid("binding '" + std::string(name) + "' is not an AttentionParams pointer field");
     for (const PointerField* other : plan->bindings)
       if (other == field) return Invalid("field " + std::string(name) + " is bound twice");
     plan->bindings.push_back(field);
+    plan->packed = plan->packed || name == "cu_seqlens_q";
+    plan->paged = plan->paged || name == "block_table";
   }
+  plan->paged = plan->paged && plan->params.page_size > 0;
   if (zero_init.size() > plan->bindings.size())
     return Invalid("zero_init has " + std::to_string(zero_init.size()) + " entries for " +
                    std::to_string(plan->bindings.size()) + " bound buffers");
@@ -319,17 +337,11 @@ inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs
     const long long leading_extent = dimensions.size() ? static_cast<long long>(dimensions.front()) : 1;
     call->buffers.push_back(BoundBuffer{field, data, bytes, leading_extent, is_result, zero_init});
   }
-  bool packed = false, paged = false;
-  for (const BoundBuffer& bound : call->buffers) {
-    packed = packed || std::string_view(bound.field->name) == "cu_seqlens_q";
-    paged = paged || std::string_view(bound.field->name) == "block_table";
-  }
-  paged = paged && call->params.page_size > 0;
   for (const BoundBuffer& bound : call->buffers) {
     if (!bound.field->is_tensor) continue;
     // num_pages is not in AttentionParams (kernels never need it: the block_table names the pages), so a paged
     // cache's page count is the bound buffer's own leading dimension.
-    const TensorLayout layout{packed, paged, bound.leading_extent};
+    const TensorLayout layout{plan.packed, plan.paged, bound.leading_extent};
     if (ffi::Error error = CheckTensorExtent(call->params, bound, layout, ffi::ByteWidth(tensor_type)); error.failure())
       return error;
   }

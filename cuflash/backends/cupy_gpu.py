@@ -30,8 +30,8 @@ class CupyBackend:
         self._cupy = cupy
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
-        # compute_capability is a string such as "80" or "90"; plans respect the device's opt-in limit.
-        major, minor = int(device.compute_capability[:-1]), int(device.compute_capability[-1])
+        # Plans respect the device's opt-in shared memory limit and plan splits for its SMs.
+        major, minor = toolchain.capability_of_cupy(device.compute_capability)
         self.target = targets.for_device(
             major, minor, device.attributes.get("MaxSharedMemoryPerBlockOptin"),
             device.attributes.get("MultiProcessorCount"),

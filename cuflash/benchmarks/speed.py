@@ -262,11 +262,8 @@ def toolchain_line() -> str:
 
     from .timing import cupy_or_refuse
 
-    capability = cupy_or_refuse().cuda.Device().compute_capability
-    choice = toolchain.code_for_device(int(capability[:-1]), int(capability[-1]))
-    driver = toolchain.driver_version()
-    return (f"{choice.compile_arch} {'CUBINs' if choice.form == 'cubin' else 'PTX'} from "
-            f"{toolchain.installed().describe()}, driver for CUDA {driver[0]}.{driver[1]}")
+    capability = toolchain.capability_of_cupy(cupy_or_refuse().cuda.Device().compute_capability)
+    return toolchain.describe_code(toolchain.code_for_device(*capability))
 
 
 def device_name() -> str:

@@ -71,18 +71,13 @@ def _tool(name: str) -> str | None:
 
 
 def step_toolchain(out: Path) -> dict:
-    import cupy
+    from ..kernels.toolchain import ToolchainError
+    from .speed import toolchain_line
 
-    from ..kernels import toolchain
-
-    capability = cupy.cuda.Device().compute_capability
     try:
-        choice = toolchain.code_for_device(int(capability[:-1]), int(capability[-1]))
-    except toolchain.ToolchainError as err:
+        return {"status": "pass", "detail": toolchain_line()}
+    except ToolchainError as err:
         return {"status": "fail", "detail": str(err)}
-    driver = toolchain.driver_version()
-    return {"status": "pass", "detail": f"{choice.device_arch} runs {choice.form} for {choice.compile_arch} "
-                                        f"({toolchain.installed().describe()}, driver for CUDA {driver[0]}.{driver[1]})"}
 
 
 def step_tests(out: Path) -> dict:
@@ -223,7 +218,8 @@ def write_summary(out: Path, steps: dict[str, dict], seconds: float) -> Path:
     return path
 
 
-STEPS = {"toolchain": step_toolchain, "tests": step_tests, "sanitizer": step_sanitizer, "speed": step_speed, "ncu": step_ncu}
+STEPS = {"toolchain": step_toolchain, "tests": step_tests, "sanitizer": step_sanitizer, "speed": step_speed,
+         "ncu": step_ncu}
 
 
 def main(out: Path, skip: set[str] = frozenset()) -> int:

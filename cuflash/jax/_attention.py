@@ -210,11 +210,11 @@ def _check_rng(rng):
     return rng
 
 
-def dropout_seed_operand(seed_bits, first_batch=0, first_head=0):
+def dropout_seed_operand(seed_bits):
     """The kernels' dropout_seed side input (cuflash.dropout.seed_words) of traced seed words: the seed's two words,
-    then the call's first global batch and head (a shard's, _partitioning.py), as float32-typed bits."""
-    offsets = jnp.stack([jnp.asarray(first_batch, jnp.uint32), jnp.asarray(first_head, jnp.uint32)])
-    return jax.lax.bitcast_convert_type(jnp.concatenate([seed_bits, offsets]), jnp.float32)
+    then the call's first global batch and head, 0 (a shard's partition advances them: _partitioning.py), as
+    float32-typed bits."""
+    return jax.lax.bitcast_convert_type(jnp.concatenate([seed_bits, jnp.zeros(2, jnp.uint32)]), jnp.float32)
 
 
 def _seed_bits(rng):

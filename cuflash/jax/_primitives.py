@@ -202,7 +202,7 @@ def local_cuda_capabilities() -> list[tuple[int, int]]:
 
 def local_cuda_archs() -> list[str]:
     """"sm_XY" of every local CUDA device JAX sees."""
-    return [f"sm_{major}{minor}" for major, minor in local_cuda_capabilities()]
+    return [targets.arch_name(major, minor) for major, minor in local_cuda_capabilities()]
 
 
 def register_device_code(instance: KernelInstance, device_arch: str) -> None:

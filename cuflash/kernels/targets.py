@@ -8,7 +8,7 @@ The per-SM figures (CUDA C++ Programming Guide, technical specifications per com
 capability) give the compile report's occupancy bounds. The simulator runs plans for a target
 too (default sm_80) and refuses launches above its limit.
 
-``sm_count`` is the number of SMs the split-KV heuristic plans for (fa2.py's num_splits_for). A device's target
+``sm_count`` is the number of SMs the split-KV heuristic plans for (fa2.py's num_kv_splits). A device's target
 carries the device's own count (CuPy and JAX read multiProcessorCount); the table's counts are those of one
 representative part per arch (A100 108, A40 84, Jetson AGX Orin 16, L40S 142, H100 SXM 132, B200 148, RTX 5090
 170), which is what the simulator plans with, so a simulated decode splits as it would on that part.
@@ -16,10 +16,15 @@ representative part per arch (A100 108, A40 84, Jetson AGX Orin 16, L40S 142, H1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KB = 1024
 DEFAULT_ARCH = "sm_80"
+
+
+def arch_name(major: int, minor: int) -> str:
+    """The real arch of a compute capability: (9, 0) is sm_90, (12, 0) sm_120."""
+    return f"sm_{major}{minor}"
 
 
 def capability_of(arch: str) -> tuple[int, int]:
@@ -93,13 +98,11 @@ def for_device(major: int, minor: int, smem_per_block_optin_bytes: int | None = 
     """The Target of a device from its compute capability and (when the driver tells them) its opt-in
     shared memory per block, which wins over the table (plans never ask more than the device allows), and
     its SM count (the split-KV heuristic's)."""
-    arch = f"sm_{major}{minor}"
+    arch = arch_name(major, minor)
     known = TARGETS.get(arch)
     if known is None:
         # A newer GPU than this table: plan for the most conservative known limit, or the device's own.
         known = Target(arch, 99 * KB, 100 * KB, max_warps_per_sm=48, max_blocks_per_sm=16)
-    from dataclasses import replace
-
     if smem_per_block_optin_bytes is not None and smem_per_block_optin_bytes != known.smem_per_block_bytes:
         known = replace(known, smem_per_block_bytes=int(smem_per_block_optin_bytes))
     if sm_count is not None and int(sm_count) > 0:

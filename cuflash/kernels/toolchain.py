@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 
 from .nvrtc import cuda_wheels
-from .targets import arch_number
+from .targets import arch_name, arch_number, capability_of
 
 # The oldest GPU cuflash's kernels run on: cp.async, ldmatrix and mma.sync.m16n8k16 are sm_80 instructions.
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -56,7 +56,7 @@ class DeviceDescription:
 
     @property
     def arch(self) -> str:
-        return "sm_{}{}".format(*self.compute_capability)
+        return arch_name(*self.compute_capability)
 
     @property
     def arch_number(self) -> int:
@@ -157,6 +157,18 @@ def code_for_device(major: int, minor: int) -> CodeChoice:
     return choose_code(DeviceDescription((major, minor), driver_version()), installed())
 
 
+def capability_of_cupy(compute_capability: str) -> tuple[int, int]:
+    """(major, minor) of CuPy's spelling of a compute capability ("90", "120")."""
+    return capability_of("sm_" + compute_capability)
+
+
+def describe_code(choice: CodeChoice) -> str:
+    """What a device runs, for reports: "sm_90 CUBINs from NVRTC 13.5, driver for CUDA 13.0"."""
+    driver = driver_version()
+    return (f"{choice.compile_arch} {'CUBINs' if choice.form == 'cubin' else 'PTX'} from {installed().describe()}, "
+            f"driver for CUDA {_version(driver)}")
+
+
 def local_capabilities() -> list[tuple[int, int]]:
     """(major, minor) of every CUDA device the driver sees, by the driver API (a ToolchainError without a driver)."""
     try:
@@ -202,5 +214,5 @@ def machine_report(capabilities: list[tuple[int, int]] | None = None) -> tuple[l
             lines.append(f"device {ordinal} ({choice.device_arch}): {choice.form} for {choice.compile_arch}")
         except ToolchainError as err:
             ok = False
-            lines.append(f"device {ordinal} (sm_{major}{minor}): no code: {err}")
+            lines.append(f"device {ordinal} ({arch_name(major, minor)}): no code: {err}")
     return lines, ok
