@@ -41,9 +41,9 @@ def dropout_threshold(dropout_p: float) -> int:
 
 
 def seed_words(seed: int, first_batch: int = 0, first_head: int = 0) -> np.ndarray:
-    """The kernels' dropout_seed side input (dropout.cuh): the 64-bit seed as two uint32 words (low first), then the
-    global index of the call's first batch and first head (nonzero only for a shard of a larger call), viewed as
-    float32 (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
+    """The kernels' dropout_seed side input (dropout.cuh) of a call with one seed: the 64-bit seed as two uint32
+    words (low first), then the global index of the call's first batch and first head (nonzero only for a shard of a
+    larger call), viewed as float32 (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
     return np.array([seed & 0xFFFFFFFF, seed >> 32, first_batch, first_head], dtype=np.uint32).view(np.float32)
 
 

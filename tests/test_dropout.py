@@ -169,6 +169,52 @@ def test_a_shard_with_its_offsets_drops_what_the_whole_call_drops(monkeypatch, d
         assert np.array_equal(got, want[rows, :, h])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_call_with_a_seed_per_batches_drops_what_each_seeds_call_drops(monkeypatch, dtype):
+    """Problem.dropout_batches_per_seed (vmap's fold of calls with their own seeds): three calls of batch 2 with
+    seeds s0, s1, s2 folded into batch 6, of which a shard holds global batches 1..4 (first row's word 2 = 1). Its
+    batch 0 is call 0's batch 1, batches 1..2 are call 1's and batch 3 is call 2's batch 0, forward and backward,
+    bitwise."""
+    import functools
+
+    from cuflash import _validation, api
+    from cuflash.dropout import seed_words
+    from cuflash.kernels.program import Problem
+
+    shape = (2, 37, 53, 4, 2, 40)
+    seeds = (2**40 + 3, 17, 2**63 + 11)
+    options = dict(causal=True, dropout_p=0.3)
+    calls = [random_inputs(shape, dtype, seed=20 + i) for i in range(3)]
+    expected = []
+    for seed, (q, k, v, dout) in zip(seeds, calls):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, dropout_seed=seed, **options)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, dropout_seed=seed, **options)
+        expected.append((out, lse, *grads))
+    pieces = [(0, 1), (1, 0), (1, 1), (2, 0)]  # (call, batch) of the shard's batches
+    q, k, v, dout = (np.stack([calls[c][i][b] for c, b in pieces]) for i in range(4))
+
+    table = np.concatenate([seed_words(seeds[0], first_batch=1)] + [seed_words(s) for s in seeds[1:]])
+    monkeypatch.setattr(api, "seed_words", lambda seed: table)
+    monkeypatch.setattr(_validation, "Problem", functools.partial(Problem, dropout_batches_per_seed=2))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, dropout_seed=0, **options)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, dropout_seed=0, **options)
+    for i, (c, b) in enumerate(pieces):
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected[c]):
+            assert np.array_equal(got[i], want[b]), (name, c, b)
+
+
+def test_dropout_batches_per_seed_is_checked():
+    from cuflash.kernels.program import Problem
+
+    base = dict(dtype="float32", batch=4, seqlen_q=8, seqlen_k=8, nheads=2, nheads_k=2, headdim=16)
+    with pytest.raises(ValueError, match="dropout_batches_per_seed must be an int >= 0"):
+        Problem(**base, dropout_p=0.1, dropout_batches_per_seed=-1)
+    with pytest.raises(ValueError, match="needs dropout_p > 0 and a fixed-length batch"):
+        Problem(**base, dropout_batches_per_seed=2)
+    with pytest.raises(ValueError, match="needs dropout_p > 0 and a fixed-length batch"):
+        Problem(**base, dropout_p=0.1, dropout_batches_per_seed=2, total_q=9, total_k=9)
+
+
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 

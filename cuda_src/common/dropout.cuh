@@ -16,14 +16,19 @@
 // call partitioned under sharded jit) adds the global index of its first batch and first head, so every shard
 // drops exactly the elements the whole call drops.
 //
+// One call may hold several calls' batches, each with its own seed (JAX's vmap folds its mapped elements into the
+// batch axis): with dropout_batches_per_seed = n > 0, global batch b uses the seed of row b / n of the seed buffer
+// and Philox batch b % n, exactly what the mapped element's own call would use.
+//
 // Traffic: with dropout every thread also reads the 16-byte seed buffer (once per kernel in the SIMT kernels, once
 // per K/V block in the tensor-core forward and per Q block and strip in its backward: L1 hits on a GPU, kept out of
 // registers there because those kernels run at the register limit). The kernels' traffic formulas are for
 // attention without dropout.
 //
-// The seed is a side input (AttentionParams::dropout_seed: four 32-bit words in a float32-typed buffer: the seed,
-// low word first, then the call's first global batch and head, 0 unless the call is a shard) rather than scalars
-// so that JAX can pass a traced seed drawn from a PRNG key, and a shard's offsets from its mesh position, under jit.
+// The seed is a side input (AttentionParams::dropout_seed: rows of four 32-bit words in a float32-typed buffer:
+// the seed, low word first, then, in the first row only, the call's first global batch and head, 0 unless the call
+// is a shard) rather than scalars so that JAX can pass a traced seed drawn from a PRNG key, and a shard's offsets
+// from its mesh position, under jit.
 #pragma once
 
 #include "arch/arch.cuh"
@@ -61,12 +66,19 @@ struct Dropout {
   int head;
 
   // batch is the call's sequence index (for varlen too), head its query head; the seed buffer's words 2 and 3
-  // make them global.
+  // make them global, and dropout_batches_per_seed picks the seed row of the global batch.
   __device__ __forceinline__ static Dropout of(const AttentionParams& p, int batch, int head) {
     if (p.dropout_threshold == 0u) return Dropout{0u, 0u, 0u, 1.f, batch, head};
-    const unsigned* seed = reinterpret_cast<const unsigned*>(p.dropout_seed);
-    return Dropout{arch::load(seed), arch::load(seed + 1), p.dropout_threshold, p.dropout_rescale,
-                   batch + static_cast<int>(arch::load(seed + 2)), head + static_cast<int>(arch::load(seed + 3))};
+    const unsigned* words = reinterpret_cast<const unsigned*>(p.dropout_seed);
+    int global_batch = batch + static_cast<int>(arch::load(words + 2));
+    const unsigned* seed = words;
+    if (p.dropout_batches_per_seed > 0) {
+      const int row = global_batch / p.dropout_batches_per_seed;
+      global_batch -= row * p.dropout_batches_per_seed;
+      seed += 4 * row;
+    }
+    return Dropout{arch::load(seed), arch::load(seed + 1), p.dropout_threshold, p.dropout_rescale, global_batch,
+                   head + static_cast<int>(arch::load(words + 3))};
   }
 
   // Block-uniform: kernels skip the element work when dropout is off.

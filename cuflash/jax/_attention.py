@@ -46,8 +46,8 @@ def attention(
     ``cuflash.attention``. ``dropout_p`` (static) with ``dropout_rng``, a JAX PRNG key (required when
     dropout_p > 0; it may be traced): the kernels' 64-bit dropout seed is drawn from it
     (``dropout_seed(rng)`` gives it as an int, so ``cuflash.dropout_mask(dropout_seed(rng), ...)`` is the
-    mask applied). Under vmap each mapped element runs its own call with dropout (the mask depends on the
-    batch index), so vmap equals a loop; under plain jit over sharded inputs each shard drops what the whole
+    mask applied). Under vmap each mapped element drops what its own call would drop (with its own key, or the
+    shared one), though one launch covers them all; under plain jit over sharded inputs each shard drops what the whole
     call drops (the kernels get its first global batch and head); under shard_map fold the shard's index into
     the key, or every shard drops the same pattern. Returns out, or (out, lse) with lse float32
     (batch, nheads, seqlen_q).
@@ -214,7 +214,9 @@ def dropout_seed_operand(seed_bits):
     """The kernels' dropout_seed side input (cuflash.dropout.seed_words) of traced seed words: the seed's two words,
     then the call's first global batch and head, 0 (a shard's partition advances them: _partitioning.py), as
     float32-typed bits."""
-    return jax.lax.bitcast_convert_type(jnp.concatenate([seed_bits, jnp.zeros(2, jnp.uint32)]), jnp.float32)
+    # Padded rather than concatenated with zeros: under vmap of keys sharded in an Explicit mesh, concatenate would
+    # broadcast the zeros to the keys' sharding, which needs a mesh in context.
+    return jax.lax.bitcast_convert_type(jnp.pad(seed_bits, (0, 2)), jnp.float32)
 
 
 def _seed_bits(rng):

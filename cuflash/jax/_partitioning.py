@@ -172,12 +172,13 @@ def local_problem(mesh, problem: Problem, split: Split) -> Problem:
 
 
 def _with_shard_offsets(seed, split: Split, local: Problem):
-    """The dropout seed buffer of this device's shard: words 2 and 3 advanced by the global index of the shard's
-    first batch and first query head (dropout.cuh), from the device's position along the split mesh axes."""
+    """The dropout seed buffer of this device's shard: words 2 and 3 (of its first row) advanced by the global
+    index of the shard's first batch and first query head (dropout.cuh), from the device's position along the split
+    mesh axes."""
     words = jax.lax.bitcast_convert_type(seed, jnp.uint32)
     first = [jnp.uint32(0) if axis is None else jax.lax.axis_index(axis).astype(jnp.uint32) * jnp.uint32(rows)
              for axis, rows in ((split.batch, local.batch), (split.heads, local.nheads))]
-    return jax.lax.bitcast_convert_type(words.at[2:].add(jnp.stack(first)), jnp.float32)
+    return jax.lax.bitcast_convert_type(words.at[2:4].add(jnp.stack(first)), jnp.float32)
 
 
 def partitioned_call(direction: str, bind, operands: Sequence[str], results: Sequence[str], problem: Problem):

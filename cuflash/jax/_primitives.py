@@ -316,8 +316,10 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     broadcast (_forward_folded_into_heads).
     ALiBi slopes shared by every mapped element with one slope per head stay as they are; otherwise they are
     broadcast to (mapped, batch, nheads) and fold like the rest, as per-(batch, head) slopes.
-    With dropout, the keep mask depends on the batch index and the seed (dropout.cuh), which folding would change;
-    varlen tensors are packed along their only outer axis, which has no batch to fold into; a KV cache's split-KV
+    With dropout, the keep mask depends on the batch index and the seed (dropout.cuh): the seed rows fold with the
+    batch too, each mapped element's batches taking its own seed as its own batches (Problem's
+    dropout_batches_per_seed), so the fold drops what each element's call drops.
+    Varlen tensors are packed along their only outer axis, which has no batch to fold into; a KV cache's split-KV
     heuristic depends on the batch, and a paged cache's block_table numbers the pages of one cache: in these cases
     each mapped element runs its own call (on its slice of each mapped operand), so vmap equals a loop of
     per-element calls, bitwise."""
@@ -325,13 +327,16 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
-    if problem.dropout_p > 0.0 or problem.varlen or problem.kvcache:
+    if problem.varlen or problem.kvcache:
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
     if (direction == "forward" and dims[names.index("k")] is None and dims[names.index("v")] is None
-            and problem.nheads * size <= V.MAX_GRID_YZ):
+            and problem.dropout_p == 0.0 and problem.nheads * size <= V.MAX_GRID_YZ):
         return _forward_folded_into_heads(config, args, dims, size, bind)
+    if problem.dropout_p > 0.0:  # seed rows fold like the batch (a nested vmap's call already has its rows)
+        per_seed = problem.dropout_batches_per_seed or batch
+        config = dataclasses.replace(config, problem=dataclasses.replace(problem, dropout_batches_per_seed=per_seed))
     args, dims = list(args), list(dims)
     shared_slopes = None
     if "alibi_slopes" in names:
@@ -349,6 +354,7 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     for start in range(0, size, chunk):
         members = min(chunk, size - start)
         part = args if members == size else [x if x is shared_slopes else x[start : start + members] for x in args]
+        # (members, batch, ...) -> (members * batch, ...); dropout's (members, 4 rows) seeds -> (4 members rows)
         folded = [x if x is shared_slopes else x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
         problem = dataclasses.replace(config.problem, batch=members * batch)
         outs = bind(*folded, config=dataclasses.replace(config, problem=problem))

@@ -152,6 +152,7 @@ def pack_params(
     params["alibi_batch_stride"] = problem.nheads if problem.alibi == "batch_heads" else 0
     params["dropout_threshold"] = dropout_threshold(problem.dropout_p)
     params["dropout_rescale"] = 1.0 / (1.0 - problem.dropout_p)
+    params["dropout_batches_per_seed"] = problem.dropout_batches_per_seed
     params["page_size"] = problem.page_size
     params["block_table_stride"] = problem.pages_per_sequence
     return params[()]

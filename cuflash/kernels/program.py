@@ -65,8 +65,11 @@ class Problem:
     # None, "heads" (nheads,) or "batch_heads" (batch, nheads).
     softcap: float = 0.0
     alibi: str | None = None
-    # Dropout probability in [0, 1) (dropout.cuh; the seed is data, a side input).
+    # Dropout probability in [0, 1) (dropout.cuh; the seed is data, a side input). dropout_batches_per_seed n > 0:
+    # the seed input holds a seed per n (global) batches, batch b dropping as batch b % n of a call with its seed
+    # would (JAX's vmap folds mapped elements with their own seeds into one call); 0: one seed.
     dropout_p: float = 0.0
+    dropout_batches_per_seed: int = 0
     # Varlen (block_info.cuh): query and key rows of the packed (total, heads, d) tensors, None for fixed-length
     # batches. Then batch counts sequences and seqlen_q / seqlen_k are the longest ones (the grid's extent); the
     # lengths themselves are data (cu_seqlens side inputs), so nothing here depends on them.
@@ -99,6 +102,11 @@ class Problem:
             raise ValueError(f"Problem.alibi must be one of {ALIBI_LAYOUTS}, got {self.alibi!r}")
         if not (isinstance(self.dropout_p, float) and 0.0 <= self.dropout_p < 1.0):
             raise ValueError(f"Problem.dropout_p must be a float in [0, 1), got {self.dropout_p!r}")
+        if not (isinstance(self.dropout_batches_per_seed, int) and self.dropout_batches_per_seed >= 0):
+            raise ValueError("Problem.dropout_batches_per_seed must be an int >= 0, got "
+                             f"{self.dropout_batches_per_seed!r}")
+        if self.dropout_batches_per_seed and (self.dropout_p == 0.0 or self.varlen):
+            raise ValueError("Problem.dropout_batches_per_seed > 0 needs dropout_p > 0 and a fixed-length batch")
         if (self.total_q is None) != (self.total_k is None):
             raise ValueError("Problem.total_q and Problem.total_k are set together (varlen) or not at all")
         if self.varlen and not (0 <= self.total_q and 0 <= self.total_k):

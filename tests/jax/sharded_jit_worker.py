@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -34,7 +35,7 @@ CASES = {
 
 def compare_sharded(step, args, want) -> dict:
     """Run jit(step) on sharded args: whether each result is bitwise ``want``, the collectives and cuflash custom
-    calls in the compiled HLO, and the results' shardings."""
+    calls in the compiled HLO (with the shapes all-gathers give), and the results' shardings."""
     compiled = jax.jit(step).lower(*args).compile()
     got = compiled(*args)
     hlo = compiled.as_text()
@@ -42,6 +43,7 @@ def compare_sharded(step, args, want) -> dict:
         "bitwise": [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, want)],
         "collectives": [c for c in COLLECTIVES if c in hlo],
         "custom_calls": hlo.count("cuflash_program"),
+        "gathered": re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? all-gather\(", hlo),
         "shardings": [str(x.sharding.spec) for x in got],
     }
 
@@ -89,6 +91,20 @@ def main() -> None:
                 **compare_sharded(dropout_step, args, plain),
                 "dropped": bool(not np.array_equal(np.asarray(plain[0]), np.asarray(want[0]))),
             }
+        # vmap of the dropout step over two elements with their own keys, sharded along the mapped axis and heads:
+        # the fold gives each element's batches its seed row, each device's shard its first global batch and head.
+        mapped = jax.vmap(dropout_step, in_axes=(0, None, None, 0, 0))
+        stacked = (np.stack([q, -q]), k, v, np.stack([dout, 2 * dout]), jax.random.split(key, 2))
+        plain = jax.jit(mapped)(*stacked)
+        elements = [jax.jit(dropout_step)(stacked[0][m], k, v, stacked[3][m], stacked[4][m]) for m in range(2)]
+        per_element = all(np.array_equal(np.asarray(a[m]), np.asarray(b)) for m, e in enumerate(elements)
+                          for a, b in zip(plain, e))
+        both = NamedSharding(mesh, P("data", None, None, "model"))
+        args = [jax.device_put(stacked[0], both), jax.device_put(k, NamedSharding(mesh, P(None, None, "model"))),
+                jax.device_put(v, NamedSharding(mesh, P(None, None, "model"))), jax.device_put(stacked[3], both),
+                jax.device_put(stacked[4], NamedSharding(mesh, P("data")))]
+        results[f"{axis_type.name}:vmap dropout"] = {**compare_sharded(mapped, args, plain),
+                                                     "unsharded_per_element": per_element}
         # Varlen (packed rows, cu_seqlens) with its heads sharded, as tensor parallelism shards them: one call per
         # device on its kv heads, with dropout too (each shard passes its first global head).
         cu_q, cu_k = np.array([0, 5, 31, 36], np.int32), np.array([0, 17, 20, 44], np.int32)

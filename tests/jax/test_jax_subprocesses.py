@@ -56,7 +56,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent; with dropout; for MHA and MQA; varlen calls along heads; KV-cache calls, forward only).
+    the lse's cotangent; with dropout, also under vmap; for MHA and MQA; varlen calls along heads; KV-cache calls,
+    forward only).
     A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the same results; a
     causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
@@ -65,7 +66,7 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "dropout heads", "dropout batch+heads", "varlen heads p=0.0",
                                          "varlen heads p=0.25", "mha batch+heads", "mqa batch",
                                          "kvcache contiguous rows=1", "kvcache contiguous rows=3",
-                                         "kvcache paged rows=1", "kvcache paged rows=3")}
+                                         "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -85,6 +86,11 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             assert case["bitwise"] == [True] * 4 and case["dropped"], (mode, split, case)
             assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
             assert case["shardings"] == [expected_specs[split][0]] * 4, (mode, split, case)
+        # vmap with dropout over keys, sharded along the mapped axis and heads: bitwise each element's own call; the
+        # only collective gathers the two elements' seed rows (8 words) for each direction's call.
+        case = results.pop(f"{mode}:vmap dropout")
+        assert case["unsharded_per_element"] and case["bitwise"] == [True] * 4, (mode, case)
+        assert case["custom_calls"] == 2 and case["gathered"] == ["f32[8]"] * 2, (mode, case)
         # MHA and MQA heads (with dropout): per-device calls, bitwise, no collective.
         for split, layout in (("batch+heads", "mha"), ("batch", "mqa")):
             case = results.pop(f"{mode}:{layout} {split}")

@@ -8,7 +8,7 @@
 * 16-bit inputs: the tensor-core kernels within FA2's rule of the float64 reference;
 * options fa1 and standard lack are refused naming fa2, at trace time;
 * dropout from a (traced) PRNG key: grad equals autodiff of the plain attention fed cuflash.dropout_mask of
-  cuflash.jax.dropout_seed(key), vmap over keys equals a loop, and keys are checked.
+  cuflash.jax.dropout_seed(key), vmap (one call: seeds fold with the batch) equals a loop, and keys are checked.
 """
 
 from __future__ import annotations
@@ -179,16 +179,54 @@ def test_dropout_grad_equals_autodiff_with_dropout_mask(dtype):
     assert np.array_equal(np.asarray(out), expected)
 
 
-def test_vmap_over_dropout_keys_equals_a_loop():
-    q, k, v, _ = random_inputs(SHAPE, "float32", seed=13)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_vmap_with_dropout_is_one_call_that_drops_what_a_loop_drops(monkeypatch, dtype):
+    """vmap folds the mapped elements with their seeds into one call per direction (Problem's
+    dropout_batches_per_seed): over keys, over q with a shared key, nested, under grad and in grid-limit chunks,
+    each element gets bitwise what its own call gives."""
+    from cuflash import _validation
+
+    q, k, v, dout = random_inputs(SHAPE, dtype, seed=13)
     keys = jax.random.split(jax.random.key(7), 3)
-    got = jax.jit(jax.vmap(lambda key: cfj.attention(q, k, v, dropout_p=0.2, dropout_rng=key)))(keys)
+    qs = np.stack([q, -q])
+    options = dict(causal=True, dropout_p=0.2)
+
+    def one(key, q):
+        return cfj.attention(q, k, v, dropout_rng=key, **options)
+
+    def expected(key, q):
+        return cuflash.attention(q, k, v, dropout_seed=cfj.dropout_seed(key), **options)
+
+    over_keys = jax.jit(jax.vmap(lambda key: one(key, q)))
+    got = over_keys(keys)
     for m in range(3):
-        expected = cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cfj.dropout_seed(keys[m]))
-        assert np.array_equal(np.asarray(got[m]), expected)
-    shared = jax.vmap(lambda q: cfj.attention(q, k, v, dropout_p=0.2, dropout_rng=keys[0]))(np.stack([q, -q]))
-    assert np.array_equal(np.asarray(shared[1]),
-                          cuflash.attention(-q, k, v, dropout_p=0.2, dropout_seed=cfj.dropout_seed(keys[0])))
+        assert np.array_equal(np.asarray(got[m]), expected(keys[m], q))
+    calls = re.findall(r"stablehlo\.custom_call @cuflash_program\(.*", over_keys.lower(keys).as_text())
+    assert len(calls) == 1 and re.search(rf"grid = dense<\[?\d+, \d+, {3 * SHAPE[0]}\b", calls[0]), calls
+
+    shared = jax.vmap(lambda q: one(keys[0], q))(qs)
+    for n in range(2):
+        assert np.array_equal(np.asarray(shared[n]), expected(keys[0], qs[n]))
+
+    nested = jax.jit(jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None)))(keys, qs)
+    for m in range(3):
+        for n in range(2):
+            assert np.array_equal(np.asarray(nested[m, n]), expected(keys[m], qs[n]))
+
+    def loss(q, k, v, key):
+        out = cfj.attention(q, k, v, dropout_rng=key, **options)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(np.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    grads = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0)))(qs, k, v, keys[:2])
+    for n in range(2):
+        for got_n, want in zip(grads, jax.jit(grad)(qs[n], k, v, keys[n])):
+            np.testing.assert_allclose(np.asarray(got_n[n]), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+    monkeypatch.setattr(_validation, "MAX_GRID_YZ", 4)  # batch 2: chunks of 2 mapped elements, then 1
+    chunked = jax.jit(jax.vmap(lambda key: one(key, q)))
+    assert len(re.findall(r"custom_call @cuflash_program\(", chunked.lower(keys).as_text())) == 2
+    assert np.array_equal(np.asarray(chunked(keys)), np.asarray(got))
 
 
 def test_dropout_keys_are_checked():
