@@ -276,7 +276,8 @@ def test_dropout_instance_cases_cover_every_planned_dropout_instance():
         covered |= {fa2_tc.forward_traits(head_dim, target(arch), True).instance(dtype),
                     fa2_tc.backward_traits(head_dim, target(arch), True).instance(dtype)}
     planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch)) if i.name_expr.endswith(", true>")}
-    assert covered == planned and len(planned) == 2 * 2 * len(fa2_tc.HEAD_DIMS)
+    # Per dtype a forward and a backward per head dim, and at d256 the 99 KB targets' smaller backward tile.
+    assert covered == planned and len(planned) == 2 * (2 * len(fa2_tc.HEAD_DIMS) + 1)
 
 
 def _dropout_instance_run(arch, head_dim, dtype, deterministic=True):

@@ -9,7 +9,7 @@
 // accumulate in registers for the whole kernel. It loops over the query heads of its group (GQA/MQA: the group's
 // dK/dV sum in a fixed order, on chip) and per head over the Q blocks that see the K/V block (mask.cuh's
 // q_blocks; the others are skipped unread). Per Q block i:
-//     load Q_i, dO_i (cp.async, 16-byte, zero-filled), lse_i, D_i
+//     Q_i, dO_i (cp.async, 16-byte, zero-filled) issued during step i - 1 (pipeline below); load lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
 //     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
 //     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
@@ -26,9 +26,11 @@
 // pairs of n8 tiles (WarpTiling below; the S/dP, dK/dV and dQ tilings differ). dK/dV stay in the registers of
 // the warps that own them for the whole kernel.
 //
-// Shared memory (16-bit, XOR-swizzled, fa2_tc_tiles.cuh): K, V [BlockN][D]; Q, dO [BlockM][D]; P, dS
-// [BlockM][BlockN]; float32 lse, D [BlockM]:
-//   2 (2 BlockN D + 2 BlockM D + 2 BlockM BlockN) + 8 BlockM bytes.
+// Shared memory (16-bit, XOR-swizzled, fa2_tc_tiles.cuh): K, V [BlockN][D]; two Q buffers and dO [BlockM][D];
+// P, dS [BlockM][BlockN]; float32 lse, D [BlockM]:
+//   2 (2 BlockN D + 3 BlockM D + 2 BlockM BlockN) + 8 BlockM bytes.
+// Pipeline (FA2's): Q is double-buffered, so Q_{i+1} loads during all of step i; dO_{i+1} loads into dO's one
+// buffer once dV += P^T dO_i has read it, during dK += dS^T Q_i and dQ_i += dS K_j.
 //
 // What it costs: the global traffic of the SIMT fa2_backward_kernel (see fa2_backward.cu, kernel 2) with these
 // tiles: per block, K_j and V_j once, per visited Q block Q_i, dO_i, lse_i, D_i once and dq_accum rows x d
@@ -100,7 +102,8 @@ struct BackwardTraits {
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KVTile::kBytes;
   static constexpr int kQOffset = kVOffset + KVTile::kBytes;
-  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
+  static constexpr int kQ1Offset = kQOffset + QTile::kBytes;  // Q's second buffer (the next step's Q block)
+  static constexpr int kDoOffset = kQ1Offset + QTile::kBytes;
   static constexpr int kPOffset = kDoOffset + QTile::kBytes;
   static constexpr int kDsOffset = kPOffset + PTile::kBytes;
   static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
@@ -132,7 +135,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     __trap();
   unsigned char* k_tile = smem + Tr::kKOffset;
   unsigned char* v_tile = smem + Tr::kVOffset;
-  unsigned char* q_tile = smem + Tr::kQOffset;
   unsigned char* do_tile = smem + Tr::kDoOffset;
   unsigned char* p_tile = smem + Tr::kPOffset;
   unsigned char* ds_tile = smem + Tr::kDsOffset;
@@ -168,126 +170,148 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   acc_dk.zero();
   acc_dv.zero();
 
+  // The steps: the group's heads, each over the Q blocks that see the K/V block (the same blocks for every head of
+  // the group: one sequence, one mask).
   const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
+  const int q_blocks = max(m_range.end - m_range.begin, 0);
+  const int steps = group * q_blocks;
+  // Copies of step `step`'s Q block (into q_dst) or dO block. The head's pointers are formed here, per copy: for
+  // varlen they come from cu_seqlens, so none of them stays live through the products (the kernel runs at the
+  // register limit; held per head they spilled 4 to 32 bytes).
+  auto load_rows = [&](int step, bool dout, unsigned char* dst) {
+    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
+    const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+    const int rows = min(BlockM, info.seqlen_q(p) - row0);
+    if (dout)
+      fa2tc::load_tile<QTile>(dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
+                              fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid, Tr::kThreads);
+    else
+      fa2tc::load_tile<QTile>(dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row, rows, d,
+                              fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid, Tr::kThreads);
+  };
+  auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
+  if (steps > 0) {
+    load_rows(0, false, q_buffer(0));
+    load_rows(0, true, do_tile);
+  }
+  arch::cp_async_commit();
+
   const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
-  for (int h = 0; h < group; ++h) {
-    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+  // Step i issues Q_{i+1} at its start and dO_{i+1} after dV (the pipeline in the header); step i + 1 waits for
+  // just those two copy groups.
+#pragma unroll 1
+  for (int step = 0; step < steps; ++step) {
+    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
+    const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+    auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
+    unsigned char* q_tile = q_buffer(step);
+    // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
+    // the next Q block now fills.
+    __syncthreads();
+    if (step + 1 < steps) load_rows(step + 1, false, q_buffer(step + 1));
+    arch::cp_async_commit();  // possibly empty: the waits below count groups
+    fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
+    arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
+    __syncthreads();           // ... landed for every thread; lse, D visible to all
 
-    for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
-      const int row0 = m_block * BlockM;
-      auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
-      __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS, lse, D
-      // The head's pointers are formed per Q block, not per head: for varlen they come from cu_seqlens, re-read
-      // after the barrier, so none of them stays live through the products (the kernel runs at the register
-      // limit; held per head they spilled 4 to 32 bytes).
-      {
-        const T* q_rows = info.q<T>(p) + row0 * p.q_stride.row;
-        const T* do_rows = info.dout<T>(p) + row0 * p.dout_stride.row;
-        fa2tc::load_tile<QTile>(q_tile, q_rows, p.q_stride.row, block_rows(), d,
-                                fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid, Tr::kThreads);
-        fa2tc::load_tile<QTile>(do_tile, do_rows, p.dout_stride.row, block_rows(), d,
-                                fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid, Tr::kThreads);
-      }
-      arch::cp_async_commit();
-      fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
-      arch::cp_async_wait<0>();
-      __syncthreads();  // Q_i, dO_i (and K_j, V_j the first time), lse, D visible to all
-
-      // S = Q K^T, dP = dO V^T for this warp's tile; P and dS into shared memory as T.
-      {
-        fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
-        s.zero();
-        dp.zero();
-        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
-                                                                                           s_n0, lane);
-        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
-                                                                                           s_n0, lane);
-        const MaskPolicy mask = MaskPolicy::of(p, info);
-        const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
-        // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
-        // limit), for one cached load per Q block.
-        const ScoreHook score_hook = ScoreHook::of(p, info);
+    // S = Q K^T, dP = dO V^T for this warp's tile; P and dS into shared memory as T.
+    {
+      fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
+      s.zero();
+      dp.zero();
+      fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
+                                                                                         s_n0, lane);
+      fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
+                                                                                         s_n0, lane);
+      const MaskPolicy mask = MaskPolicy::of(p, info);
+      const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
+      // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
+      // limit), for one cached load per Q block.
+      const ScoreHook score_hook = ScoreHook::of(p, info);
 #pragma unroll
-        for (int i = 0; i < SdP::kMTiles; ++i) {
-          // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
-          unsigned keep_bits[SdP::kNTiles];
-          if (WithDropout) {
-            const Dropout dropout = Dropout::of(p, batch, info.head);
+      for (int i = 0; i < SdP::kMTiles; ++i) {
+        // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
+        unsigned keep_bits[SdP::kNTiles];
+        if (WithDropout) {
+          const Dropout dropout = Dropout::of(p, batch, info.head);
 #pragma unroll
-            for (int j = 0; j < SdP::kNTiles; ++j)
-              keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
-          }
+          for (int j = 0; j < SdP::kNTiles; ++j)
+            keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
+        }
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = s_m0 + 16 * i + quad_row + 8 * half;
-            const float lse = lse_rows[r];
-            const float dot = dot_rows[r];
+        for (int half = 0; half < 2; ++half) {
+          const int r = s_m0 + 16 * i + quad_row + 8 * half;
+          const float lse = lse_rows[r];
+          const float dot = dot_rows[r];
 #pragma unroll
-            for (int j = 0; j < SdP::kNTiles; ++j) {
-              const int c = s_n0 + 8 * j + 2 * quad_col;
-              float prob[2], grad[2];
+          for (int j = 0; j < SdP::kNTiles; ++j) {
+            const int c = s_n0 + 8 * j + 2 * quad_col;
+            float prob[2], grad[2];
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float dscore;  // d score / d (scale q.k)
-                const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
-                prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
-                if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-                if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
-                  const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
-                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
-                  prob[e] *= kept;
-                } else {
-                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
-                }
+            for (int e = 0; e < 2; ++e) {
+              float dscore;  // d score / d (scale q.k)
+              const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
+              prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+              if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
+              if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
+                const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
+                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
+                prob[e] *= kept;
+              } else {
+                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
               }
-              *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
-              *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
-                  arch::pack_float2<T>(grad[0], grad[1]);
             }
+            *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
+            *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
+                arch::pack_float2<T>(grad[0], grad[1]);
           }
         }
       }
-      __syncthreads();  // P, dS complete
+    }
+    __syncthreads();  // P, dS complete
 
-      // dV += P^T dO, dK += dS^T Q over this Q block's rows.
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
-                                                                                       do_tile, DkDv::n0(warp), lane);
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
-                                                                                       q_tile, DkDv::n0(warp), lane);
+    // dV += P^T dO_i; once every warp has read dO_i, the next step's dO copy is issued into its buffer; then
+    // dK += dS^T Q_i over this Q block's rows.
+    fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
+                                                                                     do_tile, DkDv::n0(warp), lane);
+    __syncthreads();
+    if (step + 1 < steps) load_rows(step + 1, true, do_tile);
+    arch::cp_async_commit();
+    fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
+                                                                                     q_tile, DkDv::n0(warp), lane);
 
-      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
-      // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
+    // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
+    // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
 #pragma unroll 1
-      for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
-        constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
-        const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
-        fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
-        dq.zero();
-        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
-                                                                                       k_tile, n0, lane);
+    for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
+      constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
+      const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
+      fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
+      dq.zero();
+      fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
+                                                                                     k_tile, n0, lane);
 #pragma unroll
-        for (int i = 0; i < Dq::kMTiles; ++i)
+      for (int i = 0; i < Dq::kMTiles; ++i)
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = Dq::m0(warp) + 16 * i + quad_row + 8 * half;
-            if (r >= block_rows()) continue;
-            // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: through the helper ptxas spilled 8 bytes
-            // at d256 on sm_90.
-            float* dq_row = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) +
-                            info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
+        for (int half = 0; half < 2; ++half) {
+          const int r = Dq::m0(warp) + 16 * i + quad_row + 8 * half;
+          if (r >= block_rows()) continue;
+          // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: through the helper ptxas spilled 8 bytes
+          // at d256 on sm_90.
+          float* dq_row = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) +
+                          info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
 #pragma unroll
-            for (int j = 0; j < kChunkTiles; ++j)
+          for (int j = 0; j < kChunkTiles; ++j)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int col = n0 + 8 * j + 2 * quad_col + e;
-                if (col >= d) continue;
-                if (split_dq)
-                  arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
-                else
-                  arch::atomic_add(dq_row + col, dq.c[i][j][2 * half + e]);
-              }
-          }
-      }
+            for (int e = 0; e < 2; ++e) {
+              const int col = n0 + 8 * j + 2 * quad_col + e;
+              if (col >= d) continue;
+              if (split_dq)
+                arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
+              else
+                arch::atomic_add(dq_row + col, dq.c[i][j][2 * half + e]);
+            }
+        }
     }
   }
 

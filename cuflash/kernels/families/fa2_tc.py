@@ -149,9 +149,10 @@ class BackwardTraits(fa2.TileTraits):
 
     @property
     def smem_bytes(self) -> int:
-        # 16-bit K, V [block_n][D]; Q, dO [block_m][D]; P, dS [block_m][block_n]; float32 lse, D [block_m].
+        # 16-bit K, V [block_n][D]; two Q buffers (double-buffered) and dO [block_m][D]; P, dS [block_m][block_n];
+        # float32 lse, D [block_m].
         d, m, n = self.head_dim, self.block_m, self.block_n
-        return _ELEMENT_BYTES * (2 * n * d + 2 * m * d + 2 * m * n) + 2 * 4 * m
+        return _ELEMENT_BYTES * (2 * n * d + 3 * m * d + 2 * m * n) + 2 * 4 * m
 
     def instance(self, dtype: str) -> KernelInstance:
         return _with_dropout(self._instance(BACKWARD_SOURCE, "fa2_tc_backward_kernel", dtype), self.dropout)
@@ -164,7 +165,9 @@ class BackwardTraits(fa2.TileTraits):
 # 64 x 128 up to head dim 64, 64 x 64 at 96 and 128. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
 # 24 bytes on sm_80 / sm_90: dK + dV alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
 # keeping the K/V block and so the number of dQ updates and Q/dO re-reads); at 256 the 99 KB targets take 32 x 32
-# with 4 warps (32 x 64 needs 104 KB).
+# with 4 warps (32 x 64 needs 120 KB with Q double-buffered). The same tiles with dropout (spill-free with it under
+# NVRTC 12.9 and 13.5 since the Q/dO pipeline flattened the head and Q-block loops; before, d192 and d256 with
+# dropout took 32 x 32 on 4 warps, reading Q and dO and updating dQ twice as often).
 BACKWARD_CHOICES = {
     32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
     64: (BackwardTraits(64, block_m=64, block_n=64, warps=8),),  # 64x128 spilled 4 bytes on sm_90 with the ScoreHook
@@ -174,11 +177,8 @@ BACKWARD_CHOICES = {
     256: (BackwardTraits(256, block_m=32, block_n=64, warps=8), BackwardTraits(256, block_m=32, block_n=32, warps=4)),
 }
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
-# With dropout: the same tiles (spill-free with it), but at d192 and d256 only 32 x 32 with 4 warps (32 x 64 with 8
-# spilled 4 bytes on sm_90 at both).
 BACKWARD_CHOICES_DROPOUT = {
-    **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
-    **{hd: (BackwardTraits(hd, block_m=32, block_n=32, warps=4, dropout=True),) for hd in (192, 256)},
+    hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()
 }
 
 
