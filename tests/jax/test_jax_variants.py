@@ -229,6 +229,36 @@ def test_vmap_with_dropout_is_one_call_that_drops_what_a_loop_drops(monkeypatch,
     assert np.array_equal(np.asarray(chunked(keys)), np.asarray(got))
 
 
+def _cuda_devices():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_devices(), reason="needs a CUDA build of JAX with a GPU")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_vmap_with_dropout_drops_what_each_call_drops(dtype):
+    """On a GPU (the CUDA FFI handler): vmap over keys folds into one call per direction whose results are bitwise
+    each key's own call (forward; grads within a 16-bit rounding: dQ's atomics sum in any order)."""
+    device = _cuda_devices()[0]
+    q, k, v, dout = (jax.device_put(x, device) for x in random_inputs(SHAPE, dtype, seed=14))
+    keys = jax.random.split(jax.random.key(9), 3)
+
+    def loss(q, key):
+        out = cfj.attention(q, k, v, causal=True, dropout_p=0.25, dropout_rng=key)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    batched = jax.jit(jax.vmap(jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0)))
+    (_, outs), grads = batched(q, keys)
+    for m in range(3):
+        (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(q, keys[m])
+        assert np.array_equal(np.asarray(outs[m]), np.asarray(out)), m
+        np.testing.assert_allclose(np.asarray(grads[m], np.float32), np.asarray(grad, np.float32), rtol=2e-3,
+                                   atol=2e-3)
+
+
 def test_dropout_keys_are_checked():
     q, k, v, _ = random_inputs(SHAPE, "float32", seed=0)
     with pytest.raises(ValueError, match="dropout_rng .* is required"):
