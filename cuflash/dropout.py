@@ -40,11 +40,17 @@ def dropout_threshold(dropout_p: float) -> int:
     return min(int(math.floor(dropout_p * 2.0**32)), 2**32 - 1)
 
 
-def seed_words(seed: int, first_batch: int = 0, first_head: int = 0) -> np.ndarray:
+SEED_ROW_WORDS = 8  # words per row of the kernels' dropout_seed input (dropout.cuh's kSeedRowWords)
+
+
+def seed_words(seed: int, first_batch: int = 0, first_head: int = 0, first_row: int = 0,
+               first_key: int = 0) -> np.ndarray:
     """The kernels' dropout_seed side input (dropout.cuh) of a call with one seed: the 64-bit seed as two uint32
-    words (low first), then the global index of the call's first batch and first head (nonzero only for a shard of a
-    larger call), viewed as float32 (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
-    return np.array([seed & 0xFFFFFFFF, seed >> 32, first_batch, first_head], dtype=np.uint32).view(np.float32)
+    words (low first), then the global index of the call's first batch, head, query row and key (nonzero only for
+    a part of a larger call: a shard, a ring attention block), padded to a row of SEED_ROW_WORDS, viewed as
+    float32 (AttentionParams' side buffers are float32-typed; kernels read the bits)."""
+    words = [seed & 0xFFFFFFFF, seed >> 32, first_batch, first_head, first_row, first_key]
+    return np.array(words + [0] * (SEED_ROW_WORDS - len(words)), dtype=np.uint32).view(np.float32)
 
 
 def check_dropout_p(dropout_p: Any) -> float:

@@ -127,6 +127,29 @@ def test_kernels_drop_exactly_dropout_mask(dtype, arch, shape, causal):
     assert np.array_equal(dv_seen, keep & visible)
 
 
+@pytest.mark.parametrize("dtype, arch", [("float32", "sm_80"), ("float16", "sm_90"), ("bfloat16", "sm_86")])
+def test_a_block_with_its_row_and_key_offsets_drops_the_whole_calls_elements(monkeypatch, dtype, arch):
+    """The seed buffer's words 4 and 5 (a ring attention block's first global query row and key; a multiple of 16
+    and an even number): a call on rows 32..80 and keys 10..52 of a larger problem, given them, drops exactly that
+    block of the whole call's mask (q = 0, V = I expose the dropped P), forward and backward (dO = I exposes it
+    through dV)."""
+    from cuflash import api
+    from cuflash.dropout import seed_words
+
+    p, seed, first_row, first_key = 0.3, 2**35 + 77, 32, 10
+    shape = (2, 49, 43, 2, 2, 64)  # the block: 49 rows (ragged), 43 keys
+    keep = cuflash.dropout_mask(seed, 2, 2, first_row + 49, first_key + 43, p)[:, :, first_row:, first_key:]
+    q, k, v = _exposing_forward_inputs(shape, dtype)
+    monkeypatch.setattr(api, "seed_words", lambda seed: seed_words(seed, first_row=first_row, first_key=first_key))
+    with sim.targeting(arch):
+        out, lse = cuflash.attention(q, k, v, dropout_p=p, dropout_seed=seed, return_lse=True)
+        dout = np.zeros_like(q)
+        dout[:, np.arange(49), :, np.arange(49)] = 1
+        _, _, dv = cuflash.attention_backward(dout, q, k, v, out, lse, dropout_p=p, dropout_seed=seed)
+    assert np.array_equal(out.astype(np.float32)[..., :43].transpose(0, 2, 1, 3) != 0, keep)
+    assert np.array_equal(dv.astype(np.float32)[..., :49].transpose(0, 2, 3, 1) != 0, keep)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_same_seed_reruns_bitwise_and_another_seed_differs(dtype):
     shape = (1, 45, 70, 2, 1, 32)
@@ -276,8 +299,7 @@ def test_dropout_instance_cases_cover_every_planned_dropout_instance():
         covered |= {fa2_tc.forward_traits(head_dim, target(arch), True).instance(dtype),
                     fa2_tc.backward_traits(head_dim, target(arch), True).instance(dtype)}
     planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch)) if i.name_expr.endswith(", true>")}
-    # Per dtype a forward and a backward per head dim, and at d256 the 99 KB targets' smaller backward tile.
-    assert covered == planned and len(planned) == 2 * (2 * len(fa2_tc.HEAD_DIMS) + 1)
+    assert covered == planned and len(planned) == 2 * 2 * len(fa2_tc.HEAD_DIMS)  # per dtype, head dim, direction
 
 
 def _dropout_instance_run(arch, head_dim, dtype, deterministic=True):

@@ -56,10 +56,10 @@ struct TensorStrides {
 //   alibi_slopes input (read only): ALiBi slope per query head, (nheads,) or (batch, nheads); null: no ALiBi
 //   dlse         input (read only): backward, d loss / d lse, (batch, nheads, seqlen_q); null: 0. Since
 //                d lse_i / d score_ij = P_ij, it adds dlse_i P_ij to dS_ij: the backward uses D - dlse for D
-//   dropout_seed input (read only): rows of four 32-bit words (dropout.cuh): dropout's 64-bit seed, low word
-//                first, then (first row only) the global index of the call's first batch and first head (0 unless
-//                the call is a shard); one row, or one per dropout_batches_per_seed batches; read only when
-//                dropout_threshold != 0
+//   dropout_seed input (read only): rows of eight 32-bit words (dropout.cuh): dropout's 64-bit seed, low word
+//                first, then (first row only) the global index of the call's first batch, head, query row and
+//                key (0 unless the call is part of a larger one); one row, or one per dropout_batches_per_seed
+//                batches; read only when dropout_threshold != 0
 //   cu_seqlens_q input (read only): varlen batches, int32 words (batch + 1): sequence b holds query rows
 //                cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q, out, dout, dq (total_q, nheads, headdim; batch
 //                stride 0) and the row-stats buffers become (nheads, total_q); null: fixed length (block_info.cuh)

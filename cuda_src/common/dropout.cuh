@@ -12,23 +12,25 @@
 // Kept probabilities are scaled by 1 / (1 - dropout_p) (AttentionParams::dropout_rescale); the lse is not
 // changed by dropout (it normalizes the softmax before anything is dropped).
 //
-// batch and head are global: a call that holds only a shard of the batch or of the heads (a device's part of a
-// call partitioned under sharded jit) adds the global index of its first batch and first head, so every shard
-// drops exactly the elements the whole call drops.
+// batch, head, i and j are global: a call that holds only a shard of the batch or of the heads (a device's part of
+// a call partitioned under sharded jit) adds the global index of its first batch and first head, and a call on a
+// block of the sequence (a step of ring attention) the global index of its first query row and first key, so
+// every shard drops exactly the elements the whole call drops. The row offset is a multiple of 16 and the key
+// offset even (ring attention checks it), so the four elements of one Philox evaluation stay together.
 //
 // One call may hold several calls' batches, each with its own seed (JAX's vmap folds its mapped elements into the
 // batch axis): with dropout_batches_per_seed = n > 0, global batch b uses the seed of row b / n of the seed buffer
 // and Philox batch b % n, exactly what the mapped element's own call would use.
 //
-// Traffic: with dropout every thread also reads the 16-byte seed buffer (once per kernel in the SIMT kernels, once
-// per K/V block in the tensor-core forward and per Q block and strip in its backward: L1 hits on a GPU, kept out of
-// registers there because those kernels run at the register limit). The kernels' traffic formulas are for
-// attention without dropout.
+// Traffic: with dropout every thread also reads the seed buffer's first 24 bytes, and its seed row (once per kernel in
+// the SIMT kernels, once per K/V block in the tensor-core forward and per Q block and strip in its backward: L1 hits
+// on a GPU, kept out of registers there because those kernels run at the register limit). The kernels' traffic
+// formulas are for attention without dropout.
 //
-// The seed is a side input (AttentionParams::dropout_seed: rows of four 32-bit words in a float32-typed buffer:
-// the seed, low word first, then, in the first row only, the call's first global batch and head, 0 unless the call
-// is a shard) rather than scalars so that JAX can pass a traced seed drawn from a PRNG key, and a shard's offsets
-// from its mesh position, under jit.
+// The seed is a side input (AttentionParams::dropout_seed: rows of eight 32-bit words in a float32-typed buffer:
+// the seed, low word first, then, in the first row only, the call's first global batch, head, query row and key, 0
+// unless the call is part of a larger one; the rest unused) rather than scalars so that JAX can pass a traced seed
+// drawn from a PRNG key, and a shard's offsets from its mesh position, under jit.
 #pragma once
 
 #include "arch/arch.cuh"
@@ -55,6 +57,9 @@ __device__ __forceinline__ void philox4x32_10(unsigned (&ctr)[4], unsigned key0,
   }
 }
 
+// Words per row of the seed buffer (AttentionParams::dropout_seed; cuflash/dropout.py's SEED_ROW_WORDS).
+constexpr int kSeedRowWords = 8;
+
 struct Dropout {
   // Values, not a reference to the kernel's parameters: a reference held here made nvcc copy the whole
   // AttentionParams to local memory (a 424-byte stack frame in the tensor-core forward).
@@ -64,32 +69,40 @@ struct Dropout {
   float rescale;       // AttentionParams::dropout_rescale: 1 / (1 - dropout_p), 1 when off
   int batch;
   int head;
+  int first_row;  // the call's first global query row and first key (ring attention's blocks; else 0)
+  int first_key;
 
   // batch is the call's sequence index (for varlen too), head its query head; the seed buffer's words 2 and 3
   // make them global, and dropout_batches_per_seed picks the seed row of the global batch.
   __device__ __forceinline__ static Dropout of(const AttentionParams& p, int batch, int head) {
-    if (p.dropout_threshold == 0u) return Dropout{0u, 0u, 0u, 1.f, batch, head};
+    if (p.dropout_threshold == 0u) return Dropout{0u, 0u, 0u, 1.f, batch, head, 0, 0};
     const unsigned* words = reinterpret_cast<const unsigned*>(p.dropout_seed);
     int global_batch = batch + static_cast<int>(arch::load(words + 2));
     const unsigned* seed = words;
     if (p.dropout_batches_per_seed > 0) {
       const int row = global_batch / p.dropout_batches_per_seed;
       global_batch -= row * p.dropout_batches_per_seed;
-      seed += 4 * row;
+      seed += kSeedRowWords * row;
     }
-    return Dropout{arch::load(seed), arch::load(seed + 1), p.dropout_threshold, p.dropout_rescale, global_batch,
-                   head + static_cast<int>(arch::load(words + 3))};
+    return Dropout{arch::load(seed),
+                   arch::load(seed + 1),
+                   p.dropout_threshold,
+                   p.dropout_rescale,
+                   global_batch,
+                   head + static_cast<int>(arch::load(words + 3)),
+                   static_cast<int>(arch::load(words + 4)),
+                   static_cast<int>(arch::load(words + 5))};
   }
 
   // Block-uniform: kernels skip the element work when dropout is off.
   __device__ __forceinline__ bool active() const { return threshold != 0u; }
 
-  // Keep bits of the four elements rows {row, row + 8} x keys {key, key + 1} (row with bit 3 clear, key even):
-  // bit 2 h + e is element (row + 8 h, key + e). One Philox evaluation; the tensor-core kernels call this once per
-  // accumulator fragment (rows g and g + 8, keys 2t and 2t + 1 of an n8 tile).
+  // Keep bits of the four elements rows {row, row + 8} x keys {key, key + 1} (the call's rows and keys; row with
+  // bit 3 clear, key even): bit 2 h + e is element (row + 8 h, key + e). One Philox evaluation; the tensor-core
+  // kernels call this once per accumulator fragment (rows g and g + 8, keys 2t and 2t + 1 of an n8 tile).
   __device__ __forceinline__ unsigned keep_bits(int row, int key) const {
-    unsigned words[4] = {static_cast<unsigned>(key) >> 1, static_cast<unsigned>(row), static_cast<unsigned>(head),
-                         static_cast<unsigned>(batch)};
+    unsigned words[4] = {static_cast<unsigned>(key + first_key) >> 1, static_cast<unsigned>(row + first_row),
+                         static_cast<unsigned>(head), static_cast<unsigned>(batch)};
     philox4x32_10(words, seed0, seed1);
     return (words[0] >= threshold ? 1u : 0u) | (words[1] >= threshold ? 2u : 0u) |
            (words[2] >= threshold ? 4u : 0u) | (words[3] >= threshold ? 8u : 0u);

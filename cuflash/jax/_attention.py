@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
+from ..dropout import SEED_ROW_WORDS, check_dropout_p
 from ..kernels import catalog
 from ._primitives import CallConfig, call, tensor_shape
-from ._ring import ring_forward
+from ._ring import check_ring_dropout, ring_forward
 
 
 def attention(
@@ -142,6 +143,8 @@ def ring_attention(
     axis_name: str,
     causal: bool = False,
     softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_rng: Any = None,
     layout: str = "contiguous",
     return_lse: bool = False,
 ) -> Any:
@@ -151,13 +154,23 @@ def ring_attention(
     of a sequence split over the n devices of ``axis_name`` (GQA/MQA as in ``attention``). ``layout``:
     "contiguous" (device i holds rows i L .. (i + 1) L - 1, what a sequence-sharded PartitionSpec gives) or
     "zigzag" (already reordered: device i holds chunks i and 2n-1-i of 2n). ``causal`` needs seqlen_q == seqlen_k
-    and an even local length (two chunks per device). Returns the local shard of out (and of lse, (batch, nheads,
-    local rows) float32), in q's layout. Differentiable; batch and heads may be sharded along other axes as usual.
+    and an even local length (two chunks per device). ``dropout_p`` with ``dropout_rng`` as in ``attention``: every
+    device drops what the unsharded call drops on its rows (each block call gets its global row and key offsets),
+    which needs local query lengths (causal: chunks) that are multiples of 16 and even key lengths. Returns the
+    local shard of out (and of lse, (batch, nheads, local rows) float32), in q's layout. Differentiable; batch and
+    heads may be sharded along other axes as usual (with dropout, fold those shards' indices into the key).
     """
-    def forward(q, k, v, causal):
-        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    dropout_p = check_dropout_p(dropout_p)
+    if dropout_p > 0.0:
+        check_ring_dropout(q.shape[1], k.shape[1], causal)
 
-    out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout)
+    def forward(q, k, v, causal, positions):
+        problem = V.check_qkv(q, k, v, causal=causal, dropout_p=dropout_p)
+        return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=None, dropout_rng=dropout_rng,
+                     algorithm="fa2", return_lse=True, dropout_positions=positions if dropout_p else (0, 0))
+
+    out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout,
+                            per_chunk=dropout_p > 0.0)
     return (out, lse) if return_lse else out
 
 
@@ -169,17 +182,19 @@ def _concrete(array) -> np.ndarray | None:
         return None
 
 
-def _call(problem, q, k, v, *, return_lse, cu_words=(), **options):
+def _call(problem, q, k, v, *, return_lse, cu_words=(), dropout_positions=(0, 0), **options):
     """What attention and attention_varlen share once the Problem is checked: the call's operands (_call_operands,
-    varlen's cu_seqlens words last) and the differentiable call."""
+    varlen's cu_seqlens words last) and the differentiable call. ``dropout_positions``: the global index of the
+    call's first query row and first key (ring attention's blocks; dropout.cuh)."""
     config, return_lse, (q, k, v, side) = _call_operands(problem, q, k, v, return_lse=return_lse,
-                                                         int_words=cu_words, **options)
+                                                         int_words=cu_words, dropout_positions=dropout_positions,
+                                                         **options)
     out, lse = _attention(config, q, k, v, side)
     return (out, lse) if return_lse else out
 
 
 def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse,
-                   int_words=()):
+                   int_words=(), dropout_positions=(0, 0)):
     """The checked static part of a call (CallConfig, return_lse) and its operands (q, k, v, side): the side inputs
     in _primitives.side_input_names order, ``int_words`` (int32 side inputs as float32 words) last, all marked
     varying along the same shard_map axes."""
@@ -188,7 +203,7 @@ def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
     side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
     if problem.dropout_p > 0.0:
-        side += (dropout_seed_operand(_seed_bits(_check_rng(dropout_rng))),)
+        side += (dropout_seed_operand(_seed_bits(_check_rng(dropout_rng)), *dropout_positions),)
     side += tuple(int_words)
     q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
     return CallConfig(algorithm, problem, scale), return_lse, (q, k, v, tuple(side))
@@ -210,13 +225,16 @@ def _check_rng(rng):
     return rng
 
 
-def dropout_seed_operand(seed_bits):
+def dropout_seed_operand(seed_bits, first_row=0, first_key=0):
     """The kernels' dropout_seed side input (cuflash.dropout.seed_words) of traced seed words: the seed's two words,
-    then the call's first global batch and head, 0 (a shard's partition advances them: _partitioning.py), as
-    float32-typed bits."""
+    then the call's first global batch and head, 0 (a shard's partition advances them: _partitioning.py), and its
+    first global query row and key (ring attention's blocks), as float32-typed bits."""
     # Padded rather than concatenated with zeros: under vmap of keys sharded in an Explicit mesh, concatenate would
     # broadcast the zeros to the keys' sharding, which needs a mesh in context.
-    return jax.lax.bitcast_convert_type(jnp.pad(seed_bits, (0, 2)), jnp.float32)
+    words = jnp.pad(seed_bits, (0, SEED_ROW_WORDS - 2))
+    if not (isinstance(first_row, int) and isinstance(first_key, int) and first_row == first_key == 0):
+        words = words.at[4:6].set(jnp.stack([jnp.asarray(first_row), jnp.asarray(first_key)]).astype(jnp.uint32))
+    return jax.lax.bitcast_convert_type(words, jnp.float32)
 
 
 def _seed_bits(rng):
@@ -308,9 +326,12 @@ def _attention_bwd(config: CallConfig, residuals, cotangents):
     option, softcap included, at no extra launch."""
     q, k, v, side, out, lse = residuals
     dout, dlse = cotangents
-    no_side_gradient = tuple(jnp.zeros(s.shape, s.dtype) for s in side)
+    def zeros(x):  # varying along the mesh axes x varies along (a ring block's seed words vary with its position)
+        return _mark_varying(jnp.zeros(x.shape, x.dtype), _varying_axes(x))
+
+    no_side_gradient = tuple(zeros(s) for s in side)
     if _is_zero(dout) and _is_zero(dlse):
-        return (*(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), no_side_gradient)
+        return (*(zeros(x) for x in (q, k, v)), no_side_gradient)
     dout = jnp.zeros(q.shape, q.dtype) if _is_zero(dout) else dout
     dq, dk, dv = _backward(config, dout, q, k, v, out, lse, side, None if _is_zero(dlse) else dlse)
     return dq, dk, dv, no_side_gradient

@@ -13,11 +13,13 @@ On one device, or inside a fully manual ``shard_map``, custom_partitioning lower
 
 A sequence axis that q, k and v share runs as ring attention over it (_ring.py: K/V blocks rotate, partial results
 merge by lse; under causal a zig-zag order balances the work), forward and backward, when the problem allows it:
-no ALiBi, no window but causal, and shards that split evenly (see ring_possible).
+no ALiBi, no window but causal, and shards that split evenly (see ring_possible); with dropout, chunks of whole
+16-row groups.
 
-With dropout the keep mask is a function of the global batch and head index (dropout.cuh), so each device passes
-its shard's first global batch and head in the seed buffer (words 2 and 3, from its mesh position): the shards
-drop exactly what the whole call drops, and the results are bitwise the unsharded ones.
+With dropout the keep mask is a function of the global batch, head, row and key (dropout.cuh), so each device
+passes its shard's first global batch and head in the seed buffer (words 2 and 3, from its mesh position) and a
+ring's block calls their first global row and key (words 4 and 5): the shards drop exactly what the whole call
+drops, and the results are bitwise the unsharded ones (the ring's within float32 rounding: its merge).
 
 Varlen calls split along kv heads (packed rows have no batch axis, and every device reads all of cu_seqlens), as
 tensor-parallel training shards them. KV-cache calls split along kv heads, and a cache that is not paged along
@@ -25,7 +27,7 @@ batch too, as tensor-parallel serving shards its caches; a paged cache's page po
 so its batch stays whole. Each device's split-KV heuristic (num_splits=0) sees its local problem.
 
 What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
-cannot take (with dropout it takes none: ring blocks would need their global row and key offsets too), a head
+cannot take, a head
 sharding that does not divide the kv heads (it would split a group), a varlen call's packed rows and a KV cache's
 rows.
 """
@@ -43,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..kernels.program import Problem
 from ..mask import Mask
-from ._ring import ring_backward, ring_forward
+from ._ring import check_ring_dropout, ring_backward, ring_forward
 
 
 def _einsum_term(name: str, problem: Problem) -> str:
@@ -123,14 +125,24 @@ class Split:
 
 
 def ring_possible(problem: Problem, parts: int) -> bool:
-    """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi,
-    dropout or window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks
-    per device under causal, of equal queries and keys)."""
-    if problem.alibi is not None or problem.dropout_p > 0.0 or problem.mask not in (Mask(), Mask(-1, 0)):
+    """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi
+    or window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks per
+    device under causal, of equal queries and keys); with dropout, shards (chunks) dropout's offsets allow
+    (_ring.check_ring_dropout)."""
+    if problem.alibi is not None or problem.mask not in (Mask(), Mask(-1, 0)):
         return False
-    if problem.mask == Mask(-1, 0):
-        return problem.seqlen_q == problem.seqlen_k and problem.seqlen_q % (2 * parts) == 0
-    return problem.seqlen_q % parts == 0 and problem.seqlen_k % parts == 0
+    causal = problem.mask == Mask(-1, 0)
+    if causal:
+        even = problem.seqlen_q == problem.seqlen_k and problem.seqlen_q % (2 * parts) == 0
+    else:
+        even = problem.seqlen_q % parts == 0 and problem.seqlen_k % parts == 0
+    if not even or problem.dropout_p == 0.0:
+        return even
+    try:
+        check_ring_dropout(problem.seqlen_q // parts, problem.seqlen_k // parts, causal)
+    except ValueError:
+        return False
+    return True
 
 
 def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Split:
@@ -211,7 +223,7 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
                     arrays[i] = _with_shard_offsets(arrays[i], split, local)
                 return tuple(bind(local, *arrays))
         else:
-            lower_fn = _ring_lowering(direction, bind, operands, local, split.sequence)
+            lower_fn = _ring_lowering(direction, bind, operands, local, split)
         return mesh, lower_fn, result_shardings, arg_shardings
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
@@ -224,27 +236,42 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
     return wrapped
 
 
-def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem, axis: Any):
-    """The per-device function of a sequence-split call: ring_forward or ring_backward of per-block calls."""
+def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem, split: Split):
+    """The per-device function of a sequence-split call: ring_forward or ring_backward of per-block calls. With
+    dropout each block call's seed words carry the shard's first global batch and head and the block's first
+    global query row and key."""
     causal = local.mask == Mask(-1, 0)
+    axis = split.sequence
 
     def block(q_rows: int, k_rows: int, causal: bool) -> Problem:
         return dataclasses.replace(local, seqlen_q=q_rows, seqlen_k=k_rows, mask=Mask(-1, 0) if causal else Mask())
 
+    def seed_of(named, positions):
+        if "dropout_seed" not in named:
+            return ()
+        words = jax.lax.bitcast_convert_type(_with_shard_offsets(named["dropout_seed"], split, local), jnp.uint32)
+        words = words.at[4:6].set(jnp.stack([jnp.asarray(x) for x in positions]).astype(jnp.uint32))
+        return (jax.lax.bitcast_convert_type(words, jnp.float32),)
+
+    per_chunk = local.dropout_p > 0.0
     if direction == "forward":
-        def forward(q, k, v, causal):
-            return tuple(bind(block(q.shape[1], k.shape[1], causal), q, k, v))
+        def lower_fn(*arrays):
+            named = dict(zip(operands, arrays))
 
-        def lower_fn(q, k, v):
-            return ring_forward(q, k, v, forward, axis_name=axis, causal=causal)
+            def forward(q, k, v, causal, positions):
+                return tuple(bind(block(q.shape[1], k.shape[1], causal), q, k, v, *seed_of(named, positions)))
+
+            return ring_forward(named["q"], named["k"], named["v"], forward, axis_name=axis, causal=causal,
+                                per_chunk=per_chunk)
         return lower_fn
-
-    def backward(dout, q, k, v, out, lse, dlse, causal):
-        extra = () if dlse is None else (dlse,)
-        return tuple(bind(block(q.shape[1], k.shape[1], causal), dout, q, k, v, out, lse, *extra))
 
     def lower_fn(*arrays):
         named = dict(zip(operands, arrays))
+
+        def backward(dout, q, k, v, out, lse, dlse, causal, positions):
+            extra = seed_of(named, positions) + (() if dlse is None else (dlse,))
+            return tuple(bind(block(q.shape[1], k.shape[1], causal), dout, q, k, v, out, lse, *extra))
+
         return ring_backward(named["dout"], named["q"], named["k"], named["v"], named["out"], named["lse"],
-                             named.get("dlse"), backward, axis_name=axis, causal=causal)
+                             named.get("dlse"), backward, axis_name=axis, causal=causal, per_chunk=per_chunk)
     return lower_fn

@@ -13,6 +13,10 @@ query chunk against both of its chunks), the rest being above the diagonal. Cont
 sequence-sharded PartitionSpec gives) are reordered to zig-zag inside and back on the way out, two ppermutes
 each way; ``layout="zigzag"`` skips that for callers whose shards are already in that order.
 
+Dropout (``per_chunk``): every call gets the global index of its first query row and first key (``positions``),
+which dropout's keep mask needs (dropout.cuh); calls whose query or key rows are not contiguous in the sequence (a
+zig-zag device's two chunks) are then made per chunk.
+
 Backward: JAX's autodiff of the ring: each step's call is differentiable (out and lse, through cuflash's
 backward kernels), and the cotangents of the travelling K/V blocks travel back through the transposed ppermutes,
 so dK and dV return to the devices that own the blocks.
@@ -49,9 +53,23 @@ def check_ring(q_rows: int, k_rows: int, causal: bool, layout: str) -> None:
                          f"device), got local q {q_rows} and k {k_rows} rows")
 
 
-def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str = "contiguous"):
-    """(out, lse) of the local queries against the whole ring's keys. ``forward(q, k, v, causal)`` -> (out, lse)
-    is one local call (public and differentiable for ring_attention, the primitive for the sharding rule)."""
+def check_ring_dropout(q_rows: int, k_rows: int, causal: bool) -> None:
+    """Dropout's Philox counters pair rows i, i + 8 and keys j, j + 1 (dropout.cuh): a block call's first global
+    query row must be a multiple of 16 and its first key even."""
+    rows = q_rows // 2 if causal else q_rows
+    keys = k_rows // 2 if causal else k_rows
+    if rows % 16 or keys % 2:
+        what = "chunks (half the local length)" if causal else "lengths"
+        raise ValueError(f"ring attention with dropout needs local query {what} that are multiples of 16 and even "
+                         f"key {what}, got {rows} query and {keys} key rows")
+
+
+def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str = "contiguous",
+                 per_chunk: bool = False):
+    """(out, lse) of the local queries against the whole ring's keys. ``forward(q, k, v, causal, positions)`` ->
+    (out, lse) is one local call (public and differentiable for ring_attention, the primitive for the sharding
+    rule); positions: the global index of its first query row and first key (traced). ``per_chunk``: every call's
+    query rows and keys are contiguous in the sequence (dropout needs it)."""
     check_ring(q.shape[1], k.shape[1], causal, layout)
     n = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
@@ -64,7 +82,8 @@ def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str 
         for step in range(n):
             if step + 1 < n:
                 k_next, v_next = shifted(k), shifted(v)  # issued before the local call: may overlap it
-            out, lse = _merge(out, lse, *forward(q, k, v, False))
+            source = (index - step) % n  # the device whose block this is
+            out, lse = _merge(out, lse, *forward(q, k, v, False, (index * q.shape[1], source * k.shape[1])))
             if step + 1 < n:
                 k, v = k_next, v_next
         return out.astype(q.dtype), lse
@@ -73,27 +92,39 @@ def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str 
         q, k, v = (_to_zigzag(x, axis_name, n, index) for x in (q, k, v))
     chunk = q.shape[1] // 2
     q_first, q_second = q[:, :chunk], q[:, chunk:]
+    first, second = _chunk_starts(index, n, chunk)  # of the local chunks
 
     # Step 0: own chunks (i, 2n-1-i) against themselves: causal on the diagonal, the second query chunk sees the
     # whole first key chunk, the first query chunk nothing of the second key chunk.
-    out_first, lse_first = forward(q_first, k[:, :chunk], v[:, :chunk], True)
-    out_second, lse_second = _merge(*_as_f32(forward(q_second, k[:, chunk:], v[:, chunk:], True)),
-                                    *forward(q_second, k[:, :chunk], v[:, :chunk], False))
+    out_first, lse_first = forward(q_first, k[:, :chunk], v[:, :chunk], True, (first, first))
+    out_second, lse_second = _merge(*_as_f32(forward(q_second, k[:, chunk:], v[:, chunk:], True, (second, second))),
+                                    *forward(q_second, k[:, :chunk], v[:, :chunk], False, (second, first)))
     out = jnp.concatenate([out_first.astype(jnp.float32), out_second], axis=1)
     lse = jnp.concatenate([lse_first, lse_second], axis=2)
 
     for step in range(1, n):
         k, v = shifted(k), shifted(v)
         source = (index - step) % n  # the device whose block arrived: it holds chunks source, 2n-1-source
+        key_first, key_second = _chunk_starts(source, n, chunk)
 
         def earlier(k, v):  # source < index: all queries see the block's first chunk, none its second
-            return forward(q, k[:, :chunk], v[:, :chunk], False)
+            k, v = k[:, :chunk], v[:, :chunk]
+            if not per_chunk:
+                return _as_f32(forward(q, k, v, False, (first, key_first)))
+            parts = [_as_f32(forward(rows, k, v, False, (start, key_first)))
+                     for rows, start in ((q_first, first), (q_second, second))]
+            return jnp.concatenate([parts[0][0], parts[1][0]], axis=1), jnp.concatenate([parts[0][1], parts[1][1]],
+                                                                                        axis=2)
 
         def later(k, v):  # source > index: only the second query chunk sees the block, all of it
-            part_out, part_lse = forward(q_second, k, v, False)
+            if per_chunk:
+                part_out, part_lse = _merge(
+                    *_as_f32(forward(q_second, k[:, :chunk], v[:, :chunk], False, (second, key_first))),
+                    *forward(q_second, k[:, chunk:], v[:, chunk:], False, (second, key_second)))
+            else:
+                part_out, part_lse = _as_f32(forward(q_second, k, v, False, (second, key_first)))
             none_out, none_lse = _empty(q_first)
-            return (jnp.concatenate([none_out.astype(part_out.dtype), part_out], axis=1),
-                    jnp.concatenate([none_lse, part_lse], axis=2))
+            return jnp.concatenate([none_out, part_out], axis=1), jnp.concatenate([none_lse, part_lse], axis=2)
 
         out, lse = _merge(out, lse, *jax.lax.cond(source < index, earlier, later, k, v))
 
@@ -104,13 +135,18 @@ def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str 
     return out, lse
 
 
+def _chunk_starts(device, n: int, chunk: int):
+    """The global first rows of zig-zag device ``device``'s two chunks (device i holds chunks i and 2n-1-i)."""
+    return device * chunk, (2 * n - 1 - device) * chunk
+
+
 def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, causal: bool,
-                  layout: str = "contiguous"):
+                  layout: str = "contiguous", per_chunk: bool = False):
     """(dq, dk, dv) of the local shards by the same ring: each step runs ``backward(dout, q, k, v, out, lse, dlse,
-    causal)`` -> (dq, dk, dv) on the local rows against the block it holds, with the final out and lse (so P and
-    D are the whole attention's); dq accumulates locally, and dK, dV accumulate in float32 on the block's own
-    travelling copy, which returns to the block's device after the last step. ``dlse``: the lse's cotangent or
-    None."""
+    causal, positions)`` -> (dq, dk, dv) on the local rows against the block it holds, with the final out and lse
+    (so P and D are the whole attention's); dq accumulates locally, and dK, dV accumulate in float32 on the block's
+    own travelling copy, which returns to the block's device after the last step. ``dlse``: the lse's cotangent or
+    None; positions and ``per_chunk`` as in ring_forward."""
     check_ring(q.shape[1], k.shape[1], causal, layout)
     n = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
@@ -125,7 +161,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, ca
         dq = jnp.zeros(q.shape, jnp.float32)
         dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
         for step in range(n):
-            part_dq, part_dk, part_dv = f32(*backward(dout, q, k, v, out, lse, dlse, False))
+            source = (index - step) % n
+            positions = (index * q.shape[1], source * k.shape[1])
+            part_dq, part_dk, part_dv = f32(*backward(dout, q, k, v, out, lse, dlse, False, positions))
             dq, dk, dv = dq + part_dq, dk + part_dk, dv + part_dv
             k, v, dk, dv = shifted(k, v, dk, dv)  # after n shifts each block and its gradients are home again
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -136,6 +174,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, ca
         lse, dlse = (None if x is None else jnp.swapaxes(_to_zigzag(jnp.swapaxes(x, 1, 2), axis_name, n, index), 1, 2)
                      for x in (lse, dlse))
     chunk = q.shape[1] // 2
+    starts = _chunk_starts(index, n, chunk)
 
     def rows(x, part):  # first or second query chunk of a (batch, rows, ...) or (batch, heads, rows) array
         if x is None:
@@ -143,16 +182,16 @@ def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, ca
         axis = 2 if x.ndim == 3 else 1
         return jax.lax.slice_in_dim(x, part * chunk, (part + 1) * chunk, axis=axis)
 
-    def call(part, k, v, causal):  # the backward of query chunk `part` (None: both) against k, v
+    def call(part, k, v, causal, key_start):  # the backward of query chunk `part` (None: both) against k, v
         if part is None:
-            return f32(*backward(dout, q, k, v, out, lse, dlse, causal))
+            return f32(*backward(dout, q, k, v, out, lse, dlse, causal, (starts[0], key_start)))
         return f32(*backward(rows(dout, part), rows(q, part), k, v, rows(out, part), rows(lse, part),
-                             rows(dlse, part), causal))
+                             rows(dlse, part), causal, (starts[part], key_start)))
 
     # Step 0, as in ring_forward: (first, first) causal, (second, second) causal, (second, first) full.
-    dq0, dk0, dv0 = call(0, k[:, :chunk], v[:, :chunk], True)
-    dq1, dk1, dv1 = call(1, k[:, chunk:], v[:, chunk:], True)
-    dq1b, dk0b, dv0b = call(1, k[:, :chunk], v[:, :chunk], False)
+    dq0, dk0, dv0 = call(0, k[:, :chunk], v[:, :chunk], True, starts[0])
+    dq1, dk1, dv1 = call(1, k[:, chunk:], v[:, chunk:], True, starts[1])
+    dq1b, dk0b, dv0b = call(1, k[:, :chunk], v[:, :chunk], False, starts[0])
     dq = jnp.concatenate([dq0, dq1 + dq1b], axis=1)
     dk = jnp.concatenate([dk0 + dk0b, dk1], axis=1)
     dv = jnp.concatenate([dv0 + dv0b, dv1], axis=1)
@@ -160,14 +199,27 @@ def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, ca
 
     for step in range(1, n):
         source = (index - step) % n
+        key_first, key_second = _chunk_starts(source, n, chunk)
 
         def earlier(k, v):  # all queries against the block's first chunk
-            part_dq, part_dk, part_dv = call(None, k[:, :chunk], v[:, :chunk], False)
-            zeros = jnp.zeros((k.shape[0], k.shape[1] - chunk, *k.shape[2:]), jnp.float32)
+            k, v = k[:, :chunk], v[:, :chunk]
+            if per_chunk:
+                (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = (call(part, k, v, False, key_first) for part in (0, 1))
+                part_dq, part_dk, part_dv = jnp.concatenate([dq_a, dq_b], axis=1), dk_a + dk_b, dv_a + dv_b
+            else:
+                part_dq, part_dk, part_dv = call(None, k, v, False, key_first)
+            zeros = jnp.zeros((k.shape[0], chunk, *k.shape[2:]), jnp.float32)
             return part_dq, jnp.concatenate([part_dk, zeros], axis=1), jnp.concatenate([part_dv, zeros], axis=1)
 
         def later(k, v):  # the second query chunk against the whole block
-            part_dq, part_dk, part_dv = call(1, k, v, False)
+            if per_chunk:
+                (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = (
+                    call(1, k[:, :chunk], v[:, :chunk], False, key_first),
+                    call(1, k[:, chunk:], v[:, chunk:], False, key_second))
+                part_dq = dq_a + dq_b
+                part_dk, part_dv = jnp.concatenate([dk_a, dk_b], axis=1), jnp.concatenate([dv_a, dv_b], axis=1)
+            else:
+                part_dq, part_dk, part_dv = call(1, k, v, False, key_first)
             return jnp.concatenate([jnp.zeros_like(part_dq), part_dq], axis=1), part_dk, part_dv
 
         part_dq, part_dk, part_dv = jax.lax.cond(source < index, earlier, later, k, v)

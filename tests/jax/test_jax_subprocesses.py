@@ -66,13 +66,21 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "dropout heads", "dropout batch+heads", "varlen heads p=0.0",
                                          "varlen heads p=0.25", "mha batch+heads", "mqa batch",
                                          "kvcache contiguous rows=1", "kvcache contiguous rows=3",
-                                         "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout")}
+                                         "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout",
+                                         "ring dropout")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
         # within float32 rounding of the unsharded call.
         ring = results.pop(f"{mode}:ring")
         assert ring["collectives"] == ["collective-permute"], ring
+        assert ring["shardings"] == ["P('data', 'model')", "P('data', None, 'model')"] + ["P('data', 'model')"] * 3
+        for difference, scale in zip(ring["differences"], ring["scale"]):
+            assert difference <= 1e-5 * max(1.0, scale), ring
+        # With dropout (chunks of 16 rows): the same ring, each block call given its shard's first batch and its
+        # first global row and key, so it drops what the unsharded call drops.
+        ring = results.pop(f"{mode}:ring dropout")
+        assert ring["collectives"] == ["collective-permute"] and ring["gathered"] == [], ring
         assert ring["shardings"] == ["P('data', 'model')", "P('data', None, 'model')"] + ["P('data', 'model')"] * 3
         for difference, scale in zip(ring["differences"], ring["scale"]):
             assert difference <= 1e-5 * max(1.0, scale), ring
@@ -87,10 +95,10 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
             assert case["shardings"] == [expected_specs[split][0]] * 4, (mode, split, case)
         # vmap with dropout over keys, sharded along the mapped axis and heads: bitwise each element's own call; the
-        # only collective gathers the two elements' seed rows (8 words) for each direction's call.
+        # only collective gathers the two elements' seed rows (2 x 8 words) for each direction's call.
         case = results.pop(f"{mode}:vmap dropout")
         assert case["unsharded_per_element"] and case["bitwise"] == [True] * 4, (mode, case)
-        assert case["custom_calls"] == 2 and case["gathered"] == ["f32[8]"] * 2, (mode, case)
+        assert case["custom_calls"] == 2 and case["gathered"] == ["f32[16]"] * 2, (mode, case)
         # MHA and MQA heads (with dropout): per-device calls, bitwise, no collective.
         for split, layout in (("batch+heads", "mha"), ("batch", "mqa")):
             case = results.pop(f"{mode}:{layout} {split}")
@@ -126,17 +134,22 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
 @pytest.mark.parametrize("devices", [4, 8])
 def test_ring_attention_over_a_sharded_sequence(devices):
     """[jax-scale] 2: the sequence sharded over 4 and 8 host devices, causal (contiguous shards reordered to zig-zag
-    inside, and shards already in zig-zag order) and not (keys longer than queries), GQA and MQA: out, lse and the
-    gradients within float32 rounding of one unsharded call. Every device makes the same calls: 3 at the first
-    causal step and one per later step, each over 2 chunk pairs (the cond picks one of two equal-work branches),
-    so the recorded forward launches are exactly n (n + 2) causal and n * n without a mask."""
+    inside, and shards already in zig-zag order) and not (keys longer than queries), GQA and MQA, with dropout too:
+    out, lse and the gradients within float32 rounding of one unsharded call (with dropout: the same key, so each
+    block drops exactly the unsharded call's elements). Every device makes the same calls: 3 at the first causal
+    step and one per later step, each over 2 chunk pairs (the cond picks one of two equal-work branches), so the
+    recorded forward launches are exactly n (n + 2) causal and n * n without a mask; with dropout a causal later
+    step makes its calls per chunk (2), so n (2 n + 1)."""
     results = run_worker("ring_worker.py", str(devices))
-    assert set(results) == {"causal-gqa", "causal-mqa-zigzag", "full-longer-keys"}
+    assert set(results) == {"causal-gqa", "causal-mqa-zigzag", "full-longer-keys", "causal-gqa-dropout-zigzag",
+                            "full-mqa-dropout"}
     for name, case in results.items():
         for difference, scale in zip(case["differences"], case["scale"]):
             assert difference <= 1e-5 * max(1.0, scale), (name, case)
-        causal = name.startswith("causal")
-        assert case["forward_launches"] == devices * (devices + 2 if causal else devices), (name, case)
+        causal, dropout = name.startswith("causal"), "dropout" in name
+        assert case["dropped"] == dropout, (name, case)
+        per_device = (2 * devices + 1 if dropout else devices + 2) if causal else devices
+        assert case["forward_launches"] == devices * per_device, (name, case)
 
 
 def test_jax_export_round_trip_in_a_fresh_process(tmp_path):

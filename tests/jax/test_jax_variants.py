@@ -259,6 +259,19 @@ def test_gpu_vmap_with_dropout_drops_what_each_call_drops(dtype):
                                    atol=2e-3)
 
 
+def test_ring_attention_with_dropout_needs_aligned_chunks():
+    """Dropout's Philox counters pair rows i, i + 8 and keys j, j + 1: ring blocks must start at multiples of 16
+    rows and even keys, checked before anything is traced (shapes from tests/jax/ring_worker.py run the ring)."""
+    key = jax.random.key(0)
+    q, k = np.zeros((1, 24, 2, 16), np.float32), np.zeros((1, 24, 2, 16), np.float32)
+    with pytest.raises(ValueError, match=r"chunks \(half the local length\) that are multiples of 16.* got 12 query"):
+        cfj.ring_attention(q, k, k, axis_name="x", causal=True, dropout_p=0.1, dropout_rng=key)
+    with pytest.raises(ValueError, match="lengths that are multiples of 16 and even key lengths, got 16 query and 7"):
+        cfj.ring_attention(q[:, :16], k[:, :7], k[:, :7], axis_name="x", dropout_p=0.1, dropout_rng=key)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        cfj.ring_attention(q, k, k, axis_name="x", dropout_p=1.0, dropout_rng=key)
+
+
 def test_dropout_keys_are_checked():
     q, k, v, _ = random_inputs(SHAPE, "float32", seed=0)
     with pytest.raises(ValueError, match="dropout_rng .* is required"):

@@ -165,9 +165,10 @@ class BackwardTraits(fa2.TileTraits):
 # 64 x 128 up to head dim 64, 64 x 64 at 96 and 128. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
 # 24 bytes on sm_80 / sm_90: dK + dV alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
 # keeping the K/V block and so the number of dQ updates and Q/dO re-reads); at 256 the 99 KB targets take 32 x 32
-# with 4 warps (32 x 64 needs 120 KB with Q double-buffered). The same tiles with dropout (spill-free with it under
-# NVRTC 12.9 and 13.5 since the Q/dO pipeline flattened the head and Q-block loops; before, d192 and d256 with
-# dropout took 32 x 32 on 4 warps, reading Q and dO and updating dQ twice as often).
+# with 4 warps (32 x 64 needs 120 KB with Q double-buffered). The same tiles with dropout, but at d256 only 32 x 32
+# on 4 warps (32 x 64 on 8 spills 4 to 8 bytes on sm_80 / sm_90 with dropout's ring offsets; d192's fits since the
+# Q/dO pipeline flattened the head and Q-block loops: before, it took 32 x 32 too, reading Q and dO and updating dQ
+# twice as often).
 BACKWARD_CHOICES = {
     32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
     64: (BackwardTraits(64, block_m=64, block_n=64, warps=8),),  # 64x128 spilled 4 bytes on sm_90 with the ScoreHook
@@ -178,7 +179,8 @@ BACKWARD_CHOICES = {
 }
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
 BACKWARD_CHOICES_DROPOUT = {
-    hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()
+    **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
+    256: (BackwardTraits(256, block_m=32, block_n=32, warps=4, dropout=True),),
 }
 
 
