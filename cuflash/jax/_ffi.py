@@ -27,6 +27,8 @@ client replays deferred handlers before deferred types.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import re
 import subprocess
 import threading
@@ -80,11 +82,24 @@ def cuda_include_dir() -> Path | None:
     return found if found is not None and (found / "cudaTypedefs.h").is_file() else None
 
 
-def version_flag() -> str:
-    """The define the handlers compare each call's version attribute with (program_call.h)."""
+# What a lowered call's bytes mean: the AttentionParams layout, the dropout seed rows, the attributes' decoding.
+CALL_LAYOUT_SOURCES = ("common/attention_params.cuh", "common/dropout.cuh", "ffi/program_call.h")
+
+
+@functools.lru_cache(maxsize=1)
+def call_abi() -> str:
+    """The version a lowered call carries and the handler library is built with (program_call.h refuses a
+    mismatch): cuflash's version and a digest of CALL_LAYOUT_SOURCES, so an executable exported before a layout
+    change is refused by name rather than misread, even between builds of one version."""
     from .. import __version__
 
-    return f'-DCUFLASH_VERSION="{__version__}"'
+    digest = hashlib.sha256(b"".join((CUDA_SRC / name).read_bytes() for name in CALL_LAYOUT_SOURCES)).hexdigest()
+    return f"{__version__}+{digest[:12]}"
+
+
+def version_flag() -> str:
+    """The define the handlers compare each call's version attribute with (program_call.h)."""
+    return f'-DCUFLASH_VERSION="{call_abi()}"'
 
 
 def _compile_flags() -> list[str]:

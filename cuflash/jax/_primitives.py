@@ -36,7 +36,6 @@ from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from .. import __version__
 from .. import _validation as V
 from ..kernels import plans, targets
 from ..kernels.targets import Target
@@ -156,7 +155,7 @@ def custom_call_attributes(
         grid=np.asarray([d for plan in launches for d in plan.grid], dtype=np.int32),
         block=np.asarray([d for plan in launches for d in plan.block], dtype=np.int32),
         smem=np.asarray([plan.dynamic_smem_bytes for plan in launches], dtype=np.int32),
-        version=__version__,  # the handler refuses a call lowered by another cuflash version
+        version=_ffi.call_abi(),  # the handler refuses a call lowered by another cuflash version or layout
     )
 
 

@@ -95,3 +95,29 @@ def test_library_is_a_plain_shared_library_without_python():
     undefined = subprocess.run([nm, "-D", "--undefined-only", str(path)], capture_output=True, text=True, check=True)
     assert not [line for line in undefined.stdout.splitlines() if " Py" in line or "_Py" in line], undefined.stdout
     assert _ffi.library().lib.cuflash_ffi_params_size() > 0
+
+
+def test_call_abi_names_the_version_and_changes_with_the_call_layout(monkeypatch, tmp_path):
+    """A lowered call carries call_abi() and the library is built with it (program_call.h refuses a mismatch): it
+    changes when a file that defines what a call's bytes mean changes, so an executable exported before a layout
+    change is refused rather than misread."""
+    import shutil
+
+    import cuflash
+
+    here = _ffi.call_abi()
+    assert here.startswith(cuflash.__version__ + "+") and f'"{here}"' in _ffi.version_flag()
+    for name in _ffi.CALL_LAYOUT_SOURCES:
+        copy = tmp_path / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CUDA_SRC / name, copy)
+    monkeypatch.setattr(_ffi, "CUDA_SRC", tmp_path)
+    _ffi.call_abi.cache_clear()
+    try:
+        assert _ffi.call_abi() == here
+        edited = tmp_path / "common" / "dropout.cuh"
+        edited.write_text(edited.read_text().replace("kSeedRowWords = 8", "kSeedRowWords = 4"))
+        _ffi.call_abi.cache_clear()
+        assert _ffi.call_abi() != here
+    finally:
+        _ffi.call_abi.cache_clear()

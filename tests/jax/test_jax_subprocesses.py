@@ -170,7 +170,7 @@ def test_a_call_lowered_by_another_cuflash_version_is_refused(monkeypatch):
     import cuflash.jax as cfj
     from cuflash.jax import _primitives
 
-    monkeypatch.setattr(_primitives, "__version__", "0.0.0-another")
+    monkeypatch.setattr(_primitives._ffi, "call_abi", lambda: "0.0.0-another")
     q = np.ones((1, 4, 1, 8), np.float32)
     with pytest.raises(Exception, match="lowered by cuflash 0.0.0-another, but the handler library is"):
         jax.block_until_ready(jax.jit(lambda q: cfj.attention(q, q, q, softmax_scale=0.3))(q))
