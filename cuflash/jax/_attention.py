@@ -15,7 +15,7 @@ from .. import _validation as V
 from ..dropout import SEED_ROW_WORDS, check_dropout_p
 from ..kernels import catalog
 from ._primitives import CallConfig, call, tensor_shape
-from ._ring import check_ring_dropout, ring_forward
+from ._ring import check_ring_dropout, ring_forward, with_block_positions
 
 
 def attention(
@@ -167,7 +167,7 @@ def ring_attention(
     def forward(q, k, v, causal, positions):
         problem = V.check_qkv(q, k, v, causal=causal, dropout_p=dropout_p)
         return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=None, dropout_rng=dropout_rng,
-                     algorithm="fa2", return_lse=True, dropout_positions=positions if dropout_p else (0, 0))
+                     algorithm="fa2", return_lse=True, dropout_positions=positions)
 
     out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout,
                             per_chunk=dropout_p > 0.0)
@@ -182,7 +182,7 @@ def _concrete(array) -> np.ndarray | None:
         return None
 
 
-def _call(problem, q, k, v, *, return_lse, cu_words=(), dropout_positions=(0, 0), **options):
+def _call(problem, q, k, v, *, return_lse, cu_words=(), dropout_positions=None, **options):
     """What attention and attention_varlen share once the Problem is checked: the call's operands (_call_operands,
     varlen's cu_seqlens words last) and the differentiable call. ``dropout_positions``: the global index of the
     call's first query row and first key (ring attention's blocks; dropout.cuh)."""
@@ -194,7 +194,7 @@ def _call(problem, q, k, v, *, return_lse, cu_words=(), dropout_positions=(0, 0)
 
 
 def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse,
-                   int_words=(), dropout_positions=(0, 0)):
+                   int_words=(), dropout_positions=None):
     """The checked static part of a call (CallConfig, return_lse) and its operands (q, k, v, side): the side inputs
     in _primitives.side_input_names order, ``int_words`` (int32 side inputs as float32 words) last, all marked
     varying along the same shard_map axes."""
@@ -203,7 +203,8 @@ def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
     side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
     if problem.dropout_p > 0.0:
-        side += (dropout_seed_operand(_seed_bits(_check_rng(dropout_rng)), *dropout_positions),)
+        seed = dropout_seed_operand(_seed_bits(_check_rng(dropout_rng)))
+        side += (seed if dropout_positions is None else with_block_positions(seed, dropout_positions),)
     side += tuple(int_words)
     q, k, v, *side = _share_varying_axes(*(jnp.asarray(x) for x in (q, k, v)), *side)
     return CallConfig(algorithm, problem, scale), return_lse, (q, k, v, tuple(side))
@@ -225,16 +226,13 @@ def _check_rng(rng):
     return rng
 
 
-def dropout_seed_operand(seed_bits, first_row=0, first_key=0):
+def dropout_seed_operand(seed_bits):
     """The kernels' dropout_seed side input (cuflash.dropout.seed_words) of traced seed words: the seed's two words,
-    then the call's first global batch and head, 0 (a shard's partition advances them: _partitioning.py), and its
-    first global query row and key (ring attention's blocks), as float32-typed bits."""
+    then the call's first global batch, head, query row and key, 0 (a shard's partition advances the first two:
+    _partitioning.py; a ring block sets the last two: _ring.with_block_positions), as float32-typed bits."""
     # Padded rather than concatenated with zeros: under vmap of keys sharded in an Explicit mesh, concatenate would
     # broadcast the zeros to the keys' sharding, which needs a mesh in context.
-    words = jnp.pad(seed_bits, (0, SEED_ROW_WORDS - 2))
-    if not (isinstance(first_row, int) and isinstance(first_key, int) and first_row == first_key == 0):
-        words = words.at[4:6].set(jnp.stack([jnp.asarray(first_row), jnp.asarray(first_key)]).astype(jnp.uint32))
-    return jax.lax.bitcast_convert_type(words, jnp.float32)
+    return jax.lax.bitcast_convert_type(jnp.pad(seed_bits, (0, SEED_ROW_WORDS - 2)), jnp.float32)
 
 
 def _seed_bits(rng):

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..kernels.program import Problem
 from ..mask import Mask
-from ._ring import check_ring_dropout, ring_backward, ring_forward
+from ._ring import ring_backward, ring_dropout_misalignment, ring_forward, with_block_positions
 
 
 def _einsum_term(name: str, problem: Problem) -> str:
@@ -128,7 +128,7 @@ def ring_possible(problem: Problem, parts: int) -> bool:
     """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi
     or window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks per
     device under causal, of equal queries and keys); with dropout, shards (chunks) dropout's offsets allow
-    (_ring.check_ring_dropout)."""
+    (_ring.ring_dropout_misalignment)."""
     if problem.alibi is not None or problem.mask not in (Mask(), Mask(-1, 0)):
         return False
     causal = problem.mask == Mask(-1, 0)
@@ -136,13 +136,8 @@ def ring_possible(problem: Problem, parts: int) -> bool:
         even = problem.seqlen_q == problem.seqlen_k and problem.seqlen_q % (2 * parts) == 0
     else:
         even = problem.seqlen_q % parts == 0 and problem.seqlen_k % parts == 0
-    if not even or problem.dropout_p == 0.0:
-        return even
-    try:
-        check_ring_dropout(problem.seqlen_q // parts, problem.seqlen_k // parts, causal)
-    except ValueError:
-        return False
-    return True
+    return even and (problem.dropout_p == 0.0 or
+                     ring_dropout_misalignment(problem.seqlen_q // parts, problem.seqlen_k // parts, causal) is None)
 
 
 def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Split:
@@ -246,20 +241,20 @@ def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem
     def block(q_rows: int, k_rows: int, causal: bool) -> Problem:
         return dataclasses.replace(local, seqlen_q=q_rows, seqlen_k=k_rows, mask=Mask(-1, 0) if causal else Mask())
 
-    def seed_of(named, positions):
+    def block_seeds(named):  # positions -> the block call's seed operand (none without dropout)
         if "dropout_seed" not in named:
-            return ()
-        words = jax.lax.bitcast_convert_type(_with_shard_offsets(named["dropout_seed"], split, local), jnp.uint32)
-        words = words.at[4:6].set(jnp.stack([jnp.asarray(x) for x in positions]).astype(jnp.uint32))
-        return (jax.lax.bitcast_convert_type(words, jnp.float32),)
+            return lambda positions: ()
+        shard_seed = _with_shard_offsets(named["dropout_seed"], split, local)  # once per device, not per block
+        return lambda positions: (with_block_positions(shard_seed, positions),)
 
     per_chunk = local.dropout_p > 0.0
     if direction == "forward":
         def lower_fn(*arrays):
             named = dict(zip(operands, arrays))
+            seed_of = block_seeds(named)
 
             def forward(q, k, v, causal, positions):
-                return tuple(bind(block(q.shape[1], k.shape[1], causal), q, k, v, *seed_of(named, positions)))
+                return tuple(bind(block(q.shape[1], k.shape[1], causal), q, k, v, *seed_of(positions)))
 
             return ring_forward(named["q"], named["k"], named["v"], forward, axis_name=axis, causal=causal,
                                 per_chunk=per_chunk)
@@ -267,9 +262,10 @@ def _ring_lowering(direction: str, bind, operands: Sequence[str], local: Problem
 
     def lower_fn(*arrays):
         named = dict(zip(operands, arrays))
+        seed_of = block_seeds(named)
 
         def backward(dout, q, k, v, out, lse, dlse, causal, positions):
-            extra = seed_of(named, positions) + (() if dlse is None else (dlse,))
+            extra = seed_of(positions) + (() if dlse is None else (dlse,))
             return tuple(bind(block(q.shape[1], k.shape[1], causal), dout, q, k, v, out, lse, *extra))
 
         return ring_backward(named["dout"], named["q"], named["k"], named["v"], named["out"], named["lse"],

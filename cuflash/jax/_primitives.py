@@ -353,7 +353,7 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     for start in range(0, size, chunk):
         members = min(chunk, size - start)
         part = args if members == size else [x if x is shared_slopes else x[start : start + members] for x in args]
-        # (members, batch, ...) -> (members * batch, ...); dropout's (members, 4 rows) seeds -> (4 members rows)
+        # (members, batch, ...) -> (members * batch, ...); dropout's (members, seed words) -> one table of rows
         folded = [x if x is shared_slopes else x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
         problem = dataclasses.replace(config.problem, batch=members * batch)
         outs = bind(*folded, config=dataclasses.replace(config, problem=problem))

@@ -53,15 +53,31 @@ def check_ring(q_rows: int, k_rows: int, causal: bool, layout: str) -> None:
                          f"device), got local q {q_rows} and k {k_rows} rows")
 
 
-def check_ring_dropout(q_rows: int, k_rows: int, causal: bool) -> None:
-    """Dropout's Philox counters pair rows i, i + 8 and keys j, j + 1 (dropout.cuh): a block call's first global
-    query row must be a multiple of 16 and its first key even."""
+def ring_dropout_misalignment(q_rows: int, k_rows: int, causal: bool) -> str | None:
+    """Why ring blocks of these local lengths cannot take dropout, or None. Dropout's Philox counters pair rows
+    i, i + 8 and keys j, j + 1 (dropout.cuh): a block call's first global query row must be a multiple of 16 and
+    its first key even."""
     rows = q_rows // 2 if causal else q_rows
     keys = k_rows // 2 if causal else k_rows
-    if rows % 16 or keys % 2:
-        what = "chunks (half the local length)" if causal else "lengths"
-        raise ValueError(f"ring attention with dropout needs local query {what} that are multiples of 16 and even "
-                         f"key {what}, got {rows} query and {keys} key rows")
+    if rows % 16 == 0 and keys % 2 == 0:
+        return None
+    what = "chunks (half the local length)" if causal else "lengths"
+    return (f"ring attention with dropout needs local query {what} that are multiples of 16 and even key {what}, "
+            f"got {rows} query and {keys} key rows")
+
+
+def check_ring_dropout(q_rows: int, k_rows: int, causal: bool) -> None:
+    problem = ring_dropout_misalignment(q_rows, k_rows, causal)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def with_block_positions(seed, positions):
+    """A dropout seed buffer (float32-typed words, cuflash.dropout.seed_words' layout) with words 4 and 5 set to a
+    block call's first global query row and first key (traced ints)."""
+    words = jax.lax.bitcast_convert_type(seed, jnp.uint32)
+    words = words.at[4:6].set(jnp.stack([jnp.asarray(x) for x in positions]).astype(jnp.uint32))
+    return jax.lax.bitcast_convert_type(words, jnp.float32)
 
 
 def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str = "contiguous",
