@@ -4,6 +4,9 @@
   seqlen_q above, below and equal to seqlen_k, and rows that see no key.
 * The C++ policy equals the twin on every method, launched on the simulator (tests/kernels/mask_probe.cu).
 * No other file decides visibility: the arithmetic of the rule appears only in those two files.
+* The softcap's tanh (mask.cuh's tanh_by_exp2): within a few float32 ulps of 1 of tanh and exactly +-1 where tanh
+  rounds to it, infinities included (simulator); compiled, one ex2 and one approximate reciprocal, no IEEE division
+  range check or slow-path call (SASS, sm_80 and sm_90).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 from cuflash import sim
+from cuflash.kernels import nvrtc
 from cuflash.kernels.params import pack_params
 from cuflash.kernels.program import KernelInstance, Problem
 from cuflash.mask import IndexRange, Mask, MaskPolicy
@@ -175,3 +179,35 @@ def test_the_single_home_check_catches_a_planted_rule(tmp_path):
     cpp = tmp_path / "planted.cu"
     cpp.write_text("// p.seqlen_k - p.seqlen_q in a comment\nint off = p.seqlen_k - p.seqlen_q;\n")
     assert [n for n, code in _code_lines(cpp) if _VISIBILITY.search(code)] == [2]
+
+
+def _tanh_probe(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.full_like(x, np.nan)
+    problem = Problem("float32", 1, x.size, 1, 1, 1, 8)
+    params = pack_params(problem, softmax_scale=1.0, pointers={"q": x.ctypes.data, "out": out.ctypes.data}, strides={})
+    kernel = KernelInstance(str(PROBE), "masktest::tanh_probe_kernel")
+    sim.launch(kernel, (-(-x.size // 128), 1, 1), (128, 1, 1), 0, params, [x, out])
+    return out
+
+
+def test_softcap_tanh_is_within_a_few_ulps_of_one_and_saturates():
+    # 2^126 < e^(2x) + 1 < 2^128 for x in (43.67, 44.36): __fdividef's range that gives 0, so t = 1 there.
+    special = [0.0, 1e-8, -1e-8, 0.5, 9.1, 20.0, 43.7, 44.0, 88.0, 1e4, np.inf]
+    x = np.concatenate([np.linspace(-60.0, 60.0, 4001), special, np.negative(special)]).astype(np.float32)
+    got = _tanh_probe(x)
+    expected = np.tanh(x.astype(np.float64))
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - expected)) <= 4 * 2.0**-23
+    saturated = np.abs(x) >= 9.1  # float32 tanh is +-1 from about 9.01 on
+    np.testing.assert_array_equal(got[saturated], np.sign(x[saturated]))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_softcap_tanh_compiles_to_ex2_and_an_approximate_reciprocal(arch):
+    compiled = nvrtc.compile_instance(KernelInstance(str(PROBE), "masktest::tanh_probe_kernel"), arch)
+    sass = nvrtc.dump_sass(compiled)
+    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    assert re.search(r"\bMUFU\.EX2\b", sass) and re.search(r"\bMUFU\.RCP\b", sass), sass[:4000]
+    # An IEEE float division shows as FCHK (its range check) and a CALL to its slow path.
+    assert not re.search(r"\b(FCHK|CALL)\b", sass), sass[:4000]

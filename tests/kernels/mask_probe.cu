@@ -8,6 +8,7 @@
 //   per Q block: kv_blocks<BlockN>, keys_of_rows   nq * 4
 //   per K block: q_blocks<BlockM>, rows_of_keys    nk * 4
 //   per tile: tile_needs_mask(row0, rows, key0, BlockN)   nq * nk
+// tanh_probe_kernel: the softcap's tanh (tanh_by_exp2) of every input, for its accuracy and SASS tests.
 #include "arch/arch.cuh"
 #include "common/mask.cuh"
 
@@ -41,6 +42,14 @@ __global__ void mask_probe_kernel(const cuflash::AttentionParams p) {
   }
   for (int a = 0; a < nq; ++a)
     for (int b = 0; b < nk; ++b) put(mask.tile_needs_mask(a * BlockM, min(BlockM, sq - a * BlockM), b * BlockN, BlockN));
+}
+
+// out[i] = tanh_by_exp2(q[i]) for i < seqlen_q (the softcap's tanh, one thread per element).
+__global__ void tanh_probe_kernel(const cuflash::AttentionParams p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < p.seqlen_q)
+    cuflash::arch::store(static_cast<float*>(p.out) + i,
+                         cuflash::tanh_by_exp2(cuflash::arch::load(static_cast<const float*>(p.q) + i)));
 }
 
 }  // namespace masktest
