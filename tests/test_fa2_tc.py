@@ -14,12 +14,14 @@ bfloat16.
 * K and V are read ceil(seqlen_q / 128) times per head at head dims 64 and 128.
 * The kernel traps on any launch shape but its traits' own (shared memory more or less, other block sizes).
 * The tile tables: FA2's where ptxas keeps them spill-free, 99 KB rows, the head-dim-256 choice per target.
+* Compiled (sm_80, sm_90): the backward's P and dS of a plain tile are one branch-free run of SASS.
 * On a GPU (marked gpu): the same checks against the reference and bitwise reruns.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -28,7 +30,7 @@ import cuflash
 from cuflash import sim
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
-from cuflash.kernels import catalog, plans
+from cuflash.kernels import catalog, nvrtc, plans
 from cuflash.kernels.families import fa2, fa2_tc
 from cuflash.kernels.program import LaunchPlan, Problem, Program
 from cuflash.kernels.targets import target
@@ -278,6 +280,32 @@ def test_tile_tables():
             fa2_tc.BackwardTraits(*bad)
     with pytest.raises(KeyError):
         fa2_tc.dynamic_smem_bytes(fa2.ForwardTraits(64, 64, 64, 4).instance("float16"))
+
+
+def _branch_free_runs(sass: str) -> list[list[str]]:
+    """The opcodes of a function's SASS, cut at every branch and exit."""
+    runs, run = [], []
+    for match in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.MULTILINE):
+        if match.group(1).startswith(("BRA", "EXIT")):
+            runs.append(run)
+            run = []
+        else:
+            run.append(match.group(1))
+    return runs + [run]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_backward_plain_tiles_make_p_and_ds_without_a_branch(arch):
+    # The scores of a tile without softcap, ALiBi or element-wise mask (block-uniform tests) take a body compiled
+    # for that case: every exponential of the lane's scores in one straight run. Tested per score, each of them
+    # sat behind its own branches (no run held more than one).
+    traits = fa2_tc.backward_traits(128, target(arch))
+    compiled = nvrtc.compile_instance(traits.instance("float16"), arch)
+    sass = nvrtc.dump_sass(compiled)
+    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    scores_per_lane = traits.block_m * traits.block_n // traits.threads
+    most = max(run.count("MUFU.EX2") for run in _branch_free_runs(sass))
+    assert most >= scores_per_lane, f"{most} exponentials in the longest branch-free run, {scores_per_lane} scores"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -228,45 +228,57 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
       // limit), for one cached load per Q block.
       const ScoreHook score_hook = ScoreHook::of(p, info);
+      // P and dS of this warp's tile. The body is compiled per outcome of the two block-uniform tests (whether the
+      // hook changes anything, whether the tile needs the element-wise mask; three bodies). Tested per score
+      // instead, ptxas kept both tests in the loop: every score of plain attention sat behind its own branches.
+      auto p_and_ds = [&](const auto& hook, auto tile_masked) {
 #pragma unroll
-      for (int i = 0; i < SdP::kMTiles; ++i) {
-        // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
-        unsigned keep_bits[SdP::kNTiles];
-        if (WithDropout) {
-          const Dropout dropout = Dropout::of(p, batch, info.head);
+        for (int i = 0; i < SdP::kMTiles; ++i) {
+          // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
+          unsigned keep_bits[SdP::kNTiles];
+          if (WithDropout) {
+            const Dropout dropout = Dropout::of(p, batch, info.head);
 #pragma unroll
-          for (int j = 0; j < SdP::kNTiles; ++j)
-            keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
-        }
+            for (int j = 0; j < SdP::kNTiles; ++j)
+              keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
+          }
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = s_m0 + 16 * i + quad_row + 8 * half;
-          const float lse = lse_rows[r];
-          const float dot = dot_rows[r];
+          for (int half = 0; half < 2; ++half) {
+            const int r = s_m0 + 16 * i + quad_row + 8 * half;
+            const float lse = lse_rows[r];
+            const float dot = dot_rows[r];
 #pragma unroll
-          for (int j = 0; j < SdP::kNTiles; ++j) {
-            const int c = s_n0 + 8 * j + 2 * quad_col;
-            float prob[2], grad[2];
+            for (int j = 0; j < SdP::kNTiles; ++j) {
+              const int c = s_n0 + 8 * j + 2 * quad_col;
+              float prob[2], grad[2];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float dscore;  // d score / d (scale q.k)
-              const float qk = score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
-              prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
-              if (masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-              if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
-                const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
-                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
-                prob[e] *= kept;
-              } else {
-                grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+              for (int e = 0; e < 2; ++e) {
+                float dscore;  // d score / d (scale q.k)
+                const float qk = hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
+                prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+                if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
+                if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
+                  const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
+                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
+                  prob[e] *= kept;
+                } else {
+                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                }
               }
+              *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) =
+                  arch::pack_float2<T>(prob[0], prob[1]);
+              *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
+                  arch::pack_float2<T>(grad[0], grad[1]);
             }
-            *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) = arch::pack_float2<T>(prob[0], prob[1]);
-            *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
-                arch::pack_float2<T>(grad[0], grad[1]);
           }
         }
-      }
+      };
+      if (score_hook.active())
+        p_and_ds(score_hook, masked);
+      else if (masked)
+        p_and_ds(IdentityScoreHook{}, StaticBool<true>{});
+      else
+        p_and_ds(IdentityScoreHook{}, StaticBool<false>{});
     }
     __syncthreads();  // P, dS complete
 
