@@ -14,7 +14,8 @@ bfloat16.
 * K and V are read ceil(seqlen_q / 128) times per head at head dims 64 and 128.
 * The kernel traps on any launch shape but its traits' own (shared memory more or less, other block sizes).
 * The tile tables: FA2's where ptxas keeps them spill-free, 99 KB rows, the head-dim-256 choice per target.
-* Compiled (sm_80, sm_90): the backward's P and dS of a plain tile are one branch-free run of SASS.
+* Compiled (sm_80, sm_90): the backward's P and dS of a plain tile are one branch-free run of SASS; the forward's
+  K/V copies step their rows (a short loop per 16-byte cp.async).
 * On a GPU (marked gpu): the same checks against the reference and bitwise reruns.
 """
 
@@ -306,6 +307,30 @@ def test_backward_plain_tiles_make_p_and_ds_without_a_branch(arch):
     scores_per_lane = traits.block_m * traits.block_n // traits.threads
     most = max(run.count("MUFU.EX2") for run in _branch_free_runs(sass))
     assert most >= scores_per_lane, f"{most} exponentials in the longest branch-free run, {scores_per_lane} scores"
+
+
+def _loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop of a function's SASS: from a backward branch's target to the branch."""
+    lines = re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?);", sass, re.MULTILINE)
+    at = [(int(address, 16), text) for address, text in lines]
+    loops = []
+    for address, text in at:
+        target = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            loops.append([t for a, t in at if int(target.group(1), 16) <= a <= address])
+    return loops
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_forward_kv_copies_step_their_rows(arch):
+    # On contiguous, 16-byte aligned K and V, each thread's copies of a tile are one column of rows kRowStep apart
+    # (fa2_tc_tiles.cuh's load_tile): a loop of about 20 instructions per 16-byte cp.async. The general loop
+    # (paged caches, head dims whose rows the threads do not cover whole) spans about 77.
+    compiled = nvrtc.compile_instance(fa2_tc.forward_traits(128, target(arch)).instance("float16"), arch)
+    sass = nvrtc.dump_sass(compiled)
+    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    copy_loops = [len(loop) for loop in _loops(sass) if sum("LDGSTS" in text for text in loop) == 1]
+    assert copy_loops and min(copy_loops) <= 32, f"copy loops of {sorted(copy_loops)} instructions"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -94,6 +94,9 @@ struct BackwardTraits {
 #endif
   static constexpr int kDqChunkTiles = kWideDqChunks && Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
   static constexpr int kDqChunks = Dq::kNTiles > kDqChunkTiles ? Dq::kNTiles / kDqChunkTiles : 1;
+  // The per-step Q and dO copies step their rows (fa2_tc_tiles.cuh's load_tile) except at head dim 256, where
+  // the stepped loop's extra registers made ptxas spill 4 bytes on sm_90 beside dK and dV.
+  static constexpr bool kStepQRows = HeadDim < 256;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
@@ -160,10 +163,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 
   const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
   const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-  fa2tc::load_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys(), d, fa2tc::rows_16b_aligned(k, p.k_stride.row),
-                           tid, Tr::kThreads);
-  fa2tc::load_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys(), d, fa2tc::rows_16b_aligned(v, p.v_stride.row),
-                           tid, Tr::kThreads);
+  fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k, p.k_stride.row, block_keys(), d,
+                                         fa2tc::rows_16b_aligned(k, p.k_stride.row), tid);
+  fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v, p.v_stride.row, block_keys(), d,
+                                         fa2tc::rows_16b_aligned(v, p.v_stride.row), tid);
   arch::cp_async_commit();
 
   fa2tc::Accumulator<DkDv::kMTiles, DkDv::kNTiles> acc_dk, acc_dv;
@@ -183,11 +186,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     const int row0 = (m_range.begin + step % q_blocks) * BlockM;
     const int rows = min(BlockM, info.seqlen_q(p) - row0);
     if (dout)
-      fa2tc::load_tile<QTile>(dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
-                              fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid, Tr::kThreads);
+      fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
+          dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
+          fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid);
     else
-      fa2tc::load_tile<QTile>(dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row, rows, d,
-                              fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid, Tr::kThreads);
+      fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row,
+                                                            rows, d,
+                                                            fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid);
   };
   auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
   if (steps > 0) {

@@ -138,17 +138,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const float scale_log2 = p.softmax_scale_log2;
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
 
-    fa2tc::load_tile<QTile>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x, Tr::kThreads);
-    fa2tc::load_tile<KVTile>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN), block_keys(n_range.end - 1), d,
-                             k_vector, threadIdx.x, Tr::kThreads);
+    fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
+    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN),
+                                           block_keys(n_range.end - 1), d, k_vector, threadIdx.x);
     arch::cp_async_commit();
 
     for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
       const int key0 = n_block * BlockN;
       arch::cp_async_wait<0>();
       __syncthreads();  // K_j (and Q) visible to all; every warp is done with V_{j+1}
-      fa2tc::load_tile<KVTile>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector, threadIdx.x,
-                               Tr::kThreads);
+      fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector,
+                                             threadIdx.x);
       arch::cp_async_commit();
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j
       if (n_block > n_range.begin) {
-        fa2tc::load_tile<KVTile>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1), d, k_vector,
-                                 threadIdx.x, Tr::kThreads);
+        fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1), d,
+                                               k_vector, threadIdx.x);
         arch::cp_async_commit();
       }
 

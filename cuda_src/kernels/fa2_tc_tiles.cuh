@@ -55,7 +55,8 @@ struct SwizzledTile {
   static constexpr int kCols = Cols;
   static constexpr int kChunksPerRow = Cols / kChunkElems;
   static constexpr int kAtomChunks = kChunksPerRow % 8 == 0 ? 8 : 4;
-  static constexpr int kBytes = Rows * Cols * 2;
+  static constexpr int kRowBytes = kChunksPerRow * 16;  // rows are packed without padding
+  static constexpr int kBytes = Rows * kRowBytes;
 
   // Byte offset of chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row `row`. The XOR key is below the atom
   // width, so a chunk never leaves its atom (nor its row).
@@ -73,13 +74,13 @@ struct SwizzledTile {
     int row_bytes;  // lane_row * row pitch
     int lane_x;     // lane_chunk ^ key(lane_row)
     __device__ __forceinline__ int at(int row_step, int chunk_step) const {
-      return row_step * kChunksPerRow * 16 + row_bytes + (chunk_step & ~(kAtomChunks - 1)) * 16 +
+      return row_step * kRowBytes + row_bytes + (chunk_step & ~(kAtomChunks - 1)) * 16 +
              ((chunk_step & (kAtomChunks - 1)) ^ lane_x) * 16;
     }
   };
   __device__ __forceinline__ static LaneOffset lane_offset(int lane_row, int lane_chunk) {
     const int key = kAtomChunks == 8 ? (lane_row & 7) : ((lane_row >> 1) & 3);
-    return LaneOffset{lane_row * kChunksPerRow * 16, lane_chunk ^ key};
+    return LaneOffset{lane_row * kRowBytes, lane_chunk ^ key};
   }
   // Byte offset of element (row, col) (col even: the 4-byte pair col, col + 1 stays in one chunk).
   __device__ __forceinline__ static int element_offset(int row, int col) {
@@ -93,20 +94,41 @@ __device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_st
   return (reinterpret_cast<unsigned long long>(base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0;
 }
 
-// tile[r][c] = src[r * row_stride + c] for r < valid_rows, c < headdim; 0 elsewhere. `threads` threads share
-// the chunks (consecutive threads take consecutive chunks of a row: coalesced and, swizzled, conflict-free).
+// tile[r][c] = src[r * row_stride + c] for r < valid_rows, c < headdim; 0 elsewhere. The block's kThreads threads
+// share the chunks (consecutive threads take consecutive chunks of a row: coalesced and, swizzled, conflict-free).
 // vector: 16-byte cp.async (asynchronous: the caller commits the group and waits for it); otherwise element
 // loads and a 16-byte shared store (synchronous). Either way exactly the valid elements are read.
-template <class Tile, class T>
+template <class Tile, int kThreads, bool kStepRows = true, class T>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<const T>& rows, int valid_rows,
-                                          int headdim, bool vector, int thread, int threads) {
+                                          int headdim, bool vector, int thread) {
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+  // Where the threads cover whole rows 8k at a time, a thread's chunks are one column of rows r, r + kRowStep, ...,
+  // all with the same XOR key (its period is 8 rows): on contiguous rows its copies step a source pointer by
+  // kRowStep rows and the shared offset by kRowStep row pitches. The general loop below splits every chunk index
+  // into row and column, bounds the column, tests for pages and multiplies out the 64-bit row offset: its loop
+  // spans 77 SASS instructions per 16-byte copy at head dim 128 (sm_90), this one 22. Each thread issues the same
+  // copies in the same order either way. The stepped loop holds two registers more while it runs: a caller at the
+  // register limit passes kStepRows = false.
+  constexpr int kRowStep = kThreads / Tile::kChunksPerRow;
+  constexpr bool kWholeRows = kStepRows && kThreads % Tile::kChunksPerRow == 0 && kRowStep % 8 == 0;
   // Neither loop is unrolled: they run while the kernels' accumulators are live, and unrolled, ptxas hoists
   // every copy's 64-bit source offset out of the main loops and spills for them.
-  if (vector) {
+  if (vector && kWholeRows && rows.pages == nullptr) {
+    const int chunk = thread % Tile::kChunksPerRow;
+    const int col_valid = max(0, min(kChunkElems, headdim - chunk * kChunkElems));
+    int row = thread / Tile::kChunksPerRow;
+    const T* from = rows.row(row) + chunk * kChunkElems;
+    unsigned char* to = tile + Tile::chunk_offset(row, chunk);
 #pragma unroll 1
-    for (int c = thread; c < kChunks; c += threads) {
+    for (; row < Tile::kRows; row += kRowStep, from += kRowStep * rows.row_stride, to += kRowStep * Tile::kRowBytes) {
+      const int valid = row < valid_rows ? col_valid : 0;
+      // A zero-byte copy still needs an aligned source address: the tile's own start.
+      arch::cp_async<16>(to, valid > 0 ? from : rows.head_base, valid * 2);
+    }
+  } else if (vector) {
+#pragma unroll 1
+    for (int c = thread; c < kChunks; c += kThreads) {
       const int row = c / Tile::kChunksPerRow;
       const int col = (c % Tile::kChunksPerRow) * kChunkElems;
       const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
@@ -116,7 +138,7 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
     }
   } else {
 #pragma unroll 1
-    for (int c = thread; c < kChunks; c += threads) {
+    for (int c = thread; c < kChunks; c += kThreads) {
       const int row = c / Tile::kChunksPerRow;
       const int col = (c % Tile::kChunksPerRow) * kChunkElems;
       const int valid = row < valid_rows ? max(0, min(kChunkElems, headdim - col)) : 0;
@@ -134,11 +156,11 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
 }
 
 // The same from contiguous rows: src[r * row_stride + c].
-template <class Tile, class T>
+template <class Tile, int kThreads, bool kStepRows = true, class T>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
-                                          int headdim, bool vector, int thread, int threads) {
-  load_tile<Tile>(tile, KeyRows<const T>{src, row_stride, 0, nullptr, 0, 0}, valid_rows, headdim, vector, thread,
-                  threads);
+                                          int headdim, bool vector, int thread) {
+  load_tile<Tile, kThreads, kStepRows>(tile, KeyRows<const T>{src, row_stride, 0, nullptr, 0, 0}, valid_rows, headdim,
+                                       vector, thread);
 }
 
 // ---- fragments ------------------------------------------------------------------------------------------
