@@ -19,13 +19,6 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// A bool known at compile time, for a generic lambda a kernel calls with either this or a runtime bool: where a
-// block-uniform test selects a loop body, the body is compiled once per outcome and tests nothing per element.
-template <bool kValue>
-struct StaticBool {
-  __device__ __forceinline__ constexpr operator bool() const { return kValue; }
-};
-
 // Whether this launch differs from the one a kernel's traits describe: exactly SmemBytes of dynamic shared memory
 // and a block of exactly BlockX x BlockY x 1 threads. The Python plans mirror the traits (each family's
 // dynamic_smem_bytes and threads); any difference is a bug on one side, so every kernel tests this first and

@@ -233,10 +233,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
       // limit), for one cached load per Q block.
       const ScoreHook score_hook = ScoreHook::of(p, info);
-      // P and dS of this warp's tile. The body is compiled per outcome of the two block-uniform tests (whether the
-      // hook changes anything, whether the tile needs the element-wise mask; three bodies). Tested per score
-      // instead, ptxas kept both tests in the loop: every score of plain attention sat behind its own branches.
-      auto p_and_ds = [&](const auto& hook, auto tile_masked) {
+      // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
+      // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
+      // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
+      // Tested per score instead, ptxas kept both tests in the loop: every score sat behind its own branches.
+      // (A lambda with template parameters would say it directly; NVRTC 12 refuses those in device code.)
+      auto p_and_ds = [&](bool hooked, bool tile_masked) {
 #pragma unroll
         for (int i = 0; i < SdP::kMTiles; ++i) {
           // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
@@ -259,7 +261,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float dscore;  // d score / d (scale q.k)
-                const float qk = hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
+                const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
+                                        : IdentityScoreHook{}(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
                 prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
                 if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
                 if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
@@ -279,11 +282,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         }
       };
       if (score_hook.active())
-        p_and_ds(score_hook, masked);
+        p_and_ds(true, masked);
       else if (masked)
-        p_and_ds(IdentityScoreHook{}, StaticBool<true>{});
+        p_and_ds(false, true);
       else
-        p_and_ds(IdentityScoreHook{}, StaticBool<false>{});
+        p_and_ds(false, false);
     }
     __syncthreads();  // P, dS complete
 

@@ -159,19 +159,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
       // branches and the key index per score) in every tile of plain attention.
-      auto for_each_score = [&](auto&& f) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int j = 0; j < Tr::kKeyTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              f(s.c[r / 2][j][2 * (r % 2) + e], row0 + lane_row(r), key0 + 8 * j + 2 * quad_col + e);
-      };
-      if (score_hook.active()) for_each_score([&](float& x, int row, int key) { x = score_hook(x, row, key); });
+      if (score_hook.active())
+        fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
+                              [&](float& x, int row, int key) { x = score_hook(x, row, key); });
       const MaskPolicy mask = MaskPolicy::of(p, info);
       if (mask.tile_needs_mask(row0, block_rows(), key0, BlockN))
-        for_each_score([&](float& x, int row, int key) {
+        fa2tc::for_each_score(s, row0 + warp_row0, key0, lane, [&](float& x, int row, int key) {
           if (!mask.visible(row, key)) x = neg_inf();
         });
 

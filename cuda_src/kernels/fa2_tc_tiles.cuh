@@ -278,6 +278,19 @@ __device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const 
   }
 }
 
+// f(score, row, key) on every score this lane holds of a warp's S accumulator whose first row is `row0` and first
+// key `key0` (the C layout: rows g and g + 8 of each strip, keys 2t and 2t + 1 of each n8 tile).
+template <int MTiles, int NTiles, class F>
+__device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc, int row0, int key0, int lane, F&& f) {
+#pragma unroll
+  for (int i = 0; i < MTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < NTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f(acc.c[i][j][e], row0 + 16 * i + lane / 4 + 8 * (e / 2), key0 + 8 * j + 2 * (lane % 4) + e % 2);
+}
+
 // Reductions over the 4 lanes of a quad (they hold one accumulator row between them), in a fixed order.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
