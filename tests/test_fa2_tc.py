@@ -283,16 +283,37 @@ def test_tile_tables():
         fa2_tc.dynamic_smem_bytes(fa2.ForwardTraits(64, 64, 64, 4).instance("float16"))
 
 
-def _branch_free_runs(sass: str) -> list[list[str]]:
+def _sass(traits, arch: str) -> list[tuple[int, str]]:
+    """(address, instruction) of the float16 instance of ``traits`` compiled for ``arch``, predicates included."""
+    sass = nvrtc.dump_sass(nvrtc.compile_instance(traits.instance("float16"), arch))
+    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    return [(int(address, 16), text) for address, text in re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?);", sass, re.M)]
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
+def _branch_free_runs(sass: list[tuple[int, str]]) -> list[list[str]]:
     """The opcodes of a function's SASS, cut at every branch and exit."""
     runs, run = [], []
-    for match in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.MULTILINE):
-        if match.group(1).startswith(("BRA", "EXIT")):
+    for _, instruction in sass:
+        if _opcode(instruction).startswith(("BRA", "EXIT")):
             runs.append(run)
             run = []
         else:
-            run.append(match.group(1))
+            run.append(_opcode(instruction))
     return runs + [run]
+
+
+def _loops(sass: list[tuple[int, str]]) -> list[list[str]]:
+    """The instructions of every loop of a function's SASS: from a backward branch's target to the branch."""
+    loops = []
+    for address, instruction in sass:
+        target = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", instruction)
+        if target and int(target.group(1), 16) < address:
+            loops.append([text for at, text in sass if int(target.group(1), 16) <= at <= address])
+    return loops
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -301,24 +322,9 @@ def test_backward_plain_tiles_make_p_and_ds_without_a_branch(arch):
     # for that case: every exponential of the lane's scores in one straight run. Tested per score, each of them
     # sat behind its own branches (no run held more than one).
     traits = fa2_tc.backward_traits(128, target(arch))
-    compiled = nvrtc.compile_instance(traits.instance("float16"), arch)
-    sass = nvrtc.dump_sass(compiled)
-    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
     scores_per_lane = traits.block_m * traits.block_n // traits.threads
-    most = max(run.count("MUFU.EX2") for run in _branch_free_runs(sass))
+    most = max(run.count("MUFU.EX2") for run in _branch_free_runs(_sass(traits, arch)))
     assert most >= scores_per_lane, f"{most} exponentials in the longest branch-free run, {scores_per_lane} scores"
-
-
-def _loops(sass: str) -> list[list[str]]:
-    """The instructions of every loop of a function's SASS: from a backward branch's target to the branch."""
-    lines = re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?);", sass, re.MULTILINE)
-    at = [(int(address, 16), text) for address, text in lines]
-    loops = []
-    for address, text in at:
-        target = re.search(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            loops.append([t for a, t in at if int(target.group(1), 16) <= a <= address])
-    return loops
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -326,9 +332,7 @@ def test_forward_kv_copies_step_their_rows(arch):
     # On contiguous, 16-byte aligned K and V, each thread's copies of a tile are one column of rows kRowStep apart
     # (fa2_tc_tiles.cuh's load_tile): a loop of about 20 instructions per 16-byte cp.async. The general loop
     # (paged caches, head dims whose rows the threads do not cover whole) spans about 77.
-    compiled = nvrtc.compile_instance(fa2_tc.forward_traits(128, target(arch)).instance("float16"), arch)
-    sass = nvrtc.dump_sass(compiled)
-    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    sass = _sass(fa2_tc.forward_traits(128, target(arch)), arch)
     copy_loops = [len(loop) for loop in _loops(sass) if sum("LDGSTS" in text for text in loop) == 1]
     assert copy_loops and min(copy_loops) <= 32, f"copy loops of {sorted(copy_loops)} instructions"
 

@@ -162,13 +162,9 @@ struct ScoreHook {
 };
 
 // What fa1 and standard attention call where fa2 calls ScoreHook: the identity (the Python plans refuse softcap and
-// ALiBi for them, so nothing else is packed). The fa2 kernels call it too, in the loop bodies they specialize for an inactive ScoreHook.
+// ALiBi for them, so nothing else is packed).
 struct IdentityScoreHook {
   __device__ __forceinline__ float operator()(float qk, int /*row*/, int /*key*/) const { return qk; }
-  __device__ __forceinline__ float operator()(float qk, int /*row*/, int /*key*/, float& slope_of_score) const {
-    slope_of_score = 1.f;
-    return qk;
-  }
 };
 
 }  // namespace cuflash

@@ -260,9 +260,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
               float prob[2], grad[2];
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                float dscore;  // d score / d (scale q.k)
+                float dscore = 1.f;  // d score / d (scale q.k)
                 const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
-                                        : IdentityScoreHook{}(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore);
+                                        : s.c[i][j][2 * half + e];
                 prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
                 if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
                 if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z

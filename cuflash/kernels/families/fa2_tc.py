@@ -90,9 +90,8 @@ FORWARD_CHOICES_99KB = {
 # here until the loads stepped their rows and the score hook left the per-score loop (this table then held
 # 128 x 32 at d64 and one strip per warp, 8 warps, at d96 and d128: 1.15, 1.74 and 1.52 times the shared-memory
 # wavefronts of a 256 x 256 launch on the simulator); now 214 to 254 registers, no spills, under NVRTC 13.5 and
-# 12.9 on every target. d192 keeps
-# 128 x 64 on 8 warps (FA2's 64 x 64 would read K and V twice as often), d256 64 x 64 with 4 warps. One table
-# for every target: all fit 99 KB.
+# 12.9 on every target. d192 keeps 128 x 64 on 8 warps (FA2's 64 x 64 would read K and V twice as often), d256
+# 64 x 64 with 4 warps. One table for every target: all fit 99 KB.
 FORWARD_CHOICES_DROPOUT = {
     32: (ForwardTraits(32, block_m=128, block_n=64, warps=4, dropout=True),),
     64: (ForwardTraits(64, block_m=128, block_n=64, warps=4, dropout=True),),
