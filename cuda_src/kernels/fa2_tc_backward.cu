@@ -151,8 +151,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int quad_row = lane / 4;
-  const int quad_col = lane % 4;
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
   const int key0 = n_block * BlockN;
@@ -247,16 +245,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             const Dropout dropout = Dropout::of(p, batch, info.head);
 #pragma unroll
             for (int j = 0; j < SdP::kNTiles; ++j)
-              keep_bits[j] = dropout.keep_bits(row0 + s_m0 + 16 * i + quad_row, key0 + s_n0 + 8 * j + 2 * quad_col);
+              keep_bits[j] =
+                  dropout.keep_bits(row0 + s_m0 + fa2tc::acc_row(lane, i, 0), key0 + s_n0 + fa2tc::acc_col(lane, j));
           }
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int r = s_m0 + 16 * i + quad_row + 8 * half;
+            const int r = s_m0 + fa2tc::acc_row(lane, i, half);
             const float lse = lse_rows[r];
             const float dot = dot_rows[r];
 #pragma unroll
             for (int j = 0; j < SdP::kNTiles; ++j) {
-              const int c = s_n0 + 8 * j + 2 * quad_col;
+              const int c = s_n0 + fa2tc::acc_col(lane, j);
               float prob[2], grad[2];
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
@@ -314,7 +313,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       for (int i = 0; i < Dq::kMTiles; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int r = Dq::m0(warp) + 16 * i + quad_row + 8 * half;
+          const int r = Dq::m0(warp) + fa2tc::acc_row(lane, i, half);
           if (r >= block_rows()) continue;
           // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: through the helper ptxas spilled 8 bytes
           // at d256 on sm_90.
@@ -324,7 +323,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
           for (int j = 0; j < kChunkTiles; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int col = n0 + 8 * j + 2 * quad_col + e;
+              const int col = n0 + fa2tc::acc_col(lane, j) + e;
               if (col >= d) continue;
               if (split_dq)
                 arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
@@ -344,10 +343,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   for (int i = 0; i < DkDv::kMTiles; ++i)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int key = DkDv::m0(warp) + 16 * i + quad_row + 8 * half;
+      const int key = DkDv::m0(warp) + fa2tc::acc_row(lane, i, half);
 #pragma unroll
       for (int j = 0; j < DkDv::kNTiles; ++j) {
-        const int col = DkDv::n0(warp) + 8 * j + 2 * quad_col;
+        const int col = DkDv::n0(warp) + fa2tc::acc_col(lane, j);
         const float* dk_pair = &acc_dk.c[i][j][2 * half];
         const float* dv_pair = &acc_dv.c[i][j][2 * half];
         *reinterpret_cast<unsigned*>(k_tile + KVTile::element_offset(key, col)) =

@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int quad_row = lane / 4;  // g
-  const int quad_col = lane % 4;  // t
+  const bool quad_leader = lane % 4 == 0;  // writes its quad's row statistics
   const int d = p.headdim;
 
   const int row0 = m_block * BlockM;
@@ -110,7 +109,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   // Block-relative row of this lane's accumulator row r (strip r / 2, half r % 2).
-  auto lane_row = [&](int r) { return warp_row0 + 16 * (r / 2) + quad_row + 8 * (r % 2); };
+  auto lane_row = [&](int r) { return warp_row0 + fa2tc::acc_row(lane, r / 2, r % 2); };
 
   fa2tc::Accumulator<MT, Tr::kDimTiles> acc_o;
   acc_o.zero();
@@ -218,7 +217,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
         for (int i = 0; i < MT; ++i)
 #pragma unroll
           for (int j = 0; j < Tr::kKeyTiles; ++j) {
-            const unsigned bits = dropout.keep_bits(row0 + lane_row(2 * i), key0 + 8 * j + 2 * quad_col);
+            const unsigned bits = dropout.keep_bits(row0 + lane_row(2 * i), key0 + fa2tc::acc_col(lane, j));
             unsigned* rows_g_and_g8 = &p_frag[i][j / 2][2 * (j % 2)];  // to_a_operand's layout
             rows_g_and_g8[0] &= Dropout::half_mask(bits);
             rows_g_and_g8[1] &= Dropout::half_mask(bits >> 2);
@@ -248,10 +247,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       for (int j = 0; j < Tr::kDimTiles; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int col = 8 * j + 2 * quad_col + e;
+          const int col = fa2tc::acc_col(lane, j) + e;
           if (col < d) arch::store(out_row + col, acc_o.c[r / 2][j][2 * (r % 2) + e] * inv_l);
         }
-      if (quad_col == 0) arch::store(lse_part + row, row_lse(r, l));
+      if (quad_leader) arch::store(lse_part + row, row_lse(r, l));
     }
     return;
   }
@@ -269,10 +268,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 #pragma unroll
     for (int j = 0; j < Tr::kDimTiles; ++j) {
       const float* o = &acc_o.c[r / 2][j][2 * (r % 2)];
-      *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, 8 * j + 2 * quad_col)) =
+      *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa2tc::acc_col(lane, j))) =
           arch::pack_float2<T>(o[0] * inv_l, o[1] * inv_l);
     }
-    if (quad_col == 0 && row0 + row < info.seqlen_q(p))
+    if (quad_leader && row0 + row < info.seqlen_q(p))
       arch::store(lse + row0 + row, row_lse(r, l));
   }
   __syncwarp();

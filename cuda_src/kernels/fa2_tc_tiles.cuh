@@ -187,6 +187,12 @@ __device__ __forceinline__ typename Tile::LaneOffset b_kn_lane(int lane) {
 }
 
 // Accumulator of an (MTiles x 16) x (NTiles x 8) warp product, C layout per 16 x 8 tile.
+// Where a lane's c[i][j][2 half + e] sits in the warp's product (mma's C layout, lane = 4 g + t): row
+// acc_row(lane, i, half) = 16 i + g + 8 half, column acc_col(lane, j) + e = 8 j + 2 t + e. Every index a kernel
+// derives from an accumulator (mask, score hook, dropout, epilogues) goes through these two.
+__device__ __forceinline__ int acc_row(int lane, int i, int half) { return 16 * i + lane / 4 + 8 * half; }
+__device__ __forceinline__ int acc_col(int lane, int j) { return 8 * j + 2 * (lane % 4); }
+
 template <int MTiles, int NTiles>
 struct Accumulator {
   float c[MTiles][NTiles][4];
@@ -279,7 +285,7 @@ __device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const 
 }
 
 // f(score, row, key) on every score this lane holds of a warp's S accumulator whose first row is `row0` and first
-// key `key0` (the C layout: rows g and g + 8 of each strip, keys 2t and 2t + 1 of each n8 tile).
+// key `key0`.
 template <int MTiles, int NTiles, class F>
 __device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc, int row0, int key0, int lane, F&& f) {
 #pragma unroll
@@ -288,7 +294,7 @@ __device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc,
     for (int j = 0; j < NTiles; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        f(acc.c[i][j][e], row0 + 16 * i + lane / 4 + 8 * (e / 2), key0 + 8 * j + 2 * (lane % 4) + e % 2);
+        f(acc.c[i][j][e], row0 + acc_row(lane, i, e / 2), key0 + acc_col(lane, j) + e % 2);
 }
 
 // Reductions over the 4 lanes of a quad (they hold one accumulator row between them), in a fixed order.
