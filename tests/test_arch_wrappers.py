@@ -1,8 +1,8 @@
 """The arch layer's tensor-core, async-copy and packing wrappers (cuda_src/arch/arch.cuh).
 
 * Compiled by NVRTC for sm_80 and sm_90, each wrapper's test kernel shows its instruction in SASS:
-  HMMA.16816 (f16 and bf16), LDSM (plain and transposed), LDGSTS (4/8-byte .ca and 16-byte .cg) with the
-  commit/wait barriers, F2FP (f16x2 and bf16x2 packing).
+  HMMA.16816 (f16 and bf16), LDSM (plain and transposed), LDGSTS (4/8-byte .ca, 16-byte .cg zero-filling
+  and whole) with the commit/wait barriers, F2FP (f16x2 and bf16x2 packing).
 * The kernels are tests/sim/kernels/tensor_ops.cu's, which tests/sim/test_sim_tensor.py launches on the
   simulator (every wrapper, through cuflash::arch only).
 """
@@ -28,7 +28,8 @@ SASS_CASES = [
     ("ldmatrix_kernel<2, true>", [r"\bLDSM\.16\.MT88\.2\b"]),
     ("ldmatrix_kernel<1, false>", [r"\bLDSM\.16\.M88\b"]),
     ("cp_async_kernel", [r"\bLDGSTS\.E\.64\b", r"\bLDGDEPBAR\b", r"\bDEPBAR\b"]),
-    ("cp_async_bytes_kernel<16>", [r"\bLDGSTS\.E\.BYPASS\.(LTC128B\.)?128\b", r"\bLDGDEPBAR\b"]),
+    ("cp_async_bytes_kernel<16>", [r"\bLDGSTS\.E\.BYPASS\.(LTC128B\.)?128\.ZFILL\b", r"\bLDGDEPBAR\b"]),
+    ("cp_async_bytes_kernel<16, true>", [r"\bLDGSTS\.E\.BYPASS\.(LTC128B\.)?128 ", r"\bLDGDEPBAR\b"]),
     ("cp_async_bytes_kernel<4>", [r"\bLDGSTS\.E\b(?!\.(64|128|BYPASS))"]),
     ("pack_kernel<__half>", [r"\bF2FP\.(F16\.F32\.)?PACK_AB\b"]),
     ("pack_kernel<__nv_bfloat16>", [r"\bF2FP\.BF16\.(F32\.)?PACK_AB\b"]),

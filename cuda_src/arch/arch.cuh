@@ -13,7 +13,8 @@
 //   - global memory:     load / store / atomic_add (red.global.add.f32)
 //   - tensor cores:      mma_m16n8k16<T>    (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16})
 //   - shared -> regs:    ldmatrix<n, trans> (ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16)
-//   - async copies:      cp_async<bytes>, cp_async_commit, cp_async_wait<n> (cp.async.{ca,cg}, groups)
+//   - async copies:      cp_async<bytes>    (zero-filling or whole), cp_async_commit, cp_async_wait<n>
+//                                           (cp.async.{ca,cg}, groups)
 //   - 16-bit packing:    pack_float2<T>     (cvt.rn.{f16x2,bf16x2}.f32), smem_address (cvta to shared)
 #pragma once
 
@@ -170,6 +171,17 @@ __device__ __forceinline__ void cp_async(void* smem_dst, const void* global_src,
                  "r"(src_bytes)
                  : "memory");
 }
+// The same for a copy known to be whole (kBytes read, nothing zero-filled): the form without src-size. With one,
+// ptxas spends about five more instructions per copy encoding the fill (the tc kernels' copy loops).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem_dst, const void* global_src) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const unsigned dst = smem_address(smem_dst);
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(global_src), "n"(kBytes) : "memory");
+}
 // Closes the group of this thread's cp.async issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight.
@@ -215,6 +227,11 @@ template <int kBytes>
 __forceinline__ void cp_async(void* smem_dst, const void* global_src, int src_bytes, CUFLASH_SIM_SITE_PARAMS) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
   sim::cp_async(smem_dst, global_src, kBytes, static_cast<unsigned>(src_bytes), site_);
+}
+template <int kBytes>
+__forceinline__ void cp_async(void* smem_dst, const void* global_src, CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  sim::cp_async(smem_dst, global_src, kBytes, kBytes, site_);
 }
 __forceinline__ void cp_async_commit() { sim::cp_async_commit(); }
 template <int kPending>

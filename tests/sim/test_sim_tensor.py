@@ -13,7 +13,8 @@ from simkit import ARGS_DTYPE, KERNELS
 SOURCE = KERNELS / "tensor_ops.cu"
 NAMES = ["mma_kernel<__half>", "mma_kernel<__nv_bfloat16>", "ldmatrix_bad_kernel", "cp_async_kernel",
          "cp_async_bad_kernel", "ldmatrix_mma_kernel<__half>", "ldmatrix_mma_kernel<__nv_bfloat16>",
-         "cp_async_bytes_kernel<16>", "pack_kernel<__half>", "pack_kernel<__nv_bfloat16>", "smem_address_kernel"] + [
+         "cp_async_bytes_kernel<16>", "cp_async_bytes_kernel<16, true>", "pack_kernel<__half>",
+         "pack_kernel<__nv_bfloat16>", "smem_address_kernel"] + [
     f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
 
 
@@ -166,6 +167,16 @@ def test_cp_async_16_bytes_copies_and_zero_fills(src_bytes):
     expected[:, src_bytes // 4:] = 0
     np.testing.assert_array_equal(out.reshape(n, 4), expected)
     assert rec.global_bytes_read == n * src_bytes
+
+
+def test_cp_async_whole_form_copies_all_16_bytes():
+    # The form without src-size, arch::cp_async<16>(dst, src), reads all 16 bytes and fills nothing.
+    n = 32
+    src = np.arange(1, 4 * n + 1, dtype=np.uint32)
+    out = np.full(4 * n, 0xDEAD, dtype=np.uint32)
+    rec = launch("cp_async_bytes_kernel<16, true>", n, smem=16 * n, in0=src, out0=out, n=0)
+    np.testing.assert_array_equal(out, src)
+    assert rec.global_bytes_read == n * 16
 
 
 @pytest.mark.parametrize("T, npdtype", [("__half", np.float16), ("__nv_bfloat16", ml_dtypes.bfloat16)])

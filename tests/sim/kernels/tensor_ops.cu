@@ -118,12 +118,17 @@ __global__ void cp_async_bad_kernel(const Args a) {
 }
 
 // Thread t copies kBytes of in0 (from byte kBytes * t) to shared memory with a.n source bytes
-// (the rest zero-filled), waits, and writes the shared bytes back to out0 as 32-bit words.
-template <int kBytes>
+// (the rest zero-filled; kWhole: the form without src-size, all kBytes), waits, and writes the shared bytes
+// back to out0 as 32-bit words.
+template <int kBytes, bool kWhole = false>
 __global__ void cp_async_bytes_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   const int t = threadIdx.x;
-  cuflash::arch::cp_async<kBytes>(smem + kBytes * t, static_cast<const unsigned char*>(a.in0) + kBytes * t, a.n);
+  const unsigned char* src = static_cast<const unsigned char*>(a.in0) + kBytes * t;
+  if constexpr (kWhole)
+    cuflash::arch::cp_async<kBytes>(smem + kBytes * t, src);
+  else
+    cuflash::arch::cp_async<kBytes>(smem + kBytes * t, src, a.n);
   cuflash::arch::cp_async_commit();
   cuflash::arch::cp_async_wait<0>();
   __syncthreads();
