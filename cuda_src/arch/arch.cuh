@@ -230,8 +230,7 @@ __forceinline__ void cp_async(void* smem_dst, const void* global_src, int src_by
 }
 template <int kBytes>
 __forceinline__ void cp_async(void* smem_dst, const void* global_src, CUFLASH_SIM_SITE_PARAMS) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  sim::cp_async(smem_dst, global_src, kBytes, kBytes, site_);
+  cp_async<kBytes>(smem_dst, global_src, kBytes, site_);  // the whole form is a src-size of kBytes
 }
 __forceinline__ void cp_async_commit() { sim::cp_async_commit(); }
 template <int kPending>

@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
   // while it runs: a caller at the register limit passes kStepRows = false.
   constexpr int kRowStep = kThreads / Tile::kChunksPerRow;
   constexpr bool kWholeRows = kStepRows && kThreads % Tile::kChunksPerRow == 0 && kRowStep % 8 == 0;
-  // Neither loop is unrolled: they run while the kernels' accumulators are live, and unrolled, ptxas hoists
+  // No copy loop is unrolled: they run while the kernels' accumulators are live, and unrolled, ptxas hoists
   // every copy's 64-bit source offset out of the main loops and spills for them.
   if (vector && kWholeRows && rows.pages == nullptr) {
     const int chunk = thread % Tile::kChunksPerRow;
