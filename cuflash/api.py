@@ -22,114 +22,11 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _validation as V
+from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy, place
 from .backends.program import run_program
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
 from .kernels.program import gqa_decode_fold
-
-_DL_CPU = 1
-_DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
-
-
-class _Placement:
-    """Which backend runs the call, and how to hand results back in the caller's array type."""
-
-    def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
-        kinds = []
-        for name, array in zip(names, arrays):
-            kinds.append((name, _array_kind(name, array)))
-        native = {kind for _, kind in kinds if kind in ("numpy", "cupy")}
-        if len(native) > 1:
-            first = {kind: name for name, kind in reversed(kinds)}
-            raise TypeError(
-                f"{first['numpy']} is a NumPy array but {first['cupy']} is a CuPy array: "
-                "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
-            )
-        self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
-        self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
-        on_gpu = {_is_cupy(a) for a in self.arrays}
-        if len(on_gpu) > 1:
-            raise TypeError("all arrays must be on the same device: some are on the CPU and some on a CUDA GPU")
-        self.on_gpu = on_gpu.pop()
-        if self.on_gpu:
-            devices = {name: a.device.id for name, a in zip(names, self.arrays)}
-            if len(set(devices.values())) > 1:
-                raise ValueError(f"all arrays must be on the same GPU, got devices {devices}")
-            self.device_id = next(iter(devices.values()))
-
-    @staticmethod
-    def _import(name: str, array: Any, kind: str) -> Any:
-        if kind != "dlpack":
-            return array
-        device_type, _ = array.__dlpack_device__()
-        if device_type == _DL_CPU:
-            return np.from_dlpack(array)
-        if device_type in _DL_CUDA:
-            import cupy
-
-            return cupy.from_dlpack(array)
-        raise TypeError(f"{name} is on a DLPack device of type {device_type}; only CPU and CUDA are supported")
-
-    def backend(self):
-        if self.on_gpu:
-            from .backends.cupy_gpu import CupyBackend
-
-            return CupyBackend(self.device_id)
-        from .backends.simulator import SimulatorBackend
-
-        return SimulatorBackend()
-
-    def export(self, result: Any) -> Any:
-        """Hand a result back in the array type the caller passed (zero-copy through DLPack)."""
-        if self.foreign_type is None:
-            return result
-        module = self.foreign_type.__module__.split(".")[0]
-        if module == "torch":
-            import torch
-
-            return torch.from_dlpack(result)
-        if module in ("jax", "jaxlib"):
-            import jax.numpy as jnp
-
-            return jnp.from_dlpack(result)
-        return result
-
-
-def _array_kind(name: str, array: Any) -> str:
-    if isinstance(array, np.ndarray):
-        return "numpy"
-    if _is_cupy(array):
-        return "cupy"
-    if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
-        return "dlpack"
-    raise TypeError(f"{name} must be a NumPy or CuPy array or support DLPack, got {type(array).__name__}")
-
-
-def _is_cupy(array: Any) -> bool:
-    return type(array).__module__.split(".")[0] == "cupy"
-
-
-def _ascontiguous(array: Any) -> Any:
-    if isinstance(array, np.ndarray):
-        return np.ascontiguousarray(array)
-    import cupy
-
-    return cupy.ascontiguousarray(array)
-
-
-def _contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(_ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
-
-
-def _place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -> tuple[_Placement, Any]:
-    """The placement of the arrays and of alibi_slopes when given, and the placed slopes made C-contiguous
-    (kernels index them densely) or None."""
-    if alibi_slopes is None:
-        return _Placement(names, arrays), None
-    placement = _Placement(names + ("alibi_slopes",), arrays + (alibi_slopes,))
-    slopes = placement.arrays[-1]
-    return placement, slopes if slopes.flags.c_contiguous else _ascontiguous(slopes)
-
 
 def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
                  cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
@@ -150,12 +47,7 @@ def _int32_words(host: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(host, dtype=np.int32).view(np.float32)
 
 
-def _host_copy(array: Any) -> np.ndarray:
-    """A NumPy copy of a placed array (CuPy: copied from the device, which waits for it)."""
-    return np.array(array.get() if _is_cupy(array) else array)
-
-
-def _forward(placement: _Placement, problem: plans.Problem, q: Any, k: Any, v: Any, *, softmax_scale: Any,
+def _forward(placement: Placement, problem: plans.Problem, q: Any, k: Any, v: Any, *, softmax_scale: Any,
              alibi_slopes: Any, dropout_seed: Any, algorithm: str, return_lse: Any,
              cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """The forward every entry point runs once its arrays are placed and its Problem checked."""
@@ -163,13 +55,13 @@ def _forward(placement: _Placement, problem: plans.Problem, q: Any, k: Any, v: A
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
-    q, k, v = _contiguous_last_dim((q, k, v))
+    q, k, v = contiguous_last_dim((q, k, v))
     out, lse = _run_forward(placement, problem, algorithm, scale, q, k, v,
                             lambda backend: _side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens))
     return (out, lse) if return_lse else out
 
 
-def _run_forward(placement: _Placement, problem: plans.Problem, algorithm: str, scale: float, q: Any, k: Any, v: Any,
+def _run_forward(placement: Placement, problem: plans.Problem, algorithm: str, scale: float, q: Any, k: Any, v: Any,
                  side_inputs: Callable[[Any], dict[str, Any]]) -> tuple[Any, Any]:
     """Allocate out and lse and run the forward program on checked arguments (``side_inputs(backend)`` gives the
     optional inputs on the backend's device); the results in the caller's array type. A one-row GQA decode runs
@@ -207,7 +99,7 @@ def _group_rows(x: Any, group: int) -> Any:
     return cupy.lib.stride_tricks.as_strided(x, shape, strides)
 
 
-def _backward(placement: _Placement, problem: plans.Problem, dout: Any, q: Any, k: Any, v: Any, out: Any,
+def _backward(placement: Placement, problem: plans.Problem, dout: Any, q: Any, k: Any, v: Any, out: Any,
               lse: Any, *, softmax_scale: Any, alibi_slopes: Any, dropout_seed: Any, algorithm: str,
               cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, Any, Any]:
     """The backward every entry point runs once its arrays are placed and its Problem checked."""
@@ -217,9 +109,9 @@ def _backward(placement: _Placement, problem: plans.Problem, dout: Any, q: Any, 
     V.check_lse(lse, problem)
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)
     catalog.check_options(algorithm, problem)
-    dout, q, k, v, out = _contiguous_last_dim((dout, q, k, v, out))
+    dout, q, k, v, out = contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
-        lse = _ascontiguous(lse)
+        lse = ascontiguous(lse)
 
     backend = placement.backend()
     with backend.device():
@@ -277,7 +169,7 @@ def attention(
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
-    placement, alibi_slopes = _place(("q", "k", "v"), (q, k, v), alibi_slopes)
+    placement, alibi_slopes = place(("q", "k", "v"), (q, k, v), alibi_slopes)
     q, k, v = placement.arrays[:3]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p)
@@ -303,7 +195,7 @@ def attention_backward(
     algorithm: str = "fa2",
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
-    placement, alibi_slopes = _place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
+    placement, alibi_slopes = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
@@ -330,10 +222,10 @@ def attention_varlen(
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
-    placement, alibi_slopes = _place(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+    placement, alibi_slopes = place(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                                      (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
     q, k, v = placement.arrays[:3]
-    cu_seqlens = (_host_copy(placement.arrays[3]), _host_copy(placement.arrays[4]))
+    cu_seqlens = (host_copy(placement.arrays[3]), host_copy(placement.arrays[4]))
     problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                  causal=causal, window_size=window_size, softcap=softcap,
                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p)
@@ -364,9 +256,9 @@ def attention_varlen_backward(
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
     names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
-    placement, alibi_slopes = _place(names, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
+    placement, alibi_slopes = place(names, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
-    cu_seqlens = (_host_copy(placement.arrays[6]), _host_copy(placement.arrays[7]))
+    cu_seqlens = (host_copy(placement.arrays[6]), host_copy(placement.arrays[7]))
     problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                  causal=causal, window_size=window_size, softcap=softcap,
                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
@@ -397,12 +289,12 @@ def attention_with_kvcache(
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         optional["cache_seqlens"] = cache_seqlens
     names = ("q", "k_cache", "v_cache", *optional)
-    placement, alibi_slopes = _place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes)
+    placement, alibi_slopes = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes)
     placed = dict(zip(names, placement.arrays))
     q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
     k, v = placed.get("k"), placed.get("v")
-    table = _host_copy(placed["block_table"]) if "block_table" in placed else None
-    lengths = _host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
+    table = host_copy(placed["block_table"]) if "block_table" in placed else None
+    lengths = host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
     problem, used = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
@@ -415,7 +307,7 @@ def attention_with_kvcache(
     catalog.check_options(algorithm, problem)
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
-    (q,) = _contiguous_last_dim((q,))
+    (q,) = contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
         inputs = {"seqused_k": backend.upload(_int32_words(used))}

@@ -1,0 +1,118 @@
+"""Where a call's arrays live and how results go back: NumPy (the simulator), CuPy (its GPU), or another library's
+arrays through DLPack, imported without a copy and handed back in the caller's type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _validation as V
+
+_DL_CPU = 1
+_DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+class Placement:
+    """Which backend runs the call, and how to hand results back in the caller's array type."""
+
+    def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
+        kinds = []
+        for name, array in zip(names, arrays):
+            kinds.append((name, _array_kind(name, array)))
+        native = {kind for _, kind in kinds if kind in ("numpy", "cupy")}
+        if len(native) > 1:
+            first = {kind: name for name, kind in reversed(kinds)}
+            raise TypeError(
+                f"{first['numpy']} is a NumPy array but {first['cupy']} is a CuPy array: "
+                "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
+            )
+        self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
+        self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
+        on_gpu = {_is_cupy(a) for a in self.arrays}
+        if len(on_gpu) > 1:
+            raise TypeError("all arrays must be on the same device: some are on the CPU and some on a CUDA GPU")
+        self.on_gpu = on_gpu.pop()
+        if self.on_gpu:
+            devices = {name: a.device.id for name, a in zip(names, self.arrays)}
+            if len(set(devices.values())) > 1:
+                raise ValueError(f"all arrays must be on the same GPU, got devices {devices}")
+            self.device_id = next(iter(devices.values()))
+
+    @staticmethod
+    def _import(name: str, array: Any, kind: str) -> Any:
+        if kind != "dlpack":
+            return array
+        device_type, _ = array.__dlpack_device__()
+        if device_type == _DL_CPU:
+            return np.from_dlpack(array)
+        if device_type in _DL_CUDA:
+            import cupy
+
+            return cupy.from_dlpack(array)
+        raise TypeError(f"{name} is on a DLPack device of type {device_type}; only CPU and CUDA are supported")
+
+    def backend(self):
+        if self.on_gpu:
+            from .backends.cupy_gpu import CupyBackend
+
+            return CupyBackend(self.device_id)
+        from .backends.simulator import SimulatorBackend
+
+        return SimulatorBackend()
+
+    def export(self, result: Any) -> Any:
+        """Hand a result back in the array type the caller passed (zero-copy through DLPack)."""
+        if self.foreign_type is None:
+            return result
+        module = self.foreign_type.__module__.split(".")[0]
+        if module == "torch":
+            import torch
+
+            return torch.from_dlpack(result)
+        if module in ("jax", "jaxlib"):
+            import jax.numpy as jnp
+
+            return jnp.from_dlpack(result)
+        return result
+
+
+def _array_kind(name: str, array: Any) -> str:
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    if _is_cupy(array):
+        return "cupy"
+    if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
+        return "dlpack"
+    raise TypeError(f"{name} must be a NumPy or CuPy array or support DLPack, got {type(array).__name__}")
+
+
+def _is_cupy(array: Any) -> bool:
+    return type(array).__module__.split(".")[0] == "cupy"
+
+
+def ascontiguous(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        return np.ascontiguousarray(array)
+    import cupy
+
+    return cupy.ascontiguousarray(array)
+
+
+def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
+
+
+def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -> tuple[Placement, Any]:
+    """The placement of the arrays and of alibi_slopes when given, and the placed slopes made C-contiguous
+    (kernels index them densely) or None."""
+    if alibi_slopes is None:
+        return Placement(names, arrays), None
+    placement = Placement(names + ("alibi_slopes",), arrays + (alibi_slopes,))
+    slopes = placement.arrays[-1]
+    return placement, slopes if slopes.flags.c_contiguous else ascontiguous(slopes)
+
+
+def host_copy(array: Any) -> np.ndarray:
+    """A NumPy copy of a placed array (CuPy: copied from the device, which waits for it)."""
+    return np.array(array.get() if _is_cupy(array) else array)
