@@ -1,8 +1,19 @@
 """Where a call's arrays live and how results go back: NumPy (the simulator), CuPy (its GPU), or another library's
-arrays through DLPack, imported without a copy and handed back in the caller's type."""
+arrays through DLPack, imported without a copy and handed back in the caller's type.
+
+DLPack rules kept here (the GPU-only halves live in backends/cupy_gpu.py):
+- a CUDA array is imported with the stream cuflash will launch on (``__dlpack__(stream=...)``), so the producer
+  orders its pending writes before that stream's work;
+- the imported views are held until the work queued on that stream when the call returns has finished
+  (``Placement.results``), so a producer freeing its array right after the call cannot recycle memory the
+  kernels still read;
+- whether an array arrived read-only (DLPack's READ_ONLY flag, NumPy's writeable flag) is recorded, so arrays a
+  call would write in place (KV caches) are refused by name before anything is written.
+"""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -28,7 +39,11 @@ class Placement:
                 "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
             )
         self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
-        self.arrays = tuple(self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays))
+        self.read_only: dict[str, bool] = {}
+        imported = [self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays)]
+        self.arrays = tuple(imported)
+        # Views of another library's CUDA memory: held until the kernels reading them are done (results()).
+        self._foreign_cuda = tuple(a for (_, kind), a in zip(kinds, imported) if kind == "dlpack" and _is_cupy(a))
         on_gpu = {_is_cupy(a) for a in self.arrays}
         if len(on_gpu) > 1:
             raise TypeError("all arrays must be on the same device: some are on the CPU and some on a CUDA GPU")
@@ -39,18 +54,31 @@ class Placement:
                 raise ValueError(f"all arrays must be on the same GPU, got devices {devices}")
             self.device_id = next(iter(devices.values()))
 
-    @staticmethod
-    def _import(name: str, array: Any, kind: str) -> Any:
+    def _import(self, name: str, array: Any, kind: str) -> Any:
+        if kind == "numpy":
+            self.read_only[name] = not array.flags.writeable
+            return array
         if kind != "dlpack":
             return array
-        device_type, _ = array.__dlpack_device__()
+        device_type, device_id = array.__dlpack_device__()
         if device_type == _DL_CPU:
-            return np.from_dlpack(array)
+            imported = np.from_dlpack(array)  # NumPy honours the READ_ONLY flag: such an import is not writeable
+            self.read_only[name] = not imported.flags.writeable
+            return imported
         if device_type in _DL_CUDA:
-            import cupy
+            from .backends import cupy_gpu
 
-            return cupy.from_dlpack(array)
+            imported, self.read_only[name] = cupy_gpu.import_dlpack(array, device_id)
+            return imported
         raise TypeError(f"{name} is on a DLPack device of type {device_type}; only CPU and CUDA are supported")
+
+    def check_writable(self, names: tuple[str, ...], written_by: str, instead: str) -> None:
+        """Refuse, naming the argument, an array that arrived read-only among ``names`` (what ``written_by``
+        writes in place); ``instead`` says what to call instead. Called before anything is written."""
+        for name in names:
+            if self.read_only.get(name, False):
+                raise ValueError(f"{name} is read-only ({written_by} writes it in place); pass a writable array, "
+                                 f"or {instead}")
 
     def backend(self):
         if self.on_gpu:
@@ -60,6 +88,15 @@ class Placement:
         from .backends.simulator import SimulatorBackend
 
         return SimulatorBackend()
+
+    def results(self, *results: Any) -> tuple[Any, ...]:
+        """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA
+        inputs are held until the work queued so far on the launch stream is done."""
+        if self._foreign_cuda:
+            from .backends import cupy_gpu
+
+            cupy_gpu.hold_until_done(self.device_id, self._foreign_cuda)
+        return tuple(self.export(r) for r in results)
 
     def export(self, result: Any) -> Any:
         """Hand a result back in the array type the caller passed (zero-copy through DLPack)."""
@@ -75,6 +112,25 @@ class Placement:
 
             return jnp.from_dlpack(result)
         return result
+
+
+# DLPack 1.x: DLManagedTensorVersioned = {DLPackVersion (2 x uint32), manager_ctx, deleter, uint64 flags, ...}.
+_VERSIONED_CAPSULE = b"dltensor_versioned"
+_FLAGS_OFFSET = 8 + 2 * ctypes.sizeof(ctypes.c_void_p)
+_FLAG_READ_ONLY = 1 << 0
+
+
+def dlpack_capsule_read_only(capsule: Any) -> bool:
+    """Whether a DLPack capsule carries the READ_ONLY flag (only versioned capsules, DLPack >= 1.0, have flags;
+    an unversioned one says nothing and counts as writable, as DLPack 0.x had no way to say otherwise)."""
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    if get_name(capsule) != _VERSIONED_CAPSULE:
+        return False
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = get_pointer(capsule, _VERSIONED_CAPSULE)
+    return bool(ctypes.c_uint64.from_address(managed + _FLAGS_OFFSET).value & _FLAG_READ_ONLY)
 
 
 def _array_kind(name: str, array: Any) -> str:

@@ -83,7 +83,7 @@ def _run_forward(placement: Placement, problem: plans.Problem, algorithm: str, s
                 problem = folded
             program = plans.forward_program(algorithm, problem, backend.target)
             run_program(backend, program, problem, scale, {**arrays, **side_inputs(backend)})
-    return placement.export(out), placement.export(lse)
+    return placement.results(out, lse)
 
 
 def _group_rows(x: Any, group: int) -> Any:
@@ -131,7 +131,7 @@ def _backward(placement: Placement, problem: plans.Problem, dout: Any, q: Any, k
             # Varlen with no query row at all (total_q = 0): no key is seen.
             dk[...] = 0
             dv[...] = 0
-    return placement.export(dq), placement.export(dk), placement.export(dv)
+    return placement.results(dq, dk, dv)
 
 
 _OPTIONS_DOC = """
@@ -291,6 +291,10 @@ def attention_with_kvcache(
     names = ("q", "k_cache", "v_cache", *optional)
     placement, alibi_slopes = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes)
     placed = dict(zip(names, placement.arrays))
+    # The caches are written in place: refuse read-only ones (a JAX array, a NumPy array with writeable=False)
+    # before anything is read or written, on every backend alike.
+    placement.check_writable(("k_cache", "v_cache"), "attention_with_kvcache",
+                             "for JAX arrays cuflash.jax.attention_with_kvcache, which returns the updated caches")
     q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
     k, v = placed.get("k"), placed.get("v")
     table = host_copy(placed["block_table"]) if "block_table" in placed else None

@@ -20,14 +20,11 @@ import numpy as np
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
+from cuflash._dtypes import element_dtype
 
 
 def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return element_dtype(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 
+from ._dtypes import BF16_PACKAGE_HINT
 from .mask import Mask
 
 try:  # ml_dtypes registers "bfloat16" with NumPy; it is needed only for bfloat16 emulation.
@@ -56,7 +57,7 @@ __all__ = ["attention_reference", "attention_backward_reference", "resolve_dtype
 def resolve_dtype(dtype) -> np.dtype:
     """Normalise a dtype spec (np.float16, "bfloat16", ml_dtypes.bfloat16, ...) to one the reference supports."""
     if isinstance(dtype, str) and dtype == "bfloat16" and _ml_dtypes is None:
-        raise ValueError("bfloat16 emulation needs the ml_dtypes package")
+        raise ValueError(f"bfloat16 emulation: {BF16_PACKAGE_HINT}")
     resolved = np.dtype(dtype)
     supported = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)]
     if _ml_dtypes is not None:

@@ -6,6 +6,8 @@ import functools
 
 import numpy as np
 
+from ._dtypes import element_dtype
+
 from .mask import Mask
 
 
@@ -21,12 +23,8 @@ def gpu_count() -> int:
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """NumPy dtype by name; bfloat16 comes from ml_dtypes."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    """NumPy dtype by name; bfloat16 comes from ml_dtypes (an ImportError naming it when missing)."""
+    return element_dtype(name)
 
 
 def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype="float32"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -64,7 +64,95 @@ class CupyBackend:
         if threads > kernel.max_threads_per_block:  # the simulator refuses the same launch
             raise RuntimeError(f"launch plan gives {plan.kernel.name_expr} a block of {threads} threads, more than "
                                f"its __launch_bounds__ maximum of {kernel.max_threads_per_block}")
-        kernel(plan.grid, plan.block, (params,), shared_mem=plan.dynamic_smem_bytes)
+        kernel(plan.grid, plan.block, (by_value(params),), shared_mem=plan.dynamic_smem_bytes)
+
+
+def by_value(params: np.void) -> np.ndarray:
+    """AttentionParams as the one kernel argument CuPy passes by value, its itemsize bytes (488) whole: a 0-d
+    structured NumPy array. Every CuPy >= 9 takes a one-element NumPy array by value (CNumpyArray). A numpy.void
+    would go through CuPy's scalar path instead, which CuPy 14.0.x caps below 64 bytes (an AssertionError at every
+    launch, and a buffer overrun under python -O); the scalar path takes large structs only from 14.1."""
+    return np.array(params, dtype=params.dtype)
+
+
+def launch_stream_argument(device_id: int) -> int:
+    """The stream cuflash launches on for ``device_id`` (CuPy's current stream there, which RawKernel calls use),
+    as DLPack's ``__dlpack__(stream=...)`` spells it: the handle, or 1 for the legacy default stream (handle 0)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        handle = int(cupy.cuda.get_current_stream().ptr)
+    return handle if handle else 1
+
+
+class OnStream:
+    """An array that another library exports through DLPack, exported for a given consumer stream whatever stream
+    the importer names: cuflash says which stream will read it (the producer then orders its pending writes
+    before that stream's work), and remembers whether the capsule said read-only (CuPy ignores the flag)."""
+
+    def __init__(self, array: Any, stream: int):
+        self._array = array
+        self._stream = stream
+        self.read_only = False
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+    def __dlpack__(self, *, stream: Any = None, **options: Any):
+        from .._placement import dlpack_capsule_read_only
+
+        capsule = self._array.__dlpack__(stream=self._stream, **options)
+        self.read_only = dlpack_capsule_read_only(capsule)
+        return capsule
+
+
+def import_dlpack(array: Any, device_id: int) -> tuple[Any, bool]:
+    """A CuPy view of another library's CUDA array (no copy), exported for cuflash's launch stream, and whether the
+    producer marked it read-only."""
+    import cupy
+
+    from .._dtypes import BF16_PACKAGE_HINT, bfloat16_available
+
+    exported = OnStream(array, launch_stream_argument(device_id))
+    with cupy.cuda.Device(device_id):
+        try:
+            return cupy.from_dlpack(exported), exported.read_only
+        except Exception as error:
+            if "bfloat16" in str(getattr(array, "dtype", "")) and not bfloat16_available():
+                raise ImportError(BF16_PACKAGE_HINT) from error
+            raise
+
+
+class InFlight:
+    """Objects held until the work queued before an event is done: views of another library's memory that
+    kernels read, so the producer cannot free and recycle it under them. Completed entries are dropped whenever a
+    new one is added (events are polled, never waited for)."""
+
+    def __init__(self):
+        self._entries: list[tuple[Any, tuple]] = []
+        self._lock = threading.Lock()
+
+    def hold(self, event: Any, objects: tuple) -> None:
+        with self._lock:
+            self._entries = [(e, o) for e, o in self._entries if not e.done]
+            self._entries.append((event, objects))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+_in_flight = InFlight()
+
+
+def hold_until_done(device_id: int, objects: tuple) -> None:
+    """Hold ``objects`` until everything queued so far on the launch stream of ``device_id`` is done."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(cupy.cuda.get_current_stream())
+    _in_flight.hold(event, objects)
 
 
 @functools.lru_cache(maxsize=None)
