@@ -1,0 +1,228 @@
+"""``host``: what cuflash's Python costs per call, with the kernels taken away.
+
+A decode step's kernel takes 10-30 us on an H100, so for a CuPy user who decodes, the host path (placement,
+validation, planning, allocation, packing AttentionParams) can set the speed. This benchmark measures that path on
+the CPU: NumPy arrays on the simulator backend, whose launch is swapped for a function that does nothing, so
+allocation, validation, planning and packing all still run and only the kernels are missing.
+
+Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
+(batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
+int32 cache_seqlens and one new k/v row appended), and the first three at a training shape (batch 4, seqlen 2048,
+32/8 heads, head dim 128, float16, causal). Per row: the first call of its signature (cold: nothing of that call
+cached yet) and the median of warm calls after a warm-up, in microseconds, and the Python function calls a warm
+call makes (counted with sys.setprofile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+BACKEND_LABEL = "simulator, launches no-op"
+
+DECODE = dict(batch=1, nheads=32, nheads_k=8, headdim=128, cached_keys=4096)
+TRAINING = dict(batch=4, seqlen=2048, nheads=32, nheads_k=8, headdim=128)
+
+
+@dataclass
+class Case:
+    call: str
+    shape: str
+    run: Callable[[], Any]
+    repeats: int
+
+
+@contextlib.contextmanager
+def launches_do_nothing() -> Iterator[None]:
+    """Inside the block the simulator backend's launch does nothing (everything before it still runs)."""
+    from ..backends.simulator import SimulatorBackend
+
+    original = SimulatorBackend.launch
+
+    def no_launch(self, plan, params, buffers) -> None:
+        return None
+
+    SimulatorBackend.launch = no_launch
+    try:
+        yield
+    finally:
+        SimulatorBackend.launch = original
+
+
+def _random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def decode_cases(repeats: int) -> list[Case]:
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    b, h, hk, d, n = (DECODE[key] for key in ("batch", "nheads", "nheads_k", "headdim", "cached_keys"))
+    f16 = np.float16
+    q = _random((b, 1, h, d), f16, rng)
+    k = _random((b, n, hk, d), f16, rng)
+    v = _random((b, n, hk, d), f16, rng)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = _random(q.shape, f16, rng)
+    cu_q = np.array([0, 1], np.int32)
+    cu_k = np.array([0, n], np.int32)
+    k_cache, v_cache = k.copy(), v.copy()
+    k_new = _random((b, 1, hk, d), f16, rng)
+    v_new = _random((b, 1, hk, d), f16, rng)
+    cache_seqlens = np.full(b, n - 1, np.int32)  # the new row lands in the cache's last row every call
+    shape = f"batch {b}, seqlen_q 1, heads {h}/{hk}, d {d}, keys {n}, float16, causal"
+    return [
+        Case("attention", shape, lambda: cuflash.attention(q, k, v, causal=True), repeats),
+        Case("attention_backward", shape,
+             lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True), repeats),
+        Case("attention_varlen", shape,
+             lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu_q, cu_k, causal=True), repeats),
+        Case("attention_with_kvcache", shape + ", cache_seqlens int32 array, 1 new k/v row",
+             lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                                    cache_seqlens=cache_seqlens, causal=True), repeats),
+    ]
+
+
+def training_cases(repeats: int) -> list[Case]:
+    import cuflash
+
+    rng = np.random.default_rng(1)
+    b, s, h, hk, d = (TRAINING[key] for key in ("batch", "seqlen", "nheads", "nheads_k", "headdim"))
+    f16 = np.float16
+    q = _random((b, s, h, d), f16, rng)
+    k = _random((b, s, hk, d), f16, rng)
+    v = _random((b, s, hk, d), f16, rng)
+    dout = _random(q.shape, f16, rng)
+    # The forward's results as inputs of the backward (their values do not matter with launches taken away).
+    out = np.zeros_like(q)
+    lse = np.zeros((b, h, s), np.float32)
+    cu = np.arange(0, (b + 1) * s, s, dtype=np.int32)
+    shape = f"batch {b}, seqlen {s}, heads {h}/{hk}, d {d}, float16, causal"
+    packed = shape.replace(f"batch {b}", f"{b} packed sequences")
+    return [
+        Case("attention", shape, lambda: cuflash.attention(q, k, v, causal=True), repeats),
+        Case("attention_backward", shape,
+             lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True), repeats),
+        Case("attention_varlen", packed,
+             lambda: cuflash.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, hk, d),
+                                              v.reshape(b * s, hk, d), cu, cu, causal=True), repeats),
+    ]
+
+
+def _microseconds(run: Callable[[], Any]) -> float:
+    start = time.perf_counter_ns()
+    run()
+    return (time.perf_counter_ns() - start) / 1e3
+
+
+def python_calls(run: Callable[[], Any]) -> int:
+    """Python function calls one run makes (C functions not counted)."""
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
+    """One row: the cold first call of the case's signature, then the median of ``case.repeats`` warm calls."""
+    first = _microseconds(case.run)
+    for _ in range(warmup):
+        case.run()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection landing in one call is noise, not host cost
+    try:
+        times = [_microseconds(case.run) for _ in range(case.repeats)]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {
+        "call": case.call,
+        "shape": case.shape,
+        "backend": BACKEND_LABEL,
+        "microseconds_per_call": statistics.median(times),
+        "first_call_microseconds": first,
+        "min_microseconds": min(times),
+        "repeats": case.repeats,
+        "python_calls_per_call": python_calls(case.run),
+    }
+
+
+def _prime() -> None:
+    """Import and initialize what any first call needs (families, simulator target), on a shape no row uses, so
+    each row's first call is cold for its own signature rather than for the process."""
+    import cuflash
+
+    rng = np.random.default_rng(2)
+    q, k, v = (_random((1, 3, 2, 64), np.float16, rng) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    cuflash.attention_backward(out, q, k, v, out, lse)
+    cu = np.array([0, 3], np.int32)
+    cuflash.attention_varlen(q[0], k[0], v[0], cu, cu)
+    cache = _random((1, 16, 2, 64), np.float16, rng)
+    cuflash.attention_with_kvcache(q, cache, cache.copy(), k=k[:, :1], v=v[:, :1],
+                                   cache_seqlens=np.array([3], np.int32))
+
+
+def run(repeats: int, training_repeats: int) -> list[dict[str, Any]]:
+    with launches_do_nothing():
+        _prime()
+        cases = decode_cases(repeats)
+        if training_repeats > 0:
+            cases += training_cases(training_repeats)
+        return [measure(case, warmup=5 if case.repeats >= 20 else 1) for case in cases]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = f"{'call':<24} {'warm us':>10} {'first us':>10} {'py calls':>9}  shape"
+    lines = [f"host cost per call ({BACKEND_LABEL}; warm: median)", header, "-" * len(header)]
+    for row in rows:
+        lines.append(f"{row['call']:<24} {row['microseconds_per_call']:>10.1f} {row['first_call_microseconds']:>10.1f} "
+                     f"{row['python_calls_per_call']:>9}  {row['shape']}")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "numpy": np.__version__}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="folder for host.json")
+    parser.add_argument("--repeats", type=int, default=200, help="warm calls per decode row (median reported)")
+    parser.add_argument("--training-repeats", type=int, default=5,
+                        help="warm calls per training-shape row (0: skip those rows; each allocates its outputs)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
+    rows = run(args.repeats, args.training_repeats)
+    print(format_table(rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "host.json"
+        path.write_text(json.dumps({"rows": rows, "python": sys.version, "machine": machine()}, indent=1))
+        print(f"wrote {path}")
+    return 0
