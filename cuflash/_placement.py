@@ -68,7 +68,8 @@ class Placement:
         if device_type in _DL_CUDA:
             from .backends import cupy_gpu
 
-            imported, self.read_only[name] = cupy_gpu.import_dlpack(array, device_id)
+            imported, flagged = cupy_gpu.import_dlpack(array, device_id)
+            self.read_only[name] = flagged or immutable_array_type(array)
             return imported
         raise TypeError(f"{name} is on a DLPack device of type {device_type}; only CPU and CUDA are supported")
 
@@ -131,6 +132,12 @@ def dlpack_capsule_read_only(capsule: Any) -> bool:
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     managed = get_pointer(capsule, _VERSIONED_CAPSULE)
     return bool(ctypes.c_uint64.from_address(managed + _FLAGS_OFFSET).value & _FLAG_READ_ONLY)
+
+
+def immutable_array_type(array: Any) -> bool:
+    """Arrays of libraries whose arrays are immutable, whatever their DLPack capsule says: JAX exports unversioned
+    capsules, which carry no READ_ONLY flag (on the CPU NumPy marks them read-only anyway; CuPy would not)."""
+    return type(array).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
 def _array_kind(name: str, array: Any) -> str:
