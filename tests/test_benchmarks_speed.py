@@ -19,17 +19,23 @@ from cuflash.testing import gpu_count
 
 
 class ScriptedTimer:
-    """Returns the given milliseconds one per timed run, and logs the order of events."""
+    """Returns the given milliseconds one per timed run (host us: 100 x the ms), and logs the order of events."""
 
-    def __init__(self, milliseconds, log):
-        self.milliseconds, self.log = list(milliseconds), log
+    def __init__(self, milliseconds, log, clock=None):
+        self.milliseconds, self.log, self.clock = list(milliseconds), log, clock
 
-    def start(self):
+    def warm(self, fn):
+        self.log.append("warm")
+        fn()
+
+    def run(self, fn):
         self.log.append("start")
-
-    def stop(self):
+        fn()
         self.log.append("stop")
-        return self.milliseconds.pop(0)
+        ms = self.milliseconds.pop(0)
+        if self.clock is not None:
+            self.clock.now += ms / 1e3
+        return timing.Run(ms, 100 * ms, covered=ms < 4.5)
 
 
 class FakeSystem(peers.System):
@@ -78,15 +84,157 @@ def peer_ms(w, d):
     return fa2_ms(w, d) / 4
 
 
-def test_measure_warms_up_flushes_before_each_timed_run_and_takes_the_median():
+def test_measure_warms_up_then_times_each_run_and_takes_the_medians():
     log = []
     timer = ScriptedTimer([5.0, 1.0, 3.0, 2.0, 4.0], log)
-    sample = timing.measure(lambda: log.append("call"), timer, warmup=2, repeats=5, flush=lambda: log.append("flush"))
+    sample = timing.measure(lambda: log.append("call"), timer, warmup=2, repeats=5)
     assert sample.milliseconds == (5.0, 1.0, 3.0, 2.0, 4.0) and sample.median == 3.0
-    assert log[:2] == ["call", "call"]
-    assert log[2:] == ["flush", "start", "call", "stop"] * 5
+    assert sample.host_microseconds == (500.0, 100.0, 300.0, 200.0, 400.0) and sample.host_median == 300.0
+    assert sample.uncovered == 1  # the 5 ms run
+    assert log[:4] == ["warm", "call", "warm", "call"]
+    assert log[4:] == ["start", "call", "stop"] * 5
     with pytest.raises(ValueError, match="repeats >= 1"):
         timing.measure(lambda: None, timer, repeats=0)
+
+
+class FakeGpu:
+    """One stream's timeline beside a host clock, in microseconds: work queued at host time t starts when the host
+    has queued it and the device has finished what was queued before; an event completes with the work before it."""
+
+    L2_BYTES = 50 << 20
+    FLUSH_US = 33.0  # twice the L2 written at about 3 TB/s
+
+    def __init__(self):
+        self.now = 0.0  # host
+        self.free_at = 0.0  # device
+
+    def queue(self, microseconds):
+        self.free_at = max(self.now, self.free_at) + microseconds
+
+    def sleep(self, microseconds):
+        self.now += microseconds
+
+    def wait(self, until):
+        self.now = max(self.now, until)
+
+    def perf_counter(self):
+        return self.now / 1e6
+
+    def cupy(self):
+        """The parts of CuPy that timing.py's CUDA binding uses (today's and the former), on this timeline."""
+        from types import SimpleNamespace
+
+        gpu = self
+
+        class Event:
+            def record(self, stream=None):
+                self.at = max(gpu.now, gpu.free_at)
+
+            def synchronize(self):
+                gpu.wait(self.at)
+
+        class Buffer:
+            def fill(self, value):
+                gpu.queue(gpu.FLUSH_US)
+
+        class Spin:  # cuflash_bench_spin(nanoseconds)
+            def __call__(self, grid, block, args):
+                gpu.queue(int(args[0]) / 1000)
+
+        cuda = SimpleNamespace(
+            Event=Event, get_elapsed_time=lambda start, end: (end.at - start.at) / 1e3,
+            Device=lambda: SimpleNamespace(id=0, attributes={"L2CacheSize": self.L2_BYTES}),
+            runtime=SimpleNamespace(getDeviceCount=lambda: 1, deviceSynchronize=lambda: gpu.wait(gpu.free_at)))
+        return SimpleNamespace(cuda=cuda, uint8="uint8", empty=lambda n, dtype: Buffer(),
+                               RawKernel=lambda source, name: Spin())
+
+
+def test_host_time_before_the_first_launch_enters_the_host_figure_and_not_the_device_figure(monkeypatch):
+    """A call that prepares on the host for 300 us, then launches a 100 us kernel: the device figure is 0.1 ms, the
+    host figure 300 us. Timing that starts the event on an idle device (flush, then synchronize) reads 0.4 ms."""
+    from types import SimpleNamespace
+
+    gpu = FakeGpu()
+    monkeypatch.setattr(timing, "cupy_or_refuse", gpu.cupy)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=gpu.perf_counter), raising=False)
+
+    def call():
+        gpu.sleep(300)  # validation, planning, packing, allocation
+        gpu.queue(100)  # the kernel
+
+    sample = timing.measure(call, timing.cupy_timer(), warmup=2, repeats=4)
+    assert sample.milliseconds == pytest.approx((0.1,) * 4)
+    assert sample.host_microseconds == pytest.approx((300.0,) * 4)
+    assert sample.uncovered == 0
+
+
+def test_busy_start_grows_the_spin_when_the_host_outlasts_it_and_counts_calls_it_cannot_cover():
+    gpu = FakeGpu()
+
+    class Stream:
+        def flush(self):
+            gpu.queue(gpu.FLUSH_US)
+
+        def busy(self, microseconds):
+            gpu.queue(microseconds)
+
+        def event(self):
+            return max(gpu.now, gpu.free_at)
+
+        def elapsed_ms(self, start, end):
+            gpu.wait(end)
+            return (end - start) / 1e3
+
+    host_us = [50.0]
+
+    def call():
+        gpu.sleep(host_us[0])
+        gpu.queue(100)
+
+    timer = timing.BusyStartTimer(Stream(), clock=gpu.perf_counter)
+    timing.measure(call, timer, warmup=1, repeats=1)
+    assert timer.busy_us == 2 * 50 + 50  # sized from the warm-up: twice its host time and a margin
+    host_us[0] = 2000.0  # the host slows down after the warm-up: the first try leaves the device idle
+    run = timer.run(call)
+    assert run.covered and run.device_ms == pytest.approx(0.1) and run.host_us == pytest.approx(2000)
+    assert timer.busy_us >= 4000
+
+    def synchronizing_call():  # waits for the device inside itself: no spin can hide its host time
+        gpu.wait(gpu.free_at)
+        gpu.sleep(300)
+        gpu.queue(100)
+
+    run = timer.run(synchronizing_call)
+    assert not run.covered and run.device_ms == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("dispatch_us, kernel_us, covered", [(30.0, 1000.0, True), (500.0, 100.0, False)])
+def test_back_to_back_timing_reads_device_time_while_the_device_is_the_slower(dispatch_us, kernel_us, covered):
+    gpu = FakeGpu()
+    flushes = []
+
+    def flush():
+        gpu.queue(gpu.FLUSH_US)
+        flushes.append(gpu.now)
+        return "buffer"
+
+    def call():  # JAX: an asynchronous dispatch
+        gpu.sleep(dispatch_us)
+        gpu.queue(kernel_us)
+        return "result"
+
+    timer = timing.BackToBackTimer(flush, lambda x: gpu.wait(gpu.free_at), clock=gpu.perf_counter, calls=10)
+    sample = timing.measure(call, timer, warmup=1, repeats=3)
+    assert len(flushes) == 3  # one untimed flush per timed run
+    assert sample.host_microseconds == pytest.approx((dispatch_us,) * 3)
+    # the first dispatch is the one host cost left in the figure, 1/10 of it per call
+    expected = (max(dispatch_us, kernel_us) * 10 + dispatch_us * (1 if covered else 0)) / 10 / 1e3
+    assert sample.milliseconds == pytest.approx((expected,) * 3, rel=0.05)
+    assert sample.uncovered == (0 if covered else 3)
+    # without calls= the count is sized from the warm-up so that the N calls last about TARGET_MS
+    sized = timing.BackToBackTimer(flush, lambda x: gpu.wait(gpu.free_at), clock=gpu.perf_counter)
+    sized.warm(call)
+    assert sized._count() == max(3, min(sized.MAX_CALLS, -(-sized.TARGET_MS * 1e3 // (dispatch_us + kernel_us))))
 
 
 def test_flops_follow_fa2_benchmark():
@@ -122,15 +270,15 @@ def test_fed_milliseconds_come_out_in_measurements_table_json_csv_and_plot_data(
     w = WORKLOADS[0]
     forward = next(m for m in result.measurements if m.system == "cuflash-fa2" and m.workload == w
                    and m.direction == "forward")
-    assert f"{forward.tflops:.1f} ({forward.milliseconds:.3f} ms)" in table
+    assert f"{forward.tflops:.1f} ({forward.milliseconds:.3f} ms, {forward.host_us:.0f} us)" in table
     assert "fa2/torch-flash" in table and "fa2/jax-xla" in table
     for direction in DIRECTIONS:
         rows = table.split(f"\n{direction}\n")[1].split("\n\n")[0].splitlines()[1:]
         assert len(rows) == len(WORKLOADS)
-        # columns: 4 workload fields, 3 system cells of "TF (ms ms)" or "-", then the two ratios
+        # columns: 4 workload fields, 3 system cells of "TF (ms ms, us us)" or "-", then the two ratios
         ratios = [row.split()[-2:] for row in rows]
         if direction == "backward":  # jax-xla has no backward-only timing: a dash, and no ratio
-            assert all(row.split()[10] == "-" for row in rows) and all(r[1] == "-" for r in ratios)
+            assert all(row.split()[14] == "-" for row in rows) and all(r[1] == "-" for r in ratios)
             assert all(r[0] == "0.250" for r in ratios)
         else:  # cuflash is 4x slower than the fake peers, in every row
             assert all(r == ["0.250", "0.250"] for r in ratios)
@@ -141,8 +289,11 @@ def test_fed_milliseconds_come_out_in_measurements_table_json_csv_and_plot_data(
     for record, m in zip(data["measurements"], result.measurements):
         assert record["milliseconds"] == m.milliseconds and record["system"] == m.system
         assert record["runs_ms"] == list(m.sample.milliseconds)
+        assert record["host_microseconds"] == m.host_us == 100 * m.milliseconds
+    assert speed.SweepResult.from_dict(data).as_dict() == data
     rows = list(csv.DictReader((tmp_path / "speed.csv").open()))
     assert [float(r["tflops"]) for r in rows] == [pytest.approx(m.tflops) for m in result.measurements]
+    assert [float(r["host_microseconds"]) for r in rows] == [pytest.approx(m.host_us) for m in result.measurements]
 
     panels = plots.speed_panels(result, "forward")
     assert set(panels) == {(w.dtype, w.headdim, w.causal) for w in WORKLOADS}
@@ -226,13 +377,22 @@ def test_system_selection_names_the_known_systems():
 
 
 @pytest.mark.gpu
-def test_cuda_event_timer_and_l2_flush_time_a_real_call():
+def test_busy_start_timer_times_a_real_call_without_its_host_delay():
+    import time
+
     cupy = pytest.importorskip("cupy")
     x = cupy.ones((4096, 4096), dtype=cupy.float32)
-    flush = timing.L2Flush()
-    assert flush.bytes >= 2 * 1024 * 1024
-    sample = timing.measure(lambda: x @ x, timing.CudaEventTimer.cupy(), warmup=1, repeats=3, flush=flush)
-    assert all(0 < ms < 1000 for ms in sample.milliseconds)
+    timer = timing.cupy_timer()
+    assert timer.stream.bytes >= 2 * 1024 * 1024
+    quick = timing.measure(lambda: x @ x, timer, warmup=2, repeats=3)
+
+    def slow():  # 2 ms on the host before the same launch: the device figure must not grow by it
+        time.sleep(0.002)
+        return x @ x
+
+    delayed = timing.measure(slow, timing.cupy_timer(), warmup=2, repeats=3)
+    assert all(0 < ms < 1000 for ms in quick.milliseconds) and quick.uncovered == delayed.uncovered == 0
+    assert delayed.median < quick.median + 0.5 and delayed.host_median >= 2000
 
 
 @pytest.mark.gpu
@@ -252,9 +412,9 @@ def test_each_peer_adapter_passes_its_check_and_times(key):
     check = speed.check_against_reference(system, "float16", 64, True)
     assert check.passed, check.detail
     result = speed.run_sweep([system], [Workload(2, 512, 4, 64, True, "float16")], warmup=1, repeats=3,
-                             progress_stream=None, flush=timing.L2Flush())
+                             progress_stream=None)
     assert {m.direction for m in result.measurements} == set(system.directions), result.skipped
-    assert all(m.tflops > 0 for m in result.measurements)
+    assert all(m.tflops > 0 and m.host_us > 0 for m in result.measurements)
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="a GPU is present: the speed benchmark runs instead")

@@ -8,7 +8,8 @@ problem and offers two things:
   float64 reference before any of its timings is believed;
 * ``prepare(workload)``: inputs on the GPU and one zero-argument call per
   direction it supports (forward, backward, forward+backward), plus the timer
-  that brackets those calls (CUDA events on the stream the system launches on).
+  of those calls (timing.py: busy-start CUDA events on the stream the system
+  launches on, or back-to-back wall-clock for JAX).
 
 Peers are optional: a system whose framework is missing reports why through
 ``unavailable()`` and is left out; none is a dependency of cuflash.
@@ -28,6 +29,7 @@ Peers are optional: a system whose framework is missing reports why through
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -35,7 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-from .timing import CudaEventTimer, Timer, cupy_or_refuse
+from . import timing
+from .timing import Timer, cupy_or_refuse
 from .workloads import DIRECTIONS, Workload
 
 # JAX grabs 75% of GPU memory at start-up unless told otherwise, which would starve the other systems.
@@ -74,6 +77,7 @@ class System:
         return f"<system {self.key}>"
 
 
+@functools.lru_cache(maxsize=1)  # every system of a sweep point takes the same inputs: draw them once
 def _host_inputs(workload: Workload, seed: int):
     from cuflash.testing import numpy_dtype
 
@@ -132,7 +136,7 @@ class Cuflash(System):
             "backward": lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, algorithm=algorithm),
             "forward+backward": forward_backward,
         }
-        return Prepared(calls, CudaEventTimer.cupy())
+        return Prepared(calls, timing.cupy_timer())
 
     def release(self):
         _free_cupy_pools()
@@ -205,7 +209,7 @@ class CupyStandard(System):
             "backward": lambda: backward(dout, q, k, v, out, p),
             "forward+backward": forward_backward,
         }
-        return Prepared(calls, CudaEventTimer.cupy())
+        return Prepared(calls, timing.cupy_timer())
 
     def release(self):
         _free_cupy_pools()
@@ -258,11 +262,11 @@ class JaxDotProductAttention(System):
         forward, forward_backward = self._functions(workload.causal)
         q, k, v, dout = self._device_inputs(_host_inputs(workload, seed))
         calls = {
-            # JAX runs on its own streams: each call blocks until its results exist (see timing.py).
-            "forward": lambda: jax.block_until_ready(forward(q, k, v)),
-            "forward+backward": lambda: jax.block_until_ready(forward_backward(q, k, v, dout)),
+            # Dispatch only: JAX runs on its own streams, and its timer waits for the results (timing.py).
+            "forward": lambda: forward(q, k, v),
+            "forward+backward": lambda: forward_backward(q, k, v, dout),
         }
-        return Prepared(calls, CudaEventTimer.cupy())
+        return Prepared(calls, timing.jax_timer(jax.devices("gpu")[0]))
 
     def release(self):
         import jax
@@ -341,7 +345,7 @@ class TorchSdpa(System):
             "backward": lambda: gradients(out, q, k, v, dout),
             "forward+backward": lambda: gradients(attend(q, k, v), q, k, v, dout),
         }
-        return Prepared(calls, CudaEventTimer.torch())
+        return Prepared(calls, timing.torch_timer())
 
     def release(self):
         import torch

@@ -5,12 +5,14 @@ way to time (timing.py). Before a system's first timing at a (dtype, head dim,
 causal) setting it is checked once against the float64 reference on a small
 problem with FlashAttention's tolerance rule; a system that fails the check, or
 cannot run a workload (out of memory, dtype not supported), is recorded as
-skipped with the reason, never timed. The result renders as a table (TFLOP/s
-per system and the ratio of cuflash's fa2 to each peer), JSON and CSV, and
-plots (plots.py).
+skipped with the reason, never timed. Every timing has two figures (timing.py):
+device milliseconds, from which TFLOP/s is computed, and host microseconds per
+call. With a ``Budget`` the sweep skips, and records as skipped, each point whose
+expected cost exceeds the seconds left. The result renders as a table (TFLOP/s,
+device ms and host us per system, and the ratio of cuflash's fa2 to each peer),
+JSON and CSV, and plots (plots.py).
 
-Only the CUDA-event timer and the L2 flush need a GPU; everything else is
-tested with a fake timer.
+Only the timers' CUDA bindings need a GPU; everything else is tested with fakes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -48,9 +51,21 @@ class Measurement:
     def tflops(self) -> float:
         return self.workload.flops(self.direction) / self.milliseconds / 1e9
 
+    @property
+    def host_us(self) -> float:
+        return self.sample.host_median
+
     def record(self) -> dict:
         return {"system": self.system, "direction": self.direction, **self.workload.as_dict(),
-                "milliseconds": self.milliseconds, "tflops": self.tflops, "runs_ms": list(self.sample.milliseconds)}
+                "milliseconds": self.milliseconds, "tflops": self.tflops, "host_microseconds": self.host_us,
+                "runs_ms": list(self.sample.milliseconds), "runs_host_us": list(self.sample.host_microseconds),
+                "uncovered_runs": self.sample.uncovered}
+
+    @classmethod
+    def from_record(cls, r: dict) -> Measurement:
+        workload = Workload(**{k: r[k] for k in ("batch", "seqlen", "nheads", "headdim", "causal", "dtype")})
+        sample = Sample(tuple(r["runs_ms"]), tuple(r.get("runs_host_us", ())), r.get("uncovered_runs", 0))
+        return cls(r["system"], workload, r["direction"], sample)
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,42 @@ class SweepResult:
             "checks": [asdict(c) for c in self.checks],
             "skipped": [asdict(s) for s in self.skipped],
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SweepResult:
+        """The result back from its JSON (speed.json), for summaries and plots made after the run."""
+        return cls(d.get("device", ""), d.get("timing", ""), list(d.get("systems", [])), d.get("toolchain", ""),
+                   [Measurement.from_record(r) for r in d.get("measurements", [])],
+                   [Check(**c) for c in d.get("checks", [])], [Skip(**s) for s in d.get("skipped", [])])
+
+
+class Budget:
+    """The seconds a sweep may take, and what each (system, point) is expected to cost from what ran before.
+
+    A point's cost (check, inputs, warm-up and timed runs) is expected to scale with its FLOPs from the
+    system's latest point of no more FLOPs (FA2's sweep doubles them with each seqlen); a system not yet
+    seen is expected to cost ``first_guess_s`` (NVRTC or XLA compiles dominate there).
+    """
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic, first_guess_s: float = 20.0):
+        self.clock, self.first_guess_s = clock, first_guess_s
+        self.deadline = clock() + seconds
+        self._seen: dict[str, list[tuple[float, float]]] = {}
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def expect(self, system: str, workload: Workload) -> float:
+        flops = workload.flops("forward+backward")
+        seen = self._seen.get(system, [])
+        below = [(f, s) for f, s in seen if f <= flops]
+        if not below:
+            return self.first_guess_s if not seen else max(s for _, s in seen)
+        f, s = below[-1]
+        return s * flops / f
+
+    def observe(self, system: str, workload: Workload, seconds: float) -> None:
+        self._seen.setdefault(system, []).append((workload.flops("forward+backward"), seconds))
 
 
 def check_against_reference(system: System, dtype: str, headdim: int, causal: bool, seed: int = 0) -> Check:
@@ -136,10 +187,10 @@ class Progress:
 
 
 def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, directions=DIRECTIONS,
-              warmup: int = 3, repeats: int = 10, flush: Callable[[], None] | None = None, device: str = "",
-              timing: str = "", check: Callable[..., Check] = check_against_reference,
-              progress_stream=sys.stderr, toolchain: str = "") -> SweepResult:
-    """Check, then time, every available system on every workload, in the same process."""
+              warmup: int = 3, repeats: int = 10, device: str = "", timing: str = "",
+              check: Callable[..., Check] = check_against_reference, progress_stream=sys.stderr,
+              toolchain: str = "", budget: Budget | None = None) -> SweepResult:
+    """Check, then time, every available system on every workload, in the same process (within ``budget``)."""
     systems, workloads = list(systems), list(workloads)
     result = SweepResult(device, timing, [s.key for s in systems], toolchain)
     present = []
@@ -154,6 +205,13 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
     for workload in workloads:
         for system in present:
             progress.step(f"{system.key} {workload.label()}")
+            if budget is not None:
+                expected, left = budget.expect(system.key, workload), budget.left()
+                if expected > left:
+                    result.skipped.append(Skip(system.key, workload.label(),
+                                               f"over budget: expected {expected:.0f} s, {max(left, 0):.0f} s left"))
+                    continue
+                began = budget.clock()
             setting = (system.key, workload.dtype, workload.headdim, workload.causal)
             if setting not in verdicts:
                 verdicts[setting] = check(system, workload.dtype, workload.headdim, workload.causal)
@@ -166,27 +224,28 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
                 for direction in directions:
                     if direction not in prepared.calls:
                         continue
-                    sample = measure(prepared.calls[direction], prepared.timer, warmup=warmup, repeats=repeats,
-                                     flush=flush)
+                    sample = measure(prepared.calls[direction], prepared.timer, warmup=warmup, repeats=repeats)
                     result.measurements.append(Measurement(system.key, workload, direction, sample))
             except Exception as err:  # out of memory, an unsupported shape: say so and go on
                 result.skipped.append(Skip(system.key, workload.label(), f"{type(err).__name__}: {err}".splitlines()[0]))
             finally:
                 prepared = None
                 system.release()
+                if budget is not None:
+                    budget.observe(system.key, workload, budget.clock() - began)
     return result
 
 
-def sweep_on_gpu(systems, workloads, *, directions=DIRECTIONS, warmup: int = 3, repeats: int = 10) -> SweepResult:
-    """run_sweep with the CUDA-event timers and the L2 flush, on the current GPU (NoGpuError without one)."""
-    from .timing import L2Flush, cupy_or_refuse
+def sweep_on_gpu(systems, workloads, *, directions=DIRECTIONS, warmup: int = 3, repeats: int = 10,
+                 budget_s: float | None = None) -> SweepResult:
+    """run_sweep on the current GPU with each system's own timer (NoGpuError without one)."""
+    from .timing import cupy_or_refuse, describe, l2_flush_bytes
 
-    cupy_or_refuse()
-    flush = L2Flush()
-    return run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats, flush=flush,
-                     device=device_name(), timing=f"CUDA events, median of {repeats} after {warmup} warm-up, "
-                                                  f"L2 flushed ({flush.bytes >> 20} MiB written) before each run",
-                     toolchain=toolchain_line())
+    cupy = cupy_or_refuse()
+    budget = Budget(budget_s) if budget_s is not None else None
+    return run_sweep(systems, workloads, directions=directions, warmup=warmup, repeats=repeats, device=device_name(),
+                     timing=describe(repeats, warmup, l2_flush_bytes(cupy)), toolchain=toolchain_line(),
+                     budget=budget)
 
 
 def baseline_system(result: SweepResult) -> str | None:
@@ -196,7 +255,12 @@ def baseline_system(result: SweepResult) -> str | None:
 
 
 def _cell(m: Measurement) -> str:
-    return f"{m.tflops:.1f} ({m.milliseconds:.3f} ms)"
+    """TFLOP/s (device ms, host us per call); a trailing * when some runs left the device idle (timing.py)."""
+    return f"{m.tflops:.1f} ({m.milliseconds:.3f} ms, {m.host_us:.0f} us){'*' if m.sample.uncovered else ''}"
+
+
+def _workload_order(w: Workload) -> tuple:
+    return (w.dtype, w.headdim, w.causal, w.seqlen)
 
 
 def format_table(result: SweepResult) -> str:
@@ -205,33 +269,36 @@ def format_table(result: SweepResult) -> str:
     base = baseline_system(result)
     peers = [s for s in timed if not s.startswith("cuflash-")]
     by_key = {(m.system, m.workload, m.direction): m for m in result.measurements}
-    lines = [f"{result.device}: TFLOP/s (ms), {result.timing}".strip(": ")]
+    lines = [f"{result.device}: TFLOP/s (device ms, host us per call), {result.timing}".strip(": ")]
     if result.toolchain:
         lines.append(f"cuflash ran {result.toolchain}")
     for direction in DIRECTIONS:
-        workloads = list(dict.fromkeys(m.workload for m in result.measurements if m.direction == direction))
+        workloads = sorted({m.workload for m in result.measurements if m.direction == direction}, key=_workload_order)
         if not workloads:
             continue
-        head = f"{'dtype':>8} {'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{s:>22}" for s in timed)
+        head = f"{'dtype':>8} {'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{s:>32}" for s in timed)
         ratios = [(p, f"{base.removeprefix('cuflash-')}/{p}") for p in peers] if base in timed else []
         head += "".join(f" {label:>{max(14, len(label))}}" for _, label in ratios)
         lines += ["", f"{direction}", head]
         for w in workloads:
             row = f"{w.dtype:>8} {w.headdim:4d} {str(w.causal):>6} {w.seqlen:6d} "
-            row += " ".join(f"{_cell(by_key[(s, w, direction)]):>22}" if (s, w, direction) in by_key else f"{'-':>22}"
+            row += " ".join(f"{_cell(by_key[(s, w, direction)]):>32}" if (s, w, direction) in by_key else f"{'-':>32}"
                             for s in timed)
             for p, label in ratios:
                 mine, theirs = by_key.get((base, w, direction)), by_key.get((p, w, direction))
                 cell = f"{mine.tflops / theirs.tflops:.3f}" if mine and theirs else "-"
                 row += f" {cell:>{max(14, len(label))}}"
             lines.append(row)
+    if any(m.sample.uncovered for m in result.measurements):
+        lines += ["", "* some runs of this call left the GPU idle while the host prepared it: device ms may include "
+                      "host time (see timing.py)"]
     if result.skipped:
         lines += ["", "skipped:"] + [f"  {s.system} {s.workload}: {s.reason}" for s in result.skipped]
     return "\n".join(lines)
 
 
 CSV_FIELDS = ("system", "direction", "batch", "seqlen", "nheads", "headdim", "causal", "dtype", "milliseconds",
-              "tflops")
+              "tflops", "host_microseconds", "uncovered_runs")
 
 
 def write_outputs(result: SweepResult, out_dir: Path, stem: str = "speed") -> list[Path]:
