@@ -320,6 +320,31 @@ def test_unavailable_systems_and_failing_prepares_are_skipped_with_their_reason(
     assert "skipped:" in speed.format_table(result)
 
 
+def test_a_budget_skips_the_points_expected_to_overrun_it_and_records_why():
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(now=0.0)
+
+    class Costly(FakeSystem):  # each point costs 1 s per 512 of seqlen (FA2's sweep: FLOPs grow with seqlen)
+        def prepare(self, workload, seed=0):
+            clock.now += workload.seqlen / 512
+            return super().prepare(workload, seed)
+
+    workloads = fa2_sweep(headdims=(64,), seqlens=(512, 1024, 2048, 4096, 8192, 16384), causals=(False,))
+    budget = speed.Budget(20.0, clock=lambda: clock.now, first_guess_s=1.0)
+    result = _sweep([Costly("cuflash-fa2", fa2_ms, is_cuflash=True)], workloads, budget=budget)
+    assert sorted({m.workload.seqlen for m in result.measurements}) == [512, 1024, 2048, 4096]
+    over = {s.workload: s.reason for s in result.skipped}
+    assert set(over) == {w.label() for w in workloads[4:]}
+    assert over[workloads[4].label()] == "over budget: expected 16 s, 5 s left"
+    assert clock.now == 15.0 <= 20.0
+    # a system never seen is expected to cost first_guess_s; one seen only on bigger points, its dearest point
+    fresh = speed.Budget(5.0, clock=lambda: 0.0, first_guess_s=7.0)
+    assert fresh.expect("jax-xla", workloads[0]) == 7.0
+    fresh.observe("jax-xla", workloads[2], 3.0)
+    assert fresh.expect("jax-xla", workloads[0]) == 3.0 and fresh.expect("jax-xla", workloads[3]) == 6.0
+
+
 class SimulatorSystem(peers.System):
     """cuflash's fa2 on NumPy arrays (the simulator), optionally perturbed: a peer whose results we control."""
 
