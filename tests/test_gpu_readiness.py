@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dtypes, _placement, sim
+from cuflash import _dlpack, _dtypes, sim
 from cuflash.backends import cupy_gpu
 from cuflash.kernels import plans
 from cuflash.kernels.params import PARAMS_DTYPE, pack_params
@@ -111,16 +111,16 @@ def test_export_names_cuflashs_stream_and_reads_the_read_only_flag(writeable):
 def test_read_only_flag_of_a_capsule():
     read_only = np.zeros(3)
     read_only.flags.writeable = False
-    assert _placement.dlpack_capsule_read_only(read_only.__dlpack__(max_version=(1, 0)))
-    assert not _placement.dlpack_capsule_read_only(np.zeros(3).__dlpack__(max_version=(1, 0)))
-    assert not _placement.dlpack_capsule_read_only(np.zeros(3).__dlpack__())  # unversioned: no flags to read
+    assert _dlpack.dlpack_capsule_read_only(read_only.__dlpack__(max_version=(1, 0)))
+    assert not _dlpack.dlpack_capsule_read_only(np.zeros(3).__dlpack__(max_version=(1, 0)))
+    assert not _dlpack.dlpack_capsule_read_only(np.zeros(3).__dlpack__())  # unversioned: no flags to read
 
 
 def test_jax_arrays_are_read_only_whatever_their_capsule_says():
     jax = pytest.importorskip("jax")
     # JAX exports unversioned capsules (no flags), yet its arrays are immutable.
-    assert _placement.immutable_array_type(jax.numpy.zeros(3))
-    assert not _placement.immutable_array_type(Producer(np.zeros(3)))
+    assert _dlpack.immutable_array_type(jax.numpy.zeros(3))
+    assert not _dlpack.immutable_array_type(Producer(np.zeros(3)))
 
 
 def _decode_case(rng, dtype="float16"):

@@ -99,7 +99,7 @@ class OnStream:
         return self._array.__dlpack_device__()
 
     def __dlpack__(self, *, stream: Any = None, **options: Any):
-        from .._placement import dlpack_capsule_read_only
+        from .._dlpack import dlpack_capsule_read_only
 
         capsule = self._array.__dlpack__(stream=self._stream, **options)
         self.read_only = dlpack_capsule_read_only(capsule)
