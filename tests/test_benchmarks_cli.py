@@ -1,4 +1,5 @@
-"""The benchmarks CLI's counting commands (no GPU): the traffic table, the traffic sweep and the profile."""
+"""The benchmarks CLI's commands without a GPU: the traffic table, the traffic sweep, the profile, and the ``host``
+command's wiring to host.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from cuflash.benchmarks import __main__ as cli
 from cuflash.benchmarks import traffic
 
 
@@ -61,3 +65,30 @@ def test_profile_writes_sites_and_the_compile_report_of_the_launched_kernels(tmp
     fa2_forward = next(r for r in data["launches"] if r["algorithm"] == "fa2" and r["direction"] == "forward")
     assert fa2_forward["shared_wavefronts"] > 0 and any(s["kind"] == "store" for s in fa2_forward["sites"])
     assert (tmp_path / "profile.png").stat().st_size > 10_000
+
+
+def test_host_command_hands_its_arguments_to_host_py(monkeypatch, tmp_path):
+    from types import ModuleType
+
+    seen = {}
+    fake = ModuleType("cuflash.benchmarks.host")
+    fake.add_arguments = lambda parser: parser.add_argument("--out", required=True)
+    fake.main = lambda args: seen.setdefault("out", args.out) and 7
+    monkeypatch.setitem(sys.modules, "cuflash.benchmarks.host", fake)
+    import cuflash.benchmarks
+
+    monkeypatch.setattr(cuflash.benchmarks, "host", fake, raising=False)
+    assert cli.main(["host", "--out", str(tmp_path)]) == 7 and seen["out"] == str(tmp_path)
+
+
+def test_host_command_without_host_py_refuses_in_one_line(monkeypatch, capsys):
+    import cuflash.benchmarks
+
+    monkeypatch.delattr(cuflash.benchmarks, "host", raising=False)
+    monkeypatch.setitem(sys.modules, "cuflash.benchmarks.host", None)  # import raises ModuleNotFoundError
+    assert cli.main(["host", "--out", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host.py is missing" in err[0]
+    # the other commands do not import it
+    with pytest.raises(SystemExit):
+        cli.main(["first-gpu", "--help"])

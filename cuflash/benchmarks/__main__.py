@@ -1,17 +1,22 @@
 """Benchmarks CLI.
 
     python3 -m cuflash.benchmarks speed [--headdims 64 128 256] [--seqlens 512 ... 16384] [--causal both]
-                                        [--dtypes float16 bfloat16] [--systems ...] [--out DIR]
+                                        [--dtypes float16 bfloat16] [--systems ...] [--budget-s S] [--out DIR]
     python3 -m cuflash.benchmarks seeds [--out DIR]
     python3 -m cuflash.benchmarks validate-gpu --out DIR
+    python3 -m cuflash.benchmarks first-gpu --out DIR
+    python3 -m cuflash.benchmarks host --out DIR
     python3 -m cuflash.benchmarks traffic [--out DIR] [--seqlens ...] [--headdims ...]
     python3 -m cuflash.benchmarks profile [--out DIR] [--arch sm_80 sm_90]
 
-``speed``, ``seeds`` and ``validate-gpu`` time kernels on a CUDA GPU (CUDA
-events, L2 flushed before every timed run, median of N) beside the peers found
-in the environment; without a GPU they refuse with a one-line reason and write
-nothing. ``traffic`` and ``profile`` are counts from the CPU simulator and the
-compile report, never times.
+``speed``, ``seeds``, ``validate-gpu`` and ``first-gpu`` time kernels on a CUDA
+GPU (device ms with the L2 flushed before every timed run, and host us per call;
+timing.py) beside the peers found in the environment; without a GPU they refuse
+with a one-line reason and write nothing. ``first-gpu`` is the first command for
+a new GPU machine: toolchain, gpu tests, sanitizers, the sweep, Nsight Compute
+and the host benchmark within 9 minutes, one summary (first_gpu.py). ``host``
+times cuflash's host path per call (host.py). ``traffic`` and ``profile`` are
+counts from the CPU simulator and the compile report, never times.
 """
 
 from __future__ import annotations
@@ -37,16 +42,39 @@ def _causal_values(choice: str) -> tuple[bool, ...]:
     return {"both": (False, True), "true": (True,), "false": (False,)}[choice]
 
 
-def _timed_run(systems, workloads, directions, repeats, warmup, out: Path | None):
+def _timed_run(systems, workloads, directions, repeats, warmup, out: Path | None, budget_s: float | None = None):
     """Refuse without a GPU (before writing anything), else sweep, print and write the results."""
     from . import speed
 
-    result = speed.sweep_on_gpu(systems, workloads, directions=directions, warmup=warmup, repeats=repeats)
+    result = speed.sweep_on_gpu(systems, workloads, directions=directions, warmup=warmup, repeats=repeats,
+                                budget_s=budget_s)
     print(speed.format_table(result))
     if out is not None:
         for path in speed.write_outputs(result, out):
             print(f"wrote {path}")
     return result
+
+
+def validate_tools() -> tuple[str, ...]:
+    from .validate import SANITIZER_TOOLS
+
+    return SANITIZER_TOOLS
+
+
+def _command_of(argv: list[str] | None) -> str | None:
+    args = sys.argv[1:] if argv is None else argv
+    return args[0] if args else None
+
+
+def _host_module():
+    """cuflash/benchmarks/host.py, imported only for the ``host`` command (None if it is not there)."""
+    try:
+        from . import host
+    except ModuleNotFoundError as err:
+        if err.name != f"{__package__}.host":
+            raise
+        return None
+    return host
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--out", type=Path, default=Path("cuflash-speed"), help="folder for JSON, CSV and PNG")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="seconds the sweep may take: points run shortest seqlen first, and a point expected to "
+                        "overrun is skipped (and listed as skipped)")
 
     s = sub.add_parser("seeds", help="the llm.c attention benchmark setting (B=8, T=1024, C=768, NH=12)")
     s.add_argument("--repeats", type=int, default=10)
@@ -74,6 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("validate-gpu", help="release check on a GPU: gpu tests, compute-sanitizer, speed, ncu")
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--skip", nargs="+", default=[], choices=["tests", "sanitizer", "speed", "ncu"])
+    v.add_argument("--sanitizer-tools", nargs="+", default=list(validate_tools()), choices=list(validate_tools()))
+    v.add_argument("--sanitizer-grid", choices=["all", "tensor-core"], default="all",
+                   help="every family and variant, or one fa2 tensor-core forward and backward")
+    v.add_argument("--step-timeout", type=int, default=None, help="seconds for each tool run (default per step)")
+
+    f = sub.add_parser("first-gpu", help="first command on a new GPU machine: every check and figure in 9 minutes")
+    f.add_argument("--out", type=Path, required=True)
+
+    h = sub.add_parser("host", help="host microseconds per call of cuflash's API (host.py)")
+    host_module = _host_module() if _command_of(argv) == "host" else None
+    if host_module is not None:
+        host_module.add_arguments(h)
 
     t = sub.add_parser("traffic", help="global-memory bytes per kernel, counted by the simulator")
     t.add_argument("--dtype", default="float16", choices=DTYPES)
@@ -88,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--headdims", nargs="+", type=int, default=[64, 128])
 
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not (args.command == "host" and host_module is None):  # then host.py's absence is the error
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     from cuflash.kernels.catalog import algorithms as available_algorithms
 
     from .timing import NoGpuError
@@ -97,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "speed":
             systems = peers.select(args.systems)
             workloads = fa2_sweep(args.headdims, args.seqlens, _causal_values(args.causal), args.dtypes)
-            _timed_run(systems, workloads, args.directions, args.repeats, args.warmup, args.out)
+            if args.budget_s is not None:  # cheapest first: running out of time drops the longest sequences
+                workloads.sort(key=lambda w: w.seqlen)
+            _timed_run(systems, workloads, args.directions, args.repeats, args.warmup, args.out, args.budget_s)
         elif args.command == "seeds":
             systems = [peers.Cuflash(a) for a in available_algorithms()]
             workloads = [Workload(**SEEDS_SETTING, causal=True, dtype=d) for d in ("float32", "float16")]
@@ -109,7 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "validate-gpu":
             from . import validate
 
-            return validate.main(args.out, skip=set(args.skip))
+            return validate.main(args.out, skip=set(args.skip), sanitizer_tools=args.sanitizer_tools,
+                                 sanitizer_grid=args.sanitizer_grid, step_timeout=args.step_timeout)
+        elif args.command == "first-gpu":
+            from . import first_gpu
+
+            return first_gpu.main(args.out)
+        elif args.command == "host":
+            if host_module is None:
+                print("error: the host benchmark is not installed here (cuflash/benchmarks/host.py is missing)",
+                      file=sys.stderr)
+                return 2
+            return host_module.main(args)
         elif args.command == "traffic":
             from . import traffic
 

@@ -1,7 +1,9 @@
 """Small GPU programs that validate-gpu runs under compute-sanitizer and Nsight Compute.
 
-    python3 -m cuflash.benchmarks.gpu_workloads sanitizer   # every family and variant, small shapes
-    python3 -m cuflash.benchmarks.gpu_workloads ncu         # the fa2 forward and backward at NCU_SHAPE
+    python3 -m cuflash.benchmarks.gpu_workloads sanitizer              # every family and variant, small shapes
+    python3 -m cuflash.benchmarks.gpu_workloads sanitizer tensor-core  # one fa2 tensor-core forward and backward
+    python3 -m cuflash.benchmarks.gpu_workloads ncu                    # the fa2 forward and backward at NCU_SHAPE
+    python3 -m cuflash.benchmarks.gpu_workloads ncu-d128               # the same at NCU_D128_SETTING (first-gpu)
 
 The sanitizer grid covers every algorithm of the catalog, each of its variants
 (through the dtypes the variant serves), both causal settings, GQA, and sequence
@@ -20,6 +22,11 @@ import numpy as np
 SANITIZER_SHAPES = ((2, 67, 131, 4, 2, 40), (1, 1, 77, 2, 1, 64), (1, 96, 33, 2, 2, 128))
 # The launch Nsight Compute measures and the simulator counts, with the same shape and inputs.
 NCU_SHAPE = dict(batch=1, seqlen=512, nheads=2, headdim=64, dtype="float16", causal=False)
+# first-gpu's Nsight Compute point: FA2's benchmark setting at seqlen 2k, head dim 128 (batch 8, 16 heads), so the
+# tensor-core kernels run full waves as in the speed sweep.
+NCU_D128_SHAPE = dict(batch=8, seqlen=2048, nheads=16, headdim=128, dtype="float16", causal=False)
+# first-gpu's sanitizer case: one tensor-core instance each way (float16, head dim 128, ragged, GQA, causal).
+TENSOR_CORE_CASE = ("fa2", "float16", True, (1, 96, 131, 4, 2, 128))
 
 
 def sanitizer_cases():
@@ -36,13 +43,19 @@ def sanitizer_cases():
     return cases
 
 
-def run_sanitizer_grid() -> None:
+def run_sanitizer_grid(which: str = "all") -> None:
+    """Every case of sanitizer_cases(), or with ``which="tensor-core"`` only TENSOR_CORE_CASE."""
     import cupy
 
     import cuflash
     from cuflash.testing import random_qkv
 
-    for algorithm, variant, dtype, causal, shape in sanitizer_cases():
+    if which == "tensor-core":
+        algorithm, dtype, causal, shape = TENSOR_CORE_CASE
+        cases = [(algorithm, "tensor-core", dtype, causal, shape)]
+    else:
+        cases = sanitizer_cases()
+    for algorithm, variant, dtype, causal, shape in cases:
         rng = np.random.default_rng(0)
         q, k, v = (cupy.asarray(x) for x in random_qkv(rng, *shape, dtype))
         out, lse = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
@@ -54,25 +67,24 @@ def run_sanitizer_grid() -> None:
         print(f"case {algorithm}/{variant} {dtype} causal={causal} shape={shape}: ran", flush=True)
 
 
-def ncu_inputs():
+def ncu_inputs(s=NCU_SHAPE):
     from cuflash.testing import random_qkv
 
-    s = NCU_SHAPE
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, s["batch"], s["seqlen"], s["seqlen"], s["nheads"], s["nheads"], s["headdim"], s["dtype"])
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     return q, k, v, dout
 
 
-def run_ncu_target() -> None:
+def run_ncu_target(shape=NCU_SHAPE) -> None:
     """The fa2 forward and backward once each on the GPU (the launches ncu profiles)."""
     import cupy
 
     import cuflash
 
-    q, k, v, dout = (cupy.asarray(x) for x in ncu_inputs())
-    out, lse = cuflash.attention(q, k, v, causal=NCU_SHAPE["causal"], algorithm="fa2", return_lse=True)
-    cuflash.attention_backward(dout, q, k, v, out, lse, causal=NCU_SHAPE["causal"], algorithm="fa2")
+    q, k, v, dout = (cupy.asarray(x) for x in ncu_inputs(shape))
+    out, lse = cuflash.attention(q, k, v, causal=shape["causal"], algorithm="fa2", return_lse=True)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape["causal"], algorithm="fa2")
     cupy.cuda.runtime.deviceSynchronize()
 
 
@@ -100,4 +112,7 @@ def simulator_counts() -> list[dict]:
 
 
 if __name__ == "__main__":
-    {"sanitizer": run_sanitizer_grid, "ncu": run_ncu_target}[sys.argv[1]]()
+    if sys.argv[1] == "sanitizer":
+        run_sanitizer_grid(*sys.argv[2:3])
+    else:
+        run_ncu_target({"ncu": NCU_SHAPE, "ncu-d128": NCU_D128_SHAPE}[sys.argv[1]])

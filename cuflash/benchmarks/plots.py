@@ -38,19 +38,24 @@ def speed_panels(result, direction: str) -> dict[tuple[str, int, bool], dict[str
     return dict(sorted(panels.items()))
 
 
-def _panel_figure(panels: dict, path: Path, title: str, ylabel: str, draw) -> Path:
-    """One panel per (dtype, headdim, causal) key, up to three a row; draw(ax, series) plots a panel's series."""
+def _panel_title(key) -> str:
+    *direction, dtype, headdim, causal = key
+    return ", ".join([*direction, dtype, f"head dim {headdim}", "causal" if causal else "not causal"])
+
+
+def _panel_figure(panels: dict, path: Path, title: str, ylabel: str, draw, cols: int = 3) -> Path:
+    """One panel per ([direction,] dtype, headdim, causal) key, ``cols`` a row; draw(ax, series) plots its series."""
     plt = _pyplot()
-    cols = min(len(panels), 3)
+    cols = min(len(panels), cols)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     flat = [ax for row in axes for ax in row]
     for ax in flat[len(panels):]:
         ax.set_visible(False)
-    for ax, ((dtype, headdim, causal), series) in zip(flat, panels.items()):
+    for ax, (key, series) in zip(flat, panels.items()):
         draw(ax, series)
-        ax.set_title(f"{dtype}, head dim {headdim}, {'causal' if causal else 'not causal'}")
+        ax.set_title(_panel_title(key), fontsize=9)
         ax.set_xlabel("sequence length")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -65,21 +70,49 @@ def save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _draw_speed(ax, series):
+    seqlens = sorted({p[0] for points in series.values() for p in points})
+    position = {s: i for i, s in enumerate(seqlens)}  # evenly spaced, as the papers' figures
+    for system, points in series.items():
+        ax.plot([position[p[0]] for p in points], [p[1] for p in points], marker="o", label=system)
+    ax.set_xticks(range(len(seqlens)), [f"{x // 1024}k" if x >= 1024 else str(x) for x in seqlens])
+    ax.set_ylim(bottom=0)
+
+
 def plot_speed(result, direction: str, path: Path) -> Path:
     panels = speed_panels(result, direction)
     if not panels:
         raise ValueError(f"no {direction} measurements to plot")
-
-    def draw(ax, series):
-        seqlens = sorted({p[0] for points in series.values() for p in points})
-        position = {s: i for i, s in enumerate(seqlens)}  # evenly spaced, as the papers' figures
-        for system, points in series.items():
-            ax.plot([position[p[0]] for p in points], [p[1] for p in points], marker="o", label=system)
-        ax.set_xticks(range(len(seqlens)), [f"{x // 1024}k" if x >= 1024 else str(x) for x in seqlens])
-        ax.set_ylim(bottom=0)
-
     return _panel_figure(panels, path, f"Attention {direction} speed on {result.device} ({result.timing})",
-                         "TFLOP/s", draw)
+                         "TFLOP/s", _draw_speed)
+
+
+def speed_direction_panels(result) -> dict[tuple, dict[str, list[tuple[int, float]]]]:
+    """speed_panels of every direction measured, keyed (direction, dtype, headdim, causal), a row per direction."""
+    from .workloads import DIRECTIONS
+
+    return {(direction, *key): series for direction in DIRECTIONS
+            for key, series in speed_panels(result, direction).items()}
+
+
+def plot_speed_directions(result, path: Path) -> Path:
+    """One figure of every direction (first-gpu's summary.png): a row of panels per direction."""
+    panels = speed_direction_panels(result)
+    if not panels:
+        raise ValueError("no measurements to plot")
+    per_direction = max(sum(1 for k in panels if k[0] == d) for d in {k[0] for k in panels})
+    return _panel_figure(panels, path, f"Attention speed on {result.device} (TFLOP/s from device time)", "TFLOP/s",
+                         _draw_speed, cols=min(per_direction, 4))
+
+
+def plot_message(message: str, path: Path) -> Path:
+    """A figure holding only ``message``: a summary's plot when there is nothing to plot, saying why."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True)
+    save(plt, fig, path)
+    return Path(path)
 
 
 def traffic_panels(records: list[dict]) -> dict[tuple[str, int, bool], dict[str, list[tuple[int, int]]]]:

@@ -12,6 +12,10 @@ Steps, each written to DIR and summarized in DIR/summary.md and DIR/summary.json
    utilization, shared-memory bank conflicts, DRAM bytes, achieved occupancy) beside the
    simulator's counts for the same launches (global bytes, shared-memory wavefronts).
 
+``first-gpu`` runs it restricted (``--skip tests speed --sanitizer-tools memcheck
+racecheck --sanitizer-grid tensor-core --step-timeout S``): its own steps run the
+tests and the sweep, and the whole must fit in its time budget.
+
 A missing tool (compute-sanitizer, ncu) or a missing test folder is a note, not a
 failure. It installs nothing and exits non-zero when a step fails. Without a GPU
 it refuses before writing anything.
@@ -113,14 +117,18 @@ def _sanitizer_verdict(tool: str, rc: int, text: str) -> tuple[bool, str]:
     return ok, f"{shown}; {cases} cases ran; exit {rc}"
 
 
+# What ``main``'s options narrow: the sanitizer's tools and grid ("all" or "tensor-core", gpu_workloads.py).
+OPTIONS = {"sanitizer_tools": SANITIZER_TOOLS, "sanitizer_grid": "all"}
+
+
 def step_sanitizer(out: Path) -> dict:
     sanitizer = _tool("compute-sanitizer")
     if sanitizer is None:
         return {"status": "note", "detail": "compute-sanitizer not found: skipped"}
     results = {}
-    for tool in SANITIZER_TOOLS:
+    for tool in OPTIONS["sanitizer_tools"]:
         cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
-               sys.executable, "-m", "cuflash.benchmarks.gpu_workloads", "sanitizer"]
+               sys.executable, "-m", "cuflash.benchmarks.gpu_workloads", "sanitizer", OPTIONS["sanitizer_grid"]]
         rc, text = _run(cmd, out / f"sanitizer_{tool}.txt", STEP_TIMEOUT_S["sanitizer"])
         ok, detail = _sanitizer_verdict(tool, rc, text)
         results[tool] = {"status": "pass" if ok else "fail", "detail": detail}
@@ -140,16 +148,20 @@ def step_speed(out: Path) -> dict:
                                                                               for c in failed)}
 
 
-def parse_ncu_csv(text: str) -> list[dict]:
-    """Rows of ``ncu --csv --page raw``: one dict per profiled kernel, metric names to numbers."""
+def ncu_raw_rows(text: str) -> list[dict[str, str]]:
+    """Rows of ``ncu --csv --page raw`` (its log may hold other lines): one dict per kernel, column to text."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
     if len(lines) < 2:
         return []
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     header, body = rows[0], rows[2:]  # rows[1] holds the units
+    return [dict(zip(header, row)) for row in body]
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Rows of ``ncu --csv --page raw``: one dict per profiled kernel, metric names to numbers."""
     kernels = []
-    for row in body:
-        record = dict(zip(header, row))
+    for record in ncu_raw_rows(text):
         entry = {"kernel": record.get("Kernel Name", "?")}
         for short, metric in NCU_METRICS.items():
             value = record.get(metric, "").replace(",", "")
@@ -222,10 +234,14 @@ STEPS = {"toolchain": step_toolchain, "tests": step_tests, "sanitizer": step_san
          "ncu": step_ncu}
 
 
-def main(out: Path, skip: set[str] = frozenset()) -> int:
+def main(out: Path, skip: set[str] = frozenset(), sanitizer_tools=SANITIZER_TOOLS, sanitizer_grid: str = "all",
+         step_timeout: int | None = None) -> int:
     from .timing import cupy_or_refuse
 
     cupy_or_refuse()  # NoGpuError before anything is written
+    OPTIONS.update(sanitizer_tools=tuple(sanitizer_tools), sanitizer_grid=sanitizer_grid)
+    if step_timeout is not None:
+        STEP_TIMEOUT_S.update({k: step_timeout for k in STEP_TIMEOUT_S})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
