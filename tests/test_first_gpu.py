@@ -5,8 +5,6 @@ timed-out step)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 

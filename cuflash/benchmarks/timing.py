@@ -212,7 +212,7 @@ def cupy_or_refuse():
 
 
 def l2_flush_bytes(cupy) -> int:
-    """Twice the current device's L2 cache (64 MiB assumed if the driver does not say)."""
+    """Twice the current device's L2 cache (a 32 MiB L2 assumed if the driver does not say)."""
     return 2 * (int(cupy.cuda.Device().attributes.get("L2CacheSize", 0)) or 32 << 20)
 
 
