@@ -84,7 +84,8 @@ def test_summary_holds_every_recorded_outcome_and_figure(tmp_path):
     assert "over budget: expected 40 s, 12 s left" in md
     assert "| fa2_tc_forward_kernel<128> | 61.5 | long_scoreboard 1.90, barrier 0.80, math_pipe_throttle 0.50 |" in md
     assert "| fa2_tc_backward_kernel<128> | 42.2 | short_scoreboard 2.50 |" in md
-    assert "| attention | decode | simulator | 187.3 |" in md
+    assert "| attention | decode | simulator | 187.3 | - |" in md
+    assert "## Toolchain\n\n```\nsm_90\n```" in md
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["steps"] == RECORDED["steps"]
     ratios = {(r["direction"], r["seqlen"]): r["ratio_to_best_peer"] for r in data["speed_rows"]}
@@ -177,6 +178,7 @@ def test_run_steps_records_every_outcome_and_runs_on_after_failures_and_timeouts
     # tests had its 50 s and the 6 s toolchain left; it overran by the kill's 2 s, which the next step pays
     assert fake.calls[1] == ("tests", 56) and fake.calls[2] == ("speed", 28)
     assert by_name["ncu"]["detail"] == "ncu not found"
+    assert by_name["toolchain"]["data"] == {"lines": ["sm_90: CUBIN"]}
     # host gets its 20 s, plus the 3 s speed left and the 20 s ncu did not use
     assert fake.calls[3] == ("host", 43) and by_name["host"]["detail"] == "error: host.py is missing"
     assert (tmp_path / "tests" / "log.txt").read_text().endswith("(timed out after 56 s)")
@@ -228,3 +230,12 @@ def test_step_data_reads_what_each_step_wrote(tmp_path):
     assert first_gpu.step_data("speed", tmp_path, "")["result"] == {"measurements": [], "skipped": []}
     assert first_gpu.step_data("tests", tmp_path, "") == {}  # no XML: pytest died before writing it
     assert first_gpu.step_data("ncu", tmp_path, "") == {"kernels": []}
+
+
+def test_validate_step_reads_the_verdicts_validate_gpu_wrote(tmp_path):
+    (tmp_path / "validate").mkdir()
+    steps = {"toolchain": {"status": "pass", "detail": "sm_90"}, "sanitizer": {"status": "fail", "detail": "racecheck"}}
+    (tmp_path / "validate" / "summary.json").write_text(json.dumps({"seconds": 80, "steps": steps}))
+    data = first_gpu.step_data("validate", tmp_path, "wrote summary.md")
+    assert data == {"steps": steps}
+    assert first_gpu._detail("validate", 1, data, "wrote summary.md") == "toolchain: pass; sanitizer: fail"

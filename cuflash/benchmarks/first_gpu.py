@@ -195,6 +195,8 @@ def _detail(name: str, rc: int | None, data: dict, text: str) -> str:
     if name == "tests" and "passed" in data:
         return (f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, "
                 f"{data['skipped']} skipped")
+    if name == "validate" and data.get("steps"):
+        return "; ".join(f"{step}: {s.get('status')}" for step, s in data["steps"].items())
     if name == "speed" and data.get("result"):
         r = data["result"]
         return f"{len(r['measurements'])} timings, {len(r['skipped'])} skipped"
@@ -322,6 +324,10 @@ def write_summary(out: Path, record: dict) -> list[Path]:
                      f" | {str(s.get('detail', '')).replace('|', '/')} |")
     lines += ["", "Commands:", ""] + [f"- {s['name']}: `{s['command']}`" for s in record["steps"] if s.get("command")]
 
+    toolchain = steps.get("toolchain", {}).get("data", {}).get("lines", [])
+    if toolchain:
+        lines += ["", "## Toolchain", "", "```", *toolchain, "```"]
+
     tests = steps.get("tests", {}).get("data", {})
     if tests.get("failures"):
         lines += ["", "## Failed gpu tests", ""] + [f"- {name}" for name in tests["failures"]]
@@ -349,9 +355,11 @@ def write_summary(out: Path, record: dict) -> list[Path]:
 
     host_rows = steps.get("host", {}).get("data", {}).get("rows", [])
     if host_rows:
-        lines += ["", "## Host microseconds per call", "", "| call | shape | backend | us per call |", "|---|---|---|---|"]
+        lines += ["", "## Host microseconds per call (host.py)", "",
+                  "| call | shape | backend | us per call | first call us |", "|---|---|---|---|---|"]
         lines += [f"| {r.get('call')} | {r.get('shape')} | {r.get('backend')} | "
-                  f"{_fmt(r.get('microseconds_per_call'))} |" for r in host_rows]
+                  f"{_fmt(r.get('microseconds_per_call'))} | {_fmt(r.get('first_call_microseconds'))} |"
+                  for r in host_rows]
 
     written = [out / "summary.md", out / "summary.json", out / "summary.png"]
     written[0].write_text("\n".join(lines) + "\n")
