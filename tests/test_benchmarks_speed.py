@@ -235,6 +235,16 @@ def test_back_to_back_timing_reads_device_time_while_the_device_is_the_slower(di
     sized = timing.BackToBackTimer(flush, lambda x: gpu.wait(gpu.free_at), clock=gpu.perf_counter)
     sized.warm(call)
     assert sized._count() == max(3, min(sized.MAX_CALLS, -(-sized.TARGET_MS * 1e3 // (dispatch_us + kernel_us))))
+    compiling = timing.BackToBackTimer(flush, lambda x: gpu.wait(gpu.free_at), clock=gpu.perf_counter)
+
+    def compile_then_call():  # a first call that compiles for 2 s: N falls to its minimum, a timed run resizes it
+        gpu.sleep(2e6)
+        return call()
+
+    compiling.warm(compile_then_call)
+    assert compiling._count() == 3
+    compiling.run(call)
+    assert compiling._count() == max(3, min(compiling.MAX_CALLS, -(-5000 // max(dispatch_us, kernel_us))))
 
 
 def test_flops_follow_fa2_benchmark():

@@ -163,19 +163,19 @@ class BackToBackTimer:
                  clock: Callable[[], float] | None = None, calls: int | None = None):
         self.flush, self.block, self.clock = flush, block, clock or time.perf_counter
         self.calls = calls
-        self._warm_ms: list[float] = []
+        self._per_call_ms: list[float] = []  # warm-ups (a first one may compile) and timed runs so far
 
     def warm(self, fn) -> None:
         t0 = self.clock()
         self.block(fn())
-        self._warm_ms.append((self.clock() - t0) * 1e3)
+        self._per_call_ms.append((self.clock() - t0) * 1e3)
 
     def _count(self) -> int:
         if self.calls is not None:
             return self.calls
-        if not self._warm_ms:
+        if not self._per_call_ms:
             return 5
-        return max(3, min(self.MAX_CALLS, math.ceil(self.TARGET_MS / max(min(self._warm_ms), 1e-3))))
+        return max(3, min(self.MAX_CALLS, math.ceil(self.TARGET_MS / max(min(self._per_call_ms), 1e-3))))
 
     def run(self, fn) -> Run:
         n = self._count()
@@ -189,6 +189,7 @@ class BackToBackTimer:
         self.block(result)
         elapsed_s = self.clock() - t0
         device_ms, host_us = elapsed_s * 1e3 / n, dispatch * 1e6 / n
+        self._per_call_ms.append(device_ms)  # later runs size N from it when the warm-up was a compile
         # Dispatching as slowly as the device computes means the host set the pace, not the GPU.
         return Run(device_ms, host_us, covered=host_us < 0.9 * device_ms * 1e3)
 
