@@ -144,6 +144,8 @@ class BusyStartTimer:
             # busy_us of it was queued before the start event fired.
             needed_us = (t1 - queued) * 1e6
             if needed_us < self.busy_us:
+                # A warm-up that compiled sized the spin for seconds: spin no longer than this run needed.
+                self.busy_us = min(self.busy_us, max(2 * needed_us + 50, self.MIN_BUSY_US))
                 return Run(device_ms, (t1 - t0) * 1e6, True)
             self.busy_us = min(2 * needed_us, self.MAX_BUSY_US)
         return Run(device_ms, (t1 - t0) * 1e6, False)
