@@ -1,5 +1,5 @@
-"""Command line of cuflash.kernels: ``python -m cuflash.kernels report --arch sm_80 sm_90 [--json] [--jobs N]``
-and ``python -m cuflash.kernels toolchain``."""
+"""Command line of cuflash.kernels: ``python -m cuflash.kernels report --arch sm_80 sm_90 [--json] [--jobs N]``,
+``python -m cuflash.kernels loop --arch sm_80 sm_90 [--json]`` and ``python -m cuflash.kernels toolchain``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "report": "compile every catalog instance and print its resource usage",
     "toolchain": "the installed NVRTC and CUDA headers, the driver, and the code each local GPU gets",
+    "loop": "the loop census: what one iteration of each tensor-core main loop issues, from SASS",
 }
 
 
@@ -23,6 +24,10 @@ def main(argv: list[str]) -> int:
         lines, ok = toolchain.machine_report()
         print("\n".join(lines))
         return 0 if ok else 1
+    if argv[0] == "loop":
+        from . import loop_census
+
+        return loop_census.main(argv[1:])
     from . import report
 
     return report.main(argv[1:])

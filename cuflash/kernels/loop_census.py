@@ -1,0 +1,480 @@
+"""The loop census: what one steady-state iteration of a tensor-core kernel's main loop issues, read from SASS.
+
+    python3 -m cuflash.kernels loop [--arch sm_80 sm_90 ...] [--json] [--kernels REGEX]
+
+FlashAttention-2's speed comes from main loops that issue little besides the MMAs, the softmax and the copies
+(about 3-4.5 SASS instructions per HMMA.16816 at its default tiles). This module measures the same thing for
+cuflash's kernels, per warp, from the instance's SASS (the bytes the compile report describes):
+
+1. The SASS is cut into basic blocks (leaders: branch targets and the instruction after a branch or exit) joined
+   by fall-through and branch edges. Every instruction counts, predicated-off ones included (a warp issues them).
+2. A loop is a backward branch: its body is the address range from the branch target to the branch. The main
+   loops are the innermost loops one iteration of which can issue the iteration's work (below; today one per
+   kernel: the forward's K/V loop, the backward's loop over (head, Q block) steps).
+3. The plain path through one iteration is the cheapest walk from the loop head back to it along the loop's back
+   edge, staying inside the loop, that issues the iteration's whole work: exactly the HMMA and the LDGSTS one
+   iteration must issue per warp (known from the tile: ``IterationWork``) and at least its exponentials (MUFU.EX2,
+   one per score the lane owns). Inner loops are walked as often as the walk needs (a copy loop that is not
+   unrolled counts once per trip). Branches the plain case skips (the element-wise mask, the score hook, ragged
+   or paged copies, varlen re-reads behind tests) cost more, so the cheapest walk avoids them; work the plain
+   case must do cannot be skipped, since the counts are fixed. Where the work sits behind a test the walk
+   passes that test's instructions too: they are part of what the plain path issues.
+
+Each path is reported as instruction counts by class (HMMA, LDSM, LDGSTS, other memory, FP32 arithmetic,
+MUFU, SHFL, barriers, branches, integer/address, other) and instructions per HMMA. ``walk`` and ``census`` take
+SASS text, so tests plant small listings whose counts are known; ``instance_census`` compiles through the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+# SASS lines as cuobjdump prints them: /*addr*/  [@P] OPCODE operands ;
+_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", re.MULTILINE)
+_GUARD = re.compile(r"^@(!?)(U?P\w+)\s+")
+_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
+
+# Instruction classes, by base opcode (the opcode before its first '.').
+CLASSES = ("hmma", "ldsm", "ldgsts", "memory", "fp32", "mufu", "shfl", "barrier", "branch", "integer", "other")
+_CLASS_OF = {
+    "HMMA": "hmma",
+    "LDSM": "ldsm",
+    "LDGSTS": "ldgsts",
+    **{op: "memory" for op in ("LDS", "STS", "LDG", "STG", "LD", "ST", "RED", "ATOM", "ATOMS", "ATOMG", "LDL",
+                               "STL", "LDC", "ULDC")},
+    **{op: "fp32" for op in ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD")},
+    "MUFU": "mufu",
+    "SHFL": "shfl",
+    **{op: "barrier" for op in ("BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "BSSY", "BSYNC", "MEMBAR", "ERRBAR",
+                                "CCTL", "FENCE")},
+    **{op: "branch" for op in ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT", "KILL")},
+    **{op: "integer" for op in ("IMAD", "IADD3", "IADD", "LEA", "LOP3", "SHF", "ISETP", "MOV", "SEL", "PRMT",
+                                "IABS", "IMNMX", "S2R", "CS2R", "S2UR", "PLOP3", "P2R", "R2P", "IMUL", "LOP",
+                                "SHL", "SHR", "UMOV", "UIADD3", "UIMAD", "ULOP3", "USHF", "UISETP", "ULEA",
+                                "USEL", "UPRMT", "R2UR", "POPC", "FLO", "BREV", "IDP", "VOTE", "VOTEU", "UFLO",
+                                "UPOPC", "BMSK", "SGXT", "IMNMX", "UMNMX")},
+}
+
+
+def instruction_class(opcode: str) -> str:
+    return _CLASS_OF.get(opcode.split(".")[0], "other")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    text: str  # as printed, guard included, without the ';'
+
+    @property
+    def guard(self) -> tuple[bool, str] | None:
+        """(negated, predicate) of an ``@P`` guard, None when unguarded."""
+        match = _GUARD.match(self.text)
+        return (match.group(1) == "!", match.group(2)) if match else None
+
+    @property
+    def opcode(self) -> str:
+        return _GUARD.sub("", self.text).split()[0]
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def never_runs(self) -> bool:
+        return self.guard == (True, "PT")  # @!PT: padding ptxas places, issued but never executed
+
+    @property
+    def target(self) -> int | None:
+        """The address a BRA, JMP or CALL names."""
+        if self.base not in ("BRA", "JMP", "CALL") or self.never_runs:
+            return None
+        match = _BRANCH_TARGET.search(self.text)
+        return int(match.group(1), 16) if match else None
+
+    @property
+    def conditional(self) -> bool:
+        """Whether control may go either way here: a guarded instruction, or a BRA with a predicate operand."""
+        guard = self.guard
+        if guard is not None and guard != (False, "PT"):
+            return True
+        operands = _GUARD.sub("", self.text).split(None, 1)
+        return self.base == "BRA" and len(operands) > 1 and re.match(r"!?U?P\d", operands[1]) is not None
+
+
+def parse(sass: str) -> list[Instruction]:
+    """The instructions of one function's SASS listing, in address order."""
+    found = [Instruction(int(address, 16), text) for address, text in _LINE.findall(sass)]
+    if not found:
+        raise ValueError("no SASS instruction found (expected cuobjdump --dump-sass lines: /*addr*/ OPCODE ... ;)")
+    return found
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int
+    start: int  # address of the first instruction
+    end: int  # address of the last instruction
+    instructions: tuple[Instruction, ...]
+    successors: tuple[int, ...]  # block indices
+
+    def count(self, cls: str) -> int:
+        return sum(instruction_class(i.opcode) == cls for i in self.instructions)
+
+    def count_opcode(self, opcode: str) -> int:
+        return sum(i.opcode.startswith(opcode) for i in self.instructions)
+
+
+def subroutines(instructions: Sequence[Instruction]) -> frozenset[int]:
+    """Addresses CALLs name that start a subroutine: a RET is reachable from there along branches and
+    fall-through (every CALL taken as falling through). The kernel's own code never reaches a RET that way: it
+    ends in EXIT or in the branches of its loops."""
+    index = {ins.address: n for n, ins in enumerate(instructions)}
+
+    def reaches_ret(start: int) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            n = todo.pop()
+            ins = instructions[n]
+            if ins.base == "RET" and not ins.never_runs:
+                return True
+            nexts = []
+            if ins.base in ("BRA", "JMP") and ins.target in index:
+                nexts.append(index[ins.target])
+            unconditional_end = ins.base in ("BRA", "JMP", "EXIT", "RET", "BRX", "JMX", "KILL") and not (
+                ins.never_runs or ins.conditional)
+            if not unconditional_end and n + 1 < len(instructions):
+                nexts.append(n + 1)
+            for m in nexts:
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return False
+
+    targets = {ins.target for ins in instructions if ins.base == "CALL" and ins.target in index}
+    return frozenset(t for t in targets if reaches_ret(index[t]))
+
+
+def jump_target(ins: Instruction, called: frozenset[int]) -> int | None:
+    """Where control may go besides falling through: a branch's target, or a CALL's that is not a subroutine.
+    ptxas leaves divergent loops with ``CALL.REL.NOINC`` to an address in the kernel's body (a jump that keeps
+    the call stack; no RET behind it); a CALL of a subroutine (a slow path, such as an IEEE division's, placed
+    after the kernel's code and ending in RET) returns: it falls through and its body is not walked."""
+    target = ins.target
+    if target is None or (ins.base == "CALL" and target in called):
+        return None
+    return target
+
+
+def ends_flow(ins: Instruction, called: frozenset[int]) -> bool:
+    """Control never falls through: an unconditional branch, jump-like CALL, exit or return."""
+    if ins.never_runs or ins.conditional:
+        return False
+    if ins.base == "CALL":
+        return jump_target(ins, called) is not None
+    return ins.base in ("BRA", "JMP", "EXIT", "RET", "BRX", "JMX", "KILL")
+
+
+def blocks_of(instructions: Sequence[Instruction]) -> list[Block]:
+    """Basic blocks with their successors (fall-through first, then the branch target)."""
+    address_index = {ins.address: n for n, ins in enumerate(instructions)}
+    called = subroutines(instructions)
+    leaders = {0}
+    for n, ins in enumerate(instructions):
+        target = jump_target(ins, called)
+        if target is not None and target in address_index:
+            leaders.add(address_index[target])
+        if (target is not None or ins.base in ("EXIT", "RET", "BRX", "JMX")) and n + 1 < len(instructions):
+            leaders.add(n + 1)
+    starts = sorted(leaders)
+    block_of = {}
+    spans = []
+    for b, first in enumerate(starts):
+        last = (starts[b + 1] if b + 1 < len(starts) else len(instructions)) - 1
+        spans.append((first, last))
+        block_of[instructions[first].address] = b
+    blocks = []
+    for b, (first, last) in enumerate(spans):
+        tail = instructions[last]
+        successors = []
+        if not ends_flow(tail, called) and b + 1 < len(spans):
+            successors.append(b + 1)
+        target = jump_target(tail, called)
+        if target is not None and target in block_of and block_of[target] not in successors:
+            successors.append(block_of[target])
+        blocks.append(Block(b, instructions[first].address, tail.address, tuple(instructions[first:last + 1]),
+                            tuple(successors)))
+    return blocks
+
+
+@dataclass(frozen=True)
+class Loop:
+    head: int  # block index of the branch target
+    latch: int  # block index of the backward branch
+    blocks: frozenset[int]  # the address range head..latch
+
+    def contains(self, other: Loop) -> bool:
+        return other.blocks <= self.blocks and other != self
+
+
+def loops_of(blocks: Sequence[Block]) -> list[Loop]:
+    found = []
+    for block in blocks:
+        for successor in block.successors:
+            if blocks[successor].start <= block.start:
+                found.append(Loop(successor, block.index, frozenset(range(successor, block.index + 1))))
+    return found
+
+
+def mma_loops(blocks: Sequence[Block]) -> list[Loop]:
+    """Loops holding HMMA, innermost (fewest blocks) first."""
+    found = {loop for loop in loops_of(blocks) if any(blocks[b].count("hmma") for b in loop.blocks)}
+    return sorted(found, key=lambda loop: (len(loop.blocks), blocks[loop.head].start))
+
+
+@dataclass(frozen=True)
+class IterationWork:
+    """What one iteration of a main loop must issue per warp: HMMA, LDGSTS and global writes (RED, ATOM, STG)
+    exactly, MUFU.EX2 at least."""
+
+    hmma: int
+    ldgsts: int
+    exponentials: int
+    global_writes: int = 0
+
+
+@dataclass(frozen=True)
+class PathCensus:
+    path: str
+    instructions: int
+    classes: dict[str, int]
+    exponentials: int
+    loop_static_instructions: int  # every instruction of the loop's address range, each counted once
+    loop_addresses: tuple[int, int]
+    blocks: tuple[int, ...] = field(repr=False)  # the walk, block by block
+
+    @property
+    def hmma(self) -> int:
+        return self.classes["hmma"]
+
+    @property
+    def instructions_per_hmma(self) -> float:
+        return self.instructions / self.hmma if self.hmma else float("inf")
+
+
+class NoPathError(ValueError):
+    """No walk through the loop issues the iteration's work (the work is wrong for this kernel, or the loop)."""
+
+
+_GLOBAL_WRITES = ("RED", "ATOM", "ATOMG", "STG")
+
+
+def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain") -> PathCensus:
+    """The cheapest walk from the loop's head back to it through its back edge that issues ``work`` (Dijkstra over
+    (block, HMMA, LDGSTS and global writes so far, exponentials so far capped at the required number); costs are
+    instruction counts, so the walk is the path issuing the fewest instructions)."""
+    need = (work.hmma, work.ldgsts, work.global_writes, work.exponentials)
+    per_block = {b: (len(blocks[b].instructions), blocks[b].count("hmma"), blocks[b].count("ldgsts"),
+                     sum(i.base in _GLOBAL_WRITES for i in blocks[b].instructions),
+                     blocks[b].count_opcode("MUFU.EX2")) for b in loop.blocks}
+    first = _add((0, 0, 0, 0), per_block[loop.head][1:], need)
+    if first is None:
+        raise NoPathError(f"the loop head alone issues more than {need}")
+    queue = [(per_block[loop.head][0], loop.head, *first)]
+    best: dict[tuple, int] = {queue[0][1:]: queue[0][0]}
+    previous: dict[tuple, tuple] = {}
+    while queue:
+        cost, *state = heapq.heappop(queue)
+        state = tuple(state)
+        block, counts = state[0], state[1:]
+        if best.get(state, cost) < cost:
+            continue
+        for successor in blocks[block].successors:
+            if successor not in loop.blocks:
+                continue
+            if block == loop.latch and successor == loop.head:
+                if counts[:3] == need[:3] and counts[3] >= need[3]:
+                    walked = [block]
+                    while state in previous:
+                        state = previous[state]
+                        walked.append(state[0])
+                    walked.reverse()
+                    return _census(blocks, loop, walked, path, counts[3])
+                continue
+            added = _add(counts, per_block[successor][1:], need)
+            if added is None:
+                continue
+            next_state = (successor, *added)
+            next_cost = cost + per_block[successor][0]
+            if next_cost < best.get(next_state, next_cost + 1):
+                best[next_state] = next_cost
+                previous[next_state] = state
+                heapq.heappush(queue, (next_cost, *next_state))
+    raise NoPathError(f"no walk through the loop at {blocks[loop.head].start:#x}..{blocks[loop.latch].end:#x} "
+                      f"issues {work.hmma} HMMA, {work.ldgsts} LDGSTS and {work.global_writes} global writes with "
+                      f">= {work.exponentials} MUFU.EX2")
+
+
+def _add(counts: tuple[int, ...], block: tuple[int, ...], need: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Counts after a block: None past an exact need; the exponentials capped at theirs."""
+    h, l, w, e = (c + b for c, b in zip(counts, block))
+    if h > need[0] or l > need[1] or w > need[2]:
+        return None
+    return (h, l, w, min(e, need[3]))
+
+
+def _census(blocks: Sequence[Block], loop: Loop, walked: list[int], path: str, exponentials: int) -> PathCensus:
+    classes = dict.fromkeys(CLASSES, 0)
+    for b in walked:
+        for ins in blocks[b].instructions:
+            classes[instruction_class(ins.opcode)] += 1
+    static = sum(len(blocks[b].instructions) for b in loop.blocks)
+    return PathCensus(path, sum(classes.values()), classes, exponentials, static,
+                      (blocks[loop.head].start, blocks[loop.latch].end), tuple(walked))
+
+
+def census(sass: str, work: IterationWork) -> list[PathCensus]:
+    """The main loops of a function's SASS and the plain path of each.
+
+    A main loop is a loop one of whose iterations can issue ``work`` (a walk exists) and that encloses no other
+    such loop: an inner loop holding only part of the MMAs (the backward's dQ column chunks) cannot, and a loop
+    around the main loop (over K/V blocks or heads) encloses it. Loops are tried innermost first. The cheapest of
+    them is the ``plain`` row; a kernel whose masked iterations run in a loop of their own gets that loop as a
+    second row, named by its address."""
+    blocks = blocks_of(parse(sass))
+    candidates = mma_loops(blocks)
+    if not candidates:
+        raise NoPathError("no loop holding HMMA")
+    found: list[tuple[Loop, PathCensus]] = []
+    failure = None
+    for loop in candidates:
+        if any(loop.contains(inner) for inner, _ in found):
+            continue
+        try:
+            found.append((loop, walk(blocks, loop, work)))
+        except NoPathError as error:
+            failure = error
+    if not found:
+        raise failure
+    rows = sorted((row for _, row in found), key=lambda row: row.instructions)
+    return [rows[0]] + [dataclasses.replace(row, path=f"loop at {row.loop_addresses[0]:#x}") for row in rows[1:]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuflash's tensor-core kernels.
+
+
+def iteration_work(traits) -> IterationWork:
+    """Per warp, one iteration: the forward's K/V block (S = Q K^T and O += P V; K and V copied), the backward's
+    Q block step (S, dP, dV, dK, dQ; Q and dO copied). m16n8k16 MMAs; 16-byte copies spread over the block."""
+    from .families import fa2_tc
+
+    m, n, d, warps = traits.block_m, traits.block_n, traits.head_dim, traits.warps
+    mma_per_product = m * n * d // (16 * 8 * 16)
+    copied_rows = n if isinstance(traits, fa2_tc.ForwardTraits) else m
+    copies = -(-2 * copied_rows * d * 2 // 16 // traits.threads)
+    forward = isinstance(traits, fa2_tc.ForwardTraits)
+    return IterationWork(hmma=(2 if forward else 5) * mma_per_product // warps, ldgsts=copies,
+                         exponentials=m * n // traits.threads,
+                         # The backward adds its dQ_i part (rows x d floats) into dq_accum, one RED per element.
+                         global_writes=0 if forward else m * d // traits.threads)
+
+
+@dataclass(frozen=True)
+class CensusRow:
+    kernel: str
+    arch: str
+    tile: str
+    work: IterationWork
+    path: PathCensus
+
+    def as_json(self) -> dict:
+        return {
+            "kernel": self.kernel,
+            "arch": self.arch,
+            "tile": self.tile,
+            "path": self.path.path,
+            "instructions": self.path.instructions,
+            "hmma": self.path.hmma,
+            "instructions_per_hmma": round(self.path.instructions_per_hmma, 3),
+            **{name: count for name, count in self.path.classes.items() if name != "hmma"},
+            "exponentials": self.path.exponentials,
+            "expected_ldgsts": self.work.ldgsts,
+            "loop_static_instructions": self.path.loop_static_instructions,
+            "loop_addresses": [f"{a:#x}" for a in self.path.loop_addresses],
+        }
+
+
+def tensor_core_traits(arch: str) -> list:
+    """Every tensor-core tile (forward and backward, dropout or not) the plans for ``arch`` launch."""
+    from . import targets
+    from .families import fa2_tc
+
+    target = targets.target(arch)
+    found = []
+    for head_dim in fa2_tc.HEAD_DIMS:
+        for dropout in (False, True):
+            found.append(fa2_tc.forward_traits(head_dim, target, dropout=dropout))
+            found.append(fa2_tc.backward_traits(head_dim, target, dropout=dropout))
+    return list(dict.fromkeys(found))
+
+
+def instance_census(traits, dtype: str, arch: str) -> list[CensusRow]:
+    from . import nvrtc
+
+    compiled = nvrtc.compile_instance(traits.instance(dtype), arch)
+    sass = nvrtc.dump_sass(compiled)
+    if sass is None:
+        raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")
+    work = iteration_work(traits)
+    tile = f"{traits.block_m}x{traits.block_n}x{traits.warps}"
+    return [CensusRow(traits.instance(dtype).name_expr, arch, tile, work, path) for path in census(sass, work)]
+
+
+def format_table(rows: Iterable[CensusRow]) -> str:
+    headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "ldsm", "ldgsts", "mem", "fp32",
+               "mufu", "shfl", "bar", "branch", "int", "other", "loop static")
+    table = [headers]
+    for row in rows:
+        c = row.path.classes
+        table.append((row.kernel, row.arch, row.tile, row.path.path, str(row.path.instructions), str(row.path.hmma),
+                      f"{row.path.instructions_per_hmma:.2f}", str(c["ldsm"]), str(c["ldgsts"]), str(c["memory"]),
+                      str(c["fp32"]), str(c["mufu"]), str(c["shfl"]), str(c["barrier"]), str(c["branch"]),
+                      str(c["integer"]), str(c["other"]), str(row.path.loop_static_instructions)))
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from . import targets
+
+    parser = argparse.ArgumentParser(prog="python -m cuflash.kernels loop", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=list(targets.TARGETS))
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    parser.add_argument("--kernels", default=None, help="only kernels whose name matches this regular expression")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    args = parser.parse_args(argv)
+    rows, failures = [], []
+    for arch in args.arch:
+        for traits in tensor_core_traits(arch):
+            for dtype in args.dtypes:
+                name = traits.instance(dtype).name_expr
+                if args.kernels and not re.search(args.kernels, name):
+                    continue
+                try:
+                    rows += instance_census(traits, dtype, arch)
+                except (NoPathError, ValueError) as error:
+                    failures.append(f"{name} ({arch}): {error}")
+    print(json.dumps([row.as_json() for row in rows], indent=1) if args.json else format_table(rows))
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0

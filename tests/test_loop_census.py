@@ -1,0 +1,173 @@
+"""The loop census (cuflash/kernels/loop_census.py): the walk on planted SASS listings whose counts are known,
+then on the tensor-core kernels themselves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cuflash.kernels import loop_census as lc
+from cuflash.kernels import targets
+from cuflash.kernels.families import fa2_tc
+
+
+def listing(*lines: str) -> str:
+    """A SASS listing as cuobjdump prints it, one instruction per 16 bytes from address 0."""
+    return "\n".join(f"        /*{16 * n:04x}*/                   {text} ;" for n, text in enumerate(lines))
+
+
+# A kernel whose main loop (0x30 .. 0x150) issues per iteration: 4 HMMA; a copy loop of 3 instructions with one
+# LDGSTS, run twice (two copies); an optional block of 4 instructions (the "mask") that the plain path skips; a
+# global write behind a test the plain path must pass; two exponentials. Plain path: head 3 (0x30..0x50)
+# + copy loop 2 x 3 (0x60..0x80) + 2 (0x90, 0xa0: the test and the branch over the mask) + 2 MUFU (0xf0, 0x100)
+# + 2 (0x110 test, 0x120 RED) + 3 (0x130..0x150: HMMA, HMMA, back branch) = 18 instructions, 4 HMMA.
+PLANTED = listing(
+    "S2R R0, SR_TID.X",                    # 0x00
+    "IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28]",  # 0x10
+    "MOV R2, RZ",                          # 0x20
+    "HMMA.16816.F32 R4, R8, R12, R4",      # 0x30 loop head
+    "HMMA.16816.F32 R4, R8, R14, R4",      # 0x40
+    "IADD3 R3, RZ, 0x2, RZ",               # 0x50
+    "LDGSTS.E.BYPASS.128 [R5], [R6.64]",   # 0x60 copy loop
+    "IADD3 R3, R3, -0x1, RZ",              # 0x70
+    "@P1 BRA 0x60",                        # 0x80 copy loop back edge
+    "ISETP.NE.AND P2, PT, R7, RZ, PT",     # 0x90
+    "@!P2 BRA 0xf0",                       # 0xa0 skip the mask
+    "FSEL R20, R20, -INF , P3",            # 0xb0 mask
+    "FSEL R21, R21, -INF , P3",            # 0xc0
+    "FSEL R22, R22, -INF , P3",            # 0xd0
+    "FSEL R23, R23, -INF , P3",            # 0xe0
+    "MUFU.EX2 R20, R20",                   # 0xf0
+    "MUFU.EX2 R21, R21",                   # 0x100
+    "@P4 BRA 0x130",                       # 0x110 the plain path must not skip the write
+    "RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R8.64], R9",  # 0x120
+    "HMMA.16816.F32 R4, R16, R12, R4",     # 0x130
+    "HMMA.16816.F32 R4, R16, R14, R4",     # 0x140
+    "@P0 BRA 0x30",                        # 0x150 main loop back edge
+    "EXIT",                                # 0x160
+    "BRA 0x170",                           # 0x170
+)
+PLANTED_WORK = lc.IterationWork(hmma=4, ldgsts=2, exponentials=2, global_writes=1)
+
+
+def test_planted_plain_path():
+    (row,) = lc.census(PLANTED, PLANTED_WORK)
+    assert row.path == "plain"
+    assert row.instructions == 18
+    assert row.hmma == 4 and row.classes["ldgsts"] == 2 and row.classes["memory"] == 1
+    assert row.classes["fp32"] == 0  # the mask was skipped
+    assert row.classes["mufu"] == 2 and row.exponentials == 2
+    assert row.classes["branch"] == 2 * 1 + 3  # copy loop back edge twice (one taken, one not), 3 more
+    assert row.instructions_per_hmma == 18 / 4
+    assert row.loop_addresses == (0x30, 0x150)
+    assert row.loop_static_instructions == 19
+    assert sum(row.classes.values()) == row.instructions
+
+
+def test_planted_work_decides_what_the_walk_must_issue():
+    # One copy only: the copy loop once, 3 instructions fewer.
+    (row,) = lc.census(PLANTED, lc.IterationWork(hmma=4, ldgsts=1, exponentials=2, global_writes=1))
+    assert row.instructions == 15
+    # No global write: the walk takes the branch over it (the branch stays, the RED goes).
+    (row,) = lc.census(PLANTED, lc.IterationWork(hmma=4, ldgsts=2, exponentials=2, global_writes=0))
+    assert row.instructions == 17 and row.classes["memory"] == 0
+    with pytest.raises(lc.NoPathError):  # more MMAs than the loop can issue in one iteration
+        lc.census(PLANTED, lc.IterationWork(hmma=6, ldgsts=2, exponentials=2, global_writes=1))
+    with pytest.raises(lc.NoPathError):  # no walk issues three exponentials
+        lc.census(PLANTED, lc.IterationWork(hmma=4, ldgsts=2, exponentials=3, global_writes=1))
+
+
+def test_predicated_off_padding_counts_and_a_subroutine_call_falls_through():
+    sass = listing(
+        "HMMA.16816.F32 R4, R8, R12, R4",      # 0x00 loop head
+        "@!PT LDS RZ, [RZ]",                   # 0x10 ptxas' padding: issued, never runs
+        "LDGSTS.E.BYPASS.128 [R5], [R6.64]",   # 0x20
+        "CALL.REL.NOINC 0x80",                 # 0x30 a subroutine past the last EXIT: falls through
+        "@P0 CALL.REL.NOINC 0x60",             # 0x40 ptxas' divergent loop exit: a jump out of the loop
+        "BRA 0x0",                             # 0x50 back edge
+        "EXIT",                                # 0x60
+        "BRA 0x70",                            # 0x70
+        "FFMA R1, R2, R3, R4",                 # 0x80 the subroutine
+        "RET.REL.NODEC R10 0x0",               # 0x90
+    )
+    (row,) = lc.census(sass, lc.IterationWork(hmma=1, ldgsts=1, exponentials=0))
+    assert row.instructions == 6
+    assert row.classes["memory"] == 1 and row.classes["fp32"] == 0  # the padding LDS; the callee is not walked
+    blocks = lc.blocks_of(lc.parse(sass))
+    exit_jump = next(b for b in blocks if b.instructions[-1].text.startswith("@P0 CALL"))
+    assert {blocks[s].start for s in exit_jump.successors} == {0x50, 0x60}
+
+
+def test_main_loop_is_the_innermost_loop_that_issues_the_work():
+    sass = listing(
+        "IADD3 R1, R1, 0x1, RZ",               # 0x00 outer head
+        "HMMA.16816.F32 R4, R8, R12, R4",      # 0x10 inner loop (an unroll-1 chunk loop)
+        "@P1 BRA 0x10",                        # 0x20
+        "LDSM.16.M88.4 R8, [R2]",              # 0x30
+        "@P0 BRA 0x0",                         # 0x40 outer back edge
+        "EXIT",                                # 0x50
+    )
+    # The inner loop cannot issue an LDSM (the outer loop's work), so the outer loop is the main one.
+    (row,) = lc.census(sass, lc.IterationWork(hmma=3, ldgsts=0, exponentials=0))
+    assert row.loop_addresses == (0x0, 0x40)
+    assert row.instructions == 1 + 3 * 2 + 2  # the inner loop three times
+    assert row.classes["ldsm"] == 1
+    # A loop around the main loop (the deterministic backward's loop over K/V blocks) is not the main loop.
+    wrapped = listing(
+        "IADD3 R20, R20, 0x1, RZ",             # 0x00 the loop around
+        "LDGSTS.E.BYPASS.128 [R5], [R6.64]",   # 0x10
+        "HMMA.16816.F32 R4, R8, R12, R4",      # 0x20 main loop head
+        "IADD3 R1, R1, 0x1, RZ",               # 0x30
+        "@P0 BRA 0x20",                        # 0x40 main loop back edge
+        "@P1 BRA 0x0",                         # 0x50
+        "EXIT",                                # 0x60
+    )
+    (row,) = lc.census(wrapped, lc.IterationWork(hmma=1, ldgsts=0, exponentials=0))
+    assert row.loop_addresses == (0x20, 0x40) and row.instructions == 3
+
+
+def test_a_listing_without_instructions_or_mma_loop_is_refused():
+    with pytest.raises(ValueError, match="no SASS instruction"):
+        lc.parse("code for sm_80\n")
+    with pytest.raises(lc.NoPathError, match="no loop holding HMMA"):
+        lc.census(listing("IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x0", "EXIT"), lc.IterationWork(0, 0, 0))
+
+
+def test_instruction_classes():
+    assert lc.instruction_class("HMMA.16816.F32.BF16") == "hmma"
+    assert lc.instruction_class("LDGSTS.E.BYPASS.LTC128B.128.ZFILL") == "ldgsts"
+    assert lc.instruction_class("RED.E.ADD.F32.FTZ.RN.STRONG.GPU") == "memory"
+    assert lc.instruction_class("MUFU.EX2") == "mufu"
+    assert lc.instruction_class("BAR.SYNC.DEFER_BLOCKING") == "barrier"
+    assert lc.instruction_class("IMAD.WIDE.U32") == "integer"
+    assert lc.instruction_class("F2FP.F16.F32.PACK_AB") == "other"
+
+
+def test_iteration_work_of_the_tiles():
+    # FA2's counts at its tiles (../shared/notes/anchors.md, issue [lean]): forward d128 128x32x4 128 HMMA per
+    # warp and 8 copies per thread; backward d128 64x64x8 160 HMMA.
+    forward = fa2_tc.ForwardTraits(128, block_m=128, block_n=32, warps=4)
+    assert lc.iteration_work(forward) == lc.IterationWork(hmma=128, ldgsts=8, exponentials=32, global_writes=0)
+    backward = fa2_tc.BackwardTraits(128, block_m=64, block_n=64, warps=8)
+    assert lc.iteration_work(backward) == lc.IterationWork(hmma=160, ldgsts=8, exponentials=16, global_writes=32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tensor-core kernels (compiled through the cache; cuobjdump and nvdisasm come with the test extra).
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
+    target = targets.target(arch)
+    traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim, target)
+    work = lc.iteration_work(traits)
+    rows = {dtype: lc.instance_census(traits, dtype, arch) for dtype in ("float16", "bfloat16")}
+    for dtype, (row, *others) in rows.items():
+        assert row.path.path == "plain" and row.work == work
+        assert row.path.hmma == work.hmma and row.path.classes["ldgsts"] == work.ldgsts
+        assert 3.0 < row.path.instructions_per_hmma < 20.0, row.as_json()
+        json.dumps(row.as_json())
+        assert {"kernel", "arch", "path", "instructions", "hmma", "instructions_per_hmma"} <= set(row.as_json())
