@@ -144,6 +144,20 @@ def test_instruction_classes():
     assert lc.instruction_class("F2FP.F16.F32.PACK_AB") == "other"
 
 
+def test_report_json_carries_the_census_of_tensor_core_instances():
+    from cuflash.kernels import report
+    from cuflash.kernels.families import fa2
+
+    traits = fa2_tc.forward_traits(64, targets.target("sm_80"))
+    simt = fa2.forward_traits(64, targets.target("sm_80")).instance("float32")
+    rows, errors = report.build_report(["sm_80"], instances=[traits.instance("bfloat16"), simt])
+    assert not errors
+    by_kernel = {row.compiled.instance: report.loop_census_json(row) for row in rows}
+    assert by_kernel[simt] == {}  # SIMT kernels have no HMMA loop to census
+    (loop,) = by_kernel[traits.instance("bfloat16")]["main_loop"]
+    assert loop["path"] == "plain" and loop["hmma"] == lc.iteration_work(traits).hmma
+
+
 def test_iteration_work_of_the_tiles():
     # FA2's counts at its tiles (../shared/notes/anchors.md, issue [lean]): forward d128 128x32x4 128 HMMA per
     # warp and 8 copies per thread; backward d128 64x64x8 160 HMMA.

@@ -425,10 +425,16 @@ def tensor_core_traits(arch: str) -> list:
     return list(dict.fromkeys(found))
 
 
-def instance_census(traits, dtype: str, arch: str) -> list[CensusRow]:
+def traits_by_instance(arch: str) -> dict:
+    """The tensor-core tiles of ``arch``'s plans by the instance each compiles to (fp16 and bf16)."""
+    return {traits.instance(dtype): traits for traits in tensor_core_traits(arch) for dtype in ("float16", "bfloat16")}
+
+
+def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[CensusRow]:
+    """The census of ``traits``' instance for ``dtype`` on ``arch`` (compiled through the cache unless given)."""
     from . import nvrtc
 
-    compiled = nvrtc.compile_instance(traits.instance(dtype), arch)
+    compiled = compiled or nvrtc.compile_instance(traits.instance(dtype), arch)
     sass = nvrtc.dump_sass(compiled)
     if sass is None:
         raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")

@@ -108,6 +108,19 @@ def build_report(
     return rows, errors
 
 
+def loop_census_json(row: ReportRow) -> dict:
+    """{"main_loop": census rows} for a tensor-core instance (loop_census.py), {} for any other kernel."""
+    from . import loop_census
+
+    traits = loop_census.traits_by_instance(row.compiled.arch).get(row.compiled.instance)
+    if traits is None:
+        return {}
+    dtype = next(d for d in ("float16", "bfloat16") if traits.instance(d) == row.compiled.instance)
+    census = loop_census.instance_census(traits, dtype, row.compiled.arch, row.compiled)
+    return {"main_loop": [{key: value for key, value in r.as_json().items() if key not in ("kernel", "arch")}
+                          for r in census]}
+
+
 def archs_to_report(requested: Sequence[str] | None, known: Sequence[int]) -> tuple[list[str], list[str]]:
     """(archs to compile, default archs skipped) for NVRTC knowing ``known`` (80 is sm_80); ``requested`` None
     means the defaults. A requested arch NVRTC does not know is a ValueError."""
@@ -174,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print a JSON list (keys: " + ", ".join(JSON_KEYS) + ")")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     parser.add_argument("--no-spills", action="store_true", help="also exit 1 if any instance spills registers")
+    parser.add_argument("--loop", action="store_true",
+                        help="with --json: add each tensor-core instance's loop census (key main_loop; "
+                             "python -m cuflash.kernels loop)")
     args = parser.parse_args(argv)
 
     try:
@@ -189,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     if args.json:
-        print(json.dumps([row.as_json() for row in rows], indent=1))
+        print(json.dumps([{**row.as_json(), **(loop_census_json(row) if args.loop else {})} for row in rows],
+                         indent=1))
     else:
         print(format_table(rows))
         for row in rows:
