@@ -219,14 +219,14 @@ def l2_flush_bytes(cupy) -> int:
     return 2 * (int(cupy.cuda.Device().attributes.get("L2CacheSize", 0)) or 32 << 20)
 
 
-# Spins on the global nanosecond timer: independent of clock boost, and one thread keeps the stream busy.
+# Spins for a number of SM clock cycles (clock64, a CUDA built-in: no inline PTX outside cuda_src/arch). Cycles are
+# converted from microseconds at the device's rated clock; boost makes the spin shorter or longer than asked, which
+# BusyStartTimer absorbs (it doubles a spin that did not cover the call). One thread keeps the stream busy.
 _SPIN_SOURCE = r"""
-extern "C" __global__ void cuflash_bench_spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < nanoseconds);
+extern "C" __global__ void cuflash_bench_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
 }
 """
 
@@ -247,6 +247,7 @@ class CudaStream:
         self.bytes = l2_flush_bytes(cupy)
         self._buffer = cupy.empty(self.bytes, dtype=cupy.uint8)
         self._spin = cupy.RawKernel(_SPIN_SOURCE, "cuflash_bench_spin")
+        self._cycles_per_us = int(cupy.cuda.Device().attributes.get("ClockRate", 0) or 2_000_000) / 1000.0  # kHz
 
     def _on_stream(self, work: Callable[[], None]) -> None:
         if self._stream_ptr is None:
@@ -259,8 +260,8 @@ class CudaStream:
         self._on_stream(lambda: self._buffer.fill(1))
 
     def busy(self, microseconds: float) -> None:
-        nanoseconds = self._np.uint64(int(microseconds * 1000))
-        self._on_stream(lambda: self._spin((1,), (1,), (nanoseconds,)))
+        cycles = self._np.int64(int(microseconds * self._cycles_per_us))
+        self._on_stream(lambda: self._spin((1,), (1,), (cycles,)))
 
     def event(self) -> object:
         event = self._make_event()
