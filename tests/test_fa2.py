@@ -9,14 +9,16 @@
 * Global traffic of every launch, byte for byte, against the kernels' formulas (fa2.forward_traffic /
   backward_traffic), against FA2's closed form (Q once, K and V once per Q block, O and lse once), and the causal
   block skip (blocks above the diagonal are not read).
-* Forward bitwise identical across reruns; deterministic backward bitwise identical across reruns, with its dq
-  slices left unfilled (NaN) so a read of an unwritten slice element would show.
+* Forward bitwise identical across reruns; deterministic backward bitwise identical across reruns, with what each
+  of its dq slices holds (K/V blocks s, s + S, ... of a block looping over them) and how the convert kernel sums
+  them (tests/test_deterministic_backward.py has the rest).
 * Launch-shape guards (too little shared memory, wrong block size trap), traits validation, and NVRTC builds for
   sm_80 / sm_90 without spills.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -206,12 +208,13 @@ def _run_forward(q, k, v, causal, scale, program=None):
     return out, lse
 
 
-def _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=False):
+def _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=False, program=None):
     backend = SimulatorBackend()
     problem = _problem(q, k, causal, deterministic)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
-    scratch = run_program(backend, _variant(problem).backward_program(problem, SM80), problem, scale, arrays)
+    program = program or _variant(problem).backward_program(problem, SM80)
+    scratch = run_program(backend, program, problem, scale, arrays)
     return grads["dq"], grads["dk"], grads["dv"], scratch
 
 
@@ -232,18 +235,21 @@ def test_zero_length_sequences(seqlen_q, seqlen_k, causal):
 
 
 def test_dout_dot_out_and_deterministic_slices():
-    """D = rowsum(dO * O) lands in dout_dot_out; in deterministic mode dq_accum has one slice per K/V block, left
-    unfilled (NaN) by the program, and slice j holds exactly K/V block j's unscaled dQ for the rows that see it."""
+    """D = rowsum(dO * O) lands in dout_dot_out; in deterministic mode on a 2-SM device dq_accum has 2 zero-filled
+    slices for 3 K/V blocks, block s of the main kernel loops over K/V blocks s, s + 2, and slice s holds exactly
+    their unscaled dQ; the convert kernel sums the slices in order, for the rows that see a key."""
     causal, scale = True, 0.25
     shape = (1, 70, 150, 2, 1, 24)
     q, k, v, dout = _inputs(shape, "float32", seed=6)
     out, lse = _run_forward(q, k, v, causal, scale)
     problem = _problem(q, k, causal, deterministic=True)
     block_n = fa2.backward_traits(24, SM80).block_n
-    program = fa2.backward_program(problem, SM80)
-    assert program.num_dq_splits == math.ceil(150 / block_n) > 1
-    assert [s.zero_init for s in program.scratch if s.name == "dq_accum"] == [False]
-    dq, _, _, scratch = _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
+    two_sms = dataclasses.replace(SM80, sm_count=2)
+    program = fa2.backward_program(problem, two_sms)
+    assert math.ceil(150 / block_n) == 3 and program.num_dq_splits == 2
+    assert program.launches[1].grid == (2, 1, 1)
+    assert [s.zero_init for s in program.scratch if s.name == "dq_accum"] == [True]
+    dq, _, _, scratch = _run_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True, program=program)
 
     d = np.einsum("bihd,bihd->bhi", dout.astype(np.float64), out.astype(np.float64))
     np.testing.assert_allclose(scratch["dout_dot_out"], d, rtol=1e-5, atol=1e-5)
@@ -259,16 +265,16 @@ def test_dout_dot_out_and_deterministic_slices():
     dp = np.einsum("bihd,bjhd->bhij", dout.astype(np.float64), v64)
     ds = p * (dp - scratch["dout_dot_out"][..., None])
     accum = scratch["dq_accum"].reshape(program.num_dq_splits, *dq.shape)  # (splits, rows, heads, d) by batch
-    for j in range(program.num_dq_splits):
-        keys_j = slice(j * block_n, (j + 1) * block_n)
-        part = np.einsum("bhij,bjhd->bihd", ds[..., keys_j], k64[:, keys_j])
-        sees_block = visible[:, j * block_n]  # the rows whose slice j is read back
-        np.testing.assert_allclose(accum[j][:, sees_block], part[:, sees_block], rtol=1e-4, atol=1e-5)
-    # The convert kernel: each row's slices summed in slice order in float32, then scaled; bit for bit.
+    for split in range(program.num_dq_splits):
+        keys = np.arange(shape[2]) // block_n % program.num_dq_splits == split  # K/V blocks split, split + 2, ...
+        part = np.einsum("bhij,bjhd->bihd", ds[..., keys], k64[:, keys])
+        np.testing.assert_allclose(accum[split], part, rtol=1e-4, atol=1e-5)
+    # The convert kernel: the slices summed in slice order in float32, then scaled, for the rows that see a key;
+    # bit for bit.
     expected = np.zeros(dq.shape, np.float32)
-    for j in range(program.num_dq_splits):
-        rows_j = visible[:, j * block_n]
-        expected[:, rows_j] += accum[j][:, rows_j]
+    sees_key = visible.any(axis=1)
+    for split in range(program.num_dq_splits):
+        expected[:, sees_key] += accum[split][:, sees_key]
     assert np.array_equal(dq, expected * np.float32(scale))
 
 

@@ -147,8 +147,9 @@ def test_every_forward_instance_race_free_reproducible_and_on_formula(arch, head
 
 @pytest.mark.parametrize("arch, head_dim, dtype", BACKWARD_CASES)
 def test_every_backward_instance_race_free_reproducible_and_on_formula(arch, head_dim, dtype):
-    """Both dq modes under the race detector (dq_accum by red.add from several K/V blocks, or by plain stores into
-    per-block slices); the deterministic mode bitwise equal across cp.async landings."""
+    """Both dq modes under the race detector (dq_accum by red.add from several K/V blocks into one slice, or from
+    each block into its own slice); the deterministic mode bitwise equal across cp.async landings
+    (tests/test_deterministic_backward.py runs blocks that loop over several K/V blocks)."""
     q, k, v, dout = _instance_inputs(head_dim, dtype)
     out, lse, _ = _run(q, k, v, True, None, arch)
     for deterministic in (False, True):

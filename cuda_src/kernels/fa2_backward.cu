@@ -5,10 +5,11 @@
 //    warp per row, lanes over 4-element chunks of the head dim, one shuffle reduction.
 //    Reads 2 * B * H * Sq * d * es bytes, writes 4 * B * H * Sq.
 //
-// 2. fa2_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (ceil(seqlen_k / BlockN),
-//    nheads_k, batch). A block owns one K/V block (BlockN keys) of one kv head: K_j, V_j are
-//    loaded into shared memory once and dK_j, dV_j are accumulated in registers for the
-//    whole kernel. It loops over the query heads of its group (GQA/MQA: the group's dK/dV sum
+// 2. fa2_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (X, nheads_k, batch). Block x
+//    takes the K/V blocks j = x, x + X, x + 2X, ... of one kv head (X = ceil(seqlen_k / BlockN):
+//    one K/V block each; deterministic: X = num_dq_splits, see below); per K/V block (BlockN
+//    keys) K_j, V_j are loaded into shared memory once and dK_j, dV_j are accumulated in
+//    registers. It loops over the query heads of its group (GQA/MQA: the group's dK/dV sum
 //    happens on chip, in a fixed order, with no float32 dk/dv scratch and no extra reduction
 //    kernel; the price is group-fold fewer blocks in flight for MQA-like shapes) and, per head,
 //    over the Q blocks that see the K/V block (mask.cuh's q_blocks: under causal from the first
@@ -20,36 +21,39 @@
 //        factor keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, what multiplied V in the forward)
 //        dV_j += P^T dO_i, dK_j += dS^T Q_i                      (mma_tn, keys x head dim)
 //        dQ_i += dS K_j -> float32 dq_accum                      (mma_nn, rows x head dim)
-//    dq update: num_dq_splits == 1: red.global.add.f32 (arch::atomic_add) into one
-//    zero-initialised slice; blocks of different K/V blocks race on it, so the float32 sum
-//    order (and the last bits) may vary between runs. num_dq_splits == number of K/V blocks
-//    (deterministic=True): K/V block j owns slice j and writes it with plain stores (every
-//    element it covers exactly once), and kernel 3 sums the slices in index order.
-//    At the end dK_j * scale and dV_j are written in the element type.
+//    dq update: red.global.add.f32 (arch::atomic_add) into a zero-initialised dq_accum slice.
+//    Atomic mode (num_dq_splits == 1, a block per K/V block): one slice that the blocks of
+//    different K/V blocks race on, so the float32 sum order (and the last bits) may vary
+//    between runs. Deterministic mode (FA2's): X = num_dq_splits = S blocks per kv head, S
+//    fixed by the device's SM count (fa2.py's num_dq_splits_for), never by seqlen_k; block x
+//    adds into slice x only, each element from the one thread that owns it in the dQ tiling,
+//    in program order (K/V blocks, then heads, then Q blocks), so every slice's sums and
+//    kernel 3's sum of the S slices in index order are the same bits on every run.
+//    After each K/V block dK_j * scale and dV_j are written in the element type.
 //
-// 3. fa2_convert_dq_kernel<T, BlockN>: dq = scale * sum of the dq_accum slices a row touched,
+// 3. fa2_convert_dq_kernel<T, BlockN>: dq = scale * sum of the num_dq_splits dq_accum slices,
 //    in slice order; grid = (ceil(seqlen_q / 16), nheads, batch), 128 threads over (row,
-//    4-dim chunk). A row reads slice j only if it sees a key of K/V block j (in split mode) or
-//    any key (single slice), so rows that see no key get exactly 0 and no slice element that
-//    no kernel wrote is ever read (the deterministic slices need no zero fill).
+//    4-dim chunk). A row that sees no key reads nothing and gets exactly 0 (BlockN: which
+//    rows see a key, as the main kernel's K/V blocks do).
 //
 // What it costs (es = sizeof(T), d = headdim, M = BlockM, N = BlockN, G = nheads / nheads_k):
 //   kernel 2, per block (b, kv head, j) with keys_j = min(N, Sk - j N), for each of its G heads
 //   and each Q block i it visits (rows_i = min(M, Sq - i M)):
 //     reads  2 * keys_j * d * es                      (K_j, V_j once)
 //          + sum_i rows_i * (2 * d * es + 8)          (Q_i, dO_i, lse_i, D_i)
-//          + sum_i rows_i * d * 4     [atomic mode: red.add reads what it adds to]
-//     writes sum_i rows_i * d * 4                     (dq_accum: red.add or store)
+//          + sum_i rows_i * d * 4                     (red.add reads what it adds to)
+//     writes sum_i rows_i * d * 4                     (dq_accum by red.add)
 //          + 2 * keys_j * d * es                      (dK_j, dV_j once)
+//   (the same in both modes: a deterministic block moves what its K/V blocks' blocks would).
 //   Without causal: Q, dO are read ceil(Sk / N) times and K, V once per kv head.
-//   kernel 3: reads 4 * d per row and slice it sums, writes d * es per row.
+//   kernel 3: reads 4 * d * S per row that sees a key, writes d * es per row.
 //   FLOPs: 2.5x the forward's (5 products of 2 * Sq * Sk * d each; 4 of them are the FA2
 //   backward's own, the fifth is recomputing S).
-//   Deterministic mode cost: dq_accum grows from B * Sq * H * d to ceil(Sk / N) * B * Sq * H * d
-//   floats (e.g. Sk = 4096, N = 64: 64 slices), kernel 2 writes the same number of bytes
-//   (stores instead of reductions, so it reads 4 * d bytes per row and K/V block less), and
-//   kernel 3 reads every slice a row touched instead of one: + 4 d bytes per row per extra
-//   slice. Nothing else changes (same tiles, no semaphores, no serialisation).
+//   Deterministic mode cost: dq_accum grows from B * Sq * H * d to S * B * Sq * H * d floats,
+//   S = min(K/V blocks, ceil(SMs / (B * H_k))) (e.g. 132 SMs, B = 1, H_k = 32: S = 5; with
+//   B * H_k >= SMs, S = 1), linear in Sq and independent of Sk; kernel 3 reads S slices per
+//   row instead of one. Parallelism: S * B * H_k blocks (about one wave) instead of
+//   ceil(Sk / N) * B * H_k, each doing ceil(Sk / N) / S blocks' work in turn.
 //
 // Tiles (Python table, cuflash/kernels/families/fa2.py), BlockM x BlockN (Q step x K/V block):
 // 32 x 64 up to head dim 128 (8 warps at 64 and 128, 4 at 32 and 96 where 256 threads do not
@@ -113,14 +117,13 @@ struct BackwardTraits {
   static_assert(BlockM % 4 == 0 && BlockN % 32 == 0 && BlockM <= kThreads, "tile shape");
 };
 
-// Slices of dq_accum that query row `row` reads back. In split mode (num_dq_splits > 1) slice j
-// holds K/V block j's part and exists for the row when the row sees a key of block j (then
-// block j visits the row's Q block); otherwise the single slice 0 holds every block's part.
+// Slices of dq_accum that query row `row` reads back: all num_dq_splits of them (zero-filled,
+// so a slice none of whose K/V blocks the row sees adds 0) if the row sees a key, else none,
+// which makes the dq of a row that sees no key exactly 0.
 template <int BlockN>
 __device__ __forceinline__ IndexRange dq_slices_of_row(const AttentionParams& p, const BlockInfo& info, int row) {
   const IndexRange blocks = MaskPolicy::of(p, info).kv_blocks<BlockN>(row, row + 1);
-  if (blocks.empty()) return IndexRange{0, 0};
-  return p.num_dq_splits > 1 ? blocks : IndexRange{0, 1};
+  return IndexRange{0, blocks.empty() ? 0 : p.num_dq_splits};
 }
 
 }  // namespace fa2
@@ -166,9 +169,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   constexpr int kThreads = Tr::kThreads;
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
-  const bool split_dq = p.num_dq_splits > 1;
+  // Deterministic mode runs one block per slice along x.
   if (launch_differs_from_traits<Tr::kSmemBytes, kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
-      (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
+      (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)))
     __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
   float* k_tile = smem + Tr::kKOffset;
@@ -180,23 +183,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   float* lse_rows = smem + Tr::kLseOffset;
   float* dot_rows = smem + Tr::kDOffset;
 
-  const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const BlockInfo kv_info = BlockInfo::of_group(p, batch, kv_head, 0);
   const int tid = threadIdx.x;
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
-  const int key0 = n_block * BlockN;
-  if (key0 >= kv_info.seqlen_k(p)) return;  // past its sequence's keys (varlen): the whole block, before any barrier
-  const int block_keys = min(BlockN, kv_info.seqlen_k(p) - key0);
   const float softmax_scale = p.softmax_scale;
   const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
-
-  const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
-  const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-  fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k, p.k_stride.row, block_keys, d, tid, kThreads);
-  fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, d, tid, kThreads);
+  const int dq_slice = p.num_dq_splits > 1 ? blockIdx.x : 0;
 
   // This thread's tiles. S / dP: rows s_row + i * kThreadsM, keys s_key + j * kThreadsN.
   const int s_row = tid / STile::kThreadsN;
@@ -207,106 +202,114 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   // dQ: rows q_row + i * kThreadsM, dim chunks q_dim + j * kThreadsN.
   const int q_row = tid / QTile::kThreadsN;
   const int q_dim = tid % QTile::kThreadsN;
-
-  float acc_dk[KvTile::kM][4][KvTile::kN][4];
-  float acc_dv[KvTile::kM][4][KvTile::kN][4];
-#pragma unroll
-  for (int i = 0; i < KvTile::kM; ++i)
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int j = 0; j < KvTile::kN; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
-
   const MaskPolicy mask = MaskPolicy::of(p, kv_info);  // the sequence's: the same for every head of the group
-  const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
-  for (int h = 0; h < group; ++h) {
-    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-    const ScoreHook score_hook = ScoreHook::of(p, info);
-    const Dropout dropout = Dropout::of(p, batch, info.head);
-    const T* q_head = info.q<T>(p);
-    const T* do_head = info.dout<T>(p);
-    const long long row_base = info.row_stats_offset(p);
-    float* dq_head = info.dq_accum(p, split_dq ? n_block : 0);  // slice n_block (split mode) or the one slice
-    const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
-    for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
-      const int row0 = m_block * BlockM;
-      const int block_rows = min(BlockM, mask.seqlen_q - row0);
-      __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS
-      fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row,
-                                                      block_rows, d, tid, kThreads);
-      fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
-                                                      p.dout_stride.row, block_rows, d, tid, kThreads);
-      fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, tid, lse_rows, dot_rows);
-      __syncthreads();
+  // This block's K/V blocks: just blockIdx.x in atomic mode, every gridDim.x-th in deterministic mode. The test is
+  // block-uniform and made before an iteration's barriers; varlen: a block past its sequence's keys runs none.
+  for (int n_block = blockIdx.x; n_block * BlockN < kv_info.seqlen_k(p); n_block += gridDim.x) {
+    const int key0 = n_block * BlockN;
+    const int block_keys = min(BlockN, kv_info.seqlen_k(p) - key0);
+    __syncthreads();  // everyone is done with the previous K/V block's K and V tiles
+    const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+    const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+    fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k, p.k_stride.row, block_keys, d, tid, kThreads);
+    fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, d, tid, kThreads);
 
-      // S = Q K^T and dP = dO V^T, then P and dS, for this thread's rows x keys.
-      {
-        float s[STile::kM][STile::kN], dp[STile::kM][STile::kN];
+    float acc_dk[KvTile::kM][4][KvTile::kN][4];
+    float acc_dv[KvTile::kM][4][KvTile::kN][4];
 #pragma unroll
-        for (int i = 0; i < STile::kM; ++i)
+    for (int i = 0; i < KvTile::kM; ++i)
 #pragma unroll
-          for (int j = 0; j < STile::kN; ++j) s[i][j] = dp[i][j] = 0.f;
-        fa2::mma_nt<STile::kM, STile::kN>(s, q_tile + s_row * Tr::kRowStride, STile::kThreadsM * Tr::kRowStride,
-                                          k_tile + s_key * Tr::kRowStride, STile::kThreadsN * Tr::kRowStride,
-                                          k_extent);
-        fa2::mma_nt<STile::kM, STile::kN>(dp, do_tile + s_row * Tr::kRowStride,
-                                          STile::kThreadsM * Tr::kRowStride, v_tile + s_key * Tr::kRowStride,
-                                          STile::kThreadsN * Tr::kRowStride, k_extent);
-        const bool needs_mask = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+      for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int i = 0; i < STile::kM; ++i) {
-          const int r = s_row + i * STile::kThreadsM;
-          const float lse = lse_rows[r];
-          const float dot = dot_rows[r];
+        for (int j = 0; j < KvTile::kN; ++j)
 #pragma unroll
-          for (int j = 0; j < STile::kN; ++j) {
-            const int c = s_key + j * STile::kThreadsN;
-            float dscore;  // d score / d (scale q.k)
-            const float qk = score_hook(s[i][j], row0 + r, key0 + c, dscore);
-            float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
-            if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
-            const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
-            p_tile[r * Tr::kPStride + c] = prob * kept;
-            ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
+          for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
+
+    const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+    for (int h = 0; h < group; ++h) {
+      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
+      const ScoreHook score_hook = ScoreHook::of(p, info);
+      const Dropout dropout = Dropout::of(p, batch, info.head);
+      const T* q_head = info.q<T>(p);
+      const T* do_head = info.dout<T>(p);
+      const long long row_base = info.row_stats_offset(p);
+      float* dq_head = info.dq_accum(p, dq_slice);
+      const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+
+      for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
+        const int row0 = m_block * BlockM;
+        const int block_rows = min(BlockM, mask.seqlen_q - row0);
+        __syncthreads();  // everyone is done with the previous Q_i, dO_i, P, dS
+        fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row,
+                                                        block_rows, d, tid, kThreads);
+        fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
+                                                        p.dout_stride.row, block_rows, d, tid, kThreads);
+        fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, tid, lse_rows, dot_rows);
+        __syncthreads();
+
+        // S = Q K^T and dP = dO V^T, then P and dS, for this thread's rows x keys.
+        {
+          float s[STile::kM][STile::kN], dp[STile::kM][STile::kN];
+#pragma unroll
+          for (int i = 0; i < STile::kM; ++i)
+#pragma unroll
+            for (int j = 0; j < STile::kN; ++j) s[i][j] = dp[i][j] = 0.f;
+          fa2::mma_nt<STile::kM, STile::kN>(s, q_tile + s_row * Tr::kRowStride, STile::kThreadsM * Tr::kRowStride,
+                                            k_tile + s_key * Tr::kRowStride, STile::kThreadsN * Tr::kRowStride,
+                                            k_extent);
+          fa2::mma_nt<STile::kM, STile::kN>(dp, do_tile + s_row * Tr::kRowStride,
+                                            STile::kThreadsM * Tr::kRowStride, v_tile + s_key * Tr::kRowStride,
+                                            STile::kThreadsN * Tr::kRowStride, k_extent);
+          const bool needs_mask = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
+#pragma unroll
+          for (int i = 0; i < STile::kM; ++i) {
+            const int r = s_row + i * STile::kThreadsM;
+            const float lse = lse_rows[r];
+            const float dot = dot_rows[r];
+#pragma unroll
+            for (int j = 0; j < STile::kN; ++j) {
+              const int c = s_key + j * STile::kThreadsN;
+              float dscore;  // d score / d (scale q.k)
+              const float qk = score_hook(s[i][j], row0 + r, key0 + c, dscore);
+              float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+              if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
+              const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
+              p_tile[r * Tr::kPStride + c] = prob * kept;
+              ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
+            }
           }
         }
-      }
-      __syncthreads();
+        __syncthreads();
 
-      // dV += P^T dO, dK += dS^T Q over this Q block's rows.
-      fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dv, p_tile + kv_key * 4, Tr::kPStride, KvTile::kThreadsM * 4,
-                                                  do_tile + kv_dim * 4, Tr::kRowStride, KvTile::kThreadsN * 4);
-      fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dk, ds_tile + kv_key * 4, Tr::kPStride,
-                                                  KvTile::kThreadsM * 4, q_tile + kv_dim * 4, Tr::kRowStride,
-                                                  KvTile::kThreadsN * 4);
+        // dV += P^T dO, dK += dS^T Q over this Q block's rows.
+        fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dv, p_tile + kv_key * 4, Tr::kPStride, KvTile::kThreadsM * 4,
+                                                    do_tile + kv_dim * 4, Tr::kRowStride, KvTile::kThreadsN * 4);
+        fa2::mma_tn<KvTile::kM, KvTile::kN, BlockM>(acc_dk, ds_tile + kv_key * 4, Tr::kPStride,
+                                                    KvTile::kThreadsM * 4, q_tile + kv_dim * 4, Tr::kRowStride,
+                                                    KvTile::kThreadsN * 4);
 
-      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale).
-      {
-        float acc_dq[QTile::kM][QTile::kN][4];
+        // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale).
+        {
+          float acc_dq[QTile::kM][QTile::kN][4];
 #pragma unroll
-        for (int i = 0; i < QTile::kM; ++i)
+          for (int i = 0; i < QTile::kM; ++i)
 #pragma unroll
-          for (int j = 0; j < QTile::kN; ++j)
+            for (int j = 0; j < QTile::kN; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[i][j][e] = 0.f;
-        fa2::mma_nn<QTile::kM, QTile::kN, BlockN>(acc_dq, ds_tile + q_row * Tr::kPStride,
-                                                  QTile::kThreadsM * Tr::kPStride, k_tile + q_dim * 4,
-                                                  Tr::kRowStride, QTile::kThreadsN * 4);
+              for (int e = 0; e < 4; ++e) acc_dq[i][j][e] = 0.f;
+          fa2::mma_nn<QTile::kM, QTile::kN, BlockN>(acc_dq, ds_tile + q_row * Tr::kPStride,
+                                                    QTile::kThreadsM * Tr::kPStride, k_tile + q_dim * 4,
+                                                    Tr::kRowStride, QTile::kThreadsN * 4);
 #pragma unroll
-        for (int i = 0; i < QTile::kM; ++i) {
-          const int r = q_row + i * QTile::kThreadsM;
-          if (r >= block_rows) continue;
-          float* dq_row = dq_head + (row0 + r) * dq_row_stride;
+          for (int i = 0; i < QTile::kM; ++i) {
+            const int r = q_row + i * QTile::kThreadsM;
+            if (r >= block_rows) continue;
+            float* dq_row = dq_head + (row0 + r) * dq_row_stride;
 #pragma unroll
-          for (int j = 0; j < QTile::kN; ++j) {
-            const int dim0 = (q_dim + j * QTile::kThreadsN) * 4;
-            if (dim0 >= d) continue;
-            if (split_dq) {
-              fa2::store_chunk4(dq_row + dim0, acc_dq[i][j], d - dim0);
-            } else {
+            for (int j = 0; j < QTile::kN; ++j) {
+              const int dim0 = (q_dim + j * QTile::kThreadsN) * 4;
+              if (dim0 >= d) continue;
 #pragma unroll
               for (int e = 0; e < 4; ++e)
                 if (dim0 + e < d) arch::atomic_add(dq_row + dim0 + e, acc_dq[i][j][e]);
@@ -315,36 +318,36 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
         }
       }
     }
-  }
 
-  // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads), once.
-  T* dk = kv_info.dk<T>(p);
-  T* dv = kv_info.dv<T>(p);
+    // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads), once.
+    T* dk = kv_info.dk<T>(p);
+    T* dv = kv_info.dv<T>(p);
 #pragma unroll
-  for (int i = 0; i < KvTile::kM; ++i)
+    for (int i = 0; i < KvTile::kM; ++i)
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int key = (kv_key + i * KvTile::kThreadsM) * 4 + a;
-      if (key >= block_keys) continue;
+      for (int a = 0; a < 4; ++a) {
+        const int key = (kv_key + i * KvTile::kThreadsM) * 4 + a;
+        if (key >= block_keys) continue;
 #pragma unroll
-      for (int j = 0; j < KvTile::kN; ++j) {
-        const int dim0 = (kv_dim + j * KvTile::kThreadsN) * 4;
-        if (dim0 >= d) continue;
-        float x[4];
+        for (int j = 0; j < KvTile::kN; ++j) {
+          const int dim0 = (kv_dim + j * KvTile::kThreadsN) * 4;
+          if (dim0 >= d) continue;
+          float x[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] = acc_dk[i][a][j][e] * p.softmax_scale;
-        fa2::store_chunk4(dk + (key0 + key) * p.dk_stride.row + dim0, x, d - dim0);
-        fa2::store_chunk4(dv + (key0 + key) * p.dv_stride.row + dim0, acc_dv[i][a][j], d - dim0);
+          for (int e = 0; e < 4; ++e) x[e] = acc_dk[i][a][j][e] * p.softmax_scale;
+          fa2::store_chunk4(dk + (key0 + key) * p.dk_stride.row + dim0, x, d - dim0);
+          fa2::store_chunk4(dv + (key0 + key) * p.dv_stride.row + dim0, acc_dv[i][a][j], d - dim0);
+        }
       }
-    }
+  }
 }
 
 // ---- 3. dq = scale * sum of dq_accum slices -------------------------------------------------
 template <class T, int BlockN>
 __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_convert_dq_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
-  if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>() ||
-      (p.num_dq_splits > 1 && p.num_dq_splits != ceil_div(p.seqlen_k, BlockN)))
+  if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>() || p.num_dq_splits < 1 ||
+      p.num_dq_splits > max(1, ceil_div(p.seqlen_k, BlockN)))  // at most a slice per K/V block
     __trap();
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int d = p.headdim;

@@ -4,9 +4,10 @@
 // (fa2_backward.cu): fa2_dout_dot_out_kernel (D = rowsum(dO * O)) before it, fa2_convert_dq_kernel<T, BlockN>
 // (dq = scale * sum of the dq_accum slices) after it, with the same dq_accum layout and slice rules.
 //
-// fa2_tc_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (ceil(seqlen_k / BlockN), nheads_k, batch). A block
-// owns one K/V block (BlockN keys) of one kv head: K_j and V_j are loaded into shared memory once, dK_j and dV_j
-// accumulate in registers for the whole kernel. It loops over the query heads of its group (GQA/MQA: the group's
+// fa2_tc_backward_kernel<T, D, BlockM, BlockN, Warps>: grid = (X, nheads_k, batch), block x taking the K/V blocks
+// x, x + X, ... of one kv head (X = ceil(seqlen_k / BlockN), one K/V block each, or in deterministic mode X =
+// num_dq_splits; as in the SIMT backward). Per K/V block (BlockN keys) K_j and V_j are loaded into shared memory
+// once, dK_j and dV_j accumulate in registers. It loops over the query heads of its group (GQA/MQA: the group's
 // dK/dV sum in a fixed order, on chip) and per head over the Q blocks that see the K/V block (mask.cuh's
 // q_blocks; the others are skipped unread). Per Q block i:
 //     Q_i, dO_i (cp.async, 16-byte, zero-filled) issued during step i - 1 (pipeline below); load lse_i, D_i
@@ -16,15 +17,17 @@
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans (in column chunks)
-//   dq_accum: one zero-initialised slice updated with red.global.add.f32 (atomic mode), or slice j written with
-//   plain stores by K/V block j (deterministic mode), exactly as in the SIMT backward.
-//   At the end dK_j * scale and dV_j are rounded to T, staged through the K and V buffers and written in 16-byte
-//   chunks.
-// Varlen (block_info.cuh): the grid spans the longest sequence; a block past its sequence's keys returns at once,
-// and every length and sequence offset is re-read where it is used.
+//   dq_accum: zero-initialised slices updated with red.global.add.f32, exactly as in the SIMT backward: one slice
+//   all blocks race on (atomic mode), or slice x added to only by block x, each element by the one thread owning
+//   it, in program order (deterministic mode).
+//   After each K/V block dK_j * scale and dV_j are rounded to T, staged through the K and V buffers and written in
+//   16-byte chunks.
+// Varlen (block_info.cuh): the grid spans the longest sequence; a block runs no K/V block past its sequence's keys
+// (the loop's test, block-uniform, before any barrier), and every length and sequence offset is re-read where it
+// is used.
 // Warps: each product is tiled over all Warps warps as WarpsM x WarpsN warp tiles of whole 16-row strips and
 // pairs of n8 tiles (WarpTiling below; the S/dP, dK/dV and dQ tilings differ). dK/dV stay in the registers of
-// the warps that own them for the whole kernel.
+// the warps that own them for a whole K/V block.
 //
 // Shared memory (16-bit, XOR-swizzled, fa2_tc_tiles.cuh): K, V [BlockN][D]; two Q buffers and dO [BlockM][D];
 // P, dS [BlockM][BlockN]; float32 lse, D [BlockM]:
@@ -132,9 +135,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   using PTile = typename Tr::PTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
-  const bool split_dq = p.num_dq_splits > 1;
+  // Deterministic mode runs one block per slice along x.
   if (fa2tc::launch_shape_differs<Tr::kSmemBytes, Tr::kThreads, HeadDim>(p) ||
-      (split_dq && p.num_dq_splits != static_cast<int>(gridDim.x)))
+      (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)))
     __trap();
   unsigned char* k_tile = smem + Tr::kKOffset;
   unsigned char* v_tile = smem + Tr::kVOffset;
@@ -144,7 +147,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   float* lse_rows = reinterpret_cast<float*>(smem + Tr::kLseOffset);
   float* dot_rows = reinterpret_cast<float*>(smem + Tr::kDotOffset);
 
-  const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const BlockInfo kv_info = BlockInfo::of_group(p, batch, kv_head, 0);
@@ -153,213 +155,216 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   const int lane = tid % 32;
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
-  const int key0 = n_block * BlockN;
-  if (key0 >= kv_info.seqlen_k(p)) return;  // past its sequence's keys (varlen): the whole block, before any barrier
-  // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
-  auto block_keys = [&] { return min(BlockN, kv_info.seqlen_k(p) - key0); };
   const float softmax_scale = p.softmax_scale;
 
-  const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
-  const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-  fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k, p.k_stride.row, block_keys(), d,
-                                         fa2tc::rows_16b_aligned(k, p.k_stride.row), tid);
-  fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v, p.v_stride.row, block_keys(), d,
-                                         fa2tc::rows_16b_aligned(v, p.v_stride.row), tid);
-  arch::cp_async_commit();
-
-  fa2tc::Accumulator<DkDv::kMTiles, DkDv::kNTiles> acc_dk, acc_dv;
-  acc_dk.zero();
-  acc_dv.zero();
-
-  // The steps: the group's heads, each over the Q blocks that see the K/V block (the same blocks for every head of
-  // the group: one sequence, one mask).
-  const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
-  const int q_blocks = max(m_range.end - m_range.begin, 0);
-  const int steps = group * q_blocks;
-  // Copies of step `step`'s Q block (into q_dst) or dO block. The head's pointers are formed here, per copy: for
-  // varlen they come from cu_seqlens, so none of them stays live through the products (the kernel runs at the
-  // register limit; held per head they spilled 4 to 32 bytes).
-  auto load_rows = [&](int step, bool dout, unsigned char* dst) {
-    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
-    const int row0 = (m_range.begin + step % q_blocks) * BlockM;
-    const int rows = min(BlockM, info.seqlen_q(p) - row0);
-    if (dout)
-      fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
-          dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
-          fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid);
-    else
-      fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row,
-                                                            rows, d,
-                                                            fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid);
-  };
-  auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
-  if (steps > 0) {
-    load_rows(0, false, q_buffer(0));
-    load_rows(0, true, do_tile);
-  }
-  arch::cp_async_commit();
-
-  const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
-  // Step i issues Q_{i+1} at its start and dO_{i+1} after dV (the pipeline in the header); step i + 1 waits for
-  // just those two copy groups.
+  // This block's K/V blocks: just blockIdx.x in atomic mode, every gridDim.x-th in deterministic mode. The test is
+  // block-uniform and made before an iteration's barriers; varlen: a block past its sequence's keys runs none.
 #pragma unroll 1
-  for (int step = 0; step < steps; ++step) {
-    const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
-    const int row0 = (m_range.begin + step % q_blocks) * BlockM;
-    auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
-    unsigned char* q_tile = q_buffer(step);
-    // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
-    // the next Q block now fills.
-    __syncthreads();
-    if (step + 1 < steps) load_rows(step + 1, false, q_buffer(step + 1));
-    arch::cp_async_commit();  // possibly empty: the waits below count groups
-    fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
-    arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
-    __syncthreads();           // ... landed for every thread; lse, D visible to all
+  for (int n_block = blockIdx.x; n_block * BlockN < kv_info.seqlen_k(p); n_block += gridDim.x) {
+    const int key0 = n_block * BlockN;
+    // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
+    auto block_keys = [&] { return min(BlockN, kv_info.seqlen_k(p) - key0); };
+    __syncthreads();  // everyone is done with the previous K/V block's K and V buffers (its dK and dV staging)
 
-    // S = Q K^T, dP = dO V^T for this warp's tile; P and dS into shared memory as T.
-    {
-      fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
-      s.zero();
-      dp.zero();
-      fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
-                                                                                         s_n0, lane);
-      fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
-                                                                                         s_n0, lane);
-      const MaskPolicy mask = MaskPolicy::of(p, info);
-      const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
-      // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
-      // limit), for one cached load per Q block.
-      const ScoreHook score_hook = ScoreHook::of(p, info);
-      // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
-      // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
-      // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
-      // Tested per score instead, ptxas kept both tests in the loop: every score sat behind its own branches.
-      // (A lambda with template parameters would say it directly; NVRTC 12 refuses those in device code.)
-      auto p_and_ds = [&](bool hooked, bool tile_masked) {
+    const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+    const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k, p.k_stride.row, block_keys(), d,
+                                           fa2tc::rows_16b_aligned(k, p.k_stride.row), tid);
+    fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v, p.v_stride.row, block_keys(), d,
+                                           fa2tc::rows_16b_aligned(v, p.v_stride.row), tid);
+    arch::cp_async_commit();
+
+    fa2tc::Accumulator<DkDv::kMTiles, DkDv::kNTiles> acc_dk, acc_dv;
+    acc_dk.zero();
+    acc_dv.zero();
+
+    // The steps: the group's heads, each over the Q blocks that see the K/V block (the same blocks for every head of
+    // the group: one sequence, one mask).
+    const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
+    const int q_blocks = max(m_range.end - m_range.begin, 0);
+    const int steps = group * q_blocks;
+    // Copies of step `step`'s Q block (into q_dst) or dO block. The head's pointers are formed here, per copy: for
+    // varlen they come from cu_seqlens, so none of them stays live through the products (the kernel runs at the
+    // register limit; held per head they spilled 4 to 32 bytes).
+    auto load_rows = [&](int step, bool dout, unsigned char* dst) {
+      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
+      const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+      const int rows = min(BlockM, info.seqlen_q(p) - row0);
+      if (dout)
+        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
+            dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
+            fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid);
+      else
+        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
+            dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row, rows, d,
+            fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid);
+    };
+    auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
+    if (steps > 0) {
+      load_rows(0, false, q_buffer(0));
+      load_rows(0, true, do_tile);
+    }
+    arch::cp_async_commit();
+
+    const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
+    // Step i issues Q_{i+1} at its start and dO_{i+1} after dV (the pipeline in the header); step i + 1 waits for
+    // just those two copy groups.
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
+      const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+      auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
+      unsigned char* q_tile = q_buffer(step);
+      // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
+      // the next Q block now fills.
+      __syncthreads();
+      if (step + 1 < steps) load_rows(step + 1, false, q_buffer(step + 1));
+      arch::cp_async_commit();  // possibly empty: the waits below count groups
+      fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
+      arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
+      __syncthreads();           // ... landed for every thread; lse, D visible to all
+
+      // S = Q K^T, dP = dO V^T for this warp's tile; P and dS into shared memory as T.
+      {
+        fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
+        s.zero();
+        dp.zero();
+        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
+                                                                                           s_n0, lane);
+        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
+                                                                                           s_n0, lane);
+        const MaskPolicy mask = MaskPolicy::of(p, info);
+        const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
+        // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
+        // limit), for one cached load per Q block.
+        const ScoreHook score_hook = ScoreHook::of(p, info);
+        // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
+        // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
+        // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
+        // Tested per score instead, ptxas kept both tests in the loop: every score sat behind its own branches.
+        // (A lambda with template parameters would say it directly; NVRTC 12 refuses those in device code.)
+        auto p_and_ds = [&](bool hooked, bool tile_masked) {
 #pragma unroll
-        for (int i = 0; i < SdP::kMTiles; ++i) {
-          // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
-          unsigned keep_bits[SdP::kNTiles];
-          if (WithDropout) {
-            const Dropout dropout = Dropout::of(p, batch, info.head);
+          for (int i = 0; i < SdP::kMTiles; ++i) {
+            // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
+            unsigned keep_bits[SdP::kNTiles];
+            if (WithDropout) {
+              const Dropout dropout = Dropout::of(p, batch, info.head);
 #pragma unroll
-            for (int j = 0; j < SdP::kNTiles; ++j)
-              keep_bits[j] =
-                  dropout.keep_bits(row0 + s_m0 + fa2tc::acc_row(lane, i, 0), key0 + s_n0 + fa2tc::acc_col(lane, j));
+              for (int j = 0; j < SdP::kNTiles; ++j)
+                keep_bits[j] =
+                    dropout.keep_bits(row0 + s_m0 + fa2tc::acc_row(lane, i, 0), key0 + s_n0 + fa2tc::acc_col(lane, j));
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = s_m0 + fa2tc::acc_row(lane, i, half);
+              const float lse = lse_rows[r];
+              const float dot = dot_rows[r];
+#pragma unroll
+              for (int j = 0; j < SdP::kNTiles; ++j) {
+                const int c = s_n0 + fa2tc::acc_col(lane, j);
+                float prob[2], grad[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  float dscore = 1.f;  // d score / d (scale q.k)
+                  const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
+                                          : s.c[i][j][2 * half + e];
+                  prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+                  if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
+                  if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
+                    const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
+                    grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
+                    prob[e] *= kept;
+                  } else {
+                    grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                  }
+                }
+                *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) =
+                    arch::pack_float2<T>(prob[0], prob[1]);
+                *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
+                    arch::pack_float2<T>(grad[0], grad[1]);
+              }
+            }
           }
+        };
+        if (score_hook.active())
+          p_and_ds(true, masked);
+        else if (masked)
+          p_and_ds(false, true);
+        else
+          p_and_ds(false, false);
+      }
+      __syncthreads();  // P, dS complete
+
+      // dV += P^T dO_i; once every warp has read dO_i, the next step's dO copy is issued into its buffer; then
+      // dK += dS^T Q_i over this Q block's rows.
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
+                                                                                       do_tile, DkDv::n0(warp), lane);
+      __syncthreads();
+      if (step + 1 < steps) load_rows(step + 1, true, do_tile);
+      arch::cp_async_commit();
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
+                                                                                       q_tile, DkDv::n0(warp), lane);
+
+      // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
+      // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
+#pragma unroll 1
+      for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
+        constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
+        const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
+        fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
+        dq.zero();
+        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
+                                                                                       k_tile, n0, lane);
+#pragma unroll
+        for (int i = 0; i < Dq::kMTiles; ++i)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int r = s_m0 + fa2tc::acc_row(lane, i, half);
-            const float lse = lse_rows[r];
-            const float dot = dot_rows[r];
+            const int r = Dq::m0(warp) + fa2tc::acc_row(lane, i, half);
+            if (r >= block_rows()) continue;
+            // BlockInfo::dq_accum(p, slice) spelled out: through the helper ptxas spilled 8 bytes at d256 on sm_90.
+            // The slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
+            float* dq_row = p.dq_accum + (p.num_dq_splits > 1 ? blockIdx.x : 0) * BlockInfo::dense_q_elements(p) +
+                            info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
 #pragma unroll
-            for (int j = 0; j < SdP::kNTiles; ++j) {
-              const int c = s_n0 + fa2tc::acc_col(lane, j);
-              float prob[2], grad[2];
+            for (int j = 0; j < kChunkTiles; ++j)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                float dscore = 1.f;  // d score / d (scale q.k)
-                const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
-                                        : s.c[i][j][2 * half + e];
-                prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
-                if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
-                if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
-                  const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
-                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] * kept - dot);
-                  prob[e] *= kept;
-                } else {
-                  grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
-                }
-              }
-              *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) =
-                  arch::pack_float2<T>(prob[0], prob[1]);
-              *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
-                  arch::pack_float2<T>(grad[0], grad[1]);
-            }
-          }
-        }
-      };
-      if (score_hook.active())
-        p_and_ds(true, masked);
-      else if (masked)
-        p_and_ds(false, true);
-      else
-        p_and_ds(false, false);
-    }
-    __syncthreads();  // P, dS complete
-
-    // dV += P^T dO_i; once every warp has read dO_i, the next step's dO copy is issued into its buffer; then
-    // dK += dS^T Q_i over this Q block's rows.
-    fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
-                                                                                     do_tile, DkDv::n0(warp), lane);
-    __syncthreads();
-    if (step + 1 < steps) load_rows(step + 1, true, do_tile);
-    arch::cp_async_commit();
-    fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
-                                                                                     q_tile, DkDv::n0(warp), lane);
-
-    // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
-    // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
-#pragma unroll 1
-    for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
-      constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
-      const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
-      fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
-      dq.zero();
-      fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
-                                                                                     k_tile, n0, lane);
-#pragma unroll
-      for (int i = 0; i < Dq::kMTiles; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = Dq::m0(warp) + fa2tc::acc_row(lane, i, half);
-          if (r >= block_rows()) continue;
-          // BlockInfo::dq_accum(p, split_dq ? n_block : 0) spelled out: through the helper ptxas spilled 8 bytes
-          // at d256 on sm_90.
-          float* dq_row = p.dq_accum + (split_dq ? n_block : 0) * BlockInfo::dense_q_elements(p) +
-                          info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
-#pragma unroll
-          for (int j = 0; j < kChunkTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = n0 + fa2tc::acc_col(lane, j) + e;
-              if (col >= d) continue;
-              if (split_dq)
-                arch::store(dq_row + col, dq.c[i][j][2 * half + e]);
-              else
+                const int col = n0 + fa2tc::acc_col(lane, j) + e;
+                if (col >= d) continue;
                 arch::atomic_add(dq_row + col, dq.c[i][j][2 * half + e]);
-            }
-        }
-    }
-  }
-
-  // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers
-  // (every warp is done reading them after the barrier; the wait covers a block that visited no Q block and so
-  // never waited for its K/V copies), then 16-byte stores.
-  arch::cp_async_wait<0>();
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < DkDv::kMTiles; ++i)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = DkDv::m0(warp) + fa2tc::acc_row(lane, i, half);
-#pragma unroll
-      for (int j = 0; j < DkDv::kNTiles; ++j) {
-        const int col = DkDv::n0(warp) + fa2tc::acc_col(lane, j);
-        const float* dk_pair = &acc_dk.c[i][j][2 * half];
-        const float* dv_pair = &acc_dv.c[i][j][2 * half];
-        *reinterpret_cast<unsigned*>(k_tile + KVTile::element_offset(key, col)) =
-            arch::pack_float2<T>(dk_pair[0] * softmax_scale, dk_pair[1] * softmax_scale);
-        *reinterpret_cast<unsigned*>(v_tile + KVTile::element_offset(key, col)) =
-            arch::pack_float2<T>(dv_pair[0], dv_pair[1]);
+              }
+          }
       }
     }
-  __syncthreads();
-  T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
-  T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
-  fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
-  fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
+
+    // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers
+    // (every warp is done reading them after the barrier; the wait covers a block that visited no Q block and so
+    // never waited for its K/V copies), then 16-byte stores.
+    arch::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < DkDv::kMTiles; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = DkDv::m0(warp) + fa2tc::acc_row(lane, i, half);
+#pragma unroll
+        for (int j = 0; j < DkDv::kNTiles; ++j) {
+          const int col = DkDv::n0(warp) + fa2tc::acc_col(lane, j);
+          const float* dk_pair = &acc_dk.c[i][j][2 * half];
+          const float* dv_pair = &acc_dv.c[i][j][2 * half];
+          *reinterpret_cast<unsigned*>(k_tile + KVTile::element_offset(key, col)) =
+              arch::pack_float2<T>(dk_pair[0] * softmax_scale, dk_pair[1] * softmax_scale);
+          *reinterpret_cast<unsigned*>(v_tile + KVTile::element_offset(key, col)) =
+              arch::pack_float2<T>(dv_pair[0], dv_pair[1]);
+        }
+      }
+    __syncthreads();
+    T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
+    T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
+    fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
+    fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
+  }
 }
 
 }  // namespace cuflash

@@ -12,13 +12,14 @@ Programs
             (K/V blocks, nheads_k, batch) (dK, dV on chip, dQ into float32 ``dq_accum``), then
             ``fa2_convert_dq_kernel`` (dq = scale * sum of dq_accum slices, in the element type).
 
-Deterministic backward: ``deterministic=True`` gives ``dq_accum`` one slice per K/V block (``num_dq_splits`` =
-ceil(seqlen_k / block_n)); K/V block j stores its dQ part into slice j without atomics and the convert kernel sums
-each row's slices in index order. Cost: dq_accum memory grows by that factor (seqlen_k 4096, block_n 64: 64x, e.g.
-2 GiB instead of 32 MiB for batch 1, 16 heads, seqlen 4096, head dim 128); global traffic barely changes (the
-backward kernel stores 4 bytes where an atomic reads and writes 4 each; the convert kernel reads 4 bytes per slice a
-row touched instead of 4 once). With a single K/V block the one slice is already written by one block only, so the
-program keeps the zero-filled atomic slice.
+Deterministic backward (FA2's rule): ``deterministic=True`` runs the main kernel over ``num_dq_splits`` blocks per
+(kv head, batch) instead of one per K/V block; block x loops over K/V blocks x, x + S, x + 2S, ... (S =
+``num_dq_splits``, ``num_dq_splits_for``: enough blocks to fill the target's SMs, at most one per K/V block, at
+least 1) and adds its dQ parts into slice x of ``dq_accum`` (zero-filled), each element by the one thread that
+owns it, in program order; the convert kernel sums each row's S slices in index order. So dq_accum is S x the
+atomic mode's (linear in seqlen_q, independent of seqlen_k, and S * batch * nheads_k is about the SM count), the
+main kernel moves the same bytes as the atomic mode, and the convert kernel reads S slices per row that sees a key
+instead of one. The atomic mode is the same code with S = 1 and one block per K/V block (its loop runs once).
 
 GQA/MQA backward: a block loops over the query heads of its kv head, so dK/dV of a group are summed on chip in a
 fixed order (no per-query-head float32 dk/dv scratch, no reduction kernel, K/V read once per kv head); the cost is
@@ -361,41 +362,51 @@ def split_heuristic(blocks: int, sm_count: int, kv_blocks: int, max_splits: int 
 
 
 def num_dq_splits(problem: Problem, target: Target) -> int:
-    return num_dq_splits_for(problem, backward_traits(problem.headdim, target))
+    return num_dq_splits_for(problem, backward_traits(problem.headdim, target), target)
 
 
-def num_dq_splits_for(problem: Problem, traits) -> int:
-    """dq_accum slices: one per K/V block when deterministic (and there is more than one), else 1."""
+def num_dq_splits_for(problem: Problem, traits, target: Target) -> int:
+    """dq_accum slices, one per main-kernel block along grid.x: 1 in atomic mode; when deterministic, FA2's count,
+    enough blocks to fill the target's SMs (the grid's y and z are nheads_k and batch) but at most one per K/V
+    block, so the scratch never grows with seqlen_k."""
+    if not problem.deterministic:
+        return 1
     kv_blocks = ceil_div(problem.seqlen_k, traits.block_n)
-    return kv_blocks if problem.deterministic and kv_blocks > 1 else 1
+    heads = problem.batch * problem.nheads_k
+    return max(1, min(kv_blocks, ceil_div(target.sm_count, max(heads, 1))))
+
+
+def backward_main_grid(problem: Problem, traits, target: Target) -> tuple[int, int, int]:
+    """The main kernel's grid: a block per K/V block (atomic mode) or per dq_accum slice (deterministic: each
+    block loops over every num_dq_splits-th K/V block), per kv head and batch."""
+    blocks_x = ceil_div(problem.seqlen_k, traits.block_n)
+    if problem.deterministic:
+        blocks_x = min(blocks_x, num_dq_splits_for(problem, traits, target))
+    return check_grid((blocks_x, problem.nheads_k, problem.batch))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return backward_program_for(problem, backward_traits(problem.headdim, target))
+    return backward_program_for(problem, backward_traits(problem.headdim, target), target)
 
 
-def backward_program_for(problem: Problem, traits) -> Program:
+def backward_program_for(problem: Problem, traits, target: Target) -> Program:
     """The three-launch backward (pre-pass, the main kernel of ``traits``, convert) and its scratch; ``traits`` is
     a SIMT BackwardTraits or a tensor-core one (fa2_tc.py): anything with instance(dtype), convert_instance(dtype),
     threads, smem_bytes, block_m and block_n."""
     if problem.kvcache:
         raise ValueError("a KV cache is for the forward only (attention_with_kvcache has no backward)")
-    splits = num_dq_splits_for(problem, traits)
-    main_grid = (ceil_div(problem.seqlen_k, traits.block_n), problem.nheads_k, problem.batch)
+    splits = num_dq_splits_for(problem, traits, target)
+    main_grid = backward_main_grid(problem, traits, target)
     launches = (
         _row_kernel_launch(dout_dot_out_instance(problem.dtype), problem),
-        LaunchPlan(traits.instance(problem.dtype), check_grid(main_grid), (traits.threads, 1, 1), traits.smem_bytes),
+        LaunchPlan(traits.instance(problem.dtype), main_grid, (traits.threads, 1, 1), traits.smem_bytes),
         _row_kernel_launch(traits.convert_instance(problem.dtype), problem),
     )
     scratch = (
         Scratch("dout_dot_out", problem.row_stats_shape),
-        # A single slice is accumulated with atomics and must start at 0; split slices are only ever stored to
-        # (and read back only where stored), so they are left unfilled.
-        Scratch(
-            "dq_accum",
-            (splits, problem.rows_q, problem.nheads, problem.headdim),
-            zero_init=splits == 1,
-        ),
+        # Every slice is accumulated into (by atomics or by its one block's adds) and so starts at 0; the convert
+        # kernel reads all of a row's slices, including those no visited K/V block added to.
+        Scratch("dq_accum", (splits, problem.rows_q, problem.nheads, problem.headdim), zero_init=True),
     )
     return Program(launches=launches, scratch=scratch, num_dq_splits=splits)
 
@@ -438,16 +449,16 @@ def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Tr
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic, Traffic]:
-    return backward_traffic_for(problem, backward_traits(problem.headdim, target))
+    return backward_traffic_for(problem, backward_traits(problem.headdim, target), target)
 
 
-def backward_traffic_for(problem: Problem, traits) -> tuple[Traffic, Traffic, Traffic]:
-    """(pre-pass, main kernel, convert kernel) of backward_program_for(problem, traits): the SIMT and tensor-core
-    main kernels move the same bytes for the same tiles."""
+def backward_traffic_for(problem: Problem, traits, target: Target) -> tuple[Traffic, Traffic, Traffic]:
+    """(pre-pass, main kernel, convert kernel) of backward_program_for(problem, traits, target): the SIMT and
+    tensor-core main kernels move the same bytes for the same tiles, in either dq mode."""
     es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
     sq, sk = problem.seqlen_q, problem.seqlen_k
     bh = problem.batch * problem.nheads
-    splits = num_dq_splits_for(problem, traits)
+    splits = num_dq_splits_for(problem, traits, target)
     pre = Traffic(2 * bh * sq * d * es, bh * sq * _F32)
 
     read = written = 0
@@ -457,15 +468,12 @@ def backward_traffic_for(problem: Problem, traits) -> tuple[Traffic, Traffic, Tr
         rows = sum(_rows(sq, traits.block_m, i) for i in range(*q_blocks))
         read += 2 * keys * d * es + rows * (2 * d * es + 2 * _F32) * problem.group_size
         dq_bytes = rows * d * _F32 * problem.group_size
+        read += dq_bytes  # red.add reads what it adds to
         written += dq_bytes + 2 * keys * d * es
-        if splits == 1:
-            read += dq_bytes  # red.add reads what it adds to
     main = Traffic(read * problem.batch * problem.nheads_k, written * problem.batch * problem.nheads_k)
 
-    slices_read = 0
-    for row in range(sq):  # dq_slices_of_row in the .cu
-        blocks = problem.mask_policy.kv_blocks(traits.block_n, row, row + 1)
-        if not blocks.empty:
-            slices_read += len(blocks) if splits > 1 else 1
-    convert = Traffic(bh * slices_read * d * _F32, bh * sq * d * es)
+    # dq_slices_of_row in the .cu: every slice for a row that sees a key, none for one that sees none.
+    rows_seeing_keys = sum(1 for row in range(sq) if not problem.mask_policy.kv_blocks(traits.block_n, row,
+                                                                                       row + 1).empty)
+    convert = Traffic(bh * rows_seeing_keys * splits * d * _F32, bh * sq * d * es)
     return pre, main, convert

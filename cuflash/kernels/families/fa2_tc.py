@@ -8,9 +8,9 @@ Programs
   forward:  one launch, ``fa2_tc_forward_kernel`` over (Q blocks, nheads, batch); writes out and lse.
   backward: the fa2 three-launch program (fa2.py) with ``fa2_tc_backward_kernel`` as its main kernel: the SIMT
             pre-pass D = rowsum(dO * O), the tensor-core main kernel over (K/V blocks, nheads_k, batch) (dK, dV on
-            chip, dQ into float32 ``dq_accum`` by atomics, or per-K/V-block slices when deterministic), the SIMT
-            convert kernel (dq = scale * sum of slices). Same scratch, slice rules and traffic formula as the SIMT
-            backward with these tiles.
+            chip, dQ into float32 ``dq_accum`` by atomics; deterministic: over (dq slices, nheads_k, batch), each
+            block looping over K/V blocks and adding into its own slice), the SIMT convert kernel (dq = scale * sum
+            of slices). Same grid, scratch, slice rules and traffic formula as the SIMT backward with these tiles.
 
 Head dims: instances for 32, 64, 96, 128, 192, 256 (as the SIMT fa2); a head dim 1..256 runs on the next compiled
 one, the extra columns zero-filled in shared memory and never read from global memory.
@@ -249,7 +249,7 @@ def forward_program(problem: Problem, target: Target) -> Program:
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target, _dropout(problem)))
+    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target, _dropout(problem)), target)
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
@@ -258,4 +258,4 @@ def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
-    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target, _dropout(problem)))
+    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target, _dropout(problem)), target)
