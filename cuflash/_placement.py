@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _validation as V
 from ._dlpack import immutable_array_type
+from .backends.simulator import SimulatorBackend
 
 _DL_CPU = 1
 _DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -28,6 +29,17 @@ class Placement:
     """Which backend runs the call, and how to hand results back in the caller's array type."""
 
     def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
+        if {type(a) for a in arrays} == _NUMPY_ONLY:
+            # Every array a NumPy array (the simulator's case): what the general path below concludes for them,
+            # without its per-array dispatch.
+            self.names = names
+            self.foreign_type = None
+            self.read_only = {name: not a.flags.writeable for name, a in zip(names, arrays)}
+            self.arrays = tuple(arrays)
+            self._foreign_cuda = ()
+            self.on_gpu = False
+            return
+        self.names = names
         kinds = []
         for name, array in zip(names, arrays):
             kinds.append((name, _array_kind(name, array)))
@@ -82,13 +94,14 @@ class Placement:
                                  f"or {instead}")
 
     def backend(self):
-        if self.on_gpu:
-            from .backends.cupy_gpu import CupyBackend
+        return _cupy_backend(self.device_id) if self.on_gpu else _SIMULATOR
 
-            return CupyBackend(self.device_id)
-        from .backends.simulator import SimulatorBackend
-
-        return SimulatorBackend()
+    def signature(self) -> tuple:
+        """What a prepared call (api.py) may depend on besides the option values: each placed array's type, shape,
+        strides and dtype, and where the call runs (its GPU, or the target the simulator stands in for at this
+        moment, cuflash.sim.targeting). Never data or addresses: those change between calls of equal signatures."""
+        arrays = tuple([(type(a), a.shape, a.strides, a.dtype) for a in self.arrays])
+        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target)
 
     def results(self, *results: Any) -> tuple[Any, ...]:
         """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA
@@ -97,7 +110,9 @@ class Placement:
             from .backends import cupy_gpu
 
             cupy_gpu.hold_until_done(self.device_id, self._foreign_cuda)
-        return tuple(self.export(r) for r in results)
+        if self.foreign_type is None:
+            return results
+        return tuple([self.export(r) for r in results])
 
     def export(self, result: Any) -> Any:
         """Hand a result back in the array type the caller passed (zero-copy through DLPack)."""
@@ -113,6 +128,22 @@ class Placement:
 
             return jnp.from_dlpack(result)
         return result
+
+
+_NUMPY_ONLY = {np.ndarray}
+_SIMULATOR = SimulatorBackend()  # stateless: one serves every call
+_cupy_backends: dict[int, Any] = {}
+
+
+def _cupy_backend(device_id: int) -> Any:
+    """The CuPy backend of a device, made once per device (making one reads the device's attributes and matches
+    the toolchain, which is the same for every call)."""
+    backend = _cupy_backends.get(device_id)
+    if backend is None:
+        from .backends.cupy_gpu import CupyBackend
+
+        backend = _cupy_backends.setdefault(device_id, CupyBackend(device_id))
+    return backend
 
 
 def _array_kind(name: str, array: Any) -> str:
@@ -153,4 +184,4 @@ def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) ->
 
 def host_copy(array: Any) -> np.ndarray:
     """A NumPy copy of a placed array (CuPy: copied from the device, which waits for it)."""
-    return np.array(array.get() if _is_cupy(array) else array)
+    return np.array(array if type(array) is np.ndarray or not _is_cupy(array) else array.get())

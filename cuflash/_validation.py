@@ -26,7 +26,21 @@ MAX_SEQLEN = 2**31 - 1
 
 
 def dtype_name(array: Any) -> str:
-    return str(getattr(array.dtype, "name", array.dtype))
+    dtype = array.dtype
+    try:
+        return _dtype_names[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        name = str(getattr(dtype, "name", dtype))
+    if len(_dtype_names) < 64:
+        try:
+            _dtype_names[dtype] = name
+        except TypeError:
+            pass
+    return name
+
+
+# NumPy computes dtype.name in Python on every access (a few microseconds): the names of the dtypes seen so far.
+_dtype_names: dict[Any, str] = {}
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -74,7 +88,12 @@ def check_mask(causal: Any, window_size: Any, seqlen_q: int, seqlen_k: int) -> M
     for i, w in enumerate((left, right)):
         if w < -1:
             raise ValueError(f"window_size[{i}] must be >= -1 (-1: unbounded), got {w}")
-    mask = Mask.of(causal, (left, right))
+    return mask_for_lengths(Mask.of(causal, (left, right)), seqlen_q, seqlen_k)
+
+
+def mask_for_lengths(mask: Mask, seqlen_q: int, seqlen_k: int) -> Mask:
+    """``mask`` with the bounds no row of a (seqlen_q, seqlen_k) problem can reach made -1 (check_mask's rule; a
+    prepared call applies it again when a varlen or KV-cache call's lengths change)."""
     left, right = mask.window_left, mask.window_right
     return Mask(-1 if left >= seqlen_k else left, -1 if right >= seqlen_q and right > 0 else right)
 
@@ -127,6 +146,15 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
     (check_cu_seqlens) and the options; return the varlen Problem (batch = sequences, seqlen = max_seqlen).
     ``options``: causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, as for check_qkv."""
     (total_q, _, _), (total_k, _, _) = _packed_shapes(q, k, v)
+    batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
+                                               max_seqlen_k)
+    return varlen_problem(q, k, v, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, **options)
+
+
+def varlen_extents(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, total_q: int, total_k: int, max_seqlen_q: Any,
+                   max_seqlen_k: Any) -> tuple[int, int, int]:
+    """(sequences, max_seqlen_q, max_seqlen_k) of checked host copies of cu_seqlens_q/k and the max_seqlen arguments:
+    the checks of a varlen call that read values, run on every call (a prepared call's too)."""
     lengths_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (rows of q)")
     lengths_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (rows of k and v)")
     if len(lengths_q) != len(lengths_k):
@@ -134,7 +162,7 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
                          f"{len(lengths_q) + 1} and {len(lengths_k) + 1}")
     seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
     seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
-    return varlen_problem(q, k, v, batch=len(lengths_q), max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, **options)
+    return len(lengths_q), seqlen_q, seqlen_k
 
 
 def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: Any,
@@ -174,20 +202,34 @@ def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int, total_name: 
     if cu_seqlens.shape[0] - 1 > MAX_GRID_YZ:
         raise ValueError(f"{name} describes {cu_seqlens.shape[0] - 1} sequences, more than {MAX_GRID_YZ}")
     lengths = np.diff(cu_seqlens.astype(np.int64))
-    if cu_seqlens[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu_seqlens[0])}")
-    if np.any(lengths < 0):
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {first}")
+    if lengths.size and min_max(lengths)[0] < 0:
         at = int(np.argmax(lengths < 0))
         raise ValueError(f"{name} must be nondecreasing, got {name}[{at + 1}] = {int(cu_seqlens[at + 1])} < "
                          f"{name}[{at}] = {int(cu_seqlens[at])}")
-    if int(cu_seqlens[-1]) != total:
-        raise ValueError(f"{name}[-1] must equal {total_name} = {total}, got {int(cu_seqlens[-1])}")
+    if last != total:
+        raise ValueError(f"{name}[-1] must equal {total_name} = {total}, got {last}")
     return lengths
+
+
+# Below this many elements a Python list's min and max cost less than NumPy's reductions (a call each of about a
+# microsecond): the per-call value checks of a decode step read arrays of batch size.
+_SMALL_ARRAY = 64
+
+
+def min_max(values: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty integer array, as Python ints."""
+    if values.size <= _SMALL_ARRAY:
+        listed = values.ravel().tolist()
+        return min(listed), max(listed)
+    return int(values.min()), int(values.max())
 
 
 def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: str) -> int:
     """``max_seqlen`` (default: the longest of ``lengths``), at least the longest."""
-    longest = int(lengths.max()) if len(lengths) else 0
+    longest = min_max(lengths)[1] if len(lengths) else 0
     if max_seqlen is None:
         return longest
     value = _check_int(name, max_seqlen)
@@ -266,10 +308,10 @@ def needs_copy(array: Any) -> bool:
     """
     itemsize = array.dtype.itemsize
     strides = tuple(array.strides)
-    shape = tuple(array.shape)
-    if any(s < 0 or s % itemsize for s in strides):
-        return True
-    return shape[-1] > 1 and strides[-1] != itemsize
+    for stride in strides:
+        if stride < 0 or stride % itemsize:
+            return True
+    return array.shape[-1] > 1 and strides[-1] != itemsize
 
 
 def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, *,
@@ -342,9 +384,12 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
 
 def check_block_table_values(block_table: np.ndarray, num_pages: int) -> None:
     """Every page a (host copy of a) block_table names exists."""
-    if block_table.size and (block_table.min() < 0 or block_table.max() >= num_pages):
+    if not block_table.size:
+        return
+    low, high = min_max(block_table)
+    if low < 0 or high >= num_pages:
         raise ValueError(f"block_table names pages outside the cache: entries must be in [0, {num_pages}), got "
-                         f"[{int(block_table.min())}, {int(block_table.max())}]")
+                         f"[{low}, {high}]")
 
 
 def check_cache_seqlens_array(cache_seqlens: Any, batch: int) -> None:
@@ -360,19 +405,22 @@ def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
     seqlen_new, capacity = layout.seqlen_new, layout.capacity
     if cache_seqlens is None:
         lengths = np.full(layout.batch, capacity - seqlen_new, np.int64)
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    elif (type(cache_seqlens) is not np.ndarray and isinstance(cache_seqlens, numbers.Integral)
+          and not isinstance(cache_seqlens, bool)):
         lengths = np.full(layout.batch, int(cache_seqlens), np.int64)
     else:
         check_cache_seqlens_array(cache_seqlens, layout.batch)
-        lengths = cache_seqlens.astype(np.int64)
-    if lengths.size and lengths.min() < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {int(lengths.min())}")
-    used = lengths + seqlen_new
-    if used.size and used.max() > capacity:
-        b = int(np.argmax(used))
-        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(lengths[b])} + {seqlen_new} exceeds the cache's "
+        lengths = cache_seqlens
+    if not lengths.size:
+        return np.zeros(0, np.int32)
+    shortest, longest = min_max(lengths)  # Python ints: no int32 overflow below
+    if shortest < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {shortest}")
+    if longest + seqlen_new > capacity:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {longest} + {seqlen_new} exceeds the cache's "
                          f"capacity of {capacity} rows")
-    return used.astype(np.int32)
+    return np.add(lengths, seqlen_new, dtype=np.int32)  # every sum is at most the capacity, below 2**31
 
 
 def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *, seqlen_k: int, causal: Any,

@@ -16,17 +16,145 @@ in place through its strides.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from . import _validation as V
 from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy, place
-from .backends.program import run_program
+from .backends.program import PreparedProgram
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
-from .kernels.program import gqa_decode_fold
+from .kernels.program import Problem, gqa_decode_fold
+from .mask import Mask
+
+# The host path. A call's checks and plan depend on its static signature only (call_key: the entry point, each
+# array's type, shape, strides and dtype, the device or simulator target, every option value with its type), so a
+# call repeating an earlier signature reuses that call's checked Prepared object: its plan and AttentionParams packed
+# but for pointers. What can differ between calls of one signature is checked on every call: the values of
+# cu_seqlens, cache_seqlens, block_table, max_seqlen_*, dropout_seed, read-only caches. Varlen and KV-cache plans
+# also depend on lengths read from those values; a Prepared object keeps a plan per length.
+PREPARED_CALLS = 512
+PLANS_PER_CALL = 64
+
+
+class BoundedCache:
+    """A map of at most ``maxsize`` entries, dropping the least recently used; safe for concurrent callers."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+prepared_calls = BoundedCache(PREPARED_CALLS)
+
+
+def call_key(entry: str, placement: Placement, *options: Any) -> tuple | None:
+    """The static signature of a call, the one rule for what a Prepared object may depend on: the entry point, the
+    placement's signature (Placement.signature: names, types, shapes, strides and dtypes of the arrays, the GPU or
+    the simulator's current target) and every option value with its type (True and 1, or a float and a NumPy
+    float, are different calls: the checks tell them apart), a pair's items with theirs. None when an option is not
+    hashable: such a call is checked in full every time."""
+    key = (entry, placement.signature(),
+           tuple([(type(o), tuple([(type(x), x) for x in o]) if type(o) in (tuple, list) else o) for o in options]))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
+    """The Prepared object of ``key``, made by ``prepare`` (every check of the call, in the API's order) on a miss."""
+    prepared = None if key is None else prepared_calls.get(key)
+    if prepared is None:
+        prepared = prepare()
+        if key is not None:
+            prepared_calls.put(key, prepared)
+    return prepared
+
+
+class Plan:
+    """The Problem of one set of lengths of a Prepared call, and its prepared program once a call launched it."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.folded = gqa_decode_fold(problem) if problem.kvcache else None
+        self.program: PreparedProgram | None = None
+        self.row_stats_shape = problem.row_stats_shape
+
+
+class Prepared:
+    """A checked call of one signature: the checked scalars, the Problem (with its mask before lengths clip it) and a
+    Plan per (seqlen_q, seqlen_k), which varlen and KV-cache calls read from values. Holds no array."""
+
+    def __init__(self, problem: Problem, mask: Mask, algorithm: str, scale: float, return_lse: bool = False):
+        self.algorithm = algorithm
+        self.scale = scale
+        self.return_lse = return_lse
+        self._problem = problem
+        self._mask = mask
+        self._plans = BoundedCache(PLANS_PER_CALL)
+        self._plans.put((problem.seqlen_q, problem.seqlen_k), Plan(problem))
+
+    @classmethod
+    def checked(cls, problem: Problem, causal: Any, window_size: Any, *, algorithm: str, softmax_scale: Any,
+                return_lse: Any = False) -> Prepared:
+        """The checks of a call that follow its Problem's, in the API's order (a Problem was made, so causal and
+        window_size are known good)."""
+        scale = V.check_softmax_scale(softmax_scale, problem.headdim)
+        return_lse = V.check_bool("return_lse", return_lse)
+        catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
+        return cls(problem, Mask.of(bool(causal), (int(window_size[0]), int(window_size[1]))), algorithm, scale,
+                   return_lse)
+
+    def plan(self, seqlen_q: int, seqlen_k: int) -> Plan:
+        """The plan for these lengths: the checked Problem with them (check_mask's clipping of the window redone)."""
+        plan = self._plans.get((seqlen_q, seqlen_k))
+        if plan is None:
+            problem = dataclasses.replace(self._problem, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                          mask=V.mask_for_lengths(self._mask, seqlen_q, seqlen_k))
+            plan = Plan(problem)
+            self._plans.put((seqlen_q, seqlen_k), plan)
+        return plan
+
+    def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> None:
+        """Run the plan's forward (or backward) program on ``arrays`` (tensors by AttentionParams field name); the
+        program is made and packed on the plan's first run (its strides are those of every later call's arrays:
+        they follow from the signature)."""
+        program = plan.program
+        if program is None:
+            problem = plan.folded or plan.problem
+            planner = plans.backward_program if backward else plans.forward_program
+            program = PreparedProgram(planner(self.algorithm, problem, backend.target), problem, self.scale, arrays)
+            plan.program = program
+        program.run(backend, arrays)
+
 
 def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
                  cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
@@ -47,91 +175,84 @@ def _int32_words(host: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(host, dtype=np.int32).view(np.float32)
 
 
-def _forward(placement: Placement, problem: plans.Problem, q: Any, k: Any, v: Any, *, softmax_scale: Any,
-             alibi_slopes: Any, dropout_seed: Any, algorithm: str, return_lse: Any,
-             cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
-    """The forward every entry point runs once its arrays are placed and its Problem checked."""
-    dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
-    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    return_lse = V.check_bool("return_lse", return_lse)
-    catalog.check_options(algorithm, problem)  # unknown algorithm or option: raises before anything is allocated
+def _forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any, *, alibi_slopes: Any,
+             dropout_seed: Any, cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+    """The forward every entry point but the KV cache's runs once its Prepared object and Plan are known."""
+    dropout_seed = check_dropout_seed(dropout_seed, plan.problem.dropout_p)
     q, k, v = contiguous_last_dim((q, k, v))
-    out, lse = _run_forward(placement, problem, algorithm, scale, q, k, v,
-                            lambda backend: _side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens))
-    return (out, lse) if return_lse else out
+    out, lse = _run_forward(placement, prepared, plan, q, k, v,
+                            lambda backend: _side_inputs(backend, alibi_slopes, plan.problem, dropout_seed,
+                                                         cu_seqlens))
+    return (out, lse) if prepared.return_lse else out
 
 
-def _run_forward(placement: Placement, problem: plans.Problem, algorithm: str, scale: float, q: Any, k: Any, v: Any,
+def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any,
                  side_inputs: Callable[[Any], dict[str, Any]]) -> tuple[Any, Any]:
     """Allocate out and lse and run the forward program on checked arguments (``side_inputs(backend)`` gives the
     optional inputs on the backend's device); the results in the caller's array type. A one-row GQA decode runs
     folded (program.gqa_decode_fold): the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
+    problem = plan.problem
     with backend.device():
-        out = backend.empty(tuple(q.shape), q.dtype)
-        lse = backend.empty(problem.row_stats_shape, np.float32)
+        out = backend.empty(q.shape, q.dtype)
+        lse = backend.empty(plan.row_stats_shape, np.float32)
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
             lse[...] = -np.inf
         elif out.size:
             arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-            folded = gqa_decode_fold(problem)
+            folded = plan.folded
             if folded is not None:
                 arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
                               lse=lse.reshape(folded.row_stats_shape))
-                problem = folded
-            program = plans.forward_program(algorithm, problem, backend.target)
-            run_program(backend, program, problem, scale, {**arrays, **side_inputs(backend)})
+            prepared.run(backend, plan, {**arrays, **side_inputs(backend)})
     return placement.results(out, lse)
 
 
 def _group_rows(x: Any, group: int) -> Any:
     """(batch, 1, nheads, d) viewed as (batch, group, nheads / group, d): query head kh * group + m at row m of kv
-    head kh (no copy)."""
+    head kh, strides (batch, head, group * head). Splitting the heads axis is always a view (NumPy and CuPy)."""
     batch, _, nheads, headdim = x.shape
-    sb, _, sh, sd = x.strides
-    shape, strides = (batch, group, nheads // group, headdim), (sb, sh, group * sh, sd)
-    if isinstance(x, np.ndarray):
-        return np.lib.stride_tricks.as_strided(x, shape, strides)
-    import cupy
-
-    return cupy.lib.stride_tricks.as_strided(x, shape, strides)
+    return x[:, 0].reshape(batch, nheads // group, group, headdim).swapaxes(1, 2)
 
 
-def _backward(placement: Placement, problem: plans.Problem, dout: Any, q: Any, k: Any, v: Any, out: Any,
-              lse: Any, *, softmax_scale: Any, alibi_slopes: Any, dropout_seed: Any, algorithm: str,
+def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q: Any, k: Any, v: Any, out: Any,
+              lse: Any, *, alibi_slopes: Any, dropout_seed: Any,
               cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, Any, Any]:
-    """The backward every entry point runs once its arrays are placed and its Problem checked."""
+    """The backward every entry point runs once its Prepared object and Plan are known."""
+    problem = plan.problem
     dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
-    V.check_like("dout", dout, "q", q)
-    V.check_like("out", out, "q", q)
-    V.check_lse(lse, problem)
-    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    catalog.check_options(algorithm, problem)
     dout, q, k, v, out = contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
         lse = ascontiguous(lse)
 
     backend = placement.backend()
     with backend.device():
-        dq = backend.empty(tuple(q.shape), q.dtype)
-        dk = backend.empty(tuple(k.shape), k.dtype)
-        dv = backend.empty(tuple(v.shape), v.dtype)
+        dq = backend.empty(q.shape, q.dtype)
+        dk = backend.empty(k.shape, k.dtype)
+        dv = backend.empty(v.shape, v.dtype)
         if problem.seqlen_k == 0 or problem.seqlen_q == 0:
             # Nothing attends to anything: all gradients are zero.
             for grad in (dq, dk, dv):
                 grad[...] = 0
         elif dq.size:
-            program = plans.backward_program(algorithm, problem, backend.target)
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
                       **_side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens)}
-            run_program(backend, program, problem, scale, arrays)
+            prepared.run(backend, plan, arrays, backward=True)
         elif dk.size:
             # Varlen with no query row at all (total_q = 0): no key is seen.
             dk[...] = 0
             dv[...] = 0
     return placement.results(dq, dk, dv)
+
+
+def _check_backward(problem: Problem, dout: Any, q: Any, out: Any, lse: Any, dropout_seed: Any) -> None:
+    """The backward's checks between its Problem's and the scalars', in the API's order."""
+    check_dropout_seed(dropout_seed, problem.dropout_p)
+    V.check_like("dout", dout, "q", q)
+    V.check_like("out", out, "q", q)
+    V.check_lse(lse, problem)
 
 
 _OPTIONS_DOC = """
@@ -171,10 +292,18 @@ def attention(
 ) -> Any:
     placement, alibi_slopes = place(("q", "k", "v"), (q, k, v), alibi_slopes)
     q, k, v = placement.arrays[:3]
-    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    return _forward(placement, problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
-                    dropout_seed=dropout_seed, algorithm=algorithm, return_lse=return_lse)
+
+    def prepare() -> Prepared:
+        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        check_dropout_seed(dropout_seed, problem.dropout_p)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
+                                return_lse=return_lse)
+
+    prepared = _prepared(call_key("attention", placement, causal, softmax_scale, window_size, softcap, dropout_p,
+                                  algorithm, return_lse), prepare)
+    plan = prepared.plan(q.shape[1], k.shape[1])
+    return _forward(placement, prepared, plan, q, k, v, alibi_slopes=alibi_slopes, dropout_seed=dropout_seed)
 
 
 def attention_backward(
@@ -197,10 +326,18 @@ def attention_backward(
 ) -> tuple[Any, Any, Any]:
     placement, alibi_slopes = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
-    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
-    return _backward(placement, problem, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, algorithm=algorithm)
+
+    def prepare() -> Prepared:
+        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+        _check_backward(problem, dout, q, out, lse, dropout_seed)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
+
+    prepared = _prepared(call_key("attention_backward", placement, causal, softmax_scale, window_size, softcap,
+                                  dropout_p, algorithm, deterministic), prepare)
+    plan = prepared.plan(q.shape[1], k.shape[1])
+    return _backward(placement, prepared, plan, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                     dropout_seed=dropout_seed)
 
 
 def attention_varlen(
@@ -226,11 +363,20 @@ def attention_varlen(
                                      (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
     q, k, v = placement.arrays[:3]
     cu_seqlens = (host_copy(placement.arrays[3]), host_copy(placement.arrays[4]))
-    problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 causal=causal, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    return _forward(placement, problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
-                    dropout_seed=dropout_seed, algorithm=algorithm, return_lse=return_lse, cu_seqlens=cu_seqlens)
+
+    def prepare() -> Prepared:
+        problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     causal=causal, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        check_dropout_seed(dropout_seed, problem.dropout_p)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
+                                return_lse=return_lse)
+
+    prepared = _prepared(call_key("attention_varlen", placement, causal, softmax_scale, window_size, softcap,
+                                  dropout_p, algorithm, return_lse), prepare)
+    _, seqlen_q, seqlen_k = V.varlen_extents(*cu_seqlens, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, alibi_slopes=alibi_slopes,
+                    dropout_seed=dropout_seed, cu_seqlens=cu_seqlens)
 
 
 def attention_varlen_backward(
@@ -259,12 +405,19 @@ def attention_varlen_backward(
     placement, alibi_slopes = place(names, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
     cu_seqlens = (host_copy(placement.arrays[6]), host_copy(placement.arrays[7]))
-    problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 causal=causal, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
-    return _backward(placement, problem, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, algorithm=algorithm,
-                     cu_seqlens=cu_seqlens)
+
+    def prepare() -> Prepared:
+        problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     causal=causal, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+        _check_backward(problem, dout, q, out, lse, dropout_seed)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
+
+    prepared = _prepared(call_key("attention_varlen_backward", placement, causal, softmax_scale, window_size,
+                                  softcap, dropout_p, algorithm, deterministic), prepare)
+    _, seqlen_q, seqlen_k = V.varlen_extents(*cu_seqlens, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return _backward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), dout, q, k, v, out, lse,
+                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens)
 
 
 def attention_with_kvcache(
@@ -299,16 +452,28 @@ def attention_with_kvcache(
     k, v = placed.get("k"), placed.get("v")
     table = host_copy(placed["block_table"]) if "block_table" in placed else None
     lengths = host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
-    problem, used = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
-                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if V.needs_copy(cache):
-            raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its strides "
-                             f"non-negative)")
-    scale = V.check_softmax_scale(softmax_scale, problem.headdim)
-    return_lse = V.check_bool("return_lse", return_lse)
-    catalog.check_options(algorithm, problem)
+
+    def prepare() -> KVCachePrepared:
+        problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if V.needs_copy(cache):
+                raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its "
+                                 f"strides non-negative)")
+        prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
+                                           softmax_scale=softmax_scale, return_lse=return_lse)
+        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table)
+        return prepared
+
+    # An int cache_seqlens is a value like an array's: only its type is part of the signature.
+    prepared = _prepared(call_key("attention_with_kvcache", placement, type(cache_seqlens), causal, softmax_scale,
+                                  window_size, softcap, num_splits, algorithm, return_lse), prepare)
+    layout = prepared.layout
+    if table is not None:
+        V.check_block_table_values(table, layout.num_pages)
+    used = V.kvcache_used_rows(lengths, layout)
+    plan = prepared.plan(q.shape[1], V.min_max(used)[1] if used.size else 0)
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
     (q,) = contiguous_last_dim((q,))
@@ -317,16 +482,43 @@ def attention_with_kvcache(
         inputs = {"seqused_k": backend.upload(_int32_words(used))}
         if table is not None:
             inputs["block_table"] = backend.upload(_int32_words(table))
-        return {**_side_inputs(backend, alibi_slopes, problem, None), **inputs}
+        return {**_side_inputs(backend, alibi_slopes, plan.problem, None), **inputs}
 
-    out, lse = _run_forward(placement, problem, algorithm, scale, q, k_cache, v_cache, side_inputs)
-    return (out, lse) if return_lse else out
+    out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs)
+    return (out, lse) if prepared.return_lse else out
+
+
+class KVCachePrepared(Prepared):
+    """A checked attention_with_kvcache call: a Prepared one with the layout its shapes describe (capacity, pages),
+    against which each call's cache_seqlens and block_table values are checked."""
+
+    layout: V.KVCacheLayout
+
+
+# Up to this many sequences (and new rows per sequence) the new rows are written with a slice assignment per
+# sequence and page: a few cost less than one scatter, whose index arrays NumPy builds and CuPy uploads.
+_SLICED_APPEND_MAX = 8
 
 
 def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, table: np.ndarray | None) -> None:
     """Write the new rows into the caches in place: k[b, i] to key row starts[b] + i of sequence b (its page and
-    row in the page when paged). One scatter per cache, in the caches' own array library."""
+    row in the page when paged), in the caches' own array library."""
     batch, seqlen_new = k.shape[:2]
+    if batch <= _SLICED_APPEND_MAX and seqlen_new <= _SLICED_APPEND_MAX:
+        page_size = k_cache.shape[1] if table is not None else 0
+        for b, start in enumerate(starts.tolist()):
+            i = 0
+            while i < seqlen_new:
+                row = start + i
+                if page_size:
+                    outer, row, count = int(table[b, row // page_size]), row % page_size, page_size - row % page_size
+                else:
+                    outer, count = b, seqlen_new
+                count = min(count, seqlen_new - i)
+                k_cache[outer, row:row + count] = k[b, i:i + count]
+                v_cache[outer, row:row + count] = v[b, i:i + count]
+                i += count
+        return
     rows = starts.astype(np.int64)[:, None] + np.arange(seqlen_new)[None, :]  # (batch, seqlen_new)
     if table is None:
         outer = np.broadcast_to(np.arange(batch)[:, None], rows.shape)

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..kernels.params import STRIDED_TENSORS, pack_params
+from ..kernels.params import STRIDED_TENSORS, PointerSlots, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
 
 
@@ -43,6 +43,43 @@ def element_strides(array: Any) -> tuple[int, int, int]:
     return strides if len(strides) == 3 else (0, *strides)  # type: ignore[return-value]
 
 
+class PreparedProgram:
+    """A Program with AttentionParams packed for one problem, softmax scale and the strides of ``arrays`` (the
+    inputs by field name), all but the pointers: running it allocates the scratch, lays the call's addresses into a
+    copy of the packed bytes and launches. The API keeps one per checked call signature and lengths (api.Plan), so
+    a repeated call, whose arrays have the same strides, packs only pointers."""
+
+    def __init__(self, program: Program, problem: Problem, softmax_scale: float, arrays: Mapping[str, Any]):
+        self.program = program
+        self.inputs = tuple(arrays)
+        strides = {name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays}
+        self._launches = tuple(plan for plan in program.launches if not plan.is_empty)
+        self._scratch = tuple((s.shape, s.zero_init) for s in program.scratch)
+        self._slots = PointerSlots(self.inputs + tuple(s.name for s in program.scratch))
+        self._packed = pack_params(
+            problem,
+            softmax_scale=softmax_scale,
+            pointers={},
+            strides=strides,
+            num_dq_splits=program.num_dq_splits,
+            num_kv_splits=program.num_kv_splits,
+        ).tobytes()
+
+    def run(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> list[Any]:
+        """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
+        buffers it allocated, in the program's order."""
+        buffers = [arrays[name] for name in self.inputs]
+        scratch = []
+        for shape, zero_init in self._scratch:
+            scratch.append(backend.zeros(shape) if zero_init else backend.empty_scratch(shape))
+        buffers += scratch
+        address = backend.address
+        params = self._slots.pack(self._packed, [address(b) for b in buffers])
+        for plan in self._launches:
+            backend.launch(plan, params, buffers)
+        return scratch
+
+
 def run_program(
     backend: ArrayBackend,
     program: Program,
@@ -54,21 +91,5 @@ def run_program(
 
     Returns the scratch buffers it allocated (tests read them; callers normally drop them).
     """
-    scratch = {
-        s.name: backend.zeros(s.shape) if s.zero_init else backend.empty_scratch(s.shape)
-        for s in program.scratch
-    }
-    bound = {**arrays, **scratch}
-    params = pack_params(
-        problem,
-        softmax_scale=softmax_scale,
-        pointers={name: backend.address(array) for name, array in bound.items()},
-        strides={name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays},
-        num_dq_splits=program.num_dq_splits,
-        num_kv_splits=program.num_kv_splits,
-    )
-    buffers = list(bound.values())
-    for plan in program.launches:
-        if not plan.is_empty:
-            backend.launch(plan, params, buffers)
-    return scratch
+    prepared = PreparedProgram(program, problem, softmax_scale, arrays)
+    return dict(zip((s.name for s in program.scratch), prepared.run(backend, arrays)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Sequence
 
 import numpy as np
@@ -16,22 +17,27 @@ _UNWRITTEN = np.float32(np.nan)
 _ALIGNMENT = 64
 
 
+_NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+
+
 class SimulatorBackend:
     name = "simulator"
 
     @property
     def target(self) -> Target:
         """The GPU the simulator stands in for (cuflash.sim.targeting): plans are made for it."""
-        from .. import sim
+        import cuflash.sim as sim
 
         return sim.current_target()
 
     def device(self) -> contextlib.AbstractContextManager:
         """The simulator has no device to select."""
-        return contextlib.nullcontext()
+        return _NO_DEVICE
 
     def empty_scratch(self, shape: tuple[int, ...]) -> np.ndarray:
-        return np.full(shape, _UNWRITTEN, dtype=np.float32)
+        scratch = np.empty(shape, dtype=np.float32)
+        scratch.fill(_UNWRITTEN)
+        return scratch
 
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
@@ -40,18 +46,17 @@ class SimulatorBackend:
         # Outputs too start as NaN: an element a kernel forgets to write is visible.
         # 64-byte aligned, so JAX takes results through DLPack without a copy.
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
-        start = -raw.ctypes.data % _ALIGNMENT
-        out = raw[start : start + nbytes].view(dtype).reshape(shape)
-        out.view(np.uint8).fill(0xFF)
-        return out
+        raw.fill(0xFF)  # all of it: one fill instead of a view of the output's bytes to fill
+        start = -self.address(raw) % _ALIGNMENT
+        return raw[start : start + nbytes].view(dtype).reshape(shape)
 
     def upload(self, host: np.ndarray) -> np.ndarray:
         return np.array(host, copy=True)
 
     def address(self, array: np.ndarray) -> int:
-        return int(array.ctypes.data)
+        return array.__array_interface__["data"][0]  # without ctypes' Python-level wrapper objects
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[np.ndarray]) -> None:
         from .. import sim

@@ -8,9 +8,10 @@ allocation, validation, planning and packing all still run and only the kernels 
 Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
 int32 cache_seqlens and one new k/v row appended), and the first three at a training shape (batch 4, seqlen 2048,
-32/8 heads, head dim 128, float16, causal). Per row: the first call of its signature (cold: nothing of that call
-cached yet) and the median of warm calls after a warm-up, in microseconds, and the Python function calls a warm
-call makes (counted with sys.setprofile).
+32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
+nothing of that call cached yet), the median of warm calls after a warm-up, the median of uncached calls (the API's
+prepared calls forgotten before each: a new signature in a warm process); and the Python function calls a warm call
+makes (counted with sys.setprofile).
 """
 
 from __future__ import annotations
@@ -144,8 +145,17 @@ def python_calls(run: Callable[[], Any]) -> int:
     return calls
 
 
+def _forget_prepared_calls() -> None:
+    """Empty the API's cache of prepared calls, so the next call is checked and planned from scratch."""
+    from .. import api
+
+    api.prepared_calls.clear()
+
+
 def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
-    """One row: the cold first call of the case's signature, then the median of ``case.repeats`` warm calls."""
+    """One row: the cold first call of the case's signature, the median of ``case.repeats`` warm calls, and the
+    median of as many calls each made with the prepared calls forgotten (what a call of a new signature costs once
+    the process is warm)."""
     first = _microseconds(case.run)
     for _ in range(warmup):
         case.run()
@@ -153,6 +163,10 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
     gc.disable()  # a collection landing in one call is noise, not host cost
     try:
         times = [_microseconds(case.run) for _ in range(case.repeats)]
+        uncached = []
+        for _ in range(case.repeats):
+            _forget_prepared_calls()
+            uncached.append(_microseconds(case.run))
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -162,6 +176,7 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
         "backend": BACKEND_LABEL,
         "microseconds_per_call": statistics.median(times),
         "first_call_microseconds": first,
+        "uncached_microseconds_per_call": statistics.median(uncached),
         "min_microseconds": min(times),
         "repeats": case.repeats,
         "python_calls_per_call": python_calls(case.run),
@@ -194,10 +209,11 @@ def run(repeats: int, training_repeats: int) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'call':<24} {'warm us':>10} {'first us':>10} {'py calls':>9}  shape"
+    header = f"{'call':<24} {'warm us':>10} {'uncached':>10} {'first us':>10} {'py calls':>9}  shape"
     lines = [f"host cost per call ({BACKEND_LABEL}; warm: median)", header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row['call']:<24} {row['microseconds_per_call']:>10.1f} {row['first_call_microseconds']:>10.1f} "
+        lines.append(f"{row['call']:<24} {row['microseconds_per_call']:>10.1f} "
+                     f"{row['uncached_microseconds_per_call']:>10.1f} {row['first_call_microseconds']:>10.1f} "
                      f"{row['python_calls_per_call']:>9}  {row['shape']}")
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -112,6 +113,35 @@ def field_layout() -> dict[str, tuple[int, int]]:
         else:
             layout[name] = (offset, sub.itemsize)
     return layout
+
+
+# The header declares the pointers first: they are one block of 8-byte words at the front of AttentionParams, which
+# PointerSlots writes with one struct call.
+_POINTER_WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in POINTER_FIELDS}
+if sorted(PARAMS_DTYPE.fields[name][1] for name in POINTER_FIELDS) != [8 * i for i in range(len(POINTER_FIELDS))]:
+    raise ValueError(f"{HEADER.name}: AttentionParams' pointers are no longer one block at its start (PointerSlots)")
+_POINTER_BLOCK = struct.Struct(f"<{len(POINTER_FIELDS)}Q")
+
+
+class PointerSlots:
+    """Where the addresses of a fixed tuple of pointer fields go: a prepared program packs every other field once and
+    lays each call's addresses into a copy (the other pointer fields null)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        for name in names:
+            if name not in POINTER_FIELDS:
+                raise KeyError(f"AttentionParams has no pointer field {name!r}")
+        self.names = names
+        self._words = tuple(_POINTER_WORD[name] for name in names)
+
+    def pack(self, packed: bytes, addresses: list[int]) -> np.void:
+        """``packed`` (PARAMS_DTYPE's bytes) with ``addresses`` (in the order of ``names``) in their fields."""
+        words = [0] * len(_POINTER_WORD)
+        for word, address in zip(self._words, addresses):
+            words[word] = address
+        buffer = bytearray(packed)
+        _POINTER_BLOCK.pack_into(buffer, 0, *words)
+        return np.frombuffer(buffer, PARAMS_DTYPE)[0]
 
 
 def pack_params(

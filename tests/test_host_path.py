@@ -1,0 +1,310 @@
+"""The host path: a call repeating an earlier call's signature reuses its checked plan and packed parameters
+(cuflash/api.py's Prepared objects), still checks every value per call, and gives the same bits."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import api, sim
+from cuflash.benchmarks import host
+from cuflash.kernels import plans
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    api.prepared_calls.clear()
+    yield
+    api.prepared_calls.clear()
+
+
+@pytest.fixture
+def planner_calls(monkeypatch):
+    """How often the API asked plans.forward_program / backward_program for a Program."""
+    calls = {"forward": 0, "backward": 0}
+    for direction in calls:
+        original = getattr(plans, f"{direction}_program")
+
+        def counting(*args, _original=original, _direction=direction):
+            calls[_direction] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(plans, f"{direction}_program", counting)
+    return calls
+
+
+@pytest.fixture
+def no_launches():
+    with host.launches_do_nothing():
+        yield
+
+
+def _qkv(rng, batch=1, seqlen_q=3, seqlen_k=5, nheads=4, nheads_k=2, headdim=32, dtype=np.float32):
+    q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(dtype)
+    return q, k, v
+
+
+def _decode(rng, dtype=np.float16, capacity=64, headdim=32):
+    q = rng.standard_normal((2, 1, 8, headdim)).astype(dtype)
+    k_cache = rng.standard_normal((2, capacity, 2, headdim)).astype(dtype)
+    v_cache = rng.standard_normal((2, capacity, 2, headdim)).astype(dtype)
+    k = rng.standard_normal((2, 1, 2, headdim)).astype(dtype)
+    v = rng.standard_normal((2, 1, 2, headdim)).astype(dtype)
+    return q, k_cache, v_cache, k, v
+
+
+# ---------------------------------------------------------------------------
+# Reuse and misses
+
+
+def test_a_repeated_signature_plans_once(planner_calls, no_launches):
+    rng = np.random.default_rng(0)
+    for _ in range(2):  # new data, same signature
+        cuflash.attention(*_qkv(rng), causal=True)
+    assert planner_calls["forward"] == 1
+    q, k, v = _qkv(rng)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    for _ in range(2):
+        cuflash.attention_backward(out, q, k, v, out, lse)
+    assert planner_calls["backward"] == 1
+
+
+def test_a_repeated_decode_plans_once_per_length(planner_calls, no_launches):
+    rng = np.random.default_rng(1)
+    q, k_cache, v_cache, k, v = _decode(rng)
+    lengths = np.array([10, 20], np.int32)
+    for _ in range(3):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lengths, causal=True)
+    assert planner_calls["forward"] == 1
+    # Another sequence's length changes, not the longest: the same plan. A longer longest: one more.
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([15, 20], np.int32),
+                                   causal=True)
+    assert planner_calls["forward"] == 1
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([15, 21], np.int32),
+                                   causal=True)
+    assert planner_calls["forward"] == 2
+    assert len(api.prepared_calls) == 1
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "dtype", "causal", "softmax_scale", "scale_type",
+                                    "algorithm", "target"])
+def test_a_changed_signature_misses(change, planner_calls, no_launches):
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng)
+    cuflash.attention(q, k, v, softmax_scale=0.5)
+    assert planner_calls["forward"] == 1
+    if change == "shape":
+        cuflash.attention(*_qkv(rng, seqlen_q=4), softmax_scale=0.5)
+    elif change == "strides":
+        wide = np.zeros((1, 3, 8, 32), np.float32)
+        wide[:, :, ::2] = q
+        cuflash.attention(wide[:, :, ::2], k, v, softmax_scale=0.5)
+    elif change == "dtype":
+        cuflash.attention(*(x.astype(np.float16) for x in (q, k, v)), softmax_scale=0.5)
+    elif change == "causal":
+        cuflash.attention(q, k, v, softmax_scale=0.5, causal=True)
+    elif change == "softmax_scale":
+        cuflash.attention(q, k, v, softmax_scale=0.25)
+    elif change == "scale_type":
+        cuflash.attention(q, k, v, softmax_scale=np.float32(0.5))
+    elif change == "algorithm":
+        cuflash.attention(q, k, v, softmax_scale=0.5, algorithm="fa1")
+    elif change == "target":
+        with sim.targeting("sm_86"):
+            cuflash.attention(q, k, v, softmax_scale=0.5)
+    assert planner_calls["forward"] == 2
+
+
+def test_an_option_equal_to_a_cached_one_but_of_another_type_is_still_checked(no_launches):
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng)
+    cuflash.attention(q, k, v, causal=True, window_size=(1, 0))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention(q, k, v, causal=1, window_size=(1, 0))  # 1 == True and hash(1) == hash(True)
+    with pytest.raises(TypeError, match=r"window_size\[0\] must be an int"):
+        cuflash.attention(q, k, v, causal=True, window_size=(True, 0))
+
+
+def test_the_cache_is_bounded_and_drops_the_least_recently_used(monkeypatch, no_launches):
+    cache = api.BoundedCache(3)
+    for key in "abcd":
+        cache.put(key, key.upper())
+    assert len(cache) == 3 and cache.get("a") is None
+    assert cache.get("b") == "B"  # now the most recent: "c" goes next
+    cache.put("e", "E")
+    assert cache.get("c") is None and cache.get("b") == "B"
+
+    monkeypatch.setattr(api, "prepared_calls", api.BoundedCache(2))
+    rng = np.random.default_rng(4)
+    for seqlen_q in (1, 2, 3, 4):
+        cuflash.attention(*_qkv(rng, seqlen_q=seqlen_q))
+    assert len(api.prepared_calls) == 2
+    assert 0 < api.PREPARED_CALLS <= 1024 and 0 < api.PLANS_PER_CALL <= 1024
+
+
+# ---------------------------------------------------------------------------
+# Values are checked on every call
+
+
+def _error(call):
+    with pytest.raises((ValueError, TypeError)) as caught:
+        call()
+    return type(caught.value), str(caught.value)
+
+
+def _fresh_and_cached_errors(good, bad):
+    """The error of ``bad`` on an empty cache, and after ``good`` (same signature) prepared its call."""
+    api.prepared_calls.clear()
+    fresh = _error(bad)
+    good()
+    assert len(api.prepared_calls) == 1
+    cached = _error(bad)
+    return fresh, cached
+
+
+@pytest.mark.parametrize("lengths, message", [([0, 64], "exceeds the cache's capacity"),
+                                              ([-1, 3], "cache_seqlens must be >= 0")])
+def test_cache_seqlens_values_are_checked_on_a_cached_call(lengths, message, no_launches):
+    rng = np.random.default_rng(5)
+    q, k_cache, v_cache, k, v = _decode(rng)
+    before = k_cache.copy()
+
+    def call(values):
+        return lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                                      cache_seqlens=np.array(values, np.int32))
+
+    fresh, cached = _fresh_and_cached_errors(call([3, 4]), call(lengths))
+    assert fresh == cached and message in cached[1]
+    before[0, 3], before[1, 4] = k[0, 0], k[1, 0]  # the good call's rows, and nothing else
+    assert np.array_equal(k_cache, before)
+    fresh, cached = _fresh_and_cached_errors(
+        lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3),
+        lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=64))
+    assert fresh == cached and "exceeds the cache's capacity" in cached[1]
+
+
+def test_block_table_values_are_checked_on_a_cached_call(no_launches):
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 1, 4, 32)).astype(np.float16)
+    pages = rng.standard_normal((5, 16, 2, 32)).astype(np.float16)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    outside = np.array([[0, 1], [2, 5]], np.int32)
+
+    def call(block_table):
+        return lambda: cuflash.attention_with_kvcache(q, pages, pages.copy(), block_table=block_table,
+                                                      cache_seqlens=np.array([5, 9], np.int32))
+
+    fresh, cached = _fresh_and_cached_errors(call(table), call(outside))
+    assert fresh == cached and "block_table names pages outside the cache" in cached[1]
+
+
+@pytest.mark.parametrize("cu_q, cu_k, message", [
+    ([0, 3, 2, 7], [0, 5, 6, 7], "cu_seqlens_q must be nondecreasing"),
+    ([0, 3, 4, 7], [1, 5, 6, 7], r"cu_seqlens_k[0] must be 0"),
+])
+def test_cu_seqlens_values_are_checked_on_a_cached_call(cu_q, cu_k, message, no_launches):
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((7, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((7, 1, 32)).astype(np.float32)
+
+    def call(cu_seqlens_q, cu_seqlens_k, **options):
+        return lambda: cuflash.attention_varlen(q, k, k, np.array(cu_seqlens_q, np.int32),
+                                                np.array(cu_seqlens_k, np.int32), **options)
+
+    fresh, cached = _fresh_and_cached_errors(call([0, 3, 4, 7], [0, 5, 6, 7]), call(cu_q, cu_k))
+    assert fresh == cached and message in cached[1]
+    fresh, cached = _fresh_and_cached_errors(call([0, 3, 4, 7], [0, 5, 6, 7], max_seqlen_q=4),
+                                             call([0, 3, 4, 7], [0, 5, 6, 7], max_seqlen_q=2))
+    assert fresh == cached and "max_seqlen_q must be at least the longest sequence" in cached[1]
+
+
+def test_dropout_seed_and_read_only_caches_are_checked_on_a_cached_call(no_launches):
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng)
+    fresh, cached = _fresh_and_cached_errors(lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1),
+                                             lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=-1))
+    assert fresh == cached and "dropout_seed must be in [0, 2**64)" in cached[1]
+    cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=2)
+    with pytest.raises(ValueError, match="dropout_seed .* is required"):
+        cuflash.attention(q, k, v, dropout_p=0.1)
+
+    q, k_cache, v_cache, k_new, v_new = _decode(rng)
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=3)
+    v_cache.flags.writeable = False
+    before = k_cache.copy()
+    with pytest.raises(ValueError, match="v_cache is read-only"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=4)
+    assert np.array_equal(k_cache, before)
+
+
+# ---------------------------------------------------------------------------
+# Same bits
+
+
+def _bitwise_equal_cold_and_warm(call):
+    api.prepared_calls.clear()
+    cold = call()
+    assert len(api.prepared_calls) == 1
+    warm = call()
+    for a, b in zip(cold if isinstance(cold, tuple) else (cold,), warm if isinstance(warm, tuple) else (warm,)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(softcap=5.0, window_size=(2, 1)),
+                                     dict(dropout_p=0.2, dropout_seed=7)])
+def test_cached_calls_give_the_uncached_bits(dtype, options):
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, batch=2, seqlen_q=5, seqlen_k=7, dtype=dtype)
+    _bitwise_equal_cold_and_warm(lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    _bitwise_equal_cold_and_warm(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **options))
+
+
+def test_cached_varlen_and_decode_calls_give_the_uncached_bits():
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((9, 4, 32)).astype(np.float16)
+    k = rng.standard_normal((11, 2, 32)).astype(np.float16)
+    cu_q, cu_k = np.array([0, 4, 9], np.int32), np.array([0, 6, 11], np.int32)
+    _bitwise_equal_cold_and_warm(lambda: cuflash.attention_varlen(q, k, k, cu_q, cu_k, causal=True,
+                                                                  return_lse=True))
+
+    q, k_cache, v_cache, k_new, v_new = _decode(rng)
+    lengths = np.array([30, 17], np.int32)
+
+    def decode():
+        caches = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash.attention_with_kvcache(q, *caches, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                  num_splits=2, return_lse=True)
+        return out, lse, *caches
+
+    _bitwise_equal_cold_and_warm(decode)
+
+
+# ---------------------------------------------------------------------------
+# Cost
+
+
+def test_a_warm_decode_call_is_cheap_on_the_host():
+    """The decode row of ``python3 -m cuflash.benchmarks host``: generous bounds (a loaded CI machine), which the
+    host path before Prepared calls exceeded several times (about 450 us and 730 Python calls)."""
+    with host.launches_do_nothing():
+        case = next(c for c in host.decode_cases(repeats=50) if c.call == "attention_with_kvcache")
+        for _ in range(5):
+            case.run()
+        calls = host.python_calls(case.run)
+        times = []
+        for _ in range(50):
+            start = time.perf_counter()
+            case.run()
+            times.append(time.perf_counter() - start)
+    assert calls <= 120, calls
+    assert statistics.median(times) < 150e-6, statistics.median(times)
