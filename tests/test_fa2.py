@@ -120,7 +120,7 @@ def test_forward_matches_reference(shape, dtype, causal, scale):
 def test_backward_matches_reference(shape, dtype, causal, scale):
     q, k, v, dout = _inputs(shape, dtype, seed=2)
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, algorithm="fa2", return_lse=True)
-    # Both dq modes on every case: atomics into one slice, and one slice per K/V block.
+    # Both dq modes on every case: atomics into one slice, and the deterministic mode's slice per block along x.
     for deterministic in (False, True):
         grads = cuflash.attention_backward(
             dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, algorithm="fa2", deterministic=deterministic
