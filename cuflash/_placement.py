@@ -169,7 +169,7 @@ def ascontiguous(array: Any) -> Any:
 
 
 def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(ascontiguous(a) if V.needs_copy(a) else a for a in arrays)
+    return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
 
 
 def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -> tuple[Placement, Any]:

