@@ -12,9 +12,10 @@ import numpy as np
 from ..kernels.program import LaunchPlan
 from ..kernels.targets import Target
 
-# Scratch the program does not zero is filled with NaN, the way the simulator
-# fills shared memory: a kernel that reads an element it never wrote shows it.
-_UNWRITTEN = np.float32(np.nan)
+# Outputs and the scratch the program does not zero start as all-ones bytes, NaN in every element type (float32,
+# float16, bfloat16), the way the simulator fills shared memory: an element a kernel forgets to write, or reads
+# before writing, shows. A byte fill is a memset, cheaper than filling float32 NaNs (a split-KV decode's out_accum).
+_UNWRITTEN_BYTE = 0xFF
 _ALIGNMENT = 64
 # cffi's C-level FFI (what compiled cffi modules use): its cast and from_buffer are C calls, the cffi.FFI wrapper's
 # are Python functions.
@@ -40,20 +41,17 @@ class SimulatorBackend:
         return _NO_DEVICE
 
     def empty_scratch(self, shape: tuple[int, ...]) -> np.ndarray:
-        scratch = np.empty(shape, dtype=np.float32)
-        scratch.fill(_UNWRITTEN)
-        return scratch
+        return self.empty(shape, np.float32)
 
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        # Outputs too start as NaN: an element a kernel forgets to write is visible.
-        # 64-byte aligned, so JAX takes results through DLPack without a copy.
+        # Unwritten (NaN) and 64-byte aligned, so JAX takes results through DLPack without a copy.
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
-        raw.fill(0xFF)  # all of it: one fill instead of a view of the output's bytes to fill
+        raw.fill(_UNWRITTEN_BYTE)  # all of it: one fill instead of a view of the output's bytes to fill
         start = -self.address(raw) % _ALIGNMENT
         return raw[start : start + nbytes].view(dtype).reshape(shape)
 

@@ -9,9 +9,9 @@ Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attentio
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
 int32 cache_seqlens and one new k/v row appended), and the first three at a training shape (batch 4, seqlen 2048,
 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
-nothing of that call cached yet), the median of warm calls after a warm-up, the median of uncached calls (the API's
-prepared calls forgotten before each: a new signature in a warm process); and the Python function calls a warm call
-makes (counted with sys.setprofile).
+nothing of that call cached yet), the median of warm calls after a warm-up (wall clock, and the thread's CPU time,
+which a loaded machine inflates less), the median of uncached calls (the API's prepared calls forgotten before
+each: a new signature in a warm process); and the Python function calls a warm call makes (counted with sys.setprofile).
 """
 
 from __future__ import annotations
@@ -128,6 +128,14 @@ def _microseconds(run: Callable[[], Any]) -> float:
     return (time.perf_counter_ns() - start) / 1e3
 
 
+def _cpu_microseconds(run: Callable[[], Any]) -> float:
+    """This thread's CPU time for one run: unlike wall time, it leaves out the time the thread waits for a core
+    other processes hold (on a shared machine, most of a loaded wall-clock figure)."""
+    start = time.thread_time_ns()
+    run()
+    return (time.thread_time_ns() - start) / 1e3
+
+
 def python_calls(run: Callable[[], Any]) -> int:
     """Python function calls one run makes (C functions not counted)."""
     calls = 0
@@ -163,6 +171,7 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
     gc.disable()  # a collection landing in one call is noise, not host cost
     try:
         times = [_microseconds(case.run) for _ in range(case.repeats)]
+        cpu_times = [_cpu_microseconds(case.run) for _ in range(case.repeats)]
         uncached = []
         for _ in range(case.repeats):
             _forget_prepared_calls()
@@ -178,6 +187,7 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
         "first_call_microseconds": first,
         "uncached_microseconds_per_call": statistics.median(uncached),
         "min_microseconds": min(times),
+        "cpu_microseconds_per_call": statistics.median(cpu_times),
         "repeats": case.repeats,
         "python_calls_per_call": python_calls(case.run),
     }
@@ -209,10 +219,12 @@ def run(repeats: int, training_repeats: int) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'call':<24} {'warm us':>10} {'uncached':>10} {'first us':>10} {'py calls':>9}  shape"
-    lines = [f"host cost per call ({BACKEND_LABEL}; warm: median)", header, "-" * len(header)]
+    header = f"{'call':<24} {'warm us':>10} {'warm cpu':>10} {'uncached':>10} {'first us':>10} {'py calls':>9}  shape"
+    lines = [f"host cost per call ({BACKEND_LABEL}; medians; warm cpu: this thread's CPU time)", header,
+             "-" * len(header)]
     for row in rows:
         lines.append(f"{row['call']:<24} {row['microseconds_per_call']:>10.1f} "
+                     f"{row['cpu_microseconds_per_call']:>10.1f} "
                      f"{row['uncached_microseconds_per_call']:>10.1f} {row['first_call_microseconds']:>10.1f} "
                      f"{row['python_calls_per_call']:>9}  {row['shape']}")
     return "\n".join(lines)
