@@ -308,3 +308,33 @@ def test_a_warm_decode_call_is_cheap_on_the_host():
             times.append(time.perf_counter() - start)
     assert calls <= 120, calls
     assert min(times) < 150e-6, times
+
+
+def test_an_unhashable_option_is_checked_and_never_cached(no_launches):
+    q, k, v = _qkv(np.random.default_rng(11))
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"window_size\[0\] must be an int"):
+            cuflash.attention(q, k, v, window_size=[[1], 0])
+    assert len(api.prepared_calls) == 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_appended_rows_land_where_the_scatter_puts_them(paged):
+    """Small decode batches append by slices per sequence and page (api._append); a row range may cross pages."""
+    rng = np.random.default_rng(12)
+    batch, new, page_size, pages_per_sequence = 3, 5, 16, 3
+    table = rng.permutation(batch * pages_per_sequence + 2)[:batch * pages_per_sequence]
+    table = table.reshape(batch, pages_per_sequence).astype(np.int32) if paged else None
+    shape = (batch * pages_per_sequence + 2, page_size, 2, 8) if paged else (batch, 48, 2, 8)
+    k_cache = rng.standard_normal(shape).astype(np.float32)
+    v_cache = rng.standard_normal(shape).astype(np.float32)
+    k = rng.standard_normal((batch, new, 2, 8)).astype(np.float32)
+    starts = np.array([0, 13, 48 - new], np.int32)  # the middle one crosses a page boundary when paged
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    for b in range(batch):
+        for i in range(new):
+            row = int(starts[b]) + i
+            page, at = (int(table[b, row // page_size]), row % page_size) if paged else (b, row)
+            expected_k[page, at], expected_v[page, at] = k[b, i], 2 * k[b, i]
+    api._append(k_cache, v_cache, k, 2 * k, starts, table)
+    assert np.array_equal(k_cache, expected_k) and np.array_equal(v_cache, expected_v)
