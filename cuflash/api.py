@@ -74,17 +74,22 @@ class BoundedCache:
 prepared_calls = BoundedCache(PREPARED_CALLS)
 
 
-def call_key(entry: str, placement: Placement, *options: Any) -> tuple:
+def call_key(entry: str, placement: Placement, *options: Any) -> tuple | None:
     """The static signature of a call, the one rule for what a Prepared object may depend on: the entry point, the
     placement's signature (Placement.signature: names, types, shapes, strides and dtypes of the arrays, the GPU or
     the simulator's current target) and every option value with its type (True and 1, or a float and a NumPy
     float, are different calls: the checks tell them apart), a pair's items with theirs. A key holding an
-    unhashable option value is never cached: _prepared checks such a call in full every time."""
-    return (entry, placement.signature(),
+    unhashable option value is never cached: _prepared checks such a call in full every time, as it does when the
+    target cannot be read (None: a bad CUFLASH_SIM_TARGET raises where planning reads it, after the input checks)."""
+    try:
+        signature = placement.signature()
+    except ValueError:
+        return None
+    return (entry, signature,
             tuple([(type(o), tuple([(type(x), x) for x in o]) if type(o) in (tuple, list) else o) for o in options]))
 
 
-def _prepared(key: tuple, prepare: Callable[[], Prepared]) -> Prepared:
+def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
     """The Prepared object of ``key``, made by ``prepare`` (every check of the call, in the API's order) on a miss."""
     try:
         prepared = prepared_calls.get(key)
