@@ -12,8 +12,9 @@
 //           m16 MMA strips) for the whole kernel, so its softmax statistics never leave its registers and a
 //           row's max and sum need only the 4 lanes of a quad (2 xor-shuffles).
 //   Per visible K/V block, last to first (mask.cuh gives the range; the masked blocks at the diagonal and the
-//   ragged end come first; a block-uniform test, mask.cuh's tile_needs_mask, keeps the element-wise mask code off
-//   every other block):
+//   ragged end come first; a block-uniform test against the blocks that need no mask, found once before the loop
+//   (fa2_tc_tiles.cuh's unmasked_kv_blocks: exactly those where mask.cuh's tile_needs_mask is false), keeps the
+//   element-wise mask code off every other block):
 //     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
 //     mask (only blocks that need it, mask.cuh's tile test), online softmax in base 2 with the scale folded into
 //     one FMA (p = exp2(s * scale_log2 - offset)), l and O rescaled by exp2(offset_old - offset_new);
@@ -136,6 +137,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     const float scale_log2 = p.softmax_scale_log2;
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
+    // The K/V blocks whose tile needs no element-wise mask (mask.cuh's tile_needs_mask false), found once: the
+    // loop then tests its block index against two bounds instead of re-reading the sequence's lengths per block.
+    const IndexRange unmasked = fa2tc::unmasked_kv_blocks<BlockN>(MaskPolicy::of(p, info), row0, block_rows());
 
     fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
     fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN),
@@ -161,11 +165,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       if (score_hook.active())
         fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
                               [&](float& x, int row, int key) { x = score_hook(x, row, key); });
-      const MaskPolicy mask = MaskPolicy::of(p, info);
-      if (mask.tile_needs_mask(row0, block_rows(), key0, BlockN))
+      if (!unmasked.contains(n_block)) {
+        const MaskPolicy mask = MaskPolicy::of(p, info);
         fa2tc::for_each_score(s, row0 + warp_row0, key0, lane, [&](float& x, int row, int key) {
           if (!mask.visible(row, key)) x = neg_inf();
         });
+      }
 
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j
