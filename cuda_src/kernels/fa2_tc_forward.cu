@@ -16,6 +16,7 @@
 //   (fa2_tc_tiles.cuh's unmasked_kv_blocks: exactly those where mask.cuh's tile_needs_mask is false), keeps the
 //   element-wise mask code off every other block):
 //     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
+//                   every ldmatrix address a lane base (fa2_tc_tiles.cuh's LaneBases, made once) plus an immediate;
 //     mask (only blocks that need it, mask.cuh's tile test), online softmax in base 2 with the scale folded into
 //     one FMA (p = exp2(s * scale_log2 - offset)), l and O rescaled by exp2(offset_old - offset_new);
 //     O += P V_j    P is S's accumulator rounded to 16 bits and re-read as A fragments (never in shared
@@ -141,6 +142,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // loop then tests its block index against two bounds instead of re-reading the sequence's lengths per block.
     const IndexRange unmasked = fa2tc::unmasked_kv_blocks<BlockN>(MaskPolicy::of(p, info), row0, block_rows());
 
+    // Each lane's ldmatrix bases (the XOR swizzle's lane part), once per kernel: Q's with the warp's rows.
+    const auto q_at =
+        fa2tc::LaneBases<QTile>::of(fa2tc::a_row_lane<QTile>(lane), warp_row0 * QTile::kRowBytes).pinned(lane);
+    const auto k_at = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane)).pinned(lane);
+    const auto v_at = fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane)).pinned(lane);
+
     fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
     fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN),
                                            block_keys(n_range.end - 1), d, k_vector, threadIdx.x);
@@ -156,8 +163,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
       s.zero();
-      fa2tc::gemm_ss<T, false, false, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, warp_row0, k_tile, 0,
-                                                                                lane);
+      fa2tc::gemm_ss_bases<T, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, q_at, k_tile, k_at);
 
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
             rows_g_and_g8[1] &= Dropout::half_mask(bits >> 2);
           }
       }
-      fa2tc::gemm_rs<T, KVTile>(acc_o, p_frag, v_tile, lane);
+      fa2tc::gemm_rs_bases<T, KVTile>(acc_o, p_frag, v_tile, v_at);
     }
   }
 

@@ -211,6 +211,37 @@ __device__ __forceinline__ typename Tile::LaneOffset b_kn_lane(int lane) {
   return Tile::lane_offset((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
 }
 
+// ldmatrix addresses with every step an immediate (the forward's main loop). LaneOffset::at still XORs each even
+// chunk step into the lane's chunk; over a tile those XORs take only kAtomChunks / 2 values per lane (the step's
+// bits below the atom), so a lane holds that many base offsets, computed once per kernel (outside the K/V loop),
+// and every ldmatrix address is a base plus a compile-time row, atom and tile offset. `extra` (a block-uniform
+// byte offset, e.g. the warp's first row) is folded into the bases too.
+template <class Tile>
+struct LaneBases {
+  static constexpr int kBases = Tile::kAtomChunks / 2;
+  int base[kBases];
+  __device__ __forceinline__ static LaneBases of(typename Tile::LaneOffset lane, int extra = 0) {
+    LaneBases bases;
+#pragma unroll
+    for (int c = 0; c < kBases; ++c) bases.base[c] = extra + lane.at(0, 2 * c);
+    return bases;
+  }
+  // The same bases passed through an identity shuffle (each lane reads its own): ptxas cannot recompute a shuffle's
+  // result, so it keeps the bases in registers through the main loop instead of rebuilding them from the thread
+  // index in every iteration (it did, with 12 registers to spare: about 35 instructions per K/V block at d128).
+  __device__ __forceinline__ LaneBases pinned(int lane) const {
+    LaneBases out;
+#pragma unroll
+    for (int c = 0; c < kBases; ++c) out.base[c] = __shfl_sync(0xffffffffu, base[c], lane);
+    return out;
+  }
+  // The byte offset LaneOffset::at(row_step, chunk_step) gives (row_step a multiple of 8, chunk_step even).
+  __device__ __forceinline__ int at(int row_step, int chunk_step) const {
+    return row_step * Tile::kRowBytes + (chunk_step & ~(Tile::kAtomChunks - 1)) * 16 +
+           base[(chunk_step & (Tile::kAtomChunks - 1)) / 2];
+  }
+};
+
 // Accumulator of an (MTiles x 16) x (NTiles x 8) warp product, C layout per 16 x 8 tile.
 // Where a lane's c[i][j][2 half + e] sits in the warp's product (mma's C layout, lane = 4 g + t): row
 // acc_row(lane, i, half) = 16 i + g + 8 half, column acc_col(lane, j) + e = 8 j + 2 t + e. Every index a kernel
@@ -294,6 +325,51 @@ __device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const 
                                         const unsigned char* tile_b, int lane) {
   static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
   const typename TileB::LaneOffset b_at = b_kn_lane<TileB>(lane);
+#pragma unroll
+  for (int kk = 0; kk < KSteps; ++kk) {
+#pragma unroll
+    for (int j = 0; j < NTiles; j += 2) {
+      unsigned b[4];
+      arch::ldmatrix<4, true>(b, tile_b + b_at.at(16 * kk, j));
+#pragma unroll
+      for (int i = 0; i < MTiles; ++i) {
+        mma<T>(acc.c[i][j], a[i][kk], b[0], b[1]);
+        mma<T>(acc.c[i][j + 1], a[i][kk], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// gemm_ss<T, false, false> and gemm_rs with the lanes' ldmatrix bases precomputed (LaneBases): the same
+// fragments in the same order, so the same products bit for bit. A's bases include its first row (m0 of gemm_ss).
+template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
+__device__ __forceinline__ void gemm_ss_bases(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
+                                              const LaneBases<TileA>& a_at, const unsigned char* tile_b,
+                                              const LaneBases<TileB>& b_at) {
+  static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    unsigned a[MTiles][4];
+#pragma unroll
+    for (int i = 0; i < MTiles; ++i) arch::ldmatrix<4, false>(a[i], tile_a + a_at.at(16 * i, k0 / kChunkElems));
+#pragma unroll
+    for (int j = 0; j < NTiles; j += 2) {
+      unsigned b[4];
+      arch::ldmatrix<4, false>(b, tile_b + b_at.at(8 * j, k0 / kChunkElems));
+#pragma unroll
+      for (int i = 0; i < MTiles; ++i) {
+        mma<T>(acc.c[i][j], a[i], b[0], b[1]);
+        mma<T>(acc.c[i][j + 1], a[i], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <class T, class TileB, int MTiles, int NTiles, int KSteps>
+__device__ __forceinline__ void gemm_rs_bases(Accumulator<MTiles, NTiles>& acc,
+                                              const unsigned (&a)[MTiles][KSteps][4], const unsigned char* tile_b,
+                                              const LaneBases<TileB>& b_at) {
+  static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
 #pragma unroll
   for (int kk = 0; kk < KSteps; ++kk) {
 #pragma unroll
