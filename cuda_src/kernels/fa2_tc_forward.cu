@@ -24,6 +24,10 @@
 //   Pipelining (FA2's): one Q, one K and one V buffer; cp.async of V_j is in flight during Q K_j^T, and of
 //   K_{j-1} during the softmax and P V_j. Each step has two barriers: the first publishes K_j (and makes the
 //   V buffer free), the second publishes V_j (and makes the K buffer free).
+//   Copies: a K or V block with every key row, on contiguous 16-byte aligned rows at the compiled head dim (not
+//   paged), goes through load_whole_tile (each thread's cp.async unrolled from one source pointer, shared offsets
+//   immediates: FA2's LDGSTS); ragged, paged or misaligned blocks and other head dims through load_tile. The test
+//   is block-uniform; both issue the same chunks in the same order.
 //   Epilogue: O / l rounded to 16 bits into the warp's own rows of the Q buffer (only this warp ever read
 //   them), then 16-byte coalesced stores; lse = m * scale + log(l).
 //   Split-KV (KV-cache decoding, p.num_kv_splits > 1): grid.x is (Q blocks) x splits; block x takes Q block
@@ -60,6 +64,11 @@ struct ForwardTraits {
   static constexpr int kRowsPerWarp = 16 * kMTiles;
   static constexpr int kKeyTiles = BlockN / 8;           // n8 tiles of S
   static constexpr int kDimTiles = HeadDim / 8;          // n8 tiles of O
+  // Whether K's ldmatrix bases stay pinned in registers through the K/V loop like Q's and V's (LaneBases::pinned).
+  // Not with two strips per warp and 160 accumulator floats per thread (d96 at 128 x 64 and d128 at 128 x 32 on 4
+  // warps): at d128 ptxas for sm_90 spilled 8 bytes with all three sets pinned; K's are rebuilt per block instead
+  // (about 14 instructions).
+  static constexpr bool kPinKBases = !(kMTiles == 2 && kMTiles * (kDimTiles + kKeyTiles) * 4 >= 160);
 
   using QTile = SwizzledTile<BlockM, HeadDim>;
   using KVTile = SwizzledTile<BlockN, HeadDim>;
@@ -136,6 +145,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool q_vector = fa2tc::rows_16b_aligned(q, p.q_stride.row);
     const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
+    // K and V blocks copied by load_whole_tile where whole (below): contiguous (not paged), 16-byte aligned rows,
+    // and the compiled head dim; per block, every key row in the sequence.
+    constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable;
+    const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && p.block_table == nullptr;
+    // This thread's first chunk of key row 0 in K and V (meaningful where kv_whole): a block's copies start at
+    // these plus key0 rows.
+    const int whole_row = fa2tc::whole_tile_row<KVTile, Tr::kThreads>(threadIdx.x);
+    const int whole_col = fa2tc::whole_tile_column<KVTile, Tr::kThreads>(threadIdx.x);
+    const T* k_whole = kWholeCopies ? info.k<T>(p) + whole_row * p.k_stride.row + whole_col : nullptr;
+    const T* v_whole = kWholeCopies ? info.v<T>(p) + whole_row * p.v_stride.row + whole_col : nullptr;
     const float scale_log2 = p.softmax_scale_log2;
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
     // The K/V blocks whose tile needs no element-wise mask (mask.cuh's tile_needs_mask false), found once: the
@@ -145,7 +164,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // Each lane's ldmatrix bases (the XOR swizzle's lane part), once per kernel: Q's with the warp's rows.
     const auto q_at =
         fa2tc::LaneBases<QTile>::of(fa2tc::a_row_lane<QTile>(lane), warp_row0 * QTile::kRowBytes).pinned(lane);
-    const auto k_at = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane)).pinned(lane);
+    const auto k_lane_bases = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane));
+    const auto k_at = Tr::kPinKBases ? k_lane_bases.pinned(lane) : k_lane_bases;
     const auto v_at = fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane)).pinned(lane);
 
     fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
@@ -157,8 +177,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       const int key0 = n_block * BlockN;
       arch::cp_async_wait<0>();
       __syncthreads();  // K_j (and Q) visible to all; every warp is done with V_{j+1}
-      fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector,
-                                             threadIdx.x);
+      // A block below unmasked.end has every key row (mask.cuh: (n + 1) BlockN <= seqlen_k).
+      if (kv_whole && n_block < unmasked.end) {
+        if constexpr (kWholeCopies)
+          fa2tc::load_whole_tile<KVTile, Tr::kThreads>(v_tile, v_whole + key0 * p.v_stride.row, p.v_stride.row,
+                                                       threadIdx.x);
+      } else {
+        fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector,
+                                               threadIdx.x);
+      }
       arch::cp_async_commit();
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
@@ -181,8 +208,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j
       if (n_block > n_range.begin) {
-        fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1), d,
-                                               k_vector, threadIdx.x);
+        if (kv_whole && n_block - 1 < unmasked.end) {
+          if constexpr (kWholeCopies)
+            fa2tc::load_whole_tile<KVTile, Tr::kThreads>(k_tile, k_whole + (key0 - BlockN) * p.k_stride.row,
+                                                         p.k_stride.row, threadIdx.x);
+        } else {
+          fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1),
+                                                 d, k_vector, threadIdx.x);
+        }
         arch::cp_async_commit();
       }
 

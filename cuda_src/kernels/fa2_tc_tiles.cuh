@@ -180,6 +180,53 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
   }
 }
 
+// Whether load_whole_tile can copy a Tile with kThreads threads: each thread's chunks are one column of rows
+// kRowStep apart and the rows divide evenly. kRowStep a multiple of 4: the XOR key (period 8 rows) of rows
+// r + 2 i kRowStep is r's and that of rows r + (2 i + 1) kRowStep is that of r + kRowStep, so a thread's shared
+// offsets are two bases (one where kRowStep is a multiple of 8) plus immediates.
+template <class Tile, int kThreads>
+struct WholeTileCopy {
+  static constexpr int kRowStep = kThreads / Tile::kChunksPerRow;
+  static constexpr bool kAvailable = kThreads % Tile::kChunksPerRow == 0 && kRowStep % 4 == 0 &&
+                                     Tile::kRows % kRowStep == 0;
+};
+
+// The first row and column of a thread's chunks in load_whole_tile.
+template <class Tile, int kThreads>
+__device__ __forceinline__ int whole_tile_row(int thread) {
+  return thread / Tile::kChunksPerRow;
+}
+template <class Tile, int kThreads>
+__device__ __forceinline__ int whole_tile_column(int thread) {
+  return (thread % Tile::kChunksPerRow) * kChunkElems;
+}
+
+// tile = rows [0, Tile::kRows) x columns [0, Tile::kCols) of contiguous rows `row_stride` elements apart: the copy
+// of an interior tile, every row valid, every chunk whole (head dim = Tile::kCols), rows 16-byte aligned, not paged
+// (the caller tests this per block; load_tile stays the general path). `from` is this thread's first chunk: row
+// whole_tile_row, column whole_tile_column. Each thread's copies are unrolled: one source pointer stepped by
+// kRowStep rows and shared offsets that are immediates from one or two per-thread bases, so a 16-byte cp.async
+// costs a pointer step instead of load_tile's loop. The same chunks as load_tile, in the same order per thread.
+template <class Tile, int kThreads, class T>
+__device__ __forceinline__ void load_whole_tile(unsigned char* tile, const T* from, long long row_stride, int thread) {
+  using Copy = WholeTileCopy<Tile, kThreads>;
+  static_assert(Copy::kAvailable, "the threads cover whole rows, 4k at a time");
+  static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
+  const int row = whole_tile_row<Tile, kThreads>(thread);
+  const int chunk = whole_tile_column<Tile, kThreads>(thread) / kChunkElems;
+  unsigned char* to = tile + Tile::chunk_offset(row, chunk);
+  // Odd steps: row + kRowStep's offset, less the step's rows (the same as `to` where kRowStep % 8 == 0).
+  unsigned char* to_odd = Copy::kRowStep % 8 == 0
+                              ? to
+                              : tile + Tile::chunk_offset(row + Copy::kRowStep, chunk) -
+                                    Copy::kRowStep * Tile::kRowBytes;
+#pragma unroll
+  for (int i = 0; i < Tile::kRows / Copy::kRowStep; ++i) {
+    arch::cp_async<16>((i % 2 ? to_odd : to) + i * Copy::kRowStep * Tile::kRowBytes, from);
+    from += Copy::kRowStep * row_stride;
+  }
+}
+
 // The same from contiguous rows: src[r * row_stride + c].
 template <class Tile, int kThreads, bool kStepRows = true, class T>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
