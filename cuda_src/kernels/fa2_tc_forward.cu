@@ -69,6 +69,13 @@ struct ForwardTraits {
   // warps): at d128 ptxas for sm_90 spilled 8 bytes with all three sets pinned; K's are rebuilt per block instead
   // (about 14 instructions).
   static constexpr bool kPinKBases = !(kMTiles == 2 && kMTiles * (kDimTiles + kKeyTiles) * 4 >= 160);
+  // Whether the K/V loop takes load_whole_tile for whole blocks: not on those tiles under CUDA 12, whose ptxas spilled
+  // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not).
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
+  static constexpr bool kWholeCopiesFit = kPinKBases;
+#else
+  static constexpr bool kWholeCopiesFit = true;
+#endif
 
   using QTile = SwizzledTile<BlockM, HeadDim>;
   using KVTile = SwizzledTile<BlockN, HeadDim>;
@@ -147,7 +154,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     // K and V blocks copied by load_whole_tile where whole (below): contiguous (not paged), 16-byte aligned rows,
     // and the compiled head dim; per block, every key row in the sequence.
-    constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable;
+    constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && p.block_table == nullptr;
     // This thread's first chunk of key row 0 in K and V (meaningful where kv_whole): a block's copies start at
     // these plus key0 rows.

@@ -276,11 +276,18 @@ struct LaneBases {
   // The same bases passed through an identity shuffle (each lane reads its own): ptxas cannot recompute a shuffle's
   // result, so it keeps the bases in registers through the main loop instead of rebuilding them from the thread
   // index in every iteration (it did, with 12 registers to spare: about 35 instructions per K/V block at d128).
+  // Not under CUDA 12: its ptxas spilled the pinned bases (sm_90: d96 128x64x4 76 bytes, d192 128x64x8 40, d256
+  // 64x64x4 316) where 13's does not; there the bases stay plain values ptxas may rebuild.
   __device__ __forceinline__ LaneBases pinned(int lane) const {
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
+    (void)lane;
+    return *this;
+#else
     LaneBases out;
 #pragma unroll
     for (int c = 0; c < kBases; ++c) out.base[c] = __shfl_sync(0xffffffffu, base[c], lane);
     return out;
+#endif
   }
   // The byte offset LaneOffset::at(row_step, chunk_step) gives (row_step a multiple of 8, chunk_step even).
   __device__ __forceinline__ int at(int row_step, int chunk_step) const {
