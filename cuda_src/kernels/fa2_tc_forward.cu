@@ -70,11 +70,12 @@ struct ForwardTraits {
   // (about 14 instructions).
   static constexpr bool kPinKBases = !(kMTiles == 2 && kMTiles * (kDimTiles + kKeyTiles) * 4 >= 160);
   // Whether the K/V loop takes load_whole_tile for whole blocks: not on those tiles under CUDA 12, whose ptxas spilled
-  // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not).
+  // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not); nor at d32, where the copies' registers
+  // cost sm_90 a block per SM (157 -> 174 registers: 3 -> 2 blocks).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
-  static constexpr bool kWholeCopiesFit = kPinKBases;
+  static constexpr bool kWholeCopiesFit = kPinKBases && HeadDim > 32;
 #else
-  static constexpr bool kWholeCopiesFit = true;
+  static constexpr bool kWholeCopiesFit = HeadDim > 32;
 #endif
 
   using QTile = SwizzledTile<BlockM, HeadDim>;
