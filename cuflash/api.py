@@ -554,7 +554,9 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given do
     q, k, v and options. dq is like q; dk, dv are like k, v (for GQA/MQA they sum over the
     query heads of a group). ``deterministic=True`` asks for bitwise-reproducible
     gradients (the fa2 backward otherwise accumulates dq with float32 atomics, whose order
-    varies between runs on a GPU). No gradient flows to alibi_slopes.
+    varies between runs on a GPU). With ``deterministic=True`` fa2 gives each of a fixed number of thread
+    blocks per kv head (about SMs / (batch * nheads_k)) its own float32 dq slice and sums the slices in
+    order: scratch linear in seqlen_q, independent of seqlen_k. No gradient flows to alibi_slopes.
 """ + _OPTIONS_DOC
 
 attention_varlen.__doc__ = """Attention over a batch of variable-length sequences packed without padding.

@@ -8,7 +8,8 @@ The per-SM figures (CUDA C++ Programming Guide, technical specifications per com
 capability) give the compile report's occupancy bounds. The simulator runs plans for a target
 too (default sm_80) and refuses launches above its limit.
 
-``sm_count`` is the number of SMs the split-KV heuristic plans for (fa2.py's num_kv_splits). A device's target
+``sm_count`` is the number of SMs the split-KV heuristic (fa2.py's num_kv_splits) and the deterministic
+backward's dq slice count (fa2.py's num_dq_splits_for) plan for. A device's target
 carries the device's own count (CuPy and JAX read multiProcessorCount); the table's counts are those of one
 representative part per arch (A100 108, A40 84, Jetson AGX Orin 16, L40S 142, H100 SXM 132, B200 148, RTX 5090
 170), which is what the simulator plans with, so a simulated decode splits as it would on that part.
