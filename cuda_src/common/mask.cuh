@@ -99,6 +99,24 @@ struct MaskPolicy {
     if (window_right >= 0 && key0 + keys - 1 > diagonal(row0) + window_right) return true;
     return window_left >= 0 && key0 < diagonal(row0 + rows - 1) - window_left;
   }
+
+  // The K/V blocks (of BlockN keys) whose tile rows [row0, row0 + rows) x keys [n BlockN, (n + 1) BlockN) need no
+  // element-wise mask: exactly the n for which tile_needs_mask(row0, rows, n BlockN, BlockN) is false (that test is
+  // monotone in n on both sides: the keys' end and the window's right edge from above, its left edge from below).
+  template <int BlockN>
+  __device__ __forceinline__ IndexRange unmasked_kv_blocks(int row0, int rows) const {
+    int end = seqlen_k / BlockN;  // (n + 1) BlockN <= seqlen_k
+    if (window_right >= 0) {      // (n + 1) BlockN - 1 <= diagonal(row0) + window_right
+      const int limit = diagonal(row0) + window_right + 1;
+      end = min(end, limit <= 0 ? 0 : limit / BlockN);
+    }
+    int begin = 0;
+    if (window_left >= 0) {  // n BlockN >= diagonal(row0 + rows - 1) - window_left
+      const int first = diagonal(row0 + rows - 1) - window_left;
+      begin = first <= 0 ? 0 : ceil_div(first, BlockN);
+    }
+    return IndexRange{begin, end};
+  }
 };
 
 // Split-KV (attention_params.cuh's num_kv_splits): which of the `visible` K/V blocks of a Q block split `split` of

@@ -13,7 +13,7 @@
 //           row's max and sum need only the 4 lanes of a quad (2 xor-shuffles).
 //   Per visible K/V block, last to first (mask.cuh gives the range; the masked blocks at the diagonal and the
 //   ragged end come first; a block-uniform test against the blocks that need no mask, found once before the loop
-//   (fa2_tc_tiles.cuh's unmasked_kv_blocks: exactly those where mask.cuh's tile_needs_mask is false), keeps the
+//   (mask.cuh's unmasked_kv_blocks: exactly those where its tile_needs_mask is false), keeps the
 //   element-wise mask code off every other block):
 //     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
 //                   every ldmatrix address a lane base (fa2_tc_tiles.cuh's LaneBases, made once) plus an immediate;
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
     // The K/V blocks whose tile needs no element-wise mask (mask.cuh's tile_needs_mask false), found once: the
     // loop then tests its block index against two bounds instead of re-reading the sequence's lengths per block.
-    const IndexRange unmasked = fa2tc::unmasked_kv_blocks<BlockN>(MaskPolicy::of(p, info), row0, block_rows());
+    const IndexRange unmasked = MaskPolicy::of(p, info).unmasked_kv_blocks<BlockN>(row0, block_rows());
 
     // Each lane's ldmatrix bases (the XOR swizzle's lane part), once per kernel: Q's with the warp's rows.
     const auto q_at =

@@ -88,24 +88,6 @@ struct SwizzledTile {
   }
 };
 
-// The K/V blocks (of BlockN keys) whose tile rows [row0, row0 + rows) x keys [n BlockN, (n + 1) BlockN) needs no
-// element-wise mask: exactly the n for which mask.tile_needs_mask(row0, rows, n BlockN, BlockN) is false (that test
-// is monotone in n on both sides: the keys' end and the window's right edge from above, its left edge from below).
-template <int BlockN>
-__device__ __forceinline__ IndexRange unmasked_kv_blocks(const MaskPolicy& mask, int row0, int rows) {
-  int end = mask.seqlen_k / BlockN;  // (n + 1) BlockN <= seqlen_k
-  if (mask.window_right >= 0) {      // (n + 1) BlockN - 1 <= diagonal(row0) + window_right
-    const int limit = mask.diagonal(row0) + mask.window_right + 1;
-    end = min(end, limit <= 0 ? 0 : limit / BlockN);
-  }
-  int begin = 0;
-  if (mask.window_left >= 0) {  // n BlockN >= diagonal(row0 + rows - 1) - window_left
-    const int first = mask.diagonal(row0 + rows - 1) - mask.window_left;
-    begin = first <= 0 ? 0 : ceil_div(first, BlockN);
-  }
-  return IndexRange{begin, end};
-}
-
 // Whether rows of a global tile can move as 16-byte chunks: the base and every row start 16-byte aligned.
 template <class T>
 __device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_stride) {

@@ -32,15 +32,15 @@ def load_example():
 
 @pytest.fixture
 def bound_addresses(monkeypatch):
-    """Records the address of every array run_program binds to a kernel argument, by field name."""
+    """Records the address of every array a prepared program binds to a kernel argument, by field name."""
     seen: dict[str, int] = {}
-    original = api.run_program
+    original = api.PreparedProgram.run
 
-    def recording(backend, program, problem, scale, arrays):
+    def recording(self, backend, arrays):
         seen.update({name: backend.address(array) for name, array in arrays.items()})
-        return original(backend, program, problem, scale, arrays)
+        return original(self, backend, arrays)
 
-    monkeypatch.setattr(api, "run_program", recording)
+    monkeypatch.setattr(api.PreparedProgram, "run", recording)
     return seen
 
 
