@@ -355,12 +355,12 @@ __device__ __forceinline__ void to_a_operand(unsigned (&a)[MTiles][KSteps][4],
 }
 
 // acc += A B over k in [0, 16 KSteps): A from registers (to_a_operand of this warp's previous product), B = rows
-// k of tile_b [k][n], columns 0 .. 8 NTiles. (O += P V, dQ += dS K.)
-template <class T, class TileB, int MTiles, int NTiles, int KSteps>
-__device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
-                                        const unsigned char* tile_b, int lane) {
+// k of tile_b [k][n], columns 0 .. 8 NTiles, each lane's ldmatrix address b_at.at(row, chunk) (a TileB::LaneOffset
+// or a LaneBases: the same addresses, so the same fragments in the same order). (O += P V, dQ += dS K.)
+template <class T, class TileB, int MTiles, int NTiles, int KSteps, class BAddress>
+__device__ __forceinline__ void gemm_rs_at(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
+                                           const unsigned char* tile_b, const BAddress& b_at) {
   static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
-  const typename TileB::LaneOffset b_at = b_kn_lane<TileB>(lane);
 #pragma unroll
   for (int kk = 0; kk < KSteps; ++kk) {
 #pragma unroll
@@ -374,6 +374,12 @@ __device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const 
       }
     }
   }
+}
+
+template <class T, class TileB, int MTiles, int NTiles, int KSteps>
+__device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
+                                        const unsigned char* tile_b, int lane) {
+  gemm_rs_at<T, TileB>(acc, a, tile_b, b_kn_lane<TileB>(lane));
 }
 
 // gemm_ss<T, false, false> and gemm_rs with the lanes' ldmatrix bases precomputed (LaneBases): the same
@@ -405,20 +411,7 @@ template <class T, class TileB, int MTiles, int NTiles, int KSteps>
 __device__ __forceinline__ void gemm_rs_bases(Accumulator<MTiles, NTiles>& acc,
                                               const unsigned (&a)[MTiles][KSteps][4], const unsigned char* tile_b,
                                               const LaneBases<TileB>& b_at) {
-  static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
-#pragma unroll
-  for (int kk = 0; kk < KSteps; ++kk) {
-#pragma unroll
-    for (int j = 0; j < NTiles; j += 2) {
-      unsigned b[4];
-      arch::ldmatrix<4, true>(b, tile_b + b_at.at(16 * kk, j));
-#pragma unroll
-      for (int i = 0; i < MTiles; ++i) {
-        mma<T>(acc.c[i][j], a[i][kk], b[0], b[1]);
-        mma<T>(acc.c[i][j + 1], a[i][kk], b[2], b[3]);
-      }
-    }
-  }
+  gemm_rs_at<T, TileB>(acc, a, tile_b, b_at);
 }
 
 // f(score, row, key) on every score this lane holds of a warp's S accumulator whose first row is `row0` and first
