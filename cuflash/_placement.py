@@ -34,7 +34,7 @@ class Placement:
             # without its per-array dispatch.
             self.names = names
             self.foreign_type = None
-            self.read_only = {name: not a.flags.writeable for name, a in zip(names, arrays)}
+            self.read_only = None  # NumPy's writeable flags, read where asked (check_writable)
             self.arrays = tuple(arrays)
             self._foreign_cuda = ()
             self.on_gpu = False
@@ -51,7 +51,7 @@ class Placement:
                 "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
             )
         self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
-        self.read_only: dict[str, bool] = {}
+        self.read_only: dict[str, bool] | None = {}
         imported = [self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays)]
         self.arrays = tuple(imported)
         # Views of another library's CUDA memory: held until the kernels reading them are done (results()).
@@ -88,8 +88,11 @@ class Placement:
     def check_writable(self, names: tuple[str, ...], written_by: str, instead: str) -> None:
         """Refuse, naming the argument, an array that arrived read-only among ``names`` (what ``written_by``
         writes in place); ``instead`` says what to call instead. Called before anything is written."""
+        read_only = self.read_only
+        if read_only is None:
+            read_only = {name: not a.flags.writeable for name, a in zip(self.names, self.arrays)}
         for name in names:
-            if self.read_only.get(name, False):
+            if read_only.get(name, False):
                 raise ValueError(f"{name} is read-only ({written_by} writes it in place); pass a writable array, "
                                  f"or {instead}")
 

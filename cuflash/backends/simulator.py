@@ -24,6 +24,7 @@ _UINTPTR = _ffi.typeof("uintptr_t")
 
 
 _NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+_current_target = None  # cuflash.sim.current_target, once imported
 
 
 class SimulatorBackend:
@@ -31,10 +32,14 @@ class SimulatorBackend:
 
     @property
     def target(self) -> Target:
-        """The GPU the simulator stands in for (cuflash.sim.targeting): plans are made for it."""
-        import cuflash.sim as sim
+        """The GPU the simulator stands in for (cuflash.sim.targeting): plans are made for it (read on every call:
+        it is part of each call's signature)."""
+        global _current_target
+        if _current_target is None:
+            from ..sim import current_target  # cuflash.sim imports this module's package: bound on first use
 
-        return sim.current_target()
+            _current_target = current_target
+        return _current_target()
 
     def device(self) -> contextlib.AbstractContextManager:
         """The simulator has no device to select."""
