@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cuflash.kernels import loop_census as lc
+from cuflash.kernels import nvrtc
 from cuflash.kernels import targets
 from cuflash.kernels.families import fa2_tc
 
@@ -138,6 +139,7 @@ def test_instruction_classes():
     assert lc.instruction_class("HMMA.16816.F32.BF16") == "hmma"
     assert lc.instruction_class("LDGSTS.E.BYPASS.LTC128B.128.ZFILL") == "ldgsts"
     assert lc.instruction_class("RED.E.ADD.F32.FTZ.RN.STRONG.GPU") == "memory"
+    assert lc.instruction_class("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU") == "memory"  # sm_90's spelling
     assert lc.instruction_class("MUFU.EX2") == "mufu"
     assert lc.instruction_class("BAR.SYNC.DEFER_BLOCKING") == "barrier"
     assert lc.instruction_class("IMAD.WIDE.U32") == "integer"
@@ -179,6 +181,13 @@ def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
     traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim, target)
     work = lc.iteration_work(traits)
     rows = {dtype: lc.instance_census(traits, dtype, arch) for dtype in ("float16", "bfloat16")}
+    sass = nvrtc.dump_sass(nvrtc.compile_instance(traits.instance("float16"), arch))
+    blocks = lc.blocks_of(lc.parse(sass))
+    walked = [ins.opcode for b in rows["float16"][0].path.blocks for ins in blocks[b].instructions]
+    # The walk is the Q-block step (the backward's dQ adds, RED on sm_80 and REDG on sm_90), never a loop around
+    # it whose dK/dV stores could stand in for them.
+    assert not [op for op in walked if op.startswith("STG")]
+    assert sum(op.startswith("RED") for op in walked) == work.global_writes
     for dtype, (row, *others) in rows.items():
         assert row.path.path == "plain" and row.work == work
         assert row.path.hmma == work.hmma and row.path.classes["ldgsts"] == work.ldgsts

@@ -47,8 +47,8 @@ _CLASS_OF = {
     "HMMA": "hmma",
     "LDSM": "ldsm",
     "LDGSTS": "ldgsts",
-    **{op: "memory" for op in ("LDS", "STS", "LDG", "STG", "LD", "ST", "RED", "ATOM", "ATOMS", "ATOMG", "LDL",
-                               "STL", "LDC", "ULDC")},
+    **{op: "memory" for op in ("LDS", "STS", "LDG", "STG", "LD", "ST", "RED", "REDG", "ATOM", "ATOMS", "ATOMG",
+                               "LDL", "STL", "LDC", "ULDC")},
     **{op: "fp32" for op in ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD")},
     "MUFU": "mufu",
     "SHFL": "shfl",
@@ -272,7 +272,9 @@ class NoPathError(ValueError):
     """No walk through the loop issues the iteration's work (the work is wrong for this kernel, or the loop)."""
 
 
-_GLOBAL_WRITES = ("RED", "ATOM", "ATOMG", "STG")
+# sm_90's SASS spells red.global REDG (sm_80's RED): without it no walk of the backward's Q-block loop on sm_90
+# issued the dQ adds, and the walk settled on the loop around it (whose dK/dV epilogue stores counted instead).
+_GLOBAL_WRITES = ("RED", "REDG", "ATOM", "ATOMG", "STG")
 
 
 def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain") -> PathCensus:
