@@ -187,14 +187,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     // The steps: the group's heads, each over the Q blocks that see the K/V block (the same blocks for every head of
     // the group: one sequence, one mask).
     const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
-    const int q_blocks = max(m_range.end - m_range.begin, 0);
-    const int steps = group * q_blocks;
-    // Copies of step `step`'s Q block (into q_dst) or dO block. The head's pointers are formed here, per copy: for
-    // varlen they come from cu_seqlens, so none of them stays live through the products (the kernel runs at the
-    // register limit; held per head they spilled 4 to 32 bytes).
-    auto load_rows = [&](int step, bool dout, unsigned char* dst) {
-      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
-      const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+    const int steps = group * max(m_range.end - m_range.begin, 0);
+    // A step is (head of the group, Q block), heads outer; the next step's, from this one's by a compare (no
+    // division by the runtime number of Q blocks in the loop).
+    auto next_head = [&](int head, int m_block) { return m_block + 1 == m_range.end ? head + 1 : head; };
+    auto next_m_block = [&](int m_block) { return m_block + 1 == m_range.end ? m_range.begin : m_block + 1; };
+    // Copies of the Q block (into dst) or dO block of step (head, m_block). The head's pointers are formed here,
+    // per copy: for varlen they come from cu_seqlens, so none of them stays live through the products (the kernel
+    // runs at the register limit; held per head they spilled 4 to 32 bytes).
+    auto load_rows = [&](int head, int m_block, bool dout, unsigned char* dst) {
+      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
+      const int row0 = m_block * BlockM;
       const int rows = min(BlockM, info.seqlen_q(p) - row0);
       if (dout)
         fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
@@ -207,27 +210,28 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     };
     auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
     if (steps > 0) {
-      load_rows(0, false, q_buffer(0));
-      load_rows(0, true, do_tile);
+      load_rows(0, m_range.begin, false, q_buffer(0));
+      load_rows(0, m_range.begin, true, do_tile);
     }
     arch::cp_async_commit();
 
     const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
     // Step i issues Q_{i+1} at its start and dO_{i+1} after dV (the pipeline in the header); step i + 1 waits for
     // just those two copy groups.
+    int head = 0, m_block = m_range.begin;  // this step's
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
       const int tid = thread_index;
       const int warp = tid / 32;
       const int lane = tid % 32;
-      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, step / q_blocks);
-      const int row0 = (m_range.begin + step % q_blocks) * BlockM;
+      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
+      const int row0 = m_block * BlockM;
       auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
       unsigned char* q_tile = q_buffer(step);
       // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
       // the next Q block now fills.
       __syncthreads();
-      if (step + 1 < steps) load_rows(step + 1, false, q_buffer(step + 1));
+      if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), false, q_buffer(step + 1));
       arch::cp_async_commit();  // possibly empty: the waits below count groups
       fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
       arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
@@ -310,13 +314,18 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
                                                                                        do_tile, DkDv::n0(warp), lane);
       __syncthreads();
-      if (step + 1 < steps) load_rows(step + 1, true, do_tile);
+      if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), true, do_tile);
       arch::cp_async_commit();
       fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
                                                                                        q_tile, DkDv::n0(warp), lane);
 
       // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
-      // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk).
+      // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk). A Q
+      // block with every row at the compiled head dim (block-uniform) adds every element unconditionally, from one
+      // row base per strip; a ragged block tests rows and columns.
+      // BlockInfo::dq_accum(p, slice) spelled out: through the helper ptxas spilled 8 bytes at d256 on sm_90. The
+      // slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
+      const bool dq_whole = block_rows() == BlockM && d == HeadDim;
 #pragma unroll 1
       for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
         constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
@@ -325,26 +334,39 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         dq.zero();
         fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
                                                                                        k_tile, n0, lane);
+        const long long row_stride = BlockInfo::dense_row_stride(p);
+        float* dq_rows = p.dq_accum + (p.num_dq_splits > 1 ? blockIdx.x : 0) * BlockInfo::dense_q_elements(p) +
+                         info.dense_q_offset(p) + (row0 + Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride +
+                         n0 + fa2tc::acc_col(lane, 0);
+        if (dq_whole) {
 #pragma unroll
-        for (int i = 0; i < Dq::kMTiles; ++i)
+          for (int i = 0; i < Dq::kMTiles; ++i)
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = Dq::m0(warp) + fa2tc::acc_row(lane, i, half);
-            if (r >= block_rows()) continue;
-            // BlockInfo::dq_accum(p, slice) spelled out: through the helper ptxas spilled 8 bytes at d256 on sm_90.
-            // The slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
-            float* dq_row = p.dq_accum + (p.num_dq_splits > 1 ? blockIdx.x : 0) * BlockInfo::dense_q_elements(p) +
-                            info.dense_q_offset(p) + (row0 + r) * BlockInfo::dense_row_stride(p);
+            for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int j = 0; j < kChunkTiles; ++j)
+              for (int j = 0; j < kChunkTiles; ++j)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int col = n0 + fa2tc::acc_col(lane, j) + e;
-                if (col >= d) continue;
-                arch::atomic_add(dq_row + col, dq.c[i][j][2 * half + e]);
-              }
-          }
+                for (int e = 0; e < 2; ++e)
+                  arch::atomic_add(dq_rows + (16 * i + 8 * half) * row_stride + 8 * j + e, dq.c[i][j][2 * half + e]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < Dq::kMTiles; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = Dq::m0(warp) + fa2tc::acc_row(lane, i, half);
+              if (r >= block_rows()) continue;
+#pragma unroll
+              for (int j = 0; j < kChunkTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  if (n0 + fa2tc::acc_col(lane, j) + e >= d) continue;
+                  arch::atomic_add(dq_rows + (16 * i + 8 * half) * row_stride + 8 * j + e, dq.c[i][j][2 * half + e]);
+                }
+            }
+        }
       }
+      head = next_head(head, m_block);
+      m_block = next_m_block(m_block);
     }
 
     // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers
