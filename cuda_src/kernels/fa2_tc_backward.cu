@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   // products: hoisted out of the K/V loop, they cost 20 to 30 registers and spilled at head dim 256; re-read, they
   // cost a local load (an L1 hit) and a few integer instructions per step, and fewer registers than before the
   // K/V loop (d128 on sm_80: 226 without the loop, 255 with it, 217 re-read).
-  volatile int thread_index = threadIdx.x;
+  volatile unsigned thread_index = threadIdx.x;
   const int d = p.headdim;
   const int group = BlockInfo::group_size(p);
   const float softmax_scale = p.softmax_scale;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 #pragma unroll 1
   for (int n_block = blockIdx.x; n_block * BlockN < kv_info.seqlen_k(p); n_block += gridDim.x) {
     const int key0 = n_block * BlockN;
-    const int tid = thread_index;
+    const int tid = thread_index % Tr::kThreads;  // unsigned, bounded: the divisions below are shifts
     const int warp = tid / 32;
     const int lane = tid % 32;
     // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     int head = 0, m_block = m_range.begin;  // this step's
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
-      const int tid = thread_index;
+      const int tid = thread_index % Tr::kThreads;  // unsigned, bounded: the divisions below are shifts
       const int warp = tid / 32;
       const int lane = tid % 32;
       const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
