@@ -17,6 +17,8 @@
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans (in column chunks)
+//   (every ldmatrix address a lane base, fa2_tc_tiles.cuh's LaneBases made before each product, plus an
+//   immediate; a whole Q block adds dQ unconditionally, a ragged one tests rows and columns)
 //   dq_accum: zero-initialised slices updated with red.global.add.f32, exactly as in the SIMT backward: one slice
 //   all blocks race on (atomic mode), or slice x added to only by block x, each element by the one thread owning
 //   it, in program order (deterministic mode).
@@ -242,10 +244,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         fa2tc::Accumulator<SdP::kMTiles, SdP::kNTiles> s, dp;
         s.zero();
         dp.zero();
-        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, s_m0, k_tile,
-                                                                                           s_n0, lane);
-        fa2tc::gemm_ss<T, false, false, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, s_m0, v_tile,
-                                                                                           s_n0, lane);
+        {
+          // The lanes' ldmatrix bases of both products (Q and dO share their layout, so do K and V), with the
+          // warp's first row and key folded in: every address of the two products is a base plus an immediate.
+          const auto a_at = fa2tc::LaneBases<QTile>::of(fa2tc::a_row_lane<QTile>(lane), s_m0 * QTile::kRowBytes);
+          const auto b_at = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane), s_n0 * KVTile::kRowBytes);
+          fa2tc::gemm_ss_bases<T, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, a_at, k_tile, b_at);
+          fa2tc::gemm_ss_bases<T, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, a_at, v_tile, b_at);
+        }
         const MaskPolicy mask = MaskPolicy::of(p, info);
         const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
         // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
@@ -311,13 +317,18 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 
       // dV += P^T dO_i; once every warp has read dO_i, the next step's dO copy is issued into its buffer; then
       // dK += dS^T Q_i over this Q block's rows.
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, DkDv::m0(warp),
-                                                                                       do_tile, DkDv::n0(warp), lane);
+      // Both products read their operands transposed, with the lanes' bases (P and dS share a layout, so do dO
+      // and Q) holding the warp's first key (P's column) and first dim.
+      using fa2tc::kChunkElems;
+      const auto pt_at = fa2tc::LaneBases<PTile>::of(fa2tc::pair_lane<PTile>(lane), 0, DkDv::m0(warp) / kChunkElems);
+      const auto qt_at = fa2tc::LaneBases<QTile>::of(fa2tc::b_kn_lane<QTile>(lane), 0, DkDv::n0(warp) / kChunkElems);
+      fa2tc::gemm_ss_at<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, pt_at,
+                                                                                          do_tile, qt_at);
       __syncthreads();
       if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), true, do_tile);
       arch::cp_async_commit();
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, DkDv::m0(warp),
-                                                                                       q_tile, DkDv::n0(warp), lane);
+      fa2tc::gemm_ss_at<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, pt_at,
+                                                                                          q_tile, qt_at);
 
       // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
       // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk). A Q
@@ -332,8 +343,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
         fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
         dq.zero();
-        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(dq, ds_tile, Dq::m0(warp),
-                                                                                       k_tile, n0, lane);
+        fa2tc::gemm_ss_at<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(
+            dq, ds_tile, fa2tc::LaneBases<PTile>::of(fa2tc::a_row_lane<PTile>(lane), Dq::m0(warp) * PTile::kRowBytes),
+            k_tile, fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane), 0, n0 / fa2tc::kChunkElems));
         const long long row_stride = BlockInfo::dense_row_stride(p);
         float* dq_rows = p.dq_accum + (p.num_dq_splits > 1 ? blockIdx.x : 0) * BlockInfo::dense_q_elements(p) +
                          info.dense_q_offset(p) + (row0 + Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride +

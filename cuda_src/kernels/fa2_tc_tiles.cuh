@@ -249,10 +249,13 @@ template <class Tile>
 struct LaneBases {
   static constexpr int kBases = Tile::kAtomChunks / 2;
   int base[kBases];
-  __device__ __forceinline__ static LaneBases of(typename Tile::LaneOffset lane, int extra = 0) {
+  // chunk0 (even, block-uniform: a warp's first column of a tile read transposed) is folded in as well: at(r, s)
+  // is then lane.at(r, chunk0 + s). (chunk0 + s splits into the atom's part and the rest the same way for every
+  // s of the same residue mod kAtomChunks, so base c = lane.at(0, chunk0 + 2 c) serves every s = 2 c + atom q.)
+  __device__ __forceinline__ static LaneBases of(typename Tile::LaneOffset lane, int extra = 0, int chunk0 = 0) {
     LaneBases bases;
 #pragma unroll
-    for (int c = 0; c < kBases; ++c) bases.base[c] = extra + lane.at(0, 2 * c);
+    for (int c = 0; c < kBases; ++c) bases.base[c] = extra + lane.at(0, chunk0 + 2 * c);
     return bases;
   }
   // The same bases passed through an identity shuffle (each lane reads its own): ptxas cannot recompute a shuffle's
@@ -382,22 +385,24 @@ __device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const 
   gemm_rs_at<T, TileB>(acc, a, tile_b, b_kn_lane<TileB>(lane));
 }
 
-// gemm_ss<T, false, false> and gemm_rs with the lanes' ldmatrix bases precomputed (LaneBases): the same
-// fragments in the same order, so the same products bit for bit. A's bases include its first row (m0 of gemm_ss).
-template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
-__device__ __forceinline__ void gemm_ss_bases(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
-                                              const LaneBases<TileA>& a_at, const unsigned char* tile_b,
-                                              const LaneBases<TileB>& b_at) {
+// gemm_ss and gemm_rs with the lanes' ldmatrix bases precomputed (LaneBases): the same fragments in the same
+// order, so the same products bit for bit. The bases hold the warp's first row (m0, n0 of gemm_ss) of an operand
+// read row-major, and its first column (as chunk0) of one read transposed.
+template <class T, bool kATrans, bool kBTrans, class TileA, class TileB, int MTiles, int NTiles, int K>
+__device__ __forceinline__ void gemm_ss_at(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
+                                           const LaneBases<TileA>& a_at, const unsigned char* tile_b,
+                                           const LaneBases<TileB>& b_at) {
   static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
     unsigned a[MTiles][4];
 #pragma unroll
-    for (int i = 0; i < MTiles; ++i) arch::ldmatrix<4, false>(a[i], tile_a + a_at.at(16 * i, k0 / kChunkElems));
+    for (int i = 0; i < MTiles; ++i)
+      arch::ldmatrix<4, kATrans>(a[i], tile_a + (kATrans ? a_at.at(k0, 2 * i) : a_at.at(16 * i, k0 / kChunkElems)));
 #pragma unroll
     for (int j = 0; j < NTiles; j += 2) {
       unsigned b[4];
-      arch::ldmatrix<4, false>(b, tile_b + b_at.at(8 * j, k0 / kChunkElems));
+      arch::ldmatrix<4, kBTrans>(b, tile_b + (kBTrans ? b_at.at(k0, j) : b_at.at(8 * j, k0 / kChunkElems)));
 #pragma unroll
       for (int i = 0; i < MTiles; ++i) {
         mma<T>(acc.c[i][j], a[i], b[0], b[1]);
@@ -405,6 +410,13 @@ __device__ __forceinline__ void gemm_ss_bases(Accumulator<MTiles, NTiles>& acc, 
       }
     }
   }
+}
+
+template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
+__device__ __forceinline__ void gemm_ss_bases(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
+                                              const LaneBases<TileA>& a_at, const unsigned char* tile_b,
+                                              const LaneBases<TileB>& b_at) {
+  gemm_ss_at<T, false, false, TileA, TileB, MTiles, NTiles, K>(acc, tile_a, a_at, tile_b, b_at);
 }
 
 template <class T, class TileB, int MTiles, int NTiles, int KSteps>
