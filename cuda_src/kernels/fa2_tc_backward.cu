@@ -249,8 +249,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
           // warp's first row and key folded in: every address of the two products is a base plus an immediate.
           const auto a_at = fa2tc::LaneBases<QTile>::of(fa2tc::a_row_lane<QTile>(lane), s_m0 * QTile::kRowBytes);
           const auto b_at = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane), s_n0 * KVTile::kRowBytes);
-          fa2tc::gemm_ss_bases<T, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(s, q_tile, a_at, k_tile, b_at);
-          fa2tc::gemm_ss_bases<T, QTile, KVTile, SdP::kMTiles, SdP::kNTiles, HeadDim>(dp, do_tile, a_at, v_tile, b_at);
+          constexpr int kM = SdP::kMTiles, kN = SdP::kNTiles;
+          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(s, q_tile, a_at, k_tile, b_at);
+          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(dp, do_tile, a_at, v_tile, b_at);
         }
         const MaskPolicy mask = MaskPolicy::of(p, info);
         const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
@@ -322,13 +323,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       using fa2tc::kChunkElems;
       const auto pt_at = fa2tc::LaneBases<PTile>::of(fa2tc::pair_lane<PTile>(lane), 0, DkDv::m0(warp) / kChunkElems);
       const auto qt_at = fa2tc::LaneBases<QTile>::of(fa2tc::b_kn_lane<QTile>(lane), 0, DkDv::n0(warp) / kChunkElems);
-      fa2tc::gemm_ss_at<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, pt_at,
-                                                                                          do_tile, qt_at);
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, pt_at,
+                                                                                       do_tile, qt_at);
       __syncthreads();
       if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), true, do_tile);
       arch::cp_async_commit();
-      fa2tc::gemm_ss_at<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, pt_at,
-                                                                                          q_tile, qt_at);
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, pt_at,
+                                                                                       q_tile, qt_at);
 
       // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
       // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk). A Q
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
         fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
         dq.zero();
-        fa2tc::gemm_ss_at<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(
+        fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(
             dq, ds_tile, fa2tc::LaneBases<PTile>::of(fa2tc::a_row_lane<PTile>(lane), Dq::m0(warp) * PTile::kRowBytes),
             k_tile, fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane), 0, n0 / fa2tc::kChunkElems));
         const long long row_stride = BlockInfo::dense_row_stride(p);

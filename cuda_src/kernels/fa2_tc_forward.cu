@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
       fa2tc::Accumulator<MT, Tr::kKeyTiles> s;
       s.zero();
-      fa2tc::gemm_ss_bases<T, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, q_at, k_tile, k_at);
+      fa2tc::gemm_ss<T, false, false, QTile, KVTile, MT, Tr::kKeyTiles, HeadDim>(s, q_tile, q_at, k_tile, k_at);
 
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
             rows_g_and_g8[1] &= Dropout::half_mask(bits >> 2);
           }
       }
-      fa2tc::gemm_rs_bases<T, KVTile>(acc_o, p_frag, v_tile, v_at);
+      fa2tc::gemm_rs<T, KVTile>(acc_o, p_frag, v_tile, v_at);
     }
   }
 

@@ -307,39 +307,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
   arch::mma_m16n8k16<T>(d, a, b, d);
 }
 
-// acc += A B over k in [0, K) for one warp's (16 MTiles) x (8 NTiles) tile at rows m0.., columns n0.. (both
-// multiples of 16), both operands from shared memory:
-//   A row-major [m][k] (kATrans = false) or stored [k][m] (kATrans: ldmatrix.trans);
-//   B stored [n][k] (kBTrans = false: B^T row-major, K in Q K^T) or [k][n] (kBTrans: ldmatrix.trans).
-// S = Q K^T, dP = dO V^T: <false, false>; dV += P^T dO, dK += dS^T Q: <true, true>; dQ = dS K: <false, true>.
-template <class T, bool kATrans, bool kBTrans, class TileA, class TileB, int MTiles, int NTiles, int K>
-__device__ __forceinline__ void gemm_ss(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a, int m0,
-                                        const unsigned char* tile_b, int n0, int lane) {
-  static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
-  const typename TileA::LaneOffset a_at = kATrans ? pair_lane<TileA>(lane) : a_row_lane<TileA>(lane);
-  const typename TileB::LaneOffset b_at = kBTrans ? b_kn_lane<TileB>(lane) : pair_lane<TileB>(lane);
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    unsigned a[MTiles][4];
-#pragma unroll
-    for (int i = 0; i < MTiles; ++i) {
-      const int m = m0 + 16 * i;
-      arch::ldmatrix<4, kATrans>(a[i], tile_a + (kATrans ? a_at.at(k0, m / kChunkElems) : a_at.at(m, k0 / kChunkElems)));
-    }
-#pragma unroll
-    for (int j = 0; j < NTiles; j += 2) {
-      const int n = n0 + 8 * j;
-      unsigned b[4];
-      arch::ldmatrix<4, kBTrans>(b, tile_b + (kBTrans ? b_at.at(k0, n / kChunkElems) : b_at.at(n, k0 / kChunkElems)));
-#pragma unroll
-      for (int i = 0; i < MTiles; ++i) {
-        mma<T>(acc.c[i][j], a[i], b[0], b[1]);
-        mma<T>(acc.c[i][j + 1], a[i], b[2], b[3]);
-      }
-    }
-  }
-}
-
 // An accumulator of (MTiles x 16) x (16 KSteps) as the A operands of the next product (P from S, dS for dQ):
 // n8 tiles 2 kk and 2 kk + 1 become k16 step kk, each pair of floats rounded to T. Converted all at once before
 // the product: the packed operand is half the registers of the float32 accumulator, which then dies.
@@ -357,41 +324,16 @@ __device__ __forceinline__ void to_a_operand(unsigned (&a)[MTiles][KSteps][4],
     }
 }
 
-// acc += A B over k in [0, 16 KSteps): A from registers (to_a_operand of this warp's previous product), B = rows
-// k of tile_b [k][n], columns 0 .. 8 NTiles, each lane's ldmatrix address b_at.at(row, chunk) (a TileB::LaneOffset
-// or a LaneBases: the same addresses, so the same fragments in the same order). (O += P V, dQ += dS K.)
-template <class T, class TileB, int MTiles, int NTiles, int KSteps, class BAddress>
-__device__ __forceinline__ void gemm_rs_at(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
-                                           const unsigned char* tile_b, const BAddress& b_at) {
-  static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
-#pragma unroll
-  for (int kk = 0; kk < KSteps; ++kk) {
-#pragma unroll
-    for (int j = 0; j < NTiles; j += 2) {
-      unsigned b[4];
-      arch::ldmatrix<4, true>(b, tile_b + b_at.at(16 * kk, j));
-#pragma unroll
-      for (int i = 0; i < MTiles; ++i) {
-        mma<T>(acc.c[i][j], a[i][kk], b[0], b[1]);
-        mma<T>(acc.c[i][j + 1], a[i][kk], b[2], b[3]);
-      }
-    }
-  }
-}
-
-template <class T, class TileB, int MTiles, int NTiles, int KSteps>
-__device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
-                                        const unsigned char* tile_b, int lane) {
-  gemm_rs_at<T, TileB>(acc, a, tile_b, b_kn_lane<TileB>(lane));
-}
-
-// gemm_ss and gemm_rs with the lanes' ldmatrix bases precomputed (LaneBases): the same fragments in the same
-// order, so the same products bit for bit. The bases hold the warp's first row (m0, n0 of gemm_ss) of an operand
-// read row-major, and its first column (as chunk0) of one read transposed.
+// acc += A B over k in [0, K) for one warp's (16 MTiles) x (8 NTiles) tile, both operands from shared memory:
+//   A row-major [m][k] (kATrans = false) or stored [k][m] (kATrans: ldmatrix.trans);
+//   B stored [n][k] (kBTrans = false: B^T row-major, K in Q K^T) or [k][n] (kBTrans: ldmatrix.trans).
+// S = Q K^T, dP = dO V^T: <false, false>; dV += P^T dO, dK += dS^T Q: <true, true>; dQ = dS K: <false, true>.
+// Every ldmatrix address is a lane base (LaneBases) plus an immediate: the bases hold the warp's first row of an
+// operand read row-major (`extra`), and its first column (`chunk0`) of one read transposed.
 template <class T, bool kATrans, bool kBTrans, class TileA, class TileB, int MTiles, int NTiles, int K>
-__device__ __forceinline__ void gemm_ss_at(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
-                                           const LaneBases<TileA>& a_at, const unsigned char* tile_b,
-                                           const LaneBases<TileB>& b_at) {
+__device__ __forceinline__ void gemm_ss(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
+                                        const LaneBases<TileA>& a_at, const unsigned char* tile_b,
+                                        const LaneBases<TileB>& b_at) {
   static_assert(NTiles % 2 == 0 && K % 16 == 0, "B fragments come in pairs of n8 tiles, k in steps of 16");
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
@@ -412,18 +354,25 @@ __device__ __forceinline__ void gemm_ss_at(Accumulator<MTiles, NTiles>& acc, con
   }
 }
 
-template <class T, class TileA, class TileB, int MTiles, int NTiles, int K>
-__device__ __forceinline__ void gemm_ss_bases(Accumulator<MTiles, NTiles>& acc, const unsigned char* tile_a,
-                                              const LaneBases<TileA>& a_at, const unsigned char* tile_b,
-                                              const LaneBases<TileB>& b_at) {
-  gemm_ss_at<T, false, false, TileA, TileB, MTiles, NTiles, K>(acc, tile_a, a_at, tile_b, b_at);
-}
-
+// acc += A B over k in [0, 16 KSteps): A from registers (to_a_operand of this warp's previous product), B = rows
+// k of tile_b [k][n], columns 0 .. 8 NTiles read transposed from the lanes' bases b_at (O += P V).
 template <class T, class TileB, int MTiles, int NTiles, int KSteps>
-__device__ __forceinline__ void gemm_rs_bases(Accumulator<MTiles, NTiles>& acc,
-                                              const unsigned (&a)[MTiles][KSteps][4], const unsigned char* tile_b,
-                                              const LaneBases<TileB>& b_at) {
-  gemm_rs_at<T, TileB>(acc, a, tile_b, b_at);
+__device__ __forceinline__ void gemm_rs(Accumulator<MTiles, NTiles>& acc, const unsigned (&a)[MTiles][KSteps][4],
+                                        const unsigned char* tile_b, const LaneBases<TileB>& b_at) {
+  static_assert(NTiles % 2 == 0, "B fragments come in pairs of n8 tiles");
+#pragma unroll
+  for (int kk = 0; kk < KSteps; ++kk) {
+#pragma unroll
+    for (int j = 0; j < NTiles; j += 2) {
+      unsigned b[4];
+      arch::ldmatrix<4, true>(b, tile_b + b_at.at(16 * kk, j));
+#pragma unroll
+      for (int i = 0; i < MTiles; ++i) {
+        mma<T>(acc.c[i][j], a[i][kk], b[0], b[1]);
+        mma<T>(acc.c[i][j + 1], a[i][kk], b[2], b[3]);
+      }
+    }
+  }
 }
 
 // f(score, row, key) on every score this lane holds of a warp's S accumulator whose first row is `row0` and first
