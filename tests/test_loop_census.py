@@ -196,42 +196,31 @@ def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
         assert {"kernel", "arch", "path", "instructions", "hmma", "instructions_per_hmma"} <= set(row.as_json())
 
 
-# The tensor-core forward's plain iteration, issue [lean] item 2 (lane ldmatrix bases made once, whole K/V tiles copied
-# by unrolled cp.async from one pointer, the mask's blocks found before the loop): instructions per HMMA measured at
-# these tiles (NVRTC 13; fp16 and bf16 issue the same counts). A ratchet: a change may not lose more than 3% of it.
-# FA2's own figures (../shared/notes/anchors.md): d128 128x32x4 4.3, 128x64x4 3.7; d64 128x128x4 4.6.
-LEAN_FORWARD_PER_HMMA = {
-    ("sm_80", 64): 5.156,   # 128x64x4: 660 / 128 (833 before)
-    ("sm_80", 128): 4.711,  # 128x32x4: 603 / 128 (775 before)
-    ("sm_80", 256): 3.164,  # 128x64x8: 810 / 256 (1055 before)
-    ("sm_90", 64): 5.203,   # 128x64x4: 666 / 128 (856 before)
-    ("sm_90", 128): 4.758,  # 128x32x4: 609 / 128 (796 before)
-    ("sm_90", 256): 3.410,  # 64x64x4: 873 / 256 (1910 before)
+# The tensor-core main loops' plain iteration, issue [lean] item 2: instructions per HMMA measured at the planned
+# tiles (NVRTC 13; fp16 and bf16 issue the same counts). A ratchet: a change may not lose more than 3% of it.
+# Forward: lane ldmatrix bases made once, whole K/V tiles copied by unrolled cp.async from one pointer, the mask's
+# blocks found before the loop. Backward (the Q-block step): dQ added unconditionally from one row base per strip in
+# whole Q blocks, no division by the number of Q blocks, the thread index unsigned, every ldmatrix address a lane
+# base plus an immediate. FA2's own figures (../shared/notes/anchors.md): forward d128 128x32x4 4.3, 128x64x4 3.7,
+# d64 128x128x4 4.6; backward d128 64x64x8 3.3, 64x128x8 2.8.
+LEAN_PER_HMMA = {
+    ("forward", "sm_80", 64): 5.156,    # 128x64x4: 660 / 128 (833 before)
+    ("forward", "sm_80", 128): 4.711,   # 128x32x4: 603 / 128 (775 before)
+    ("forward", "sm_80", 256): 3.164,   # 128x64x8: 810 / 256 (1055 before)
+    ("forward", "sm_90", 64): 5.203,    # 128x64x4: 666 / 128 (856 before)
+    ("forward", "sm_90", 128): 4.758,   # 128x32x4: 609 / 128 (796 before)
+    ("forward", "sm_90", 256): 3.410,   # 64x64x4: 873 / 256 (1910 before)
+    ("backward", "sm_80", 64): 8.250,   # 64x64x8: 660 / 80 (963 before)
+    ("backward", "sm_80", 128): 5.950,  # 64x64x8: 952 / 160 (1447 before)
+    ("backward", "sm_90", 64): 8.488,   # 64x64x8: 679 / 80 (982 before)
+    ("backward", "sm_90", 128): 6.125,  # 64x64x8: 980 / 160 (1472 before)
 }
 
 
-@pytest.mark.parametrize("arch, head_dim", sorted(LEAN_FORWARD_PER_HMMA))
-def test_forward_main_loop_stays_lean(arch, head_dim):
-    traits = fa2_tc.forward_traits(head_dim, targets.target(arch))
+@pytest.mark.parametrize("direction, arch, head_dim", sorted(LEAN_PER_HMMA))
+def test_main_loop_stays_lean(direction, arch, head_dim):
+    traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
+                                                                                          targets.target(arch))
     for dtype in ("float16", "bfloat16"):
         row, *_ = lc.instance_census(traits, dtype, arch)
-        assert row.path.instructions_per_hmma <= LEAN_FORWARD_PER_HMMA[arch, head_dim] * 1.03, row.as_json()
-
-
-# The tensor-core backward's Q-block step (issue [lean] item 2, first part: dQ added unconditionally from one row base
-# per strip in whole Q blocks, no division by the number of Q blocks in the step, the thread index unsigned, every ldmatrix address a lane base plus an immediate): instructions per HMMA at the planned
-# tiles (NVRTC 13; fp16 and bf16 alike), a ratchet as above. FA2's figures: d128 64x64x8 3.3, 64x128x8 2.8.
-LEAN_BACKWARD_PER_HMMA = {
-    ("sm_80", 64): 8.250,   # 64x64x8: 660 / 80 (963 before)
-    ("sm_80", 128): 5.950,  # 64x64x8: 952 / 160 (1447 before)
-    ("sm_90", 64): 8.488,   # 64x64x8: 679 / 80 (982 before)
-    ("sm_90", 128): 6.125,  # 64x64x8: 980 / 160 (1472 before)
-}
-
-
-@pytest.mark.parametrize("arch, head_dim", sorted(LEAN_BACKWARD_PER_HMMA))
-def test_backward_main_loop_stays_lean(arch, head_dim):
-    traits = fa2_tc.backward_traits(head_dim, targets.target(arch))
-    for dtype in ("float16", "bfloat16"):
-        row, *_ = lc.instance_census(traits, dtype, arch)
-        assert row.path.instructions_per_hmma <= LEAN_BACKWARD_PER_HMMA[arch, head_dim] * 1.03, row.as_json()
+        assert row.path.instructions_per_hmma <= LEAN_PER_HMMA[direction, arch, head_dim] * 1.03, row.as_json()
