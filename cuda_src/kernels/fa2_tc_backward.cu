@@ -335,8 +335,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk). A Q
       // block with every row at the compiled head dim (block-uniform) adds every element unconditionally, from one
       // row base per strip; a ragged block tests rows and columns.
-      // BlockInfo::dq_accum(p, slice) spelled out: through the helper ptxas spilled 8 bytes at d256 on sm_90. The
-      // slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
+      // The slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
       const bool dq_whole = block_rows() == BlockM && d == HeadDim;
 #pragma unroll 1
       for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
@@ -348,8 +347,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             dq, ds_tile, fa2tc::LaneBases<PTile>::of(fa2tc::a_row_lane<PTile>(lane), Dq::m0(warp) * PTile::kRowBytes),
             k_tile, fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane), 0, n0 / fa2tc::kChunkElems));
         const long long row_stride = BlockInfo::dense_row_stride(p);
-        float* dq_rows = p.dq_accum + (p.num_dq_splits > 1 ? blockIdx.x : 0) * BlockInfo::dense_q_elements(p) +
-                         info.dense_q_offset(p) + (row0 + Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride +
+        float* dq_rows = info.dq_accum(p, p.num_dq_splits > 1 ? blockIdx.x : 0) +
+                         (row0 + Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride +
                          n0 + fa2tc::acc_col(lane, 0);
         if (dq_whole) {
 #pragma unroll

@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && p.block_table == nullptr;
     // This thread's first chunk of key row 0 in K and V (meaningful where kv_whole): a block's copies start at
     // these plus key0 rows.
-    const int whole_row = fa2tc::whole_tile_row<KVTile, Tr::kThreads>(threadIdx.x);
-    const int whole_col = fa2tc::whole_tile_column<KVTile, Tr::kThreads>(threadIdx.x);
+    const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
+    const int whole_col = fa2tc::whole_tile_column<KVTile>(threadIdx.x);
     const T* k_whole = kWholeCopies ? info.k<T>(p) + whole_row * p.k_stride.row + whole_col : nullptr;
     const T* v_whole = kWholeCopies ? info.v<T>(p) + whole_row * p.v_stride.row + whole_col : nullptr;
     const float scale_log2 = p.softmax_scale_log2;

@@ -174,11 +174,11 @@ struct WholeTileCopy {
 };
 
 // The first row and column of a thread's chunks in load_whole_tile.
-template <class Tile, int kThreads>
+template <class Tile>
 __device__ __forceinline__ int whole_tile_row(int thread) {
   return thread / Tile::kChunksPerRow;
 }
-template <class Tile, int kThreads>
+template <class Tile>
 __device__ __forceinline__ int whole_tile_column(int thread) {
   return (thread % Tile::kChunksPerRow) * kChunkElems;
 }
@@ -194,8 +194,8 @@ __device__ __forceinline__ void load_whole_tile(unsigned char* tile, const T* fr
   using Copy = WholeTileCopy<Tile, kThreads>;
   static_assert(Copy::kAvailable, "the threads cover whole rows, 4k at a time");
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
-  const int row = whole_tile_row<Tile, kThreads>(thread);
-  const int chunk = whole_tile_column<Tile, kThreads>(thread) / kChunkElems;
+  const int row = whole_tile_row<Tile>(thread);
+  const int chunk = whole_tile_column<Tile>(thread) / kChunkElems;
   unsigned char* to = tile + Tile::chunk_offset(row, chunk);
   // Odd steps: row + kRowStep's offset, less the step's rows (the same as `to` where kRowStep % 8 == 0).
   unsigned char* to_odd = Copy::kRowStep % 8 == 0
