@@ -465,27 +465,11 @@ def test_report_fails_on_compile_error_or_oversized_smem(shared_cache, probe_cat
     assert report.main(["--arch", "sm_90"]) == 0
 
 
-@pytest.mark.slow
-def test_report_command_line_on_the_real_catalog():
-    """`python -m cuflash.kernels report --arch <every 163, 99 and 227 KB arch> --json` on whatever the catalog
-    holds now (default cache): every row compiled, no spills, shared memory within its arch's limit."""
-    archs = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(
-        [sys.executable, "-m", "cuflash.kernels", "report", "--arch", *archs, "--json"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
-    )
-    assert run.returncode == 0, run.stderr
-    rows = json.loads(run.stdout)
-    assert all(tuple(row) == report.JSON_KEYS for row in rows)
-    from cuflash.kernels import catalog
-
-    assert len(rows) == sum(len(catalog.instances(targets.target(arch))) for arch in archs)
-    for row in rows:
-        assert row["registers"] > 0 and row["spill_store_bytes"] == row["spill_load_bytes"] == 0, row
-        assert row["smem_limit_bytes"] == targets.target(row["arch"]).smem_per_block_bytes
-        assert row["static_smem_bytes"] + row["dynamic_smem_bytes"] <= row["smem_limit_bytes"], row
-        assert row["blocks_per_sm"] >= 1, row
+# The real catalog's report (every instance the plans can launch, on sm_80, sm_86, sm_89, sm_90 and sm_120: compiled,
+# spill-free, within each arch's shared memory, resident at least once per SM) is CI's own step after the suite:
+# `.ci/run` runs `python -m cuflash.kernels report --arch ... --no-spills`, whose exit status the tests above pin
+# down on planted rows, under NVRTC 13 and again under NVRTC 12. In the suite it was a cold compile of every
+# instance (about 13 CPU-minutes) competing with the other worker's tests, which pushed the suite past its budget.
 
 
 # ---- loading on a GPU ----------------------------------------------------------------------

@@ -272,7 +272,7 @@ from cuflash import _tolerance as tol  # noqa: E402
 from cuflash.kernels.families import fa2_tc  # noqa: E402
 from cuflash.kernels.targets import target  # noqa: E402
 
-from test_fa2_tc import INSTANCE_SHAPES, PLANNED_ARCHS  # noqa: E402 (the head dims per instance, the targets)
+from test_fa2_tc import INSTANCE_SHAPES, PLANNED_ARCHS, one_dtype_per_tile  # noqa: E402 (per-instance shapes, targets)
 # Small enough to keep 12 instance pairs under race mode and ASan cheap: ragged Q and K/V blocks, several blocks
 # per loop in every tile, GQA, causal with seqlen_q > seqlen_k (rows that see no key).
 INSTANCE_PROBLEM = (1, 100, 90, 2, 1)
@@ -291,6 +291,7 @@ def _dropout_instance_cases():
 
 
 DROPOUT_INSTANCE_CASES = _dropout_instance_cases()
+ASAN_DROPOUT_CASES = one_dtype_per_tile(DROPOUT_INSTANCE_CASES)
 
 
 def test_dropout_instance_cases_cover_every_planned_dropout_instance():
@@ -345,12 +346,14 @@ def test_every_dropout_instance_race_free_and_reproducible(arch, head_dim, dtype
 
 
 def _every_dropout_instance_under_asan():
-    return [_dropout_instance_run(arch, head_dim, dtype) for arch, head_dim, dtype in DROPOUT_INSTANCE_CASES]
+    return [_dropout_instance_run(arch, head_dim, dtype) for arch, head_dim, dtype in ASAN_DROPOUT_CASES]
 
 
 def test_every_dropout_instance_clean_under_asan():
+    """Every dropout tile under ASan (one_dtype_per_tile: both dtypes in rotation; each instance is raced above)."""
+    assert {(a, hd) for a, hd, _ in ASAN_DROPOUT_CASES} == {(a, hd) for a, hd, _ in DROPOUT_INSTANCE_CASES}
     results = sim.run_in_asan_subprocess(_every_dropout_instance_under_asan, timeout=1200)
-    for (arch, head_dim, dtype), (out, lse, grads) in zip(DROPOUT_INSTANCE_CASES, results):
+    for (arch, head_dim, dtype), (out, lse, grads) in zip(ASAN_DROPOUT_CASES, results):
         _check_dropout_instance(head_dim, dtype, out, lse, grads)
 
 

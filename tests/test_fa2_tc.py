@@ -104,6 +104,20 @@ FORWARD_CASES = _instance_cases(fa2_tc.forward_traits)
 BACKWARD_CASES = _instance_cases(fa2_tc.backward_traits)
 
 
+def one_dtype_per_tile(cases):
+    """The cases of distinct (arch, head dim), the 16-bit dtypes in rotation: for ASan, whose question is where
+    each access lands, float16 and bfloat16 instances of one tile share every address (the element type changes
+    only the conversions); every instance of both runs under the race detector and against the reference."""
+    tiles = {}
+    for arch, head_dim, dtype in cases:
+        tiles.setdefault((arch, head_dim), [])
+    return [(arch, head_dim, DTYPES[i % len(DTYPES)]) for i, (arch, head_dim) in enumerate(tiles)]
+
+
+ASAN_FORWARD_CASES = one_dtype_per_tile(FORWARD_CASES)
+ASAN_BACKWARD_CASES = one_dtype_per_tile(BACKWARD_CASES)
+
+
 def test_instance_cases_cover_every_tensor_core_instance():
     for cases, traits_of, kernel, count in ((FORWARD_CASES, fa2_tc.forward_traits, "fa2_tc_forward", 18),
                                             (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 14)):
@@ -111,6 +125,9 @@ def test_instance_cases_cover_every_tensor_core_instance():
         planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch))
                    if kernel in i.name_expr and not i.name_expr.endswith(", true>")}  # without dropout
         assert covered == planned and len(cases) == len(planned) == count
+    for cases, asan in ((FORWARD_CASES, ASAN_FORWARD_CASES), (BACKWARD_CASES, ASAN_BACKWARD_CASES)):
+        assert {(a, hd) for a, hd, _ in asan} == {(a, hd) for a, hd, _ in cases} and set(asan) <= set(cases)
+        assert {dt for _, _, dt in asan} == set(DTYPES)
 
 
 def _instance_inputs(head_dim, dtype):
@@ -167,10 +184,10 @@ def test_every_backward_instance_race_free_reproducible_and_on_formula(arch, hea
 
 def _every_instance_under_asan():
     results = []
-    for arch, head_dim, dtype in FORWARD_CASES:
+    for arch, head_dim, dtype in ASAN_FORWARD_CASES:
         q, k, v, _ = _instance_inputs(head_dim, dtype)
         results.append(_run(q, k, v, True, None, arch)[:2])
-    for arch, head_dim, dtype in BACKWARD_CASES:
+    for arch, head_dim, dtype in ASAN_BACKWARD_CASES:
         q, k, v, dout = _instance_inputs(head_dim, dtype)
         out, lse, _ = _run(q, k, v, True, None, arch)
         results.append(_run_backward(q, k, v, dout, out, lse, True, True, arch)[0])
@@ -179,13 +196,13 @@ def _every_instance_under_asan():
 
 def test_every_instance_clean_under_asan():
     """Shared memory is allocated with exactly the planned bytes: an ldmatrix, cp.async or staging access past the
-    swizzled layout, or a global access past a ragged tile, is reported."""
+    swizzled layout, or a global access past a ragged tile, is reported (every tile, one_dtype_per_tile)."""
     results = sim.run_in_asan_subprocess(_every_instance_under_asan, timeout=1200)
-    forward, backward = results[: len(FORWARD_CASES)], results[len(FORWARD_CASES):]
-    for (arch, head_dim, dtype), (out, lse) in zip(FORWARD_CASES, forward):
+    forward, backward = results[: len(ASAN_FORWARD_CASES)], results[len(ASAN_FORWARD_CASES):]
+    for (arch, head_dim, dtype), (out, lse) in zip(ASAN_FORWARD_CASES, forward):
         q, k, v, _ = _instance_inputs(head_dim, dtype)
         _check_forward(q, k, v, out, lse, True, None)
-    for (arch, head_dim, dtype), grads in zip(BACKWARD_CASES, backward):
+    for (arch, head_dim, dtype), grads in zip(ASAN_BACKWARD_CASES, backward):
         q, k, v, dout = _instance_inputs(head_dim, dtype)
         _check_backward(dout, q, k, v, grads, True, None)
 
