@@ -10,11 +10,13 @@ NumPy arrays run on the CPU simulator, CuPy arrays (and CUDA arrays of other
 libraries, via DLPack) on the GPU. JAX users: ``cuflash.jax.attention``.
 """
 
-from .api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
+from .api import (attention, attention_backward, attention_kvpacked, attention_kvpacked_backward,
+                  attention_qkvpacked, attention_qkvpacked_backward, attention_varlen, attention_varlen_backward,
                   attention_with_kvcache)
 from .dropout import dropout_mask
 from .kernels.catalog import algorithms as available_algorithms
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "attention_backward", "attention_kvpacked", "attention_kvpacked_backward",
+           "attention_qkvpacked", "attention_qkvpacked_backward", "attention_varlen", "attention_varlen_backward",
            "attention_with_kvcache", "available_algorithms", "dropout_mask"]
 __version__ = "0.1.0"

@@ -141,20 +141,25 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
 
 
 def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
-                     max_seqlen_q: Any, max_seqlen_k: Any, **options: Any) -> Problem:
+                     max_seqlen_q: Any, max_seqlen_k: Any, seqused_q: np.ndarray | None = None,
+                     seqused_k: np.ndarray | None = None, **options: Any) -> Problem:
     """Validate packed q (total_q, nheads, d), k, v (total_k, nheads_k, d), the host copies of cu_seqlens_q/k
-    (check_cu_seqlens) and the options; return the varlen Problem (batch = sequences, seqlen = max_seqlen).
-    ``options``: causal, window_size, softcap, alibi_slopes, dropout_p, deterministic, as for check_qkv."""
+    (check_cu_seqlens) and of seqused_q/k where given (check_seqused), and the options; return the varlen Problem
+    (batch = sequences, seqlen = max_seqlen). ``options``: causal, window_size, softcap, alibi_slopes, dropout_p,
+    deterministic, as for check_qkv."""
     (total_q, _, _), (total_k, _, _) = _packed_shapes(q, k, v)
     batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                                               max_seqlen_k)
-    return varlen_problem(q, k, v, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, **options)
+                                               max_seqlen_k, seqused_q, seqused_k)
+    return varlen_problem(q, k, v, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+                          seqused_q=seqused_q is not None, seqused_k=seqused_k is not None, **options)
 
 
 def varlen_extents(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, total_q: int, total_k: int, max_seqlen_q: Any,
-                   max_seqlen_k: Any) -> tuple[int, int, int]:
-    """(sequences, max_seqlen_q, max_seqlen_k) of checked host copies of cu_seqlens_q/k and the max_seqlen arguments:
-    the checks of a varlen call that read values, run on every call (a prepared call's too)."""
+                   max_seqlen_k: Any, seqused_q: np.ndarray | None = None,
+                   seqused_k: np.ndarray | None = None) -> tuple[int, int, int]:
+    """(sequences, max_seqlen_q, max_seqlen_k) of checked host copies of cu_seqlens_q/k (and of seqused_q/k where
+    given) and the max_seqlen arguments: the checks of a varlen call that read values, run on every call (a
+    prepared call's too)."""
     lengths_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (rows of q)")
     lengths_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (rows of k and v)")
     if len(lengths_q) != len(lengths_k):
@@ -162,14 +167,51 @@ def varlen_extents(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, total_q: 
                          f"{len(lengths_q) + 1} and {len(lengths_k) + 1}")
     seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
     seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
+    for name, seqused, lengths, cu_name in (("seqused_q", seqused_q, lengths_q, "cu_seqlens_q"),
+                                            ("seqused_k", seqused_k, lengths_k, "cu_seqlens_k")):
+        if seqused is not None:
+            check_seqused(name, seqused, lengths, cu_name)
     return len(lengths_q), seqlen_q, seqlen_k
+
+
+def check_seqused_type(name: str, seqused: Any, batch: int) -> None:
+    """seqused_q / seqused_k's dtype and shape: int32 (batch,) (the part of the check a traced value allows)."""
+    if dtype_name(seqused) != "int32":
+        raise TypeError(f"{name} must have dtype int32, got {dtype_name(seqused)}")
+    if tuple(seqused.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), one count per sequence, got "
+                         f"{tuple(seqused.shape)}")
+
+
+def check_seqused(name: str, seqused: np.ndarray, lengths: np.ndarray, cu_name: str) -> None:
+    """A varlen call's used-prefix counts (a host copy): int32 (batch,), 0 <= seqused[b] <= the length of sequence b
+    that ``cu_name`` gives (``lengths``)."""
+    check_seqused_type(name, seqused, len(lengths))
+    if not seqused.size:
+        return
+    over = seqused.astype(np.int64) > lengths
+    if min_max(seqused)[0] < 0 or over.any():
+        at = int(np.argmax((seqused < 0) | over))
+        raise ValueError(f"{name}[{at}] must be in 0..{int(lengths[at])} (sequence {at}'s length in {cu_name}), got "
+                         f"{int(seqused[at])}")
+
+
+def unused_rows(cu_seqlens: Any, seqused: Any, total: int, xp: Any = np) -> Any:
+    """The one rule for which packed rows a used prefix leaves out: row r of sequence b (cu_seqlens[b] <= r <
+    cu_seqlens[b + 1]) is unused when r - cu_seqlens[b] >= seqused[b]. A boolean (total,) array in ``xp`` (NumPy, or
+    jax.numpy on traced values); unused rows are neither read nor written by the kernels (block_info.cuh), and the
+    API gives them out 0, lse -inf and zero gradients."""
+    rows = xp.arange(total, dtype=xp.int32)
+    sequence = xp.searchsorted(cu_seqlens, rows, side="right") - 1
+    return rows - cu_seqlens[sequence] >= seqused[sequence]
 
 
 def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: Any,
                    window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None, dropout_p: Any = 0.0,
-                   deterministic: Any = False) -> Problem:
-    """The varlen Problem of packed q, k, v for ``batch`` sequences of at most max_seqlen_q / max_seqlen_k rows,
-    without looking at the cu_seqlens values (check_varlen_qkv does; JAX calls this directly when they are traced)."""
+                   deterministic: Any = False, seqused_q: bool = False, seqused_k: bool = False) -> Problem:
+    """The varlen Problem of packed q, k, v for ``batch`` sequences of at most max_seqlen_q / max_seqlen_k rows
+    (seqused_q/k: whether used-prefix counts come with them), without looking at the cu_seqlens values
+    (check_varlen_qkv does; JAX calls this directly when they are traced)."""
     (total_q, nheads, headdim), (total_k, nheads_k, kheaddim) = _packed_shapes(q, k, v)
     seqlen_q, seqlen_k = (_check_int(name, x) for name, x in (("max_seqlen_q", max_seqlen_q),
                                                               ("max_seqlen_k", max_seqlen_k)))
@@ -179,7 +221,7 @@ def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max
     return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
                     headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, total_q=total_q,
-                    total_k=total_k)
+                    total_k=total_k, seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def _packed_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -242,7 +284,8 @@ def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: s
 
 def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int,
              headdim: int, kheaddim: int, causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
-             dropout_p: Any, deterministic: Any, total_q: int | None = None, total_k: int | None = None) -> Problem:
+             dropout_p: Any, deterministic: Any, total_q: int | None = None, total_k: int | None = None,
+             seqused_q: bool = False, seqused_k: bool = False) -> Problem:
     """The checks fixed-length and varlen inputs share (heads, head dim, dtypes, options), then the Problem."""
     if kheaddim != headdim:
         raise ValueError(f"k and v must have the head dim of q ({headdim}), got {kheaddim}")
@@ -279,7 +322,17 @@ def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int
         dropout_p=check_dropout_p(dropout_p),
         total_q=total_q,
         total_k=total_k,
+        seqused_q=seqused_q,
+        seqused_k=seqused_k,
     )
+
+
+def packed_parts(name: str, packed: Any, parts: int, layout: str) -> tuple[Any, ...]:
+    """The parts of a packed (batch, seqlen, parts, heads, headdim) array (FA2's qkvpacked and kvpacked inputs):
+    views through its strides for NumPy and CuPy (no copy), slices for JAX."""
+    if len(packed.shape) != 5 or packed.shape[2] != parts:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(packed.shape)}")
+    return tuple(packed[:, :, i] for i in range(parts))
 
 
 def check_like(name: str, array: Any, like_name: str, like: Any) -> None:

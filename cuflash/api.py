@@ -159,16 +159,57 @@ class Prepared:
         program.run(backend, arrays)
 
 
+class VarlenInputs:
+    """A varlen call's integer inputs as checked host copies: cu_seqlens_q/k and the used-prefix counts given
+    (seqused_q/k, None when absent). Read on every call (they are data), uploaded as the kernels' side inputs."""
+
+    def __init__(self, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqused_q: np.ndarray | None,
+                 seqused_k: np.ndarray | None):
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        self.seqused_q, self.seqused_k = seqused_q, seqused_k
+
+    def extents(self, total_q: int, total_k: int, max_seqlen_q: Any, max_seqlen_k: Any) -> tuple[int, int, int]:
+        """Every check of the values (V.varlen_extents): (sequences, max_seqlen_q, max_seqlen_k)."""
+        return V.varlen_extents(self.cu_seqlens_q, self.cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                                self.seqused_q, self.seqused_k)
+
+    def side_inputs(self, backend: Any) -> dict[str, Any]:
+        names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+        return {name: backend.upload(_int32_words(host)) for name in names
+                if (host := getattr(self, name)) is not None}
+
+    def unused_rows(self, side: str) -> np.ndarray | None:
+        """The packed query ("q") or key ("k") rows past their sequence's used prefix (V.unused_rows), None when
+        none is unused."""
+        seqused = self.seqused_q if side == "q" else self.seqused_k
+        if seqused is None:
+            return None
+        cu_seqlens = self.cu_seqlens_q if side == "q" else self.cu_seqlens_k
+        unused = V.unused_rows(cu_seqlens, seqused, int(cu_seqlens[-1]))
+        return unused if unused.any() else None
+
+
+def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any,
+                  seqused_q: Any, seqused_k: Any, alibi_slopes: Any) -> tuple[Placement, Any, tuple, VarlenInputs]:
+    """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts given and ALiBi slopes), the
+    placed slopes, the placed tensors and host copies of the integer inputs."""
+    counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
+    names = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k", *counts)
+    placement, alibi_slopes = place(names, (*tensors, cu_seqlens_q, cu_seqlens_k, *counts.values()), alibi_slopes)
+    hosts = dict(zip(names[len(tensor_names):], [host_copy(a) for a in placement.arrays[len(tensor_names):len(names)]]))
+    inputs = VarlenInputs(hosts["cu_seqlens_q"], hosts["cu_seqlens_k"], hosts.get("seqused_q"), hosts.get("seqused_k"))
+    return placement, alibi_slopes, placement.arrays[:len(tensor_names)], inputs
+
+
 def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
-                 cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
-    """The optional kernel inputs: ALiBi slopes, dropout's seed words and varlen's cu_seqlens on the backend's
+                 varlen: VarlenInputs | None = None) -> dict[str, Any]:
+    """The optional kernel inputs: ALiBi slopes, dropout's seed words and varlen's integer inputs on the backend's
     device (uploaded from the checked host copies; int32 words in float32-typed side buffers)."""
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     if problem.dropout_p > 0.0:
         inputs["dropout_seed"] = backend.upload(seed_words(dropout_seed))
-    if cu_seqlens is not None:
-        for name, host in zip(("cu_seqlens_q", "cu_seqlens_k"), cu_seqlens):
-            inputs[name] = backend.upload(_int32_words(host))
+    if varlen is not None:
+        inputs.update(varlen.side_inputs(backend))
     return inputs
 
 
@@ -179,21 +220,22 @@ def _int32_words(host: np.ndarray) -> np.ndarray:
 
 
 def _forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any, *, alibi_slopes: Any,
-             dropout_seed: Any, cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+             dropout_seed: Any, varlen: VarlenInputs | None = None) -> Any:
     """The forward every entry point but the KV cache's runs once its Prepared object and Plan are known."""
     dropout_seed = check_dropout_seed(dropout_seed, plan.problem.dropout_p)
     q, k, v = contiguous_last_dim((q, k, v))
     out, lse = _run_forward(placement, prepared, plan, q, k, v,
-                            lambda backend: _side_inputs(backend, alibi_slopes, plan.problem, dropout_seed,
-                                                         cu_seqlens))
+                            lambda backend: _side_inputs(backend, alibi_slopes, plan.problem, dropout_seed, varlen),
+                            None if varlen is None else varlen.unused_rows("q"))
     return (out, lse) if prepared.return_lse else out
 
 
 def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any,
-                 side_inputs: Callable[[Any], dict[str, Any]]) -> tuple[Any, Any]:
+                 side_inputs: Callable[[Any], dict[str, Any]], unused_q: np.ndarray | None = None) -> tuple[Any, Any]:
     """Allocate out and lse and run the forward program on checked arguments (``side_inputs(backend)`` gives the
-    optional inputs on the backend's device); the results in the caller's array type. A one-row GQA decode runs
-    folded (program.gqa_decode_fold): the same bytes, viewed with the group's query heads as rows."""
+    optional inputs on the backend's device; ``unused_q``: packed query rows past a used prefix, which get out 0 and
+    lse -inf); the results in the caller's array type. A one-row GQA decode runs folded (program.gqa_decode_fold):
+    the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
     problem = plan.problem
     with backend.device():
@@ -210,6 +252,10 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
                               lse=lse.reshape(folded.row_stats_shape))
             prepared.run(backend, plan, {**arrays, **side_inputs(backend)})
+            if unused_q is not None:
+                rows = backend.upload(unused_q)
+                out[rows] = 0
+                lse[:, rows] = -np.inf
     return placement.results(out, lse)
 
 
@@ -221,9 +267,11 @@ def _group_rows(x: Any, group: int) -> Any:
 
 
 def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q: Any, k: Any, v: Any, out: Any,
-              lse: Any, *, alibi_slopes: Any, dropout_seed: Any,
-              cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, Any, Any]:
-    """The backward every entry point runs once its Prepared object and Plan are known."""
+              lse: Any, *, alibi_slopes: Any, dropout_seed: Any, varlen: VarlenInputs | None = None,
+              packed: Callable[[Any], tuple[tuple[Any, ...], tuple[Any, Any, Any]]] | None = None) -> tuple[Any, ...]:
+    """The backward every entry point runs once its Prepared object and Plan are known. ``packed(backend)``, for
+    the packed entry points, allocates the gradients to return and gives (them, views of them as dq, dk, dv) for
+    the kernels to write through their strides."""
     problem = plan.problem
     dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
     dout, q, k, v, out = contiguous_last_dim((dout, q, k, v, out))
@@ -232,22 +280,31 @@ def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q
 
     backend = placement.backend()
     with backend.device():
-        dq = backend.empty(q.shape, q.dtype)
-        dk = backend.empty(k.shape, k.dtype)
-        dv = backend.empty(v.shape, v.dtype)
+        if packed is None:
+            dq, dk, dv = (backend.empty(x.shape, x.dtype) for x in (q, k, v))
+            returned = (dq, dk, dv)
+        else:
+            returned, (dq, dk, dv) = packed(backend)
         if problem.seqlen_k == 0 or problem.seqlen_q == 0:
             # Nothing attends to anything: all gradients are zero.
             for grad in (dq, dk, dv):
                 grad[...] = 0
         elif dq.size:
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, cu_seqlens)}
+                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, varlen)}
             prepared.run(backend, plan, arrays, backward=True)
+            # Rows past a used prefix are neither read nor written by the kernels: their gradients are zero.
+            for side, grads in (("q", (dq,)), ("k", (dk, dv))):
+                unused = None if varlen is None else varlen.unused_rows(side)
+                if unused is not None:
+                    rows = backend.upload(unused)
+                    for grad in grads:
+                        grad[rows] = 0
         elif dk.size:
             # Varlen with no query row at all (total_q = 0): no key is seen.
             dk[...] = 0
             dv[...] = 0
-    return placement.results(dq, dk, dv)
+    return placement.results(*returned)
 
 
 def _check_backward(problem: Problem, dout: Any, q: Any, out: Any, lse: Any, dropout_seed: Any) -> None:
@@ -352,6 +409,8 @@ def attention_varlen(
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
@@ -362,24 +421,23 @@ def attention_varlen(
     algorithm: str = "fa2",
     return_lse: bool = False,
 ) -> Any:
-    placement, alibi_slopes = place(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
-                                     (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
-    q, k, v = placement.arrays[:3]
-    cu_seqlens = (host_copy(placement.arrays[3]), host_copy(placement.arrays[4]))
+    placement, alibi_slopes, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q,
+                                                               cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
 
     def prepare() -> Prepared:
-        problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     causal=causal, window_size=window_size, softcap=softcap,
-                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        problem = V.check_varlen_qkv(q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
+                                     seqused_k=varlen.seqused_k, causal=causal, window_size=window_size,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         check_dropout_seed(dropout_seed, problem.dropout_p)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
     prepared = _prepared(call_key("attention_varlen", placement, causal, softmax_scale, window_size, softcap,
                                   dropout_p, algorithm, return_lse), prepare)
-    _, seqlen_q, seqlen_k = V.varlen_extents(*cu_seqlens, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    _, seqlen_q, seqlen_k = varlen.extents(q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, alibi_slopes=alibi_slopes,
-                    dropout_seed=dropout_seed, cu_seqlens=cu_seqlens)
+                    dropout_seed=dropout_seed, varlen=varlen)
 
 
 def attention_varlen_backward(
@@ -394,6 +452,8 @@ def attention_varlen_backward(
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
@@ -404,23 +464,24 @@ def attention_varlen_backward(
     algorithm: str = "fa2",
     deterministic: bool = False,
 ) -> tuple[Any, Any, Any]:
-    names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
-    placement, alibi_slopes = place(names, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), alibi_slopes)
-    dout, q, k, v, out, lse = placement.arrays[:6]
-    cu_seqlens = (host_copy(placement.arrays[6]), host_copy(placement.arrays[7]))
+    placement, alibi_slopes, (dout, q, k, v, out, lse), varlen = _place_varlen(
+        ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, seqused_q,
+        seqused_k, alibi_slopes)
 
     def prepare() -> Prepared:
-        problem = V.check_varlen_qkv(q, k, v, *cu_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     causal=causal, window_size=window_size, softcap=softcap,
-                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+        problem = V.check_varlen_qkv(q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
+                                     seqused_k=varlen.seqused_k, causal=causal, window_size=window_size,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                     deterministic=deterministic)
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
     prepared = _prepared(call_key("attention_varlen_backward", placement, causal, softmax_scale, window_size,
                                   softcap, dropout_p, algorithm, deterministic), prepare)
-    _, seqlen_q, seqlen_k = V.varlen_extents(*cu_seqlens, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    _, seqlen_q, seqlen_k = varlen.extents(q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return _backward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), dout, q, k, v, out, lse,
-                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens)
+                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, varlen=varlen)
 
 
 def attention_with_kvcache(
@@ -489,6 +550,81 @@ def attention_with_kvcache(
 
     out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs)
     return (out, lse) if prepared.return_lse else out
+
+
+def _packed_gradients(like: tuple[Any, ...], parts: tuple[int, ...]) -> Callable:
+    """The ``packed`` argument of _backward: gradients shaped like ``like`` (the packed arrays and q as given), the
+    kernels writing dq, dk, dv into views of them (``parts``: how many of dq, dk, dv each holds)."""
+    def allocate(backend: Any) -> tuple[tuple[Any, ...], tuple[Any, Any, Any]]:
+        grads = tuple(backend.empty(x.shape, x.dtype) for x in like)
+        views = [g if n == 1 else g[:, :, i] for g, n in zip(grads, parts) for i in range(n)]
+        return grads, tuple(views)
+    return allocate
+
+
+def _in_callers_type(placement: Placement, result: Any) -> Any:
+    """``attention``'s result (out, or (out, lse)) on placed views, handed back as the packed call's caller passed
+    its arrays."""
+    results = placement.results(*(result if isinstance(result, tuple) else (result,)))
+    return results if isinstance(result, tuple) else results[0]
+
+
+def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
+    placement, _ = place(("qkv",), (qkv,), None)
+    q, k, v = V.packed_parts("qkv", placement.arrays[0], 3, "(batch, seqlen, 3, nheads, headdim)")
+    return _in_callers_type(placement, attention(q, k, v, **options))
+
+
+def attention_qkvpacked_backward(dout: Any, qkv: Any, out: Any, lse: Any, *, causal: bool = False,
+                                 softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                                 softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
+                                 dropout_seed: int | None = None, algorithm: str = "fa2",
+                                 deterministic: bool = False) -> Any:
+    placement, alibi_slopes = place(("dout", "qkv", "out", "lse"), (dout, qkv, out, lse), alibi_slopes)
+    dout, qkv, out, lse = placement.arrays[:4]
+    q, k, v = V.packed_parts("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
+
+    def prepare() -> Prepared:
+        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+        _check_backward(problem, dout, q, out, lse, dropout_seed)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
+
+    prepared = _prepared(call_key("attention_qkvpacked_backward", placement, causal, softmax_scale, window_size,
+                                  softcap, dropout_p, algorithm, deterministic), prepare)
+    (dqkv,) = _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
+                        alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, packed=_packed_gradients((qkv,), (3,)))
+    return dqkv
+
+
+def attention_kvpacked(q: Any, kv: Any, **options: Any) -> Any:
+    placement, _ = place(("q", "kv"), (q, kv), None)
+    q, kv = placement.arrays
+    k, v = V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return _in_callers_type(placement, attention(q, k, v, **options))
+
+
+def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, *, causal: bool = False,
+                                softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                                softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
+                                dropout_seed: int | None = None, algorithm: str = "fa2",
+                                deterministic: bool = False) -> tuple[Any, Any]:
+    placement, alibi_slopes = place(("dout", "q", "kv", "out", "lse"), (dout, q, kv, out, lse), alibi_slopes)
+    dout, q, kv, out, lse = placement.arrays[:5]
+    k, v = V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+
+    def prepare() -> Prepared:
+        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+        _check_backward(problem, dout, q, out, lse, dropout_seed)
+        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
+
+    prepared = _prepared(call_key("attention_kvpacked_backward", placement, causal, softmax_scale, window_size,
+                                  softcap, dropout_p, algorithm, deterministic), prepare)
+    dq, dkv = _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
+                        alibi_slopes=alibi_slopes, dropout_seed=dropout_seed,
+                        packed=_packed_gradients((q, kv), (1, 2)))
+    return dq, dkv
 
 
 class KVCachePrepared(Prepared):
@@ -571,6 +707,12 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
     a larger value only enlarges the grid, a smaller one is an error. ``alibi_slopes`` may be
     (batch, nheads) per sequence. algorithm="fa2" only; no work or traffic for padding.
 
+    ``seqused_q`` / ``seqused_k`` (int32 (batch,), optional; FA2's seqused_k, FA3's seqused_q): sequence b
+    uses only its first seqused_q[b] query rows and first seqused_k[b] keys of its packed rows (0 <= each <= the
+    sequence's length): exactly ``attention_varlen`` on those prefixes alone, the mask aligned to the used
+    lengths (off = seqused_k[b] - seqused_q[b]). Rows past a prefix are never read; their out is 0, their lse
+    -inf and their gradients 0. Read on the host and checked like the cu_seqlens.
+
     Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
 """ + _OPTIONS_DOC
 
@@ -599,4 +741,21 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     ALiBi depend on the row. cache_seqlens and block_table are read on the host and
     checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
     were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+"""
+
+attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads, headdim), FA2's
+    ``flash_attn_qkvpacked_func``. q, k and v are views of qkv through its strides (no copy); options and results
+    as for ``attention``.
+"""
+
+attention_qkvpacked_backward.__doc__ = """The gradient of ``attention_qkvpacked``: dqkv, shaped like qkv (the kernels
+    write dq, dk and dv straight into its three parts). Options as for ``attention_backward``.
+"""
+
+attention_kvpacked.__doc__ = """``attention`` with k and v packed in one array: kv (batch, seqlen_k, 2, nheads_k,
+    headdim), FA2's ``flash_attn_kvpacked_func`` (GQA/MQA as for ``attention``). k and v are views of kv (no copy).
+"""
+
+attention_kvpacked_backward.__doc__ = """The gradients of ``attention_kvpacked``: (dq, dkv), dkv shaped like kv (the
+    kernels write dk and dv straight into its two parts). Options as for ``attention_backward``.
 """

@@ -275,3 +275,99 @@ def test_empty_batches_and_no_keys():
     no_keys = np.zeros((0, 1, 16), np.float32)
     out, lse = cuflash.attention_varlen(q, no_keys, no_keys, _cu([1, 3]), np.zeros(3, np.int32), return_lse=True)
     assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+# ---- used prefixes: seqused_q / seqused_k --------------------------------------------------------------------
+
+# (lengths_q, lengths_k, seqused_q, seqused_k): empty, whole and partial prefixes, a prefix of no key, one of no row.
+SEQUSED_PACKINGS = {
+    "ragged": ([5, 0, 70, 33], [9, 3, 40, 0], [3, 0, 70, 20], [9, 1, 17, 0]),
+    "one-long": ([130], [203], [77], [150]),
+    "single-rows": ([1, 1, 1], [1, 64, 2], [1, 0, 1], [0, 50, 2]),
+}
+SEQUSED_GIVEN = ("q", "k", "both")
+SEQUSED_OPTIONS = ("plain", "causal", "window", "window-causal-softcap-alibi-dropout")
+
+
+def _seqused_cases():
+    """Every option set and packing in rotation, every dtype with every choice of counts given (nine cases)."""
+    cases = []
+    for i in range(9):
+        option_name, dtype = SEQUSED_OPTIONS[i % 4], DTYPES[i % 3]
+        packing, given = list(SEQUSED_PACKINGS)[(i + 1) % 3], SEQUSED_GIVEN[(i + i // 3) % 3]
+        cases.append(pytest.param(packing, given, option_name, dtype, id=f"{option_name}-{dtype}-{packing}-{given}"))
+    return cases
+
+
+def test_seqused_grid_keeps_every_value_of_every_axis():
+    values = [c.values for c in _seqused_cases()]
+    for axis, expected in enumerate((set(SEQUSED_PACKINGS), set(SEQUSED_GIVEN), set(SEQUSED_OPTIONS), set(DTYPES))):
+        assert {v[axis] for v in values} == expected
+
+
+def _prefixes(x, lengths, used):
+    """The rows of packed ``x`` in the used prefix of each sequence, packed again."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.concatenate([x[s:s + u] for s, u in zip(starts, used)])
+
+
+@pytest.mark.parametrize("packing, given, option_name, dtype", _seqused_cases())
+def test_seqused_is_attention_of_the_used_prefixes_alone(packing, given, option_name, dtype):
+    """Against the float64 reference of the prefixes packed alone (FA2's rule: the mask at the used lengths), and
+    bit for bit what cuflash gives on those prefixes; the unused rows: out 0, lse -inf, zero gradients."""
+    lengths_q, lengths_k, used_q, used_k = SEQUSED_PACKINGS[packing]
+    used_q = used_q if given in ("q", "both") else lengths_q
+    used_k = used_k if given in ("k", "both") else lengths_k
+    counts = {name: np.array(used, np.int32) for name, used, on in (("seqused_q", used_q, given != "k"),
+                                                                    ("seqused_k", used_k, given != "q")) if on}
+    nheads, nheads_k, headdim = HEADS[len(option_name) % len(HEADS)]
+    seed = len(packing) + len(option_name)
+    q, k, v, dout = _packed_inputs(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, seed)
+    options = _options(option_name, len(lengths_q), nheads, seed)
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **counts, **options)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **counts, **options)
+
+    # The used prefixes packed alone: what the used rows must hold.
+    q_used, dout_used = _prefixes(q, lengths_q, used_q), _prefixes(dout, lengths_q, used_q)
+    k_used, v_used = _prefixes(k, lengths_k, used_k), _prefixes(v, lengths_k, used_k)
+    cu_used = (_cu(used_q), _cu(used_k))
+    want_out, want_lse = cuflash.attention_varlen(q_used, k_used, v_used, *cu_used, return_lse=True, **options)
+    rows_q = ~cuflash._validation.unused_rows(cu_q, np.array(used_q, np.int32), len(q))
+    rows_k = ~cuflash._validation.unused_rows(cu_k, np.array(used_k, np.int32), len(k))
+    assert np.array_equal(out[rows_q], want_out) and np.array_equal(lse[:, rows_q], want_lse)
+    assert np.all(out[~rows_q].astype(np.float32) == 0) and np.all(lse[:, ~rows_q] == -np.inf)
+
+    ref_options = _reference_options(options, used_q, used_k, nheads)
+    ref = tol.forward_references(q_used, k_used, v_used, cu_seqlens=cu_used, **ref_options)
+    atol = 4 * options.get("softcap", 0.0) * 2.0**-23
+    tol.check_close("out", out[rows_q], ref.out, ref.out_lowp, tol.FORWARD_FACTOR, atol=atol)
+    tol.check_close("lse", lse[:, rows_q], ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR, atol=atol)
+    bref = tol.backward_references(dout_used, q_used, k_used, v_used, cu_seqlens=cu_used, **ref_options)
+    for name, got, rows in zip(("dq", "dk", "dv"), grads, (rows_q, rows_k, rows_k)):
+        tol.check_close(name, got[rows], getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR,
+                        atol=1e-5)
+        assert np.all(got[~rows].astype(np.float32) == 0), name
+
+
+SEQUSED_BAD = {
+    "above-length": (dict(seqused_k=np.array([5, 3], np.int32)), ValueError,
+                     r"seqused_k\[1\] must be in 0..2 \(sequence 1's length in cu_seqlens_k\), got 3"),
+    "negative": (dict(seqused_q=np.array([-1, 4], np.int32)), ValueError, r"seqused_q\[0\] must be in 0..3"),
+    "dtype": (dict(seqused_q=np.array([1, 1], np.int64)), TypeError, "seqused_q must have dtype int32"),
+    "shape": (dict(seqused_k=np.array([1, 1, 1], np.int32)), ValueError,
+              r"seqused_k must have shape \(batch,\) = \(2,\)"),
+}
+
+
+@pytest.mark.parametrize("change, error, message", SEQUSED_BAD.values(), ids=SEQUSED_BAD.keys())
+def test_bad_seqused_is_refused_before_any_kernel(change, error, message):
+    q, k, v, cu_q, cu_k = _valid()
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with sim.record() as records:
+        with pytest.raises(error, match=message):
+            cuflash.attention_varlen(q, k, v, cu_q, cu_k, **change)
+        with pytest.raises(error, match=message):
+            cuflash.attention_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, **change)
+    assert records.launches == []

@@ -65,8 +65,11 @@ struct TensorStrides {
 //                stride 0) and the row-stats buffers become (nheads, total_q); null: fixed length (block_info.cuh)
 //   cu_seqlens_k input (read only): the same for keys: k, v, dk, dv (total_k, nheads_k, headdim); set with
 //                cu_seqlens_q
-//   seqused_k    input (read only): KV cache, int32 words (batch): keys 0 .. seqused_k[b] of sequence b are in use
-//                (the cache's rows past them are not read); null: all seqlen_k
+//   seqused_k    input (read only): int32 words (batch): keys 0 .. seqused_k[b] of sequence b are in use (the rows
+//                past them are not read): a KV cache's rows in use, or varlen's used prefix of each sequence's
+//                packed keys; null: all seqlen_k (varlen: all of the sequence's keys)
+//   seqused_q    input (read only): varlen only, int32 words (batch): sequence b's query rows 0 .. seqused_q[b] are
+//                computed (rows past them are not read nor written); null: all of the sequence's rows
 //   block_table  input (read only): paged KV cache, int32 words (batch, block_table_stride): row j of sequence b's
 //                keys is row j % page_size of page block_table[b][j / page_size] of k and v, which are then
 //                (num_pages, page_size, nheads_k, headdim) with the page stride in place of the batch stride;
@@ -90,6 +93,7 @@ struct TensorStrides {
   X(cu_seqlens_q)                      \
   X(cu_seqlens_k)                      \
   X(seqused_k)                         \
+  X(seqused_q)                         \
   X(block_table)                       \
   X(lse_accum)
 

@@ -69,11 +69,16 @@ struct BlockInfo {
   __device__ __forceinline__ static bool varlen(const AttentionParams& p) { return p.cu_seqlens_q != nullptr; }
 
   // Length of this sequence: its queries and its keys.
+  // A used count (seqused_q/k) shortens the sequence to a prefix of its rows: every kernel, its mask (aligned
+  // bottom-right to the used lengths, FA2's rule) and its loads see only that prefix; rows past it are neither
+  // read nor written (the API zeroes those outputs).
   __device__ __forceinline__ int seqlen_q(const AttentionParams& p) const {
-    return varlen(p) ? cu_seqlen(p.cu_seqlens_q, batch + 1) - cu_seqlen(p.cu_seqlens_q, batch) : p.seqlen_q;
+    if (!varlen(p)) return p.seqlen_q;
+    if (p.seqused_q != nullptr) return cu_seqlen(p.seqused_q, batch);
+    return cu_seqlen(p.cu_seqlens_q, batch + 1) - cu_seqlen(p.cu_seqlens_q, batch);
   }
   __device__ __forceinline__ int seqlen_k(const AttentionParams& p) const {
-    if (p.seqused_k != nullptr) return cu_seqlen(p.seqused_k, batch);  // KV cache: the keys in use
+    if (p.seqused_k != nullptr) return cu_seqlen(p.seqused_k, batch);  // a KV cache's keys in use, or varlen's
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch + 1) - cu_seqlen(p.cu_seqlens_k, batch) : p.seqlen_k;
   }
   // Index of this sequence's row 0 among all query (key) rows of the batch: b * seqlen (fixed length) or

@@ -17,7 +17,8 @@ an executable exported with ``jax.export`` (pass
 execution. A call lowered by another cuflash version is refused.
 """
 
-from ._attention import attention, attention_varlen, dropout_seed, ring_attention
+from ._attention import (attention, attention_kvpacked, attention_qkvpacked, attention_varlen, dropout_seed,
+                         ring_attention)
 from ._dot_product import dot_product_attention
 from ._kvcache import attention_with_kvcache
 from ._ffi import FfiBuildError as _FfiBuildError
@@ -28,5 +29,5 @@ try:
 except _FfiBuildError:
     pass  # raised again, with the compiler's output, when a call is first lowered
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dot_product_attention", "dropout_seed",
-           "ring_attention"]
+__all__ = ["attention", "attention_kvpacked", "attention_qkvpacked", "attention_varlen", "attention_with_kvcache",
+           "dot_product_attention", "dropout_seed", "ring_attention"]

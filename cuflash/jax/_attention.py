@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from .. import _validation as V
 from ..dropout import SEED_ROW_WORDS, check_dropout_p
 from ..kernels import catalog
-from ._primitives import CallConfig, call, tensor_shape
+from ._primitives import CallConfig, call, side_input_names, tensor_shape
 from ._ring import check_ring_dropout, ring_forward, with_block_positions
 
 
@@ -86,6 +86,8 @@ def attention_varlen(
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
@@ -98,7 +100,8 @@ def attention_varlen(
     deterministic: bool = False,
 ) -> Any:
     """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
-    nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,); returns out, or (out, lse) with lse
+    nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,), optional int32 seqused_q / seqused_k
+    (batch,) (used prefixes, as ``cuflash.attention_varlen`` takes them); returns out, or (out, lse) with lse
     float32 (nheads, total_q). Options, autodiff and platforms as for ``attention``.
 
     The grid's extent is static: when the cu_seqlens are traced (under ``jit``, or computed), ``max_seqlen_q`` and
@@ -108,15 +111,18 @@ def attention_varlen(
     call per mapped element. Under plain jit over inputs sharded along heads, each device runs the call on its
     kv heads (whole GQA groups); the packed rows stay whole.
     """
-    for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
+    for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        *counts.items()):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    dropout_p=dropout_p, deterministic=deterministic)
-    concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k)]
+    concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values())]
     if all(x is not None for x in concrete):
-        problem = V.check_varlen_qkv(q, k, v, *concrete, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     **options)
+        used = dict(zip(counts, concrete[2:]))
+        problem = V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     seqused_q=used.get("seqused_q"), seqused_k=used.get("seqused_k"), **options)
     else:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if V.dtype_name(cu) != "int32" or len(cu.shape) != 1 or cu.shape[0] < 1:
@@ -128,11 +134,28 @@ def attention_varlen(
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is None:
                 raise ValueError(f"{name} (a Python int) is required when the cu_seqlens are traced")
+        for name, count in counts.items():  # values taken on trust, as FA2 takes them
+            V.check_seqused_type(name, count, cu_seqlens_q.shape[0] - 1)
         problem = V.varlen_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_k=max_seqlen_k, **options)
-    cu_words = tuple(_int32_words(x) for x in (cu_seqlens_q, cu_seqlens_k))
+                                   max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
+                                   seqused_k="seqused_k" in counts, **options)
+    # In side_input_names' order: cu_seqlens_q, cu_seqlens_k, then seqused_q and seqused_k where given.
+    cu_words = tuple(_int32_words(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values()))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
                  algorithm=algorithm, return_lse=return_lse, cu_words=cu_words)
+
+
+def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
+    """``cuflash.attention_qkvpacked`` on JAX arrays: ``attention`` of the three parts of qkv (batch, seqlen, 3,
+    nheads, headdim), options as for ``attention``. The parts are slices (XLA has no views: it copies them for the
+    custom call); autodiff gives the gradient in qkv's packed layout."""
+    return attention(*V.packed_parts("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)"), **options)
+
+
+def attention_kvpacked(q: Any, kv: Any, **options: Any) -> Any:
+    """``cuflash.attention_kvpacked`` on JAX arrays: ``attention`` of q over the two parts of kv (batch, seqlen_k,
+    2, nheads_k, headdim), as ``attention_qkvpacked`` takes qkv."""
+    return attention(q, *V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)"), **options)
 
 
 def ring_attention(
@@ -287,7 +310,21 @@ def _forward(config: CallConfig, q, k, v, side=()):
         lse = jnp.full(tensor_shape("lse", problem), -np.inf, jnp.float32)
     else:
         out, lse = call("forward", config, q, k, v, *side)
+        unused = _unused_rows(problem, side, "q")
+        if unused is not None:  # rows past a used prefix: not written by the kernels
+            out = jnp.where(unused[:, None, None], jnp.zeros((), out.dtype), out)
+            lse = jnp.where(unused[None, :], -jnp.inf, lse)
     return _mark_varying(out, axes), _mark_varying(lse, axes)
+
+
+def _unused_rows(problem, side, rows: str):
+    """The packed query ("q") or key ("k") rows past their sequence's used prefix (_validation.unused_rows on the
+    traced cu_seqlens and seqused operands), or None without such a prefix."""
+    if not (problem.seqused_q if rows == "q" else problem.seqused_k):
+        return None
+    named = dict(zip(side_input_names(problem), side))
+    words = [jax.lax.bitcast_convert_type(named[name], jnp.int32) for name in (f"cu_seqlens_{rows}", f"seqused_{rows}")]
+    return V.unused_rows(*words, problem.total_q if rows == "q" else problem.total_k, xp=jnp)
 
 
 def _backward(config: CallConfig, dout, q, k, v, out, lse, side=(), dlse=None):
@@ -299,6 +336,9 @@ def _backward(config: CallConfig, dout, q, k, v, out, lse, side=(), dlse=None):
         extra = (*side,) if dlse is None else (*side, dlse.astype(jnp.float32))
         config = dataclasses.replace(config, with_dlse=dlse is not None)
         grads = call("backward", config, dout.astype(q.dtype), q, k, v, out, lse, *extra)
+        unused_q, unused_k = _unused_rows(problem, side, "q"), _unused_rows(problem, side, "k")
+        grads = tuple(g if unused is None else jnp.where(unused[:, None, None], jnp.zeros((), g.dtype), g)
+                      for g, unused in zip(grads, (unused_q, unused_k, unused_k)))
     return tuple(_mark_varying(g, axes) for g in grads)
 
 

@@ -62,7 +62,7 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return "w"  # the seed's words: every device gets them all
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
         return "c"  # every device reads every sequence's bounds
-    if name == "seqused_k":
+    if name in ("seqused_q", "seqused_k"):
         return "b"
     if name == "block_table":
         return "b z"
@@ -83,12 +83,13 @@ def _query_heads(problem: Problem) -> str:
 
 def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]:
     """The factors no device may split: the head dim; the seed's words; a varlen call's packed rows, its
-    cu_seqlens and (with per-sequence ALiBi slopes) its batch, since the kernels find sequences by cu_seqlens; a
+    cu_seqlens and (with per-sequence ALiBi slopes or used prefixes) its batch, since the kernels find sequences by cu_seqlens; a
     KV cache's rows, and for a paged one its pages, their rows and the batch (block_table numbers pages of the whole
     pool)."""
     whole = {"d"} | ({"w"} if "dropout_seed" in operands else set())
     if problem.varlen:
-        whole |= {"s", "t", "c"} | ({"b"} if problem.alibi == "batch_heads" else set())
+        per_sequence = problem.alibi == "batch_heads" or problem.seqused_q or problem.seqused_k
+        whole |= {"s", "t", "c"} | ({"b"} if per_sequence else set())
     if problem.kvcache:
         whole |= {"s"} | ({"b", "p", "y", "z"} if problem.page_size else {"t"})
     # In the order the rule first names them: Shardy wants its special factors' indices sorted.

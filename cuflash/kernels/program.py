@@ -75,6 +75,10 @@ class Problem:
     # lengths themselves are data (cu_seqlens side inputs), so nothing here depends on them.
     total_q: int | None = None
     total_k: int | None = None
+    # Varlen's used prefixes (FA2's seqused_k, FA3's seqused_q; block_info.cuh): sequence b computes only its first
+    # seqused_q[b] query rows over its first seqused_k[b] keys, counts that are data (side inputs of those names).
+    seqused_q: bool = False
+    seqused_k: bool = False
     # KV cache (block_info.cuh): each sequence's keys in use come from a side input (seqused_k) and seqlen_k is the
     # largest; page_size > 0: k and v are paged, (num_pages, page_size, nheads_k, d), each sequence's pages named
     # by a row of pages_per_sequence entries of block_table.
@@ -109,6 +113,9 @@ class Problem:
             raise ValueError("Problem.dropout_batches_per_seed > 0 needs dropout_p > 0 and a fixed-length batch")
         if (self.total_q is None) != (self.total_k is None):
             raise ValueError("Problem.total_q and Problem.total_k are set together (varlen) or not at all")
+        if (self.seqused_q or self.seqused_k) and not self.varlen:
+            raise ValueError("Problem.seqused_q and seqused_k (used prefixes of packed sequences) need varlen; a KV "
+                             "cache's keys in use are kvcache's")
         if self.varlen and not (0 <= self.total_q and 0 <= self.total_k):
             raise ValueError(f"Problem.total_q and total_k must be >= 0, got {self.total_q} and {self.total_k}")
         if self.page_size and not (self.kvcache and self.page_size % 16 == 0 and self.pages_per_sequence > 0):

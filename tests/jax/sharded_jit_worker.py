@@ -124,11 +124,14 @@ def main() -> None:
         # device on its kv heads, with dropout too (each shard passes its first global head).
         cu_q, cu_k = np.array([0, 5, 31, 36], np.int32), np.array([0, 17, 20, 44], np.int32)
         packed = [x.reshape((-1,) + x.shape[2:])[: cu[-1]] for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k), (dout, cu_q))]
+        # With dropout, used prefixes too (seqused_q / seqused_k: per-sequence operands every device reads whole).
         for dropout_p in (0.0, 0.25):
-            def varlen_step(q, k, v, dout, dropout_p=dropout_p):
+            counts = dict(seqused_q=np.array([4, 26, 0], np.int32), seqused_k=np.array([17, 1, 20], np.int32))
+
+            def varlen_step(q, k, v, dout, dropout_p=dropout_p, counts=counts if dropout_p else {}):
                 def attention(q, k, v):
                     return cfj.attention_varlen(q, k, v, cu_q, cu_k, causal=True, softcap=4.0, dropout_p=dropout_p,
-                                                dropout_rng=jax.random.key(3) if dropout_p else None)
+                                                dropout_rng=jax.random.key(3) if dropout_p else None, **counts)
                 out, pull = jax.vjp(attention, q, k, v)
                 return (out, *pull(dout))
 

@@ -500,3 +500,26 @@ def test_checking_mode_reaches_an_already_compiled_function():
     assert np.array_equal(got, want)
     assert np.array_equal(np.asarray(f(q)), want)
     assert set(_primitives._sim_registered) == {(outside, instance)}
+
+
+def test_packed_twins_equal_the_numpy_packed_calls():
+    """cuflash.jax.attention_qkvpacked / attention_kvpacked: out and the gradient in the packed layout, bit for bit
+    the NumPy packed functions' (deterministic dq)."""
+    rng = np.random.default_rng(9)
+    qkv = rng.standard_normal((1, 19, 3, 2, 24)).astype(np.float32)
+    dout = rng.standard_normal((1, 19, 2, 24)).astype(np.float32)
+    options = dict(causal=True, deterministic=True)
+
+    def loss(qkv):
+        out = cfj.attention_qkvpacked(qkv, **options)
+        return jnp.sum(out * dout), out
+
+    (_, out), dqkv = jax.jit(jax.value_and_grad(loss, has_aux=True))(qkv)
+    want_out, want_lse = cuflash.attention_qkvpacked(qkv, causal=True, return_lse=True)
+    assert np.array_equal(np.asarray(out), want_out)
+    assert np.array_equal(np.asarray(dqkv), cuflash.attention_qkvpacked_backward(dout, qkv, want_out, want_lse,
+                                                                                **options))
+    q, kv = qkv[:, :, 0], qkv[:, :, 1:]
+    assert np.array_equal(np.asarray(cfj.attention_kvpacked(q, kv, causal=True)), want_out)
+    with pytest.raises(ValueError, match=r"kv must have shape \(batch, seqlen_k, 2, nheads_k, headdim\)"):
+        cfj.attention_kvpacked(q, qkv)

@@ -56,7 +56,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     """[jax-scale] 1: inputs sharded along batch, heads (whole GQA groups) or both, in Auto and Explicit meshes: one
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
-    the lse's cotangent; with dropout, also under vmap; for MHA and MQA; varlen calls along heads; KV-cache calls,
+    the lse's cotangent; with dropout, also under vmap; for MHA and MQA; varlen calls along heads (with used
+    prefixes); KV-cache calls,
     forward only).
     A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the same results; a
     causal one without runs as ring attention."""

@@ -114,3 +114,66 @@ def test_cu_seqlens_are_checked_when_concrete_and_max_seqlen_needed_when_traced(
     with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 array"):
         jax.jit(lambda cu_q: cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22))(
             cu_q.astype(np.float32))
+
+
+USED_Q, USED_K = [5, 0, 30, 3], [10, 2, 9, 0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.float16])
+def test_seqused_traced_under_jit_with_grads_equals_the_numpy_calls(dtype):
+    """seqused_q and seqused_k traced (values taken on trust): out, lse and the gradients through both, bit for bit
+    the NumPy functions' (whose unused rows are out 0, lse -inf and zero gradients)."""
+    q, k, v, dout = _inputs(dtype, seed=4)
+    cu_q, cu_k = _cu(LENGTHS_Q), _cu(LENGTHS_K)
+    used_q, used_k = np.array(USED_Q, np.int32), np.array(USED_K, np.int32)
+    weights = np.random.default_rng(5).standard_normal((4, q.shape[0])).astype(np.float32)
+    options = dict(causal=True, window_size=(6, -1))
+
+    @jax.jit
+    def forward_and_grads(q, k, v, used_q, used_k):
+        def loss(q, k, v):
+            out, lse = cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22, seqused_q=used_q,
+                                            seqused_k=used_k, return_lse=True, **options)
+            finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(finite_lse * weights), (out, lse)
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, lse, grads
+
+    out, lse, grads = forward_and_grads(q, k, v, used_q, used_k)
+    counts = dict(seqused_q=used_q, seqused_k=used_k)
+    want_out, want_lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **counts, **options)
+    assert np.array_equal(np.asarray(out), want_out) and np.array_equal(np.asarray(lse), want_lse)
+    unused_q = cuflash._validation.unused_rows(cu_q, used_q, q.shape[0])
+    unused_k = cuflash._validation.unused_rows(cu_k, used_k, k.shape[0])
+    assert unused_q.sum() == sum(LENGTHS_Q) - sum(USED_Q) and unused_k.sum() == sum(LENGTHS_K) - sum(USED_K)
+    assert np.all(want_lse[:, unused_q] == -np.inf) and np.all(want_out[unused_q].astype(np.float32) == 0)
+    # The lse's cotangent joins the backward as dlse (attention_params.cuh); the NumPy backward has no such input,
+    # so compare with it where the lse's weights vanish: dq, dk, dv through out alone.
+    @jax.jit
+    def grads_through_out(q, k, v, used_q, used_k):
+        def loss(q, k, v):
+            out = cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22, seqused_q=used_q,
+                                       seqused_k=used_k, **options)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    want_grads = cuflash.attention_varlen_backward(dout, q, k, v, want_out, want_lse, cu_q, cu_k, **counts, **options)
+    for got, want in zip(grads_through_out(q, k, v, used_q, used_k), want_grads):
+        assert np.array_equal(np.asarray(got), want)
+    # With the lse's cotangent too: unused rows still get zero gradients, used rows finite ones.
+    for got, unused in zip(grads, (unused_q, unused_k, unused_k)):
+        got = np.asarray(got).astype(np.float32)
+        assert np.all(got[unused] == 0) and np.all(np.isfinite(got[~unused]))
+
+
+def test_seqused_is_checked_when_concrete():
+    q, k, v, _ = _inputs(np.float32)
+    cu_q, cu_k = _cu(LENGTHS_Q), _cu(LENGTHS_K)
+    with pytest.raises(ValueError, match=r"seqused_k\[3\] must be in 0..1 \(sequence 3's length in cu_seqlens_k\)"):
+        cfj.attention_varlen(q, k, v, cu_q, cu_k, seqused_k=np.array([1, 1, 1, 2], np.int32))
+    with pytest.raises(TypeError, match="seqused_q must have dtype int32"):
+        jax.jit(lambda used: cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22,
+                                                  seqused_q=used))(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"seqused_q must have shape \(batch,\) = \(4,\)"):
+        jax.jit(lambda used: cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22,
+                                                  seqused_q=used))(np.zeros(3, np.int32))
