@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import _validation as V
+from . import rotary
 from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy, place
 from .backends.program import PreparedProgram
 from .dropout import check_dropout_seed, seed_words
@@ -501,8 +502,12 @@ def attention_with_kvcache(
     num_splits: int = 0,
     algorithm: str = "fa2",
     return_lse: bool = False,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = False,
 ) -> Any:
-    optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table)) if x is not None}
+    optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table), ("rotary_cos", rotary_cos),
+                                        ("rotary_sin", rotary_sin)) if x is not None}
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         optional["cache_seqlens"] = cache_seqlens
     names = ("q", "k_cache", "v_cache", *optional)
@@ -528,16 +533,22 @@ def attention_with_kvcache(
         prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
         prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table)
+        prepared.rotary = rotary.check_rotary(placed.get("rotary_cos"), placed.get("rotary_sin"),
+                                              rotary_interleaved, q, k, prepared.layout.capacity)
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
     prepared = _prepared(call_key("attention_with_kvcache", placement, type(cache_seqlens), causal, softmax_scale,
-                                  window_size, softcap, num_splits, algorithm, return_lse), prepare)
+                                  window_size, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
+                         prepare)
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
     used = V.kvcache_used_rows(lengths, layout)
     plan = prepared.plan(q.shape[1], V.min_max(used)[1] if used.size else 0)
+    if prepared.rotary:  # q and the new rows, at their positions (cuflash/rotary.py); every check is behind us
+        q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], used - k.shape[1],
+                        rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
     (q,) = contiguous_last_dim((q,))
@@ -629,9 +640,23 @@ def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, 
 
 class KVCachePrepared(Prepared):
     """A checked attention_with_kvcache call: a Prepared one with the layout its shapes describe (capacity, pages),
-    against which each call's cache_seqlens and block_table values are checked."""
+    against which each call's cache_seqlens and block_table values are checked, and whether it applies rotary."""
 
     layout: V.KVCacheLayout
+    rotary: bool
+
+
+def _rotated(backend: Any, q: Any, k: Any, cos: Any, sin: Any, starts: np.ndarray, interleaved: bool,
+             query_rows_apart: bool) -> tuple[Any, Any]:
+    """q and the new k rows rotated at their positions (rotary.py), in the arrays' library."""
+    if isinstance(q, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    with backend.device():
+        at_q = backend.upload(rotary.positions(starts, q.shape[1], query_rows_apart, np))
+        at_k = backend.upload(rotary.positions(starts, k.shape[1], True, np))
+        return rotary.rotate(q, cos, sin, at_q, interleaved, xp), rotary.rotate(k, cos, sin, at_k, interleaved, xp)
 
 
 # Up to this many sequences (and new rows per sequence) the new rows are written with a slice assignment per
@@ -741,6 +766,13 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     ALiBi depend on the row. cache_seqlens and block_table are read on the host and
     checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
     were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+
+    Rotary embedding (FA2's): ``rotary_cos`` and ``rotary_sin`` (q's dtype, (seqlen_ro, rotary_dim / 2) with
+    rotary_dim <= headdim and seqlen_ro at least the caches' capacity per sequence) rotate the first rotary_dim
+    features of q and of the new k rows (k and v required) before the append: new key i of sequence b at
+    position cache_seqlens[b] + i, q's rows at the same positions when causal or windowed, else all at
+    cache_seqlens[b]. ``rotary_interleaved``: pairs (2i, 2i + 1) (GPT-J) instead of the two halves (GPT-NeoX).
+    Computed in float32 in one small pass over q and the new rows (cuflash/rotary.py); cached rows untouched.
 """
 
 attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads, headdim), FA2's

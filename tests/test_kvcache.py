@@ -354,3 +354,90 @@ def test_bad_input_is_refused_before_anything_is_written(case):
     assert records.launches == []
     for name, copy in caches.items():
         assert np.array_equal(arguments[name], copy), f"{name} changed by a rejected call"
+
+
+# ---- rotary embedding (rotary_cos / rotary_sin / rotary_interleaved) --------------------------------------------
+
+
+def _rotary_tables(rows, rotary_dim, dtype, seed):
+    angles = np.random.default_rng(seed).uniform(-np.pi, np.pi, (rows, rotary_dim // 2))
+    return np.cos(angles).astype(numpy_dtype(dtype)), np.sin(angles).astype(numpy_dtype(dtype))
+
+
+def _rotate_by_pairs(x, cos, sin, positions, interleaved):
+    """The test's own rotation: each pair (a, b) of rotary features as the 2x2 rotation [[c, -s], [s, c]] applied
+    in float32 (batch, rows, heads, d), pair indices spelled out."""
+    half = cos.shape[1]
+    first = np.arange(0, 2 * half, 2) if interleaved else np.arange(half)
+    second = first + 1 if interleaved else first + half
+    out = x.copy()
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            c = cos[positions[b, i]].astype(np.float32)
+            s = sin[positions[b, i]].astype(np.float32)
+            a, bb = x[b, i][:, first].astype(np.float32), x[b, i][:, second].astype(np.float32)
+            out[b, i][:, first] = (a * c - bb * s).astype(x.dtype)
+            out[b, i][:, second] = (a * s + bb * c).astype(x.dtype)
+    return out
+
+
+ROTARY_CASES = [  # (dtype, interleaved, options, paged, rotary_dim): causal and not, windowed, paged and not
+    ("float16", False, dict(causal=True), False, 32),
+    ("bfloat16", True, dict(), True, 40),
+    ("float32", False, dict(window_size=(20, 3)), True, 16),
+    ("float16", True, dict(causal=True), True, 40),
+]
+
+
+@pytest.mark.parametrize("dtype, interleaved, options, paged, rotary_dim", ROTARY_CASES)
+def test_rotary_equals_rotating_q_and_k_first(dtype, interleaved, options, paged, rotary_dim):
+    """FA2's rotary: q and the new rows rotated at their positions (q's rows apart when causal or windowed, else
+    all at cache_seqlens), then the plain call; bit for bit, caches included, and the cached rows untouched."""
+    shape = (3, 3, 4, 2, 40, 192)  # chunked prefill of 3 rows, GQA, head dim 40
+    q, k_cache, v_cache, k_new, v_new, lengths, pages = _caches(shape, dtype, 3, 16 if paged else None, seed=11)
+    cos, sin = _rotary_tables(192, rotary_dim, dtype, seed=12)
+    rows_apart = bool(options.get("causal")) or options.get("window_size", (-1, -1)) != (-1, -1)
+    q_at = lengths[:, None] + np.arange(q.shape[1])[None, :] * rows_apart
+    k_at = lengths[:, None] + np.arange(3)[None, :]
+    caches = dict(k_cache=pages[0], v_cache=pages[1], block_table=pages[2]) if paged else \
+        dict(k_cache=k_cache, v_cache=v_cache)
+    plain = {name: x.copy() for name, x in caches.items()}
+    out, lse = cuflash.attention_with_kvcache(q, **caches, k=k_new, v=v_new, cache_seqlens=lengths, rotary_cos=cos,
+                                              rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True,
+                                              **options)
+    want_out, want_lse = cuflash.attention_with_kvcache(
+        _rotate_by_pairs(q, cos, sin, q_at, interleaved), **plain, k=_rotate_by_pairs(k_new, cos, sin, k_at,
+                                                                                       interleaved),
+        v=v_new, cache_seqlens=lengths, return_lse=True, **options)
+    assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse)
+    for name in caches:
+        assert np.array_equal(caches[name], plain[name]), name
+    if not paged:  # the new rows rotated, the features past rotary_dim and every cached row as they were
+        for b in range(shape[0]):
+            new_rows = k_cache[b, lengths[b]:lengths[b] + 3]
+            assert np.array_equal(new_rows[..., rotary_dim:], k_new[b, ..., rotary_dim:])
+            assert not np.array_equal(new_rows, k_new[b])
+
+
+def test_bad_rotary_is_refused_before_anything_is_written():
+    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches(SHAPES["decode-gqa"], "float16", 2, None, seed=7)
+    cos, sin = _rotary_tables(192, 16, "float16", seed=8)
+    base = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, cache_seqlens=lengths, rotary_cos=cos,
+                rotary_sin=sin)
+    cases = {
+        "only cos": (dict(base, rotary_sin=None), ValueError, "rotary_cos needs rotary_sin"),
+        "no new rows": (dict(base, k=None, v=None), ValueError, "pass k and v"),
+        "dtype": (dict(base, rotary_cos=cos.astype(np.float32)), TypeError, "rotary_cos must have q's dtype float16"),
+        "short table": (dict(base, rotary_cos=cos[:100], rotary_sin=sin[:100]), ValueError,
+                        r"at least 192 \(the caches' capacity per sequence\), got 100"),
+        "too wide": (dict(base, rotary_cos=np.ones((192, 24), np.float16), rotary_sin=np.ones((192, 24), np.float16)),
+                     ValueError, "rotates 48 features, more than the head dim 40"),
+        "shapes differ": (dict(base, rotary_sin=sin[:, :4]), ValueError, "rotary_sin must have rotary_cos's shape"),
+        "interleaved type": (dict(base, rotary_interleaved=1), TypeError, "rotary_interleaved must be a bool"),
+    }
+    for name, (arguments, error, message) in cases.items():
+        before = (k_cache.copy(), v_cache.copy())
+        with sim.record() as records, pytest.raises(error, match=message):
+            cuflash.attention_with_kvcache(**arguments)
+        assert records.launches == [], name
+        assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1]), name

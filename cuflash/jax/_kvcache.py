@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
+from .. import rotary
 from ..kernels.program import gqa_decode_fold
 from ._attention import _call_operands, _concrete, _forward, _int32_words
 
@@ -37,6 +38,9 @@ def attention_with_kvcache(
     num_splits: int = 0,
     algorithm: str = "fa2",
     return_lse: bool = False,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    rotary_interleaved: bool = False,
 ) -> tuple[Any, ...]:
     """``cuflash.attention_with_kvcache`` on JAX arrays, functionally: returns ``(out, k_cache, v_cache)``, or
     ``(out, lse, k_cache, v_cache)`` with ``return_lse``, the caches with the new ``k``, ``v`` rows written at
@@ -58,9 +62,12 @@ def attention_with_kvcache(
     docstring). Works under ``jit`` and ``vmap`` (one call per mapped element, each as the unmapped call: vmap
     equals a loop of calls, bit for bit; each element's slice of a mapped cache is copied for its call) and plain
     ``jit`` over caches sharded along kv heads (and batch, when not paged): one call per device on its shard. No
-    derivative: it is an inference function, and differentiating it raises a TypeError.
+    derivative: it is an inference function, and differentiating it raises a TypeError. ``rotary_cos``,
+    ``rotary_sin`` and ``rotary_interleaved`` as for the NumPy function (cuflash/rotary.py), at traced lengths
+    too.
     """
-    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table}
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
+             "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     for name, array in named.items():
         if array is not None and not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
@@ -85,10 +92,18 @@ def attention_with_kvcache(
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
+    with_rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, layout.capacity)
 
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)
+    if with_rotary:
+        cos, sin = jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
+        q_rows_apart = rotary.query_rows_apart(causal, window_size)
+        q = rotary.rotate(jnp.asarray(q), cos, sin, rotary.positions(starts, q.shape[1], q_rows_apart, jnp),
+                          bool(rotary_interleaved), jnp)
+        k = rotary.rotate(jnp.asarray(k), cos, sin, rotary.positions(starts, k.shape[1], True, jnp),
+                          bool(rotary_interleaved), jnp)
     if layout.seqlen_new:
-        starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)
         k_cache = _append(k_cache, jnp.asarray(k), starts, block_table)
         v_cache = _append(v_cache, jnp.asarray(v), starts, block_table)
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))

@@ -342,3 +342,16 @@ def test_cuda_target_carries_the_devices_sm_count(monkeypatch):
     assert target.smem_per_block_bytes == targets.target("sm_86").smem_per_block_bytes
     monkeypatch.setattr(jax, "local_devices", lambda backend=None: [Device("9.0", None)])
     assert _primitives.target_for("cuda").sm_count == targets.target("sm_90").sm_count  # JAX did not tell it
+
+
+@pytest.mark.parametrize("page, traced, interleaved, causal", [(None, True, False, True), (16, False, True, False)])
+def test_rotary_equals_numpy_bit_for_bit(page, traced, interleaved, causal):
+    """rotary_cos / rotary_sin (cuflash/rotary.py) under jit, lengths traced or concrete: out, lse and both caches
+    bit for bit the NumPy function's."""
+    q, k_cache, v_cache, rows, table = _inputs(np.float16, page=page, new=3, seqlen_q=3, seed=5)
+    angles = np.random.default_rng(6).uniform(-np.pi, np.pi, (CAPACITY, 8))
+    tables = dict(rotary_cos=np.cos(angles).astype(np.float16), rotary_sin=np.sin(angles).astype(np.float16),
+                  rotary_interleaved=interleaved, causal=causal)
+    lengths = np.array([CAPACITY - 3, 11], np.int32)
+    got = _jax_call(q, k_cache, v_cache, rows, lengths, table, traced=traced, **tables)
+    _assert_bitwise(got, _numpy_call(q, k_cache, v_cache, rows, lengths, table, **tables))
