@@ -27,11 +27,12 @@ from cuflash.testing import numpy_dtype, random_inputs, rows_without_key
 ARCH = "sm_87"  # 16 SMs: batch * nheads_k = 8 gives S = 2 dq slices
 LANDING_SEEDS = (1, 1, 2)  # a rerun, then other cp.async landing moments
 
-# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): 4 K/V blocks of 64 keys (the last ragged) for S = 2.
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): 4 K/V blocks of the tensor cores' 128 keys at d64 (8 of
+# the SIMT kernel's 64), the last ragged, for S = 2.
 CASES = {
-    "float32": (2, 101, 203, 8, 4, 64),
-    "float16": (2, 230, 203, 8, 4, 64),  # seqlen_q > seqlen_k: causal leaves 27 rows without a key
-    "bfloat16": (2, 101, 203, 8, 4, 40),  # head dim 40 runs on the 64 kernel
+    "float32": (2, 101, 459, 8, 4, 64),
+    "float16": (2, 490, 459, 8, 4, 64),  # seqlen_q > seqlen_k: causal leaves 31 rows without a key
+    "bfloat16": (2, 101, 459, 8, 4, 40),  # head dim 40 runs on the 64 kernel
 }
 
 
@@ -96,10 +97,10 @@ def test_deterministic_backward_is_bitwise_reproducible_and_accurate(dtype, caus
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_varlen_deterministic_backward_skips_keys_past_a_sequence(dtype):
-    """Three sequences (4, 2 and 1 K/V blocks; batch * nheads_k = 12, S = 2): block 0 loops over K/V blocks 0
-    and 2 of the first sequence, block 1 over 1 and 3; for the last sequence block 1 has no K/V block and skips its
-    iterations (no early return before the loop's barriers)."""
-    lengths_q, lengths_k = [101, 37, 9], [203, 70, 5]
+    """Three sequences (4, 2 and 1 tensor-core K/V blocks; batch * nheads_k = 12, S = 2): block 0 loops over K/V
+    blocks 0 and 2 of the first sequence, block 1 over 1 and 3; for the last sequence block 1 has no K/V block and
+    skips its iterations (no early return before the loop's barriers). The SIMT kernel's 64-key blocks: 8, 3, 1."""
+    lengths_q, lengths_k = [101, 37, 9], [459, 150, 5]
     nheads, nheads_k, headdim = 8, 4, 48
     rng = np.random.default_rng(7)
     dt = numpy_dtype(dtype)
@@ -128,7 +129,7 @@ def test_varlen_deterministic_backward_skips_keys_past_a_sequence(dtype):
 def test_looping_blocks_are_race_free(dtype):
     """The race detector over blocks that loop over K/V blocks: each iteration's K/V loads wait for the previous
     iteration's last reads of the K and V tiles (and, tensor cores, of its dK / dV staging there)."""
-    shape = (2, 40, 203, 8, 4, 64)
+    shape = (2, 40, 459, 8, 4, 64)
     q, k, v, dout = random_inputs(shape, dtype, seed=41)
     problem = Problem(dtype, *shape, mask=Mask.causal(), deterministic=True)
     with sim.targeting(ARCH):

@@ -33,7 +33,10 @@ from cuflash.mask import Mask
 MATERIALIZING_ALGORITHMS = ("standard",)
 FLASH_ALGORITHMS = tuple(a for a in catalog.algorithms() if a not in MATERIALIZING_ALGORITHMS)
 SEQLENS = tuple(1024 * 2**i for i in range(8))  # 1k .. 128k
-DOUBLING_FROM = 16 * 1024
+# Below this, a deterministic backward's dq slices still grow with seqlen_k (one per K/V block, up to the SM count:
+# num_dq_splits_for's cap); from here every target's cap is reached for K/V blocks of up to 128 keys (d32's and
+# d64's tensor-core tiles), so doubling the length at most doubles the scratch.
+DOUBLING_FROM = next(s for s in SEQLENS if s >= 128 * max(t.sm_count for t in TARGETS.values()))
 # Bytes a doubling may add beyond twice the scratch: per-row statistics rounded to blocks and the like.
 SLACK_BYTES = 64 * 1024
 # The largest number of float32 copies of a query (or key) row any flash program keeps: FA2's deterministic dq

@@ -172,7 +172,11 @@ class BackwardTraits(fa2.TileTraits):
 # twice as often).
 BACKWARD_CHOICES = {
     32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
-    64: (BackwardTraits(64, block_m=64, block_n=64, warps=8),),  # 64x128 spilled 4 bytes on sm_90 with the ScoreHook
+    # d64 takes FA2's 128-key K/V block since the lean step (issue [lean] 3): 64x128x8 issues 951 instructions per
+    # step for 160 HMMA (5.94 per HMMA on sm_80, 6.11 on sm_90) where 64x64x8 issued 660 for 80 (8.25, 8.58), at
+    # 224-232 registers without spills (it spilled 4 bytes on sm_90 before the step lost its LaneOffsets), in
+    # 90.6 KB of shared memory, which every target's block has; one block per SM either way (registers).
+    64: (BackwardTraits(64, block_m=64, block_n=128, warps=8),),
     96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
     128: (BackwardTraits(128, block_m=64, block_n=64, warps=8),),
     192: (BackwardTraits(192, block_m=32, block_n=64, warps=8),),
