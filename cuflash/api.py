@@ -169,15 +169,14 @@ class VarlenInputs:
         self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
         self.seqused_q, self.seqused_k = seqused_q, seqused_k
 
-    def extents(self, total_q: int, total_k: int, max_seqlen_q: Any, max_seqlen_k: Any) -> tuple[int, int, int]:
-        """Every check of the values (V.varlen_extents): (sequences, max_seqlen_q, max_seqlen_k)."""
-        return V.varlen_extents(self.cu_seqlens_q, self.cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k,
-                                self.seqused_q, self.seqused_k)
-
     def side_inputs(self, backend: Any) -> dict[str, Any]:
-        names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
-        return {name: backend.upload(_int32_words(host)) for name in names
-                if (host := getattr(self, name)) is not None}
+        inputs = {"cu_seqlens_q": backend.upload(_int32_words(self.cu_seqlens_q)),
+                  "cu_seqlens_k": backend.upload(_int32_words(self.cu_seqlens_k))}
+        if self.seqused_q is not None:
+            inputs["seqused_q"] = backend.upload(_int32_words(self.seqused_q))
+        if self.seqused_k is not None:
+            inputs["seqused_k"] = backend.upload(_int32_words(self.seqused_k))
+        return inputs
 
     def unused_rows(self, side: str) -> np.ndarray | None:
         """The packed query ("q") or key ("k") rows past their sequence's used prefix (V.unused_rows), None when
@@ -194,12 +193,18 @@ def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
                   seqused_q: Any, seqused_k: Any, alibi_slopes: Any) -> tuple[Placement, Any, tuple, VarlenInputs]:
     """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts given and ALiBi slopes), the
     placed slopes, the placed tensors and host copies of the integer inputs."""
-    counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
-    names = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k", *counts)
-    placement, alibi_slopes = place(names, (*tensors, cu_seqlens_q, cu_seqlens_k, *counts.values()), alibi_slopes)
-    hosts = dict(zip(names[len(tensor_names):], [host_copy(a) for a in placement.arrays[len(tensor_names):len(names)]]))
-    inputs = VarlenInputs(hosts["cu_seqlens_q"], hosts["cu_seqlens_k"], hosts.get("seqused_q"), hosts.get("seqused_k"))
-    return placement, alibi_slopes, placement.arrays[:len(tensor_names)], inputs
+    # Plain statements, no comprehension: this runs on every call of the host path.
+    names, arrays = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k)
+    if seqused_q is not None:
+        names, arrays = (*names, "seqused_q"), (*arrays, seqused_q)
+    if seqused_k is not None:
+        names, arrays = (*names, "seqused_k"), (*arrays, seqused_k)
+    placement, alibi_slopes = place(names, arrays, alibi_slopes)
+    placed, at = placement.arrays, len(tensor_names)
+    used_q = None if seqused_q is None else host_copy(placed[at + 2])
+    used_k = None if seqused_k is None else host_copy(placed[at + 2 + (seqused_q is not None)])
+    inputs = VarlenInputs(host_copy(placed[at]), host_copy(placed[at + 1]), used_q, used_k)
+    return placement, alibi_slopes, placed[:at], inputs
 
 
 def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
@@ -436,7 +441,8 @@ def attention_varlen(
 
     prepared = _prepared(call_key("attention_varlen", placement, causal, softmax_scale, window_size, softcap,
                                   dropout_p, algorithm, return_lse), prepare)
-    _, seqlen_q, seqlen_k = varlen.extents(q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
+                                             max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, alibi_slopes=alibi_slopes,
                     dropout_seed=dropout_seed, varlen=varlen)
 
@@ -480,7 +486,8 @@ def attention_varlen_backward(
 
     prepared = _prepared(call_key("attention_varlen_backward", placement, causal, softmax_scale, window_size,
                                   softcap, dropout_p, algorithm, deterministic), prepare)
-    _, seqlen_q, seqlen_k = varlen.extents(q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
+                                             max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
     return _backward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), dout, q, k, v, out, lse,
                      alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, varlen=varlen)
 
