@@ -327,9 +327,15 @@ def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int
     )
 
 
-def packed_parts(name: str, packed: Any, parts: int, layout: str) -> tuple[Any, ...]:
-    """The parts of a packed (batch, seqlen, parts, heads, headdim) array (FA2's qkvpacked and kvpacked inputs):
-    views through its strides for NumPy and CuPy (no copy), slices for JAX."""
+# FA2's packed inputs: their parts and layouts.
+PACKED_LAYOUTS = {"qkv": (3, "(batch, seqlen, 3, nheads, headdim)"),
+                  "kv": (2, "(batch, seqlen_k, 2, nheads_k, headdim)")}
+
+
+def packed_parts(name: str, packed: Any) -> tuple[Any, ...]:
+    """The parts of packed ``qkv`` or ``kv`` (PACKED_LAYOUTS): views through its strides for NumPy and CuPy (no
+    copy), slices for JAX."""
+    parts, layout = PACKED_LAYOUTS[name]
     if len(packed.shape) != 5 or packed.shape[2] != parts:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(packed.shape)}")
     return tuple(packed[:, :, i] for i in range(parts))

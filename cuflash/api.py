@@ -287,7 +287,9 @@ def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q
     backend = placement.backend()
     with backend.device():
         if packed is None:
-            dq, dk, dv = (backend.empty(x.shape, x.dtype) for x in (q, k, v))
+            dq = backend.empty(q.shape, q.dtype)
+            dk = backend.empty(k.shape, k.dtype)
+            dv = backend.empty(v.shape, v.dtype)
             returned = (dq, dk, dv)
         else:
             returned, (dq, dk, dv) = packed(backend)
@@ -392,18 +394,28 @@ def attention_backward(
 ) -> tuple[Any, Any, Any]:
     placement, alibi_slopes = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
     dout, q, k, v, out, lse = placement.arrays[:6]
+    return _fixed_length_backward("attention_backward", placement, dout, q, k, v, out, lse, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                  algorithm=algorithm, deterministic=deterministic)
 
+
+def _fixed_length_backward(entry: str, placement: Placement, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                           *, causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
+                           dropout_p: Any, dropout_seed: Any, algorithm: Any, deterministic: Any,
+                           packed: Callable | None = None) -> tuple[Any, ...]:
+    """A fixed-length backward on placed arrays: its checks (once per signature of ``entry``) and its run, for
+    attention_backward and the packed entry points (``packed``: as _backward takes it)."""
     def prepare() -> Prepared:
         problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
-    prepared = _prepared(call_key("attention_backward", placement, causal, softmax_scale, window_size, softcap,
-                                  dropout_p, algorithm, deterministic), prepare)
-    plan = prepared.plan(q.shape[1], k.shape[1])
-    return _backward(placement, prepared, plan, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                     dropout_seed=dropout_seed)
+    prepared = _prepared(call_key(entry, placement, causal, softmax_scale, window_size, softcap, dropout_p,
+                                  algorithm, deterministic), prepare)
+    return _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
+                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, packed=packed)
 
 
 def attention_varlen(
@@ -589,8 +601,7 @@ def _in_callers_type(placement: Placement, result: Any) -> Any:
 
 def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
     placement, _ = place(("qkv",), (qkv,), None)
-    q, k, v = V.packed_parts("qkv", placement.arrays[0], 3, "(batch, seqlen, 3, nheads, headdim)")
-    return _in_callers_type(placement, attention(q, k, v, **options))
+    return _in_callers_type(placement, attention(*V.packed_parts("qkv", placement.arrays[0]), **options))
 
 
 def attention_qkvpacked_backward(dout: Any, qkv: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -600,26 +611,18 @@ def attention_qkvpacked_backward(dout: Any, qkv: Any, out: Any, lse: Any, *, cau
                                  deterministic: bool = False) -> Any:
     placement, alibi_slopes = place(("dout", "qkv", "out", "lse"), (dout, qkv, out, lse), alibi_slopes)
     dout, qkv, out, lse = placement.arrays[:4]
-    q, k, v = V.packed_parts("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
-
-    def prepare() -> Prepared:
-        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
-        _check_backward(problem, dout, q, out, lse, dropout_seed)
-        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
-
-    prepared = _prepared(call_key("attention_qkvpacked_backward", placement, causal, softmax_scale, window_size,
-                                  softcap, dropout_p, algorithm, deterministic), prepare)
-    (dqkv,) = _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
-                        alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, packed=_packed_gradients((qkv,), (3,)))
+    (dqkv,) = _fixed_length_backward(
+        "attention_qkvpacked_backward", placement, dout, *V.packed_parts("qkv", qkv), out, lse, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, algorithm=algorithm, deterministic=deterministic,
+        packed=_packed_gradients((qkv,), (3,)))
     return dqkv
 
 
 def attention_kvpacked(q: Any, kv: Any, **options: Any) -> Any:
     placement, _ = place(("q", "kv"), (q, kv), None)
     q, kv = placement.arrays
-    k, v = V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    return _in_callers_type(placement, attention(q, k, v, **options))
+    return _in_callers_type(placement, attention(q, *V.packed_parts("kv", kv), **options))
 
 
 def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -629,20 +632,11 @@ def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, 
                                 deterministic: bool = False) -> tuple[Any, Any]:
     placement, alibi_slopes = place(("dout", "q", "kv", "out", "lse"), (dout, q, kv, out, lse), alibi_slopes)
     dout, q, kv, out, lse = placement.arrays[:5]
-    k, v = V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-
-    def prepare() -> Prepared:
-        problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
-        _check_backward(problem, dout, q, out, lse, dropout_seed)
-        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
-
-    prepared = _prepared(call_key("attention_kvpacked_backward", placement, causal, softmax_scale, window_size,
-                                  softcap, dropout_p, algorithm, deterministic), prepare)
-    dq, dkv = _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
-                        alibi_slopes=alibi_slopes, dropout_seed=dropout_seed,
-                        packed=_packed_gradients((q, kv), (1, 2)))
-    return dq, dkv
+    return _fixed_length_backward(
+        "attention_kvpacked_backward", placement, dout, q, *V.packed_parts("kv", kv), out, lse, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, algorithm=algorithm, deterministic=deterministic,
+        packed=_packed_gradients((q, kv), (1, 2)))
 
 
 class KVCachePrepared(Prepared):
@@ -782,9 +776,9 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     Computed in float32 in one small pass over q and the new rows (cuflash/rotary.py); cached rows untouched.
 """
 
-attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads, headdim), FA2's
-    ``flash_attn_qkvpacked_func``. q, k and v are views of qkv through its strides (no copy); options and results
-    as for ``attention``.
+attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads,
+    headdim), FA2's ``flash_attn_qkvpacked_func``. q, k and v are views of qkv through its strides (no copy);
+    options and results as for ``attention``.
 """
 
 attention_qkvpacked_backward.__doc__ = """The gradient of ``attention_qkvpacked``: dqkv, shaped like qkv (the kernels

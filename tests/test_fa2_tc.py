@@ -108,9 +108,7 @@ def one_dtype_per_tile(cases):
     """The cases of distinct (arch, head dim), the 16-bit dtypes in rotation: for ASan, whose question is where
     each access lands, float16 and bfloat16 instances of one tile share every address (the element type changes
     only the conversions); every instance of both runs under the race detector and against the reference."""
-    tiles = {}
-    for arch, head_dim, dtype in cases:
-        tiles.setdefault((arch, head_dim), [])
+    tiles = dict.fromkeys((arch, head_dim) for arch, head_dim, _ in cases)  # distinct, in order
     return [(arch, head_dim, DTYPES[i % len(DTYPES)]) for i, (arch, head_dim) in enumerate(tiles)]
 
 

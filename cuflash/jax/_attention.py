@@ -149,13 +149,13 @@ def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
     """``cuflash.attention_qkvpacked`` on JAX arrays: ``attention`` of the three parts of qkv (batch, seqlen, 3,
     nheads, headdim), options as for ``attention``. The parts are slices (XLA has no views: it copies them for the
     custom call); autodiff gives the gradient in qkv's packed layout."""
-    return attention(*V.packed_parts("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)"), **options)
+    return attention(*V.packed_parts("qkv", qkv), **options)
 
 
 def attention_kvpacked(q: Any, kv: Any, **options: Any) -> Any:
     """``cuflash.attention_kvpacked`` on JAX arrays: ``attention`` of q over the two parts of kv (batch, seqlen_k,
     2, nheads_k, headdim), as ``attention_qkvpacked`` takes qkv."""
-    return attention(q, *V.packed_parts("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)"), **options)
+    return attention(q, *V.packed_parts("kv", kv), **options)
 
 
 def ring_attention(

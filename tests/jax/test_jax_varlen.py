@@ -135,7 +135,8 @@ def test_seqused_traced_under_jit_with_grads_equals_the_numpy_calls(dtype):
             out, lse = cfj.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=30, max_seqlen_k=22, seqused_q=used_q,
                                             seqused_k=used_k, return_lse=True, **options)
             finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(finite_lse * weights), (out, lse)
+            loss = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(finite_lse * weights)
+            return loss, (out, lse)
         (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
         return out, lse, grads
 
