@@ -292,22 +292,40 @@ def test_cached_varlen_and_decode_calls_give_the_uncached_bits():
 # Cost
 
 
+def _yardstick() -> int:
+    """A fixed piece of host work of the decode call's kind (Python calls, a small dict, tuples, small NumPy arrays):
+    the unit its cost is measured in, so that a slower or busier machine slows both alike."""
+    table = {}
+    for i in range(40):
+        table[(i, "k")] = max(i, 3)
+    raw = np.empty(64, np.uint8)
+    raw.fill(255)
+    lengths = np.array([5, 7], np.int32)
+    return int(lengths.max()) + len(table) + int(raw[0]) + int(np.add(lengths, 1).sum())
+
+
 def test_a_warm_decode_call_is_cheap_on_the_host():
     """The decode row of ``python3 -m cuflash.benchmarks host``: generous bounds, which the host path before Prepared
-    calls exceeded several times (about 450 us and 730 Python calls). The fastest of 50 calls, robust to a loaded CI
-    machine (its 2 cores shared by others: medians there vary fourfold)."""
+    calls exceeded several times (about 450 us and 730 Python calls). Time is counted in yardsticks measured in
+    alternation with the call, the fastest of 50 each: an absolute bound failed on a loaded CI machine (167 us there
+    against 124 us on an idle development machine), while the ratio stays near 4 on both an idle and a loaded machine
+    here (the old host path: about 14)."""
     with host.launches_do_nothing():
         case = next(c for c in host.decode_cases(repeats=50) if c.call == "attention_with_kvcache")
         for _ in range(5):
             case.run()
+            _yardstick()
         calls = host.python_calls(case.run)
-        times = []
+        times, yardsticks = [], []
         for _ in range(50):
             start = time.perf_counter()
             case.run()
-            times.append(time.perf_counter() - start)
+            middle = time.perf_counter()
+            _yardstick()
+            times.append(middle - start)
+            yardsticks.append(time.perf_counter() - middle)
     assert calls <= 120, calls
-    assert min(times) < 150e-6, times
+    assert min(times) < 8 * min(yardsticks), (min(times), min(yardsticks))
 
 
 def test_an_unhashable_option_is_checked_and_never_cached(no_launches):
