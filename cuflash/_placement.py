@@ -175,14 +175,20 @@ def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
 
 
-def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any) -> tuple[Placement, Any]:
-    """The placement of the arrays and of alibi_slopes when given, and the placed slopes made C-contiguous
-    (kernels index them densely) or None."""
-    if alibi_slopes is None:
-        return Placement(names, arrays), None
-    placement = Placement(names + ("alibi_slopes",), arrays + (alibi_slopes,))
-    slopes = placement.arrays[-1]
-    return placement, slopes if slopes.flags.c_contiguous else ascontiguous(slopes)
+def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any = None,
+          sinks: Any = None) -> tuple[Placement, dict[str, Any]]:
+    """The placement of the arrays and of the per-head float32 inputs given (alibi_slopes, sinks), and those placed
+    and made C-contiguous (kernels index them densely), by name: the kernels' side inputs of those names."""
+    per_head = {}
+    if alibi_slopes is not None:
+        per_head["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        per_head["sinks"] = sinks
+    if not per_head:
+        return Placement(names, arrays), per_head
+    placement = Placement(names + tuple(per_head), arrays + tuple(per_head.values()))
+    placed = placement.arrays[len(names):]
+    return placement, {name: x if x.flags.c_contiguous else ascontiguous(x) for name, x in zip(per_head, placed)}
 
 
 def host_copy(array: Any) -> np.ndarray:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cuflash.sinks import sink_gradient
 from cuflash.reference import (accumulator_dtype, attention_backward_reference, attention_reference,
                                attention_varlen_backward_reference, attention_varlen_reference, resolve_dtype)
 
@@ -139,12 +140,15 @@ class BackwardReferences(NamedTuple):
     dq_lowp: np.ndarray
     dk_lowp: np.ndarray
     dv_lowp: np.ndarray
+    dsinks: np.ndarray | None = None  # with sinks
+    dsinks_lowp: np.ndarray | None = None
 
 
 def forward_references(q, k, v, *, cu_seqlens=None, **options) -> ForwardReferences:
     """The float64 reference and its low-precision twin in q's precision, ready for ``check_close``.
 
-    ``options``: those of ``attention_reference`` (causal, softmax_scale, window_size, softcap, alibi_slopes).
+    ``options``: those of ``attention_reference`` (causal, softmax_scale, window_size, softcap, alibi_slopes,
+    sinks).
     ``cu_seqlens=(cu_seqlens_q, cu_seqlens_k)``: packed varlen inputs (``attention_varlen_reference``)."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
     if cu_seqlens is not None:
@@ -158,7 +162,12 @@ def forward_references(q, k, v, *, cu_seqlens=None, **options) -> ForwardReferen
 
 def backward_references(dout, q, k, v, *, cu_seqlens=None, **options) -> BackwardReferences:
     """Float64 gradients and their low-precision twins in q's precision, ready for ``check_close``
-    (``cu_seqlens`` as for ``forward_references``)."""
+    (``cu_seqlens`` as for ``forward_references``).
+
+    With sinks, ``dsinks_lowp`` is the farther from ``dsinks`` of the emulation's and of the exact formula
+    -sum_rows e^{s_h - lse} rowsum(dout * out) fed the float64 output rounded to q's precision: D reads the output as
+    stored, and that one rounding moves dsinks by as much as the emulation's whole error does, more or less by
+    chance (a kernel cannot avoid it: it has no other output to read)."""
     lowp = low_precision_dtype(np.asarray(q).dtype)
     if cu_seqlens is not None:
         grads = attention_varlen_backward_reference(dout, q, k, v, *cu_seqlens, **options)
@@ -166,4 +175,21 @@ def backward_references(dout, q, k, v, *, cu_seqlens=None, **options) -> Backwar
     else:
         grads = attention_backward_reference(dout, q, k, v, **options)
         grads_lowp = attention_backward_reference(dout, q, k, v, **options, dtype=lowp)
-    return BackwardReferences(*grads, *grads_lowp)
+    references = BackwardReferences(*grads[:3], *grads_lowp[:3], *grads[3:], *grads_lowp[3:])
+    if options.get("sinks") is None:
+        return references
+    if cu_seqlens is not None:
+        out, lse = attention_varlen_reference(q, k, v, *cu_seqlens, **options)
+        dot = np.einsum("qhd,qhd->hq", np.asarray(dout, np.float64), _rounded(out, lowp))
+    else:
+        out, lse = attention_reference(q, k, v, **options)
+        dot = np.einsum("bqhd,bqhd->bhq", np.asarray(dout, np.float64), _rounded(out, lowp))
+    from_stored_output = sink_gradient(np.asarray(options["sinks"], np.float64), lse, dot)
+    if np.max(np.abs(from_stored_output - references.dsinks)) > np.max(np.abs(references.dsinks_lowp
+                                                                               - references.dsinks)):
+        references = references._replace(dsinks_lowp=from_stored_output)
+    return references
+
+
+def _rounded(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return x.astype(dtype).astype(np.float64)

@@ -124,8 +124,23 @@ def check_alibi_slopes(alibi_slopes: Any, batch: int, nheads: int) -> str | None
                      f"got {shape}")
 
 
+def check_sinks(sinks: Any, nheads: int) -> bool:
+    """Whether the call has attention sinks: None, or a float32 (nheads,) array of sink logits (sink.cuh)."""
+    if sinks is None:
+        return False
+    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise TypeError(f"sinks must be an array or None, got {type(sinks).__name__}")
+    if dtype_name(sinks) != "float32":
+        raise TypeError(f"sinks must have dtype float32, got {dtype_name(sinks)}")
+    if tuple(sinks.shape) != (nheads,):
+        raise ValueError(f"sinks must have shape (nheads,) = {(nheads,)}, one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    return True
+
+
 def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1), softcap: Any = 0.0,
-              alibi_slopes: Any = None, dropout_p: Any = 0.0, deterministic: Any = False) -> Problem:
+              alibi_slopes: Any = None, dropout_p: Any = 0.0, deterministic: Any = False,
+              sinks: Any = None) -> Problem:
     """Validate q, k, v and the attention options, and return the Problem they describe."""
     batch, seqlen_q, nheads, headdim = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")
     kshape = _check_ndim("k", k, "(batch, seqlen_k, nheads_k, headdim)")
@@ -137,7 +152,7 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
         raise ValueError(f"k must have the batch size of q ({batch}), got {kbatch}")
     return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
                     headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
-                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
 
 
 def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
@@ -146,7 +161,7 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
     """Validate packed q (total_q, nheads, d), k, v (total_k, nheads_k, d), the host copies of cu_seqlens_q/k
     (check_cu_seqlens) and of seqused_q/k where given (check_seqused), and the options; return the varlen Problem
     (batch = sequences, seqlen = max_seqlen). ``options``: causal, window_size, softcap, alibi_slopes, dropout_p,
-    deterministic, as for check_qkv."""
+    deterministic, sinks, as for check_qkv."""
     (total_q, _, _), (total_k, _, _) = _packed_shapes(q, k, v)
     batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                                                max_seqlen_k, seqused_q, seqused_k)
@@ -208,7 +223,8 @@ def unused_rows(cu_seqlens: Any, seqused: Any, total: int, xp: Any = np) -> Any:
 
 def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: Any,
                    window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None, dropout_p: Any = 0.0,
-                   deterministic: Any = False, seqused_q: bool = False, seqused_k: bool = False) -> Problem:
+                   deterministic: Any = False, seqused_q: bool = False, seqused_k: bool = False,
+                   sinks: Any = None) -> Problem:
     """The varlen Problem of packed q, k, v for ``batch`` sequences of at most max_seqlen_q / max_seqlen_k rows
     (seqused_q/k: whether used-prefix counts come with them), without looking at the cu_seqlens values
     (check_varlen_qkv does; JAX calls this directly when they are traced)."""
@@ -221,7 +237,7 @@ def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max
     return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
                     headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, total_q=total_q,
-                    total_k=total_k, seqused_q=seqused_q, seqused_k=seqused_k)
+                    total_k=total_k, seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks)
 
 
 def _packed_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -285,7 +301,7 @@ def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: s
 def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int,
              headdim: int, kheaddim: int, causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
              dropout_p: Any, deterministic: Any, total_q: int | None = None, total_k: int | None = None,
-             seqused_q: bool = False, seqused_k: bool = False) -> Problem:
+             seqused_q: bool = False, seqused_k: bool = False, sinks: Any = None) -> Problem:
     """The checks fixed-length and varlen inputs share (heads, head dim, dtypes, options), then the Problem."""
     if kheaddim != headdim:
         raise ValueError(f"k and v must have the head dim of q ({headdim}), got {kheaddim}")
@@ -324,6 +340,7 @@ def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int
         total_k=total_k,
         seqused_q=seqused_q,
         seqused_k=seqused_k,
+        sinks=check_sinks(sinks, nheads),
     )
 
 
@@ -374,7 +391,8 @@ def needs_copy(array: Any) -> bool:
 
 
 def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, *,
-                  causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any) -> tuple[Problem, np.ndarray]:
+                  causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any = None,
+                  sinks: Any = None) -> tuple[Problem, np.ndarray]:
     """Validate attention_with_kvcache's arguments (``cache_seqlens`` an int, None or a host copy; ``block_table``
     None or a host copy) and return the Problem and the keys in use per sequence after the new ones are appended
     (int32, (batch,)). Nothing is written before this returns."""
@@ -383,7 +401,7 @@ def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seql
         check_block_table_values(block_table, layout.num_pages)
     used = kvcache_used_rows(cache_seqlens, layout)
     problem = kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=int(used.max(initial=0)), causal=causal,
-                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return problem, used
 
 
@@ -483,14 +501,14 @@ def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
 
 
 def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *, seqlen_k: int, causal: Any,
-                    window_size: Any, softcap: Any, alibi_slopes: Any) -> Problem:
+                    window_size: Any, softcap: Any, alibi_slopes: Any = None, sinks: Any = None) -> Problem:
     """The KV-cache Problem of checked shapes whose longest sequence uses ``seqlen_k`` key rows (the grid's
     extent: the true longest, or any bound up to the capacity when the lengths are unknown)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k, kheaddim = k_cache.shape[2:]
     problem = _problem(q, k_cache, v_cache, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
                        nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False)
+                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False, sinks=sinks)
     return dataclasses.replace(problem, kvcache=True, page_size=layout.page_size,
                                pages_per_sequence=layout.pages_per_sequence)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import _validation as V
 from . import rotary
+from .sinks import sink_gradient, sink_logits_by_row
 from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy, place
 from .backends.program import PreparedProgram
 from .dropout import check_dropout_seed, seed_words
@@ -147,17 +148,17 @@ class Prepared:
             self._plans.put((seqlen_q, seqlen_k), plan)
         return plan
 
-    def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> None:
+    def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> dict[str, Any]:
         """Run the plan's forward (or backward) program on ``arrays`` (tensors by AttentionParams field name); the
         program is made and packed on the plan's first run (its strides are those of every later call's arrays:
-        they follow from the signature)."""
+        they follow from the signature). Returns the scratch it allocated, by name."""
         program = plan.program
         if program is None:
             problem = plan.folded or plan.problem
             planner = plans.backward_program if backward else plans.forward_program
             program = PreparedProgram(planner(self.algorithm, problem, backend.target), problem, self.scale, arrays)
             plan.program = program
-        program.run(backend, arrays)
+        return dict(zip(program.scratch_names, program.run(backend, arrays)))
 
 
 class VarlenInputs:
@@ -190,28 +191,30 @@ class VarlenInputs:
 
 
 def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any,
-                  seqused_q: Any, seqused_k: Any, alibi_slopes: Any) -> tuple[Placement, Any, tuple, VarlenInputs]:
-    """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts given and ALiBi slopes), the
-    placed slopes, the placed tensors and host copies of the integer inputs."""
+                  seqused_q: Any, seqused_k: Any, alibi_slopes: Any,
+                  sinks: Any) -> tuple[Placement, dict[str, Any], tuple, VarlenInputs]:
+    """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts given, ALiBi slopes and
+    sinks), the placed per-head inputs (place), the placed tensors and host copies of the integer inputs."""
     # Plain statements, no comprehension: this runs on every call of the host path.
     names, arrays = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k)
     if seqused_q is not None:
         names, arrays = (*names, "seqused_q"), (*arrays, seqused_q)
     if seqused_k is not None:
         names, arrays = (*names, "seqused_k"), (*arrays, seqused_k)
-    placement, alibi_slopes = place(names, arrays, alibi_slopes)
+    placement, per_head = place(names, arrays, alibi_slopes, sinks)
     placed, at = placement.arrays, len(tensor_names)
     used_q = None if seqused_q is None else host_copy(placed[at + 2])
     used_k = None if seqused_k is None else host_copy(placed[at + 2 + (seqused_q is not None)])
     inputs = VarlenInputs(host_copy(placed[at]), host_copy(placed[at + 1]), used_q, used_k)
-    return placement, alibi_slopes, placed[:at], inputs
+    return placement, per_head, placed[:at], inputs
 
 
-def _side_inputs(backend: Any, alibi_slopes: Any, problem: plans.Problem, dropout_seed: int | None,
+def _side_inputs(backend: Any, per_head: dict[str, Any], problem: plans.Problem, dropout_seed: int | None,
                  varlen: VarlenInputs | None = None) -> dict[str, Any]:
-    """The optional kernel inputs: ALiBi slopes, dropout's seed words and varlen's integer inputs on the backend's
-    device (uploaded from the checked host copies; int32 words in float32-typed side buffers)."""
-    inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    """The optional kernel inputs: the per-head ones placed (ALiBi slopes, sinks), dropout's seed words and varlen's
+    integer inputs on the backend's device (uploaded from the checked host copies; int32 words in float32-typed
+    side buffers)."""
+    inputs = dict(per_head)
     if problem.dropout_p > 0.0:
         inputs["dropout_seed"] = backend.upload(seed_words(dropout_seed))
     if varlen is not None:
@@ -225,22 +228,24 @@ def _int32_words(host: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(host, dtype=np.int32).view(np.float32)
 
 
-def _forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any, *, alibi_slopes: Any,
+def _forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any, *, per_head: dict[str, Any],
              dropout_seed: Any, varlen: VarlenInputs | None = None) -> Any:
     """The forward every entry point but the KV cache's runs once its Prepared object and Plan are known."""
     dropout_seed = check_dropout_seed(dropout_seed, plan.problem.dropout_p)
     q, k, v = contiguous_last_dim((q, k, v))
     out, lse = _run_forward(placement, prepared, plan, q, k, v,
-                            lambda backend: _side_inputs(backend, alibi_slopes, plan.problem, dropout_seed, varlen),
-                            None if varlen is None else varlen.unused_rows("q"))
+                            lambda backend: _side_inputs(backend, per_head, plan.problem, dropout_seed, varlen),
+                            None if varlen is None else varlen.unused_rows("q"), per_head.get("sinks"))
     return (out, lse) if prepared.return_lse else out
 
 
 def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: Any, v: Any,
-                 side_inputs: Callable[[Any], dict[str, Any]], unused_q: np.ndarray | None = None) -> tuple[Any, Any]:
+                 side_inputs: Callable[[Any], dict[str, Any]], unused_q: np.ndarray | None = None,
+                 sinks: Any = None) -> tuple[Any, Any]:
     """Allocate out and lse and run the forward program on checked arguments (``side_inputs(backend)`` gives the
     optional inputs on the backend's device; ``unused_q``: packed query rows past a used prefix, which get out 0 and
-    lse -inf); the results in the caller's array type. A one-row GQA decode runs folded (program.gqa_decode_fold):
+    lse -inf; ``sinks``: the placed sinks, the lse of a row that sees no key); the results in the caller's array
+    type. A one-row GQA decode runs folded (program.gqa_decode_fold):
     the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
     problem = plan.problem
@@ -250,7 +255,7 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
-            lse[...] = -np.inf
+            lse[...] = -np.inf if sinks is None else sink_logits_by_row(sinks)
         elif out.size:
             arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
             folded = plan.folded
@@ -273,11 +278,11 @@ def _group_rows(x: Any, group: int) -> Any:
 
 
 def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q: Any, k: Any, v: Any, out: Any,
-              lse: Any, *, alibi_slopes: Any, dropout_seed: Any, varlen: VarlenInputs | None = None,
+              lse: Any, *, per_head: dict[str, Any], dropout_seed: Any, varlen: VarlenInputs | None = None,
               packed: Callable[[Any], tuple[tuple[Any, ...], tuple[Any, Any, Any]]] | None = None) -> tuple[Any, ...]:
     """The backward every entry point runs once its Prepared object and Plan are known. ``packed(backend)``, for
     the packed entry points, allocates the gradients to return and gives (them, views of them as dq, dk, dv) for
-    the kernels to write through their strides."""
+    the kernels to write through their strides. With sinks, d loss / d sinks follows the gradients."""
     problem = plan.problem
     dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
     dout, q, k, v, out = contiguous_last_dim((dout, q, k, v, out))
@@ -293,14 +298,23 @@ def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q
             returned = (dq, dk, dv)
         else:
             returned, (dq, dk, dv) = packed(backend)
+        sinks = per_head.get("sinks")
+        if sinks is not None:  # out 0 wherever no kernel runs: no gradient reaches the sinks there
+            dsinks = backend.empty(sinks.shape, np.float32)
+            dsinks[...] = 0
+            returned += (dsinks,)
         if problem.seqlen_k == 0 or problem.seqlen_q == 0:
             # Nothing attends to anything: all gradients are zero.
             for grad in (dq, dk, dv):
                 grad[...] = 0
         elif dq.size:
             arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-                      **_side_inputs(backend, alibi_slopes, problem, dropout_seed, varlen)}
-            prepared.run(backend, plan, arrays, backward=True)
+                      **_side_inputs(backend, per_head, problem, dropout_seed, varlen)}
+            scratch = prepared.run(backend, plan, arrays, backward=True)
+            if sinks is not None:
+                unused = None if varlen is None else varlen.unused_rows("q")
+                dsinks[...] = sink_gradient(sinks, lse, scratch["dout_dot_out"], backend.xp,
+                                            None if unused is None else backend.upload(unused))
             # Rows past a used prefix are neither read nor written by the kernels: their gradients are zero.
             for side, grads in (("q", (dq,)), ("k", (dk, dv))):
                 unused = None if varlen is None else varlen.unused_rows(side)
@@ -324,7 +338,7 @@ def _check_backward(problem: Problem, dout: Any, q: Any, out: Any, lse: Any, dro
 
 
 _OPTIONS_DOC = """
-    Options (all algorithms take windows; softcap, ALiBi and dropout need algorithm="fa2"):
+    Options (all algorithms take windows; softcap, ALiBi, dropout and sinks need algorithm="fa2"):
 
     - ``causal``: the mask's diagonal is aligned to the bottom-right corner: with
       off = seqlen_k - seqlen_q, query i sees key j iff j <= i + off.
@@ -339,8 +353,13 @@ _OPTIONS_DOC = """
       The keep mask is a pure function of (seed, batch, head, i, j), the same on every
       algorithm variant and backend; ``cuflash.dropout_mask`` returns it. The backward
       must get the forward's dropout_p and dropout_seed.
+    - ``sinks``: float32 (nheads,), learnable attention sinks (gpt-oss): head h's logit s_h
+      joins the softmax denominator of each of its rows with no value, out = sum_j e^{x_j} v_j /
+      (e^{s_h} + sum_j e^{x_j}); the lse includes it. The backward takes the forward's sinks and
+      returns d loss / d sinks (float32 (nheads,)) after the other gradients.
 
-    A query row that sees no key gets output 0, lse -inf and zero gradients."""
+    A query row that sees no key gets output 0, lse -inf (with sinks: its head's s_h) and zero
+    gradients."""
 
 
 def attention(
@@ -357,13 +376,14 @@ def attention(
     dropout_seed: int | None = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
+    sinks: Any = None,
 ) -> Any:
-    placement, alibi_slopes = place(("q", "k", "v"), (q, k, v), alibi_slopes)
+    placement, per_head = place(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
     q, k, v = placement.arrays[:3]
 
     def prepare() -> Prepared:
         problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+                              dropout_p=dropout_p, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
@@ -371,7 +391,7 @@ def attention(
     prepared = _prepared(call_key("attention", placement, causal, softmax_scale, window_size, softcap, dropout_p,
                                   algorithm, return_lse), prepare)
     plan = prepared.plan(q.shape[1], k.shape[1])
-    return _forward(placement, prepared, plan, q, k, v, alibi_slopes=alibi_slopes, dropout_seed=dropout_seed)
+    return _forward(placement, prepared, plan, q, k, v, per_head=per_head, dropout_seed=dropout_seed)
 
 
 def attention_backward(
@@ -391,31 +411,32 @@ def attention_backward(
     dropout_seed: int | None = None,
     algorithm: str = "fa2",
     deterministic: bool = False,
-) -> tuple[Any, Any, Any]:
-    placement, alibi_slopes = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes)
+    sinks: Any = None,
+) -> tuple[Any, ...]:
+    placement, per_head = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes, sinks)
     dout, q, k, v, out, lse = placement.arrays[:6]
     return _fixed_length_backward("attention_backward", placement, dout, q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                  per_head=per_head, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                   algorithm=algorithm, deterministic=deterministic)
 
 
 def _fixed_length_backward(entry: str, placement: Placement, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                           *, causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
+                           *, causal: Any, softmax_scale: Any, window_size: Any, softcap: Any, per_head: dict[str, Any],
                            dropout_p: Any, dropout_seed: Any, algorithm: Any, deterministic: Any,
                            packed: Callable | None = None) -> tuple[Any, ...]:
     """A fixed-length backward on placed arrays: its checks (once per signature of ``entry``) and its run, for
     attention_backward and the packed entry points (``packed``: as _backward takes it)."""
     def prepare() -> Prepared:
         problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+                              dropout_p=dropout_p, deterministic=deterministic, **per_head)
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
     prepared = _prepared(call_key(entry, placement, causal, softmax_scale, window_size, softcap, dropout_p,
                                   algorithm, deterministic), prepare)
     return _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
-                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, packed=packed)
+                     per_head=per_head, dropout_seed=dropout_seed, packed=packed)
 
 
 def attention_varlen(
@@ -438,15 +459,16 @@ def attention_varlen(
     dropout_seed: int | None = None,
     algorithm: str = "fa2",
     return_lse: bool = False,
+    sinks: Any = None,
 ) -> Any:
-    placement, alibi_slopes, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q,
-                                                               cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
+    placement, per_head, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k,
+                                                           seqused_q, seqused_k, alibi_slopes, sinks)
 
     def prepare() -> Prepared:
         problem = V.check_varlen_qkv(q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
                                      seqused_k=varlen.seqused_k, causal=causal, window_size=window_size,
-                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+                                     softcap=softcap, dropout_p=dropout_p, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
@@ -455,7 +477,7 @@ def attention_varlen(
                                   dropout_p, algorithm, return_lse), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
-    return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, alibi_slopes=alibi_slopes,
+    return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, per_head=per_head,
                     dropout_seed=dropout_seed, varlen=varlen)
 
 
@@ -482,17 +504,18 @@ def attention_varlen_backward(
     dropout_seed: int | None = None,
     algorithm: str = "fa2",
     deterministic: bool = False,
-) -> tuple[Any, Any, Any]:
-    placement, alibi_slopes, (dout, q, k, v, out, lse), varlen = _place_varlen(
+    sinks: Any = None,
+) -> tuple[Any, ...]:
+    placement, per_head, (dout, q, k, v, out, lse), varlen = _place_varlen(
         ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, seqused_q,
-        seqused_k, alibi_slopes)
+        seqused_k, alibi_slopes, sinks)
 
     def prepare() -> Prepared:
         problem = V.check_varlen_qkv(q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
                                      seqused_k=varlen.seqused_k, causal=causal, window_size=window_size,
-                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                     deterministic=deterministic)
+                                     softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
+                                     **per_head)
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
@@ -501,7 +524,7 @@ def attention_varlen_backward(
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
     return _backward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), dout, q, k, v, out, lse,
-                     alibi_slopes=alibi_slopes, dropout_seed=dropout_seed, varlen=varlen)
+                     per_head=per_head, dropout_seed=dropout_seed, varlen=varlen)
 
 
 def attention_with_kvcache(
@@ -524,13 +547,14 @@ def attention_with_kvcache(
     rotary_cos: Any = None,
     rotary_sin: Any = None,
     rotary_interleaved: bool = False,
+    sinks: Any = None,
 ) -> Any:
     optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table), ("rotary_cos", rotary_cos),
                                         ("rotary_sin", rotary_sin)) if x is not None}
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         optional["cache_seqlens"] = cache_seqlens
     names = ("q", "k_cache", "v_cache", *optional)
-    placement, alibi_slopes = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes)
+    placement, per_head = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes, sinks)
     placed = dict(zip(names, placement.arrays))
     # The caches are written in place: refuse read-only ones (a JAX array, a NumPy array with writeable=False)
     # before anything is read or written, on every backend alike.
@@ -543,7 +567,7 @@ def attention_with_kvcache(
 
     def prepare() -> KVCachePrepared:
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
-                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                     window_size=window_size, softcap=softcap, **per_head)
         problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
@@ -576,9 +600,9 @@ def attention_with_kvcache(
         inputs = {"seqused_k": backend.upload(_int32_words(used))}
         if table is not None:
             inputs["block_table"] = backend.upload(_int32_words(table))
-        return {**_side_inputs(backend, alibi_slopes, plan.problem, None), **inputs}
+        return {**_side_inputs(backend, per_head, plan.problem, None), **inputs}
 
-    out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs)
+    out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs, sinks=per_head.get("sinks"))
     return (out, lse) if prepared.return_lse else out
 
 
@@ -600,7 +624,7 @@ def _in_callers_type(placement: Placement, result: Any) -> Any:
 
 
 def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
-    placement, _ = place(("qkv",), (qkv,), None)
+    placement, _ = place(("qkv",), (qkv,))
     return _in_callers_type(placement, attention(*V.packed_parts("qkv", placement.arrays[0]), **options))
 
 
@@ -608,19 +632,19 @@ def attention_qkvpacked_backward(dout: Any, qkv: Any, out: Any, lse: Any, *, cau
                                  softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                                  softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
                                  dropout_seed: int | None = None, algorithm: str = "fa2",
-                                 deterministic: bool = False) -> Any:
-    placement, alibi_slopes = place(("dout", "qkv", "out", "lse"), (dout, qkv, out, lse), alibi_slopes)
+                                 deterministic: bool = False, sinks: Any = None) -> Any:
+    placement, per_head = place(("dout", "qkv", "out", "lse"), (dout, qkv, out, lse), alibi_slopes, sinks)
     dout, qkv, out, lse = placement.arrays[:4]
-    (dqkv,) = _fixed_length_backward(
+    gradients = _fixed_length_backward(
         "attention_qkvpacked_backward", placement, dout, *V.packed_parts("qkv", qkv), out, lse, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, per_head=per_head,
         dropout_p=dropout_p, dropout_seed=dropout_seed, algorithm=algorithm, deterministic=deterministic,
         packed=_packed_gradients((qkv,), (3,)))
-    return dqkv
+    return gradients if sinks is not None else gradients[0]  # dqkv, and dsinks with sinks
 
 
 def attention_kvpacked(q: Any, kv: Any, **options: Any) -> Any:
-    placement, _ = place(("q", "kv"), (q, kv), None)
+    placement, _ = place(("q", "kv"), (q, kv))
     q, kv = placement.arrays
     return _in_callers_type(placement, attention(q, *V.packed_parts("kv", kv), **options))
 
@@ -629,12 +653,12 @@ def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, 
                                 softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                                 softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
                                 dropout_seed: int | None = None, algorithm: str = "fa2",
-                                deterministic: bool = False) -> tuple[Any, Any]:
-    placement, alibi_slopes = place(("dout", "q", "kv", "out", "lse"), (dout, q, kv, out, lse), alibi_slopes)
+                                deterministic: bool = False, sinks: Any = None) -> tuple[Any, ...]:
+    placement, per_head = place(("dout", "q", "kv", "out", "lse"), (dout, q, kv, out, lse), alibi_slopes, sinks)
     dout, q, kv, out, lse = placement.arrays[:5]
     return _fixed_length_backward(
         "attention_kvpacked_backward", placement, dout, q, *V.packed_parts("kv", kv), out, lse, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, per_head=per_head,
         dropout_p=dropout_p, dropout_seed=dropout_seed, algorithm=algorithm, deterministic=deterministic,
         packed=_packed_gradients((q, kv), (1, 2)))
 
@@ -650,10 +674,7 @@ class KVCachePrepared(Prepared):
 def _rotated(backend: Any, q: Any, k: Any, cos: Any, sin: Any, starts: np.ndarray, interleaved: bool,
              query_rows_apart: bool) -> tuple[Any, Any]:
     """q and the new k rows rotated at their positions (rotary.py), in the arrays' library."""
-    if isinstance(q, np.ndarray):
-        xp = np
-    else:
-        import cupy as xp
+    xp = backend.xp
     with backend.device():
         at_q = backend.upload(rotary.positions(starts, q.shape[1], query_rows_apart, np))
         at_k = backend.upload(rotary.positions(starts, k.shape[1], True, np))
@@ -719,6 +740,7 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given do
     varies between runs on a GPU). With ``deterministic=True`` fa2 gives each of a fixed number of thread
     blocks per kv head (about SMs / (batch * nheads_k)) its own float32 dq slice and sums the slices in
     order: scratch linear in seqlen_q, independent of seqlen_k. No gradient flows to alibi_slopes.
+    With ``sinks``: (dq, dk, dv, dsinks).
 """ + _OPTIONS_DOC
 
 attention_varlen.__doc__ = """Attention over a batch of variable-length sequences packed without padding.
@@ -745,7 +767,8 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
 attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention_varlen`` given dout = dL/dout.
 
     Arguments as for ``attention_varlen`` (out and lse as it returned them); dq is like q,
-    dk and dv like k and v. ``deterministic=True`` as in ``attention_backward``.
+    dk and dv like k and v. ``deterministic=True`` as in ``attention_backward``. With ``sinks``:
+    (dq, dk, dv, dsinks).
 """ + _OPTIONS_DOC
 
 attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending new keys and values first (inference).
@@ -757,14 +780,14 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     already in use per sequence. New ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) are written into
     the caches in place at rows cache_seqlens[b] .. + seqlen_new; then q attends to keys
     [0, cache_seqlens[b] + seqlen_new) of its sequence, the mask's diagonal aligned bottom-right to that
-    length (off = cache_seqlens[b] + seqlen_new - seqlen_q). Window, softcap and ALiBi as for ``attention``;
+    length (off = cache_seqlens[b] + seqlen_new - seqlen_q). Window, softcap, ALiBi and sinks as for ``attention``;
     no dropout, no backward. ``num_splits``: split-KV ("flash-decoding"): each sequence's keys are cut into
     that many ranges computed by separate thread blocks, merged by their lse in a combine kernel (float32
     partial results). 1: no split; n (<= 128): n splits, at most one per K/V block; 0: FA2's heuristic, which
     splits only when the unsplit grid leaves SMs idle (the device's SM count; on the simulator the count of
     its target's representative part, cuflash/kernels/targets.py). A one-row decode over GQA/MQA heads runs
-    with each group's query heads as rows (K and V read once per kv head) when no window's left bound and no
-    ALiBi depend on the row. cache_seqlens and block_table are read on the host and
+    with each group's query heads as rows (K and V read once per kv head) when no window's left bound, no
+    ALiBi and no sinks depend on the row or head. cache_seqlens and block_table are read on the host and
     checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
     were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 
@@ -782,7 +805,8 @@ attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: q
 """
 
 attention_qkvpacked_backward.__doc__ = """The gradient of ``attention_qkvpacked``: dqkv, shaped like qkv (the kernels
-    write dq, dk and dv straight into its three parts). Options as for ``attention_backward``.
+    write dq, dk and dv straight into its three parts). Options as for ``attention_backward``; with ``sinks``,
+    (dqkv, dsinks).
 """
 
 attention_kvpacked.__doc__ = """``attention`` with k and v packed in one array: kv (batch, seqlen_k, 2, nheads_k,
@@ -790,5 +814,6 @@ attention_kvpacked.__doc__ = """``attention`` with k and v packed in one array: 
 """
 
 attention_kvpacked_backward.__doc__ = """The gradients of ``attention_kvpacked``: (dq, dkv), dkv shaped like kv (the
-    kernels write dk and dv straight into its two parts). Options as for ``attention_backward``.
+    kernels write dk and dv straight into its two parts). Options as for ``attention_backward``; with ``sinks``,
+    (dq, dkv, dsinks).
 """

@@ -164,17 +164,23 @@ def _group_rows(x: np.ndarray, b: int, heads: slice, rows: range) -> np.ndarray:
     return x[b, rows.start:rows.stop, heads, :].transpose(1, 0, 2)
 
 
-def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc: np.dtype):
+def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc: np.dtype, sink=None):
     """Masked softmax of one (group, seqlen_q, seqlen_k) block of already-scaled scores (in ``acc``).
 
     Returns (P rounded to ``dtype``, lse in ``acc``). Rows without a visible key get P = 0 and lse = -inf;
     the row maximum of such a row is replaced by 0 before subtracting so no inf - inf NaN ever forms.
+    ``sink``: the group's sink logits (group,) in ``acc``, a term e^{s_h} in each row's denominator with no value
+    (a row without a visible key then gets lse s_h).
     """
     masked = np.where(visible, scores, -np.inf)
     row_max = np.max(masked, axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        row_max = np.maximum(row_max, sink[:, None, None])
     safe_max = np.where(np.isfinite(row_max), row_max, 0.0).astype(acc)
     unnormalised = np.exp(masked - safe_max)  # exp(-inf) = 0 on masked entries
     row_sum = np.sum(unnormalised, axis=-1, keepdims=True)
+    if sink is not None:
+        row_sum = row_sum + np.exp(sink[:, None, None] - safe_max)
     has_key = row_sum > 0
     probabilities = unnormalised / np.where(has_key, row_sum, 1.0).astype(acc)
     with np.errstate(divide="ignore"):
@@ -182,12 +188,13 @@ def _softmax_block(scores: np.ndarray, visible: np.ndarray, dtype: np.dtype, acc
     return _round(probabilities, dtype, acc), lse[..., 0]
 
 
-def _forward_block(qg, kb, vb, visible, scores_of, dropout, dtype, acc):
+def _forward_block(qg, kb, vb, visible, scores_of, dropout, dtype, acc, sink=None):
     """One block: qg (group, rows, d), kb/vb (seqlen_k, d), all already rounded and in ``acc``; ``scores_of``
-    maps q.k to (score, d score / d (scale q.k)); ``dropout`` is None or the block's factor keep / (1 - p).
-    Returns (P, the P that multiplies V (P times the dropout factor), out, lse, d score / d (scale q.k))."""
+    maps q.k to (score, d score / d (scale q.k)); ``dropout`` is None or the block's factor keep / (1 - p);
+    ``sink`` None or the group's sink logits. Returns (P, the P that multiplies V (P times the dropout factor),
+    out, lse, d score / d (scale q.k))."""
     scores, dscore = scores_of(qg @ kb.T)
-    probabilities, lse = _softmax_block(_round(scores, dtype, acc), visible, dtype, acc)
+    probabilities, lse = _softmax_block(_round(scores, dtype, acc), visible, dtype, acc, sink)
     dropped = probabilities if dropout is None else _round(probabilities * dropout, dtype, acc)
     out = _round(dropped @ vb, dtype, acc)
     return probabilities, dropped, out, lse, dscore
@@ -216,6 +223,16 @@ class _Dropout:
         return self.mask[b, heads, rows.start:rows.stop, :] * self.rescale
 
 
+def _sinks(sinks, nheads: int, acc: np.dtype):
+    """The sink logits (nheads,) in the accumulator, or None."""
+    if sinks is None:
+        return None
+    sinks = np.asarray(sinks, dtype=np.float64)
+    if sinks.shape != (nheads,):
+        raise ValueError(f"sinks must have shape ({nheads},), got {sinks.shape}")
+    return sinks.astype(acc)
+
+
 def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
     """Inputs rounded to ``dtype`` (a no-op for data already in it), held in the accumulator format."""
     return [_round(np.asarray(a), dtype, acc) for a in arrays]
@@ -223,15 +240,16 @@ def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                        dropout_mask=None, dtype=np.float64):
+                        dropout_mask=None, dtype=np.float64, sinks=None):
     """Attention forward. Returns ``(out, lse)``.
 
     out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
     ``softmax_scale`` defaults to 1/sqrt(headdim); ``window_size``, ``softcap`` and ``alibi_slopes`` mean what
     they mean for ``cuflash.attention``. With ``dropout_p`` > 0, ``dropout_mask`` (bool, (batch, nheads,
     seqlen_q, seqlen_k), True = kept; ``cuflash.dropout_mask`` makes the kernels' one) multiplies P by
-    keep / (1 - dropout_p) before P V; the lse is unchanged. See the module docstring for masking, GQA and the
-    low-precision emulation that ``dtype`` selects.
+    keep / (1 - dropout_p) before P V; the lse is unchanged. ``sinks`` (nheads,): head h's logit s_h joins each
+    row's softmax denominator with no value (the lse includes it; a row that sees no key gets lse s_h). See the
+    module docstring for masking, GQA and the low-precision emulation that ``dtype`` selects.
     """
     dtype = resolve_dtype(dtype)
     acc = accumulator_dtype(dtype)
@@ -241,6 +259,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     mask = Mask.of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
+    sinks = _sinks(sinks, nheads, acc)
     out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
@@ -248,7 +267,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
         qg = _group_rows(q, b, heads, rows)
         _, _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
                                             lambda qk: scores_of(qk, b, heads, rows), dropout_of(b, heads, rows),
-                                            dtype, acc)
+                                            dtype, acc, None if sinks is None else sinks[heads])
         out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
         lse[b, heads, rows.start:rows.stop] = lse_g
     return out.astype(dtype), lse
@@ -256,9 +275,10 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
 
 def attention_backward_reference(
     dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64
+    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64, sinks=None
 ):
-    """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``.
+    """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``, and with
+    ``sinks`` also d / d sinks, -sum_rows e^{s_h - lse} D (in the accumulator: (dq, dk, dv, dsinks)).
 
     With grouped heads, dk and dv of a kv head are the sums over the query heads that read it. Rows that see no
     key contribute nothing and receive zero dq. The math is FlashAttention 2's: P recomputed from q and k,
@@ -278,6 +298,8 @@ def attention_backward_reference(
     mask = Mask.of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
+    sinks = _sinks(sinks, nheads, acc)
+    dsinks = None if sinks is None else np.zeros(nheads, dtype=acc)
     dq = np.zeros(q.shape, dtype=acc)
     dk = np.zeros(k.shape, dtype=acc)
     dv = np.zeros(v.shape, dtype=acc)
@@ -287,9 +309,10 @@ def attention_backward_reference(
         dog = _group_rows(dout, b, heads, rows)
         kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
         dropout = dropout_of(b, heads, rows)
-        probabilities, dropped, out_g, _, dscore = _forward_block(qg, kb, vb, visible,
-                                                                  lambda qk: scores_of(qk, b, heads, rows),
-                                                                  dropout, dtype, acc)
+        sink = None if sinks is None else sinks[heads]
+        probabilities, dropped, out_g, lse_g, dscore = _forward_block(qg, kb, vb, visible,
+                                                                      lambda qk: scores_of(qk, b, heads, rows),
+                                                                      dropout, dtype, acc, sink)
         # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
         # gradients are rounded to ``dtype`` once, at the end.
         dv[b, :, kv_head, :] += (dropped.transpose(0, 2, 1) @ dog).sum(axis=0)
@@ -297,10 +320,13 @@ def attention_backward_reference(
         if dropout is not None:
             dprobabilities = dprobabilities * dropout
         delta = np.sum(dog * out_g, axis=-1, keepdims=True)
+        if sink is not None:  # d out / d s_h = -p_sink out, p_sink = e^{s_h - lse}
+            dsinks[heads] -= np.sum(np.exp(sink[:, None] - lse_g) * delta[..., 0], axis=-1)
         dscores = _round(probabilities * (dprobabilities - delta) * dscore, dtype, acc)
         dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
         dk[b, :, kv_head, :] += (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
-    return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+    grads = dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+    return grads if dsinks is None else (*grads, dsinks)
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -326,7 +352,8 @@ def _sequence_options(b: int, rows: slice, keys: slice, alibi_slopes, dropout_ma
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
                                softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                               alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64):
+                               alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64,
+                               sinks=None):
     """Varlen attention forward: ``attention_reference`` of each sequence alone. Returns ``(out, lse)``.
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d), cu_seqlens as for ``cuflash.attention_varlen``;
@@ -342,7 +369,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
     for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         out_b, lse_b = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
                                            softmax_scale=scale, window_size=window_size, softcap=softcap,
-                                           dropout_p=dropout_p, dtype=dtype,
+                                           dropout_p=dropout_p, dtype=dtype, sinks=sinks,
                                            **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
         out[rows] = out_b[0]
         lse[:, rows] = lse_b[0]
@@ -352,22 +379,26 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
 def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
                                         softmax_scale: float | None = None, window_size=(-1, -1),
                                         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                                        dropout_mask=None, dtype=np.float64):
+                                        dropout_mask=None, dtype=np.float64, sinks=None):
     """Gradients of ``attention_varlen_reference``: ``attention_backward_reference`` of each sequence alone.
-    Returns ``(dq, dk, dv)`` shaped like q, k, v, in ``dtype``."""
+    Returns ``(dq, dk, dv)`` shaped like q, k, v, in ``dtype`` (with ``sinks``, and dsinks summed over the
+    sequences)."""
     dtype = resolve_dtype(dtype)
     dout, q, k, v = (np.asarray(a) for a in (dout, q, k, v))
     scale = _scale(softmax_scale, q.shape[-1])
     dq = np.zeros(q.shape, dtype=dtype)
     dk = np.zeros(k.shape, dtype=dtype)
     dv = np.zeros(v.shape, dtype=dtype)
+    dsinks = None if sinks is None else np.zeros(q.shape[1], dtype=accumulator_dtype(dtype))
     for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
                                              causal=causal, softmax_scale=scale, window_size=window_size,
-                                             softcap=softcap, dropout_p=dropout_p, dtype=dtype,
+                                             softcap=softcap, dropout_p=dropout_p, dtype=dtype, sinks=sinks,
                                              **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
-        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
-    return dq, dk, dv
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
+        if dsinks is not None:
+            dsinks += grads[3]
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 def kvcache_keys(cache, lengths, block_table=None):
@@ -388,7 +419,7 @@ def kvcache_keys(cache, lengths, block_table=None):
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, causal: bool = False,
                                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                                     alibi_slopes=None, dtype=np.float64):
+                                     alibi_slopes=None, dtype=np.float64, sinks=None):
     """Attention of q over the first ``lengths[b]`` keys of each sequence's cache (after any append): an explicit
     loop of ``attention_reference`` per sequence, causal aligned bottom-right to that length. Returns (out, lse)."""
     dtype = resolve_dtype(dtype)
@@ -403,6 +434,6 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_tabl
         row_slopes = slopes[b:b + 1] if slopes is not None and slopes.ndim == 2 else slopes
         out_b, lse_b = attention_reference(q[b:b + 1], keys[None], values[None], causal=causal, softmax_scale=scale,
                                            window_size=window_size, softcap=softcap, alibi_slopes=row_slopes,
-                                           dtype=dtype)
+                                           dtype=dtype, sinks=sinks)
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse

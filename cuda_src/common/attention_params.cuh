@@ -76,6 +76,8 @@ struct TensorStrides {
 //                null: contiguous (block_info.cuh)
 //   lse_accum    split-KV forward (num_kv_splits > 1): each split's lse, (num_kv_splits, <the lse's shape>); the
 //                combine kernel (fa2_split_kv_combine.cu) merges them with out_accum into out and lse
+//   sinks        input (read only): attention sinks, the sink logit of each query head, (nheads,) (sink.cuh): it
+//                joins every row's softmax denominator; null: no sinks
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -95,7 +97,8 @@ struct TensorStrides {
   X(seqused_k)                         \
   X(seqused_q)                         \
   X(block_table)                       \
-  X(lse_accum)
+  X(lse_accum)                         \
+  X(sinks)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*

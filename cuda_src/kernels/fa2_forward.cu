@@ -62,6 +62,7 @@
 // Large logits are safe: the exponent s * scale_log2 - m * scale_log2 is <= 0 up to rounding.
 // Requires softmax_scale > 0 (the API validates it).
 #include "arch/arch.cuh"
+#include "common/sink.cuh"
 #include "kernels/fa2_tiles.cuh"
 
 namespace cuflash {
@@ -259,8 +260,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   }
 
   // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf. Split-KV: this split's
-  // O / l in float32 (no dropout there) and lse into its slice of out_accum / lse_accum instead.
+  // O / l in float32 (no dropout there) and lse into its slice of out_accum / lse_accum instead. With sinks
+  // (sink.cuh) a whole row's O / l and lse are joined by the head's sink logit; split-KV's combine does that.
   const bool split_kv = p.num_kv_splits > 1;
+  const bool sinks = has_sinks(p) && !split_kv;
+  const float sink = sinks ? sink_of(p, info.head) : 0.f;
   T* out = info.out<T>(p);
   float* out_part = split_kv ? info.out_accum_split(p, blockIdx.x % p.num_kv_splits) : nullptr;
   float* lse = split_kv ? info.lse_accum_split(p, blockIdx.x % p.num_kv_splits) : p.lse + info.row_stats_offset(p);
@@ -269,7 +273,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     const float l = fa2::group_sum<kLaneCols>(row_sum[i]);
     const int row = first_row + i * kLaneRows;
     if (row >= mask.seqlen_q) continue;
-    const float inv_l = l > 0.f ? p.dropout_rescale / l : 0.f;  // 1 / (1 - dropout_p); 1 without dropout
+    float inv_l = l > 0.f ? p.dropout_rescale / l : 0.f;  // 1 / (1 - dropout_p); 1 without dropout
+    // l = sum 2^(s * scale_log2 - offset) with offset = m * scale_log2 rounded; the rounding
+    // residual r = m * scale_log2 - offset (exact through the FMA) is taken out again in base e:
+    // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
+    const float residual = fmaf(row_max[i], p.softmax_scale_log2, -row_offset[i]);
+    float row_lse = l > 0.f ? fmaf(row_max[i], p.softmax_scale, fmaf(-residual, kLn2, logf(l))) : neg_inf();
+    if (sinks) {
+      const SinkShare joined = join_sink(row_lse, sink);
+      inv_l *= joined.keys_share;
+      row_lse = joined.lse;
+    }
 #pragma unroll
     for (int j = 0; j < TC; ++j) {
       const int dim0 = (lane_col + j * kLaneCols) * 4;
@@ -282,14 +296,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       else
         fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
     }
-    if (lane_col == 0) {
-      // l = sum 2^(s * scale_log2 - offset) with offset = m * scale_log2 rounded; the rounding
-      // residual r = m * scale_log2 - offset (exact through the FMA) is taken out again in base e:
-      // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
-      const float residual = fmaf(row_max[i], p.softmax_scale_log2, -row_offset[i]);
-      const float row_lse = fmaf(row_max[i], p.softmax_scale, fmaf(-residual, kLn2, logf(l)));
-      arch::store(lse + row, l > 0.f ? row_lse : neg_inf());
-    }
+    if (lane_col == 0) arch::store(lse + row, row_lse);
   }
 }
 

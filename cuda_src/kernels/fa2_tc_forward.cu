@@ -48,6 +48,7 @@
 // Masks and empty rows as in fa2_forward.cu: blocks outside the band are never loaded, a row that sees no key
 // writes out = 0 and lse = -inf, and m * scale_log2 uses 0 while m = -inf. Requires softmax_scale > 0.
 #include "arch/arch.cuh"
+#include "common/sink.cuh"
 #include "kernels/fa2_tc_tiles.cuh"
 
 namespace cuflash {
@@ -309,13 +310,22 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
   // Epilogue. O / l into this warp's own rows of the Q buffer (no other warp reads them; the warp's last ldmatrix
   // of Q is behind it, and no copy is in flight), then out in 16-byte chunks and lse from one lane per quad.
+  // With sinks (sink.cuh) each row's keys-only O / l and lse are joined by the head's sink logit.
   T* out = info.out<T>(p) + row0 * p.out_stride.row;
   float* lse = p.lse + info.row_stats_offset(p);
+  const bool sinks = has_sinks(p);
+  const float sink = sinks ? sink_of(p, info.head) : 0.f;
   __syncwarp();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float l = fa2tc::quad_sum(row_sum[r]);
-    const float inv_l = l > 0.f ? (WithDropout ? p.dropout_rescale : 1.f) / l : 0.f;  // rescale: 1 / (1 - p)
+    float inv_l = l > 0.f ? (WithDropout ? p.dropout_rescale : 1.f) / l : 0.f;  // rescale: 1 / (1 - p)
+    float row_lse_out = row_lse(r, l);
+    if (sinks) {
+      const SinkShare joined = join_sink(row_lse_out, sink);
+      inv_l *= joined.keys_share;
+      row_lse_out = joined.lse;
+    }
     const int row = lane_row(r);
 #pragma unroll
     for (int j = 0; j < Tr::kDimTiles; ++j) {
@@ -323,8 +333,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa2tc::acc_col(lane, j))) =
           arch::pack_float2<T>(o[0] * inv_l, o[1] * inv_l);
     }
-    if (quad_leader && row0 + row < info.seqlen_q(p))
-      arch::store(lse + row0 + row, row_lse(r, l));
+    if (quad_leader && row0 + row < info.seqlen_q(p)) arch::store(lse + row0 + row, row_lse_out);
   }
   __syncwarp();
   fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows(), d,

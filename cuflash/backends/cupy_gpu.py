@@ -28,6 +28,7 @@ class CupyBackend:
         import cupy
 
         self._cupy = cupy
+        self.xp = cupy  # the array module of the backend's arrays
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
         # Plans respect the device's opt-in shared memory limit and plan splits for its SMs.

@@ -18,6 +18,8 @@ from ..kernels.program import LaunchPlan, Problem, Program
 
 
 class ArrayBackend(Protocol):
+    xp: Any  # the array module of the backend's arrays (numpy, cupy)
+
     def device(self) -> Any:
         """Context manager making the backend's device current for allocation and launch."""
 
@@ -55,6 +57,7 @@ class PreparedProgram:
         strides = {name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays}
         self._launches = tuple(plan for plan in program.launches if not plan.is_empty)
         self._scratch = tuple((s.shape, s.zero_init) for s in program.scratch)
+        self.scratch_names = tuple(s.name for s in program.scratch)
         self._slots = PointerSlots(self.inputs + tuple(s.name for s in program.scratch))
         self._packed = pack_params(
             problem,

@@ -29,6 +29,7 @@ _current_target = None  # cuflash.sim.current_target, once imported
 
 class SimulatorBackend:
     name = "simulator"
+    xp = np  # the array module of the backend's arrays
 
     @property
     def target(self) -> Target:

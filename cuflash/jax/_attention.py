@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from .. import _validation as V
 from ..dropout import SEED_ROW_WORDS, check_dropout_p
 from ..kernels import catalog
+from ..sinks import sink_gradient, sink_logits_by_row
 from ._primitives import CallConfig, call, side_input_names, tensor_shape
 from ._ring import check_ring_dropout, ring_forward, with_block_positions
 
@@ -33,6 +34,7 @@ def attention(
     algorithm: str = "fa2",
     return_lse: bool = False,
     deterministic: bool = False,
+    sinks: Any = None,
 ) -> Any:
     """Scaled dot-product attention softmax(scale * q k^T) v on JAX arrays, through cuflash's kernels.
 
@@ -61,6 +63,8 @@ def attention(
     sharded along batch and heads (one call per device on its shard, no collective; see _partitioning.py for
     what stays whole).
     ``deterministic=True`` asks the backward for bitwise-reproducible gradients.
+    ``sinks`` (float32 (nheads,), optional): learnable attention sinks as for ``cuflash.attention``; gradients
+    flow to them (d loss / d s_h = sum over the head's rows of e^{s_h - lse} (dlse - rowsum(dout * out))).
 
     Runs on the CPU (the simulator: every CUDA thread a fiber; slow, exact to the
     CUDA programming model) and on CUDA GPUs (CUBINs from NVRTC, launched on XLA's
@@ -72,9 +76,9 @@ def attention(
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
-                 algorithm=algorithm, return_lse=return_lse)
+                 algorithm=algorithm, return_lse=return_lse, sinks=sinks)
 
 
 def attention_varlen(
@@ -98,6 +102,7 @@ def attention_varlen(
     algorithm: str = "fa2",
     return_lse: bool = False,
     deterministic: bool = False,
+    sinks: Any = None,
 ) -> Any:
     """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,), optional int32 seqused_q / seqused_k
@@ -117,7 +122,7 @@ def attention_varlen(
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   dropout_p=dropout_p, deterministic=deterministic)
+                   dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
     concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values())]
     if all(x is not None for x in concrete):
         used = dict(zip(counts, concrete[2:]))
@@ -142,7 +147,7 @@ def attention_varlen(
     # In side_input_names' order: cu_seqlens_q, cu_seqlens_k, then seqused_q and seqused_k where given.
     cu_words = tuple(_int32_words(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values()))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
-                 algorithm=algorithm, return_lse=return_lse, cu_words=cu_words)
+                 algorithm=algorithm, return_lse=return_lse, cu_words=cu_words, sinks=sinks)
 
 
 def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
@@ -217,7 +222,7 @@ def _call(problem, q, k, v, *, return_lse, cu_words=(), dropout_positions=None, 
 
 
 def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng, algorithm, return_lse,
-                   int_words=(), dropout_positions=None):
+                   int_words=(), dropout_positions=None, sinks=None):
     """The checked static part of a call (CallConfig, return_lse) and its operands (q, k, v, side): the side inputs
     in _primitives.side_input_names order, ``int_words`` (int32 side inputs as float32 words) last, all marked
     varying along the same shard_map axes."""
@@ -225,6 +230,7 @@ def _call_operands(problem, q, k, v, *, softmax_scale, alibi_slopes, dropout_rng
     return_lse = V.check_bool("return_lse", return_lse)
     catalog.check_options(algorithm, problem)  # unknown algorithm or option
     side = () if alibi_slopes is None else (jnp.asarray(alibi_slopes),)
+    side += () if sinks is None else (jnp.asarray(sinks),)
     if problem.dropout_p > 0.0:
         seed = dropout_seed_operand(_seed_bits(_check_rng(dropout_rng)))
         side += (seed if dropout_positions is None else with_block_positions(seed, dropout_positions),)
@@ -305,9 +311,11 @@ def _forward(config: CallConfig, q, k, v, side=()):
     axes = _varying_axes(q)
     out_shape = tensor_shape("out", problem)
     if problem.seqlen_k == 0 or 0 in out_shape:
-        # No key at all: every row sees no key (the kernels' rule, without a launch).
+        # No key at all: every row sees no key (the kernels' rule, without a launch): out 0, lse -inf or the sink.
         out = jnp.zeros(out_shape, q.dtype)
         lse = jnp.full(tensor_shape("lse", problem), -np.inf, jnp.float32)
+        if problem.sinks:
+            lse = jnp.broadcast_to(sink_logits_by_row(_side_input(problem, side, "sinks")), lse.shape)
     else:
         out, lse = call("forward", config, q, k, v, *side)
         unused = _unused_rows(problem, side, "q")
@@ -315,6 +323,10 @@ def _forward(config: CallConfig, q, k, v, side=()):
             out = jnp.where(unused[:, None, None], jnp.zeros((), out.dtype), out)
             lse = jnp.where(unused[None, :], -jnp.inf, lse)
     return _mark_varying(out, axes), _mark_varying(lse, axes)
+
+
+def _side_input(problem, side, name: str):
+    return side[side_input_names(problem).index(name)]
 
 
 def _unused_rows(problem, side, rows: str):
@@ -348,7 +360,8 @@ def _attention(config: CallConfig, q, k, v, side):
 
 
 def _attention_fwd(config: CallConfig, q, k, v, side):
-    """side: the optional inputs (ALiBi slopes, dropout's seed words): residuals, no gradient."""
+    """side: the optional inputs (ALiBi slopes, sinks, dropout's seed words, integer words): residuals; of them only
+    the sinks get a gradient."""
     q, k, v = q.value, k.value, v.value  # CustomVJPPrimal (symbolic_zeros=True)
     side = tuple(s.value for s in side)
     out, lse = _forward(config, q, k, v, side)
@@ -371,8 +384,23 @@ def _attention_bwd(config: CallConfig, residuals, cotangents):
     if _is_zero(dout) and _is_zero(dlse):
         return (*(zeros(x) for x in (q, k, v)), no_side_gradient)
     dout = jnp.zeros(q.shape, q.dtype) if _is_zero(dout) else dout
-    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, side, None if _is_zero(dlse) else dlse)
-    return dq, dk, dv, no_side_gradient
+    dlse = None if _is_zero(dlse) else dlse
+    dq, dk, dv = _backward(config, dout, q, k, v, out, lse, side, dlse)
+    side_gradient = no_side_gradient
+    if config.problem.sinks:
+        at = side_input_names(config.problem).index("sinks")
+        dsinks = _mark_varying(_sink_gradient(config.problem, side, dout, out, lse, dlse), _varying_axes(side[at]))
+        side_gradient = (*no_side_gradient[:at], dsinks, *no_side_gradient[at + 1:])
+    return dq, dk, dv, side_gradient
+
+
+def _sink_gradient(problem, side, dout, out, lse, dlse):
+    """d loss / d sinks (cuflash/sinks.py) from D = rowsum(dout * out) in float32, laid out as the lse."""
+    dot = jnp.einsum("...hd,...hd->...h", dout.astype(jnp.float32), out.astype(jnp.float32))
+    dot = jnp.moveaxis(dot, -1, -2)  # (batch, seqlen_q, nheads) -> (batch, nheads, seqlen_q); varlen (nheads, total_q)
+    if dlse is not None:
+        dot = dot - dlse.astype(jnp.float32)
+    return sink_gradient(_side_input(problem, side, "sinks"), lse, dot, jnp, _unused_rows(problem, side, "q"))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -41,6 +41,7 @@ def attention_with_kvcache(
     rotary_cos: Any = None,
     rotary_sin: Any = None,
     rotary_interleaved: bool = False,
+    sinks: Any = None,
 ) -> tuple[Any, ...]:
     """``cuflash.attention_with_kvcache`` on JAX arrays, functionally: returns ``(out, k_cache, v_cache)``, or
     ``(out, lse, k_cache, v_cache)`` with ``return_lse``, the caches with the new ``k``, ``v`` rows written at
@@ -64,10 +65,10 @@ def attention_with_kvcache(
     ``jit`` over caches sharded along kv heads (and batch, when not paged): one call per device on its shard. No
     derivative: it is an inference function, and differentiating it raises a TypeError. ``rotary_cos``,
     ``rotary_sin`` and ``rotary_interleaved`` as for the NumPy function (cuflash/rotary.py), at traced lengths
-    too.
+    too; ``sinks`` (float32 (nheads,)) as for ``cuflash.attention``.
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
-             "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
+             "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "sinks": sinks}
     for name, array in named.items():
         if array is not None and not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
@@ -90,7 +91,7 @@ def attention_with_kvcache(
         used = V.kvcache_used_rows(lengths, layout)
         seqlen_k = int(used.max(initial=0))
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
-                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
     with_rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, layout.capacity)
 
@@ -109,7 +110,7 @@ def attention_with_kvcache(
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))
     config, return_lse, (q_call, k_call, v_call, side) = _call_operands(
         problem, q, k_cache, v_cache, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=None,
-        algorithm=algorithm, return_lse=return_lse, int_words=words)
+        algorithm=algorithm, return_lse=return_lse, int_words=words, sinks=sinks)
     config = dataclasses.replace(config, cache_shape=tuple(k_cache.shape))
     out, lse = _decode(config, q_call, k_call, v_call, side)
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)

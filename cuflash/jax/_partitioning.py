@@ -58,6 +58,8 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return f"{heads} s" if problem.varlen else f"b {heads} s"
     if name == "alibi_slopes":
         return f"b {heads}" if problem.alibi == "batch_heads" else heads
+    if name == "sinks":
+        return heads  # a logit per query head: split with the heads
     if name == "dropout_seed":
         return "w"  # the seed's words: every device gets them all
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
@@ -127,10 +129,11 @@ class Split:
 
 def ring_possible(problem: Problem, parts: int) -> bool:
     """Whether the sharding rule may run ``problem`` as ring attention over ``parts`` sequence shards: no ALiBi
-    or window but causal (the kernels' positions are the shard's), and shards that split evenly (two chunks per
+    or window but causal (the kernels' positions are the shard's), no sinks (they join a row once, where its
+    keys are complete, which no ring step sees), and shards that split evenly (two chunks per
     device under causal, of equal queries and keys); with dropout, shards (chunks) dropout's offsets allow
     (_ring.ring_dropout_misalignment)."""
-    if problem.alibi is not None or problem.mask not in (Mask(), Mask(-1, 0)):
+    if problem.alibi is not None or problem.sinks or problem.mask not in (Mask(), Mask(-1, 0)):
         return False
     causal = problem.mask == Mask(-1, 0)
     if causal:

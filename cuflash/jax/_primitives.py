@@ -73,9 +73,10 @@ def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
 
 
 def side_input_names(problem: Problem) -> tuple[str, ...]:
-    """The optional inputs both directions take, in operand order: ALiBi slopes, dropout's seed words, varlen's
+    """The optional inputs both directions take, in operand order: ALiBi slopes, sinks, dropout's seed words, varlen's
     cu_seqlens (and used prefixes), a KV cache's keys in use per sequence and a paged one's block_table (int32 words as float32)."""
     names = ("alibi_slopes",) if problem.alibi is not None else ()
+    names += ("sinks",) if problem.sinks else ()
     names += ("dropout_seed",) if problem.dropout_p > 0.0 else ()
     names += ("cu_seqlens_q", "cu_seqlens_k") if problem.varlen else ()
     names += ("seqused_q",) if problem.seqused_q else ()
@@ -322,40 +323,46 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     Varlen tensors are packed along their only outer axis, which has no batch to fold into; a KV cache's split-KV
     heuristic depends on the batch, and a paged cache's block_table numbers the pages of one cache: in these cases
     each mapped element runs its own call (on its slice of each mapped operand), so vmap equals a loop of
-    per-element calls, bitwise."""
+    per-element calls, bitwise. Sinks shared by every mapped element stay as they are; mapped ones (a logit per
+    element and head) fold into the query heads with them, or else take the per-element calls too."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
     batch = problem.batch
-    if problem.varlen or problem.kvcache:
+    heads_fold = (direction == "forward" and dims[names.index("k")] is None and dims[names.index("v")] is None
+                  and problem.dropout_p == 0.0 and problem.nheads * size <= V.MAX_GRID_YZ)
+    mapped_sinks = problem.sinks and dims[names.index("sinks")] is not None
+    if problem.varlen or problem.kvcache or (mapped_sinks and not heads_fold):
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
-    if (direction == "forward" and dims[names.index("k")] is None and dims[names.index("v")] is None
-            and problem.dropout_p == 0.0 and problem.nheads * size <= V.MAX_GRID_YZ):
+    if heads_fold:
         return _forward_folded_into_heads(config, args, dims, size, bind)
     if problem.dropout_p > 0.0:  # seed rows fold like the batch (a nested vmap's call already has its rows)
         per_seed = problem.dropout_batches_per_seed or batch
         config = dataclasses.replace(config, problem=dataclasses.replace(problem, dropout_batches_per_seed=per_seed))
     args, dims = list(args), list(dims)
-    shared_slopes = None
+    shared = set()  # operands every mapped element shares as they are: indices into args
+    if problem.sinks:  # not mapped here (mapped sinks took the per-element calls above)
+        shared.add(names.index("sinks"))
     if "alibi_slopes" in names:
         i = names.index("alibi_slopes")
         if dims[i] is None and problem.alibi == "heads":
-            shared_slopes = args[i]
+            shared.add(i)
         else:
             slopes = _move_to_front(args[i], dims[i], size)
             args[i] = jnp.broadcast_to(slopes.reshape((size, -1, problem.nheads)), (size, batch, problem.nheads))
             dims[i] = 0
             config = dataclasses.replace(config, problem=dataclasses.replace(problem, alibi="batch_heads"))
-    args = [x if x is shared_slopes else _move_to_front(x, d, size) for x, d in zip(args, dims)]
+    args = [x if i in shared else _move_to_front(x, d, size) for i, (x, d) in enumerate(zip(args, dims))]
     chunk = max(1, V.MAX_GRID_YZ // max(batch, 1))
     pieces = []
     for start in range(0, size, chunk):
         members = min(chunk, size - start)
-        part = args if members == size else [x if x is shared_slopes else x[start : start + members] for x in args]
+        part = args if members == size else [x if i in shared else x[start : start + members]
+                                             for i, x in enumerate(args)]
         # (members, batch, ...) -> (members * batch, ...); dropout's (members, seed words) -> one table of rows
-        folded = [x if x is shared_slopes else x.reshape((members * x.shape[1],) + x.shape[2:]) for x in part]
+        folded = [x if i in shared else x.reshape((members * x.shape[1],) + x.shape[2:]) for i, x in enumerate(part)]
         problem = dataclasses.replace(config.problem, batch=members * batch)
         outs = bind(*folded, config=dataclasses.replace(config, problem=problem))
         pieces.append([o.reshape((members, batch) + o.shape[1:]) for o in outs])
@@ -386,6 +393,9 @@ def _forward_folded_into_heads(config: CallConfig, args, dims, size: int, bind):
         slopes = jnp.broadcast_to(slopes, (size, batch, nheads))  # (size, batch, nheads)
         folded["alibi_slopes"] = jnp.moveaxis(slopes, 0, 2).reshape(batch, nheads * size)
         alibi = "batch_heads"
+    if problem.sinks:  # query head h of element m is head h * size + m
+        sinks, sinks_dim = inputs["sinks"]
+        folded["sinks"] = jnp.moveaxis(_move_to_front(sinks, sinks_dim, size), 0, 1).reshape(nheads * size)
     local = dataclasses.replace(problem, nheads=nheads * size, alibi=alibi)
     out, lse = bind(*(folded[name] for name in names), config=dataclasses.replace(config, problem=local))
     out = jnp.moveaxis(out.reshape(batch, problem.seqlen_q, nheads, size, problem.headdim), 3, 0)

@@ -22,7 +22,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -89,6 +89,9 @@ class Problem:
     # computed by its own thread blocks into float32 partial results that a combine kernel merges by their lse.
     # 1: no split; 0: the family's heuristic for the target (its SM count) picks the number.
     num_splits: int = 1
+    # Attention sinks (sink.cuh): a float32 logit per query head (a side input of that name, (nheads,)) joins every
+    # row's softmax denominator.
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -122,6 +125,8 @@ class Problem:
             raise ValueError("Problem.page_size (a multiple of 16) needs kvcache and pages_per_sequence > 0")
         if not (isinstance(self.num_splits, int) and self.num_splits >= 0):
             raise ValueError(f"Problem.num_splits must be an int >= 0, got {self.num_splits!r}")
+        if not isinstance(self.sinks, bool):
+            raise ValueError(f"Problem.sinks must be a bool, got {self.sinks!r}")
         if self.num_splits != 1 and not self.kvcache:
             raise ValueError("Problem.num_splits other than 1 (split-KV) needs kvcache")
 
@@ -143,6 +148,8 @@ class Problem:
             used.add("paged")
         if self.num_splits != 1:
             used.add("splitkv")
+        if self.sinks:
+            used.add("sinks")
         return frozenset(used)
 
     @property
@@ -183,13 +190,14 @@ def gqa_decode_fold(problem: Problem) -> Problem | None:
     is laid out as query rows (FA2's decode fold): seqlen_q = group size, nheads = nheads_k, no mask. K and V are
     then read once per kv head instead of once per query head, and a Q block holds the group instead of one row.
     Exact only when every folded row attends as the one row did: it sees every key (the mask hides none from a
-    lone last row) and nothing depends on the row or head (no ALiBi, no dropout). None when it does not apply.
+    lone last row) and nothing depends on the row or head (no ALiBi, no dropout, no sinks). None when it does not
+    apply.
 
     The caller views q and out (batch, 1, nheads, d) as (batch, group, nheads_k, d) (query head kh * group + m at
     row m of kv head kh: strides (batch, head, group * head)) and the lse (batch, nheads, 1) as (batch, nheads_k,
     group), the same memory."""
     if not (problem.kvcache and problem.seqlen_q == 1 and problem.group_size > 1 and problem.alibi is None
-            and problem.dropout_p == 0.0 and problem.mask.last_row_sees_every_key):
+            and not problem.sinks and problem.dropout_p == 0.0 and problem.mask.last_row_sees_every_key):
         return None
     return dataclasses.replace(problem, seqlen_q=problem.group_size, nheads=problem.nheads_k, mask=Mask())
 

@@ -58,6 +58,7 @@ def compare_close(step, args, want) -> dict:
         "differences": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)],
         "scale": [float(np.max(np.abs(np.asarray(b)))) for b in want],
         "collectives": [c for c in COLLECTIVES if c in hlo],
+        "custom_calls": hlo.count("cuflash_program"),
         "gathered": re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? all-gather\(", hlo),
         "shardings": [str(x.sharding.spec) for x in got],
     }
@@ -90,6 +91,22 @@ def main() -> None:
             args = [jax.device_put(x, tensor) for x in (q, k, v, dout)]
             args += [jax.device_put(dlse, rows), jax.device_put(slopes, slopes_spec)]
             results[f"{axis_type.name}:{name}"] = compare_sharded(step, args, want)
+        # Sinks (one logit per query head, sharded with the heads): per-device calls; dsinks sums over the batch and
+        # rows in jnp, so a batch split adds the all-reduce of that (nheads,) sum and the order of its terms.
+        def sinks_step(q, k, v, dout, dlse, sinks):
+            def attention(q, k, v, sinks):
+                return cfj.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+            (out, lse), pull = jax.vjp(attention, q, k, v, sinks)
+            return (out, lse, *pull((dout, dlse)))
+
+        sinks = rng.standard_normal(nheads).astype(np.float32)
+        plain = jax.jit(sinks_step)(q, k, v, dout, dlse, sinks)
+        for name in ("batch", "heads", "batch+heads"):
+            spec, lse_spec = CASES[name]
+            heads_spec = NamedSharding(mesh, P(lse_spec[1] if len(lse_spec) > 1 else None))
+            args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, dout)]
+            args += [jax.device_put(dlse, NamedSharding(mesh, lse_spec)), jax.device_put(sinks, heads_spec)]
+            results[f"{axis_type.name}:sinks {name}"] = compare_close(sinks_step, args, plain)
         # Dropout: each shard passes its first global batch and head to the kernels, so it drops what the whole
         # call drops (bitwise the unsharded results, no collective).
         def dropout_step(q, k, v, dout, key):
