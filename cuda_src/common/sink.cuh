@@ -5,9 +5,11 @@
 //     out = sum_j e^{x_j} v_j / (e^{s_h} + sum_j e^{x_j}),   lse = log(e^{s_h} + sum_j e^{x_j}).
 // A row that sees no key gets out 0 and lse s_h (the sink alone).
 //
-// Where it applies: once per row, when the row's keys are complete: the forward's epilogue without split-KV, or
-// the split-KV combine (never in a split's partial results, which the combine merges first). It rescales the
-// keys-only result: out = out_keys * keys_share, keys_share = e^{lse_keys} / (e^{lse_keys} + e^{s_h}).
+// Where it applies: once per row, in the forward's epilogue (join_sink below rescales the keys-only result:
+// out = out_keys * keys_share, keys_share = e^{lse_keys} / (e^{lse_keys} + e^{s_h})). With split-KV only split 0
+// joins it, into its partial O and lse: the combine's lse merge then weighs split 0 by e^{lse_0'} = e^{lse_0} + e^{s_h}
+// and its O by keys_share, which is exactly the sink's place in the whole row's softmax (every split-0 block writes
+// its rows' partials, seen keys or not). The combine kernel is unchanged.
 // The backward needs nothing of its own: with this out and this lse, P = exp(x - lse) and D = rowsum(dO * O)
 // are the sink softmax's, so dQ, dK, dV come out right; the sink's own gradient, -sum_rows e^{s_h - lse} D, is
 // a reduction over the row statistics the API forms (cuflash/sinks.py).
@@ -24,17 +26,24 @@ struct SinkShare {
   float lse;         // the row's lse with the sink
 };
 
-// The row whose lse over its keys is lse_keys (-inf where it saw none) joined by sink logit `sink`. Both logs are
-// taken of a sum whose larger term is 1 (log1p of the smaller's ratio): no overflow for any gap.
+// The row whose lse over its keys is lse_keys (-inf where it saw none) joined by sink logit `sink`. With
+// t = log(1 + e^-|gap|), gap = sink - lse_keys: lse = max(sink, lse_keys) + t and the keys' share
+// e^{lse_keys - lse} = e^{-t} or e^{-gap - t}. No term overflows for any gap, no large lse is subtracted from
+// another, and no IEEE division is made (it calls a slow-path subroutine, around which live values spill).
 __device__ __forceinline__ SinkShare join_sink(float lse_keys, float sink) {
   if (lse_keys == neg_inf()) return SinkShare{0.f, sink};
   const float gap = sink - lse_keys;
-  const float lse = gap > 0.f ? sink + log1pf(expf(-gap)) : lse_keys + log1pf(expf(gap));
-  return SinkShare{1.f / (1.f + expf(gap)), lse};  // gap > 88: expf = inf, share 0 (the keys' part underflows)
+  const float t = log1pf(expf(-fabsf(gap)));
+  return SinkShare{expf(gap > 0.f ? -gap - t : -t), fmaxf(sink, lse_keys) + t};
 }
 
 // Whether the call has sinks (uniform over the grid: the branch costs nothing where there are none).
 __device__ __forceinline__ bool has_sinks(const AttentionParams& p) { return p.sinks != nullptr; }
+
+// Whether this forward block joins its rows' sinks: with sinks, the blocks of split 0 (every block without split-KV).
+__device__ __forceinline__ bool joins_sinks(const AttentionParams& p, int split) {
+  return has_sinks(p) && split == 0;
+}
 
 // Query head `head`'s sink logit.
 __device__ __forceinline__ float sink_of(const AttentionParams& p, int head) { return arch::load(p.sinks + head); }

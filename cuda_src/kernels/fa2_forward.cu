@@ -261,9 +261,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
   // Epilogue: O / l and lse = m * scale + log(l); rows that saw no key get 0 and -inf. Split-KV: this split's
   // O / l in float32 (no dropout there) and lse into its slice of out_accum / lse_accum instead. With sinks
-  // (sink.cuh) a whole row's O / l and lse are joined by the head's sink logit; split-KV's combine does that.
+  // (sink.cuh) the head's sink logit joins O / l and the lse here, in split 0's partials with split-KV.
   const bool split_kv = p.num_kv_splits > 1;
-  const bool sinks = has_sinks(p) && !split_kv;
+  const bool sinks = joins_sinks(p, blockIdx.x % p.num_kv_splits);
   const float sink = sinks ? sink_of(p, info.head) : 0.f;
   T* out = info.out<T>(p);
   float* out_part = split_kv ? info.out_accum_split(p, blockIdx.x % p.num_kv_splits) : nullptr;

@@ -4,8 +4,8 @@
 // What it computes, per (batch, query head, row), over the splits s whose K/V ranges partition the row's keys:
 //     lse = log sum_s exp(lse_s)            (max-shifted; -inf when no split saw a key)
 //     out = sum_s exp(lse_s - lse) O_s      (O_s = the split's O / l_s; 0 when lse = -inf)
-// joined by the head's sink logit where the call has sinks (sink.cuh: the splits never include it).
 // which is exactly the softmax over all keys: exp(lse_s) is split s's sum of exp(score), and O_s its weighted mean.
+// With sinks, split 0's partial result already holds the sink (sink.cuh), so the merge takes it once.
 //
 // How it partitions work: fa2::RowKernel's launch, grid = (ceil(seqlen_q / 16), nheads, batch), 128 threads, a warp
 // per row. Lane i holds lse_s of splits s = i, i + 32, ... (at most kMaxSplits = 128 splits: 4 registers), the warp
@@ -15,7 +15,6 @@
 // What it costs, per row: reads num_splits * (4 + headdim * 4) bytes (lse_accum, out_accum), writes headdim * es
 // + 4 (out, lse). Splits are summed in index order: the result is bitwise reproducible.
 #include "arch/arch.cuh"
-#include "common/sink.cuh"
 #include "kernels/fa2_tiles.cuh"
 
 namespace cuflash {
@@ -59,13 +58,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
       sum += part_lse[i];
     }
     sum = fa2::group_sum<32>(sum);
-    float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    float lse = sum > 0.f ? max_lse + logf(sum) : neg_inf();
-    if (has_sinks(p)) {  // the whole row's keys are merged: the head's sink joins them here (sink.cuh)
-      const SinkShare joined = join_sink(lse, sink_of(p, info.head));
-      inv_sum *= joined.keys_share;
-      lse = joined.lse;
-    }
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
 
     float acc[Combine::kMaxColumnsPerLane];
 #pragma unroll
@@ -89,7 +82,8 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
       const int col = lane + 32 * c;
       if (col < p.headdim) arch::store(out + col, from_float<T>(acc[c]));
     }
-    if (lane == 0) arch::store(p.lse + info.row_stats_offset(p) + row, lse);
+    if (lane == 0)
+      arch::store(p.lse + info.row_stats_offset(p) + row, sum > 0.f ? max_lse + logf(sum) : neg_inf());
   }
 }
 

@@ -286,15 +286,23 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   if (p.num_kv_splits > 1) {
     // Split-KV: this split's O / l and lse in float32, from the accumulators (the combine kernel rounds to T).
     // Without dropout (the API allows none here), and with 0 and -inf where the split saw no key of the row.
+    // With sinks, split 0's partials hold the head's sink (sink.cuh), so the combine counts it once.
     const int split = blockIdx.x % p.num_kv_splits;
     float* out_part = info.out_accum_split(p, split);
     float* lse_part = info.lse_accum_split(p, split);
+    const bool sinks = joins_sinks(p, split);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float l = fa2tc::quad_sum(row_sum[r]);  // a quad shuffle: every lane, before the row test
       const int row = row0 + lane_row(r);
       if (row >= info.seqlen_q(p)) continue;
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      float inv_l = l > 0.f ? 1.f / l : 0.f;
+      float part_lse = row_lse(r, l);
+      if (sinks) {
+        const SinkShare joined = join_sink(part_lse, sink_of(p, info.head));
+        inv_l *= joined.keys_share;
+        part_lse = joined.lse;
+      }
       float* out_row = out_part + row * BlockInfo::dense_row_stride(p);
 #pragma unroll
       for (int j = 0; j < Tr::kDimTiles; ++j)
@@ -303,7 +311,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
           const int col = fa2tc::acc_col(lane, j) + e;
           if (col < d) arch::store(out_row + col, acc_o.c[r / 2][j][2 * (r % 2) + e] * inv_l);
         }
-      if (quad_leader) arch::store(lse_part + row, row_lse(r, l));
+      if (quad_leader) arch::store(lse_part + row, part_lse);
     }
     return;
   }
@@ -313,7 +321,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   // With sinks (sink.cuh) each row's keys-only O / l and lse are joined by the head's sink logit.
   T* out = info.out<T>(p) + row0 * p.out_stride.row;
   float* lse = p.lse + info.row_stats_offset(p);
-  const bool sinks = has_sinks(p);
+  const bool sinks = joins_sinks(p, 0);
   const float sink = sinks ? sink_of(p, info.head) : 0.f;
   __syncwarp();
 #pragma unroll
