@@ -391,16 +391,20 @@ def needs_copy(array: Any) -> bool:
 
 
 def check_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, *,
-                  causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any = None,
-                  sinks: Any = None) -> tuple[Problem, np.ndarray]:
-    """Validate attention_with_kvcache's arguments (``cache_seqlens`` an int, None or a host copy; ``block_table``
-    None or a host copy) and return the Problem and the keys in use per sequence after the new ones are appended
-    (int32, (batch,)). Nothing is written before this returns."""
-    layout = check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)
+                  causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any = None, sinks: Any = None,
+                  cache_batch_idx: np.ndarray | None = None,
+                  cache_leftpad: np.ndarray | None = None) -> tuple[Problem, np.ndarray]:
+    """Validate attention_with_kvcache's arguments (``cache_seqlens`` an int, None or a host copy; ``block_table``,
+    ``cache_batch_idx`` and ``cache_leftpad`` None or host copies) and return the Problem and the cache rows in use
+    per sequence after the new ones are appended (int32, (batch,): its keys are rows cache_leftpad[b] .. of them).
+    Nothing is written before this returns."""
+    layout = check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     if block_table is not None:
         check_block_table_values(block_table, layout.num_pages)
     used = kvcache_used_rows(cache_seqlens, layout)
-    problem = kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=int(used.max(initial=0)), causal=causal,
+    check_kvcache_index_values(cache_batch_idx, cache_leftpad, used, layout)
+    keys = kvcache_keys(used, cache_leftpad)
+    problem = kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=int(keys.max(initial=0)), causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     return problem, used
 
@@ -415,13 +419,26 @@ class KVCacheLayout:
     page_size: int  # rows per page; 0: contiguous caches
     pages_per_sequence: int  # block_table's columns (paged only)
     num_pages: int  # pages of the caches (paged only)
+    cache_batch: int = 0  # rows of the caches' batch (contiguous only)
+    cache_batch_idx: bool = False  # sequence b reads cache row cache_batch_idx[b] (contiguous only)
+    cache_leftpad: bool = False  # sequence b's keys start at cache row cache_leftpad[b] (contiguous only)
 
 
-def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, block_table: Any) -> KVCacheLayout:
-    """The checks of check_kvcache that read shapes and dtypes only, so they also serve a ``block_table`` whose
-    values are unknown (traced under JAX)."""
+def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, block_table: Any,
+                         cache_batch_idx: Any = None, cache_leftpad: Any = None) -> KVCacheLayout:
+    """The checks of check_kvcache that read shapes and dtypes only, so they also serve a ``block_table``,
+    ``cache_batch_idx`` or ``cache_leftpad`` whose values are unknown (traced under JAX)."""
     batch = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")[0]
     paged = block_table is not None
+    for name, index in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if index is None:
+            continue
+        if paged:
+            raise ValueError(f"{name} indexes contiguous caches; with a paged cache block_table names each "
+                             f"sequence's pages (FA2 refuses the pair too)")
+        if dtype_name(index) != "int32" or tuple(index.shape) != (batch,):
+            raise ValueError(f"{name} must be an int32 array of shape (batch,) = ({batch},), got "
+                             f"{dtype_name(index)} {tuple(index.shape)}")
     layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
     cache_shape = _check_ndim("k_cache", k_cache, layout)
     if tuple(v_cache.shape) != cache_shape:
@@ -437,8 +454,9 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
         pages_per_sequence = block_table.shape[1]
         capacity = pages_per_sequence * cache_rows
     else:
-        if cache_shape[0] != batch:
-            raise ValueError(f"k_cache must have q's batch size ({batch}), got {cache_shape[0]}")
+        if cache_shape[0] != batch and cache_batch_idx is None:
+            raise ValueError(f"k_cache must have q's batch size ({batch}) unless cache_batch_idx maps each sequence "
+                             f"to a row of it, got {cache_shape[0]}")
         pages_per_sequence, capacity = 0, cache_rows
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) are given together or not at all")
@@ -456,7 +474,36 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
                 raise TypeError(f"{name} must have the caches' dtype {dtype_name(k_cache)}, got {dtype_name(x)}")
     return KVCacheLayout(batch=batch, seqlen_new=seqlen_new, capacity=capacity,
                          page_size=cache_rows if paged else 0, pages_per_sequence=pages_per_sequence,
-                         num_pages=cache_shape[0] if paged else 0)
+                         num_pages=cache_shape[0] if paged else 0, cache_batch=0 if paged else cache_shape[0],
+                         cache_batch_idx=cache_batch_idx is not None, cache_leftpad=cache_leftpad is not None)
+
+
+def check_kvcache_index_values(cache_batch_idx: np.ndarray | None, cache_leftpad: np.ndarray | None,
+                               used: np.ndarray, layout: KVCacheLayout) -> None:
+    """Host copies of cache_batch_idx and cache_leftpad against the caches and the rows in use (``used``, after the
+    append): each sequence's cache row exists, and is its own when new rows are appended to it; each sequence's
+    left padding ends at or before its cached rows do (0 <= cache_leftpad[b] <= cache_seqlens[b])."""
+    if cache_batch_idx is not None and cache_batch_idx.size:
+        low, high = min_max(cache_batch_idx)
+        if low < 0 or high >= layout.cache_batch:
+            b = int(np.argmax((cache_batch_idx < 0) | (cache_batch_idx >= layout.cache_batch)))
+            raise ValueError(f"cache_batch_idx[{b}] must be in [0, {layout.cache_batch}) (the caches' batch), got "
+                             f"{int(cache_batch_idx[b])}")
+        if layout.seqlen_new and len(set(cache_batch_idx.tolist())) < cache_batch_idx.size:
+            raise ValueError("cache_batch_idx must name distinct cache rows when k and v are appended: two sequences "
+                             "would write the same rows")
+    if cache_leftpad is not None and cache_leftpad.size:
+        cached = used.astype(np.int64) - layout.seqlen_new
+        wrong = (cache_leftpad < 0) | (cache_leftpad > cached)
+        if wrong.any():
+            b = int(np.argmax(wrong))
+            raise ValueError(f"cache_leftpad[{b}] must be in 0..cache_seqlens[{b}] = {int(cached[b])}, got "
+                             f"{int(cache_leftpad[b])}")
+
+
+def kvcache_keys(used: Any, cache_leftpad: Any) -> Any:
+    """The keys of each sequence (the kernels' seqlen_k): its cache rows in use less its left padding."""
+    return used if cache_leftpad is None else used - cache_leftpad
 
 
 def check_block_table_values(block_table: np.ndarray, num_pages: int) -> None:
@@ -510,7 +557,8 @@ def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *
                        nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False, sinks=sinks)
     return dataclasses.replace(problem, kvcache=True, page_size=layout.page_size,
-                               pages_per_sequence=layout.pages_per_sequence)
+                               pages_per_sequence=layout.pages_per_sequence, cache_batch_idx=layout.cache_batch_idx,
+                               cache_leftpad=layout.cache_leftpad)
 
 
 def check_num_splits(num_splits: Any) -> int:

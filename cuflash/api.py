@@ -548,9 +548,12 @@ def attention_with_kvcache(
     rotary_sin: Any = None,
     rotary_interleaved: bool = False,
     sinks: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
 ) -> Any:
     optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table), ("rotary_cos", rotary_cos),
-                                        ("rotary_sin", rotary_sin)) if x is not None}
+                                        ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                                        ("cache_leftpad", cache_leftpad)) if x is not None}
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         optional["cache_seqlens"] = cache_seqlens
     names = ("q", "k_cache", "v_cache", *optional)
@@ -564,10 +567,13 @@ def attention_with_kvcache(
     k, v = placed.get("k"), placed.get("v")
     table = host_copy(placed["block_table"]) if "block_table" in placed else None
     lengths = host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
+    index = host_copy(placed["cache_batch_idx"]) if "cache_batch_idx" in placed else None
+    leftpad = host_copy(placed["cache_leftpad"]) if "cache_leftpad" in placed else None
 
     def prepare() -> KVCachePrepared:
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
-                                     window_size=window_size, softcap=softcap, **per_head)
+                                     window_size=window_size, softcap=softcap, cache_batch_idx=index,
+                                     cache_leftpad=leftpad, **per_head)
         problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
@@ -575,7 +581,7 @@ def attention_with_kvcache(
                                  f"strides non-negative)")
         prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
-        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table)
+        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, leftpad)
         prepared.rotary = rotary.check_rotary(placed.get("rotary_cos"), placed.get("rotary_sin"),
                                               rotary_interleaved, q, k, prepared.layout.capacity)
         return prepared
@@ -587,19 +593,26 @@ def attention_with_kvcache(
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
-    used = V.kvcache_used_rows(lengths, layout)
-    plan = prepared.plan(q.shape[1], V.min_max(used)[1] if used.size else 0)
-    if prepared.rotary:  # q and the new rows, at their positions (cuflash/rotary.py); every check is behind us
-        q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], used - k.shape[1],
+    used = V.kvcache_used_rows(lengths, layout)  # cache rows in use; the keys start at cache_leftpad
+    if index is not None or leftpad is not None:
+        V.check_kvcache_index_values(index, leftpad, used, layout)
+    keys = V.kvcache_keys(used, leftpad)
+    plan = prepared.plan(q.shape[1], V.min_max(keys)[1] if keys.size else 0)
+    if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
+        q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], keys - k.shape[1],
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
-        _append(k_cache, v_cache, k, v, used - k.shape[1], table)  # every check is behind us: now write
+        _append(k_cache, v_cache, k, v, used - k.shape[1], table, index)  # every check is behind us: now write
     (q,) = contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
         inputs = {"seqused_k": backend.upload(_int32_words(used))}
         if table is not None:
             inputs["block_table"] = backend.upload(_int32_words(table))
+        if index is not None:
+            inputs["cache_batch_idx"] = backend.upload(_int32_words(index))
+        if leftpad is not None:
+            inputs["cache_leftpad"] = backend.upload(_int32_words(leftpad))
         return {**_side_inputs(backend, per_head, plan.problem, None), **inputs}
 
     out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs, sinks=per_head.get("sinks"))
@@ -686,9 +699,11 @@ def _rotated(backend: Any, q: Any, k: Any, cos: Any, sin: Any, starts: np.ndarra
 _SLICED_APPEND_MAX = 8
 
 
-def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, table: np.ndarray | None) -> None:
-    """Write the new rows into the caches in place: k[b, i] to key row starts[b] + i of sequence b (its page and
-    row in the page when paged), in the caches' own array library."""
+def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, table: np.ndarray | None,
+            cache_rows: np.ndarray | None = None) -> None:
+    """Write the new rows into the caches in place: k[b, i] to cache row starts[b] + i of sequence b (its page and
+    row in the page when paged; of the caches' batch row cache_rows[b] when given), in the caches' own array
+    library."""
     batch, seqlen_new = k.shape[:2]
     if batch <= _SLICED_APPEND_MAX and seqlen_new <= _SLICED_APPEND_MAX:
         page_size = k_cache.shape[1] if table is not None else 0
@@ -699,7 +714,7 @@ def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, tabl
                 if page_size:
                     outer, row, count = int(table[b, row // page_size]), row % page_size, page_size - row % page_size
                 else:
-                    outer, count = b, seqlen_new
+                    outer, count = (b if cache_rows is None else int(cache_rows[b])), seqlen_new
                 count = min(count, seqlen_new - i)
                 k_cache[outer, row:row + count] = k[b, i:i + count]
                 v_cache[outer, row:row + count] = v[b, i:i + count]
@@ -707,7 +722,8 @@ def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, tabl
         return
     rows = starts.astype(np.int64)[:, None] + np.arange(seqlen_new)[None, :]  # (batch, seqlen_new)
     if table is None:
-        outer = np.broadcast_to(np.arange(batch)[:, None], rows.shape)
+        batch_rows = np.arange(batch) if cache_rows is None else cache_rows.astype(np.int64)
+        outer = np.broadcast_to(batch_rows[:, None], rows.shape)
     else:
         page_size = k_cache.shape[1]
         outer = np.take_along_axis(table.astype(np.int64), rows // page_size, axis=1)
@@ -797,6 +813,13 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     position cache_seqlens[b] + i, q's rows at the same positions when causal or windowed, else all at
     cache_seqlens[b]. ``rotary_interleaved``: pairs (2i, 2i + 1) (GPT-J) instead of the two halves (GPT-NeoX).
     Computed in float32 in one small pass over q and the new rows (cuflash/rotary.py); cached rows untouched.
+
+    Cache indexing (FA2's, contiguous caches only): ``cache_batch_idx`` (int32 (batch,)) makes sequence b use row
+    cache_batch_idx[b] of the caches' batch, which may hold more rows than q (distinct rows when k and v are
+    appended); ``cache_leftpad`` (int32 (batch,)) starts sequence b's keys at cache row cache_leftpad[b] (0 <= it
+    <= cache_seqlens[b]; the rows before it are padding, never read): its keys are rows cache_leftpad[b] ..
+    cache_seqlens[b] + seqlen_new, the mask aligned to their count and rotary positions counted from the first.
+    Checked on the host like cache_seqlens.
 """
 
 attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads,

@@ -401,15 +401,16 @@ def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
-def kvcache_keys(cache, lengths, block_table=None):
-    """Each sequence's keys in use, as a list of (length, nheads_k, headdim) arrays: rows [0, lengths[b]) of
-    cache[b], or for a paged cache (num_pages, page_size, ...) row j of page block_table[b][j // page_size]."""
+def kvcache_keys(cache, lengths, block_table=None, cache_batch_idx=None, cache_leftpad=None):
+    """Each sequence's keys in use, as a list of (keys, nheads_k, headdim) arrays: rows [leftpad[b], lengths[b]) of
+    cache[cache_batch_idx[b]] (leftpad 0 and row b without them), or for a paged cache (num_pages, page_size, ...)
+    row j < lengths[b] of page block_table[b][j // page_size]."""
     cache = np.asarray(cache)
     keys = []
     for b, length in enumerate(np.asarray(lengths, dtype=np.int64)):
-        rows = np.arange(length)
+        rows = np.arange(0 if cache_leftpad is None else int(cache_leftpad[b]), length)
         if block_table is None:
-            keys.append(cache[b, rows])
+            keys.append(cache[b if cache_batch_idx is None else int(cache_batch_idx[b]), rows])
         else:
             page_size = cache.shape[1]
             pages = np.asarray(block_table)[b, rows // page_size]
@@ -419,9 +420,11 @@ def kvcache_keys(cache, lengths, block_table=None):
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, causal: bool = False,
                                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                                     alibi_slopes=None, dtype=np.float64, sinks=None):
-    """Attention of q over the first ``lengths[b]`` keys of each sequence's cache (after any append): an explicit
-    loop of ``attention_reference`` per sequence, causal aligned bottom-right to that length. Returns (out, lse)."""
+                                     alibi_slopes=None, dtype=np.float64, sinks=None, cache_batch_idx=None,
+                                     cache_leftpad=None):
+    """Attention of q over the cache rows [cache_leftpad[b], lengths[b]) of each sequence's cache row
+    cache_batch_idx[b] (after any append; leftpad 0 and row b without them): an explicit loop of
+    ``attention_reference`` per sequence, causal aligned bottom-right to its keys. Returns (out, lse)."""
     dtype = resolve_dtype(dtype)
     acc = accumulator_dtype(dtype)
     q = np.asarray(q)
@@ -429,8 +432,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_tabl
     out = np.zeros(q.shape, dtype=dtype)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, dtype=acc)
     slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
-    for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, lengths, block_table),
-                                           kvcache_keys(v_cache, lengths, block_table))):
+    indexing = dict(block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    for b, (keys, values) in enumerate(zip(kvcache_keys(k_cache, lengths, **indexing),
+                                           kvcache_keys(v_cache, lengths, **indexing))):
         row_slopes = slopes[b:b + 1] if slopes is not None and slopes.ndim == 2 else slopes
         out_b, lse_b = attention_reference(q[b:b + 1], keys[None], values[None], causal=causal, softmax_scale=scale,
                                            window_size=window_size, softcap=softcap, alibi_slopes=row_slopes,

@@ -342,6 +342,23 @@ def _bad_inputs():
         "splits-type": (dict(base, num_splits=2.0), "num_splits must be an int"),
         "dropout-algorithm": (dict(base, algorithm="fa1"), "kvcache is supported by algorithm='fa2' only"),
         "cache-not-contiguous": (dict(base, k_cache=np.asfortranarray(k_cache)), "updated in place"),
+        "cache-batch-without-index": (dict(base, k_cache=k_cache[:2], v_cache=v_cache[:2]),
+                                      "k_cache must have q's batch size .* unless cache_batch_idx"),
+        "index-outside": (dict(base, cache_batch_idx=np.array([0, 3, 1], np.int32)),
+                          r"cache_batch_idx\[1\] must be in \[0, 3\)"),
+        "index-negative": (dict(base, cache_batch_idx=np.array([0, -1, 1], np.int32)),
+                           r"cache_batch_idx\[1\] must be in \[0, 3\)"),
+        "index-repeated-with-new-rows": (dict(base, cache_batch_idx=np.array([2, 0, 2], np.int32)),
+                                         "cache_batch_idx must name distinct cache rows"),
+        "index-dtype": (dict(base, cache_batch_idx=np.array([0, 1, 2], np.int64)), "cache_batch_idx must be an int32"),
+        "index-paged": (dict(paged_base, cache_batch_idx=np.array([0, 1, 2], np.int32)),
+                        "cache_batch_idx indexes contiguous caches"),
+        "leftpad-past-cached-rows": (dict(base, cache_leftpad=np.array([0, 5, 38], np.int32)),
+                                     r"cache_leftpad\[2\] must be in 0..cache_seqlens\[2\] = 37, got 38"),
+        "leftpad-negative": (dict(base, cache_leftpad=np.array([0, -2, 0], np.int32)), r"cache_leftpad\[1\]"),
+        "leftpad-shape": (dict(base, cache_leftpad=np.zeros(2, np.int32)), r"cache_leftpad must be an int32 array "
+                                                                          r"of shape \(batch,\) = \(3,\)"),
+        "leftpad-paged": (dict(paged_base, cache_leftpad=np.zeros(3, np.int32)), "cache_leftpad indexes contiguous"),
     }
 
 
@@ -441,3 +458,68 @@ def test_bad_rotary_is_refused_before_anything_is_written():
             cuflash.attention_with_kvcache(**arguments)
         assert records.launches == [], name
         assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1]), name
+
+
+# ---- cache indexing (cache_batch_idx / cache_leftpad) ------------------------------------------------------------
+
+
+def _relaid(cache, lengths, index, leftpad, capacity):
+    """The caches as a plain call sees the indexed ones: sequence b's row cache_batch_idx[b] with its padding cut,
+    its first key at row 0; the rest zero."""
+    relaid = np.zeros((len(index), capacity) + cache.shape[2:], cache.dtype)
+    for b in range(len(index)):
+        rows = lengths[b] - leftpad[b]
+        relaid[b, :rows] = cache[index[b], leftpad[b]:lengths[b]]
+    return relaid
+
+
+INDEXING_CASES = [  # (dtype, new rows, options, num_splits, rotary)
+    ("float16", 1, dict(causal=True), 1, False),
+    ("bfloat16", 3, dict(window_size=(40, 2)), 2, True),
+    ("float32", 0, dict(), 0, False),
+    ("float16", 3, dict(causal=True, softcap=5.0), 3, True),
+]
+
+
+@pytest.mark.parametrize("dtype, new, options, splits, with_rotary", INDEXING_CASES)
+def test_cache_indexing_equals_the_call_on_relaid_caches(dtype, new, options, splits, with_rotary):
+    """cache_batch_idx and cache_leftpad: bit for bit the plain call on caches relaid so that each sequence's keys
+    start at row 0 of its own batch row (its rotary positions counted from there too), with split-KV and rotary;
+    the new rows land at cache_seqlens in the named cache rows, nothing else in the caches changes; and within
+    FA2's rule of the float64 reference."""
+    rng = np.random.default_rng(21)
+    dt = numpy_dtype(dtype)
+    batch, cache_batch, seqlen_q, nheads, nheads_k, headdim, capacity = 3, 5, 2, 4, 2, 40, 160
+    q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(dt)
+    k_cache, v_cache = (rng.standard_normal((cache_batch, capacity, nheads_k, headdim)).astype(dt) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((batch, new, nheads_k, headdim)).astype(dt) for _ in range(2))
+    lengths = np.array([70, 5, 150], np.int32)
+    index, leftpad = np.array([4, 0, 2], np.int32), np.array([10, 0, 33], np.int32)
+    extra = dict(options, num_splits=splits, return_lse=True)
+    if with_rotary:
+        extra["rotary_cos"], extra["rotary_sin"] = _rotary_tables(capacity, 16, dtype, seed=22)
+    if new:
+        extra.update(k=k_new, v=v_new)
+    relaid = [_relaid(c, lengths, index, leftpad, capacity) for c in (k_cache, v_cache)]
+    before = k_cache.copy(), v_cache.copy()
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=index,
+                                              cache_leftpad=leftpad, **extra)
+    want_out, want_lse = cuflash.attention_with_kvcache(q, *relaid, cache_seqlens=lengths - leftpad, **extra)
+    assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse)
+    for cache, old, plain in zip((k_cache, v_cache), before, relaid):
+        for b in range(batch):  # the appended rows, as the plain call appended them; the rest as before
+            appended = plain[b, lengths[b] - leftpad[b]:lengths[b] - leftpad[b] + new]
+            assert np.array_equal(cache[index[b], lengths[b]:lengths[b] + new], appended)
+            cache[index[b], lengths[b]:lengths[b] + new] = old[index[b], lengths[b]:lengths[b] + new]
+        assert np.array_equal(cache, old)
+    if not with_rotary:
+        indexing = dict(cache_batch_idx=index, cache_leftpad=leftpad)
+        appended = [c.copy() for c in before]
+        for c, rows in zip(appended, (k_new, v_new)):
+            for b in range(batch):
+                c[index[b], lengths[b]:lengths[b] + new] = rows[b]
+        reference = [attention_with_kvcache_reference(q, *appended, lengths + new, dtype=d, **indexing,
+                                                      **{k: v for k, v in options.items()})
+                     for d in (np.float64, dt)]
+        tol.check_close("out", out, reference[0][0], reference[1][0], tol.FORWARD_FACTOR)
+        tol.check_close("lse", lse, reference[0][1], reference[1][1], tol.FORWARD_FACTOR)

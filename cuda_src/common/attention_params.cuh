@@ -78,6 +78,11 @@ struct TensorStrides {
 //                combine kernel (fa2_split_kv_combine.cu) merges them with out_accum into out and lse
 //   sinks        input (read only): attention sinks, the sink logit of each query head, (nheads,) (sink.cuh): it
 //                joins every row's softmax denominator; null: no sinks
+//   cache_batch_idx  input (read only): contiguous KV cache only, int32 words (batch): sequence b reads row
+//                cache_batch_idx[b] of the caches' batch (which may hold more rows than q's); null: row b
+//   cache_leftpad input (read only): contiguous KV cache only, int32 words (batch): sequence b's keys start at cache
+//                row cache_leftpad[b] (the rows before it are padding, never read): its keys are rows
+//                cache_leftpad[b] .. seqused_k[b] and its seqlen_k their count; null: 0 (block_info.cuh)
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \
@@ -98,7 +103,9 @@ struct TensorStrides {
   X(seqused_q)                         \
   X(block_table)                       \
   X(lse_accum)                         \
-  X(sinks)
+  X(sinks)                             \
+  X(cache_batch_idx)                   \
+  X(cache_leftpad)
 
 #define CUFLASH_PARAMS_POINTER_In const void*
 #define CUFLASH_PARAMS_POINTER_Out void*

@@ -10,6 +10,9 @@
 // holds query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of the packed (total_q, nheads, d) tensors and
 // keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1]; p.seqlen_q and p.seqlen_k are then the longest lengths (the
 // grid's extent). Row indices inside a kernel are always positions within the sequence.
+// A contiguous KV cache may map sequence b to another row of the caches' batch (cache_batch_idx) and start its keys
+// past left padding (cache_leftpad); only key_rows and seqlen_k read them, so key 0 is the first valid key here
+// too.
 //
 // Why the lengths are methods, not members: a fixed-length kernel reads them from the parameter bank
 // where it uses them and holds no register for them; a varlen one loads them from cu_seqlens where it
@@ -77,8 +80,9 @@ struct BlockInfo {
     if (p.seqused_q != nullptr) return cu_seqlen(p.seqused_q, batch);
     return cu_seqlen(p.cu_seqlens_q, batch + 1) - cu_seqlen(p.cu_seqlens_q, batch);
   }
+  // A KV cache's left padding (cache_leftpad) moves the first key: its keys are the rows from there to seqused_k.
   __device__ __forceinline__ int seqlen_k(const AttentionParams& p) const {
-    if (p.seqused_k != nullptr) return cu_seqlen(p.seqused_k, batch);  // a KV cache's keys in use, or varlen's
+    if (p.seqused_k != nullptr) return cu_seqlen(p.seqused_k, batch) - first_key_row(p);  // KV cache or varlen
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch + 1) - cu_seqlen(p.cu_seqlens_k, batch) : p.seqlen_k;
   }
   // Index of this sequence's row 0 among all query (key) rows of the batch: b * seqlen (fixed length) or
@@ -197,11 +201,22 @@ struct BlockInfo {
   __device__ __forceinline__ int k_start(const AttentionParams& p) const {
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : 0;
   }
+  // A contiguous KV cache's row of the caches' batch this sequence reads (cache_batch_idx), and the cache row of its
+  // key 0 (cache_leftpad); b and 0 without them. Null pointers in every call but a KV cache's that passes them.
+  __device__ __forceinline__ int cache_batch(const AttentionParams& p) const {
+    return p.cache_batch_idx != nullptr ? cu_seqlen(p.cache_batch_idx, batch) : batch;
+  }
+  __device__ __forceinline__ int first_key_row(const AttentionParams& p) const {
+    return p.cache_leftpad != nullptr ? cu_seqlen(p.cache_leftpad, batch) : 0;
+  }
   template <class T, class Void>
   __device__ __forceinline__ KeyRows<T> key_rows(const AttentionParams& p, Void* base, const TensorStrides& s,
                                                  int first_row) const {
-    if (p.block_table == nullptr)
-      return KeyRows<T>{at<T>(base, s, k_start(p), kv_head), s.row, 0, nullptr, 0, first_row};
+    if (p.block_table == nullptr) {
+      T* head_base = static_cast<T*>(base) + static_cast<long long>(cache_batch(p)) * s.batch +
+                     static_cast<long long>(k_start(p) + first_key_row(p)) * s.row + kv_head * s.head;
+      return KeyRows<T>{head_base, s.row, 0, nullptr, 0, first_row};
+    }
     const int* pages = reinterpret_cast<const int*>(p.block_table) + batch * p.block_table_stride;
     return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages, p.page_size, first_row};
   }

@@ -42,6 +42,8 @@ def attention_with_kvcache(
     rotary_sin: Any = None,
     rotary_interleaved: bool = False,
     sinks: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
 ) -> tuple[Any, ...]:
     """``cuflash.attention_with_kvcache`` on JAX arrays, functionally: returns ``(out, k_cache, v_cache)``, or
     ``(out, lse, k_cache, v_cache)`` with ``return_lse``, the caches with the new ``k``, ``v`` rows written at
@@ -65,10 +67,13 @@ def attention_with_kvcache(
     ``jit`` over caches sharded along kv heads (and batch, when not paged): one call per device on its shard. No
     derivative: it is an inference function, and differentiating it raises a TypeError. ``rotary_cos``,
     ``rotary_sin`` and ``rotary_interleaved`` as for the NumPy function (cuflash/rotary.py), at traced lengths
-    too; ``sinks`` (float32 (nheads,)) as for ``cuflash.attention``.
+    too; ``sinks`` (float32 (nheads,)) as for ``cuflash.attention``. ``cache_batch_idx`` and ``cache_leftpad``
+    as for the NumPy function (contiguous caches); traced values are taken on trust like cache_seqlens. With
+    cache_batch_idx the new rows go in by one scatter into the whole caches, which sharded jit keeps whole.
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
-             "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "sinks": sinks}
+             "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "sinks": sinks, "cache_batch_idx": cache_batch_idx,
+             "cache_leftpad": cache_leftpad}
     for name, array in named.items():
         if array is not None and not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
@@ -78,36 +83,49 @@ def attention_with_kvcache(
         raise TypeError(f"cache_seqlens must be an int, None or an int32 array, got {type(cache_seqlens).__name__}")
 
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
-    layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table)
+    layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     table = None if block_table is None else _concrete(block_table)
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
     lengths = _concrete(cache_seqlens) if lengths_given_as_array else cache_seqlens
-    if lengths_given_as_array and lengths is None:  # traced: only the capacity bounds the keys in use
+    lengths_known = not (lengths_given_as_array and lengths is None)
+    if lengths_known:
+        used = V.kvcache_used_rows(lengths, layout)
+    else:  # traced: only the capacity bounds the keys in use
         V.check_cache_seqlens_array(cache_seqlens, layout.batch)
         used = jnp.asarray(cache_seqlens) + jnp.int32(layout.seqlen_new)
+    # Concrete indexing values are checked as the NumPy function checks them; traced ones are taken on trust.
+    index = None if cache_batch_idx is None else _concrete(cache_batch_idx)
+    leftpad = None if cache_leftpad is None else _concrete(cache_leftpad)
+    leftpad_known = cache_leftpad is None or leftpad is not None
+    if lengths_known:
+        V.check_kvcache_index_values(index, leftpad, used, layout)
+    # The grid's extent: the longest sequence's keys where known, else a bound on them (rows in use, the capacity).
+    if not lengths_known:
         seqlen_k = layout.capacity
     else:
-        used = V.kvcache_used_rows(lengths, layout)
-        seqlen_k = int(used.max(initial=0))
+        seqlen_k = int((V.kvcache_keys(used, leftpad) if leftpad_known else used).max(initial=0))
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
     with_rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, layout.capacity)
 
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
-    starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)
-    if with_rotary:
+    starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)  # cache rows of the new rows
+    if with_rotary:  # at key positions: counted from the first key past the left padding
         cos, sin = jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
         q_rows_apart = rotary.query_rows_apart(causal, window_size)
-        q = rotary.rotate(jnp.asarray(q), cos, sin, rotary.positions(starts, q.shape[1], q_rows_apart, jnp),
+        keys = V.kvcache_keys(jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad))
+        first_new = keys - jnp.int32(layout.seqlen_new)
+        q = rotary.rotate(jnp.asarray(q), cos, sin, rotary.positions(first_new, q.shape[1], q_rows_apart, jnp),
                           bool(rotary_interleaved), jnp)
-        k = rotary.rotate(jnp.asarray(k), cos, sin, rotary.positions(starts, k.shape[1], True, jnp),
+        k = rotary.rotate(jnp.asarray(k), cos, sin, rotary.positions(first_new, k.shape[1], True, jnp),
                           bool(rotary_interleaved), jnp)
     if layout.seqlen_new:
-        k_cache = _append(k_cache, jnp.asarray(k), starts, block_table)
-        v_cache = _append(v_cache, jnp.asarray(v), starts, block_table)
+        k_cache = _append(k_cache, jnp.asarray(k), starts, block_table, cache_batch_idx)
+        v_cache = _append(v_cache, jnp.asarray(v), starts, block_table, cache_batch_idx)
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))
+    words += tuple(_int32_words(x) for x in (cache_batch_idx, cache_leftpad) if x is not None)
     config, return_lse, (q_call, k_call, v_call, side) = _call_operands(
         problem, q, k_cache, v_cache, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=None,
         algorithm=algorithm, return_lse=return_lse, int_words=words, sinks=sinks)
@@ -116,12 +134,16 @@ def attention_with_kvcache(
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
 
 
-def _append(cache, new, starts, block_table):
-    """``cache`` with new[b, i] at key row starts[b] + i of sequence b (its page and row in the page when paged):
-    one scatter. Rows outside the sequence's capacity (only traced lengths can give them) are dropped, negative
-    ones included (no Python-style wrapping), rather than written over another sequence's rows."""
+def _append(cache, new, starts, block_table, cache_batch_idx=None):
+    """``cache`` with new[b, i] at cache row starts[b] + i of sequence b (its page and row in the page when paged;
+    of the caches' batch row cache_batch_idx[b] when given): one scatter. Rows outside the sequence's capacity
+    (only traced lengths can give them) are dropped, negative ones included (no Python-style wrapping), rather
+    than written over another sequence's rows."""
     seqlen_new = new.shape[1]
     rows = starts[:, None] + jnp.arange(seqlen_new, dtype=jnp.int32)[None, :]  # (batch, seqlen_new)
+    if cache_batch_idx is not None:  # any sequence may write any batch row of the caches: the rows whole
+        outer = jnp.broadcast_to(jnp.asarray(cache_batch_idx)[:, None], rows.shape)
+        return cache.at[outer, rows].set(_batch_whole(new), mode="drop", wrap_negative_indices=False)
     if block_table is None:
         # One scatter per sequence into its own cache, batched by vmap: XLA partitions it along a sharded batch
         # without gathering the caches (an index into the batch axis would make it gather them).
@@ -131,6 +153,16 @@ def _append(cache, new, starts, block_table):
     outer = jnp.take_along_axis(jnp.asarray(block_table), rows // page_size, axis=1, mode="fill",
                                 fill_value=-1, wrap_negative_indices=False)
     return cache.at[outer, rows % page_size].set(new, mode="drop", wrap_negative_indices=False)
+
+
+def _batch_whole(x):
+    """``x`` with its first axis not sharded in an Explicit mesh (as it is otherwise): a scatter into caches whose
+    batch rows stay whole needs its updates whole along that axis."""
+    spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
+    if not spec or spec[0] is None:
+        return x
+    whole = jax.sharding.PartitionSpec(None, *spec[1:])
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, whole))
 
 
 def _batch_sharded_like(x, like):

@@ -51,7 +51,8 @@ from ._ring import ring_backward, ring_dropout_misalignment, ring_forward, with_
 def _einsum_term(name: str, problem: Problem) -> str:
     """The operand's factors: batch b, sequences s (queries) and t (keys), kv head g with group member r, head dim
     d; a varlen call's packed rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w; a paged
-    KV cache's pages p of y rows each, named by block_table's z columns."""
+    KV cache's pages p of y rows each, named by block_table's z columns; the batch rows e of caches that
+    cache_batch_idx indexes."""
     rows = "" if problem.varlen else "b "
     heads = _query_heads(problem)
     if name in ("lse", "dlse"):
@@ -64,7 +65,7 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return "w"  # the seed's words: every device gets them all
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
         return "c"  # every device reads every sequence's bounds
-    if name in ("seqused_q", "seqused_k"):
+    if name in ("seqused_q", "seqused_k", "cache_batch_idx", "cache_leftpad"):
         return "b"
     if name == "block_table":
         return "b z"
@@ -72,6 +73,8 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return f"{rows}s {heads} d"
     if problem.page_size:  # k, v: the page pool
         return "p y g d"
+    if problem.cache_batch_idx:  # k, v: caches whose batch rows any sequence may read
+        return "e t g d"
     return rows + "t g d"  # k, v, dk, dv (a KV cache's rows: its capacity)
 
 
@@ -94,6 +97,7 @@ def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]
         whole |= {"s", "t", "c"} | ({"b"} if per_sequence else set())
     if problem.kvcache:
         whole |= {"s"} | ({"b", "p", "y", "z"} if problem.page_size else {"t"})
+        whole |= {"e"} if problem.cache_batch_idx else set()
     # In the order the rule first names them: Shardy wants its special factors' indices sorted.
     order = [f.strip("()") for n in operands for f in _einsum_term(n, problem).split(" ")]
     return tuple(sorted(whole, key=order.index))

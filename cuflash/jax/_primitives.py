@@ -74,14 +74,17 @@ def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
 
 def side_input_names(problem: Problem) -> tuple[str, ...]:
     """The optional inputs both directions take, in operand order: ALiBi slopes, sinks, dropout's seed words, varlen's
-    cu_seqlens (and used prefixes), a KV cache's keys in use per sequence and a paged one's block_table (int32 words as float32)."""
+    cu_seqlens (and used prefixes), a KV cache's keys in use per sequence, a paged one's block_table and a contiguous
+    one's cache_batch_idx and cache_leftpad (int32 words as float32)."""
     names = ("alibi_slopes",) if problem.alibi is not None else ()
     names += ("sinks",) if problem.sinks else ()
     names += ("dropout_seed",) if problem.dropout_p > 0.0 else ()
     names += ("cu_seqlens_q", "cu_seqlens_k") if problem.varlen else ()
     names += ("seqused_q",) if problem.seqused_q else ()
     names += ("seqused_k",) if problem.kvcache or problem.seqused_k else ()
-    return names + (("block_table",) if problem.page_size else ())
+    names += ("block_table",) if problem.page_size else ()
+    names += ("cache_batch_idx",) if problem.cache_batch_idx else ()
+    return names + (("cache_leftpad",) if problem.cache_leftpad else ())
 
 
 def tensor_shape(name: str, problem: Problem, cache_shape: tuple[int, ...] | None = None) -> tuple[int, ...]:

@@ -92,6 +92,10 @@ class Problem:
     # Attention sinks (sink.cuh): a float32 logit per query head (a side input of that name, (nheads,)) joins every
     # row's softmax denominator.
     sinks: bool = False
+    # A contiguous KV cache's indexing (block_info.cuh), values that are data (side inputs of these names):
+    # cache_batch_idx maps sequence b to a row of the caches' batch, cache_leftpad[b] is its first key's cache row.
+    cache_batch_idx: bool = False
+    cache_leftpad: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_DTYPES:
@@ -125,6 +129,9 @@ class Problem:
             raise ValueError("Problem.page_size (a multiple of 16) needs kvcache and pages_per_sequence > 0")
         if not (isinstance(self.num_splits, int) and self.num_splits >= 0):
             raise ValueError(f"Problem.num_splits must be an int >= 0, got {self.num_splits!r}")
+        if (self.cache_batch_idx or self.cache_leftpad) and not (self.kvcache and not self.page_size):
+            raise ValueError("Problem.cache_batch_idx and cache_leftpad index a contiguous KV cache: they need "
+                             "kvcache without pages")
         if not isinstance(self.sinks, bool):
             raise ValueError(f"Problem.sinks must be a bool, got {self.sinks!r}")
         if self.num_splits != 1 and not self.kvcache:

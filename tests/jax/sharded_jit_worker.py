@@ -192,6 +192,25 @@ def main() -> None:
                 args = [args[0]] + [jax.device_put(c, NamedSharding(mesh, P(None, None, "model"))
                                                    if layout == "paged" else tensor) for c in caches] + args[1:]
                 results[f"{axis_type.name}:kvcache {layout} rows={rows}"] = compare_sharded(decode, args, plain)
+        # Caches indexed by cache_batch_idx (more batch rows than q) with left padding: q split along batch and
+        # heads, the caches along kv heads only (any sequence may read any of their batch rows).
+        indexed = [kv_rng.standard_normal((batch + 2, 64, nheads_k, headdim)).astype(np.float32) for _ in range(2)]
+        q_new = kv_rng.standard_normal((batch, 1, nheads, headdim)).astype(np.float32)
+        k_new, v_new = (kv_rng.standard_normal((batch, 1, nheads_k, headdim)).astype(np.float32) for _ in range(2))
+
+        def indexed_decode(q, k_cache, v_cache, k, v):
+            return cfj.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([40, 7, 61, 3],
+                                                                                                    np.int32),
+                                              cache_batch_idx=np.array([5, 0, 2, 3], np.int32),
+                                              cache_leftpad=np.array([4, 0, 30, 3], np.int32), causal=True,
+                                              num_splits=1, return_lse=True)
+
+        plain = jax.jit(indexed_decode)(q_new, *indexed, k_new, v_new)
+        tensor = NamedSharding(mesh, CASES["batch+heads"][0])
+        heads = NamedSharding(mesh, P(None, None, "model"))
+        args = [jax.device_put(q_new, tensor)] + [jax.device_put(c, heads) for c in indexed]
+        args += [jax.device_put(x, tensor) for x in (k_new, v_new)]
+        results[f"{axis_type.name}:kvcache indexed"] = compare_sharded(indexed_decode, args, plain)
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

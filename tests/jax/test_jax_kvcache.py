@@ -355,3 +355,43 @@ def test_rotary_equals_numpy_bit_for_bit(page, traced, interleaved, causal):
     lengths = np.array([CAPACITY - 3, 11], np.int32)
     got = _jax_call(q, k_cache, v_cache, rows, lengths, table, traced=traced, **tables)
     _assert_bitwise(got, _numpy_call(q, k_cache, v_cache, rows, lengths, table, **tables))
+
+
+@pytest.mark.parametrize("traced, with_rotary", [(False, False), (True, True)])
+def test_cache_indexing_equals_numpy_bit_for_bit(traced, with_rotary):
+    """cache_batch_idx (caches with more batch rows than q) and cache_leftpad, concrete or traced (lengths too),
+    with rotary: out, lse and the updated caches bit for bit the NumPy function's."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 1, 4, 32)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((4, 96, 2, 32)).astype(np.float16) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((2, 2, 2, 32)).astype(np.float16) for _ in range(2))
+    lengths, index, leftpad = (np.array(x, np.int32) for x in ([50, 9], [3, 1], [7, 9]))
+    options = dict(causal=True, return_lse=True)
+    if with_rotary:
+        angles = rng.uniform(-np.pi, np.pi, (96, 8))
+        options.update(rotary_cos=np.cos(angles).astype(np.float16), rotary_sin=np.sin(angles).astype(np.float16))
+
+    def call(q, k_cache, v_cache, k, v, lengths, index, leftpad):
+        return cfj.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lengths, cache_batch_idx=index,
+                                          cache_leftpad=leftpad, **options)
+
+    arguments = (q, k_cache, v_cache, k_new, v_new, lengths, index, leftpad)
+    if traced:
+        got = jax.jit(call)(*arguments)
+    else:
+        got = jax.jit(lambda *a: call(*a, lengths, index, leftpad))(*arguments[:5])
+    caches = k_cache.copy(), v_cache.copy()
+    want_out, want_lse = cuflash.attention_with_kvcache(q, *caches, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                        cache_batch_idx=index, cache_leftpad=leftpad, **options)
+    for a, b in zip(got, (want_out, want_lse, *caches)):
+        assert np.array_equal(np.asarray(a), b)
+
+
+def test_bad_cache_indexing_raises_at_trace_time():
+    q = np.zeros((2, 1, 4, 32), np.float16)
+    k_cache = np.zeros((3, 64, 2, 32), np.float16)
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[0\] must be in \[0, 3\)"):
+        cfj.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=4, cache_batch_idx=np.array([3, 0], np.int32))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] must be in 0..cache_seqlens\[1\] = 4, got 5"):
+        cfj.attention_with_kvcache(q, k_cache[:2], k_cache[:2], cache_seqlens=4, cache_leftpad=np.array([0, 5],
+                                                                                                       np.int32))

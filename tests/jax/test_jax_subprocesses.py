@@ -68,7 +68,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "varlen heads p=0.25", "mha batch+heads", "mqa batch",
                                          "kvcache contiguous rows=1", "kvcache contiguous rows=3",
                                          "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout",
-                                         "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads")}
+                                         "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads",
+                                         "kvcache indexed")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -133,6 +134,10 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                 assert case["custom_calls"] == 1, (mode, layout, case)
                 specs = [spec.replace(", None)", ")") for spec in case["shardings"]]
                 assert specs == [tensor, rows, tensor, tensor], (mode, layout, case)
+        # Caches indexed by cache_batch_idx, with left padding: their batch rows stay whole (any sequence may read
+        # any), the call still one per device, the results the unsharded call's bit for bit.
+        case = results.pop(f"{mode}:kvcache indexed")
+        assert case["bitwise"] == [True] * 4 and case["custom_calls"] == 1, (mode, case)
         # Varlen with its heads sharded (tensor parallelism): per-device calls on the kv heads, no collective.
         for p in ("0.0", "0.25"):
             case = results.pop(f"{mode}:varlen heads p={p}")
