@@ -64,8 +64,8 @@ def test_pack_params_round_trip():
 
 def test_the_mirror_is_derived_from_the_header_not_copied():
     text = params.HEADER.read_text()
-    assert "X(sinks)\n" in text and "int num_kv_splits;" in text  # the last side buffer and scalar
-    grown = text.replace("X(sinks)\n", "X(sinks) \\\n  X(extra_buffer)\n").replace(
+    assert "X(cache_leftpad)\n" in text and "int num_kv_splits;" in text  # the last side buffer and scalar
+    grown = text.replace("X(cache_leftpad)\n", "X(cache_leftpad) \\\n  X(extra_buffer)\n").replace(
         "int num_kv_splits;", "int num_kv_splits;\n  float new_scalar;").replace(
         "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
