@@ -144,15 +144,15 @@ def check_qkv(q: Any, k: Any, v: Any, *, causal: Any, window_size: Any = (-1, -1
     """Validate q, k, v and the attention options, and return the Problem they describe."""
     batch, seqlen_q, nheads, headdim = _check_ndim("q", q, "(batch, seqlen_q, nheads, headdim)")
     kshape = _check_ndim("k", k, "(batch, seqlen_k, nheads_k, headdim)")
-    vshape = _check_ndim("v", v, "(batch, seqlen_k, nheads_k, headdim)")
-    if kshape != vshape:
-        raise ValueError(f"k and v must have the same shape, got k {kshape} and v {vshape}")
+    vshape = _check_ndim("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")
+    _check_v_shape(kshape, vshape)
     kbatch, seqlen_k, nheads_k, kheaddim = kshape
     if kbatch != batch:
         raise ValueError(f"k must have the batch size of q ({batch}), got {kbatch}")
     return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-                    headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
-                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
+                    headdim=headdim, kheaddim=kheaddim, headdim_v=vshape[-1], causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
+                    sinks=sinks)
 
 
 def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
@@ -162,7 +162,7 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
     (check_cu_seqlens) and of seqused_q/k where given (check_seqused), and the options; return the varlen Problem
     (batch = sequences, seqlen = max_seqlen). ``options``: causal, window_size, softcap, alibi_slopes, dropout_p,
     deterministic, sinks, as for check_qkv."""
-    (total_q, _, _), (total_k, _, _) = _packed_shapes(q, k, v)
+    (total_q, _, _), (total_k, _, _), _ = _packed_shapes(q, k, v)
     batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                                                max_seqlen_k, seqused_q, seqused_k)
     return varlen_problem(q, k, v, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
@@ -228,26 +228,34 @@ def varlen_problem(q: Any, k: Any, v: Any, *, batch: int, max_seqlen_q: int, max
     """The varlen Problem of packed q, k, v for ``batch`` sequences of at most max_seqlen_q / max_seqlen_k rows
     (seqused_q/k: whether used-prefix counts come with them), without looking at the cu_seqlens values
     (check_varlen_qkv does; JAX calls this directly when they are traced)."""
-    (total_q, nheads, headdim), (total_k, nheads_k, kheaddim) = _packed_shapes(q, k, v)
+    (total_q, nheads, headdim), (total_k, nheads_k, kheaddim), headdim_v = _packed_shapes(q, k, v)
     seqlen_q, seqlen_k = (_check_int(name, x) for name, x in (("max_seqlen_q", max_seqlen_q),
                                                               ("max_seqlen_k", max_seqlen_k)))
     for name, x in (("max_seqlen_q", seqlen_q), ("max_seqlen_k", seqlen_k)):
         if x < 0:
             raise ValueError(f"{name} must be >= 0, got {x}")
     return _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-                    headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size, softcap=softcap,
-                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, total_q=total_q,
+                    headdim=headdim, kheaddim=kheaddim, headdim_v=headdim_v, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
+                    total_q=total_q,
                     total_k=total_k, seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks)
 
 
-def _packed_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of packed varlen q and of k (= v's): (total, heads, headdim)."""
+def _packed_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The shapes of packed varlen q and of k, (total, heads, headdim), and v's head dim (v: k's shape but for it)."""
     qshape = _check_ndim("q", q, "(total_q, nheads, headdim)")
     kshape = _check_ndim("k", k, "(total_k, nheads_k, headdim)")
-    vshape = _check_ndim("v", v, "(total_k, nheads_k, headdim)")
-    if kshape != vshape:
-        raise ValueError(f"k and v must have the same shape, got k {kshape} and v {vshape}")
-    return qshape, kshape
+    vshape = _check_ndim("v", v, "(total_k, nheads_k, headdim_v)")
+    _check_v_shape(kshape, vshape)
+    return qshape, kshape, vshape[-1]
+
+
+def _check_v_shape(kshape: tuple[int, ...], vshape: tuple[int, ...], names: tuple[str, str] = ("k", "v")) -> None:
+    """v has k's shape but for its head dim (the last dimension), which may be its own (MLA-style)."""
+    if kshape[:-1] != vshape[:-1]:
+        k_name, v_name = names
+        raise ValueError(f"{v_name} must have {k_name}'s shape but for the head dim (the last dimension), got "
+                         f"{k_name} {kshape} and {v_name} {vshape}")
 
 
 def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int, total_name: str) -> np.ndarray:
@@ -299,14 +307,18 @@ def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: s
 
 
 def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int,
-             headdim: int, kheaddim: int, causal: Any, window_size: Any, softcap: Any, alibi_slopes: Any,
+             headdim: int, kheaddim: int, headdim_v: int, causal: Any, window_size: Any, softcap: Any,
+             alibi_slopes: Any,
              dropout_p: Any, deterministic: Any, total_q: int | None = None, total_k: int | None = None,
              seqused_q: bool = False, seqused_k: bool = False, sinks: Any = None) -> Problem:
     """The checks fixed-length and varlen inputs share (heads, head dim, dtypes, options), then the Problem."""
     if kheaddim != headdim:
-        raise ValueError(f"k and v must have the head dim of q ({headdim}), got {kheaddim}")
+        raise ValueError(f"k must have the head dim of q ({headdim}), got {kheaddim}")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"head dim (last dimension of q) must be in 1..{MAX_HEADDIM}, got {headdim}")
+    if not 1 <= headdim_v <= MAX_HEADDIM:
+        # FA3's qk 64 / v 512 pair needs tiles wider than any compiled here (256): refused, not approximated.
+        raise ValueError(f"v's head dim (its last dimension) must be in 1..{MAX_HEADDIM}, got {headdim_v}")
     if nheads_k == 0 and nheads != 0:
         raise ValueError(f"k must have at least one head when q has {nheads}")
     if nheads_k and nheads % nheads_k:
@@ -331,6 +343,7 @@ def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int
         nheads=nheads,
         nheads_k=nheads_k,
         headdim=headdim,
+        headdim_v=headdim_v,
         mask=check_mask(causal, window_size, seqlen_q, seqlen_k),
         deterministic=check_bool("deterministic", deterministic),
         softcap=check_softcap(softcap),
@@ -358,12 +371,15 @@ def packed_parts(name: str, packed: Any) -> tuple[Any, ...]:
     return tuple(packed[:, :, i] for i in range(parts))
 
 
-def check_like(name: str, array: Any, like_name: str, like: Any) -> None:
-    """``array`` must have the shape and dtype of ``like``."""
-    if tuple(array.shape) != tuple(like.shape):
-        raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}, got {tuple(array.shape)}")
-    if dtype_name(array) != dtype_name(like):
-        raise TypeError(f"{name} must have the dtype of {like_name} ({dtype_name(like)}), got {dtype_name(array)}")
+def check_out_like(name: str, array: Any, q: Any, headdim_v: int) -> None:
+    """``array`` (out or dout) must have q's shape but for the head dim, which is v's (``headdim_v``), and q's
+    dtype."""
+    expected = (*q.shape[:-1], headdim_v)
+    if tuple(array.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} (q's, with v's head dim {headdim_v}), got "
+                         f"{tuple(array.shape)}")
+    if dtype_name(array) != dtype_name(q):
+        raise TypeError(f"{name} must have the dtype of q ({dtype_name(q)}), got {dtype_name(array)}")
 
 
 def check_lse(lse: Any, problem: Problem) -> None:
@@ -441,8 +457,8 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
                              f"{dtype_name(index)} {tuple(index.shape)}")
     layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch, seqlen_cache, nheads_k, headdim)"
     cache_shape = _check_ndim("k_cache", k_cache, layout)
-    if tuple(v_cache.shape) != cache_shape:
-        raise ValueError(f"v_cache must have k_cache's shape {cache_shape}, got {tuple(v_cache.shape)}")
+    _check_v_shape(cache_shape, _check_ndim("v_cache", v_cache, layout.replace("headdim", "headdim_v")),
+                   ("k_cache", "v_cache"))
     cache_rows, nheads_k, kheaddim = cache_shape[1:]
     if paged:
         if (dtype_name(block_table) != "int32" or len(block_table.shape) != 2 or block_table.shape[0] != batch
@@ -466,8 +482,10 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
         if new_shape[0] != batch or new_shape[2:] != (nheads_k, kheaddim):
             raise ValueError(f"k must have shape (batch, seqlen_new, nheads_k, headdim) = ({batch}, seqlen_new, "
                              f"{nheads_k}, {kheaddim}), got {new_shape}")
-        if tuple(v.shape) != new_shape:
-            raise ValueError(f"v must have k's shape {new_shape}, got {tuple(v.shape)}")
+        new_v_shape = _check_ndim("v", v, "(batch, seqlen_new, nheads_k, headdim_v)")
+        if new_v_shape != (*new_shape[:3], v_cache.shape[-1]):
+            raise ValueError(f"v must have shape (batch, seqlen_new, nheads_k, headdim_v) = {new_shape[:3]} + "
+                             f"({v_cache.shape[-1]},) (v_cache's head dim), got {new_v_shape}")
         seqlen_new = new_shape[1]
         for name, x in (("k", k), ("v", v)):
             if dtype_name(x) != dtype_name(k_cache):
@@ -554,8 +572,9 @@ def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k, kheaddim = k_cache.shape[2:]
     problem = _problem(q, k_cache, v_cache, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
-                       nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, causal=causal, window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False, sinks=sinks)
+                       nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, headdim_v=v_cache.shape[-1],
+                       causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       dropout_p=0.0, deterministic=False, sinks=sinks)
     return dataclasses.replace(problem, kvcache=True, page_size=layout.page_size,
                                pages_per_sequence=layout.pages_per_sequence, cache_batch_idx=layout.cache_batch_idx,
                                cache_leftpad=layout.cache_leftpad)

@@ -250,7 +250,7 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
     backend = placement.backend()
     problem = plan.problem
     with backend.device():
-        out = backend.empty(q.shape, q.dtype)
+        out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)  # v's head dim
         lse = backend.empty(plan.row_stats_shape, np.float32)
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
@@ -332,8 +332,8 @@ def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q
 def _check_backward(problem: Problem, dout: Any, q: Any, out: Any, lse: Any, dropout_seed: Any) -> None:
     """The backward's checks between its Problem's and the scalars', in the API's order."""
     check_dropout_seed(dropout_seed, problem.dropout_p)
-    V.check_like("dout", dout, "q", q)
-    V.check_like("out", out, "q", q)
+    V.check_out_like("dout", dout, q, problem.headdim_v)
+    V.check_out_like("out", out, q, problem.headdim_v)
     V.check_lse(lse, problem)
 
 
@@ -741,16 +741,17 @@ attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = sc
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
     with nheads a multiple of nheads_k (GQA/MQA); dtype float16, bfloat16 or float32
     (all equal), head dim 1..256. ``softmax_scale`` defaults to 1/sqrt(headdim).
+    v may have a head dim of its own, headdim_v in 1..256 (MLA-style; fa2 only): out then has it.
     ``algorithm``: "fa2" (default), "fa1" or "standard".
 
-    Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
+    Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
     the log-sum-exp of the scores of each query row.
 """ + _OPTIONS_DOC
 
 attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given dout = dL/dout.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same
-    q, k, v and options. dq is like q; dk, dv are like k, v (for GQA/MQA they sum over the
+    q, k, v and options; dout has out's shape. dq is like q; dk, dv are like k, v (for GQA/MQA they sum over the
     query heads of a group). ``deterministic=True`` asks for bitwise-reproducible
     gradients (the fa2 backward otherwise accumulates dq with float32 atomics, whose order
     varies between runs on a GPU). With ``deterministic=True`` fa2 gives each of a fixed number of thread
@@ -761,7 +762,8 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given do
 
 attention_varlen.__doc__ = """Attention over a batch of variable-length sequences packed without padding.
 
-    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim). cu_seqlens_q and
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), v's head dim may be its own
+    (then out's, as for ``attention``). cu_seqlens_q and
     cu_seqlens_k: int32 (batch + 1,), from 0 to total_q (total_k), nondecreasing: sequence b
     is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q attending to rows cu_seqlens_k[b] ..
     cu_seqlens_k[b + 1] of k and v, exactly as ``attention`` on that sequence alone (the mask's
@@ -793,7 +795,8 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     headdim), or paged (num_pages, page_size, nheads_k, headdim) with ``block_table`` int32 (batch,
     max_blocks_per_seq) naming each sequence's pages in order (any page size that is a multiple of 16).
     ``cache_seqlens``: int32 (batch,), an int, or None (the cache is full but for the new rows): the rows
-    already in use per sequence. New ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) are written into
+    already in use per sequence (v_cache, and so v and out, may have a head dim of its own, as for
+    ``attention``). New ``k``, ``v`` (batch, seqlen_new, nheads_k, headdim) are written into
     the caches in place at rows cache_seqlens[b] .. + seqlen_new; then q attends to keys
     [0, cache_seqlens[b] + seqlen_new) of its sequence, the mask's diagonal aligned bottom-right to that
     length (off = cache_seqlens[b] + seqlen_new - seqlen_q). Window, softcap, ALiBi and sinks as for ``attention``;

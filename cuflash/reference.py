@@ -14,7 +14,8 @@ Two roles, one code path:
 
 Conventions (the same as FlashAttention 2):
 
-* q is (batch, seqlen_q, nheads, headdim); k and v are (batch, seqlen_k, nheads_k, headdim).
+* q is (batch, seqlen_q, nheads, headdim); k and v are (batch, seqlen_k, nheads_k, headdim), v may have a head
+  dim of its own (then so has out).
 * Grouped/multi-query attention: ``nheads % nheads_k == 0`` and query head ``h`` reads kv head
   ``h // (nheads // nheads_k)``.
 * ``causal=True`` aligns the mask to the bottom-right corner of the score matrix: query row ``i`` sees key
@@ -86,8 +87,8 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int
             "expected q (batch, seqlen_q, nheads, headdim) and k, v (batch, seqlen_k, nheads_k, headdim); "
             f"got ndims {q.ndim}, {k.ndim}, {v.ndim}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"v must have k's shape but for the head dim, got {k.shape} and {v.shape}")
     batch, seqlen_q, nheads, headdim = q.shape
     batch_k, seqlen_k, nheads_k, headdim_k = k.shape
     if batch_k != batch:
@@ -260,7 +261,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     sinks = _sinks(sinks, nheads, acc)
-    out = np.zeros((batch, seqlen_q, nheads, headdim), dtype=acc)
+    out = np.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=acc)  # v's head dim
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
         visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
@@ -292,8 +293,9 @@ def attention_backward_reference(
     acc = accumulator_dtype(dtype)
     dout, q, k, v = _prepare((dout, q, k, v), dtype, acc)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    if dout.shape != (*q.shape[:3], v.shape[-1]):
+        raise ValueError(f"dout must have q's shape with v's head dim, {(*q.shape[:3], v.shape[-1])}, got "
+                         f"{dout.shape}")
     scale = _scale(softmax_scale, headdim)
     mask = Mask.of(causal, window_size)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
@@ -364,7 +366,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
     acc = accumulator_dtype(dtype)
     q, k, v = (np.asarray(a) for a in (q, k, v))
     scale = _scale(softmax_scale, q.shape[-1])
-    out = np.zeros(q.shape, dtype=dtype)
+    out = np.zeros((*q.shape[:2], v.shape[-1]), dtype=dtype)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=acc)
     for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         out_b, lse_b = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
@@ -429,7 +431,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_tabl
     acc = accumulator_dtype(dtype)
     q = np.asarray(q)
     scale = _scale(softmax_scale, q.shape[-1])
-    out = np.zeros(q.shape, dtype=dtype)
+    out = np.zeros((*q.shape[:3], np.shape(v_cache)[-1]), dtype=dtype)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, dtype=acc)
     slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     indexing = dict(block_table=block_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)

@@ -46,7 +46,7 @@ def call(q, k, v, **kw):
     [
         (lambda q, k, v: (q[0], k, v), ValueError, ["q", "4 dimensions"]),
         (lambda q, k, v: (q, k[..., None], v), ValueError, ["k", "4 dimensions"]),
-        (lambda q, k, v: (q, k, v[:, :3]), ValueError, ["k and v", "same shape"]),
+        (lambda q, k, v: (q, k, v[:, :3]), ValueError, ["v must have k's shape", "but for the head dim"]),
         (lambda q, k, v: (q, k[:1], v[:1]), ValueError, ["batch"]),
         (lambda q, k, v: (q, k[..., :8], v[..., :8]), ValueError, ["head dim"]),
         (lambda q, k, v: (q[:, :, :3], k, v), ValueError, ["multiple of nheads_k"]),
@@ -106,9 +106,9 @@ def backward_args(**kw):
 @pytest.mark.parametrize(
     "name, bad, error, words",
     [
-        ("dout", lambda a: a["dout"][:, :2], ValueError, ["dout", "shape of q"]),
+        ("dout", lambda a: a["dout"][:, :2], ValueError, ["dout", "must have shape (2, 5, 4, 16) (q's, with v's"]),
         ("dout", lambda a: a["dout"].astype(np.float16), TypeError, ["dout", "dtype of q"]),
-        ("out", lambda a: a["out"][..., :4], ValueError, ["out", "shape of q"]),
+        ("out", lambda a: a["out"][..., :4], ValueError, ["out", "must have shape (2, 5, 4, 16)", "got (2, 5, 4, 4)"]),
         ("lse", lambda a: a["lse"][:, :, :2], ValueError, ["lse", "(batch, nheads, seqlen_q)"]),
         ("lse", lambda a: a["lse"].astype(np.float16), TypeError, ["lse", "float32"]),
         ("lse", lambda a: a["lse"][0], ValueError, ["lse"]),

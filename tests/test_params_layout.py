@@ -67,10 +67,10 @@ def test_the_mirror_is_derived_from_the_header_not_copied():
     assert "X(cache_leftpad)\n" in text and "int num_kv_splits;" in text  # the last side buffer and scalar
     grown = text.replace("X(cache_leftpad)\n", "X(cache_leftpad) \\\n  X(extra_buffer)\n").replace(
         "int num_kv_splits;", "int num_kv_splits;\n  float new_scalar;").replace(
-        "X(dv, Key, Out)", "X(dv, Key, Out) \\\n  X(dbias, Query, Out)")
+        "X(dv, Key, V, Out)", "X(dv, Key, V, Out) \\\n  X(dbias, Query, QK, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
     assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")
-    assert tensors[-1] == params.TensorField("dbias", "Query", "Out")
+    assert tensors[-1] == params.TensorField("dbias", "Query", "QK", "Out")
     assert ("dbias", "void*") in fields and ("dbias_stride.head", "long long") in fields
     with pytest.raises(ValueError, match="cannot read the AttentionParams member 'double oops;'"):
         params.header_fields(text.replace("int num_dq_splits;", "int num_dq_splits;\n  double oops;"))

@@ -10,8 +10,10 @@
 //  - Tensors are element pointers; the element type is a template parameter of
 //    the kernel. Strides are in elements, 64-bit, for (batch, row, head); the
 //    last (head-dim) dimension is always contiguous.
-//  - q, out, dout, dq: (batch, seqlen_q, nheads,   headdim)
-//    k, v, dk, dv:     (batch, seqlen_k, nheads_k, headdim)   [dk/dv: nheads_k]
+//  - q, dq:        (batch, seqlen_q, nheads,   headdim)     out, dout: (batch, seqlen_q, nheads,   headdim_v)
+//    k, dk:        (batch, seqlen_k, nheads_k, headdim)     v, dv:     (batch, seqlen_k, nheads_k, headdim_v)
+//    headdim is the head dim of the scores' dot products (q, k), headdim_v that of the values and of the output
+//    (MLA-style calls give v its own; otherwise the two are equal).
 //  - Float32 side buffers are dense, row-major, in the shapes given beside them.
 //  - Only plain C types: NVRTC compiles this header without a C++ library.
 #pragma once
@@ -28,18 +30,18 @@ struct TensorStrides {
 // field tables (ffi/program_call.h) and the Python mirror (cuflash/kernels/params.py parses these
 // lists and the scalar declarations) all come from here.
 //
-// Element tensors: X(name, side, access). side: Query = (batch, seqlen_q, nheads, headdim),
-// Key = (batch, seqlen_k, nheads_k, headdim). access: In (const) or Out. Each has a
-// TensorStrides name##_stride.
+// Element tensors: X(name, side, width, access). side: Query = (batch, seqlen_q, nheads, width),
+// Key = (batch, seqlen_k, nheads_k, width). width: QK = headdim, V = headdim_v. access: In (const) or Out. Each
+// has a TensorStrides name##_stride.
 #define CUFLASH_PARAMS_TENSORS(X) \
-  X(q, Query, In)                 \
-  X(k, Key, In)                   \
-  X(v, Key, In)                   \
-  X(out, Query, Out)              \
-  X(dout, Query, In)              \
-  X(dq, Query, Out)               \
-  X(dk, Key, Out)                 \
-  X(dv, Key, Out)
+  X(q, Query, QK, In)             \
+  X(k, Key, QK, In)               \
+  X(v, Key, V, In)                \
+  X(out, Query, V, Out)           \
+  X(dout, Query, V, In)           \
+  X(dq, Query, QK, Out)           \
+  X(dk, Key, QK, Out)             \
+  X(dv, Key, V, Out)
 
 // Float32 side buffers, dense, row-major: X(name).
 //   lse          (batch, nheads, seqlen_q) log-sum-exp of scaled scores
@@ -48,7 +50,7 @@ struct TensorStrides {
 //   row_max      fa1: running m, (batch, nheads, seqlen_q)
 //   row_sum      fa1: running l, (batch, nheads, seqlen_q)
 //   out_accum    fa1 forward: float32 O, (batch, seqlen_q, nheads, headdim); split-KV forward (num_kv_splits > 1):
-//                each split's O / l, (num_kv_splits, total_q, nheads, headdim)
+//                each split's O / l, (num_kv_splits, total_q, nheads, headdim_v)
 //   dout_dot_out backward pre-pass D = rowsum(dO * O), (batch, nheads, seqlen_q)
 //   dq_accum     backward: float32 dQ, (num_dq_splits, batch, seqlen_q, nheads, headdim)
 //   dk_accum     backward GQA: float32 dK per q-head, (batch, seqlen_k, nheads, headdim)
@@ -111,9 +113,11 @@ struct TensorStrides {
 #define CUFLASH_PARAMS_POINTER_Out void*
 #define CUFLASH_PARAMS_IS_QUERY_Query true
 #define CUFLASH_PARAMS_IS_QUERY_Key false
-#define CUFLASH_PARAMS_DECLARE_TENSOR(name, side, access) CUFLASH_PARAMS_POINTER_##access name;
+#define CUFLASH_PARAMS_IS_VALUE_WIDTH_QK false
+#define CUFLASH_PARAMS_IS_VALUE_WIDTH_V true
+#define CUFLASH_PARAMS_DECLARE_TENSOR(name, side, width, access) CUFLASH_PARAMS_POINTER_##access name;
 #define CUFLASH_PARAMS_DECLARE_SIDE_BUFFER(name) float* name;
-#define CUFLASH_PARAMS_DECLARE_STRIDES(name, side, access) TensorStrides name##_stride;
+#define CUFLASH_PARAMS_DECLARE_STRIDES(name, side, width, access) TensorStrides name##_stride;
 
 struct AttentionParams {
   CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_TENSOR)
@@ -125,7 +129,8 @@ struct AttentionParams {
   int seqlen_k;
   int nheads;
   int nheads_k;
-  int headdim;
+  int headdim;    // q's and k's (the scores' dot products)
+  int headdim_v;  // v's, and so out's (equal to headdim but in MLA-style calls)
   int total_q;  // query rows of the whole batch: batch * seqlen_q, or cu_seqlens_q[batch] for varlen (where
                 // seqlen_q and seqlen_k are the longest sequence's lengths)
   int total_k;  // key rows of the whole batch, likewise

@@ -157,13 +157,20 @@ struct BlockInfo {
     return score_matrix_offset(p) + static_cast<long long>(query) * p.seqlen_k;
   }
   // Dense float32 accumulators in the tensor layout (rows, nheads, d) over all query (key) rows, one row
-  // every dense_row_stride floats: out_accum and dq_accum over query rows, dk_accum and dv_accum over key
-  // rows (per query head).
+  // every dense_row_stride floats: dq_accum (and fa1's out_accum, dk_accum and dv_accum: fa1 takes no headdim_v of
+  // its own) over query (key) rows, per query head. The split-KV forward's out_accum has v's head dim: a row every
+  // dense_out_row_stride floats.
   __device__ __forceinline__ static long long dense_row_stride(const AttentionParams& p) {
     return static_cast<long long>(p.nheads) * p.headdim;
   }
+  __device__ __forceinline__ static long long dense_out_row_stride(const AttentionParams& p) {
+    return static_cast<long long>(p.nheads) * p.headdim_v;
+  }
   __device__ __forceinline__ long long dense_q_offset(const AttentionParams& p) const {
     return q_row0(p) * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
+  }
+  __device__ __forceinline__ long long dense_out_offset(const AttentionParams& p) const {
+    return q_row0(p) * dense_out_row_stride(p) + static_cast<long long>(head) * p.headdim_v;
   }
   __device__ __forceinline__ long long dense_k_offset(const AttentionParams& p) const {
     return k_row0(p) * dense_row_stride(p) + static_cast<long long>(head) * p.headdim;
@@ -173,9 +180,11 @@ struct BlockInfo {
     return p.dq_accum + slice * dense_q_elements(p) + dense_q_offset(p);
   }
   // Row 0 of this (batch, head) in split `split`'s partial results (split-KV forward): its O / l in out_accum
-  // (num_kv_splits, total_q, nheads, d) and its lse in lse_accum (num_kv_splits, <row stats>).
+  // (num_kv_splits, total_q, nheads, headdim_v) and its lse in lse_accum (num_kv_splits, <row stats>).
+  // Written as a slice base plus a fixed offset, like dq_accum: the combine kernel steps through the splits by adding
+  // a slice's size (folded as (split * total_q + row0) * stride, it spilled 12 bytes on sm_90).
   __device__ __forceinline__ float* out_accum_split(const AttentionParams& p, int split) const {
-    return p.out_accum + split * dense_q_elements(p) + dense_q_offset(p);
+    return p.out_accum + split * dense_out_elements(p) + dense_out_offset(p);
   }
   __device__ __forceinline__ float* lse_accum_split(const AttentionParams& p, int split) const {
     return p.lse_accum + split * row_stats_elements(p) + row_stats_offset(p);
@@ -188,6 +197,10 @@ struct BlockInfo {
   // for fixed-length batches.
   __device__ __forceinline__ static long long dense_q_elements(const AttentionParams& p) {
     return static_cast<long long>(p.total_q) * dense_row_stride(p);
+  }
+  // Floats in one split's slice of out_accum (num_kv_splits, total_q, nheads, headdim_v).
+  __device__ __forceinline__ static long long dense_out_elements(const AttentionParams& p) {
+    return static_cast<long long>(p.total_q) * dense_out_row_stride(p);
   }
 
  private:

@@ -45,7 +45,7 @@ struct PointerField {
 };
 
 // From the header's X-macro lists: element tensors first, then the float32 side buffers.
-#define CUFLASH_TENSOR_POINTER_FIELD(name, side, access) {#name, offsetof(AttentionParams, name), true},
+#define CUFLASH_TENSOR_POINTER_FIELD(name, side, width, access) {#name, offsetof(AttentionParams, name), true},
 #define CUFLASH_SIDE_POINTER_FIELD(name) {#name, offsetof(AttentionParams, name), false},
 inline constexpr PointerField kPointerFields[] = {
     CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)};
@@ -150,9 +150,11 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, co
   struct Entry {
     const char* name;
     TensorStrides AttentionParams::*strides;
-    bool query_side;  // (batch, seqlen_q, nheads, headdim); else (batch, seqlen_k, nheads_k, headdim)
+    bool query_side;   // (batch, seqlen_q, nheads, width); else (batch, seqlen_k, nheads_k, width)
+    bool value_width;  // width headdim_v (v, out, dout, dv); else headdim
   };
-#define CUFLASH_TENSOR_GEOMETRY(name, side, access) {#name, &AttentionParams::name##_stride, CUFLASH_PARAMS_IS_QUERY_##side},
+#define CUFLASH_TENSOR_GEOMETRY(name, side, width, access) \
+  {#name, &AttentionParams::name##_stride, CUFLASH_PARAMS_IS_QUERY_##side, CUFLASH_PARAMS_IS_VALUE_WIDTH_##width},
   static constexpr Entry kTensors[] = {CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_GEOMETRY)};
 #undef CUFLASH_TENSOR_GEOMETRY
   for (const Entry& entry : kTensors) {
@@ -164,7 +166,7 @@ inline bool TensorGeometryOf(const AttentionParams& p, std::string_view name, co
     geometry->extents[0] = packed ? 1 : p.batch;
     geometry->extents[1] = packed ? (entry.query_side ? p.total_q : p.total_k) : entry.query_side ? p.seqlen_q : p.seqlen_k;
     geometry->extents[2] = entry.query_side ? p.nheads : p.nheads_k;
-    geometry->extents[3] = p.headdim;
+    geometry->extents[3] = entry.value_width ? p.headdim_v : p.headdim;
     geometry->strides = p.*entry.strides;
     // A paged cache's k and v are (num_pages, page_size, nheads_k, headdim), the page stride in the batch stride
     // (attention_params.cuh's block_table, block_info.cuh's KeyRows). Which pages a sequence reads is data (the

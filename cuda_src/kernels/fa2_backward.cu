@@ -142,9 +142,9 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
   const int row_end = min(info.seqlen_q(p), (static_cast<int>(blockIdx.x) + 1) * fa2::RowKernel::kRows);
   for (int row = blockIdx.x * fa2::RowKernel::kRows + threadIdx.x / 32; row < row_end; row += kWarps) {
     float sum = 0.f;
-    for (int dim0 = lane * 4; dim0 < p.headdim; dim0 += 128) {
-      const float4 x = fa2::load_chunk4(dout + row * p.dout_stride.row + dim0, p.headdim - dim0);
-      const float4 y = fa2::load_chunk4(out + row * p.out_stride.row + dim0, p.headdim - dim0);
+    for (int dim0 = lane * 4; dim0 < p.headdim_v; dim0 += 128) {  // dO and O have v's head dim
+      const float4 x = fa2::load_chunk4(dout + row * p.dout_stride.row + dim0, p.headdim_v - dim0);
+      const float4 y = fa2::load_chunk4(out + row * p.out_stride.row + dim0, p.headdim_v - dim0);
       sum = fmaf(x.x, y.x, sum);
       sum = fmaf(x.y, y.y, sum);
       sum = fmaf(x.z, y.z, sum);
@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   // Deterministic mode runs one block per slice along x.
   if (launch_differs_from_traits<Tr::kSmemBytes, kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
+      p.headdim_v > HeadDim || p.headdim_v < 1 ||
       (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)))
     __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
@@ -191,10 +192,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
   // loop cost 13 to 24 registers and spilled 60 bytes at head dim 96 on sm_80); the cost is a local load (an L1
   // hit) and a few integer instructions per Q block.
   volatile int thread_index = threadIdx.x;
-  const int d = p.headdim;
+  const int d = p.headdim;         // q's, k's and their gradients' columns
+  const int dim_v = p.headdim_v;  // v's, dO's and dV's (attention_params.cuh)
   const int group = BlockInfo::group_size(p);
   const float softmax_scale = p.softmax_scale;
-  const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
+  const int k_extent = min(HeadDim, (d + 3) / 4 * 4);      // of Q K^T's dot products
+  const int v_extent = min(HeadDim, (dim_v + 3) / 4 * 4);  // of dO V^T's
   const int dq_slice = p.num_dq_splits > 1 ? blockIdx.x : 0;
   const MaskPolicy mask = MaskPolicy::of(p, kv_info);  // the sequence's: the same for every head of the group
 
@@ -211,7 +214,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
     const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
     const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
     fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, k, p.k_stride.row, block_keys, d, tid, kThreads);
-    fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, d, tid, kThreads);
+    fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, v, p.v_stride.row, block_keys, dim_v, tid, kThreads);
 
     float acc_dk[KvTile::kM][4][KvTile::kN][4];
     float acc_dv[KvTile::kM][4][KvTile::kN][4];
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
         fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(q_tile, q_head + row0 * p.q_stride.row, p.q_stride.row,
                                                         block_rows, d, step_tid, kThreads);
         fa2::load_tile<BlockM, HeadDim, Tr::kRowStride>(do_tile, do_head + row0 * p.dout_stride.row,
-                                                        p.dout_stride.row, block_rows, d, step_tid, kThreads);
+                                                        p.dout_stride.row, block_rows, dim_v, step_tid, kThreads);
         fa2::stage_row_stats<BlockM>(p, row_base + row0, block_rows, step_tid, lse_rows, dot_rows);
         __syncthreads();
 
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
                                             k_extent);
           fa2::mma_nt<STile::kM, STile::kN>(dp, do_tile + s_row * Tr::kRowStride,
                                             STile::kThreadsM * Tr::kRowStride, v_tile + s_key * Tr::kRowStride,
-                                            STile::kThreadsN * Tr::kRowStride, k_extent);
+                                            STile::kThreadsN * Tr::kRowStride, v_extent);
           const bool needs_mask = mask.tile_needs_mask(row0, block_rows, key0, BlockN);
 #pragma unroll
           for (int i = 0; i < STile::kM; ++i) {
@@ -336,12 +339,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
 #pragma unroll
         for (int j = 0; j < KvTile::kN; ++j) {
           const int dim0 = (kv_dim + j * KvTile::kThreadsN) * 4;
-          if (dim0 >= d) continue;
+          if (dim0 >= max(d, dim_v)) continue;
           float x[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) x[e] = acc_dk[i][a][j][e] * p.softmax_scale;
           fa2::store_chunk4(dk + (key0 + key) * p.dk_stride.row + dim0, x, d - dim0);
-          fa2::store_chunk4(dv + (key0 + key) * p.dv_stride.row + dim0, acc_dv[i][a][j], d - dim0);
+          fa2::store_chunk4(dv + (key0 + key) * p.dv_stride.row + dim0, acc_dv[i][a][j], dim_v - dim0);
         }
       }
   }

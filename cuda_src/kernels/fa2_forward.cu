@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
   CUFLASH_DYNAMIC_SMEM(smem_bytes);
   // The plan (Python) and these traits must agree on the launch shape; a mismatch is a bug.
-  if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1) __trap();
+  if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
+      p.headdim_v > HeadDim || p.headdim_v < 1)
+    __trap();
   float* smem = reinterpret_cast<float*>(smem_bytes);
 
   const int m_block = blockIdx.x / p.num_kv_splits;  // the split is blockIdx.x % p.num_kv_splits
@@ -128,7 +130,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   const int lane = threadIdx.x % 32;
   const int lane_row = lane / kLaneCols;
   const int lane_col = lane % kLaneCols;
-  const int d = p.headdim;
+  const int d = p.headdim;         // q's and k's columns
+  const int dim_v = p.headdim_v;  // v's and out's (attention_params.cuh)
 
   const int row0 = m_block * BlockM;
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(k_tile, info.k_rows<T>(p, key0), block_keys, d, threadIdx.x,
                                                       Tr::kThreads);
       fa2::load_tile<BlockN, HeadDim, Tr::kRowStride>(v_tile, info.v_rows<T>(p, key0),
-                                                      block_keys, d, threadIdx.x, Tr::kThreads);
+                                                      block_keys, dim_v, threadIdx.x, Tr::kThreads);
       __syncthreads();
 
       // S = Q K_j^T for this lane's rows x keys.
@@ -287,14 +290,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 #pragma unroll
     for (int j = 0; j < TC; ++j) {
       const int dim0 = (lane_col + j * kLaneCols) * 4;
-      if (dim0 >= d) continue;
+      if (dim0 >= dim_v) continue;
       float o[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = acc_o[i][j][e] * inv_l;
       if (split_kv)
-        fa2::store_chunk4(out_part + row * BlockInfo::dense_row_stride(p) + dim0, o, d - dim0);
+        fa2::store_chunk4(out_part + row * BlockInfo::dense_out_row_stride(p) + dim0, o, dim_v - dim0);
       else
-        fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, d - dim0);
+        fa2::store_chunk4(out + row * p.out_stride.row + dim0, o, dim_v - dim0);
     }
     if (lane_col == 0) arch::store(lse + row, row_lse);
   }

@@ -12,7 +12,7 @@
 // reduces their max and sum with shuffles; then, split by split, the weight is broadcast from its lane and every
 // lane adds weight * O_s over its columns c = lane, lane + 32, ... (coalesced reads of out_accum).
 //
-// What it costs, per row: reads num_splits * (4 + headdim * 4) bytes (lse_accum, out_accum), writes headdim * es
+// What it costs, per row: reads num_splits * (4 + headdim_v * 4) bytes (lse_accum, out_accum), writes headdim_v * es
 // + 4 (out, lse). Splits are summed in index order: the result is bitwise reproducible.
 #include "arch/arch.cuh"
 #include "kernels/fa2_tiles.cuh"
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
   constexpr int kWarps = fa2::RowKernel::kThreads / 32;
   const int splits = p.num_kv_splits;
   if (launch_differs_from_traits<0, fa2::RowKernel::kThreads>() || splits < 2 || splits > Combine::kMaxSplits ||
-      p.headdim > 256)
+      p.headdim_v > 256)
     __trap();
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int lane = threadIdx.x % 32;
@@ -68,11 +68,11 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
       if (32 * i >= splits) break;  // warp-uniform
       for (int source = 0; source < 32 && 32 * i + source < splits; ++source) {
         const float weight = __shfl_sync(0xffffffffu, part_lse[i], source) * inv_sum;
-        const float* o_split = info.out_accum_split(p, 32 * i + source) + row * BlockInfo::dense_row_stride(p);
+        const float* o_split = info.out_accum_split(p, 32 * i + source) + row * BlockInfo::dense_out_row_stride(p);
 #pragma unroll
         for (int c = 0; c < Combine::kMaxColumnsPerLane; ++c) {
           const int col = lane + 32 * c;
-          if (col < p.headdim) acc[c] = fmaf(weight, arch::load(o_split + col), acc[c]);
+          if (col < p.headdim_v) acc[c] = fmaf(weight, arch::load(o_split + col), acc[c]);
         }
       }
     }
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_split_kv_combine
 #pragma unroll
     for (int c = 0; c < Combine::kMaxColumnsPerLane; ++c) {
       const int col = lane + 32 * c;
-      if (col < p.headdim) arch::store(out + col, from_float<T>(acc[c]));
+      if (col < p.headdim_v) arch::store(out + col, from_float<T>(acc[c]));
     }
     if (lane == 0)
       arch::store(p.lse + info.row_stats_offset(p) + row, sum > 0.f ? max_lse + logf(sum) : neg_inf());

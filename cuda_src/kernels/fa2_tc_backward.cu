@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   // cost a local load (an L1 hit) and a few integer instructions per step, and fewer registers than before the
   // K/V loop (d128 on sm_80: 226 without the loop, 255 with it, 217 re-read).
   volatile unsigned thread_index = threadIdx.x;
-  const int d = p.headdim;
+  const int d = p.headdim;         // q's, k's and their gradients' columns
+  const int dim_v = p.headdim_v;  // v's, dO's and dV's (attention_params.cuh)
   const int group = BlockInfo::group_size(p);
   const float softmax_scale = p.softmax_scale;
 
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
     fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k, p.k_stride.row, block_keys(), d,
                                            fa2tc::rows_16b_aligned(k, p.k_stride.row), tid);
-    fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v, p.v_stride.row, block_keys(), d,
+    fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v, p.v_stride.row, block_keys(), dim_v,
                                            fa2tc::rows_16b_aligned(v, p.v_stride.row), tid);
     arch::cp_async_commit();
 
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       const int rows = min(BlockM, info.seqlen_q(p) - row0);
       if (dout)
         fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
-            dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, d,
+            dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, dim_v,
             fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid);
       else
         fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
     T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
     fa2tc::store_tile<KVTile>(dk, p.dk_stride.row, k_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
-    fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys(), d, tid, Tr::kThreads);
+    fa2tc::store_tile<KVTile>(dv, p.dv_stride.row, v_tile, 0, BlockN, block_keys(), dim_v, tid, Tr::kThreads);
   }
 }
 

@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool quad_leader = lane % 4 == 0;  // writes its quad's row statistics
-  const int d = p.headdim;
+  const int d = p.headdim;     // q's and k's columns
+  const int dim_v = p.headdim_v;  // v's and out's (attention_params.cuh)
 
   const int row0 = m_block * BlockM;
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
@@ -157,7 +158,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // K and V blocks copied by load_whole_tile where whole (below): contiguous (not paged), 16-byte aligned rows,
     // and the compiled head dim; per block, every key row in the sequence.
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
-    const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && p.block_table == nullptr;
+    const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
+                         p.block_table == nullptr;
     // This thread's first chunk of key row 0 in K and V (meaningful where kv_whole): a block's copies start at
     // these plus key0 rows.
     const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
@@ -165,6 +167,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const T* k_whole = kWholeCopies ? info.k<T>(p) + whole_row * p.k_stride.row + whole_col : nullptr;
     const T* v_whole = kWholeCopies ? info.v<T>(p) + whole_row * p.v_stride.row + whole_col : nullptr;
     const float scale_log2 = p.softmax_scale_log2;
+    // The thread index for V's ragged copies, read back from a volatile local at each use: V's columns end at v's
+    // head dim, K's at q's, and with both limits' per-thread chunk bounds hoisted out of the K/V loop ptxas spilled
+    // 48 bytes at d128 (128 x 32) on sm_90; re-read, they cost a local load on ragged blocks only.
+    volatile int ragged_thread_index = threadIdx.x;
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
     // The K/V blocks whose tile needs no element-wise mask (mask.cuh's tile_needs_mask false), found once: the
     // loop then tests its block index against two bounds instead of re-reading the sequence's lengths per block.
@@ -192,8 +198,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
           fa2tc::load_whole_tile<KVTile, Tr::kThreads>(v_tile, v_whole + key0 * p.v_stride.row, p.v_stride.row,
                                                        threadIdx.x);
       } else {
-        fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), d, v_vector,
-                                               threadIdx.x);
+        fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), dim_v, v_vector,
+                                               ragged_thread_index);
       }
       arch::cp_async_commit();
 
@@ -303,13 +309,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
         inv_l *= joined.keys_share;
         part_lse = joined.lse;
       }
-      float* out_row = out_part + row * BlockInfo::dense_row_stride(p);
+      float* out_row = out_part + row * BlockInfo::dense_out_row_stride(p);
 #pragma unroll
       for (int j = 0; j < Tr::kDimTiles; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = fa2tc::acc_col(lane, j) + e;
-          if (col < d) arch::store(out_row + col, acc_o.c[r / 2][j][2 * (r % 2) + e] * inv_l);
+          if (col < dim_v) arch::store(out_row + col, acc_o.c[r / 2][j][2 * (r % 2) + e] * inv_l);
         }
       if (quad_leader) arch::store(lse_part + row, part_lse);
     }
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     if (quad_leader && row0 + row < info.seqlen_q(p)) arch::store(lse + row0 + row, row_lse_out);
   }
   __syncwarp();
-  fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows(), d,
+  fa2tc::store_tile<QTile>(out, p.out_stride.row, q_tile, warp_row0, warp_row0 + Tr::kRowsPerWarp, block_rows(), dim_v,
                            lane, 32);
 }
 

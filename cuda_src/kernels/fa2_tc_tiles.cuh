@@ -45,7 +45,8 @@ constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
 // the traits must agree exactly; the kernels trap on any mismatch, which is a bug.
 template <int kSmemBytes, int kThreads, int kHeadDim>
 __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
-  return launch_differs_from_traits<kSmemBytes, kThreads>() || p.headdim > kHeadDim || p.headdim < 1;
+  return launch_differs_from_traits<kSmemBytes, kThreads>() || p.headdim > kHeadDim || p.headdim < 1 ||
+         p.headdim_v > kHeadDim || p.headdim_v < 1;
 }
 
 template <int Rows, int Cols>

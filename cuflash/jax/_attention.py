@@ -41,8 +41,9 @@ def attention(
     The layout, dtypes, masking and return values are those of ``cuflash.attention``:
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
     nheads a multiple of nheads_k (GQA/MQA); float16, bfloat16 or float32; head dim
-    1..256. ``causal`` aligns the mask to the bottom-right corner (query i sees key j
-    iff j <= i + seqlen_k - seqlen_q); a row that sees no key gives 0 and lse -inf.
+    1..256; v's may be its own (MLA-style, fa2), then out's. ``causal`` aligns the mask to the
+    bottom-right corner (query i sees key j iff j <= i + seqlen_k - seqlen_q); a row that sees no
+    key gives 0 and lse -inf.
     ``softmax_scale`` (a Python number, static) defaults to 1/sqrt(headdim).
     ``window_size`` and ``softcap`` (static) and ``alibi_slopes`` (a float32 array,
     (nheads,) or (batch, nheads); no gradient flows to it) mean what they mean for

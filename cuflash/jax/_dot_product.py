@@ -103,8 +103,8 @@ def dot_product_attention(
 def _padded_as_varlen(query, key, value, scale, query_seq_lengths, key_value_seq_lengths):
     """Padded (B, T, N, H) inputs with per-batch lengths: their valid rows packed (a gather of static size B * T),
     run as varlen, and scattered back (padded query rows 0, their lse -inf)."""
-    batch, seqlen_q, nheads, headdim = query.shape
-    seqlen_k = key.shape[1]
+    batch, seqlen_q, nheads, _ = query.shape
+    seqlen_k, headdim_v = key.shape[1], value.shape[-1]
 
     def lengths_of(lengths, seqlen):
         if lengths is None:
@@ -129,6 +129,6 @@ def _padded_as_varlen(query, key, value, scale, query_seq_lengths, key_value_seq
     out, lse = _call(problem, q, k, v, softmax_scale=scale, alibi_slopes=None, dropout_rng=None, algorithm="fa2",
                      return_lse=True, cu_words=cu_words)
     full = batch * seqlen_q
-    out = jnp.zeros((full, nheads, headdim), query.dtype).at[rows_q].set(out, mode="drop")
+    out = jnp.zeros((full, nheads, headdim_v), query.dtype).at[rows_q].set(out, mode="drop")
     lse = jnp.full((nheads, full), -np.inf, jnp.float32).at[:, rows_q].set(lse, mode="drop")
-    return out.reshape(query.shape), jnp.moveaxis(lse.reshape(nheads, batch, seqlen_q), 1, 0)
+    return out.reshape(batch, seqlen_q, nheads, headdim_v), jnp.moveaxis(lse.reshape(nheads, batch, seqlen_q), 1, 0)

@@ -189,7 +189,7 @@ def _decode(config, q, k_cache, v_cache, side):
     batch_axis, head_axis = _explicit_axes(q, (0, 2))
     q = _reshape(q, (batch, nheads // group, group, headdim), (batch_axis, head_axis, None, None)).swapaxes(1, 2)
     out, lse = _forward_only(dataclasses.replace(config, problem=folded), q, k_cache, v_cache, side)
-    out = _reshape(out.swapaxes(1, 2), (batch, 1, nheads, headdim), (batch_axis, None, head_axis, None))
+    out = _reshape(out.swapaxes(1, 2), (batch, 1, nheads, v_cache.shape[-1]), (batch_axis, None, head_axis, None))
     # lse (batch, nheads_k, group): the same order as (batch, nheads, 1).
     return out, _reshape(lse, (batch, nheads, 1), (batch_axis, head_axis, None))
 

@@ -26,7 +26,7 @@ tensor-parallel training shards them. KV-cache calls split along kv heads, and a
 batch too, as tensor-parallel serving shards its caches; a paged cache's page pool is shared by every sequence,
 so its batch stays whole. Each device's split-KV heuristic (num_splits=0) sees its local problem.
 
-What stays whole, and so is gathered by XLA when an input is sharded there: the head dim, a sequence the ring
+What stays whole, and so is gathered by XLA when an input is sharded there: the head dims, a sequence the ring
 cannot take, a head
 sharding that does not divide the kv heads (it would split a group), a varlen call's packed rows and a KV cache's
 rows.
@@ -43,16 +43,17 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..kernels.params import VALUE_WIDTH_TENSORS
 from ..kernels.program import Problem
 from ..mask import Mask
 from ._ring import ring_backward, ring_dropout_misalignment, ring_forward, with_block_positions
 
 
 def _einsum_term(name: str, problem: Problem) -> str:
-    """The operand's factors: batch b, sequences s (queries) and t (keys), kv head g with group member r, head dim
-    d; a varlen call's packed rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w; a paged
-    KV cache's pages p of y rows each, named by block_table's z columns; the batch rows e of caches that
-    cache_batch_idx indexes."""
+    """The operand's factors: batch b, sequences s (queries) and t (keys), kv head g with group member r, head dims
+    d (q, k and their gradients) and v (v, out and theirs: MLA-style calls give v its own); a varlen call's packed
+    rows are s and t with no batch, its cu_seqlens c; the dropout seed's words w; a paged KV cache's pages p of y rows
+    each, named by block_table's z columns; the batch rows e of caches that cache_batch_idx indexes."""
     rows = "" if problem.varlen else "b "
     heads = _query_heads(problem)
     if name in ("lse", "dlse"):
@@ -69,13 +70,14 @@ def _einsum_term(name: str, problem: Problem) -> str:
         return "b"
     if name == "block_table":
         return "b z"
+    width = "v" if name in VALUE_WIDTH_TENSORS else "d"
     if name in ("q", "out", "dout", "dq"):
-        return f"{rows}s {heads} d"
+        return f"{rows}s {heads} {width}"
     if problem.page_size:  # k, v: the page pool
-        return "p y g d"
+        return f"p y g {width}"
     if problem.cache_batch_idx:  # k, v: caches whose batch rows any sequence may read
-        return "e t g d"
-    return rows + "t g d"  # k, v, dk, dv (a KV cache's rows: its capacity)
+        return f"e t g {width}"
+    return f"{rows}t g {width}"  # k, v, dk, dv (a KV cache's rows: its capacity)
 
 
 def _query_heads(problem: Problem) -> str:
@@ -87,11 +89,11 @@ def _query_heads(problem: Problem) -> str:
 
 
 def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]:
-    """The factors no device may split: the head dim; the seed's words; a varlen call's packed rows, its
+    """The factors no device may split: the head dims; the seed's words; a varlen call's packed rows, its
     cu_seqlens and (with per-sequence ALiBi slopes or used prefixes) its batch, since the kernels find sequences by cu_seqlens; a
     KV cache's rows, and for a paged one its pages, their rows and the batch (block_table numbers pages of the whole
     pool)."""
-    whole = {"d"} | ({"w"} if "dropout_seed" in operands else set())
+    whole = {"d", "v"} | ({"w"} if "dropout_seed" in operands else set())
     if problem.varlen:
         per_sequence = problem.alibi == "batch_heads" or problem.seqused_q or problem.seqused_k
         whole |= {"s", "t", "c"} | ({"b"} if per_sequence else set())
@@ -100,7 +102,7 @@ def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]
         whole |= {"e"} if problem.cache_batch_idx else set()
     # In the order the rule first names them: Shardy wants its special factors' indices sorted.
     order = [f.strip("()") for n in operands for f in _einsum_term(n, problem).split(" ")]
-    return tuple(sorted(whole, key=order.index))
+    return tuple(sorted(whole & set(order), key=order.index))
 
 
 def sharding_rule(operands: Sequence[str], results: Sequence[str], problem: Problem) -> str:

@@ -40,7 +40,7 @@ from .. import _validation as V
 from ..kernels import plans, targets
 from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
-from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, pack_params
+from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, VALUE_WIDTH_TENSORS, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
 from . import _ffi, _partitioning
 
@@ -98,12 +98,14 @@ def tensor_shape(name: str, problem: Problem, cache_shape: tuple[int, ...] | Non
         if cache_shape is None:
             raise ValueError("a KV cache's k and v have the caches' shape, which the Problem does not hold: pass "
                              "cache_shape")
-        return tuple(cache_shape)
+        width = problem.headdim_v if name == "v" else problem.headdim  # the caches share all but the head dim
+        return (*cache_shape[:3], width)
     query_side = name in QUERY_SIDE_TENSORS  # q, out, dout, dq; the others use seqlen_k, nheads_k
     heads = problem.nheads if query_side else problem.nheads_k
+    width = problem.headdim_v if name in VALUE_WIDTH_TENSORS else problem.headdim  # v, out, dout, dv: v's
     if problem.varlen:
-        return (problem.total_q if query_side else problem.total_k, heads, problem.headdim)
-    return (problem.batch, problem.seqlen_q if query_side else problem.seqlen_k, heads, problem.headdim)
+        return (problem.total_q if query_side else problem.total_k, heads, width)
+    return (problem.batch, problem.seqlen_q if query_side else problem.seqlen_k, heads, width)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -401,7 +403,7 @@ def _forward_folded_into_heads(config: CallConfig, args, dims, size: int, bind):
         folded["sinks"] = jnp.moveaxis(_move_to_front(sinks, sinks_dim, size), 0, 1).reshape(nheads * size)
     local = dataclasses.replace(problem, nheads=nheads * size, alibi=alibi)
     out, lse = bind(*(folded[name] for name in names), config=dataclasses.replace(config, problem=local))
-    out = jnp.moveaxis(out.reshape(batch, problem.seqlen_q, nheads, size, problem.headdim), 3, 0)
+    out = jnp.moveaxis(out.reshape(batch, problem.seqlen_q, nheads, size, problem.headdim_v), 3, 0)
     lse = jnp.moveaxis(lse.reshape(batch, nheads, size, problem.seqlen_q), 2, 0)
     return [out, lse], [0, 0]
 

@@ -40,9 +40,11 @@ def _merge(out, lse, part_out, part_lse):
     return merged, new
 
 
-def _empty(q):
+def _empty(q, v):
+    """The merge's start for q's rows: out 0 (with v's head dim) and lse -inf."""
     batch, rows, nheads, _ = q.shape
-    return jnp.zeros(q.shape, jnp.float32), jnp.full((batch, nheads, rows), -jnp.inf, jnp.float32)
+    return (jnp.zeros((batch, rows, nheads, v.shape[-1]), jnp.float32),
+            jnp.full((batch, nheads, rows), -jnp.inf, jnp.float32))
 
 
 def check_ring(q_rows: int, k_rows: int, causal: bool, layout: str) -> None:
@@ -94,7 +96,7 @@ def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str 
         return jax.lax.ppermute(x, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
     if not causal:
-        out, lse = _empty(q)
+        out, lse = _empty(q, v)
         for step in range(n):
             if step + 1 < n:
                 k_next, v_next = shifted(k), shifted(v)  # issued before the local call: may overlap it
@@ -139,7 +141,7 @@ def ring_forward(q, k, v, forward, *, axis_name: str, causal: bool, layout: str 
                     *forward(q_second, k[:, chunk:], v[:, chunk:], False, (second, key_second)))
             else:
                 part_out, part_lse = _as_f32(forward(q_second, k, v, False, (second, key_first)))
-            none_out, none_lse = _empty(q_first)
+            none_out, none_lse = _empty(q_first, v)
             return jnp.concatenate([none_out, part_out], axis=1), jnp.concatenate([none_lse, part_lse], axis=2)
 
         out, lse = _merge(out, lse, *jax.lax.cond(source < index, earlier, later, k, v))
@@ -224,8 +226,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, backward, *, axis_name: str, ca
                 part_dq, part_dk, part_dv = jnp.concatenate([dq_a, dq_b], axis=1), dk_a + dk_b, dv_a + dv_b
             else:
                 part_dq, part_dk, part_dv = call(None, k, v, False, key_first)
-            zeros = jnp.zeros((k.shape[0], chunk, *k.shape[2:]), jnp.float32)
-            return part_dq, jnp.concatenate([part_dk, zeros], axis=1), jnp.concatenate([part_dv, zeros], axis=1)
+            zeros = [jnp.zeros((x.shape[0], chunk, *x.shape[2:]), jnp.float32) for x in (k, v)]
+            return (part_dq, jnp.concatenate([part_dk, zeros[0]], axis=1),
+                    jnp.concatenate([part_dv, zeros[1]], axis=1))
 
         def later(k, v):  # the second query chunk against the whole block
             if per_chunk:

@@ -24,7 +24,8 @@ HEADER = CUDA_SRC / "common" / "attention_params.cuh"
 
 class TensorField(NamedTuple):
     name: str
-    side: str  # "Query" (batch, seqlen_q, nheads, d) or "Key" (batch, seqlen_k, nheads_k, d)
+    side: str  # "Query" (batch, seqlen_q, nheads, width) or "Key" (batch, seqlen_k, nheads_k, width)
+    width: str  # "QK" (width headdim) or "V" (headdim_v: v, out and their gradients)
     access: str  # "In" or "Out"
 
 
@@ -75,6 +76,7 @@ def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[
 _FIELDS, _TENSORS, _SIDE_BUFFERS = header_fields()
 TENSOR_FIELDS = tuple(t.name for t in _TENSORS)
 QUERY_SIDE_TENSORS = tuple(t.name for t in _TENSORS if t.side == "Query")
+VALUE_WIDTH_TENSORS = tuple(t.name for t in _TENSORS if t.width == "V")
 SIDE_BUFFER_FIELDS = tuple(_SIDE_BUFFERS)
 POINTER_FIELDS = TENSOR_FIELDS + SIDE_BUFFER_FIELDS
 STRIDED_TENSORS = TENSOR_FIELDS
@@ -166,7 +168,7 @@ def pack_params(
         params[name] = address
     for name, (b, r, h) in strides.items():
         params[f"{name}_stride"] = (b, r, h)
-    for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim"):
+    for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim", "headdim_v"):
         params[name] = getattr(problem, name)
     params["total_q"] = problem.rows_q
     params["total_k"] = problem.rows_k

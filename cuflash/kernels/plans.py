@@ -16,6 +16,7 @@ def variant_for(algorithm: str, problem: Problem, target: Target) -> catalog.Var
     for variant in catalog.variants(algorithm):
         if variant.serves(problem, target):
             return variant
+    catalog.check_options(algorithm, problem)  # an option no variant has: named, with the algorithms that have it
     raise ValueError(f"no variant of {algorithm} serves {problem.dtype} on {target.arch}")
 
 

@@ -22,7 +22,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks", "headdim_v")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -96,11 +96,16 @@ class Problem:
     # cache_batch_idx maps sequence b to a row of the caches' batch, cache_leftpad[b] is its first key's cache row.
     cache_batch_idx: bool = False
     cache_leftpad: bool = False
+    # V's head dim where it differs from q's and k's (MLA-style, attention_params.cuh): out and dout have it too.
+    # None (the default) means headdim; __post_init__ stores the value, so equal dims give equal Problems.
+    headdim_v: int | None = None
 
     def __post_init__(self) -> None:
+        if self.headdim_v is None:
+            object.__setattr__(self, "headdim_v", self.headdim)
         if self.dtype not in ELEMENT_DTYPES:
             raise ValueError(f"Problem.dtype must be one of {ELEMENT_DTYPES}, got {self.dtype!r}")
-        for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim"):
+        for name in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim", "headdim_v"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Problem.{name} must be >= 0, got {getattr(self, name)}")
         if self.nheads_k and self.nheads % self.nheads_k:
@@ -157,6 +162,8 @@ class Problem:
             used.add("splitkv")
         if self.sinks:
             used.add("sinks")
+        if self.headdim_v != self.headdim:
+            used.add("headdim_v")
         return frozenset(used)
 
     @property

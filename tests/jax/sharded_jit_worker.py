@@ -164,6 +164,12 @@ def main() -> None:
             tensor = NamedSharding(mesh, CASES[split_name][0])
             args = [jax.device_put(x, tensor) for x in (q, k1, v1, dout)] + [key]
             results[f"{axis_type.name}:{layout} {split_name}"] = compare_sharded(dropout_step, args, plain)
+        # v with a head dim of its own (MLA-style: 16 against q's and k's 24): the rule names it apart (factor v).
+        v_narrow, dout_narrow = v[..., :16] * 1.5, dout[..., :16]
+        plain = jax.jit(dropout_step)(q, k, v_narrow, dout_narrow, key)
+        tensor = NamedSharding(mesh, CASES["batch+heads"][0])
+        args = [jax.device_put(x, tensor) for x in (q, k, v_narrow, dout_narrow)] + [key]
+        results[f"{axis_type.name}:headdim_v batch+heads"] = compare_sharded(dropout_step, args, plain)
         # KV caches sharded along kv heads (and batch when not paged), as tensor-parallel serving shards them: a
         # one-row GQA decode (folded) and a 3-row prefill appending to the caches, contiguous and paged, num_splits=1
         # (the heuristic would see each device's smaller problem and may split differently).

@@ -69,7 +69,7 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "kvcache contiguous rows=1", "kvcache contiguous rows=3",
                                          "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout",
                                          "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads",
-                                         "kvcache indexed")}
+                                         "kvcache indexed", "headdim_v batch+heads")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -119,8 +119,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
         case = results.pop(f"{mode}:vmap dropout")
         assert case["unsharded_per_element"] and case["bitwise"] == [True] * 4, (mode, case)
         assert case["custom_calls"] == 2 and case["gathered"] == ["f32[16]"] * 2, (mode, case)
-        # MHA and MQA heads (with dropout): per-device calls, bitwise, no collective.
-        for split, layout in (("batch+heads", "mha"), ("batch", "mqa")):
+        # MHA and MQA heads, and v with its own head dim (with dropout): per-device calls, bitwise, no collective.
+        for split, layout in (("batch+heads", "mha"), ("batch", "mqa"), ("batch+heads", "headdim_v")):
             case = results.pop(f"{mode}:{layout} {split}")
             assert case["bitwise"] == [True] * 4 and case["collectives"] == [], (mode, layout, case)
             assert case["custom_calls"] == 2 and case["shardings"] == [expected_specs[split][0]] * 4, (mode, layout)

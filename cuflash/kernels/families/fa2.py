@@ -202,6 +202,12 @@ def compiled_head_dim(headdim: int) -> int:
     return next(h for h in HEAD_DIMS if h >= headdim)
 
 
+def tile_head_dim(problem: Problem) -> int:
+    """The head dim a problem's tiles must hold: q's and k's, or v's where it is larger (MLA-style calls give v its
+    own). The kernels read and write each tensor's own columns (attention_params.cuh's headdim, headdim_v)."""
+    return max(problem.headdim, problem.headdim_v)
+
+
 def fitting(choices: tuple[TileTraits, ...], target: Target) -> TileTraits:
     """The first tile of ``choices`` whose shared memory fits the target's block."""
     for traits in choices:
@@ -309,7 +315,7 @@ def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
-    traits = forward_traits(problem.headdim, target)
+    traits = forward_traits(tile_head_dim(problem), target)
     return forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
 
 
@@ -323,7 +329,7 @@ def forward_program_of_tiles(problem: Problem, target: Target, traits, instance:
         return Program(launches=(launch,))
     combine = _row_kernel_launch(split_kv_combine_instance(problem.dtype), problem)
     # Every split writes every row of its partial results (0 and -inf where it saw no key), so no fill is needed.
-    scratch = (Scratch("out_accum", (splits, problem.rows_q, problem.nheads, problem.headdim)),
+    scratch = (Scratch("out_accum", (splits, problem.rows_q, problem.nheads, problem.headdim_v)),
                Scratch("lse_accum", (splits, *problem.row_stats_shape)))
     return Program(launches=(launch, combine), scratch=scratch, num_kv_splits=splits)
 
@@ -362,7 +368,7 @@ def split_heuristic(blocks: int, sm_count: int, kv_blocks: int, max_splits: int 
 
 
 def num_dq_splits(problem: Problem, target: Target) -> int:
-    return num_dq_splits_for(problem, backward_traits(problem.headdim, target), target)
+    return num_dq_splits_for(problem, backward_traits(tile_head_dim(problem), target), target)
 
 
 def num_dq_splits_for(problem: Problem, traits, target: Target) -> int:
@@ -386,7 +392,7 @@ def backward_main_grid(problem: Problem, traits, target: Target) -> tuple[int, i
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return backward_program_for(problem, backward_traits(problem.headdim, target), target)
+    return backward_program_for(problem, backward_traits(tile_head_dim(problem), target), target)
 
 
 def backward_program_for(problem: Problem, traits, target: Target) -> Program:
@@ -426,14 +432,14 @@ def _rows(total: int, block: int, index: int) -> int:
 
 
 def forward_traffic(problem: Problem, target: Target) -> Traffic:
-    traits = forward_traits(problem.headdim, target)
+    traits = forward_traits(tile_head_dim(problem), target)
     return forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
 
 
 def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Traffic:
     """The traffic of an FA2 forward with (block_m x block_n) tiles: each Q block that sees a key reads its rows
     of Q and the keys of its visible K/V blocks once; out and lse are written once (SIMT and tensor-core alike)."""
-    es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
+    es, d, dv = _ELEMENT_BYTES[problem.dtype], problem.headdim, problem.headdim_v
     mask = problem.mask_policy
     read = 0
     for i in range(ceil_div(problem.seqlen_q, block_m)):
@@ -442,34 +448,34 @@ def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Tr
         if not blocks.empty:
             # K/V blocks are whole blocks of the range, clipped at seqlen_k.
             keys_read = min(problem.seqlen_k, blocks.end * block_n) - blocks.begin * block_n
-            read += rows * d * es + 2 * keys_read * d * es
+            read += rows * d * es + keys_read * (d + dv) * es
     heads = problem.batch * problem.nheads
-    written = heads * problem.seqlen_q * (d * es + _F32)
+    written = heads * problem.seqlen_q * (dv * es + _F32)
     return Traffic(read * heads, written)
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic, Traffic]:
-    return backward_traffic_for(problem, backward_traits(problem.headdim, target), target)
+    return backward_traffic_for(problem, backward_traits(tile_head_dim(problem), target), target)
 
 
 def backward_traffic_for(problem: Problem, traits, target: Target) -> tuple[Traffic, Traffic, Traffic]:
     """(pre-pass, main kernel, convert kernel) of backward_program_for(problem, traits, target): the SIMT and
     tensor-core main kernels move the same bytes for the same tiles, in either dq mode."""
-    es, d = _ELEMENT_BYTES[problem.dtype], problem.headdim
+    es, d, dv = _ELEMENT_BYTES[problem.dtype], problem.headdim, problem.headdim_v
     sq, sk = problem.seqlen_q, problem.seqlen_k
     bh = problem.batch * problem.nheads
     splits = num_dq_splits_for(problem, traits, target)
-    pre = Traffic(2 * bh * sq * d * es, bh * sq * _F32)
+    pre = Traffic(2 * bh * sq * dv * es, bh * sq * _F32)  # dO and O
 
     read = written = 0
     for j in range(ceil_div(sk, traits.block_n)):
         keys = _rows(sk, traits.block_n, j)
         q_blocks = problem.mask_policy.q_blocks(traits.block_m, j * traits.block_n, j * traits.block_n + keys)
         rows = sum(_rows(sq, traits.block_m, i) for i in range(*q_blocks))
-        read += 2 * keys * d * es + rows * (2 * d * es + 2 * _F32) * problem.group_size
+        read += keys * (d + dv) * es + rows * ((d + dv) * es + 2 * _F32) * problem.group_size  # K, V; Q, dO
         dq_bytes = rows * d * _F32 * problem.group_size
         read += dq_bytes  # red.add reads what it adds to
-        written += dq_bytes + 2 * keys * d * es
+        written += dq_bytes + keys * (d + dv) * es  # dK, dV
     main = Traffic(read * problem.batch * problem.nheads_k, written * problem.batch * problem.nheads_k)
 
     # dq_slices_of_row in the .cu: every slice for a row that sees a key, none for one that sees none.

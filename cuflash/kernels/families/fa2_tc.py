@@ -248,18 +248,20 @@ def _dropout(problem: Problem) -> bool:
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
-    traits = forward_traits(problem.headdim, target, _dropout(problem))
+    traits = forward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
     return fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program_for(problem, backward_traits(problem.headdim, target, _dropout(problem)), target)
+    traits = backward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    return fa2.backward_program_for(problem, traits, target)
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
-    traits = forward_traits(problem.headdim, target, _dropout(problem))
+    traits = forward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
     return fa2.forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
-    return fa2.backward_traffic_for(problem, backward_traits(problem.headdim, target, _dropout(problem)), target)
+    traits = backward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    return fa2.backward_traffic_for(problem, traits, target)

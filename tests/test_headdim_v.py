@@ -1,0 +1,333 @@
+"""A V head dim of its own ([parity] item 3, MLA-style: DeepSeek's q/k 192 with v 128): v, and so out and dout,
+may have a last dimension other than q's and k's, on every fa2 entry point (NumPy here; JAX in
+tests/jax/test_jax_headdim_v.py).
+
+* Forward and backward against the float64 reference under FA2's rule over both fa2 variants (float32 SIMT,
+  float16/bfloat16 tensor cores), v narrower and wider than q/k, odd lengths, GQA/MQA, seqlen_q != seqlen_k, causal
+  and windowed masks (rows that see no key), softcap; the instance is the one for the larger of the two dims.
+* Global traffic of every launch byte for byte against the families' formulas (each tensor read at its own width),
+  both variants race-free, and clean under AddressSanitizer (no store past v's columns of out or dv).
+* Varlen, the KV cache (append, split-KV, paged), bad shapes refused naming the argument before anything is written,
+  fa1 and standard refuse it naming fa2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _tolerance as tol
+from cuflash import sim
+from cuflash.backends.program import run_program
+from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels import plans
+from cuflash.kernels.families import fa2, fa2_tc
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+from cuflash.mask import Mask
+from cuflash.reference import attention_with_kvcache_reference
+from cuflash.testing import numpy_dtype, rows_without_key
+
+PAIRS = {"mla": (192, 128), "narrow-v": (40, 24), "wide-v": (24, 72)}  # (q/k head dim, v head dim)
+SHAPES = {  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+    "gqa-tall": (2, 45, 30, 4, 2),
+    "mqa-wide": (1, 19, 83, 3, 1),
+    "mha-odd": (2, 33, 33, 2, 2),
+}
+MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(9, 4)),
+    "window-causal-softcap": dict(window_size=(20, -1), causal=True, softcap=4.0),
+}
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _inputs(shape, pair, dtype, seed):
+    """q, k (q/k's head dim), v (its own) and dout (out's shape: v's head dim)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = shape
+    d, dv = pair
+    rng = np.random.default_rng(seed)
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(dt)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, d)).astype(dt)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, dv)).astype(dt)
+    dout = rng.standard_normal((batch, seqlen_q, nheads, dv)).astype(dt)
+    return q, k, v, dout
+
+
+def _cases():
+    cases = []
+    for i, mask in enumerate(MASKS):
+        for d, dtype in enumerate(DTYPES):
+            pair = list(PAIRS)[(i + d) % len(PAIRS)]
+            shape = list(SHAPES)[(i + 2 * d) % len(SHAPES)]
+            cases.append(pytest.param(shape, pair, mask, dtype, id=f"{pair}-{mask}-{dtype}-{shape}"))
+    return cases
+
+
+def test_grid_keeps_every_value_of_every_axis():
+    values = [c.values for c in _cases()]
+    for axis, expected in enumerate((SHAPES, PAIRS, MASKS, DTYPES)):
+        assert {v[axis] for v in values} == set(expected)
+    # Each pair meets each dtype (so the MLA pair runs on both variants).
+    assert {(v[1], v[3]) for v in values} == {(p, dt) for p in PAIRS for dt in DTYPES}
+
+
+def _compiled_head_dim(records, kernel):
+    names = [r.kernel for r in records.launches if r.kernel.startswith(kernel + "<")]
+    assert names, f"no {kernel} launch among {[r.kernel for r in records.launches]}"
+    return {int(name.split("<")[1].split(",")[1]) for name in names}
+
+
+@pytest.mark.parametrize("shape_name, pair_name, mask_name, dtype", _cases())
+def test_matches_the_reference_forward_and_backward(shape_name, pair_name, mask_name, dtype):
+    shape, (d, dv) = SHAPES[shape_name], PAIRS[pair_name]
+    q, k, v, dout = _inputs(shape, (d, dv), dtype, seed=len(shape_name) + 7 * len(mask_name))
+    options = MASKS[mask_name]
+    with sim.record() as records:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    variant = "cuflash::fa2_forward_kernel" if dtype == "float32" else "cuflash::fa2_tc_forward_kernel"
+    assert _compiled_head_dim(records, variant) == {fa2.compiled_head_dim(max(d, dv))}
+    assert out.shape == (*q.shape[:3], dv) and out.dtype == q.dtype
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
+    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+
+    dq, dk, dv_grad = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    assert (dq.shape, dk.shape, dv_grad.shape) == (q.shape, k.shape, v.shape)
+    bref = tol.backward_references(dout, q, k, v, **options)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv_grad)):
+        assert got.dtype == q.dtype
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+    assert np.all(dq[:, empty].astype(np.float32) == 0)
+
+
+# ---------------------------------------------------------------------------
+# Traffic, races and out-of-bounds accesses: the programs run directly on the simulator.
+
+
+def _problem(q, k, v, causal, deterministic=False):
+    batch, seqlen_q, nheads, headdim = q.shape
+    return Problem(dtype=np.dtype(q.dtype).name, batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads,
+                   nheads_k=k.shape[2], headdim=headdim, headdim_v=v.shape[-1], mask=Mask.causal(causal),
+                   deterministic=deterministic)
+
+
+def _family(dtype):
+    return fa2 if dtype == "float32" else fa2_tc
+
+
+def _run(q, k, v, dout, causal, deterministic, arch):
+    """Forward and backward programs of the family for q's dtype; (out, lse, grads, per-launch traffic of each)."""
+    backend = SimulatorBackend()
+    problem = _problem(q, k, v, causal, deterministic)
+    family, scale = _family(problem.dtype), 1.0 / math.sqrt(problem.headdim)
+    out = backend.empty((*q.shape[:3], v.shape[-1]), q.dtype)
+    lse = backend.empty(problem.row_stats_shape, np.float32)
+    with sim.targeting(arch), sim.record() as forward:
+        run_program(backend, family.forward_program(problem, target(arch)), problem, scale,
+                    {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    with sim.targeting(arch), sim.record() as backward:
+        run_program(backend, family.backward_program(problem, target(arch)), problem, scale,
+                    {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads})
+    traffic = [[(r.global_bytes_read, r.global_bytes_written) for r in records.launches]
+               for records in (forward, backward)]
+    return out, lse, (grads["dq"], grads["dk"], grads["dv"]), traffic
+
+
+# Both orders of the two dims, each variant; ragged blocks, GQA, causal with seqlen_q > seqlen_k.
+PROGRAM_CASES = [
+    pytest.param((1, 70, 53, 4, 2), (192, 128), "float16", "sm_90", id="mla-fp16-sm90"),
+    pytest.param((1, 70, 53, 4, 2), (40, 72), "bfloat16", "sm_80", id="wide-v-bf16-sm80"),
+    pytest.param((1, 70, 53, 4, 2), (72, 40), "float32", "sm_80", id="narrow-v-fp32-sm80"),
+    pytest.param((1, 70, 53, 4, 2), (20, 52), "float32", "sm_86", id="wide-v-fp32-sm86"),
+]
+
+
+def _check_results(q, k, v, dout, out, lse, grads, causal):
+    ref = tol.forward_references(q, k, v, causal=causal)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    bref = tol.backward_references(dout, q, k, v, causal=causal)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, pair, dtype, arch", PROGRAM_CASES)
+def test_traffic_on_formula_and_race_free(shape, pair, dtype, arch):
+    """Each tensor is read and written at its own width: q, k, dq, dk at q/k's head dim, v, out, dout, dv at v's."""
+    q, k, v, dout = _inputs(shape, pair, dtype, seed=31)
+    for deterministic in (False, True):
+        problem = _problem(q, k, v, True, deterministic)
+        family = _family(dtype)
+        with sim.checking("race"):
+            out, lse, grads, (forward, backward) = _run(q, k, v, dout, True, deterministic, arch)
+        _check_results(q, k, v, dout, out, lse, grads, True)
+        assert forward == [tuple(family.forward_traffic(problem, target(arch)))]
+        assert backward == [tuple(t) for t in family.backward_traffic(problem, target(arch))]
+
+
+# Under ASan: v narrower than q/k on both variants (out and dv narrower than q's width) and wider on the tensor cores
+# (q, k, dq and dk narrower than the tiles).
+ASAN_CASES = PROGRAM_CASES[:3]
+
+
+def _programs_under_asan():
+    results = []
+    for case in ASAN_CASES:
+        shape, pair, dtype, arch = case.values
+        q, k, v, dout = _inputs(shape, pair, dtype, seed=31)
+        results.append(_run(q, k, v, dout, True, True, arch)[:3])
+    return results
+
+
+def test_clean_under_asan():
+    """out, dout and dv hold v's columns only: a store or load at q's width past them is reported."""
+    results = sim.run_in_asan_subprocess(_programs_under_asan, timeout=1200)
+    for case, (out, lse, grads) in zip(ASAN_CASES, results):
+        shape, pair, dtype, _ = case.values
+        q, k, v, dout = _inputs(shape, pair, dtype, seed=31)
+        _check_results(q, k, v, dout, out, lse, grads, True)
+
+
+def test_tiles_hold_the_larger_dim():
+    for d, dv in ((192, 128), (64, 256), (128, 32), (33, 65)):
+        problem = Problem("float16", 1, 64, 64, 2, 2, d, headdim_v=dv)
+        assert fa2.tile_head_dim(problem) == max(d, dv) and problem.options == {"headdim_v"}
+        name = fa2_tc.forward_program(problem, target("sm_80")).launches[0].kernel.name_expr
+        assert int(name.split("<")[1].split(",")[1]) == fa2.compiled_head_dim(max(d, dv))
+    assert Problem("float16", 1, 64, 64, 2, 2, 64) == Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=64)
+    assert Problem("float16", 1, 64, 64, 2, 2, 64).options == frozenset()
+
+
+# ---------------------------------------------------------------------------
+# Varlen and the KV cache.
+
+
+@pytest.mark.parametrize("dtype, pair", [("float32", (24, 40)), ("float16", (192, 128)), ("bfloat16", (40, 24))])
+def test_varlen_matches_the_reference(dtype, pair):
+    d, dv = pair
+    rng = np.random.default_rng(5)
+    dt = numpy_dtype(dtype)
+    cu_q, cu_k = np.array([0, 7, 7, 40], np.int32), np.array([0, 12, 20, 61], np.int32)
+    q = rng.standard_normal((40, 4, d)).astype(dt)
+    k = rng.standard_normal((61, 2, d)).astype(dt)
+    v = rng.standard_normal((61, 2, dv)).astype(dt)
+    dout = rng.standard_normal((40, 4, dv)).astype(dt)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    assert out.shape == (40, 4, dv)
+    ref = tol.forward_references(q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
+    bref = tol.backward_references(dout, q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+def _caches(dtype, pair, page, seed):
+    d, dv = pair
+    batch, nheads, nheads_k, capacity, new = 3, 4, 2, 96, 2
+    rng = np.random.default_rng(seed)
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, 1, nheads, d)).astype(dt)
+    k_cache = rng.standard_normal((batch, capacity, nheads_k, d)).astype(dt)
+    v_cache = rng.standard_normal((batch, capacity, nheads_k, dv)).astype(dt)
+    k_new = rng.standard_normal((batch, new, nheads_k, d)).astype(dt)
+    v_new = rng.standard_normal((batch, new, nheads_k, dv)).astype(dt)
+    lengths = np.array([0, 70, 31], np.int32)
+    if page is None:
+        return q, k_cache, v_cache, k_new, v_new, lengths, None
+    per_sequence = capacity // page
+    table = rng.permutation(batch * per_sequence).reshape(batch, per_sequence).astype(np.int32)
+
+    def paged(cache):
+        pool = np.zeros((batch * per_sequence, page, *cache.shape[2:]), dt)
+        for b in range(batch):
+            for i in range(per_sequence):
+                pool[table[b, i]] = cache[b, i * page:(i + 1) * page]
+        return pool
+
+    return q, paged(k_cache), paged(v_cache), k_new, v_new, lengths, table
+
+
+@pytest.mark.parametrize("dtype, pair, page", [("float32", (40, 24), None), ("bfloat16", (192, 128), 16),
+                                               ("float16", (24, 72), None)])
+def test_kvcache_appends_and_splits(dtype, pair, page):
+    """The new rows land in each cache at its own width; one split and three give the reference's result."""
+    q, k_cache, v_cache, k_new, v_new, lengths, table = _caches(dtype, pair, page, seed=9)
+    results = {}
+    for splits in (1, 3):
+        kc, vc = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                  block_table=table, causal=True, num_splits=splits,
+                                                  return_lse=True)
+        assert out.shape == (*q.shape[:3], pair[1])
+        used = lengths + 2
+        ref, low = (attention_with_kvcache_reference(q, kc, vc, used, block_table=table, causal=True, dtype=dt)
+                    for dt in (np.float64, q.dtype))
+        tol.check_close(f"out ({splits} splits)", out, ref[0], low[0], tol.FORWARD_FACTOR)
+        tol.check_close(f"lse ({splits} splits)", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+        results[splits] = (kc, vc)
+    for b in range(3):  # the appended rows, each at its cache's width
+        rows = slice(int(lengths[b]), int(lengths[b]) + 2)
+        if table is None:
+            assert np.array_equal(results[1][0][b, rows], k_new[b])
+            assert np.array_equal(results[1][1][b, rows], v_new[b])
+    if table is not None:
+        from cuflash.reference import kvcache_keys
+        for cache, new in ((results[1][0], k_new), (results[1][1], v_new)):
+            for b, keys in enumerate(kvcache_keys(cache, lengths + 2, table)):
+                assert np.array_equal(keys[lengths[b]:], new[b])
+
+
+# ---------------------------------------------------------------------------
+# Bad input: refused naming the argument, before anything is written.
+
+
+def test_bad_shapes_are_refused_before_anything_runs():
+    q, k, v, dout = _inputs((1, 8, 8, 2, 2), (32, 16), "float32", seed=1)
+    with pytest.raises(ValueError, match=r"v's head dim \(its last dimension\) must be in 1..256, got 512"):
+        cuflash.attention(q[..., :16], k[..., :16], np.zeros((1, 8, 2, 512), np.float32))
+    with pytest.raises(ValueError, match="v must have k's shape but for the head dim"):
+        cuflash.attention(q, k, v[:, :5])
+    with pytest.raises(ValueError, match="k must have the head dim of q"):
+        cuflash.attention(q, k[..., :16], v)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"dout must have shape \(1, 8, 2, 16\) \(q's, with v's head dim 16\)"):
+        cuflash.attention_backward(np.zeros(q.shape, np.float32), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"out must have shape \(1, 8, 2, 16\)"):
+        cuflash.attention_backward(dout, q, k, v, np.zeros(q.shape, np.float32), lse)
+    for algorithm in ("fa1", "standard"):
+        with pytest.raises(ValueError, match=f"headdim_v is supported by algorithm='fa2' only, got "
+                                             f"algorithm='{algorithm}'"):
+            cuflash.attention(q, k, v, algorithm=algorithm)
+    with pytest.raises(ValueError, match="v must have k's shape but for the head dim"):
+        cuflash.attention_varlen(q[0], k[0], v[0, :5], np.array([0, 8], np.int32), np.array([0, 8], np.int32))
+
+
+def test_bad_kvcache_shapes_write_nothing():
+    q, k_cache, v_cache, k_new, v_new, lengths, _ = _caches("float32", (40, 24), None, seed=2)
+    before = k_cache.copy(), v_cache.copy()
+    with pytest.raises(ValueError, match=r"v must have shape \(batch, seqlen_new, nheads_k, headdim_v\)"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=k_new, cache_seqlens=lengths)
+    with pytest.raises(ValueError, match="v_cache must have k_cache's shape but for the head dim"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache[:, :50], k=k_new, v=v_new, cache_seqlens=lengths)
+    assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
+
+
+def test_plans_name_the_larger_dims_instance_and_other_algorithms_refuse():
+    problem = Problem("bfloat16", 2, 100, 100, 4, 4, 192, headdim_v=128)
+    for program in (plans.forward_program("fa2", problem, target("sm_90")),
+                    plans.backward_program("fa2", problem, target("sm_90"))):
+        assert any(", 192," in launch.kernel.name_expr for launch in program.launches)
+    for algorithm in ("fa1", "standard"):
+        with pytest.raises(ValueError, match="headdim_v"):
+            plans.forward_program(algorithm, problem, target("sm_90"))
