@@ -108,6 +108,32 @@ def test_matches_the_reference_forward_and_backward(shape_name, pair_name, mask_
     assert np.all(dq[:, empty].astype(np.float32) == 0)
 
 
+@pytest.mark.parametrize("dtype, pair", [("bfloat16", (40, 24)), ("float32", (24, 40)), ("float16", (192, 128))])
+def test_with_every_other_option(dtype, pair):
+    """Dropout (its instances with their own tiles), ALiBi, sinks and the deterministic backward with a v head dim
+    of its own: D = rowsum(dO * O) and dsinks read out at v's width."""
+    shape = (2, 29, 37, 4, 2)
+    q, k, v, dout = _inputs(shape, pair, dtype, seed=41)
+    rng = np.random.default_rng(42)
+    slopes = rng.uniform(0.05, 0.5, (2, 4)).astype(np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    options = dict(causal=True, window_size=(16, -1), alibi_slopes=slopes, sinks=sinks)
+    dropping = dict(dropout_p=0.2, dropout_seed=2**33 + 5)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options, **dropping)
+    keep = cuflash.dropout_mask(2**33 + 5, 2, 4, 29, 37, 0.2)
+    ref = tol.forward_references(q, k, v, dropout_p=0.2, dropout_mask=keep, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    bref = tol.backward_references(dout, q, k, v, dropout_p=0.2, dropout_mask=keep, **options)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options, **dropping)
+            for _ in range(2)]
+    for a, b in zip(*runs):  # bitwise reproducible
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for name, got in zip(("dq", "dk", "dv"), runs[0][:3]):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+    tol.check_close("dsinks", runs[0][3], bref.dsinks, bref.dsinks_lowp, tol.BACKWARD_FACTOR, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Traffic, races and out-of-bounds accesses: the programs run directly on the simulator.
 
