@@ -10,7 +10,8 @@
 // once, dK_j and dV_j accumulate in registers. It loops over the query heads of its group (GQA/MQA: the group's
 // dK/dV sum in a fixed order, on chip) and per head over the Q blocks that see the K/V block (mask.cuh's
 // q_blocks; the others are skipped unread). Per Q block i:
-//     Q_i, dO_i (cp.async, 16-byte, zero-filled) issued during step i - 1 (pipeline below); load lse_i, D_i
+//     Q_i, dO_i (cp.async, 16-byte, zero-filled) issued during step i - 1 (pipeline below; a whole block at the
+//     compiled head dim by load_whole_tile, unrolled from one source pointer); load lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
 //     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
 //     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
@@ -102,6 +103,10 @@ struct BackwardTraits {
   // The per-step Q and dO copies step their rows (fa2_tc_tiles.cuh's load_tile) except at head dim 256, where
   // the stepped loop's extra registers made ptxas spill 4 bytes on sm_90 beside dK and dV.
   static constexpr bool kStepQRows = HeadDim < 256;
+  // Whole Q and dO blocks (every row, the compiled head dim, 16-byte rows; block-uniform) are copied by
+  // load_whole_tile: a thread's cp.async unrolled from one source pointer, shared offsets immediates, where the
+  // threads cover whole rows (not at d96 and d192: 12 and 24 chunks per row).
+  static constexpr bool kWholeQCopies = WholeTileCopy<SwizzledTile<BlockM, HeadDim>, kThreads>::kAvailable;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
@@ -198,18 +203,26 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     // Copies of the Q block (into dst) or dO block of step (head, m_block). The head's pointers are formed here,
     // per copy: for varlen they come from cu_seqlens, so none of them stays live through the products (the kernel
     // runs at the register limit; held per head they spilled 4 to 32 bytes).
+    auto copy_rows = [&](unsigned char* dst, const T* head_rows, long long stride, int row0, int rows, int cols) {
+      const bool vector = fa2tc::rows_16b_aligned(head_rows, stride);
+      const T* src = head_rows + row0 * stride;
+      if (Tr::kWholeQCopies && vector && rows == BlockM && cols == HeadDim) {
+        if constexpr (Tr::kWholeQCopies)
+          fa2tc::load_whole_tile<QTile, Tr::kThreads>(
+              dst, src + fa2tc::whole_tile_row<QTile>(tid) * stride + fa2tc::whole_tile_column<QTile>(tid), stride,
+              tid);
+      } else {
+        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(dst, src, stride, rows, cols, vector, tid);
+      }
+    };
     auto load_rows = [&](int head, int m_block, bool dout, unsigned char* dst) {
       const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
       const int row0 = m_block * BlockM;
       const int rows = min(BlockM, info.seqlen_q(p) - row0);
       if (dout)
-        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
-            dst, info.dout<T>(p) + row0 * p.dout_stride.row, p.dout_stride.row, rows, dim_v,
-            fa2tc::rows_16b_aligned(info.dout<T>(p), p.dout_stride.row), tid);
+        copy_rows(dst, info.dout<T>(p), p.dout_stride.row, row0, rows, dim_v);
       else
-        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(
-            dst, info.q<T>(p) + row0 * p.q_stride.row, p.q_stride.row, rows, d,
-            fa2tc::rows_16b_aligned(info.q<T>(p), p.q_stride.row), tid);
+        copy_rows(dst, info.q<T>(p), p.q_stride.row, row0, rows, d);
     };
     auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
     if (steps > 0) {
