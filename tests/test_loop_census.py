@@ -214,6 +214,8 @@ LEAN_PER_HMMA = {
     ("backward", "sm_80", 128): 5.950,  # 64x64x8: 952 / 160 (1447 before)
     ("backward", "sm_90", 64): 6.106,   # 64x128x8: 977 / 160 (64x64x8: 686 / 80 = 8.58; 982 / 80 before)
     ("backward", "sm_90", 128): 6.125,  # 64x64x8: 980 / 160 (1472 before)
+    ("backward", "sm_80", 256): 4.975,  # 32x64x8: 796 / 160 (971 before whole Q and dO copies)
+    ("backward", "sm_90", 256): 5.200,  # 32x64x8: 832 / 160 (1008 before whole Q and dO copies)
 }
 
 
