@@ -66,6 +66,33 @@ def test_planted_plain_path():
     assert sum(row.classes.values()) == row.instructions
 
 
+# Two copy loops, one per tile; the second behind a test (a step with nothing to prefetch skips it) and an extra
+# instruction. Uncapped, the cheapest walk that issues 2 LDGSTS runs the first loop twice (8 instructions); each copy
+# site capped at one tile's share, it must run each once (9).
+TWO_COPY_SITES = listing(
+    "S2R R0, SR_TID.X",                    # 0x00
+    "HMMA.16816.F32 R4, R8, R12, R4",      # 0x10 loop head
+    "LDGSTS.E.BYPASS.128 [R5], [R6.64]",   # 0x20 copy loop A
+    "@P1 BRA 0x20",                        # 0x30
+    "@P2 BRA 0x80",                        # 0x40 skip copy B
+    "IADD3 R7, R7, 0x10, RZ",              # 0x50
+    "LDGSTS.E.BYPASS.128 [R9], [R10.64]",  # 0x60 copy loop B
+    "@P3 BRA 0x60",                        # 0x70
+    "HMMA.16816.F32 R4, R8, R14, R4",      # 0x80
+    "@P0 BRA 0x10",                        # 0x90 main loop back edge
+    "EXIT",                                # 0xa0
+)
+
+
+def test_each_copy_site_issues_at_most_its_tiles_share():
+    (uncapped,) = lc.census(TWO_COPY_SITES, lc.IterationWork(hmma=2, ldgsts=2, exponentials=0))
+    assert uncapped.instructions == 8
+    (capped,) = lc.census(TWO_COPY_SITES, lc.IterationWork(hmma=2, ldgsts=2, exponentials=0, tiles_copied=2))
+    assert capped.instructions == 9 and capped.classes["ldgsts"] == 2 and capped.classes["integer"] == 1
+    with pytest.raises(lc.NoPathError):  # three copies from two sites of at most one each
+        lc.census(TWO_COPY_SITES, lc.IterationWork(hmma=2, ldgsts=3, exponentials=0, tiles_copied=3))
+
+
 def test_planted_work_decides_what_the_walk_must_issue():
     # One copy only: the copy loop once, 3 instructions fewer.
     (row,) = lc.census(PLANTED, lc.IterationWork(hmma=4, ldgsts=1, exponentials=2, global_writes=1))
@@ -164,9 +191,11 @@ def test_iteration_work_of_the_tiles():
     # FA2's counts at its tiles (../shared/notes/anchors.md, issue [lean]): forward d128 128x32x4 128 HMMA per
     # warp and 8 copies per thread; backward d128 64x64x8 160 HMMA.
     forward = fa2_tc.ForwardTraits(128, block_m=128, block_n=32, warps=4)
-    assert lc.iteration_work(forward) == lc.IterationWork(hmma=128, ldgsts=8, exponentials=32, global_writes=0)
+    assert lc.iteration_work(forward) == lc.IterationWork(hmma=128, ldgsts=8, exponentials=32, global_writes=0,
+                                                          tiles_copied=2)
     backward = fa2_tc.BackwardTraits(128, block_m=64, block_n=64, warps=8)
-    assert lc.iteration_work(backward) == lc.IterationWork(hmma=160, ldgsts=8, exponentials=16, global_writes=32)
+    assert lc.iteration_work(backward) == lc.IterationWork(hmma=160, ldgsts=8, exponentials=16, global_writes=32,
+                                                           tiles_copied=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

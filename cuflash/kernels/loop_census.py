@@ -247,6 +247,10 @@ class IterationWork:
     ldgsts: int
     exponentials: int
     global_writes: int = 0
+    # The tiles the LDGSTS copy (0: not said). Each tile is one copy site's share, so a walk may issue at most
+    # ceil(ldgsts / tiles_copied) from any one LDGSTS: without the cap the cheapest walk could run one copy loop for
+    # both tiles and skip the other copy (the backward's last step, with no prefetch), under-reading the step.
+    tiles_copied: int = 0
 
 
 @dataclass(frozen=True)
@@ -279,13 +283,19 @@ _GLOBAL_WRITES = ("RED", "REDG", "ATOM", "ATOMG", "STG")
 
 def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain") -> PathCensus:
     """The cheapest walk from the loop's head back to it through its back edge that issues ``work`` (Dijkstra over
-    (block, HMMA, LDGSTS and global writes so far, exponentials so far capped at the required number); costs are
-    instruction counts, so the walk is the path issuing the fewest instructions)."""
-    need = (work.hmma, work.ldgsts, work.global_writes, work.exponentials)
+    (block, HMMA, LDGSTS and global writes so far, exponentials so far capped at the required number, and with
+    ``work.tiles_copied`` the copies of each LDGSTS so far, each at most a tile's share); costs are instruction
+    counts, so the walk is the path issuing the fewest instructions)."""
+    sites = sorted({i.address for b in loop.blocks for i in blocks[b].instructions if i.base == "LDGSTS"})
+    site_cap = -(-work.ldgsts // work.tiles_copied) if work.tiles_copied else work.ldgsts
+    # Per-site counts join the state only where a cap can bind (several sites, a cap below the step's copies).
+    capped = sites if len(sites) > 1 and site_cap < work.ldgsts else []
+    need = (work.hmma, work.ldgsts, work.global_writes, work.exponentials, *([site_cap] * len(capped)))
     per_block = {b: (len(blocks[b].instructions), blocks[b].count("hmma"), blocks[b].count("ldgsts"),
                      sum(i.base in _GLOBAL_WRITES for i in blocks[b].instructions),
-                     blocks[b].count_opcode("MUFU.EX2")) for b in loop.blocks}
-    first = _add((0, 0, 0, 0), per_block[loop.head][1:], need)
+                     blocks[b].count_opcode("MUFU.EX2"),
+                     *(sum(i.address == a for i in blocks[b].instructions) for a in capped)) for b in loop.blocks}
+    first = _add((0, 0, 0, 0, *([0] * len(capped))), per_block[loop.head][1:], need)
     if first is None:
         raise NoPathError(f"the loop head alone issues more than {need}")
     queue = [(per_block[loop.head][0], loop.head, *first)]
@@ -301,7 +311,7 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
             if successor not in loop.blocks:
                 continue
             if block == loop.latch and successor == loop.head:
-                if counts[:3] == need[:3] and counts[3] >= need[3]:
+                if tuple(counts[:3]) == need[:3] and counts[3] >= need[3]:
                     walked = [block]
                     while state in previous:
                         state = previous[state]
@@ -324,11 +334,11 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
 
 
 def _add(counts: tuple[int, ...], block: tuple[int, ...], need: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Counts after a block: None past an exact need; the exponentials capped at theirs."""
-    h, l, w, e = (c + b for c, b in zip(counts, block))
-    if h > need[0] or l > need[1] or w > need[2]:
+    """Counts after a block: None past an exact need or a copy site's cap; the exponentials capped at theirs."""
+    h, l, w, e, *per_site = (c + b for c, b in zip(counts, block))
+    if h > need[0] or l > need[1] or w > need[2] or any(s > cap for s, cap in zip(per_site, need[4:])):
         return None
-    return (h, l, w, min(e, need[3]))
+    return (h, l, w, min(e, need[3]), *per_site)
 
 
 def _census(blocks: Sequence[Block], loop: Loop, walked: list[int], path: str, exponentials: int) -> PathCensus:
@@ -385,7 +395,8 @@ def iteration_work(traits) -> IterationWork:
     return IterationWork(hmma=(2 if forward else 5) * mma_per_product // warps, ldgsts=copies,
                          exponentials=m * n // traits.threads,
                          # The backward adds its dQ_i part (rows x d floats) into dq_accum, one RED per element.
-                         global_writes=0 if forward else m * d // traits.threads)
+                         global_writes=0 if forward else m * d // traits.threads,
+                         tiles_copied=2)  # K and V, or Q and dO
 
 
 @dataclass(frozen=True)
