@@ -30,6 +30,7 @@ from cuflash.kernels.targets import target
 from cuflash.mask import Mask
 from cuflash.reference import attention_with_kvcache_reference
 from cuflash.testing import numpy_dtype, rows_without_key
+from test_sinks import DTYPES, MASKS  # the same mask grid as the sinks tests
 
 PAIRS = {"mla": (192, 128), "narrow-v": (40, 24), "wide-v": (24, 72)}  # (q/k head dim, v head dim)
 SHAPES = {  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
@@ -37,13 +38,6 @@ SHAPES = {  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
     "mqa-wide": (1, 19, 83, 3, 1),
     "mha-odd": (2, 33, 33, 2, 2),
 }
-MASKS = {
-    "none": dict(),
-    "causal": dict(causal=True),
-    "window": dict(window_size=(9, 4)),
-    "window-causal-softcap": dict(window_size=(20, -1), causal=True, softcap=4.0),
-}
-DTYPES = ["float32", "float16", "bfloat16"]
 
 
 def _inputs(shape, pair, dtype, seed):
