@@ -66,7 +66,13 @@ struct BlockInfo {
   }
   // Query head `member` (0 .. group_size - 1) of kv head `kv_head`.
   __device__ __forceinline__ static BlockInfo of_group(const AttentionParams& p, int batch, int kv_head, int member) {
-    return of(p, batch, kv_head * group_size(p) + member);
+    return of_group_head(batch, kv_head, kv_head * group_size(p) + member);
+  }
+  // Query head `head` (an absolute index) of kv head `kv_head`'s group, for a caller that steps through the group's
+  // heads: no division in its loop (head / group_size is an integer division by a runtime value, about 25
+  // instructions).
+  __device__ __forceinline__ static BlockInfo of_group_head(int batch, int kv_head, int head) {
+    return BlockInfo{batch, head, kv_head};
   }
 
   __device__ __forceinline__ static bool varlen(const AttentionParams& p) { return p.cu_seqlens_q != nullptr; }

@@ -18,16 +18,19 @@
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans (in column chunks)
-//   (every ldmatrix address a lane base, fa2_tc_tiles.cuh's LaneBases made before each product, plus an
-//   immediate; a whole Q block adds dQ unconditionally, a ragged one tests rows and columns)
+//   (every ldmatrix address a lane base, fa2_tc_tiles.cuh's LaneBases, plus an immediate: the bases made once per
+//   K/V block and held up to d128, per step above; a whole Q block adds dQ unconditionally from one address per
+//   lane, a ragged one tests rows and columns)
+//   Where a step's rows start in q, dout, the row statistics and dq_accum (StepRows) is carried from one step to
+//   the next: one Q block further within a head, derived again through BlockInfo only when the head changes.
 //   dq_accum: zero-initialised slices updated with red.global.add.f32, exactly as in the SIMT backward: one slice
 //   all blocks race on (atomic mode), or slice x added to only by block x, each element by the one thread owning
 //   it, in program order (deterministic mode).
 //   After each K/V block dK_j * scale and dV_j are rounded to T, staged through the K and V buffers and written in
 //   16-byte chunks.
 // Varlen (block_info.cuh): the grid spans the longest sequence; a block runs no K/V block past its sequence's keys
-// (the loop's test, block-uniform, before any barrier), and every length and sequence offset is re-read where it
-// is used.
+// (the loop's test, block-uniform, before any barrier); the sequence's offsets enter through StepRows and its
+// query count is read once per K/V block.
 // Warps: each product is tiled over all Warps warps as WarpsM x WarpsN warp tiles of whole 16-row strips and
 // pairs of n8 tiles (WarpTiling below; the S/dP, dK/dV and dQ tilings differ). dK/dV stay in the registers of
 // the warps that own them for a whole K/V block.
@@ -108,6 +111,11 @@ struct BackwardTraits {
   // threads cover whole rows (not at d96 and d192: 12 and 24 chunks per row).
   static constexpr bool kWholeQCopies = WholeTileCopy<SwizzledTile<BlockM, HeadDim>, kThreads>::kAvailable;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
+  // Whether the lanes' ldmatrix bases (BackwardLaneBases, 4 sets of up to 4 registers) are made once per K/V block
+  // and held through its steps, pinned, or made again in every step from the thread index (about 90 instructions a
+  // step at d128). Held up to head dim 128, where the kernel has the registers to spare (d128 on sm_80: 190 of 255
+  // before); at d192 and d256 it runs near the limit.
+  static constexpr bool kHoldLaneBases = HeadDim <= 128;
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
   using QTile = SwizzledTile<BlockM, HeadDim>;
@@ -125,6 +133,80 @@ struct BackwardTraits {
 
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "compiled head dims are multiples of 32 up to 256");
   static_assert(BlockM % 16 == 0 && BlockN % 32 == 0 && BlockM <= kThreads, "tile shape");
+};
+
+// The lanes' ldmatrix bases of the backward's products (with them every ldmatrix address is a register plus an
+// immediate): S = Q K^T and dP = dO V^T (Q and dO share a layout, so do K and V) with the warp's first row and
+// key folded in; dV += P^T dO and dK += dS^T Q, read transposed (P and dS share a layout, so do dO and Q) with the
+// warp's first key and dim; dQ = dS K, the warp's first row of dS and K's first column of the warp's dQ tile (its
+// later column chunks shift these: LaneBases::shifted).
+template <class Tr>
+struct BackwardLaneBases {
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  using PTile = typename Tr::PTile;
+  LaneBases<QTile> s_a;
+  LaneBases<KVTile> s_b;
+  LaneBases<PTile> t_a;
+  LaneBases<QTile> t_b;
+  LaneBases<PTile> dq_a;
+  LaneBases<KVTile> dq_b;
+
+  __device__ __forceinline__ static BackwardLaneBases of(int warp, int lane) {
+    using SdP = typename Tr::SdP;
+    using DkDv = typename Tr::DkDv;
+    using Dq = typename Tr::Dq;
+    return BackwardLaneBases{
+        LaneBases<QTile>::of(a_row_lane<QTile>(lane), SdP::m0(warp) * QTile::kRowBytes),
+        LaneBases<KVTile>::of(pair_lane<KVTile>(lane), SdP::n0(warp) * KVTile::kRowBytes),
+        LaneBases<PTile>::of(pair_lane<PTile>(lane), 0, DkDv::m0(warp) / kChunkElems),
+        LaneBases<QTile>::of(b_kn_lane<QTile>(lane), 0, DkDv::n0(warp) / kChunkElems),
+        LaneBases<PTile>::of(a_row_lane<PTile>(lane), Dq::m0(warp) * PTile::kRowBytes),
+        LaneBases<KVTile>::of(b_kn_lane<KVTile>(lane), 0, Dq::n0(warp) / kChunkElems)};
+  }
+  __device__ __forceinline__ BackwardLaneBases pinned(int lane) const {
+    return BackwardLaneBases{s_a.pinned(lane), s_b.pinned(lane), t_a.pinned(lane),
+                             t_b.pinned(lane), dq_a.pinned(lane), dq_b.pinned(lane)};
+  }
+};
+
+// Where a step's Q block starts in what the step reads (q, dout, the row statistics lse and D) and adds to (its
+// dq_accum slice). Held from one step to the next: within a head the next step's block is BlockM rows further,
+// four additions; only at a head change is it derived again through BlockInfo (the tensors' strides, varlen's
+// sequence offsets), so a steady-state step does no address arithmetic from the strides and no alignment test.
+// q and dout point at this thread's first chunk of a whole-block copy (load_whole_tile's row and column; row 0,
+// column 0 where the traits copy no whole blocks); any other copy steps back to the block's row 0.
+template <class Tr, class T>
+struct StepRows {
+  using QTile = typename Tr::QTile;
+  const T* q;
+  const T* dout;
+  long long stats;   // the block's row 0 in the row statistics
+  float* dq;         // the block's row 0, column 0 in dq_accum's slice
+  bool q_vector;     // the rows 16-byte aligned (rows_16b_aligned: a block's start is exactly when its head's is)
+  bool dout_vector;
+
+  __device__ __forceinline__ static long long thread_offset(long long row_stride, int thread) {
+    if constexpr (Tr::kWholeQCopies)
+      return whole_tile_row<QTile>(thread) * row_stride + whole_tile_column<QTile>(thread);
+    else
+      return 0;
+  }
+  __device__ __forceinline__ static StepRows of(const AttentionParams& p, const BlockInfo& info, int row0, int slice,
+                                                int thread) {
+    const T* q_rows = info.q<T>(p) + row0 * p.q_stride.row;
+    const T* dout_rows = info.dout<T>(p) + row0 * p.dout_stride.row;
+    return StepRows{q_rows + thread_offset(p.q_stride.row, thread),
+                    dout_rows + thread_offset(p.dout_stride.row, thread),
+                    info.row_stats_offset(p) + row0,
+                    info.dq_accum(p, slice) + row0 * BlockInfo::dense_row_stride(p),
+                    rows_16b_aligned(q_rows, p.q_stride.row),
+                    rows_16b_aligned(dout_rows, p.dout_stride.row)};
+  }
+  __device__ __forceinline__ StepRows advanced(const AttentionParams& p, int rows) const {
+    return StepRows{q + rows * p.q_stride.row, dout + rows * p.dout_stride.row, stats + rows,
+                    dq + rows * BlockInfo::dense_row_stride(p), q_vector, dout_vector};
+  }
 };
 
 }  // namespace fa2tc
@@ -161,7 +243,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   // from it (the K/V copy, ldmatrix and dK/dV staging addresses) is hoisted out of those loops and held through the
   // products: hoisted out of the K/V loop, they cost 20 to 30 registers and spilled at head dim 256; re-read, they
   // cost a local load (an L1 hit) and a few integer instructions per step, and fewer registers than before the
-  // K/V loop (d128 on sm_80: 226 without the loop, 255 with it, 217 re-read).
+  // K/V loop (d128 on sm_80: 226 without the loop, 255 with it, 217 re-read). The ldmatrix bases, where the traits
+  // hold them (kHoldLaneBases), are made from it once per K/V block and pinned (LaneBases::pinned).
   volatile unsigned thread_index = threadIdx.x;
   const int d = p.headdim;         // q's, k's and their gradients' columns
   const int dim_v = p.headdim_v;  // v's, dO's and dV's (attention_params.cuh)
@@ -196,60 +279,61 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     // the group: one sequence, one mask).
     const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
     const int steps = group * max(m_range.end - m_range.begin, 0);
-    // A step is (head of the group, Q block), heads outer; the next step's, from this one's by a compare (no
-    // division by the runtime number of Q blocks in the loop).
-    auto next_head = [&](int head, int m_block) { return m_block + 1 == m_range.end ? head + 1 : head; };
-    auto next_m_block = [&](int m_block) { return m_block + 1 == m_range.end ? m_range.begin : m_block + 1; };
-    // Copies of the Q block (into dst) or dO block of step (head, m_block). The head's pointers are formed here,
-    // per copy: for varlen they come from cu_seqlens, so none of them stays live through the products (the kernel
-    // runs at the register limit; held per head they spilled 4 to 32 bytes).
-    auto copy_rows = [&](unsigned char* dst, const T* head_rows, long long stride, int row0, int rows, int cols) {
-      const bool vector = fa2tc::rows_16b_aligned(head_rows, stride);
-      const T* src = head_rows + row0 * stride;
+    // A step is (query head, Q block), heads outer from the group's first head; the next step's, from this one's by
+    // a compare (no division by the runtime number of Q blocks or by the group size in the loop), and so are its
+    // rows (StepRows). The sequence's query count is the same for every head.
+    const int slice = p.num_dq_splits > 1 ? blockIdx.x : 0;  // block x's own in deterministic mode, else the one
+    using Rows = fa2tc::StepRows<Tr, T>;
+    auto rows_of = [&](int head, int m_block) {
+      return Rows::of(p, BlockInfo::of_group_head(batch, kv_head, head), m_block * BlockM, slice, tid);
+    };
+    const int seqlen_q = kv_info.seqlen_q(p);
+    auto rows_in = [&](int m_block) { return min(BlockM, seqlen_q - m_block * BlockM); };
+    // Copies of a Q or dO block (from: StepRows' q or dout) into dst.
+    auto copy_rows = [&](unsigned char* dst, const T* from, long long stride, bool vector, int rows, int cols) {
       if (Tr::kWholeQCopies && vector && rows == BlockM && cols == HeadDim) {
-        if constexpr (Tr::kWholeQCopies)
-          fa2tc::load_whole_tile<QTile, Tr::kThreads>(
-              dst, src + fa2tc::whole_tile_row<QTile>(tid) * stride + fa2tc::whole_tile_column<QTile>(tid), stride,
-              tid);
+        if constexpr (Tr::kWholeQCopies) fa2tc::load_whole_tile<QTile, Tr::kThreads>(dst, from, stride, tid);
       } else {
-        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(dst, src, stride, rows, cols, vector, tid);
+        fa2tc::load_tile<QTile, Tr::kThreads, Tr::kStepQRows>(dst, from - Rows::thread_offset(stride, tid), stride,
+                                                              rows, cols, vector, tid);
       }
     };
-    auto load_rows = [&](int head, int m_block, bool dout, unsigned char* dst) {
-      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
-      const int row0 = m_block * BlockM;
-      const int rows = min(BlockM, info.seqlen_q(p) - row0);
-      if (dout)
-        copy_rows(dst, info.dout<T>(p), p.dout_stride.row, row0, rows, dim_v);
-      else
-        copy_rows(dst, info.q<T>(p), p.q_stride.row, row0, rows, d);
-    };
     auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
+    int head = kv_info.head, m_block = m_range.begin;  // this step's
+    Rows rows = rows_of(head, m_block);
     if (steps > 0) {
-      load_rows(0, m_range.begin, false, q_buffer(0));
-      load_rows(0, m_range.begin, true, do_tile);
+      copy_rows(q_buffer(0), rows.q, p.q_stride.row, rows.q_vector, rows_in(m_block), d);
+      copy_rows(do_tile, rows.dout, p.dout_stride.row, rows.dout_vector, rows_in(m_block), dim_v);
     }
     arch::cp_async_commit();
 
     const int s_m0 = SdP::m0(warp), s_n0 = SdP::n0(warp);
+    using LaneBasesOfProducts = fa2tc::BackwardLaneBases<Tr>;
+    LaneBasesOfProducts held_bases;
+    if constexpr (Tr::kHoldLaneBases) held_bases = LaneBasesOfProducts::of(warp, lane).pinned(lane);
     // Step i issues Q_{i+1} at its start and dO_{i+1} after dV (the pipeline in the header); step i + 1 waits for
     // just those two copy groups.
-    int head = 0, m_block = m_range.begin;  // this step's
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
       const int tid = thread_index % Tr::kThreads;  // unsigned, bounded: the divisions below are shifts
       const int warp = tid / 32;
       const int lane = tid % 32;
-      const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, head);
+      const LaneBasesOfProducts bases = Tr::kHoldLaneBases ? held_bases : LaneBasesOfProducts::of(warp, lane);
+      const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
       const int row0 = m_block * BlockM;
-      auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
+      auto block_rows = [&] { return rows_in(m_block); };
       unsigned char* q_tile = q_buffer(step);
+      // The next step's head, Q block and rows.
+      const bool head_ends = m_block + 1 == m_range.end;
+      const int next_m_block = head_ends ? m_range.begin : m_block + 1;
+      const Rows next = head_ends ? rows_of(head + 1, next_m_block) : rows.advanced(p, BlockM);
       // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
       // the next Q block now fills.
       __syncthreads();
-      if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), false, q_buffer(step + 1));
+      if (step + 1 < steps)
+        copy_rows(q_buffer(step + 1), next.q, p.q_stride.row, next.q_vector, rows_in(next_m_block), d);
       arch::cp_async_commit();  // possibly empty: the waits below count groups
-      fa2::stage_row_stats<BlockM>(p, info.row_stats_offset(p) + row0, block_rows(), tid, lse_rows, dot_rows);
+      fa2::stage_row_stats<BlockM>(p, rows.stats, block_rows(), tid, lse_rows, dot_rows);
       arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
       __syncthreads();           // ... landed for every thread; lse, D visible to all
 
@@ -259,13 +343,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         s.zero();
         dp.zero();
         {
-          // The lanes' ldmatrix bases of both products (Q and dO share their layout, so do K and V), with the
-          // warp's first row and key folded in: every address of the two products is a base plus an immediate.
-          const auto a_at = fa2tc::LaneBases<QTile>::of(fa2tc::a_row_lane<QTile>(lane), s_m0 * QTile::kRowBytes);
-          const auto b_at = fa2tc::LaneBases<KVTile>::of(fa2tc::pair_lane<KVTile>(lane), s_n0 * KVTile::kRowBytes);
           constexpr int kM = SdP::kMTiles, kN = SdP::kNTiles;
-          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(s, q_tile, a_at, k_tile, b_at);
-          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(dp, do_tile, a_at, v_tile, b_at);
+          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(s, q_tile, bases.s_a, k_tile, bases.s_b);
+          fa2tc::gemm_ss<T, false, false, QTile, KVTile, kM, kN, HeadDim>(dp, do_tile, bases.s_a, v_tile, bases.s_b);
         }
         const MaskPolicy mask = MaskPolicy::of(p, info);
         const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
@@ -332,38 +412,38 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 
       // dV += P^T dO_i; once every warp has read dO_i, the next step's dO copy is issued into its buffer; then
       // dK += dS^T Q_i over this Q block's rows.
-      // Both products read their operands transposed, with the lanes' bases (P and dS share a layout, so do dO
-      // and Q) holding the warp's first key (P's column) and first dim.
-      using fa2tc::kChunkElems;
-      const auto pt_at = fa2tc::LaneBases<PTile>::of(fa2tc::pair_lane<PTile>(lane), 0, DkDv::m0(warp) / kChunkElems);
-      const auto qt_at = fa2tc::LaneBases<QTile>::of(fa2tc::b_kn_lane<QTile>(lane), 0, DkDv::n0(warp) / kChunkElems);
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, pt_at,
-                                                                                       do_tile, qt_at);
+      // Both products read their operands transposed.
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dv, p_tile, bases.t_a,
+                                                                                       do_tile, bases.t_b);
       __syncthreads();
-      if (step + 1 < steps) load_rows(next_head(head, m_block), next_m_block(m_block), true, do_tile);
+      if (step + 1 < steps)
+        copy_rows(do_tile, next.dout, p.dout_stride.row, next.dout_vector, rows_in(next_m_block), dim_v);
       arch::cp_async_commit();
-      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, pt_at,
-                                                                                       q_tile, qt_at);
+      fa2tc::gemm_ss<T, true, true, PTile, QTile, DkDv::kMTiles, DkDv::kNTiles, BlockM>(acc_dk, ds_tile, bases.t_a,
+                                                                                       q_tile, bases.t_b);
 
       // dQ_i += dS K_j, straight into dq_accum (unscaled; the convert kernel applies the scale), one column chunk
       // at a time (BackwardTraits::kDqChunkTiles; the dS fragments are re-read from shared memory per chunk). A Q
       // block with every row at the compiled head dim (block-uniform) adds every element unconditionally, from one
       // row base per strip; a ragged block tests rows and columns.
-      // The slice: block x's own in deterministic mode (grid.x = num_dq_splits), else the one slice.
       const bool dq_whole = block_rows() == BlockM && d == HeadDim;
-#pragma unroll 1
+      // This lane's first dQ element (row acc_row(lane, 0, 0), column acc_col(lane, 0) of the warp's tile): one
+      // address per step; chunks, strips, halves and n8 tiles add row strides and immediates to it.
+      const long long row_stride = BlockInfo::dense_row_stride(p);
+      float* const dq_lane =
+          rows.dq + (Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride + Dq::n0(warp) + fa2tc::acc_col(lane, 0);
+      // The chunks unrolled: each chunk's column offset is a constant, so its ldmatrix bases are K's first chunk's,
+      // shifted, and its dq_accum addresses immediates from dq_lane.
+#pragma unroll
       for (int chunk = 0; chunk < Tr::kDqChunks; ++chunk) {
         constexpr int kChunkTiles = Dq::kNTiles / Tr::kDqChunks;
-        const int n0 = Dq::n0(warp) + chunk * 8 * kChunkTiles;
+        const int chunk_col = chunk * 8 * kChunkTiles;  // the chunk's first column in the warp's dQ tile
+        const int n0 = Dq::n0(warp) + chunk_col;
         fa2tc::Accumulator<Dq::kMTiles, kChunkTiles> dq;
         dq.zero();
         fa2tc::gemm_ss<T, false, true, PTile, KVTile, Dq::kMTiles, kChunkTiles, BlockN>(
-            dq, ds_tile, fa2tc::LaneBases<PTile>::of(fa2tc::a_row_lane<PTile>(lane), Dq::m0(warp) * PTile::kRowBytes),
-            k_tile, fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane), 0, n0 / fa2tc::kChunkElems));
-        const long long row_stride = BlockInfo::dense_row_stride(p);
-        float* dq_rows = info.dq_accum(p, p.num_dq_splits > 1 ? blockIdx.x : 0) +
-                         (row0 + Dq::m0(warp) + fa2tc::acc_row(lane, 0, 0)) * row_stride +
-                         n0 + fa2tc::acc_col(lane, 0);
+            dq, ds_tile, bases.dq_a, k_tile, bases.dq_b.shifted(chunk_col / fa2tc::kChunkElems));
+        float* const dq_rows = dq_lane + chunk_col;
         if (dq_whole) {
 #pragma unroll
           for (int i = 0; i < Dq::kMTiles; ++i)
@@ -391,8 +471,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             }
         }
       }
-      head = next_head(head, m_block);
-      m_block = next_m_block(m_block);
+      head += head_ends;
+      m_block = next_m_block;
+      rows = next;
     }
 
     // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers

@@ -275,6 +275,16 @@ struct LaneBases {
     return out;
 #endif
   }
+  // The bases of the same lanes chunk_step chunks further (even): shifted(s).at(r, c) = at(r, s + c). The new bases
+  // are the old ones in another order plus whole atoms (at(0, x + atom q) = at(0, x) + 16 atom q), so where
+  // chunk_step is a constant (an unrolled loop's) every address stays a register plus an immediate; a runtime
+  // chunk_step would index the bases dynamically (local memory).
+  __device__ __forceinline__ LaneBases shifted(int chunk_step) const {
+    LaneBases out;
+#pragma unroll
+    for (int c = 0; c < kBases; ++c) out.base[c] = at(0, chunk_step + 2 * c);
+    return out;
+  }
   // The byte offset LaneOffset::at(row_step, chunk_step) gives (row_step a multiple of 8, chunk_step even).
   __device__ __forceinline__ int at(int row_step, int chunk_step) const {
     return row_step * Tile::kRowBytes + (chunk_step & ~(Tile::kAtomChunks - 1)) * 16 +
