@@ -284,13 +284,16 @@ def test_tile_tables():
             fa2_tc.ForwardTraits(*bad)
     with pytest.raises(ValueError, match="takes"):
         fa2_tc.ForwardTraits(64, 128, 64, 4).instance("float32")
-    # Backward: 8 warps with FA2's 99 KB tiles up to head dim 128; the 99 KB targets' own row at 256 only.
-    for arch in ("sm_80", "sm_86", "sm_90"):
+    # Backward: 8 warps with FA2's 99 KB tiles up to head dim 96, FA2's 64 x 128 at 128 where it fits (the 99 KB
+    # targets take 64 x 64, as does sm_100, whose ptxas spills the larger one), the 99 KB targets' own row at 256.
+    for arch in ("sm_80", "sm_86", "sm_90", "sm_100"):
         for head_dim in fa2_tc.HEAD_DIMS:
             traits = fa2_tc.backward_traits(head_dim, target(arch))
             assert traits.smem_bytes <= target(arch).smem_per_block_bytes
-            expected = fa2_tc.BACKWARD_CHOICES[head_dim][1 if arch == "sm_86" and head_dim == 256 else 0]
-            assert traits == expected
+            second = (arch == "sm_86" and head_dim in (128, 256)) or (arch == "sm_100" and head_dim == 128)
+            assert traits == fa2_tc.BACKWARD_CHOICES[head_dim][1 if second else 0]
+    assert (fa2_tc.backward_traits(128, SM80).block_n, fa2_tc.backward_traits(128, target("sm_100")).block_n) == (128, 64)
+    assert fa2_tc.backward_traits(128, SM80, dropout=True).block_n == 64
     assert [fa2_tc.pick_warps_m(*shape) for shape in ((64, 128, 8), (64, 64, 8), (32, 32, 4), (32, 32, 8))] == [4, 4, 2, 0]
     for bad in ((64, 48, 128, 8), (256, 32, 32, 8), (256, 128, 128, 8)):  # block_m, warp tiling, shared memory
         with pytest.raises(ValueError):

@@ -242,9 +242,9 @@ LEAN_PER_HMMA = {
     ("forward", "sm_90", 128): 4.758,   # 128x32x4: 609 / 128 (796 before)
     ("forward", "sm_90", 256): 3.410,   # 64x64x4: 873 / 256 (1910 before)
     ("backward", "sm_80", 64): 4.669,   # 64x128x8: 747 / 160 (951 before held lane bases and step rows)
-    ("backward", "sm_80", 128): 4.138,  # 64x64x8: 662 / 160 (952 before; 1447 before the ratchet)
+    ("backward", "sm_80", 128): 3.309,  # 64x128x8: 1059 / 320 (64x64x8: 662 / 160 = 4.14; 952, 1447 before)
     ("backward", "sm_90", 64): 4.788,   # 64x128x8: 766 / 160 (977 before)
-    ("backward", "sm_90", 128): 4.238,  # 64x64x8: 678 / 160 (980 before; 1472 before the ratchet)
+    ("backward", "sm_90", 128): 3.378,  # 64x128x8: 1081 / 320 (64x64x8: 678 / 160 = 4.24; 980, 1472 before)
     ("backward", "sm_80", 256): 4.100,  # 32x64x8: 656 / 160 (796 before step rows; 971 before whole Q, dO copies)
     ("backward", "sm_90", 256): 4.244,  # 32x64x8: 679 / 160 (832 before step rows; 1008 before whole Q, dO copies)
 }

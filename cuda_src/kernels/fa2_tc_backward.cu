@@ -90,18 +90,20 @@ struct BackwardTraits {
   using DkDv = WarpTiling<BlockN, HeadDim, Warps>;  // dK, dV
   using Dq = WarpTiling<BlockM, HeadDim, Warps>;    // dQ
   // dQ_i is computed in column chunks of kDqChunkTiles n8 tiles per warp: a chunk's accumulators are live beside
-  // dK and dV. 4, or 8 where dK and dV hold 16 n8 tiles per warp each (d256 on 8 warps): the settings at which the
+  // dK and dV. 4, or 8 at d256 on 8 warps (dK and dV hold 16 n8 tiles per warp each): the settings at which the
   // compile report shows every instance spill-free on every target (whole rows spilled 4 to 24 bytes at d128 and
   // d256 once varlen's sequence offsets took their registers; chunks of 4 spilled d256 on 8 warps). That one
   // setting depends on the compiler: NVRTC 12.9's ptxas spills the chunks of 8 (12 bytes on sm_80) and fits
-  // chunks of 4, which NVRTC 13.5's spills (4 bytes on sm_80/86/89). The results do not depend on it: each dQ
+  // chunks of 4, which NVRTC 13.5's spills (4 bytes on sm_80/86/89). d128's 64 x 128 (dK and dV 16 n8 tiles each
+  // too) takes 4 under both: with 8, NVRTC 13 spilled 8 bytes on sm_90. The results do not depend on it: each dQ
   // element is the same products summed in the same order either way.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
   static constexpr bool kWideDqChunks = false;
 #else
   static constexpr bool kWideDqChunks = true;
 #endif
-  static constexpr int kDqChunkTiles = kWideDqChunks && Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
+  static constexpr int kDqChunkTiles =
+      kWideDqChunks && HeadDim == 256 && Dq::kNTiles == 8 && DkDv::kNTiles == 16 ? 8 : 4;
   static constexpr int kDqChunks = Dq::kNTiles > kDqChunkTiles ? Dq::kNTiles / kDqChunkTiles : 1;
   // The per-step Q and dO copies step their rows (fa2_tc_tiles.cuh's load_tile) except at head dim 256, where
   // the stepped loop's extra registers made ptxas spill 4 bytes on sm_90 beside dK and dV.
@@ -113,8 +115,9 @@ struct BackwardTraits {
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
   // Whether the lanes' ldmatrix bases (BackwardLaneBases, 4 sets of up to 4 registers) are made once per K/V block
   // and held through its steps, pinned, or made again in every step from the thread index (about 90 instructions a
-  // step at d128). Held up to head dim 128, where the kernel has the registers to spare (d128 on sm_80: 190 of 255
-  // before); at d192 and d256 it runs near the limit.
+  // step at d128). Held up to head dim 128, where the kernel has the registers (sm_80, NVRTC 13: d128 64 x 64 190
+  // before, 206 held; 64 x 128 254 held, spill-free; with dQ chunks of 8 it spilled on sm_90 8 bytes held and 20
+  // rebuilt: rebuilding them needs registers too); at d192 and d256 it runs near the limit.
   static constexpr bool kHoldLaneBases = HeadDim <= 128;
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;

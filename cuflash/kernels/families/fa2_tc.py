@@ -135,10 +135,12 @@ def pick_warps_m(rows: int, cols: int, warps: int) -> int:
 @dataclass(frozen=True)
 class BackwardTraits(fa2.TileTraits):
     """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps;
-    ``dropout``: the instance with dropout (the kernel's WithDropout flag)."""
+    ``dropout``: the instance with dropout (the kernel's WithDropout flag); ``spills_on``: targets whose ptxas spills
+    this tile (the evidence in the table's comments), which take the table's next choice."""
 
     element_types = DTYPES
     dropout: bool = False
+    spills_on: tuple[str, ...] = ()
 
     def _check_tiles(self) -> None:
         if self.block_m % 16 or self.block_n % 32 or self.block_m > self.threads:
@@ -163,7 +165,7 @@ class BackwardTraits(fa2.TileTraits):
 
 
 # The backward tiles (Q step x K/V block), 8 warps, from FA2's table (anchors.md) for blocks of at most 99 KB:
-# 64 x 128 up to head dim 64, 64 x 64 at 96 and 128. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
+# 64 x 128 up to head dim 64, 64 x 64 at 96 and 128; at 128, FA2's 64 x 128 where a block may take its 144.5 KB. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
 # 24 bytes on sm_80 / sm_90: dK + dV alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
 # keeping the K/V block and so the number of dQ updates and Q/dO re-reads); at 256 the 99 KB targets take 32 x 32
 # with 4 warps (32 x 64 needs 120 KB with Q double-buffered). The same tiles with dropout, but at d256 only 32 x 32
@@ -172,26 +174,37 @@ class BackwardTraits(fa2.TileTraits):
 # twice as often).
 BACKWARD_CHOICES = {
     32: (BackwardTraits(32, block_m=64, block_n=128, warps=8),),
-    # d64 takes FA2's 128-key K/V block since the lean step (issue [lean] 3): 64x128x8 issues 951 instructions per
+    # d64 takes FA2's 128-key K/V block since the lean step (issue [lean] 3): 64x128x8 issued 951 instructions per
     # step for 160 HMMA (5.94 per HMMA on sm_80, 6.11 on sm_90) where 64x64x8 issued 660 for 80 (8.25, 8.58), at
     # 224-232 registers without spills (it spilled 4 bytes on sm_90 before the step lost its LaneOffsets), in
-    # 90.6 KB of shared memory, which every target's block has; one block per SM either way (registers).
+    # 90.6 KB of shared memory, which every target's block has; one block per SM either way (registers). With the
+    # lane bases held and the step's rows carried (StepRows): 744 (4.65) and 766 (4.79), 245 registers.
     64: (BackwardTraits(64, block_m=64, block_n=128, warps=8),),
     96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
-    128: (BackwardTraits(128, block_m=64, block_n=64, warps=8),),
+    # d128: FA2's 64 x 128 (NVRTC 13, fp16 and bf16 alike) issues 1059 instructions per step for 320 HMMA on sm_80
+    # (3.31 per HMMA) and 1081 on sm_90 (3.38), where 64 x 64 issues 662 for 160 (4.14) and 678 (4.24); it reads
+    # each Q and dO block and adds each dQ block half as often per FLOP. 254-255 registers without spills under
+    # NVRTC 13 and 12.9 on sm_80, sm_87 and sm_90 with dQ in column chunks of 4 n8 tiles (of 8, sm_90 spilled 8
+    # bytes); sm_100's ptxas (13) spills 8 bytes, so it keeps 64 x 64, as do the 99 KB targets (sm_86, sm_89,
+    # sm_120). One block of 8 warps per SM either way (registers), 144.5 KB of shared memory against 82 KB.
+    128: (BackwardTraits(128, block_m=64, block_n=128, warps=8, spills_on=("sm_100",)),
+          BackwardTraits(128, block_m=64, block_n=64, warps=8)),
     192: (BackwardTraits(192, block_m=32, block_n=64, warps=8),),
     256: (BackwardTraits(256, block_m=32, block_n=64, warps=8), BackwardTraits(256, block_m=32, block_n=32, warps=4)),
 }
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
 BACKWARD_CHOICES_DROPOUT = {
     **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
+    # d128 keeps 64 x 64 with dropout: the 64 x 128 step runs at the register limit without dropout's keep bits.
+    128: (BackwardTraits(128, block_m=64, block_n=64, warps=8, dropout=True),),
     256: (BackwardTraits(256, block_m=32, block_n=32, warps=4, dropout=True),),
 }
 
 
 def backward_traits(headdim: int, target: Target, dropout: bool = False) -> BackwardTraits:
     table = BACKWARD_CHOICES_DROPOUT if dropout else BACKWARD_CHOICES
-    return fa2.fitting(table[fa2.compiled_head_dim(headdim)], target)
+    choices = tuple(t for t in table[fa2.compiled_head_dim(headdim)] if target.arch not in t.spills_on)
+    return fa2.fitting(choices, target)
 
 
 def instances(target: Target) -> list[KernelInstance]:
