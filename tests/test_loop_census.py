@@ -66,6 +66,32 @@ def test_planted_plain_path():
     assert sum(row.classes.values()) == row.instructions
 
 
+def test_planted_marked_path_runs_its_source():
+    # A path named by source it must run: marked at the mask's third FSEL, the walk takes the mask block (0xb0 ..
+    # 0xe0, 4 FSEL, falling through to the exponentials) instead of the branch over it: 18 + 4 = 22 instructions
+    # (the branch at 0xa0 is still issued, not taken).
+    plain, masked = lc.census(PLANTED, PLANTED_WORK, {"masked": frozenset({0xd0}), "absent": frozenset({0x999})})
+    assert (plain.path, plain.instructions, plain.classes["fp32"]) == ("plain", 18, 0)
+    assert (masked.path, masked.instructions, masked.classes["fp32"]) == ("masked", 22, 4)
+    assert masked.hmma == 4 and masked.classes["ldgsts"] == 2 and masked.classes["memory"] == 1
+    # Marks outside the main loop name no path (0x10 is before it).
+    assert [row.path for row in lc.census(PLANTED, PLANTED_WORK, {"prologue": frozenset({0x10})})] == ["plain"]
+
+
+def test_marked_paths_are_the_mask_test_lines():
+    # MaskPolicy::visible's body, found by its opening line: the one return line after it.
+    from cuflash._paths import CUDA_SRC
+
+    (line,) = lc.function_body_lines(*lc.MARKED_PATHS["masked"])
+    assert "return key >= key_begin(row) && key < key_end(row);" in (CUDA_SRC / "common/mask.cuh").read_text(
+        ).splitlines()[line - 1]
+    table = {0x10: ("/x/cuda_src/common/mask.cuh", line), 0x20: ("/x/cuda_src/common/mask.cuh", line + 1),
+             0x30: ("/x/cuda_src/kernels/other/common/mask.cuh.bak", line)}
+    assert lc.marked_addresses(table) == {"masked": frozenset({0x10})}
+    with pytest.raises(ValueError, match="expected one"):
+        lc.function_body_lines("common/mask.cuh", "__device__")
+
+
 # Two copy loops, one per tile; the second behind a test (a step with nothing to prefetch skips it) and an extra
 # instruction. Uncapped, the cheapest walk that issues 2 LDGSTS runs the first loop twice (8 instructions); each copy
 # site capped at one tile's share, it must run each once (9).
@@ -173,6 +199,21 @@ def test_instruction_classes():
     assert lc.instruction_class("F2FP.F16.F32.PACK_AB") == "other"
 
 
+def test_line_table_names_each_instructions_source():
+    # nvdisasm's line table (lineinfo) for the compiled function, at cuobjdump's addresses: every HMMA comes from
+    # arch.cuh's mma wrapper, the masked path's marks from mask.cuh.
+    traits = fa2_tc.forward_traits(64, targets.target("sm_80"))
+    compiled = nvrtc.compile_instance(traits.instance("float16"), "sm_80")
+    instructions = lc.parse(nvrtc.dump_sass(compiled))
+    table = nvrtc.dump_line_table(compiled)
+    assert set(table) <= {ins.address for ins in instructions} and len(table) > 0.9 * len(instructions)
+    hmma_sources = {table[ins.address][0].replace("\\", "/").rsplit("/", 2)[-2:] == ["arch", "arch.cuh"]
+                    for ins in instructions if ins.base == "HMMA"}
+    assert hmma_sources == {True}
+    (marks,) = lc.marked_addresses(table).values()
+    assert marks and all(table[a][0].endswith("mask.cuh") for a in marks)
+
+
 def test_report_json_carries_the_census_of_tensor_core_instances():
     from cuflash.kernels import report
     from cuflash.kernels.families import fa2
@@ -183,8 +224,10 @@ def test_report_json_carries_the_census_of_tensor_core_instances():
     assert not errors
     by_kernel = {row.compiled.instance: report.loop_census_json(row) for row in rows}
     assert by_kernel[simt] == {}  # SIMT kernels have no HMMA loop to census
-    (loop,) = by_kernel[traits.instance("bfloat16")]["main_loop"]
-    assert loop["path"] == "plain" and loop["hmma"] == lc.iteration_work(traits).hmma
+    plain, masked = by_kernel[traits.instance("bfloat16")]["main_loop"]
+    assert plain["path"] == "plain" and plain["hmma"] == lc.iteration_work(traits).hmma
+    assert masked["path"] == "masked" and masked["hmma"] == plain["hmma"]
+    assert masked["instructions"] > plain["instructions"] and masked["fp32"] > plain["fp32"]
 
 
 def test_iteration_work_of_the_tiles():
@@ -250,10 +293,35 @@ LEAN_PER_HMMA = {
 }
 
 
+# The masked path (loop_census.MARKED_PATHS: a tile that runs the element-wise mask) at the same tiles, measured
+# when the census first walked it. FA2's plain figures x 1.3 (the issue's bound for masked paths): forward d64 5.98,
+# d128 at 128x32 5.59; backward d128 at 64x128 3.64. Forward d64 and d128 and the backward at d128 exceed it.
+LEAN_MASKED_PER_HMMA = {
+    ("forward", "sm_80", 64): 7.180,    # 919 / 128 (plain 661)
+    ("forward", "sm_80", 128): 5.906,   # 756 / 128 (plain 604)
+    ("forward", "sm_80", 256): 3.750,   # 960 / 256 (plain 811)
+    ("forward", "sm_90", 64): 7.250,    # 928 / 128
+    ("forward", "sm_90", 128): 5.977,   # 765 / 128
+    ("forward", "sm_90", 256): 4.008,   # 1026 / 256
+    ("backward", "sm_80", 64): 5.481,   # 877 / 160 (plain 744)
+    ("backward", "sm_80", 128): 3.734,  # 1195 / 320 (plain 1059)
+    ("backward", "sm_80", 256): 4.419,  # 707 / 160 (plain 658)
+    ("backward", "sm_90", 64): 5.606,   # 897 / 160
+    ("backward", "sm_90", 128): 3.803,  # 1217 / 320
+    ("backward", "sm_90", 256): 4.594,  # 735 / 160
+}
+assert set(LEAN_MASKED_PER_HMMA) == set(LEAN_PER_HMMA)
+
+
 @pytest.mark.parametrize("direction, arch, head_dim", sorted(LEAN_PER_HMMA))
 def test_main_loop_stays_lean(direction, arch, head_dim):
     traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
                                                                                           targets.target(arch))
     for dtype in ("float16", "bfloat16"):
-        row, *_ = lc.instance_census(traits, dtype, arch)
-        assert row.path.instructions_per_hmma <= LEAN_PER_HMMA[direction, arch, head_dim] * 1.03, row.as_json()
+        plain, masked, *_ = lc.instance_census(traits, dtype, arch)
+        assert (plain.path.path, masked.path.path) == ("plain", "masked")
+        assert plain.path.instructions_per_hmma <= LEAN_PER_HMMA[direction, arch, head_dim] * 1.03, plain.as_json()
+        # The masked walk issues the same work and more besides (the mask's compares and selects).
+        assert masked.path.hmma == plain.path.hmma and masked.path.instructions > plain.path.instructions
+        assert (masked.path.instructions_per_hmma <= LEAN_MASKED_PER_HMMA[direction, arch, head_dim] * 1.03
+                ), masked.as_json()

@@ -281,11 +281,13 @@ class NoPathError(ValueError):
 _GLOBAL_WRITES = ("RED", "REDG", "ATOM", "ATOMG", "STG")
 
 
-def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain") -> PathCensus:
+def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain",
+         through: frozenset[int] = frozenset()) -> PathCensus:
     """The cheapest walk from the loop's head back to it through its back edge that issues ``work`` (Dijkstra over
     (block, HMMA, LDGSTS and global writes so far, exponentials so far capped at the required number, and with
     ``work.tiles_copied`` the copies of each LDGSTS so far, each at most a tile's share); costs are instruction
-    counts, so the walk is the path issuing the fewest instructions)."""
+    counts, so the walk is the path issuing the fewest instructions). With ``through`` (block indices), the walk
+    must visit one of those blocks (a path named by the source it runs: ``marked_paths``)."""
     sites = sorted({i.address for b in loop.blocks for i in blocks[b].instructions if i.base == "LDGSTS"})
     site_cap = -(-work.ldgsts // work.tiles_copied) if work.tiles_copied else work.ldgsts
     # Per-site counts join the state only where a cap can bind (several sites, a cap below the step's copies).
@@ -298,7 +300,8 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
     first = _add((0, 0, 0, 0, *([0] * len(capped))), per_block[loop.head][1:], need)
     if first is None:
         raise NoPathError(f"the loop head alone issues more than {need}")
-    queue = [(per_block[loop.head][0], loop.head, *first)]
+    # The state's last count: whether the walk has visited a block of ``through`` (always 1 without one).
+    queue = [(per_block[loop.head][0], loop.head, *first, int(not through or loop.head in through))]
     best: dict[tuple, int] = {queue[0][1:]: queue[0][0]}
     previous: dict[tuple, tuple] = {}
     while queue:
@@ -311,7 +314,7 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
             if successor not in loop.blocks:
                 continue
             if block == loop.latch and successor == loop.head:
-                if tuple(counts[:3]) == need[:3] and counts[3] >= need[3]:
+                if tuple(counts[:3]) == need[:3] and counts[3] >= need[3] and counts[-1]:
                     walked = [block]
                     while state in previous:
                         state = previous[state]
@@ -319,10 +322,10 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
                     walked.reverse()
                     return _census(blocks, loop, walked, path, counts[3])
                 continue
-            added = _add(counts, per_block[successor][1:], need)
+            added = _add(counts[:-1], per_block[successor][1:], need)
             if added is None:
                 continue
-            next_state = (successor, *added)
+            next_state = (successor, *added, int(counts[-1] or successor in through))
             next_cost = cost + per_block[successor][0]
             if next_cost < best.get(next_state, next_cost + 1):
                 best[next_state] = next_cost
@@ -330,7 +333,7 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
                 heapq.heappush(queue, (next_cost, *next_state))
     raise NoPathError(f"no walk through the loop at {blocks[loop.head].start:#x}..{blocks[loop.latch].end:#x} "
                       f"issues {work.hmma} HMMA, {work.ldgsts} LDGSTS and {work.global_writes} global writes with "
-                      f">= {work.exponentials} MUFU.EX2")
+                      f">= {work.exponentials} MUFU.EX2" + (f" through blocks {sorted(through)}" if through else ""))
 
 
 def _add(counts: tuple[int, ...], block: tuple[int, ...], need: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -351,8 +354,10 @@ def _census(blocks: Sequence[Block], loop: Loop, walked: list[int], path: str, e
                       (blocks[loop.head].start, blocks[loop.latch].end), tuple(walked))
 
 
-def census(sass: str, work: IterationWork) -> list[PathCensus]:
-    """The main loops of a function's SASS and the plain path of each.
+def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | None = None) -> list[PathCensus]:
+    """The main loops of a function's SASS and the plain path of each, then the marked paths of the plain row's
+    loop: for each name in ``marks`` (instruction addresses, marked_paths) the cheapest walk of that loop through a
+    block holding one of them, a row named by it (none where the loop holds no marked instruction).
 
     A main loop is a loop one of whose iterations can issue ``work`` (a walk exists) and that encloses no other
     such loop: an inner loop holding only part of the MMAs (the backward's dQ column chunks) cannot, and a loop
@@ -374,8 +379,15 @@ def census(sass: str, work: IterationWork) -> list[PathCensus]:
             failure = error
     if not found:
         raise failure
-    rows = sorted((row for _, row in found), key=lambda row: row.instructions)
-    return [rows[0]] + [dataclasses.replace(row, path=f"loop at {row.loop_addresses[0]:#x}") for row in rows[1:]]
+    found.sort(key=lambda pair: pair[1].instructions)
+    (plain_loop, plain), rest = found[0], [row for _, row in found[1:]]
+    marked = []
+    for name, addresses in (marks or {}).items():
+        through = frozenset(b for b in plain_loop.blocks
+                            if any(i.address in addresses for i in blocks[b].instructions))
+        if through:
+            marked.append(walk(blocks, plain_loop, work, name, through))
+    return [plain, *marked] + [dataclasses.replace(row, path=f"loop at {row.loop_addresses[0]:#x}") for row in rest]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -443,8 +455,43 @@ def traits_by_instance(arch: str) -> dict:
     return {traits.instance(dtype): traits for traits in tensor_core_traits(arch) for dtype in ("float16", "bfloat16")}
 
 
+# The paths through a main loop besides the plain one, each named by the source it must run (issue [lean]: the
+# masked path): (a file under cuda_src, a line opening the function whose body marks the path). ``masked``: the
+# element-wise mask's test (MaskPolicy::visible), which only the masked copy of a tile's softmax runs.
+MARKED_PATHS = {"masked": ("common/mask.cuh", "bool visible(int row, int key) const {")}
+
+
+def function_body_lines(source: str, opening: str) -> frozenset[int]:
+    """The 1-based line numbers of the body of the function whose opening line (signature and brace) in
+    ``source`` (a file under cuda_src) contains ``opening``: the lines after it up to its closing brace, found by
+    indentation (cuflash's style: the brace alone at the signature's indentation)."""
+    from .._paths import CUDA_SRC
+
+    lines = (CUDA_SRC / source).read_text().splitlines()
+    starts = [n for n, text in enumerate(lines) if opening in text]
+    if len(starts) != 1:
+        raise ValueError(f"{source}: {len(starts)} lines open {opening!r}, expected one")
+    start = starts[0]
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    for n in range(start + 1, len(lines)):
+        if lines[n].strip() == "}" and len(lines[n]) - len(lines[n].lstrip()) <= indent:
+            return frozenset(range(start + 2, n + 1))  # 1-based: the lines between the opening and the brace
+    raise ValueError(f"{source}: no closing brace for {opening!r}")
+
+
+def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozenset[int]]:
+    """For each of MARKED_PATHS, the SASS addresses whose source line is in its function's body."""
+    found = {}
+    for name, (source, opening) in MARKED_PATHS.items():
+        body = function_body_lines(source, opening)
+        found[name] = frozenset(address for address, (path, line) in line_table.items()
+                                if path.replace("\\", "/").endswith("/" + source) and line in body)
+    return found
+
+
 def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[CensusRow]:
-    """The census of ``traits``' instance for ``dtype`` on ``arch`` (compiled through the cache unless given)."""
+    """The census of ``traits``' instance for ``dtype`` on ``arch`` (compiled through the cache unless given): the
+    plain row, then the marked paths' (MARKED_PATHS) where the main loop runs their source."""
     from . import nvrtc
 
     compiled = compiled or nvrtc.compile_instance(traits.instance(dtype), arch)
@@ -453,7 +500,9 @@ def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[Census
         raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")
     work = iteration_work(traits)
     tile = f"{traits.block_m}x{traits.block_n}x{traits.warps}"
-    return [CensusRow(traits.instance(dtype).name_expr, arch, tile, work, path) for path in census(sass, work)]
+    marks = marked_addresses(nvrtc.dump_line_table(compiled))
+    return [CensusRow(traits.instance(dtype).name_expr, arch, tile, work, path)
+            for path in census(sass, work, marks)]
 
 
 def format_table(rows: Iterable[CensusRow]) -> str:

@@ -647,6 +647,41 @@ def dump_sass(compiled: CompiledKernel) -> str | None:
     return run.stdout
 
 
+_LINE_MARK = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
+_SASS_ADDRESS = re.compile(r"^\s*/\*([0-9a-f]+)\*/")
+
+
+def dump_line_table(compiled: CompiledKernel) -> dict[int, tuple[str, int]] | None:
+    """The source line of each SASS instruction of the compiled function: {address: (source path, line)} from the
+    line information cuflash compiles in (lineinfo; nvdisasm -g prints it, the innermost line of inlined code), or
+    None when nvdisasm is not installed. Addresses are cuobjdump's (dump_sass)."""
+    nvdisasm = cuda_tool("nvdisasm")
+    if nvdisasm is None:
+        return None
+    if compiled.form != "cubin":
+        raise SassError(f"{compiled.lowered_name} was compiled to PTX for {compiled.arch}: it has no SASS yet")
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin_file = Path(scratch) / "kernel.cubin"
+        cubin_file.write_bytes(compiled.code)
+        run = subprocess.run([str(nvdisasm), "-g", "-c", str(cubin_file)], capture_output=True, text=True)
+    if run.returncode != 0 or f".text.{compiled.lowered_name}" not in run.stdout:
+        raise SassError(f"nvdisasm gave no line table for {compiled.lowered_name} ({compiled.arch}); exit "
+                        f"{run.returncode}\n{run.stderr}")
+    table: dict[int, tuple[str, int]] = {}
+    where = None
+    for text in run.stdout.splitlines():
+        if text.startswith("//----") or text.lstrip().startswith(".section"):
+            where = None  # a new section: its instructions carry their own marks
+        mark = _LINE_MARK.match(text)
+        if mark:
+            where = (mark.group(1), int(mark.group(2)))
+            continue
+        address = _SASS_ADDRESS.match(text)
+        if address and where is not None:
+            table[int(address.group(1), 16)] = where
+    return table
+
+
 # An opcode column entry: HMMA, optionally with modifiers (HMMA.16816.F32.BF16).
 # HFMA2.MMA (a plain FMA on the MMA pipe) must not match.
 _HMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.MULTILINE)
