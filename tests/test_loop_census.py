@@ -78,6 +78,25 @@ def test_planted_marked_path_runs_its_source():
     assert [row.path for row in lc.census(PLANTED, PLANTED_WORK, {"prologue": frozenset({0x10})})] == ["plain"]
 
 
+def test_path_lines_place_every_walked_instruction():
+    # The plain walk of PLANTED by source line: the HMMA at one line, the rest at another or unplaced ("?", 0);
+    # the copy loop's LDGSTS counts twice (walked twice); the sum is the path's count.
+    from cuflash._paths import CUDA_SRC
+
+    (row,) = lc.census(PLANTED, PLANTED_WORK)
+    table = {a: (f"{CUDA_SRC}/arch/arch.cuh", 129) for a in (0x30, 0x40, 0x130, 0x140)}
+    table.update({a: ("/elsewhere/copy.cuh", 7) for a in (0x60, 0x70, 0x80)})
+    counts = lc.path_lines(PLANTED, row, table)
+    assert sum(c.instructions for c in counts) == row.instructions == 18
+    by_place = {(c.source, c.line): c for c in counts}
+    assert by_place["arch/arch.cuh", 129].opcodes == {"HMMA": 4}
+    assert by_place["/elsewhere/copy.cuh", 7].opcodes == {"BRA": 2, "IADD3": 2, "LDGSTS": 2}
+    assert by_place["?", 0].instructions == 18 - 4 - 6
+    assert [c.instructions for c in counts] == sorted((c.instructions for c in counts), reverse=True)
+    text = lc.format_lines(lc.CensusRow("k", "sm_80", "1x1x1", PLANTED_WORK, row), counts)
+    assert "arch/arch.cuh:129  [HMMA 4]" in text and text.count("\n") == len(counts)
+
+
 def test_marked_paths_are_the_mask_test_lines():
     # MaskPolicy::visible's body, found by its opening line: the one return line after it.
     from cuflash._paths import CUDA_SRC
@@ -274,7 +293,8 @@ def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
 # blocks found before the loop. Backward (the Q-block step): dQ added unconditionally from one address per lane in
 # whole Q blocks, no division (by the number of Q blocks or the group size), the thread index unsigned, every ldmatrix
 # address a lane base plus an immediate, the bases held through a K/V block's steps up to d128, the step's rows in
-# q, dout, the statistics and dq_accum carried from step to step (StepRows). FA2's own figures
+# q, dout, the statistics and dq_accum carried from step to step (StepRows), P and dS stored from one base per lane
+# (AccPairOffsets), Q's buffers flipped by an XOR. FA2's own figures
 # (../shared/notes/anchors.md): forward d128 128x32x4 4.3, 128x64x4 3.7, d64 128x128x4 4.6; backward d128 64x64x8
 # 3.3, 64x128x8 2.8.
 LEAN_PER_HMMA = {
@@ -284,18 +304,18 @@ LEAN_PER_HMMA = {
     ("forward", "sm_90", 64): 5.203,    # 128x64x4: 666 / 128 (856 before)
     ("forward", "sm_90", 128): 4.758,   # 128x32x4: 609 / 128 (796 before)
     ("forward", "sm_90", 256): 3.410,   # 64x64x4: 873 / 256 (1910 before)
-    ("backward", "sm_80", 64): 4.669,   # 64x128x8: 747 / 160 (951 before held lane bases and step rows)
-    ("backward", "sm_80", 128): 3.309,  # 64x128x8: 1059 / 320 (64x64x8: 662 / 160 = 4.14; 952, 1447 before)
-    ("backward", "sm_90", 64): 4.788,   # 64x128x8: 766 / 160 (977 before)
-    ("backward", "sm_90", 128): 3.378,  # 64x128x8: 1081 / 320 (64x64x8: 678 / 160 = 4.24; 980, 1472 before)
-    ("backward", "sm_80", 256): 4.100,  # 32x64x8: 656 / 160 (796 before step rows; 971 before whole Q, dO copies)
-    ("backward", "sm_90", 256): 4.244,  # 32x64x8: 679 / 160 (832 before step rows; 1008 before whole Q, dO copies)
+    ("backward", "sm_80", 64): 4.256,   # 64x128x8: 681 / 160 (951 before held lane bases, step rows, pair stores)
+    ("backward", "sm_80", 128): 3.109,  # 64x128x8: 995 / 320 (64x64x8: 662 / 160 = 4.14; 952, 1447 before)
+    ("backward", "sm_90", 64): 4.388,   # 64x128x8: 702 / 160 (977 before)
+    ("backward", "sm_90", 128): 3.191,  # 64x128x8: 1021 / 320 (64x64x8: 678 / 160 = 4.24; 980, 1472 before)
+    ("backward", "sm_80", 256): 4.013,  # 32x64x8: 642 / 160 (796 before step rows; 971 before whole Q, dO copies)
+    ("backward", "sm_90", 256): 4.200,  # 32x64x8: 672 / 160 (832 before step rows; 1008 before whole Q, dO copies)
 }
 
 
 # The masked path (loop_census.MARKED_PATHS: a tile that runs the element-wise mask) at the same tiles, measured
 # when the census first walked it. FA2's plain figures x 1.3 (the issue's bound for masked paths): forward d64 5.98,
-# d128 at 128x32 5.59; backward d128 at 64x128 3.64. Forward d64 and d128 and the backward at d128 exceed it.
+# d128 at 128x32 5.59; backward d128 at 64x128 3.64. The forward's d64 and d128 exceed it.
 LEAN_MASKED_PER_HMMA = {
     ("forward", "sm_80", 64): 7.180,    # 919 / 128 (plain 661)
     ("forward", "sm_80", 128): 5.906,   # 756 / 128 (plain 604)
@@ -303,12 +323,12 @@ LEAN_MASKED_PER_HMMA = {
     ("forward", "sm_90", 64): 7.250,    # 928 / 128
     ("forward", "sm_90", 128): 5.977,   # 765 / 128
     ("forward", "sm_90", 256): 4.008,   # 1026 / 256
-    ("backward", "sm_80", 64): 5.481,   # 877 / 160 (plain 744)
-    ("backward", "sm_80", 128): 3.734,  # 1195 / 320 (plain 1059)
-    ("backward", "sm_80", 256): 4.419,  # 707 / 160 (plain 658)
-    ("backward", "sm_90", 64): 5.606,   # 897 / 160
-    ("backward", "sm_90", 128): 3.803,  # 1217 / 320
-    ("backward", "sm_90", 256): 4.594,  # 735 / 160
+    ("backward", "sm_80", 64): 5.088,   # 814 / 160 (plain 681)
+    ("backward", "sm_80", 128): 3.534,  # 1131 / 320 (plain 995)
+    ("backward", "sm_80", 256): 4.319,  # 691 / 160 (plain 642)
+    ("backward", "sm_90", 64): 5.225,   # 836 / 160
+    ("backward", "sm_90", 128): 3.616,  # 1157 / 320
+    ("backward", "sm_90", 256): 4.513,  # 722 / 160
 }
 assert set(LEAN_MASKED_PER_HMMA) == set(LEAN_PER_HMMA)
 
@@ -325,3 +345,26 @@ def test_main_loop_stays_lean(direction, arch, head_dim):
         assert masked.path.hmma == plain.path.hmma and masked.path.instructions > plain.path.instructions
         assert (masked.path.instructions_per_hmma <= LEAN_MASKED_PER_HMMA[direction, arch, head_dim] * 1.03
                 ), masked.as_json()
+
+
+# Issue [lean]'s bounds: the plain path at most 1.15x FA2's instructions per HMMA at the same tile (FA2's default
+# tile for the head dim where cuflash's is one FA2 does not use), the masked path at most 1.3x. FA2's figures (the
+# issue's table, counted from FA2's own SASS): forward d64 4.6 (its 128x128x4; cuflash runs 128x64x4), d128 4.3 at
+# 128x32x4, backward d128 2.8 at 64x128x8. Not yet held, so not asserted: the forward's masked path (sm_80 d64 7.18,
+# d128 5.91 per HMMA, over 1.3x); FA2 was not counted at the backward's d64 nor at d256.
+FA2_PER_HMMA = {("forward", 64): 4.6, ("forward", 128): 4.3, ("backward", 128): 2.8}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("direction, head_dim", sorted(FA2_PER_HMMA))
+def test_main_loop_within_the_bound_of_fa2(direction, head_dim, arch):
+    traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
+                                                                                          targets.target(arch))
+    if direction == "backward":
+        assert (traits.block_m, traits.block_n, traits.warps) == (64, 128, 8)  # FA2's tile for the figure
+    for dtype in ("float16", "bfloat16"):
+        plain, masked, *_ = lc.instance_census(traits, dtype, arch)
+        assert plain.path.instructions_per_hmma <= 1.15 * FA2_PER_HMMA[direction, head_dim], plain.as_json()
+        if direction == "backward":
+            assert masked.path.instructions_per_hmma <= 1.3 * FA2_PER_HMMA[direction, head_dim], masked.as_json()
+

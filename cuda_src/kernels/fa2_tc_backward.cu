@@ -119,6 +119,10 @@ struct BackwardTraits {
   // before, 206 held; 64 x 128 254 held, spill-free; with dQ chunks of 8 it spilled on sm_90 8 bytes held and 20
   // rebuilt: rebuilding them needs registers too); at d192 and d256 it runs near the limit.
   static constexpr bool kHoldLaneBases = HeadDim <= 128;
+  // Whether P and dS are stored from one per-lane base (fa2_tc_tiles.cuh's AccPairOffsets: 7 instructions for the
+  // 32 stores of a 64 x 128 step, against about 60 through element_offset). Not at d256, where its register made
+  // ptxas spill 16 to 48 bytes (32 x 64 on 8 warps, sm_80 and sm_90, at 255 registers already).
+  static constexpr bool kStorePairsFromBase = HeadDim < 256;
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
   using QTile = SwizzledTile<BlockM, HeadDim>;
@@ -301,11 +305,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                                                               rows, cols, vector, tid);
       }
     };
-    auto q_buffer = [&](int step) { return smem + ((step & 1) ? Tr::kQ1Offset : Tr::kQOffset); };
+    // Q's two buffers alternate: step i reads the one at q_offset, the next Q block lands in the other (q_offset
+    // flips by an XOR per step instead of a select on the step's parity).
+    int q_offset = Tr::kQOffset;
+    constexpr int kOtherQBuffer = Tr::kQOffset ^ Tr::kQ1Offset;
     int head = kv_info.head, m_block = m_range.begin;  // this step's
     Rows rows = rows_of(head, m_block);
     if (steps > 0) {
-      copy_rows(q_buffer(0), rows.q, p.q_stride.row, rows.q_vector, rows_in(m_block), d);
+      copy_rows(smem + q_offset, rows.q, p.q_stride.row, rows.q_vector, rows_in(m_block), d);
       copy_rows(do_tile, rows.dout, p.dout_stride.row, rows.dout_vector, rows_in(m_block), dim_v);
     }
     arch::cp_async_commit();
@@ -325,7 +332,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
       const int row0 = m_block * BlockM;
       auto block_rows = [&] { return rows_in(m_block); };
-      unsigned char* q_tile = q_buffer(step);
+      unsigned char* q_tile = smem + q_offset;
       // The next step's head, Q block and rows.
       const bool head_ends = m_block + 1 == m_range.end;
       const int next_m_block = head_ends ? m_range.begin : m_block + 1;
@@ -334,7 +341,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       // the next Q block now fills.
       __syncthreads();
       if (step + 1 < steps)
-        copy_rows(q_buffer(step + 1), next.q, p.q_stride.row, next.q_vector, rows_in(next_m_block), d);
+        copy_rows(smem + (q_offset ^ kOtherQBuffer), next.q, p.q_stride.row, next.q_vector, rows_in(next_m_block), d);
       arch::cp_async_commit();  // possibly empty: the waits below count groups
       fa2::stage_row_stats<BlockM>(p, rows.stats, block_rows(), tid, lse_rows, dot_rows);
       arch::cp_async_wait<1>();  // all but Q_{i+1}: Q_i, dO_i (and K_j, V_j at the first step)
@@ -360,6 +367,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
         // Tested per score instead, ptxas kept both tests in the loop: every score sat behind its own branches.
         // (A lambda with template parameters would say it directly; NVRTC 12 refuses those in device code.)
+        // Where this lane's pairs of P and dS go (the two tiles share a layout): a base and an XOR per n8 tile
+        // (BackwardTraits::kStorePairsFromBase).
+        const auto stores = fa2tc::AccPairOffsets<PTile, SdP::kNTiles>::of(s_m0, s_n0, lane);
         auto p_and_ds = [&](bool hooked, bool tile_masked) {
 #pragma unroll
           for (int i = 0; i < SdP::kMTiles; ++i) {
@@ -396,10 +406,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                     grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
                   }
                 }
-                *reinterpret_cast<unsigned*>(p_tile + PTile::element_offset(r, c)) =
-                    arch::pack_float2<T>(prob[0], prob[1]);
-                *reinterpret_cast<unsigned*>(ds_tile + PTile::element_offset(r, c)) =
-                    arch::pack_float2<T>(grad[0], grad[1]);
+                const int at = Tr::kStorePairsFromBase ? stores.at(i, half, j) : PTile::element_offset(r, c);
+                *reinterpret_cast<unsigned*>(p_tile + at) = arch::pack_float2<T>(prob[0], prob[1]);
+                *reinterpret_cast<unsigned*>(ds_tile + at) = arch::pack_float2<T>(grad[0], grad[1]);
               }
             }
           }
@@ -477,6 +486,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       head += head_ends;
       m_block = next_m_block;
       rows = next;
+      q_offset ^= kOtherQBuffer;
     }
 
     // dK_j = scale * sum dS^T Q, dV_j = sum P^T dO (over the group's heads): rounded to T into the K and V buffers

@@ -299,6 +299,26 @@ struct LaneBases {
 __device__ __forceinline__ int acc_row(int lane, int i, int half) { return 16 * i + lane / 4 + 8 * half; }
 __device__ __forceinline__ int acc_col(int lane, int j) { return 8 * j + 2 * (lane % 4); }
 
+// Byte offsets in a swizzled Tile of a warp's accumulator pairs c[i][j][2 half + 0/1] (row row0 + acc_row(lane, i,
+// half), columns col0 + acc_col(lane, j) + 0/1), where a product's result is staged (P, dS): one per-lane base and,
+// per pair, an XOR with a constant plus an immediate. Exact when row0 is a multiple of 8 (the XOR key has a period
+// of 8 rows, so i and half move whole rows) and NTiles is a power of two with col0 / 8 a multiple of NTiles or of
+// the atom (a warp's first column in a WarpTiling): then chunk col0 / 8 + j is (col0 / 8) | (j % atom) plus whole
+// atoms, and swizzled it differs from the base's chunk only in the key's bits, by j % atom. (Through
+// element_offset, ptxas made every store's address anew: about 2 instructions per 4-byte store.)
+template <class Tile, int NTiles>
+struct AccPairOffsets {
+  static_assert(NTiles > 0 && (NTiles & (NTiles - 1)) == 0, "n8 tiles per warp: a power of two");
+  int base;
+  __device__ __forceinline__ static AccPairOffsets of(int row0, int col0, int lane) {
+    return AccPairOffsets{Tile::element_offset(row0 + acc_row(lane, 0, 0), col0 + acc_col(lane, 0))};
+  }
+  __device__ __forceinline__ int at(int i, int half, int j) const {
+    constexpr int kAtom = Tile::kAtomChunks;
+    return (base ^ (j % kAtom) * 16) + (j / kAtom) * kAtom * 16 + (16 * i + 8 * half) * Tile::kRowBytes;
+  }
+};
+
 template <int MTiles, int NTiles>
 struct Accumulator {
   float c[MTiles][NTiles][4];

@@ -1,6 +1,6 @@
 """The loop census: what one steady-state iteration of a tensor-core kernel's main loop issues, read from SASS.
 
-    python3 -m cuflash.kernels loop [--arch sm_80 sm_90 ...] [--json] [--kernels REGEX]
+    python3 -m cuflash.kernels loop [--arch sm_80 sm_90 ...] [--json] [--kernels REGEX] [--lines]
 
 FlashAttention-2's speed comes from main loops that issue little besides the MMAs, the softmax and the copies
 (about 3-4.5 SASS instructions per HMMA.16816 at its default tiles). This module measures the same thing for
@@ -505,6 +505,62 @@ def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[Census
             for path in census(sass, work, marks)]
 
 
+@dataclass(frozen=True)
+class LineCount:
+    """The instructions one walked path issues from one source line (the innermost line of inlined code)."""
+
+    source: str  # the path under cuda_src where it lies there, else as the line table gives it
+    line: int
+    instructions: int
+    opcodes: dict[str, int]  # by opcode without modifiers, most issued first
+
+
+def path_lines(sass: str, path: PathCensus, line_table: dict[int, tuple[str, int]]) -> list[LineCount]:
+    """Where ``path``'s instructions come from: its walk (blocks as often as walked) by source line, most issued
+    first; instructions the line table does not place count under source "?" line 0. The sum is the path's
+    instruction count."""
+    from .._paths import CUDA_SRC
+
+    blocks = blocks_of(parse(sass))
+    root = str(CUDA_SRC).replace("\\", "/").rstrip("/") + "/"
+    by_line: dict[tuple[str, int], dict[str, int]] = {}
+    for b in path.blocks:
+        for ins in blocks[b].instructions:
+            source, line = line_table.get(ins.address, ("?", 0))
+            source = source.replace("\\", "/")
+            key = (source[len(root):] if source.startswith(root) else source, line)
+            opcodes = by_line.setdefault(key, {})
+            opcodes[ins.base] = opcodes.get(ins.base, 0) + 1
+    counts = [LineCount(source, line, sum(ops.values()), dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))))
+              for (source, line), ops in by_line.items()]
+    return sorted(counts, key=lambda c: (-c.instructions, c.source, c.line))
+
+
+def format_lines(row: CensusRow, counts: Sequence[LineCount]) -> str:
+    """One row's path by source line: count, file:line, the opcodes, and the line's text."""
+    from .._paths import CUDA_SRC
+
+    out = [f"{row.kernel} {row.arch} {row.tile} {row.path.path}: {row.path.instructions} instructions, "
+           f"{row.path.hmma} HMMA"]
+    texts: dict[str, list[str]] = {}
+    for count in counts:
+        if count.source not in texts:
+            file = CUDA_SRC / count.source
+            texts[count.source] = file.read_text().splitlines() if file.is_file() else []
+        lines = texts[count.source]
+        text = lines[count.line - 1].strip() if 0 < count.line <= len(lines) else ""
+        ops = " ".join(f"{op} {n}" for op, n in list(count.opcodes.items())[:4])
+        out.append(f"{count.instructions:6d}  {count.source}:{count.line}  [{ops}]  {text[:70]}")
+    return "\n".join(out)
+
+
+def _lines_of(traits, dtype: str, arch: str, row: CensusRow) -> list[LineCount]:
+    from . import nvrtc
+
+    compiled = nvrtc.compile_instance(traits.instance(dtype), arch)  # the cache's copy: instance_census compiled it
+    return path_lines(nvrtc.dump_sass(compiled), row.path, nvrtc.dump_line_table(compiled))
+
+
 def format_table(rows: Iterable[CensusRow]) -> str:
     headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "ldsm", "ldgsts", "mem", "fp32",
                "mufu", "shfl", "bar", "branch", "int", "other", "loop static")
@@ -530,8 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     parser.add_argument("--kernels", default=None, help="only kernels whose name matches this regular expression")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument("--lines", action="store_true",
+                        help="after the table, each row's path by source line (where its instructions come from)")
     args = parser.parse_args(argv)
-    rows, failures = [], []
+    rows, failures, by_lines = [], [], []
     for arch in args.arch:
         for traits in tensor_core_traits(arch):
             for dtype in args.dtypes:
@@ -539,10 +597,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.kernels and not re.search(args.kernels, name):
                     continue
                 try:
-                    rows += instance_census(traits, dtype, arch)
+                    found = instance_census(traits, dtype, arch)
                 except (NoPathError, ValueError) as error:
                     failures.append(f"{name} ({arch}): {error}")
+                    continue
+                rows += found
+                if args.lines:
+                    by_lines += [(row, _lines_of(traits, dtype, arch, row)) for row in found]
     print(json.dumps([row.as_json() for row in rows], indent=1) if args.json else format_table(rows))
+    for row, counts in by_lines:
+        print()
+        print(format_lines(row, counts))
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0
