@@ -350,6 +350,19 @@ def test_hmma_verdict_is_cached_beside_the_entry(fresh_cache, monkeypatch):
     assert nvrtc.uses_hmma(compiled) is True
 
 
+@needs_sass
+def test_line_table_is_cached_beside_the_entry(fresh_cache, monkeypatch):
+    compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")
+    table = nvrtc.dump_line_table(compiled)
+    assert table and len(list(fresh_cache.glob("*.lines.json"))) == 1
+
+    def no_disassembly(*args, **kwargs):
+        raise AssertionError("nvdisasm run again")
+
+    monkeypatch.setattr(nvrtc.subprocess, "run", no_disassembly)
+    assert nvrtc.dump_line_table(compiled) == table
+
+
 @pytest.mark.parametrize("missing", ["cuobjdump", "nvdisasm"])
 def test_hmma_is_none_without_a_sass_tool(fresh_cache, monkeypatch, missing):
     compiled = nvrtc.compile_instance(probe("mma_probe<0>"), "sm_80")

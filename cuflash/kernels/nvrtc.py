@@ -33,6 +33,7 @@ Options and why:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -510,7 +511,7 @@ def _is_cached(instance: KernelInstance, arch: str, with_sass: bool) -> bool:
         return False  # e.g. a missing source: let a worker report it
     if entry is None or not with_sass:
         return entry is not None
-    verdict = _verdict_path(_compiled_kernel(instance, arch, entry))
+    verdict = _beside_entry(_compiled_kernel(instance, arch, entry), "hmma")
     return verdict is not None and verdict.exists()
 
 
@@ -618,19 +619,29 @@ class SassError(RuntimeError):
     """cuobjdump ran but did not produce SASS for the function."""
 
 
+@contextlib.contextmanager
+def _cubin_file(compiled: CompiledKernel):
+    """A file holding the compiled function's cubin for the disassemblers: its cache entry where that still holds
+    these bytes, else a scratch copy. SassError for a PTX-only compile (no SASS yet)."""
+    if compiled.form != "cubin":
+        raise SassError(f"{compiled.lowered_name} was compiled to PTX for {compiled.arch}: it has no SASS yet")
+    cubin_file = Path(compiled.code_path)
+    if cubin_file.exists() and cubin_file.read_bytes() == compiled.code:
+        yield cubin_file
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin_file = Path(scratch) / "kernel.cubin"
+        cubin_file.write_bytes(compiled.code)
+        yield cubin_file
+
+
 def dump_sass(compiled: CompiledKernel) -> str | None:
     """SASS of the compiled function, or None when cuobjdump or nvdisasm is not installed."""
     cuobjdump = cuda_tool("cuobjdump")
     nvdisasm = cuda_tool("nvdisasm")  # cuobjdump 13 runs it for --dump-sass
     if cuobjdump is None or nvdisasm is None:
         return None
-    if compiled.form != "cubin":
-        raise SassError(f"{compiled.lowered_name} was compiled to PTX for {compiled.arch}: it has no SASS yet")
-    with tempfile.TemporaryDirectory() as scratch:
-        cubin_file = Path(compiled.code_path)
-        if not cubin_file.exists() or cubin_file.read_bytes() != compiled.code:
-            cubin_file = Path(scratch) / "kernel.cubin"
-            cubin_file.write_bytes(compiled.code)
+    with _cubin_file(compiled) as cubin_file:
         environment = dict(os.environ, NVDISASM_PATH=str(nvdisasm.parent))
         run = subprocess.run(
             [str(cuobjdump), "--dump-sass", "--function", compiled.lowered_name, str(cubin_file)],
@@ -654,15 +665,19 @@ _SASS_ADDRESS = re.compile(r"^\s*/\*([0-9a-f]+)\*/")
 def dump_line_table(compiled: CompiledKernel) -> dict[int, tuple[str, int]] | None:
     """The source line of each SASS instruction of the compiled function: {address: (source path, line)} from the
     line information cuflash compiles in (lineinfo; nvdisasm -g prints it, the innermost line of inlined code), or
-    None when nvdisasm is not installed. Addresses are cuobjdump's (dump_sass)."""
+    None when nvdisasm is not installed. Addresses are cuobjdump's (dump_sass). A fact about the cached bytes, kept
+    beside the cache entry like the HMMA verdict: nvdisasm -g takes seconds on a large kernel, and the loop census
+    asks for every instance's table from the tests, the report and the loop command."""
+    table_file = _beside_entry(compiled, "lines.json")
+    if table_file is not None:
+        try:
+            return {int(address): (source, line) for address, (source, line) in json.loads(table_file.read_text())}
+        except (OSError, ValueError, TypeError):
+            pass
     nvdisasm = cuda_tool("nvdisasm")
     if nvdisasm is None:
         return None
-    if compiled.form != "cubin":
-        raise SassError(f"{compiled.lowered_name} was compiled to PTX for {compiled.arch}: it has no SASS yet")
-    with tempfile.TemporaryDirectory() as scratch:
-        cubin_file = Path(scratch) / "kernel.cubin"
-        cubin_file.write_bytes(compiled.code)
+    with _cubin_file(compiled) as cubin_file:
         run = subprocess.run([str(nvdisasm), "-g", "-c", str(cubin_file)], capture_output=True, text=True)
     if run.returncode != 0 or f".text.{compiled.lowered_name}" not in run.stdout:
         raise SassError(f"nvdisasm gave no line table for {compiled.lowered_name} ({compiled.arch}); exit "
@@ -679,6 +694,8 @@ def dump_line_table(compiled: CompiledKernel) -> dict[int, tuple[str, int]] | No
         address = _SASS_ADDRESS.match(text)
         if address and where is not None:
             table[int(address.group(1), 16)] = where
+    if table_file is not None:
+        write_atomically(table_file, json.dumps(sorted(table.items())).encode())
     return table
 
 
@@ -687,8 +704,9 @@ def dump_line_table(compiled: CompiledKernel) -> dict[int, tuple[str, int]] | No
 _HMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.MULTILINE)
 
 
-def _verdict_path(compiled: CompiledKernel) -> Path | None:
-    """Where the HMMA verdict for a cache entry is kept (None if the entry no longer holds these bytes)."""
+def _beside_entry(compiled: CompiledKernel, kind: str) -> Path | None:
+    """Where a fact about a cache entry's bytes (``kind``: "hmma", "lines.json") is kept, or None if the entry no
+    longer holds these bytes."""
     cubin_file = Path(compiled.code_path)
     try:
         if cubin_file.read_bytes() != compiled.code:
@@ -696,7 +714,7 @@ def _verdict_path(compiled: CompiledKernel) -> Path | None:
     except OSError:
         return None
     function_tag = hashlib.sha256(compiled.lowered_name.encode()).hexdigest()[:12]
-    return cubin_file.with_name(f"{cubin_file.stem}.{function_tag}.hmma")
+    return cubin_file.with_name(f"{cubin_file.stem}.{function_tag}.{kind}")
 
 
 def uses_hmma(compiled: CompiledKernel) -> bool | None:
@@ -706,7 +724,7 @@ def uses_hmma(compiled: CompiledKernel) -> bool | None:
     verdict (a fact about the cached bytes, whichever tool version found it) is
     kept beside the cache entry and reused.
     """
-    verdict_file = _verdict_path(compiled)
+    verdict_file = _beside_entry(compiled, "hmma")
     if verdict_file is not None:
         try:
             return {"1": True, "0": False}[verdict_file.read_text()]
