@@ -29,6 +29,28 @@ class IndexRange(NamedTuple):
         return max(0, self.end - self.begin)
 
 
+class TileEdges(NamedTuple):
+    """The edges of the band a tile crosses (mask.cuh's TileEdges): a key left of a row's window, right of it, or
+    past seqlen_k hides some score of the tile's rows."""
+
+    left: bool
+    right: bool
+    end: bool
+
+    @property
+    def any(self) -> bool:
+        return self.left or self.right or self.end
+
+
+class LaneTileMask(NamedTuple):
+    """One lane's limits in a tile (mask.cuh's LaneTileMask): from (row, key), the score at (row + dr, key + dc) is
+    seen iff dc - dr >= left (with a left window), dc - dr < right (with a right window) and dc < end."""
+
+    left: int
+    right: int
+    end: int
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -151,9 +173,25 @@ class MaskPolicy:
         rows = self.rows_of_keys(key_begin, key_end)
         return IndexRange(rows.begin // block_m, _ceil_div(rows.end, block_m))
 
+    def tile_edges(self, row0: int, rows: int, key0: int, keys: int) -> TileEdges:
+        return TileEdges(self.window_left >= 0 and key0 < int(self.diagonal(row0 + rows - 1)) - self.window_left,
+                         self.window_right >= 0 and key0 + keys - 1 > int(self.diagonal(row0)) + self.window_right,
+                         key0 + keys > self.seqlen_k)
+
     def tile_needs_mask(self, row0: int, rows: int, key0: int, keys: int) -> bool:
-        if key0 + keys > self.seqlen_k:
-            return True
-        if self.window_right >= 0 and key0 + keys - 1 > int(self.diagonal(row0)) + self.window_right:
-            return True
-        return self.window_left >= 0 and key0 < int(self.diagonal(row0 + rows - 1)) - self.window_left
+        return self.tile_edges(row0, rows, key0, keys).any
+
+    def lane_tile(self, row: int, key: int) -> LaneTileMask:
+        diagonal = int(self.diagonal(row))
+        return LaneTileMask(diagonal - self.window_left - key, diagonal + self.window_right + 1 - key,
+                            self.seqlen_k - key)
+
+    def visible_from(self, limits: LaneTileMask, dr, dc):
+        """visible(row + dr, key + dc) as a tile's mask tests it, from lane_tile(row, key)'s limits (broadcasting)."""
+        dr, dc = np.broadcast_arrays(dr, dc)
+        seen = dc < limits.end
+        if self.window_left >= 0:
+            seen = seen & (dc - dr >= limits.left)
+        if self.window_right >= 0:
+            seen = seen & (dc - dr < limits.right)
+        return seen

@@ -76,6 +76,23 @@ def test_numpy_twin_matches_the_rule_element_by_element(seqlens, window):
             tile[:, :keys.shape[1]] = keys
             assert policy.tile_needs_mask(rows.start, rows.stop - rows.start, kb * BLOCK_N, BLOCK_N) == \
                 (not tile.all()), (qb, kb)
+            # Each edge the tile does not cross holds for all its scores (rows below seqlen_q, keys anywhere).
+            edges = policy.tile_edges(rows.start, rows.stop - rows.start, kb * BLOCK_N, BLOCK_N)
+            r, k = np.arange(rows.start, rows.stop)[:, None], kb * BLOCK_N + np.arange(BLOCK_N)[None, :]
+            assert edges.left or left < 0 or (k >= policy.diagonal(r) - left).all(), (qb, kb)
+            assert edges.right or right < 0 or (k <= policy.diagonal(r) + right).all(), (qb, kb)
+            assert edges.end or (k < sk).all(), (qb, kb)
+    # The lane form: from any (row, key), the limits give visible(row + dr, key + dc) for offsets either side.
+    for row in range(-2, sq + 2):
+        for key in range(-1, sk + 2):
+            dr, dc = np.arange(-3, 6)[:, None], np.arange(-3, 7)[None, :]
+            rr, kk = np.broadcast_arrays(row + dr, key + dc)
+            inside = (rr >= 0) & (rr < sq) & (kk >= 0) & (kk < sk)
+            truth_at = np.zeros(inside.shape, bool)
+            truth_at[inside] = truth[rr[inside], kk[inside]]
+            got = policy.visible_from(policy.lane_tile(row, key), dr, dc)
+            assert np.array_equal(got[inside], truth_at[inside]), (row, key)
+            assert not got[(kk >= sk) & (rr >= 0) & (rr < sq)].any(), (row, key)
     for kb in range(ceil_div(sk, BLOCK_N)):
         keys = slice(kb * BLOCK_N, min(sk, (kb + 1) * BLOCK_N))
         blocks = hull(i // BLOCK_M for i in np.nonzero(truth[:, keys].any(axis=1))[0])
@@ -96,7 +113,7 @@ def test_mask_description_validates_and_names_causal():
 
 def _probe(sq, sk, left, right) -> np.ndarray:
     nq, nk = ceil_div(sq, BLOCK_M), ceil_div(sk, BLOCK_N)
-    out = np.full(sq * sk + 2 * sq + 4 * nq + 4 * nk + nq * nk, -99, dtype=np.int32)
+    out = np.full(sq * sk + 2 * sq + 4 * nq + 4 * nk + 4 * nq * nk + 3 * sq * sk, -99, dtype=np.int32)
     problem = Problem("float32", 1, sq, sk, 1, 1, 8, mask=Mask(left, right))
     params = pack_params(problem, softmax_scale=1.0, pointers={"out": out.ctypes.data}, strides={})
     kernel = KernelInstance(str(PROBE), f"masktest::mask_probe_kernel<{BLOCK_M}, {BLOCK_N}>")
@@ -122,7 +139,9 @@ def test_cpp_policy_equals_the_numpy_twin(seqlens, window):
     for qb in range(ceil_div(sq, BLOCK_M)):
         for kb in range(ceil_div(sk, BLOCK_N)):
             r0 = qb * BLOCK_M
-            expected.append([int(policy.tile_needs_mask(r0, min(BLOCK_M, sq - r0), kb * BLOCK_N, BLOCK_N))])
+            expected.append([int(policy.tile_needs_mask(r0, min(BLOCK_M, sq - r0), kb * BLOCK_N, BLOCK_N)),
+                             *map(int, policy.tile_edges(r0, min(BLOCK_M, sq - r0), kb * BLOCK_N, BLOCK_N))])
+    expected.append([policy.lane_tile(i, j) for i in range(sq) for j in range(sk)])
     expected = np.concatenate([np.asarray(e, dtype=np.int32).ravel() for e in expected])
     np.testing.assert_array_equal(got, expected)
 

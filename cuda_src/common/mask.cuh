@@ -37,6 +37,39 @@ struct IndexRange {
   __device__ __forceinline__ bool contains(int x) const { return x >= begin && x < end; }
 };
 
+// The edges of the band a tile crosses, each where some score of the tile's rows (those below seqlen_q) is hidden by
+// it: a key left of a row's window, right of it (causal: above the diagonal), or past seqlen_k. A tile crossing none
+// needs no element-wise mask; one crossing some tests only those (every score passes the others).
+struct TileEdges {
+  bool left;
+  bool right;
+  bool end;
+  __device__ __forceinline__ bool any() const { return left || right || end; }
+};
+
+enum class Edge { kLeft, kRight, kEnd };
+
+// The element-wise mask of a tile as one lane applies it. The lane's scores lie at rows row + dr and keys key + dc,
+// dr and dc fixed at compile time by the accumulator layout, and visible(row + dr, key + dc) holds exactly when
+//     (window_left < 0 or dc - dr >= left) and (window_right < 0 or dc - dr < right) and dc < end
+// with the limits of MaskPolicy::lane_tile(row, key): key_begin and key_end at row + dr, less key + dc (a key is
+// never negative, which covers key_begin's max with 0). Each test compares a per-lane limit with a constant, and the
+// scores of one diagonal (equal dc - dr) share it: a tile's mask costs one compare per diagonal and one select per
+// score and edge, where visible() per score cost about five instructions (the loop census's masked rows).
+struct LaneTileMask {
+  int left;
+  int right;
+  int end;
+
+  // Whether edge E leaves the score at (row + dr, key + dc) seen (only meaningful for an edge the policy has).
+  template <Edge E>
+  __device__ __forceinline__ bool keeps(int dr, int dc) const {
+    if constexpr (E == Edge::kLeft) return dc - dr >= left;
+    else if constexpr (E == Edge::kRight) return dc - dr < right;
+    else return dc < end;
+  }
+};
+
 struct MaskPolicy {
   int seqlen_q;
   int seqlen_k;
@@ -44,7 +77,8 @@ struct MaskPolicy {
   int window_right;  // -1: unbounded; 0: causal
 
   // The policy of the sequence `info` works on (its own lengths, for varlen too). Kernels make it where they use it
-  // rather than once per block: see block_info.cuh for why the lengths are not kept in registers.
+  // rather than once per block: see block_info.cuh for why the lengths are not kept in registers (the tensor-core
+  // forward holds one through its K/V loop, where its masked blocks need both lengths).
   __device__ __forceinline__ static MaskPolicy of(const AttentionParams& p, const BlockInfo& info) {
     return MaskPolicy{info.seqlen_q(p), info.seqlen_k(p), p.window_left, p.window_right};
   }
@@ -92,12 +126,21 @@ struct MaskPolicy {
     return IndexRange{rows.begin / BlockM, ceil_div(rows.end, BlockM)};
   }
 
-  // Whether the tile rows [row0, row0 + rows) x keys [key0, key0 + keys) holds an element some
-  // row does not see (so it needs the element-wise mask), counting keys past seqlen_k as unseen.
+  // The edges the tile rows [row0, row0 + rows) x keys [key0, key0 + keys) crosses (TileEdges).
+  __device__ __forceinline__ TileEdges tile_edges(int row0, int rows, int key0, int keys) const {
+    return TileEdges{window_left >= 0 && key0 < diagonal(row0 + rows - 1) - window_left,
+                     window_right >= 0 && key0 + keys - 1 > diagonal(row0) + window_right, key0 + keys > seqlen_k};
+  }
+
+  // Whether that tile holds an element some row does not see (so it needs the element-wise mask), counting keys
+  // past seqlen_k as unseen.
   __device__ __forceinline__ bool tile_needs_mask(int row0, int rows, int key0, int keys) const {
-    if (key0 + keys > seqlen_k) return true;
-    if (window_right >= 0 && key0 + keys - 1 > diagonal(row0) + window_right) return true;
-    return window_left >= 0 && key0 < diagonal(row0 + rows - 1) - window_left;
+    return tile_edges(row0, rows, key0, keys).any();
+  }
+
+  // The limits of one lane's scores at rows row + dr, keys key + dc (LaneTileMask).
+  __device__ __forceinline__ LaneTileMask lane_tile(int row, int key) const {
+    return LaneTileMask{diagonal(row) - window_left - key, diagonal(row) + window_right + 1 - key, seqlen_k - key};
   }
 
   // The K/V blocks (of BlockN keys) whose tile rows [row0, row0 + rows) x keys [n BlockN, (n + 1) BlockN) need no

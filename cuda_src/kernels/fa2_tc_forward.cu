@@ -17,7 +17,9 @@
 //   element-wise mask code off every other block):
 //     S = Q K_j^T   mma.m16n8k16, A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (K is stored [key][dim]: B^T);
 //                   every ldmatrix address a lane base (fa2_tc_tiles.cuh's LaneBases, made once) plus an immediate;
-//     mask (only blocks that need it, mask.cuh's tile test), online softmax in base 2 with the scale folded into
+//     mask (only blocks that need it, mask.cuh's tile test; one pass per edge of the band the tile crosses, each
+//     score compared by its diagonal with a per-lane limit: mask.cuh's LaneTileMask),
+//     online softmax in base 2 with the scale folded into
 //     one FMA (p = exp2(s * scale_log2 - offset)), l and O rescaled by exp2(offset_old - offset_new);
 //     O += P V_j    P is S's accumulator rounded to 16 bits and re-read as A fragments (never in shared
 //                   memory); B = V by ldmatrix.x4.trans from V stored [key][dim].
@@ -160,12 +162,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
                          p.block_table == nullptr;
-    // This thread's first chunk of key row 0 in K and V (meaningful where kv_whole): a block's copies start at
-    // these plus key0 rows.
+    // This thread's first chunk of the K block a step prefetches (n_block - 1) and of the V block it loads
+    // (n_block), meaningful where kv_whole: carried from step to step, one block back each (a 64-bit subtraction),
+    // where a base plus key0 * stride cost 9 instructions per copy.
     const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
     const int whole_col = fa2tc::whole_tile_column<KVTile>(threadIdx.x);
-    const T* k_whole = kWholeCopies ? info.k<T>(p) + whole_row * p.k_stride.row + whole_col : nullptr;
-    const T* v_whole = kWholeCopies ? info.v<T>(p) + whole_row * p.v_stride.row + whole_col : nullptr;
+    const T* k_whole = kWholeCopies ? info.k<T>(p) + ((n_range.end - 2) * BlockN + whole_row) * p.k_stride.row +
+                                          whole_col
+                                    : nullptr;
+    const T* v_whole = kWholeCopies ? info.v<T>(p) + ((n_range.end - 1) * BlockN + whole_row) * p.v_stride.row +
+                                          whole_col
+                                    : nullptr;
     const float scale_log2 = p.softmax_scale_log2;
     // The thread index for V's ragged copies, read back from a volatile local at each use: V's columns end at v's
     // head dim, K's at q's, and with both limits' per-thread chunk bounds hoisted out of the K/V loop ptxas spilled
@@ -174,7 +181,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     auto block_keys = [&](int n_block) { return min(BlockN, info.seqlen_k(p) - n_block * BlockN); };
     // The K/V blocks whose tile needs no element-wise mask (mask.cuh's tile_needs_mask false), found once: the
     // loop then tests its block index against two bounds instead of re-reading the sequence's lengths per block.
-    const IndexRange unmasked = MaskPolicy::of(p, info).unmasked_kv_blocks<BlockN>(row0, block_rows());
+    // The policy is held through the loop (its two lengths: two registers), unlike the lengths elsewhere: re-read per
+    // masked block, they cost 11 instructions of varlen tests there.
+    const MaskPolicy mask = MaskPolicy::of(p, info);
+    const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows());
 
     // Each lane's ldmatrix bases (the XOR swizzle's lane part), once per kernel: Q's with the warp's rows.
     const auto q_at =
@@ -195,8 +205,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // A block below unmasked.end has every key row (mask.cuh: (n + 1) BlockN <= seqlen_k).
       if (kv_whole && n_block < unmasked.end) {
         if constexpr (kWholeCopies)
-          fa2tc::load_whole_tile<KVTile, Tr::kThreads>(v_tile, v_whole + key0 * p.v_stride.row, p.v_stride.row,
-                                                       threadIdx.x);
+          fa2tc::load_whole_tile<KVTile, Tr::kThreads>(v_tile, v_whole, p.v_stride.row, threadIdx.x);
       } else {
         fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), dim_v, v_vector,
                                                ragged_thread_index);
@@ -214,10 +223,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
         fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
                               [&](float& x, int row, int key) { x = score_hook(x, row, key); });
       if (!unmasked.contains(n_block)) {
-        const MaskPolicy mask = MaskPolicy::of(p, info);
-        fa2tc::for_each_score(s, row0 + warp_row0, key0, lane, [&](float& x, int row, int key) {
-          if (!mask.visible(row, key)) x = neg_inf();
-        });
+        fa2tc::mask_tile(s, mask, mask.tile_edges(row0, min(BlockM, mask.seqlen_q - row0), key0, BlockN),
+                         row0 + warp_row0, key0, lane);
       }
 
       arch::cp_async_wait<0>();
@@ -225,8 +232,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       if (n_block > n_range.begin) {
         if (kv_whole && n_block - 1 < unmasked.end) {
           if constexpr (kWholeCopies)
-            fa2tc::load_whole_tile<KVTile, Tr::kThreads>(k_tile, k_whole + (key0 - BlockN) * p.k_stride.row,
-                                                         p.k_stride.row, threadIdx.x);
+            fa2tc::load_whole_tile<KVTile, Tr::kThreads>(k_tile, k_whole, p.k_stride.row, threadIdx.x);
         } else {
           fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1),
                                                  d, k_vector, threadIdx.x);
@@ -283,6 +289,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
           }
       }
       fa2tc::gemm_rs<T, KVTile>(acc_o, p_frag, v_tile, v_at);
+      if constexpr (kWholeCopies) {
+        k_whole -= BlockN * p.k_stride.row;
+        v_whole -= BlockN * p.v_stride.row;
+      }
     }
   }
 

@@ -419,6 +419,30 @@ __device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc,
         f(acc.c[i][j][e], row0 + acc_row(lane, i, e / 2), key0 + acc_col(lane, j) + e % 2);
 }
 
+// The element-wise mask of a tile crossing `edges` (mask.cuh) on a warp's S accumulator whose first row is `row0`
+// and first key `key0`: hidden scores become -inf. The lane's scores sit at acc_row(lane, i, half) =
+// acc_row(lane, 0, 0) + acc_row(0, i, half) and acc_col(lane, j) + e = acc_col(lane, 0) + acc_col(0, j) + e, so
+// the offsets LaneTileMask takes are constants; one pass per crossed edge.
+template <Edge E, int MTiles, int NTiles>
+__device__ __forceinline__ void mask_edge(Accumulator<MTiles, NTiles>& acc, const LaneTileMask& lane_mask) {
+#pragma unroll
+  for (int i = 0; i < MTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < NTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!lane_mask.keeps<E>(acc_row(0, i, e / 2), acc_col(0, j) + e % 2)) acc.c[i][j][e] = neg_inf();
+}
+
+template <int MTiles, int NTiles>
+__device__ __forceinline__ void mask_tile(Accumulator<MTiles, NTiles>& acc, const MaskPolicy& mask, TileEdges edges,
+                                          int row0, int key0, int lane) {
+  const LaneTileMask lane_mask = mask.lane_tile(row0 + acc_row(lane, 0, 0), key0 + acc_col(lane, 0));
+  if (edges.right) mask_edge<Edge::kRight>(acc, lane_mask);
+  if (edges.left) mask_edge<Edge::kLeft>(acc, lane_mask);
+  if (edges.end) mask_edge<Edge::kEnd>(acc, lane_mask);
+}
+
 // Reductions over the 4 lanes of a quad (they hold one accumulator row between them), in a fixed order.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

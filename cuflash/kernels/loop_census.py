@@ -456,9 +456,12 @@ def traits_by_instance(arch: str) -> dict:
 
 
 # The paths through a main loop besides the plain one, each named by the source it must run (issue [lean]: the
-# masked path): (a file under cuda_src, a line opening the function whose body marks the path). ``masked``: the
-# element-wise mask's test (MaskPolicy::visible), which only the masked copy of a tile's softmax runs.
-MARKED_PATHS = {"masked": ("common/mask.cuh", "bool visible(int row, int key) const {")}
+# masked path): pairs of (a file under cuda_src, a line opening a function whose body marks the path); an iteration
+# that runs any of them takes the path. ``masked``: the element-wise mask's tests, which only the masked copy of a
+# tile's softmax runs: the tensor-core forward's per-lane form (LaneTileMask::keeps), the backward's per-score one
+# (MaskPolicy::visible).
+MARKED_PATHS = {"masked": (("common/mask.cuh", "bool visible(int row, int key) const {"),
+                           ("common/mask.cuh", "bool keeps(int dr, int dc) const {"))}
 
 
 def function_body_lines(source: str, opening: str) -> frozenset[int]:
@@ -480,12 +483,13 @@ def function_body_lines(source: str, opening: str) -> frozenset[int]:
 
 
 def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozenset[int]]:
-    """For each of MARKED_PATHS, the SASS addresses whose source line is in its function's body."""
+    """For each of MARKED_PATHS, the SASS addresses whose source line is in the body of one of its functions."""
     found = {}
-    for name, (source, opening) in MARKED_PATHS.items():
-        body = function_body_lines(source, opening)
+    for name, openings in MARKED_PATHS.items():
+        bodies = [(source, function_body_lines(source, opening)) for source, opening in openings]
         found[name] = frozenset(address for address, (path, line) in line_table.items()
-                                if path.replace("\\", "/").endswith("/" + source) and line in body)
+                                if any(path.replace("\\", "/").endswith("/" + source) and line in body
+                                       for source, body in bodies))
     return found
 
 

@@ -7,7 +7,9 @@
 //   key_begin(i), key_end(i)                       sq * 2
 //   per Q block: kv_blocks<BlockN>, keys_of_rows   nq * 4
 //   per K block: q_blocks<BlockM>, rows_of_keys    nk * 4
-//   per tile: tile_needs_mask(row0, rows, key0, BlockN)   nq * nk
+//   per tile: tile_needs_mask(row0, rows, key0, BlockN), then
+//             tile_edges(...)'s left, right, end           nq * nk * 4
+//   lane_tile(i, j): left, right, end                      sq * sk * 3
 // tanh_probe_kernel: the softcap's tanh (tanh_by_exp2) of every input, for its accuracy and SASS tests.
 #include "arch/arch.cuh"
 #include "common/mask.cuh"
@@ -41,7 +43,21 @@ __global__ void mask_probe_kernel(const cuflash::AttentionParams p) {
     put_range(mask.rows_of_keys(key0, key_end));
   }
   for (int a = 0; a < nq; ++a)
-    for (int b = 0; b < nk; ++b) put(mask.tile_needs_mask(a * BlockM, min(BlockM, sq - a * BlockM), b * BlockN, BlockN));
+    for (int b = 0; b < nk; ++b) {
+      const int row0 = a * BlockM, rows = min(BlockM, sq - row0), key0 = b * BlockN;
+      put(mask.tile_needs_mask(row0, rows, key0, BlockN));
+      const cuflash::TileEdges edges = mask.tile_edges(row0, rows, key0, BlockN);
+      put(edges.left);
+      put(edges.right);
+      put(edges.end);
+    }
+  for (int i = 0; i < sq; ++i)
+    for (int j = 0; j < sk; ++j) {
+      const cuflash::LaneTileMask limits = mask.lane_tile(i, j);
+      put(limits.left);
+      put(limits.right);
+      put(limits.end);
+    }
 }
 
 // out[i] = tanh_by_exp2(q[i]) for i < seqlen_q (the softcap's tanh, one thread per element).
