@@ -113,7 +113,12 @@ def test_marked_paths_are_the_mask_test_lines():
              0x30: ("/x/cuda_src/kernels/other/common/mask.cuh.bak", line),
              0x40: ("/x/cuda_src/common/mask.cuh", keeps_lines[1]),
              0x50: ("/x/cuda_src/common/mask.cuh", keeps_lines[-1] + 1)}
-    assert lc.marked_addresses(table) == {"masked": frozenset({0x10, 0x40})}
+    assert lc.marked_addresses(table) == {"masked": frozenset({0x10, 0x40}), "paged": frozenset()}
+    (paged,) = lc.MARKED_PATHS["paged"]
+    paged_lines = sorted(lc.function_body_lines(*paged))
+    block_info = (CUDA_SRC / "common/block_info.cuh").read_text().splitlines()
+    assert "arch::load(pages + page)" in " ".join(block_info[n - 1] for n in paged_lines)
+    assert lc.marked_addresses({0x60: ("/x/cuda_src/common/block_info.cuh", paged_lines[0])})["paged"] == {0x60}
     with pytest.raises(ValueError, match="expected one"):
         lc.function_body_lines("common/mask.cuh", "__device__")
 
@@ -227,7 +232,7 @@ def test_instruction_classes():
 
 def test_line_table_names_each_instructions_source():
     # nvdisasm's line table (lineinfo) for the compiled function, at cuobjdump's addresses: every HMMA comes from
-    # arch.cuh's mma wrapper, the masked path's marks from mask.cuh.
+    # arch.cuh's mma wrapper, the masked path's marks from mask.cuh, the paged path's from block_info.cuh.
     traits = fa2_tc.forward_traits(64, targets.target("sm_80"))
     compiled = nvrtc.compile_instance(traits.instance("float16"), "sm_80")
     instructions = lc.parse(nvrtc.dump_sass(compiled))
@@ -236,8 +241,10 @@ def test_line_table_names_each_instructions_source():
     hmma_sources = {table[ins.address][0].replace("\\", "/").rsplit("/", 2)[-2:] == ["arch", "arch.cuh"]
                     for ins in instructions if ins.base == "HMMA"}
     assert hmma_sources == {True}
-    (marks,) = lc.marked_addresses(table).values()
-    assert marks and all(table[a][0].endswith("mask.cuh") for a in marks)
+    marks = lc.marked_addresses(table)
+    assert set(marks) == {"masked", "paged"}
+    assert marks["masked"] and all(table[a][0].endswith("mask.cuh") for a in marks["masked"])
+    assert marks["paged"] and all(table[a][0].endswith("block_info.cuh") for a in marks["paged"])
 
 
 def test_report_json_carries_the_census_of_tensor_core_instances():
@@ -250,10 +257,11 @@ def test_report_json_carries_the_census_of_tensor_core_instances():
     assert not errors
     by_kernel = {row.compiled.instance: report.loop_census_json(row) for row in rows}
     assert by_kernel[simt] == {}  # SIMT kernels have no HMMA loop to census
-    plain, masked = by_kernel[traits.instance("bfloat16")]["main_loop"]
+    plain, masked, paged = by_kernel[traits.instance("bfloat16")]["main_loop"]
     assert plain["path"] == "plain" and plain["hmma"] == lc.iteration_work(traits).hmma
     assert masked["path"] == "masked" and masked["hmma"] == plain["hmma"]
     assert masked["instructions"] > plain["instructions"] and masked["fp32"] > plain["fp32"]
+    assert paged["path"] == "paged" and paged["hmma"] == plain["hmma"] and paged["memory"] > plain["memory"]
 
 
 def test_iteration_work_of_the_tiles():
@@ -340,25 +348,42 @@ LEAN_MASKED_PER_HMMA = {
 }
 assert set(LEAN_MASKED_PER_HMMA) == set(LEAN_PER_HMMA)
 
+# The paged path (KeyRows::paged_row: K/V rows found through a paged cache's block table), forward only (the KV-cache
+# call). Pages a multiple of the K/V block take the whole-tile copies, each block's source looked up in its page;
+# before, every paged block went through load_tile's general loop (sm_80: d64 6.61, d128 6.16 per HMMA).
+LEAN_PAGED_PER_HMMA = {
+    ("forward", "sm_80", 64): 5.484,    # 702 / 128 (846 before)
+    ("forward", "sm_80", 128): 5.031,   # 644 / 128 (789 before)
+    ("forward", "sm_80", 256): 3.324,   # 851 / 256
+    ("forward", "sm_90", 64): 5.531,    # 708 / 128
+    ("forward", "sm_90", 128): 5.094,   # 652 / 128
+    ("forward", "sm_90", 256): 3.563,   # 912 / 256
+}
+
 
 @pytest.mark.parametrize("direction, arch, head_dim", sorted(LEAN_PER_HMMA))
 def test_main_loop_stays_lean(direction, arch, head_dim):
     traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
                                                                                           targets.target(arch))
     for dtype in ("float16", "bfloat16"):
-        plain, masked, *_ = lc.instance_census(traits, dtype, arch)
+        plain, masked, *others = lc.instance_census(traits, dtype, arch)
         assert (plain.path.path, masked.path.path) == ("plain", "masked")
         assert plain.path.instructions_per_hmma <= LEAN_PER_HMMA[direction, arch, head_dim] * 1.03, plain.as_json()
         # The masked walk issues the same work and more besides (the mask's compares and selects).
         assert masked.path.hmma == plain.path.hmma and masked.path.instructions > plain.path.instructions
         assert (masked.path.instructions_per_hmma <= LEAN_MASKED_PER_HMMA[direction, arch, head_dim] * 1.03
                 ), masked.as_json()
+        assert [row.path.path for row in others] == (["paged"] if direction == "forward" else [])
+        for paged in others:  # the page lookups besides the plain path's work
+            assert paged.path.hmma == plain.path.hmma and paged.path.instructions > plain.path.instructions
+            assert (paged.path.instructions_per_hmma <= LEAN_PAGED_PER_HMMA[direction, arch, head_dim] * 1.03
+                    ), paged.as_json()
 
 
 # Issue [lean]'s bounds: the plain path at most 1.15x FA2's instructions per HMMA at the same tile (FA2's default
 # tile for the head dim where cuflash's is one FA2 does not use), the masked path at most 1.3x. FA2's figures (the
 # issue's table, counted from FA2's own SASS): forward d64 4.6 (its 128x128x4; cuflash runs 128x64x4), d128 4.3 at
-# 128x32x4, backward d128 2.8 at 64x128x8. FA2 was not counted at the backward's d64 nor at d256.
+# 128x32x4, backward d128 2.8 at 64x128x8; the paged path (forward) at most 1.3x too. FA2 was not counted at the backward's d64 nor at d256.
 FA2_PER_HMMA = {("forward", 64): 4.6, ("forward", 128): 4.3, ("backward", 128): 2.8}
 
 
@@ -370,7 +395,9 @@ def test_main_loop_within_the_bound_of_fa2(direction, head_dim, arch):
     if direction == "backward":
         assert (traits.block_m, traits.block_n, traits.warps) == (64, 128, 8)  # FA2's tile for the figure
     for dtype in ("float16", "bfloat16"):
-        plain, masked, *_ = lc.instance_census(traits, dtype, arch)
+        plain, masked, *others = lc.instance_census(traits, dtype, arch)
         assert plain.path.instructions_per_hmma <= 1.15 * FA2_PER_HMMA[direction, head_dim], plain.as_json()
         assert masked.path.instructions_per_hmma <= 1.3 * FA2_PER_HMMA[direction, head_dim], masked.as_json()
+        for paged in others:
+            assert paged.path.instructions_per_hmma <= 1.3 * FA2_PER_HMMA[direction, head_dim], paged.as_json()
 

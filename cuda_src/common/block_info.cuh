@@ -42,6 +42,10 @@ struct KeyRows {
   __device__ __forceinline__ T* row(int r) const {
     const int j = first_row + r;
     if (pages == nullptr) return head_base + static_cast<long long>(j) * row_stride;
+    return paged_row(j);
+  }
+  // Row j of a paged sequence: one block_table entry and a division by the page size.
+  __device__ __forceinline__ T* paged_row(int j) const {
     const unsigned page = static_cast<unsigned>(j) / static_cast<unsigned>(page_size);  // rows are >= 0
     const unsigned in_page = static_cast<unsigned>(j) - page * static_cast<unsigned>(page_size);
     return head_base + static_cast<long long>(arch::load(pages + page)) * page_stride +

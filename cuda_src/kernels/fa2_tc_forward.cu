@@ -26,10 +26,11 @@
 //   Pipelining (FA2's): one Q, one K and one V buffer; cp.async of V_j is in flight during Q K_j^T, and of
 //   K_{j-1} during the softmax and P V_j. Each step has two barriers: the first publishes K_j (and makes the
 //   V buffer free), the second publishes V_j (and makes the K buffer free).
-//   Copies: a K or V block with every key row, on contiguous 16-byte aligned rows at the compiled head dim (not
-//   paged), goes through load_whole_tile (each thread's cp.async unrolled from one source pointer, shared offsets
-//   immediates: FA2's LDGSTS); ragged, paged or misaligned blocks and other head dims through load_tile. The test
-//   is block-uniform; both issue the same chunks in the same order.
+//   Copies: a K or V block with every key row, on 16-byte aligned rows at the compiled head dim, contiguous or in
+//   one page of a paged cache, goes through load_whole_tile (each thread's cp.async unrolled from one source
+//   pointer, shared offsets immediates: FA2's LDGSTS; the pointer carried from block to block, or looked up in the
+//   block's page); ragged or misaligned blocks, pages smaller than a block and other head dims through load_tile.
+//   The test is block-uniform; both issue the same chunks in the same order.
 //   Epilogue: O / l rounded to 16 bits into the warp's own rows of the Q buffer (only this warp ever read
 //   them), then 16-byte coalesced stores; lse = m * scale + log(l).
 //   Split-KV (KV-cache decoding, p.num_kv_splits > 1): grid.x is (Q blocks) x splits; block x takes Q block
@@ -157,14 +158,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool q_vector = fa2tc::rows_16b_aligned(q, p.q_stride.row);
     const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
-    // K and V blocks copied by load_whole_tile where whole (below): contiguous (not paged), 16-byte aligned rows,
-    // and the compiled head dim; per block, every key row in the sequence.
+    // K and V blocks copied by load_whole_tile where whole (below): 16-byte aligned rows at the compiled head dim,
+    // contiguous or paged with every block inside one page (FA2's paged layout: pages a multiple of the block);
+    // per block, every key row in the sequence.
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
-                         p.block_table == nullptr;
+                         (p.block_table == nullptr || p.page_size % BlockN == 0);
     // This thread's first chunk of the K block a step prefetches (n_block - 1) and of the V block it loads
-    // (n_block), meaningful where kv_whole: carried from step to step, one block back each (a 64-bit subtraction),
-    // where a base plus key0 * stride cost 9 instructions per copy.
+    // (n_block), meaningful where kv_whole and contiguous: carried from step to step, one block back each (a 64-bit
+    // subtraction), where a base plus key0 * stride cost 9 instructions per copy. Paged, a block's first chunk is
+    // found in its page (whole_in_page).
     const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
     const int whole_col = fa2tc::whole_tile_column<KVTile>(threadIdx.x);
     const T* k_whole = kWholeCopies ? info.k<T>(p) + ((n_range.end - 2) * BlockN + whole_row) * p.k_stride.row +
@@ -173,6 +176,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const T* v_whole = kWholeCopies ? info.v<T>(p) + ((n_range.end - 1) * BlockN + whole_row) * p.v_stride.row +
                                           whole_col
                                     : nullptr;
+    auto whole_in_page = [&](const KeyRows<const T>& rows) {
+      return rows.paged_row(rows.first_row + whole_row) + whole_col;
+    };
     const float scale_log2 = p.softmax_scale_log2;
     // The thread index for V's ragged copies, read back from a volatile local at each use: V's columns end at v's
     // head dim, K's at q's, and with both limits' per-thread chunk bounds hoisted out of the K/V loop ptxas spilled
@@ -205,7 +211,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // A block below unmasked.end has every key row (mask.cuh: (n + 1) BlockN <= seqlen_k).
       if (kv_whole && n_block < unmasked.end) {
         if constexpr (kWholeCopies)
-          fa2tc::load_whole_tile<KVTile, Tr::kThreads>(v_tile, v_whole, p.v_stride.row, threadIdx.x);
+          fa2tc::load_whole_tile<KVTile, Tr::kThreads>(
+              v_tile, p.block_table == nullptr ? v_whole : whole_in_page(info.v_rows<T>(p, key0)), p.v_stride.row,
+              threadIdx.x);
       } else {
         fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), dim_v, v_vector,
                                                ragged_thread_index);
@@ -232,7 +240,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       if (n_block > n_range.begin) {
         if (kv_whole && n_block - 1 < unmasked.end) {
           if constexpr (kWholeCopies)
-            fa2tc::load_whole_tile<KVTile, Tr::kThreads>(k_tile, k_whole, p.k_stride.row, threadIdx.x);
+            fa2tc::load_whole_tile<KVTile, Tr::kThreads>(
+                k_tile, p.block_table == nullptr ? k_whole : whole_in_page(info.k_rows<T>(p, key0 - BlockN)),
+                p.k_stride.row, threadIdx.x);
         } else {
           fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1),
                                                  d, k_vector, threadIdx.x);

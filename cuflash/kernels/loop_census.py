@@ -459,9 +459,10 @@ def traits_by_instance(arch: str) -> dict:
 # masked path): pairs of (a file under cuda_src, a line opening a function whose body marks the path); an iteration
 # that runs any of them takes the path. ``masked``: the element-wise mask's tests, which only the masked copy of a
 # tile's softmax runs: the tensor-core forward's per-lane form (LaneTileMask::keeps), the backward's per-score one
-# (MaskPolicy::visible).
+# (MaskPolicy::visible). ``paged``: a K/V row found through a paged KV cache's block table (KeyRows::paged_row).
 MARKED_PATHS = {"masked": (("common/mask.cuh", "bool visible(int row, int key) const {"),
-                           ("common/mask.cuh", "bool keeps(int dr, int dc) const {"))}
+                           ("common/mask.cuh", "bool keeps(int dr, int dc) const {")),
+                "paged": (("common/block_info.cuh", "T* paged_row(int j) const {"),)}
 
 
 def function_body_lines(source: str, opening: str) -> frozenset[int]:
