@@ -118,11 +118,12 @@ ASAN_BACKWARD_CASES = one_dtype_per_tile(BACKWARD_CASES)
 
 def test_instance_cases_cover_every_tensor_core_instance():
     for cases, traits_of, kernel, count in ((FORWARD_CASES, fa2_tc.forward_traits, "fa2_tc_forward", 18),
-                                            (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 16)):
+                                            (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 18)):
         covered = {traits_of(hd, target(arch)).instance(dt) for arch, hd, dt in cases}
         planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch))
                    if kernel in i.name_expr and not i.name_expr.endswith(", true>")}  # without dropout
-        # 16 backward instances: d128's 64 x 128 (sm_80, sm_90) and 64 x 64 (the 99 KB targets), in both dtypes.
+        # 18 backward instances: d64's 128 x 128 (sm_90) and 64 x 128, d128's 64 x 128 (sm_80, sm_90) and 64 x 64
+        # (the 99 KB targets), in both dtypes.
         assert covered == planned and len(cases) == len(planned) == count
     for cases, asan in ((FORWARD_CASES, ASAN_FORWARD_CASES), (BACKWARD_CASES, ASAN_BACKWARD_CASES)):
         assert {(a, hd) for a, hd, _ in asan} == {(a, hd) for a, hd, _ in cases} and set(asan) <= set(cases)
@@ -285,16 +286,20 @@ def test_tile_tables():
             fa2_tc.ForwardTraits(*bad)
     with pytest.raises(ValueError, match="takes"):
         fa2_tc.ForwardTraits(64, 128, 64, 4).instance("float32")
-    # Backward: 8 warps with FA2's 99 KB tiles up to head dim 96, FA2's 64 x 128 at 128 where it fits (the 99 KB
-    # targets take 64 x 64, as does sm_100, whose ptxas spills the larger one), the 99 KB targets' own row at 256.
+    # Backward: 8 warps with FA2's 99 KB tiles up to head dim 96, FA2's 128 x 128 at 64 on sm_90 only and its
+    # 64 x 128 at 128 where it fits (the 99 KB targets take 64 x 64, as does sm_100, whose ptxas spills the larger
+    # one), the 99 KB targets' own row at 256.
     for arch in ("sm_80", "sm_86", "sm_90", "sm_100"):
         for head_dim in fa2_tc.HEAD_DIMS:
             traits = fa2_tc.backward_traits(head_dim, target(arch))
             assert traits.smem_bytes <= target(arch).smem_per_block_bytes
-            second = (arch == "sm_86" and head_dim in (128, 256)) or (arch == "sm_100" and head_dim == 128)
+            second = ((arch == "sm_86" and head_dim in (128, 256)) or (arch == "sm_100" and head_dim == 128)
+                      or (arch != "sm_90" and head_dim == 64))
             assert traits == fa2_tc.BACKWARD_CHOICES[head_dim][1 if second else 0]
     assert (fa2_tc.backward_traits(128, SM80).block_n, fa2_tc.backward_traits(128, target("sm_100")).block_n) == (128, 64)
+    assert fa2_tc.backward_traits(64, target("sm_90")).block_m == 128 and fa2_tc.backward_traits(64, SM80).block_m == 64
     assert fa2_tc.backward_traits(128, SM80, dropout=True).block_n == 64
+    assert fa2_tc.backward_traits(64, target("sm_90"), dropout=True).block_m == 64
     assert [fa2_tc.pick_warps_m(*shape) for shape in ((64, 128, 8), (64, 64, 8), (32, 32, 4), (32, 32, 8))] == [4, 4, 2, 0]
     for bad in ((64, 48, 128, 8), (256, 32, 32, 8), (256, 128, 128, 8)):  # block_m, warp tiling, shared memory
         with pytest.raises(ValueError):

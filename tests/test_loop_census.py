@@ -321,7 +321,7 @@ LEAN_PER_HMMA = {
     ("forward", "sm_90", 256): 3.375,   # 64x64x4: 864 / 256 (1910 before)
     ("backward", "sm_80", 64): 4.256,   # 64x128x8: 681 / 160 (951 before held lane bases, step rows, pair stores)
     ("backward", "sm_80", 128): 3.109,  # 64x128x8: 995 / 320 (64x64x8: 662 / 160 = 4.14; 952, 1447 before)
-    ("backward", "sm_90", 64): 4.388,   # 64x128x8: 702 / 160 (977 before)
+    ("backward", "sm_90", 64): 3.863,   # 128x128x8: 1236 / 320 (64x128x8: 702 / 160 = 4.39; 977 before)
     ("backward", "sm_90", 128): 3.191,  # 64x128x8: 1021 / 320 (64x64x8: 678 / 160 = 4.24; 980, 1472 before)
     ("backward", "sm_80", 256): 4.013,  # 32x64x8: 642 / 160 (796 before step rows; 971 before whole Q, dO copies)
     ("backward", "sm_90", 256): 4.200,  # 32x64x8: 672 / 160 (832 before step rows; 1008 before whole Q, dO copies)
@@ -342,7 +342,7 @@ LEAN_MASKED_PER_HMMA = {
     ("backward", "sm_80", 64): 5.088,   # 814 / 160 (plain 681)
     ("backward", "sm_80", 128): 3.534,  # 1131 / 320 (plain 995)
     ("backward", "sm_80", 256): 4.319,  # 691 / 160 (plain 642)
-    ("backward", "sm_90", 64): 5.225,   # 836 / 160
+    ("backward", "sm_90", 64): 4.641,   # 1485 / 320 (64x128x8: 836 / 160 = 5.23)
     ("backward", "sm_90", 128): 3.616,  # 1157 / 320
     ("backward", "sm_90", 256): 4.513,  # 722 / 160
 }

@@ -179,7 +179,15 @@ BACKWARD_CHOICES = {
     # 224-232 registers without spills (it spilled 4 bytes on sm_90 before the step lost its LaneOffsets), in
     # 90.6 KB of shared memory, which every target's block has; one block per SM either way (registers). With the
     # lane bases held and the step's rows carried (StepRows): 744 (4.65) and 766 (4.79), 245 registers.
-    64: (BackwardTraits(64, block_m=64, block_n=128, warps=8),),
+    # FA2's own d64 tile, 128 x 128 (a 128-row Q step: the same K/V block, Q/dO reads and dQ adds, twice the MMAs
+    # per step), where a block may take its 145 KB and ptxas fits it: NVRTC 13, sm_90, 1236 instructions per step
+    # for 320 HMMA (3.86 per HMMA, against 4.39 at 64 x 128; masked 4.64 against 5.23), 255 registers, no spills
+    # under NVRTC 13 and 12.9. At the register limit the fit is ptxas's: sm_80 spills 12 bytes under 12.9 (clean
+    # under 13: 3.79), sm_87 8 (12.9) and sm_100 16 (12.9), and every variant tried (dQ chunks of 2, lane bases
+    # rebuilt, Q rows not stepped) spilled on another of them; so only sm_90 takes it. Not with dropout (60 to 624
+    # bytes spilled).
+    64: (BackwardTraits(64, block_m=128, block_n=128, warps=8, spills_on=("sm_80", "sm_87", "sm_100")),
+         BackwardTraits(64, block_m=64, block_n=128, warps=8)),
     96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
     # d128: FA2's 64 x 128 (NVRTC 13, fp16 and bf16 alike) issues 1059 instructions per step for 320 HMMA on sm_80
     # (3.31 per HMMA) and 1081 on sm_90 (3.38), where 64 x 64 issues 662 for 160 (4.14) and 678 (4.24); it reads
@@ -195,7 +203,9 @@ BACKWARD_CHOICES = {
 assert tuple(BACKWARD_CHOICES) == HEAD_DIMS
 BACKWARD_CHOICES_DROPOUT = {
     **{hd: tuple(dataclasses.replace(t, dropout=True) for t in choices) for hd, choices in BACKWARD_CHOICES.items()},
-    # d128 keeps 64 x 64 with dropout: the 64 x 128 step runs at the register limit without dropout's keep bits.
+    # d64 keeps 64 x 128 and d128 64 x 64 with dropout: the larger steps run at the register limit without
+    # dropout's keep bits.
+    64: (BackwardTraits(64, block_m=64, block_n=128, warps=8, dropout=True),),
     128: (BackwardTraits(128, block_m=64, block_n=64, warps=8, dropout=True),),
     256: (BackwardTraits(256, block_m=32, block_n=32, warps=4, dropout=True),),
 }
