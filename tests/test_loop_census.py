@@ -309,9 +309,12 @@ def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
 # whole Q blocks, no division (by the number of Q blocks or the group size), the thread index unsigned, every ldmatrix
 # address a lane base plus an immediate, the bases held through a K/V block's steps up to d128, the step's rows in
 # q, dout, the statistics and dq_accum carried from step to step (StepRows), P and dS stored from one base per lane
-# (AccPairOffsets), Q's buffers flipped by an XOR. FA2's own figures
-# (../shared/notes/anchors.md): forward d128 128x32x4 4.3, 128x64x4 3.7, d64 128x128x4 4.6; backward d128 64x64x8
-# 3.3, 64x128x8 2.8.
+# (AccPairOffsets), Q's buffers flipped by an XOR, P's exponent one FMA (the scale folded as FA2 folds it). FA2's own
+# figures (../shared/notes/anchors.md): forward d128 128x32x4 4.3, 128x64x4 3.7, d64 128x128x4 4.6; backward d128
+# 64x64x8 3.3, 64x128x8 2.8; and, counted here the same way (nvcc 13.5 at FA2's flags and CUTLASS pin, sm_80, this
+# census's walk over FA2's SASS), backward d64 128x128x8 1054 / 320 = 3.29, forward d256 128x64x8 758 / 256 = 2.96
+# and 64x64x4 774 / 256 = 3.02. The same walk over FA2's d128 64x128x8 backward gives 909 / 320 (2.84) against the
+# table's 891 (2.8): within 2% of the issue's counting.
 LEAN_PER_HMMA = {
     ("forward", "sm_80", 64): 5.148,    # 128x64x4: 659 / 128 (833 before)
     ("forward", "sm_80", 128): 4.695,   # 128x32x4: 601 / 128 (775 before)
@@ -319,12 +322,13 @@ LEAN_PER_HMMA = {
     ("forward", "sm_90", 64): 5.156,    # 128x64x4: 660 / 128 (856 before)
     ("forward", "sm_90", 128): 4.719,   # 128x32x4: 604 / 128 (796 before)
     ("forward", "sm_90", 256): 3.375,   # 64x64x4: 864 / 256 (1910 before)
-    ("backward", "sm_80", 64): 4.256,   # 64x128x8: 681 / 160 (951 before held lane bases, step rows, pair stores)
-    ("backward", "sm_80", 128): 3.109,  # 64x128x8: 995 / 320 (64x64x8: 662 / 160 = 4.14; 952, 1447 before)
-    ("backward", "sm_90", 64): 3.863,   # 128x128x8: 1236 / 320 (64x128x8: 702 / 160 = 4.39; 977 before)
-    ("backward", "sm_90", 128): 3.191,  # 64x128x8: 1021 / 320 (64x64x8: 678 / 160 = 4.24; 980, 1472 before)
-    ("backward", "sm_80", 256): 4.013,  # 32x64x8: 642 / 160 (796 before step rows; 971 before whole Q, dO copies)
-    ("backward", "sm_90", 256): 4.200,  # 32x64x8: 672 / 160 (832 before step rows; 1008 before whole Q, dO copies)
+    ("backward", "sm_80", 64): 4.069,   # 64x128x8: 651 / 160 (681 before the folded scale; 951 before held lane
+                                        # bases, step rows, pair stores)
+    ("backward", "sm_80", 128): 3.016,  # 64x128x8: 965 / 320 (995 before the folded scale; 64x64x8: 662 / 160)
+    ("backward", "sm_90", 64): 3.669,   # 128x128x8: 1174 / 320 (1236 before the folded scale; 64x128x8: 4.39)
+    ("backward", "sm_90", 128): 3.097,  # 64x128x8: 991 / 320 (1021 before the folded scale; 64x64x8: 678 / 160)
+    ("backward", "sm_80", 256): 3.975,  # 32x64x8: 636 / 160 (642 before the folded scale; 971 before whole Q, dO)
+    ("backward", "sm_90", 256): 4.163,  # 32x64x8: 666 / 160 (672 before the folded scale; 1008 before whole Q, dO)
 }
 
 
@@ -339,12 +343,12 @@ LEAN_MASKED_PER_HMMA = {
     ("forward", "sm_90", 64): 5.914,    # 757 / 128 (928 before)
     ("forward", "sm_90", 128): 5.156,   # 660 / 128 (765 before)
     ("forward", "sm_90", 256): 3.629,   # 929 / 256 (1026 before)
-    ("backward", "sm_80", 64): 5.088,   # 814 / 160 (plain 681)
-    ("backward", "sm_80", 128): 3.534,  # 1131 / 320 (plain 995)
-    ("backward", "sm_80", 256): 4.319,  # 691 / 160 (plain 642)
-    ("backward", "sm_90", 64): 4.641,   # 1485 / 320 (64x128x8: 836 / 160 = 5.23)
-    ("backward", "sm_90", 128): 3.616,  # 1157 / 320
-    ("backward", "sm_90", 256): 4.513,  # 722 / 160
+    ("backward", "sm_80", 64): 4.900,   # 784 / 160 (plain 651)
+    ("backward", "sm_80", 128): 3.441,  # 1101 / 320 (plain 965)
+    ("backward", "sm_80", 256): 4.281,  # 685 / 160 (plain 636)
+    ("backward", "sm_90", 64): 4.444,   # 1422 / 320 (64x128x8: 836 / 160 = 5.23)
+    ("backward", "sm_90", 128): 3.519,  # 1126 / 320
+    ("backward", "sm_90", 256): 4.469,  # 715 / 160
 }
 assert set(LEAN_MASKED_PER_HMMA) == set(LEAN_PER_HMMA)
 
@@ -381,23 +385,54 @@ def test_main_loop_stays_lean(direction, arch, head_dim):
 
 
 # Issue [lean]'s bounds: the plain path at most 1.15x FA2's instructions per HMMA at the same tile (FA2's default
-# tile for the head dim where cuflash's is one FA2 does not use), the masked path at most 1.3x. FA2's figures (the
-# issue's table, counted from FA2's own SASS): forward d64 4.6 (its 128x128x4; cuflash runs 128x64x4), d128 4.3 at
-# 128x32x4, backward d128 2.8 at 64x128x8; the paged path (forward) at most 1.3x too. FA2 was not counted at the backward's d64 nor at d256.
-FA2_PER_HMMA = {("forward", 64): 4.6, ("forward", 128): 4.3, ("backward", 128): 2.8}
+# tile for the head dim where cuflash's is one FA2 does not use), the masked and paged paths at most 1.3x. FA2's
+# figures (the issue's table, counted from FA2's own SASS): forward d64 4.6 (its 128x128x4; cuflash runs 128x64x4),
+# d128 4.3 at 128x32x4, backward d128 2.8 at 64x128x8; counted here (see LEAN_PER_HMMA): backward d64 3.29 at
+# 128x128x8, forward d256 2.96 at 128x64x8 and 3.02 at 64x64x4 (FA2's H100 tile; its sm_80 SASS, as the issue's
+# table counts sm_80). Not yet held: the backward's d64 on sm_80, which keeps 64x128x8 (NVRTC 12.9's ptxas spills the
+# 128x128 step there; 4.07 per HMMA, 1.24x), and its masked step on sm_90 (4.44, 1.35x: the forward's per-lane mask
+# made NVRTC 12.9 spill the d128 step, see fa2_tc_backward.cu). Those cases are strict xfails: they run, and the day
+# one holds the test says so.
+FA2_PER_HMMA = {("forward", 64): 4.6, ("forward", 128): 4.3, ("backward", 128): 2.8, ("backward", 64): 3.29,
+                # FA2's d256 forward tile per target, counted here: 128x64x8 (A100) 758 / 256, 64x64x4 (H100) 774 / 256
+                ("forward", 256): {"sm_80": 2.96, "sm_90": 3.02}}
+PLAIN_NOT_YET_WITHIN_FA2 = {("backward", 64, "sm_80")}
+MASKED_NOT_YET_WITHIN_FA2 = {("backward", 64, "sm_80"), ("backward", 64, "sm_90")}
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("direction, head_dim", sorted(FA2_PER_HMMA))
-def test_main_loop_within_the_bound_of_fa2(direction, head_dim, arch):
+def _bound_cases(not_yet):
+    return [pytest.param(direction, head_dim, arch,
+                         marks=[pytest.mark.xfail(strict=True, reason="not yet within FA2's bound")]
+                         if (direction, head_dim, arch) in not_yet else [])
+            for direction, head_dim in sorted(FA2_PER_HMMA) for arch in ("sm_80", "sm_90")]
+
+
+def _fa2(direction, head_dim, arch):
+    figure = FA2_PER_HMMA[direction, head_dim]
+    return figure[arch] if isinstance(figure, dict) else figure
+
+
+def _planned_census(direction, head_dim, arch, dtype):
     traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
                                                                                           targets.target(arch))
-    if direction == "backward":
-        assert (traits.block_m, traits.block_n, traits.warps) == (64, 128, 8)  # FA2's tile for the figure
+    return traits, lc.instance_census(traits, dtype, arch)
+
+
+@pytest.mark.parametrize("direction, head_dim, arch", _bound_cases(PLAIN_NOT_YET_WITHIN_FA2))
+def test_main_loop_within_the_bound_of_fa2(direction, head_dim, arch):
     for dtype in ("float16", "bfloat16"):
-        plain, masked, *others = lc.instance_census(traits, dtype, arch)
-        assert plain.path.instructions_per_hmma <= 1.15 * FA2_PER_HMMA[direction, head_dim], plain.as_json()
-        assert masked.path.instructions_per_hmma <= 1.3 * FA2_PER_HMMA[direction, head_dim], masked.as_json()
+        traits, (plain, *_) = _planned_census(direction, head_dim, arch, dtype)
+        assert plain.path.instructions_per_hmma <= 1.15 * _fa2(direction, head_dim, arch), plain.as_json()
+        if direction == "backward":  # FA2's tile for the figure
+            assert (traits.block_m, traits.block_n, traits.warps) == ((64, 128, 8) if head_dim == 128
+                                                                      else (128, 128, 8))
+
+
+@pytest.mark.parametrize("direction, head_dim, arch", _bound_cases(MASKED_NOT_YET_WITHIN_FA2))
+def test_masked_and_paged_loops_within_the_bound_of_fa2(direction, head_dim, arch):
+    for dtype in ("float16", "bfloat16"):
+        _, (_, masked, *others) = _planned_census(direction, head_dim, arch, dtype)
+        assert masked.path.instructions_per_hmma <= 1.3 * _fa2(direction, head_dim, arch), masked.as_json()
         for paged in others:
-            assert paged.path.instructions_per_hmma <= 1.3 * FA2_PER_HMMA[direction, head_dim], paged.as_json()
+            assert paged.path.instructions_per_hmma <= 1.3 * _fa2(direction, head_dim, arch), paged.as_json()
 

@@ -13,7 +13,7 @@
 //     Q_i, dO_i (cp.async, 16-byte, zero-filled) issued during step i - 1 (pipeline below; a whole block at the
 //     compiled head dim by load_whole_tile, unrolled from one source pointer); load lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
-//     P = exp2((hook(S) scale - lse) log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
+//     P = exp2(hook(S) scale log2 e - lse log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
 //     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
@@ -48,8 +48,11 @@
 //
 // Masking and empty rows as in the SIMT backward: P = 0 wherever the key is not visible or past the last key,
 // and for rows past the last query; lse = -inf (a row that saw no key) is taken as +inf so P = exp2(-inf) = 0.
-// P is recomputed as exp2(fmaf(S, scale, -lse) * log2 e): S * scale - lse rounded once near 0 (see
-// fa2_backward.cu). Requires softmax_scale > 0.
+// P is recomputed as FA2 forms it, exp2(fmaf(S, scale log2 e, -lse log2 e)): one FMA per score. Rounding
+// lse log2 e (once per row) costs P a relative error of up to |lse| 2^-24, below the 16-bit rounding P and dS
+// take before their products (2^-11 for float16) while |lse| < 2^13; the SIMT backward, for float32 inputs, keeps
+// fmaf(S, scale, -lse) * log2 e (see fa2_backward.cu), which cost this kernel a multiply per score (64 per
+// 128 x 128 step). Requires softmax_scale > 0.
 #include "arch/arch.cuh"
 #include "kernels/fa2_tc_tiles.cuh"
 #include "kernels/fa2_tiles.cuh"  // fa2::stage_row_stats, shared with the SIMT backward
@@ -257,6 +260,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
   const int dim_v = p.headdim_v;  // v's, dO's and dV's (attention_params.cuh)
   const int group = BlockInfo::group_size(p);
   const float softmax_scale = p.softmax_scale;
+  const float scale_log2 = p.softmax_scale_log2;
 
   // This block's K/V blocks: just blockIdx.x in atomic mode, every gridDim.x-th in deterministic mode. The test is
   // block-uniform and made before an iteration's barriers; varlen: a block past its sequence's keys runs none.
@@ -385,7 +389,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int r = s_m0 + fa2tc::acc_row(lane, i, half);
-              const float lse = lse_rows[r];
+              const float lse_log2 = lse_rows[r] * kLog2e;  // P's exponent offset, base 2 (the header: why)
               const float dot = dot_rows[r];
 #pragma unroll
               for (int j = 0; j < SdP::kNTiles; ++j) {
@@ -396,7 +400,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                   float dscore = 1.f;  // d score / d (scale q.k)
                   const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
                                           : s.c[i][j][2 * half + e];
-                  prob[e] = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
+                  prob[e] = arch::exp2_approx(fmaf(qk, scale_log2, -lse_log2));
                   if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
                   if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
                     const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
@@ -413,6 +417,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             }
           }
         };
+        // (The forward's mask, fa2tc::mask_tile on S before P, cut the masked step here by 50 to 120 instructions,
+        // but NVRTC 12.9's ptxas then spilled d128's 64 x 128 step on sm_90, 44 bytes; with its per-lane limits
+        // inside p_and_ds instead, 32 bytes. So P is zeroed per score with MaskPolicy::visible.)
         if (score_hook.active())
           p_and_ds(true, masked);
         else if (masked)
