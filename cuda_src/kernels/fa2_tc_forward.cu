@@ -76,10 +76,14 @@ struct ForwardTraits {
   // Whether the K/V loop takes load_whole_tile for whole blocks: not on those tiles under CUDA 12, whose ptxas spilled
   // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not); nor at d32, where the copies' registers
   // cost sm_90 a block per SM (157 -> 174 registers: 3 -> 2 blocks).
+  // Whether paged blocks take them too (each block's source looked up in its page): not at d256 under CUDA 12,
+  // whose ptxas spilled 64 x 64 on 4 warps with the lookup (16 bytes on sm_90, 8 on sm_86; 13's does not).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
   static constexpr bool kWholeCopiesFit = kPinKBases && HeadDim > 32;
+  static constexpr bool kPagedWholeCopiesFit = HeadDim < 256;
 #else
   static constexpr bool kWholeCopiesFit = HeadDim > 32;
+  static constexpr bool kPagedWholeCopiesFit = true;
 #endif
 
   using QTile = SwizzledTile<BlockM, HeadDim>;
@@ -163,7 +167,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // per block, every key row in the sequence.
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
-                         (p.block_table == nullptr || p.page_size % BlockN == 0);
+                         (p.block_table == nullptr || (Tr::kPagedWholeCopiesFit && p.page_size % BlockN == 0));
     // This thread's first chunk of the K block a step prefetches (n_block - 1) and of the V block it loads
     // (n_block), meaningful where kv_whole and contiguous: carried from step to step, one block back each (a 64-bit
     // subtraction), where a base plus key0 * stride cost 9 instructions per copy. Paged, a block's first chunk is
@@ -212,8 +216,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       if (kv_whole && n_block < unmasked.end) {
         if constexpr (kWholeCopies)
           fa2tc::load_whole_tile<KVTile, Tr::kThreads>(
-              v_tile, p.block_table == nullptr ? v_whole : whole_in_page(info.v_rows<T>(p, key0)), p.v_stride.row,
-              threadIdx.x);
+              v_tile,
+              Tr::kPagedWholeCopiesFit && p.block_table != nullptr ? whole_in_page(info.v_rows<T>(p, key0)) : v_whole,
+              p.v_stride.row, threadIdx.x);
       } else {
         fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), dim_v, v_vector,
                                                ragged_thread_index);
@@ -241,7 +246,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
         if (kv_whole && n_block - 1 < unmasked.end) {
           if constexpr (kWholeCopies)
             fa2tc::load_whole_tile<KVTile, Tr::kThreads>(
-                k_tile, p.block_table == nullptr ? k_whole : whole_in_page(info.k_rows<T>(p, key0 - BlockN)),
+                k_tile,
+                Tr::kPagedWholeCopiesFit && p.block_table != nullptr ? whole_in_page(info.k_rows<T>(p, key0 - BlockN))
+                                                                     : k_whole,
                 p.k_stride.row, threadIdx.x);
         } else {
           fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1),
