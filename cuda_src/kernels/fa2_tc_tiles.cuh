@@ -425,13 +425,10 @@ __device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc,
 // the offsets LaneTileMask takes are constants; one pass per crossed edge.
 template <Edge E, int MTiles, int NTiles>
 __device__ __forceinline__ void mask_edge(Accumulator<MTiles, NTiles>& acc, const LaneTileMask& lane_mask) {
-#pragma unroll
-  for (int i = 0; i < MTiles; ++i)
-#pragma unroll
-    for (int j = 0; j < NTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (!lane_mask.keeps<E>(acc_row(0, i, e / 2), acc_col(0, j) + e % 2)) acc.c[i][j][e] = neg_inf();
+  // for_each_score from row 0, key 0 as lane 0 gives each score's offsets (dr, dc), constants once unrolled.
+  for_each_score(acc, 0, 0, 0, [&](float& x, int dr, int dc) {
+    if (!lane_mask.keeps<E>(dr, dc)) x = neg_inf();
+  });
 }
 
 template <int MTiles, int NTiles>
