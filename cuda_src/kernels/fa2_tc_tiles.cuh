@@ -117,7 +117,8 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
   // every copy's 64-bit source offset out of the main loops and spills for them.
   if (vector && kWholeRows && rows.pages == nullptr) {
     const int chunk = thread % Tile::kChunksPerRow;
-    const int col_valid = max(0, min(kChunkElems, headdim - chunk * kChunkElems));
+    const int columns_left = headdim - chunk * kChunkElems;  // from this chunk's first column to the head dim
+    const int col_valid = max(0, min(kChunkElems, columns_left));
     int row = thread / Tile::kChunksPerRow;
     const T* from = rows.row(row) + chunk * kChunkElems;
     unsigned char* to = tile + Tile::chunk_offset(row, chunk);
@@ -125,7 +126,11 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
     constexpr int kToStep = kRowStep * Tile::kRowBytes;
     // Rows with this thread's chunk whole (every row of an interior tile, inside the head dim) take the copy
     // without zero fill: its loop is half as long. The rest (a ragged end) zero-fill what is past the data.
-    const int whole_rows = col_valid == kChunkElems ? min(valid_rows, Tile::kRows) : 0;
+    // Whole is tested on columns_left, not as col_valid == kChunkElems: NVRTC 13.0's ptxas folds that test into the
+    // clamp (one VIMNMX.RELU with a predicate out) and took a chunk with no column left for a whole one, so an H200
+    // copied the next row's first 8 elements where zeros belong (head dims 16, 40, 48, 56, 120 wrong on sm_90; 13.5
+    // compiles the plain compare). tests/test_fa2_tc.py's gpu tests cover a head dim ending on a chunk boundary.
+    const int whole_rows = columns_left >= kChunkElems ? min(valid_rows, Tile::kRows) : 0;
 #pragma unroll 1
     for (; row < whole_rows; row += kRowStep, from += from_step, to += kToStep) arch::cp_async<16>(to, from);
 #pragma unroll 1
