@@ -238,5 +238,6 @@ def test_gpu_jax_producer_and_read_only_caches():
     jk = jax.device_put(k_cache)
     with pytest.raises(ValueError, match="k_cache is read-only"):
         cuflash.attention_with_kvcache(jax.device_put(q1), jk, jax.device_put(v_cache), k=jax.device_put(k_new),
-                                       v=jax.device_put(v_new), cache_seqlens=np.array([3, 5], np.int32))
+                                       v=jax.device_put(v_new),
+                                       cache_seqlens=jax.device_put(np.array([3, 5], np.int32)))
     assert np.array_equal(np.asarray(jk), before)

@@ -214,19 +214,25 @@ def test_command_buffers_record_the_custom_calls_with_results_bitwise_those_with
             assert np.array_equal(with_graphs[name], without[name]), name
 
 
-def custom_calls_in_command_buffers(hlo: str) -> int:
-    """Custom calls to cuflash inside the computations XLA's command-buffer scheduling outlined (named
-    command_buffer, command_buffer.1, ...)."""
-    count, inside = 0, False
+def computations_calling_cuflash(hlo: str) -> dict[str, int]:
+    """The custom calls to cuflash in each computation of the HLO text, by computation name (what a failure of
+    the test below prints: where XLA put them)."""
+    counts, name = {}, None
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
         if header:
-            inside = header.group(1).startswith("command_buffer")
+            name = header.group(1)
         elif line.startswith("}"):
-            inside = False
-        elif inside:
-            count += line.count(TARGET)
-    return count
+            name = None
+        elif name is not None and TARGET in line:
+            counts[name] = counts.get(name, 0) + line.count(TARGET)
+    return counts
+
+
+def custom_calls_in_command_buffers(hlo: str) -> int:
+    """Custom calls to cuflash inside the computations XLA's command-buffer scheduling outlined (named
+    command_buffer, command_buffer.1, ...)."""
+    return sum(n for name, n in computations_calling_cuflash(hlo).items() if name.startswith("command_buffer"))
 
 
 def command_buffer_worker(out: Path) -> None:
@@ -249,9 +255,11 @@ def command_buffer_worker(out: Path) -> None:
     bitwise = all(np.array_equal(np.asarray(x.astype(jnp.float32)), f) for run in runs[1:] for x, f in zip(run, first))
     np.savez(out, **{f"result_{i}": x for i, x in enumerate(first)})
     hlo = compiled.as_text()
+    out.with_suffix(".hlo.txt").write_text(hlo)  # beside the results, for reading after a failure
     print(json.dumps({
         "custom_calls": hlo.count(TARGET),
         "in_command_buffers": custom_calls_in_command_buffers(hlo),
+        "computations": computations_calling_cuflash(hlo),
         "instantiations_after_compile": after_compile,
         "instantiations_after_executions": after_executions,
         "executions_bitwise_equal": bitwise,
