@@ -214,7 +214,8 @@ def test_commands_fit_the_step_limits(monkeypatch, tmp_path):
     validate = cmds["validate"]
     assert validate[validate.index("--step-timeout") + 1] == "50"  # memcheck, racecheck and ncu share 150 s
     assert "tensor-core" in validate and validate[validate.index("--skip") + 1:][:2] == ["tests", "speed"]
-    assert cmds["host"][-3:] == ["host", "--out", str(tmp_path / "host")]
+    assert cmds["host"][-7:] == ["host", "--out", str(tmp_path / "host"), "--backend", "cupy", "--profile",
+                                 str(first_gpu.HOST_PROFILE_CALLS)]
     monkeypatch.setattr(first_gpu, "_tool", lambda name: "/usr/local/cuda/bin/ncu")
     ncu = first_gpu.commands(tmp_path, 60.0, python="python3")["ncu"]
     assert ncu[0] == "/usr/local/cuda/bin/ncu" and ncu[-1] == "ncu-d128"
@@ -226,7 +227,9 @@ def test_step_data_reads_what_each_step_wrote(tmp_path):
     (tmp_path / "host" / "host.json").write_text(json.dumps({"rows": [{"call": "attention"}]}))
     (tmp_path / "speed").mkdir()
     (tmp_path / "speed" / "speed.json").write_text(json.dumps({"measurements": [], "skipped": []}))
-    assert first_gpu.step_data("host", tmp_path, "") == {"rows": [{"call": "attention"}]}
+    assert first_gpu.step_data("host", tmp_path, "") == {"rows": [{"call": "attention"}], "profile": ""}
+    (tmp_path / "host" / "profile.txt").write_text("own us ...\n")
+    assert first_gpu.step_data("host", tmp_path, "")["profile"] == "own us ...\n"
     assert first_gpu.step_data("speed", tmp_path, "")["result"] == {"measurements": [], "skipped": []}
     assert first_gpu.step_data("tests", tmp_path, "") == {}  # no XML: pytest died before writing it
     assert first_gpu.step_data("ncu", tmp_path, "") == {"kernels": []}

@@ -356,3 +356,18 @@ def test_appended_rows_land_where_the_scatter_puts_them(paged):
             expected_k[page, at], expected_v[page, at] = k[b, i], 2 * k[b, i]
     api._append(k_cache, v_cache, k, 2 * k, starts, table)
     assert np.array_equal(k_cache, expected_k) and np.array_equal(v_cache, expected_v)
+
+
+def test_host_profile_lists_a_warm_calls_functions_per_call():
+    """host --profile: cProfile's table per call of the case, by own time; the API's entry point is called once per
+    call, and the table has at most PROFILE_TOP rows."""
+    case = host.decode_cases(1)[0]
+    table = host.profile(case, calls=20)
+    lines = table.splitlines()
+    assert lines[0].startswith("cProfile of 20 warm calls of attention (")
+    rows = lines[2:]
+    assert 0 < len(rows) <= host.PROFILE_TOP
+    entry = [r for r in rows if "api.py:" in r and r.endswith("(attention)")]
+    assert entry, table
+    own, total, calls = (float(x) for x in entry[0].split()[:3])
+    assert calls == 1.0 and 0 < own <= total

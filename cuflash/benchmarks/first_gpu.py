@@ -43,6 +43,8 @@ SPEED_SETTING = dict(headdims=(64, 128), dtypes=("float16", "bfloat16"),
 SPEED_SYSTEMS = ("cuflash-fa2", "cupy-standard", "jax-xla", "jax-cudnn", "torch-flash", "torch-cudnn")
 SPEED_OUTPUT_S = 40  # what the speed subprocess needs after its sweep: start-up, writing JSON and plots
 NCU_KERNELS = "regex:fa2_tc_(forward|backward)_kernel"
+HOST_PROFILE_CALLS = 500  # warm decode calls host.py profiles (profile.txt)
+HOST_PROFILE_LINES = 20  # of which the summary shows the first
 NCU_SECTIONS = ("WarpStateStats", "ComputeWorkloadAnalysis")
 TENSOR_PIPE_METRIC = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 STALL_PATTERN = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
@@ -113,7 +115,9 @@ def commands(out: Path, timeout_s: float, python: str = sys.executable) -> dict[
                          "--metrics", TENSOR_PIPE_METRIC, "--kernel-name", NCU_KERNELS, "--launch-count", "2",
                          "--log-file", str(out / "ncu" / "ncu.csv"),
                          python, "-m", "cuflash.benchmarks.gpu_workloads", "ncu-d128"]
-    result["host"] = [*bench, "host", "--out", str(out / "host")]
+    # The real host path: CuPy arrays, kernels launched, and where a warm decode call's microseconds go.
+    result["host"] = [*bench, "host", "--out", str(out / "host"), "--backend", "cupy",
+                      "--profile", str(HOST_PROFILE_CALLS)]
     return result
 
 
@@ -187,7 +191,9 @@ def step_data(name: str, out: Path, text: str) -> dict:
         log = out / "ncu" / "ncu.csv"
         return {"kernels": parse_ncu(log.read_text()) if log.exists() else []}
     if name == "host":
-        return {"rows": (_read_json(out / "host" / "host.json") or {}).get("rows", [])}
+        profile = out / "host" / "profile.txt"
+        return {"rows": (_read_json(out / "host" / "host.json") or {}).get("rows", []),
+                "profile": profile.read_text() if profile.exists() else ""}
     return {}
 
 
@@ -360,6 +366,9 @@ def write_summary(out: Path, record: dict) -> list[Path]:
         lines += [f"| {r.get('call')} | {r.get('shape')} | {r.get('backend')} | "
                   f"{_fmt(r.get('microseconds_per_call'))} | {_fmt(r.get('first_call_microseconds'))} |"
                   for r in host_rows]
+    host_profile = steps.get("host", {}).get("data", {}).get("profile", "")
+    if host_profile:
+        lines += ["", "```", *host_profile.splitlines()[:HOST_PROFILE_LINES], "```"]
 
     written = [out / "summary.md", out / "summary.json", out / "summary.png"]
     written[0].write_text("\n".join(lines) + "\n")

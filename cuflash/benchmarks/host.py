@@ -31,7 +31,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-BACKEND_LABEL = "simulator, launches no-op"
+BACKEND_LABELS = {"simulator": "simulator, launches no-op",
+                  "cupy": "CuPy arrays on the GPU, kernels launched (host time only: launches are asynchronous)"}
+BACKEND_LABEL = BACKEND_LABELS["simulator"]
+PROFILE_TOP = 30  # rows of the cProfile table (--profile)
 
 DECODE = dict(batch=1, nheads=32, nheads_k=8, headdim=128, cached_keys=4096)
 TRAINING = dict(batch=4, seqlen=2048, nheads=32, nheads_k=8, headdim=128)
@@ -66,9 +69,20 @@ def _random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> np.
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
-def decode_cases(repeats: int) -> list[Case]:
+def _placer(backend: str) -> Callable[[Any], Any]:
+    """Where the rows' arrays live: NumPy (the simulator) or CuPy arrays on the current GPU."""
+    if backend == "simulator":
+        return lambda x: x
+    from .timing import cupy_or_refuse
+
+    cupy = cupy_or_refuse()
+    return cupy.asarray
+
+
+def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     import cuflash
 
+    place = _placer(backend)
     rng = np.random.default_rng(0)
     b, h, hk, d, n = (DECODE[key] for key in ("batch", "nheads", "nheads_k", "headdim", "cached_keys"))
     f16 = np.float16
@@ -83,6 +97,8 @@ def decode_cases(repeats: int) -> list[Case]:
     k_new = _random((b, 1, hk, d), f16, rng)
     v_new = _random((b, 1, hk, d), f16, rng)
     cache_seqlens = np.full(b, n - 1, np.int32)  # the new row lands in the cache's last row every call
+    q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, cache_seqlens = (
+        place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, cache_seqlens))
     shape = f"batch {b}, seqlen_q 1, heads {h}/{hk}, d {d}, keys {n}, float16, causal"
     return [
         Case("attention", shape, lambda: cuflash.attention(q, k, v, causal=True), repeats),
@@ -96,9 +112,10 @@ def decode_cases(repeats: int) -> list[Case]:
     ]
 
 
-def training_cases(repeats: int) -> list[Case]:
+def training_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     import cuflash
 
+    place = _placer(backend)
     rng = np.random.default_rng(1)
     b, s, h, hk, d = (TRAINING[key] for key in ("batch", "seqlen", "nheads", "nheads_k", "headdim"))
     f16 = np.float16
@@ -110,6 +127,7 @@ def training_cases(repeats: int) -> list[Case]:
     out = np.zeros_like(q)
     lse = np.zeros((b, h, s), np.float32)
     cu = np.arange(0, (b + 1) * s, s, dtype=np.int32)
+    q, k, v, dout, out, lse, cu = (place(x) for x in (q, k, v, dout, out, lse, cu))
     shape = f"batch {b}, seqlen {s}, heads {h}/{hk}, d {d}, float16, causal"
     packed = shape.replace(f"batch {b}", f"{b} packed sequences")
     return [
@@ -160,7 +178,7 @@ def _forget_prepared_calls() -> None:
     api.prepared_calls.clear()
 
 
-def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
+def measure(case: Case, warmup: int = 5, backend: str = "simulator") -> dict[str, Any]:
     """One row: the cold first call of the case's signature, the median of ``case.repeats`` warm calls, and the
     median of as many calls each made with the prepared calls forgotten (what a call of a new signature costs once
     the process is warm)."""
@@ -182,7 +200,7 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
     return {
         "call": case.call,
         "shape": case.shape,
-        "backend": BACKEND_LABEL,
+        "backend": BACKEND_LABELS[backend],
         "microseconds_per_call": statistics.median(times),
         "first_call_microseconds": first,
         "uncached_microseconds_per_call": statistics.median(uncached),
@@ -193,34 +211,77 @@ def measure(case: Case, warmup: int = 5) -> dict[str, Any]:
     }
 
 
-def _prime() -> None:
-    """Import and initialize what any first call needs (families, simulator target), on a shape no row uses, so
-    each row's first call is cold for its own signature rather than for the process."""
+def _prime(backend: str = "simulator") -> None:
+    """Import and initialize what any first call needs (families, simulator target or CuPy backend), on a shape no
+    row uses, so each row's first call is cold for its own signature rather than for the process."""
     import cuflash
 
+    place = _placer(backend)
     rng = np.random.default_rng(2)
-    q, k, v = (_random((1, 3, 2, 64), np.float16, rng) for _ in range(3))
+    q, k, v = (place(_random((1, 3, 2, 64), np.float16, rng)) for _ in range(3))
     out, lse = cuflash.attention(q, k, v, return_lse=True)
     cuflash.attention_backward(out, q, k, v, out, lse)
-    cu = np.array([0, 3], np.int32)
+    cu = place(np.array([0, 3], np.int32))
     cuflash.attention_varlen(q[0], k[0], v[0], cu, cu)
-    cache = _random((1, 16, 2, 64), np.float16, rng)
+    cache = place(_random((1, 16, 2, 64), np.float16, rng))
     cuflash.attention_with_kvcache(q, cache, cache.copy(), k=k[:, :1], v=v[:, :1],
-                                   cache_seqlens=np.array([3], np.int32))
+                                   cache_seqlens=place(np.array([3], np.int32)))
 
 
-def run(repeats: int, training_repeats: int) -> list[dict[str, Any]]:
-    with launches_do_nothing():
-        _prime()
-        cases = decode_cases(repeats)
+def _launches(backend: str):
+    """The simulator's launches taken away; on the GPU the kernels run (their launch is host cost too)."""
+    return launches_do_nothing() if backend == "simulator" else contextlib.nullcontext()
+
+
+def run(repeats: int, training_repeats: int, backend: str = "simulator") -> list[dict[str, Any]]:
+    with _launches(backend):
+        _prime(backend)
+        cases = decode_cases(repeats, backend)
         if training_repeats > 0:
-            cases += training_cases(training_repeats)
-        return [measure(case, warmup=5 if case.repeats >= 20 else 1) for case in cases]
+            cases += training_cases(training_repeats, backend)
+        rows = [measure(case, warmup=5 if case.repeats >= 20 else 1, backend=backend) for case in cases]
+    if backend == "cupy":
+        _cupy_synchronize()  # the queued kernels finish inside the benchmark, not at exit
+    return rows
+
+
+def _cupy_synchronize() -> None:
+    from .timing import cupy_or_refuse
+
+    cupy_or_refuse().cuda.get_current_stream().synchronize()
+
+
+def profile(case: Case, calls: int, backend: str = "simulator") -> str:
+    """cProfile's table (PROFILE_TOP rows by own time) of ``calls`` warm calls of ``case``: where its host time
+    goes, function by function."""
+    import cProfile
+    import pstats
+
+    with _launches(backend):
+        for _ in range(5):
+            case.run()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            case.run()
+        profiler.disable()
+    if backend == "cupy":
+        _cupy_synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, total s, ...)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_TOP]
+    lines = [f"cProfile of {calls} warm calls of {case.call} ({case.shape}; {BACKEND_LABELS[backend]}), per call, "
+             f"by own time (profiling inflates small functions)",
+             f"{'own us':>9} {'total us':>9} {'calls':>7}  function"]
+    for (path, line, name), (_, ncalls, own, total, _) in rows:
+        where = name if path == "~" else f"{'/'.join(Path(path).parts[-2:])}:{line}({name})"
+        lines.append(f"{own / calls * 1e6:>9.2f} {total / calls * 1e6:>9.2f} {ncalls / calls:>7.2f}  {where}")
+    return "\n".join(lines) + "\n"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = f"{'call':<24} {'warm us':>10} {'warm cpu':>10} {'uncached':>10} {'first us':>10} {'py calls':>9}  shape"
-    lines = [f"host cost per call ({BACKEND_LABEL}; medians; warm cpu: this thread's CPU time)", header,
+    label = rows[0]["backend"] if rows else BACKEND_LABEL
+    lines = [f"host cost per call ({label}; medians; warm cpu: this thread's CPU time)", header,
              "-" * len(header)]
     for row in rows:
         lines.append(f"{row['call']:<24} {row['microseconds_per_call']:>10.1f} "
@@ -240,17 +301,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=200, help="warm calls per decode row (median reported)")
     parser.add_argument("--training-repeats", type=int, default=5,
                         help="warm calls per training-shape row (0: skip those rows; each allocates its outputs)")
+    parser.add_argument("--backend", choices=sorted(BACKEND_LABELS), default="simulator",
+                        help="simulator: NumPy arrays, launches taken away (any machine); cupy: CuPy arrays on the "
+                             "GPU, kernels launched")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also write profile.txt: cProfile of CALLS warm decode attention calls (0: none)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
-    rows = run(args.repeats, args.training_repeats)
+    if args.profile < 0:
+        print("--profile must be >= 0", file=sys.stderr)
+        return 2
+    backend = getattr(args, "backend", "simulator")
+    rows = run(args.repeats, args.training_repeats, backend)
     print(format_table(rows))
+    profiled = profile(decode_cases(1, backend)[0], args.profile, backend) if args.profile else None
+    if profiled:
+        print(profiled)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "host.json"
         path.write_text(json.dumps({"rows": rows, "python": sys.version, "machine": machine()}, indent=1))
         print(f"wrote {path}")
+        if profiled:
+            (args.out / "profile.txt").write_text(profiled)
+            print(f"wrote {args.out / 'profile.txt'}")
     return 0
