@@ -103,6 +103,7 @@ template <class Tile, int kThreads, bool kStepRows = true, class T>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<const T>& rows, int valid_rows,
                                           int headdim, bool vector, int thread) {
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
+  static_assert(kChunkElems == 8, "the whole-chunk test below reads bit 3 of a count in 0..8");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
   // Where the threads cover whole rows 8k at a time, a thread's chunks are one column of rows r, r + kRowStep, ...,
   // all with the same XOR key (its period is 8 rows): on contiguous rows its copies step a source pointer by
@@ -117,8 +118,7 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
   // every copy's 64-bit source offset out of the main loops and spills for them.
   if (vector && kWholeRows && rows.pages == nullptr) {
     const int chunk = thread % Tile::kChunksPerRow;
-    const int columns_left = headdim - chunk * kChunkElems;  // from this chunk's first column to the head dim
-    const int col_valid = max(0, min(kChunkElems, columns_left));
+    const int col_valid = max(0, min(kChunkElems, headdim - chunk * kChunkElems));
     int row = thread / Tile::kChunksPerRow;
     const T* from = rows.row(row) + chunk * kChunkElems;
     unsigned char* to = tile + Tile::chunk_offset(row, chunk);
@@ -126,11 +126,14 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
     constexpr int kToStep = kRowStep * Tile::kRowBytes;
     // Rows with this thread's chunk whole (every row of an interior tile, inside the head dim) take the copy
     // without zero fill: its loop is half as long. The rest (a ragged end) zero-fill what is past the data.
-    // Whole is tested on columns_left, not as col_valid == kChunkElems: NVRTC 13.0's ptxas folds that test into the
-    // clamp (one VIMNMX.RELU with a predicate out) and took a chunk with no column left for a whole one, so an H200
-    // copied the next row's first 8 elements where zeros belong (head dims 16, 40, 48, 56, 120 wrong on sm_90; 13.5
-    // compiles the plain compare). tests/test_fa2_tc.py's gpu tests cover a head dim ending on a chunk boundary.
-    const int whole_rows = columns_left >= kChunkElems ? min(valid_rows, Tile::kRows) : 0;
+    // Whole is tested as a bit of col_valid (in 0..8, 8 = 0b1000), not as col_valid == kChunkElems: NVRTC 13.0's
+    // and 12.9's ptxas fold that compare into the clamp (one VIMNMX.RELU with a predicate out, sm_90), which took a
+    // chunk with no column left for a whole one: on an H200 the next row's first 8 elements landed where zeros
+    // belong (head dims 16, 24, 40, 48, 56, 120 wrong; 13.5 compiles a plain compare). Tested as columns left >= 8
+    // instead, 12.9 spilled the backward (d128 64 x 128 4 bytes on sm_80 and 20 on sm_90). With the bit, no
+    // tensor-core instance for sm_90 holds the fused form under 13.0; tests/test_fa2_tc.py's gpu tests cover head
+    // dims ending on a chunk boundary.
+    const int whole_rows = (col_valid & kChunkElems) ? min(valid_rows, Tile::kRows) : 0;
 #pragma unroll 1
     for (; row < whole_rows; row += kRowStep, from += from_step, to += kToStep) arch::cp_async<16>(to, from);
 #pragma unroll 1
