@@ -300,7 +300,11 @@ def test_tile_tables():
     assert fa2_tc.backward_traits(64, target("sm_90")).block_m == 128 and fa2_tc.backward_traits(64, SM80).block_m == 64
     assert fa2_tc.backward_traits(128, SM80, dropout=True).block_n == 64
     assert fa2_tc.backward_traits(64, target("sm_90"), dropout=True).block_m == 64
-    assert [fa2_tc.pick_warps_m(*shape) for shape in ((64, 128, 8), (64, 64, 8), (32, 32, 4), (32, 32, 8))] == [4, 4, 2, 0]
+    # Square warp tiles (FA2's atom layouts: 2 x 4 warps of 32 x 32 for d128's 64 x 128 S/dP, 4 x 2 of 32 x 64 for its
+    # 128 x 128 dK/dV); dQ's whole strips (square=False) take the most warps along the rows.
+    shapes = ((64, 128, 8), (128, 128, 8), (64, 64, 8), (32, 32, 4), (32, 32, 8))
+    assert [fa2_tc.pick_warps_m(*shape) for shape in shapes] == [2, 4, 4, 2, 0]
+    assert [fa2_tc.pick_warps_m(*shape, square=False) for shape in shapes] == [4, 8, 4, 2, 0]
     for bad in ((64, 48, 128, 8), (256, 32, 32, 8), (256, 128, 128, 8)):  # block_m, warp tiling, shared memory
         with pytest.raises(ValueError):
             fa2_tc.BackwardTraits(*bad)

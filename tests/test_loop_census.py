@@ -297,7 +297,8 @@ def test_census_of_the_tensor_core_main_loops(arch, head_dim, direction):
     for dtype, (row, *others) in rows.items():
         assert row.path.path == "plain" and row.work == work
         assert row.path.hmma == work.hmma and row.path.classes["ldgsts"] == work.ldgsts
-        assert 3.0 < row.path.instructions_per_hmma < 20.0, row.as_json()
+        # A sanity band, not the bound (below): FA2's own d128 backward issues 2.84 per HMMA (sm_80), this one 2.89.
+        assert 2.5 < row.path.instructions_per_hmma < 20.0, row.as_json()
         json.dumps(row.as_json())
         assert {"kernel", "arch", "path", "instructions", "hmma", "instructions_per_hmma"} <= set(row.as_json())
 

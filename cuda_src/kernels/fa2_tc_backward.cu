@@ -61,17 +61,28 @@ namespace cuflash {
 namespace fa2tc {
 
 // A Rows x Cols product over Warps warps arranged WarpsM x WarpsN (warp w at (w / WarpsN, w % WarpsN)); each warp
-// owns MTiles 16-row strips and NTiles n8 tiles (an even number: B fragments come in pairs). WarpsM is the
-// largest count that divides the rows into whole strips and leaves each warp an even number of n8 tiles.
-__host__ __device__ constexpr int pick_warps_m(int rows, int cols, int warps) {
-  for (int wm = warps; wm >= 1; --wm)
-    if (warps % wm == 0 && rows % (16 * wm) == 0 && cols % (16 * (warps / wm)) == 0) return wm;
-  return 0;
+// owns MTiles 16-row strips and NTiles n8 tiles (an even number: B fragments come in pairs). Of the counts that
+// divide the rows into whole strips and leave each warp an even number of n8 tiles, WarpsM is
+//   Square: the one whose warp tile is the squarest: per k16 step a warp issues one ldmatrix.x4 per 16 rows of A
+//     and one per 16 columns of B, so it reads the fewest fragments (ties: more warps along the rows). These are
+//     FA2's atom layouts (AtomLayoutMSdP, NdKV): at d128 64 x 128 on 8 warps, 32 x 32 S/dP tiles and 32 x 64 dK/dV
+//     tiles. With strips of 16 rows the step issued 200 ldmatrix, now 160 (FA2 144; sm_90, NVRTC 13.5): an H200
+//     run showed this backward stalled on shared memory (short scoreboard and MIO throttle its top stall reasons,
+//     the tensor pipe 29% busy);
+//   otherwise: the largest (whole 16-row strips per warp where the rows allow).
+__host__ __device__ constexpr int pick_warps_m(int rows, int cols, int warps, bool square = true) {
+  int best = 0, best_loads = 0;
+  for (int wm = warps; wm >= 1; --wm) {
+    if (warps % wm != 0 || rows % (16 * wm) != 0 || cols % (16 * (warps / wm)) != 0) continue;
+    const int loads = rows / wm / 16 + cols / (warps / wm) / 16;
+    if (best == 0 || (square && loads < best_loads)) best = wm, best_loads = loads;
+  }
+  return best;
 }
 
-template <int Rows, int Cols, int Warps>
+template <int Rows, int Cols, int Warps, bool Square = true>
 struct WarpTiling {
-  static constexpr int kWarpsM = pick_warps_m(Rows, Cols, Warps);
+  static constexpr int kWarpsM = pick_warps_m(Rows, Cols, Warps, Square);
   static_assert(kWarpsM > 0, "no warp tiling of whole strips and n8-tile pairs for this product");
   static constexpr int kWarpsN = Warps / kWarpsM;
   static constexpr int kRowsPerWarp = Rows / kWarpsM;
@@ -91,7 +102,9 @@ struct BackwardTraits {
 
   using SdP = WarpTiling<BlockM, BlockN, Warps>;   // S, dP, P, dS
   using DkDv = WarpTiling<BlockN, HeadDim, Warps>;  // dK, dV
-  using Dq = WarpTiling<BlockM, HeadDim, Warps>;    // dQ
+  // dQ keeps whole strips: its column chunks (below) are live beside dK and dV, and a square tile's chunk holds
+  // twice the accumulators; square, d128 64 x 128 spilled 4 bytes on sm_80 (NVRTC 13.5) for 8 ldmatrix a step.
+  using Dq = WarpTiling<BlockM, HeadDim, Warps, false>;
   // dQ_i is computed in column chunks of kDqChunkTiles n8 tiles per warp: a chunk's accumulators are live beside
   // dK and dV. 4, or 8 at d256 on 8 warps (dK and dV hold 16 n8 tiles per warp each): the settings at which the
   // compile report shows every instance spill-free on every target (whole rows spilled 4 to 24 bytes at d128 and

@@ -123,24 +123,32 @@ def forward_traits(headdim: int, target: Target, dropout: bool = False) -> Forwa
     return max(reversed(fitting), key=lambda t: _resident_rows(t, target))
 
 
-def pick_warps_m(rows: int, cols: int, warps: int) -> int:
+def pick_warps_m(rows: int, cols: int, warps: int, square: bool = True) -> int:
     """Mirror of fa2tc::pick_warps_m (fa2_tc_backward.cu): how many warps split the rows of a product so each warp
-    owns whole 16-row strips and an even number of n8 tiles; 0 if none does."""
+    owns whole 16-row strips and an even number of n8 tiles: with ``square`` the squarest such warp tile (fewest
+    ldmatrix per k16 step, rows / 16 + cols / 16 per warp; ties to more warps along the rows), else the most warps
+    along the rows; 0 if none does."""
+    best, best_loads = 0, 0
     for wm in range(warps, 0, -1):
-        if warps % wm == 0 and rows % (16 * wm) == 0 and cols % (16 * (warps // wm)) == 0:
-            return wm
-    return 0
+        if warps % wm or rows % (16 * wm) or cols % (16 * (warps // wm)):
+            continue
+        loads = rows // wm // 16 + cols // (warps // wm) // 16
+        if not best or (square and loads < best_loads):
+            best, best_loads = wm, loads
+    return best
 
 
 @dataclass(frozen=True)
 class BackwardTraits(fa2.TileTraits):
     """fa2tc::BackwardTraits: the K/V block (block_n keys) a thread block owns, the Q step (block_m rows), warps;
     ``dropout``: the instance with dropout (the kernel's WithDropout flag); ``spills_on``: targets whose ptxas spills
-    this tile (the evidence in the table's comments), which take the table's next choice."""
+    this tile (the evidence in the table's comments), which take the table's next choice; ``spills_under_cuda12_on``:
+    the same where the installed NVRTC is CUDA 12's."""
 
     element_types = DTYPES
     dropout: bool = False
     spills_on: tuple[str, ...] = ()
+    spills_under_cuda12_on: tuple[str, ...] = ()
 
     def _check_tiles(self) -> None:
         if self.block_m % 16 or self.block_n % 32 or self.block_m > self.threads:
@@ -186,7 +194,10 @@ BACKWARD_CHOICES = {
     # under 13: 3.79), sm_87 8 (12.9) and sm_100 16 (12.9), and every variant tried (dQ chunks of 2, lane bases
     # rebuilt, Q rows not stepped) spilled on another of them; so only sm_90 takes it. Not with dropout (60 to 624
     # bytes spilled).
-    64: (BackwardTraits(64, block_m=128, block_n=128, warps=8, spills_on=("sm_80", "sm_87", "sm_100")),
+    # With the square warp tiles and the copies' whole-chunk test as a bit (fa2_tc_tiles.cuh), 12.9 spilled sm_90's
+    # too (8 bytes): under CUDA 12 every target takes 64 x 128.
+    64: (BackwardTraits(64, block_m=128, block_n=128, warps=8, spills_on=("sm_80", "sm_87", "sm_100"),
+                        spills_under_cuda12_on=("sm_90", "sm_90a")),
          BackwardTraits(64, block_m=64, block_n=128, warps=8)),
     96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
     # d128: FA2's 64 x 128 (NVRTC 13, fp16 and bf16 alike) issues 1059 instructions per step for 320 HMMA on sm_80
@@ -213,8 +224,21 @@ BACKWARD_CHOICES_DROPOUT = {
 
 def backward_traits(headdim: int, target: Target, dropout: bool = False) -> BackwardTraits:
     table = BACKWARD_CHOICES_DROPOUT if dropout else BACKWARD_CHOICES
-    choices = tuple(t for t in table[fa2.compiled_head_dim(headdim)] if target.arch not in t.spills_on)
+    cuda12 = _nvrtc_major() == 12
+    choices = tuple(t for t in table[fa2.compiled_head_dim(headdim)]
+                    if target.arch not in t.spills_on and not (cuda12 and target.arch in t.spills_under_cuda12_on))
     return fa2.fitting(choices, target)
+
+
+def _nvrtc_major() -> int | None:
+    """The installed NVRTC's CUDA major version (the compiler the plans' instances are built with); None without
+    one (the simulator alone: the plans of CUDA 13)."""
+    from .. import nvrtc
+
+    try:
+        return nvrtc.nvrtc_version()[0]
+    except nvrtc.NvrtcError:
+        return None
 
 
 def instances(target: Target) -> list[KernelInstance]:
