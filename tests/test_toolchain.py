@@ -138,6 +138,16 @@ def test_the_machine_report_names_each_devices_code(monkeypatch, capsys):
     lines, ok = toolchain.machine_report()
     assert ok and lines[-2:] == ["no CUDA driver: cannot read the CUDA driver's version (no libcuda)",
                                  "kernels run on the CPU simulator only"]
+    assert not any(line.startswith("warning:") for line in lines)
+
+
+def test_an_nvrtc_older_than_the_checked_one_is_named():
+    """NVRTC 13.0 (an H200 image's) is older than the 13.5 CI's compile report checks: the toolchain report says
+    so and names the wheel; 13.5, 13.6 and 12.9 pass without a word."""
+    (warning,) = toolchain.unchecked_nvrtc_warning((13, 0))
+    assert warning.startswith("warning: NVRTC 13.0 is older than 13.5") and "'nvidia-cuda-nvrtc>=13.5'" in warning
+    assert "nvidia-cuda-nvrtc-cu12>=12.9" in toolchain.unchecked_nvrtc_warning((12, 8))[0]
+    assert [toolchain.unchecked_nvrtc_warning(v) for v in ((13, 5), (13, 6), (12, 9), (14, 0))] == [[]] * 4
 
 
 # ---- the CUDA headers match NVRTC -----------------------------------------------------------------------------

@@ -30,6 +30,10 @@ from .targets import arch_name, arch_number, capability_of
 MIN_COMPUTE_CAPABILITY = (8, 0)
 # The CUDA majors cuflash has an extra for (setup.cfg: cuda12, cuda13).
 EXTRAS = (12, 13)
+# Per major, the oldest NVRTC whose compile of every instance CI's report checks (spill-free, .ci/run) and the
+# extras require. An older one still compiles and runs the kernels, but is not checked: NVRTC 13.0 (an H200 image's,
+# 2026-11-26) spilled the sm_90 forward 20 to 544 bytes at head dims 96 to 256.
+CHECKED_NVRTC = {12: (12, 9), 13: (13, 5)}
 
 
 class ToolchainError(RuntimeError):
@@ -191,6 +195,16 @@ def local_capabilities() -> list[tuple[int, int]]:
     return found
 
 
+def unchecked_nvrtc_warning(version: tuple[int, int]) -> list[str]:
+    """A line saying that this NVRTC is older than the one CI's compile report checks for its major (none if not)."""
+    checked = CHECKED_NVRTC.get(version[0])
+    if checked is None or version >= checked:
+        return []
+    wheel = cuda_wheels(version[0])[0]
+    return [f"warning: NVRTC {_version(version)} is older than {_version(checked)}, the oldest whose compile CI checks "
+            f"(registers, spills): its kernels may spill or miscompile; pip install '{wheel}>={_version(checked)}'"]
+
+
 def machine_report(capabilities: list[tuple[int, int]] | None = None) -> tuple[list[str], bool]:
     """``python -m cuflash.kernels toolchain``: lines saying what this machine's NVRTC, CUDA headers and driver are
     and the code each local device gets (``capabilities``: the driver's devices unless given); and whether every
@@ -201,6 +215,7 @@ def machine_report(capabilities: list[tuple[int, int]] | None = None) -> tuple[l
     headers = cuda_include_dir()
     lines = [f"{tools.describe()}: compiles for " + " ".join(f"sm_{a}" for a in tools.supported_archs),
              "CUDA headers {}.{}: {}".format(*cuda_headers_version(headers), headers)]
+    lines += unchecked_nvrtc_warning(tools.nvrtc_version)
     try:
         driver = driver_version()
         capabilities = local_capabilities() if capabilities is None else capabilities
