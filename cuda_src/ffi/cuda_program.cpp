@@ -293,6 +293,14 @@ std::atomic<unsigned long long>& CudaInstantiations() {
   return count;
 }
 
+// Executions that ran while XLA was capturing their stream into a command buffer (a CUDA graph): what shows that
+// XLA recorded the custom call, now that it converts thunks to commands after the HLO (JAX 0.11 shows no
+// command_buffer computations in the compiled HLO).
+std::atomic<unsigned long long>& CudaCapturedExecutions() {
+  static std::atomic<unsigned long long> count{0};
+  return count;
+}
+
 // Everything a context needs before the plan's launches can be recorded in it: each launch's function, its module
 // loaded and its dynamic shared memory limit raised. Makes the context current for the duration.
 ffi::Error PrepareContext(const Driver& driver, CUcontext context, const ProgramPlan& plan,
@@ -389,6 +397,10 @@ ffi::Error CudaProgramExecute(CUstream stream, CudaProgramState* state, ffi::Rem
     return CudaError(driver, r, "cuStreamGetCtx on XLA's stream");
   std::vector<CUfunction> functions;
   if (ffi::Error error = FunctionsFor(driver, state, context, stream, &functions); error.failure()) return error;
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult r = driver.StreamIsCapturing(stream, &capture); r != CUDA_SUCCESS)
+    return CudaError(driver, r, "cuStreamIsCapturing on XLA's stream");
+  if (capture == CU_STREAM_CAPTURE_STATUS_ACTIVE) CudaCapturedExecutions().fetch_add(1);
   ContextGuard guard(driver, context);
   if (!guard.pushed()) return ffi::Error::Internal("cuflash CUDA handler: cannot make XLA's CUDA context current");
 
@@ -437,6 +449,10 @@ unsigned long long cuflash_ffi_cuda_instantiations(void) {
   return cuflash::ffi_handlers::CudaInstantiations().load();
 }
 
+unsigned long long cuflash_ffi_cuda_captured_executions(void) {
+  return cuflash::ffi_handlers::CudaCapturedExecutions().load();
+}
+
 void cuflash_ffi_register_module_image(const char* name_expr, const char* arch, const char* lowered_name,
                                        const void* image, unsigned long long image_size) {
   using namespace cuflash::ffi_handlers;
@@ -463,6 +479,7 @@ const char* cuflash_ffi_cuda_driver_status(void) { return cuflash::ffi_handlers:
 extern "C" {
 int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle*) { return 0; }
 unsigned long long cuflash_ffi_cuda_instantiations(void) { return 0; }
+unsigned long long cuflash_ffi_cuda_captured_executions(void) { return 0; }
 void cuflash_ffi_register_module_image(const char*, const char*, const char*, const void*, unsigned long long) {}
 int cuflash_ffi_module_image_registered(const char*, const char*) { return 0; }
 const char* cuflash_ffi_cuda_driver_status(void) {

@@ -28,6 +28,8 @@ int cuflash_ffi_cuda_handlers(cuflash_ffi_handler_bundle* bundle);
    executable runs. */
 unsigned long long cuflash_ffi_cpu_instantiations(void);
 unsigned long long cuflash_ffi_cuda_instantiations(void);
+/* How many CUDA executions ran while their stream was being captured (XLA recording a command buffer). */
+unsigned long long cuflash_ffi_cuda_captured_executions(void);
 
 /* The traits an XLA_FFI_Handler* reports when XLA registers it (bit 0: command-buffer compatible): 1 and
    *traits set, or 0 if the handler refused the metadata query. Ask execute handlers (what XLA asks). */

@@ -223,6 +223,11 @@ def instantiations(platform: str) -> int:
     return int({"cpu": lib.cuflash_ffi_cpu_instantiations, "CUDA": lib.cuflash_ffi_cuda_instantiations}[platform]())
 
 
+def captured_executions() -> int:
+    """How many CUDA executions ran in this process while XLA captured their stream into a command buffer."""
+    return int(library().lib.cuflash_ffi_cuda_captured_executions())
+
+
 _resolver = None  # the cffi callback the handlers call; kept alive here
 
 
