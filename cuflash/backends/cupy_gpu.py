@@ -72,8 +72,10 @@ def by_value(params: np.void) -> np.ndarray:
     """AttentionParams as the one kernel argument CuPy passes by value, its itemsize bytes (488) whole: a 0-d
     structured NumPy array. Every CuPy >= 9 takes a one-element NumPy array by value (CNumpyArray). A numpy.void
     would go through CuPy's scalar path instead, which CuPy 14.0.x caps below 64 bytes (an AssertionError at every
-    launch, and a buffer overrun under python -O); the scalar path takes large structs only from 14.1."""
-    return np.array(params, dtype=params.dtype)
+    launch, and a buffer overrun under python -O); the scalar path takes large structs only from 14.1. The bytes
+    are copied whole: np.array(params) copies field by field and leaves the struct's padding uninitialized (a
+    test comparing the passed bytes with the packed ones caught garbage there)."""
+    return np.ndarray((), dtype=params.dtype, buffer=bytearray(params.tobytes()))
 
 
 def launch_stream_argument(device_id: int) -> int:
