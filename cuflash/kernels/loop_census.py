@@ -494,12 +494,27 @@ def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozen
     return found
 
 
+# Censuses made in this process, by (traits, dtype, arch, the compiled code's cache file): a walk costs up to minutes
+# (d256's forward on sm_80) and the report and several tests ask for the same instance.
+_censuses: dict[tuple, tuple[CensusRow, ...]] = {}
+
+
 def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[CensusRow]:
     """The census of ``traits``' instance for ``dtype`` on ``arch`` (compiled through the cache unless given): the
-    plain row, then the marked paths' (MARKED_PATHS) where the main loop runs their source."""
+    plain row, then the marked paths' (MARKED_PATHS) where the main loop runs their source. Made once per process
+    for each compiled code (the cache file names its bytes)."""
     from . import nvrtc
 
     compiled = compiled or nvrtc.compile_instance(traits.instance(dtype), arch)
+    key = (traits, dtype, arch, compiled.code_path)
+    if key not in _censuses:
+        _censuses[key] = tuple(_instance_census(traits, dtype, arch, compiled))
+    return list(_censuses[key])
+
+
+def _instance_census(traits, dtype: str, arch: str, compiled) -> list[CensusRow]:
+    from . import nvrtc
+
     sass = nvrtc.dump_sass(compiled)
     if sass is None:
         raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")
