@@ -228,9 +228,18 @@ def _prime(backend: str = "simulator") -> None:
                                    cache_seqlens=place(np.array([3], np.int32)))
 
 
-def _launches(backend: str):
-    """The simulator's launches taken away; on the GPU the kernels run (their launch is host cost too)."""
-    return launches_do_nothing() if backend == "simulator" else contextlib.nullcontext()
+@contextlib.contextmanager
+def _launches(backend: str) -> Iterator[None]:
+    """The simulator's launches taken away; on the GPU the kernels run (their launch is host cost too), and the
+    queued ones finish inside the block, not at exit."""
+    if backend == "simulator":
+        with launches_do_nothing():
+            yield
+        return
+    yield
+    from .timing import cupy_or_refuse
+
+    cupy_or_refuse().cuda.get_current_stream().synchronize()
 
 
 def run(repeats: int, training_repeats: int, backend: str = "simulator") -> list[dict[str, Any]]:
@@ -239,16 +248,7 @@ def run(repeats: int, training_repeats: int, backend: str = "simulator") -> list
         cases = decode_cases(repeats, backend)
         if training_repeats > 0:
             cases += training_cases(training_repeats, backend)
-        rows = [measure(case, warmup=5 if case.repeats >= 20 else 1, backend=backend) for case in cases]
-    if backend == "cupy":
-        _cupy_synchronize()  # the queued kernels finish inside the benchmark, not at exit
-    return rows
-
-
-def _cupy_synchronize() -> None:
-    from .timing import cupy_or_refuse
-
-    cupy_or_refuse().cuda.get_current_stream().synchronize()
+        return [measure(case, warmup=5 if case.repeats >= 20 else 1, backend=backend) for case in cases]
 
 
 def profile(case: Case, calls: int, backend: str = "simulator") -> str:
@@ -265,8 +265,6 @@ def profile(case: Case, calls: int, backend: str = "simulator") -> str:
         for _ in range(calls):
             case.run()
         profiler.disable()
-    if backend == "cupy":
-        _cupy_synchronize()
     stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, total s, ...)
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_TOP]
     lines = [f"cProfile of {calls} warm calls of {case.call} ({case.shape}; {BACKEND_LABELS[backend]}), per call, "
@@ -315,10 +313,9 @@ def main(args: argparse.Namespace) -> int:
     if args.profile < 0:
         print("--profile must be >= 0", file=sys.stderr)
         return 2
-    backend = getattr(args, "backend", "simulator")
-    rows = run(args.repeats, args.training_repeats, backend)
+    rows = run(args.repeats, args.training_repeats, args.backend)
     print(format_table(rows))
-    profiled = profile(decode_cases(1, backend)[0], args.profile, backend) if args.profile else None
+    profiled = profile(decode_cases(1, args.backend)[0], args.profile, args.backend) if args.profile else None
     if profiled:
         print(profiled)
     if args.out is not None:

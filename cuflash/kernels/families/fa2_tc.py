@@ -19,6 +19,7 @@ one, the extra columns zero-filled in shared memory and never read from global m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ..program import KernelInstance, Problem, Program
@@ -230,9 +231,10 @@ def backward_traits(headdim: int, target: Target, dropout: bool = False) -> Back
     return fa2.fitting(choices, target)
 
 
+@functools.lru_cache(maxsize=1)
 def _nvrtc_major() -> int | None:
     """The installed NVRTC's CUDA major version (the compiler the plans' instances are built with); None without
-    one (the simulator alone: the plans of CUDA 13)."""
+    one (the simulator alone: the plans of CUDA 13). Once per process: planning asks at every backward plan."""
     from .. import nvrtc
 
     try:
