@@ -16,7 +16,7 @@ import numpy as np
 
 from .dropout import check_dropout_p  # dropout's checks live beside its rule
 from .kernels.families.fa2 import MAX_KV_SPLITS
-from .kernels.program import ELEMENT_DTYPES, Problem
+from .kernels.program import ELEMENT_DTYPES, MAX_HEADDIM_V, Problem
 from .mask import Mask
 
 MAX_HEADDIM = 256
@@ -317,9 +317,9 @@ def _problem(q: Any, k: Any, v: Any, *, batch: int, seqlen_q: int, seqlen_k: int
         raise ValueError(f"k must have the head dim of q ({headdim}), got {kheaddim}")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"head dim (last dimension of q) must be in 1..{MAX_HEADDIM}, got {headdim}")
-    if not 1 <= headdim_v <= MAX_HEADDIM:
-        # FA3's qk 64 / v 512 pair needs tiles wider than any compiled here (256): refused, not approximated.
-        raise ValueError(f"v's head dim (its last dimension) must be in 1..{MAX_HEADDIM}, got {headdim_v}")
+    if not 1 <= headdim_v <= MAX_HEADDIM_V:
+        # Up to FA3's qk 64 / v 512 pair: above the kernels' 256 columns V runs in column chunks (value_column_chunks).
+        raise ValueError(f"v's head dim (its last dimension) must be in 1..{MAX_HEADDIM_V}, got {headdim_v}")
     if nheads_k == 0 and nheads != 0:
         raise ValueError(f"k must have at least one head when q has {nheads}")
     if nheads_k and nheads % nheads_k:

@@ -30,7 +30,8 @@ from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy,
 from .backends.program import PreparedProgram
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
-from .kernels.program import Problem, gqa_decode_fold
+from .kernels.params import VALUE_WIDTH_TENSORS
+from .kernels.program import Problem, gqa_decode_fold, value_column_chunks
 from .mask import Mask
 
 # The host path. A call's checks and plan depend on its static signature only (call_key: the entry point, each
@@ -110,7 +111,7 @@ class Plan:
     def __init__(self, problem: Problem):
         self.problem = problem
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
-        self.program: PreparedProgram | None = None
+        self.programs: tuple[PreparedProgram, ...] | None = None  # one per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
 
 
@@ -151,14 +152,79 @@ class Prepared:
     def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> dict[str, Any]:
         """Run the plan's forward (or backward) program on ``arrays`` (tensors by AttentionParams field name); the
         program is made and packed on the plan's first run (its strides are those of every later call's arrays:
-        they follow from the signature). Returns the scratch it allocated, by name."""
-        program = plan.program
-        if program is None:
+        they follow from the signature). Returns the scratch it allocated, by name. A V wider than the kernels take
+        runs as a program per column chunk (value_column_chunks), on views of the chunk's columns."""
+        programs = plan.programs
+        if programs is None:
             problem = plan.folded or plan.problem
             planner = plans.backward_program if backward else plans.forward_program
-            program = PreparedProgram(planner(self.algorithm, problem, backend.target), problem, self.scale, arrays)
-            plan.program = program
-        return dict(zip(program.scratch_names, program.run(backend, arrays)))
+            programs = []
+            for start, stop in value_column_chunks(problem.headdim_v):
+                part = dataclasses.replace(problem, headdim_v=stop - start)
+                programs.append(PreparedProgram(planner(self.algorithm, part, backend.target), part, self.scale,
+                                                _value_columns(arrays, start, stop)))
+            plan.programs = programs = tuple(programs)
+        if len(programs) == 1:
+            return dict(zip(programs[0].scratch_names, programs[0].run(backend, arrays)))
+        return (_run_value_chunks_backward if backward else _run_value_chunks_forward)(backend, programs, arrays)
+
+
+# The tensors of V's width (AttentionParams' "V" fields: v, out, dout, dv), which a column chunk views.
+_VALUE_WIDTH = frozenset(VALUE_WIDTH_TENSORS)
+
+
+def _value_columns(arrays: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """``arrays`` with the V-wide tensors viewed at columns start:stop (the same strides, the pointer moved)."""
+    return {name: x[..., start:stop] if name in _VALUE_WIDTH else x for name, x in arrays.items()}
+
+
+def _value_chunks(programs: tuple[PreparedProgram, ...]) -> list[tuple[int, int]]:
+    """The (start, stop) columns of each chunk's program, in order (their widths laid end to end)."""
+    chunks, start = [], 0
+    for program in programs:
+        stop = start + program.headdim_v
+        chunks.append((start, stop))
+        start = stop
+    return chunks
+
+
+def _run_value_chunks_forward(backend: Any, programs: tuple[PreparedProgram, ...],
+                              arrays: dict[str, Any]) -> dict[str, Any]:
+    """The forward chunk by chunk: each writes its columns of out (and the same lse: the softmax does not depend on
+    V). Returns the first chunk's scratch."""
+    scratch = None
+    for program, (start, stop) in zip(programs, _value_chunks(programs)):
+        buffers = program.run(backend, _value_columns(arrays, start, stop))
+        if scratch is None:
+            scratch = dict(zip(program.scratch_names, buffers))
+    return scratch
+
+
+def _run_value_chunks_backward(backend: Any, programs: tuple[PreparedProgram, ...],
+                               arrays: dict[str, Any]) -> dict[str, Any]:
+    """The backward chunk by chunk: each writes its columns of dv; dq and dk are the sums of the chunks' (the first
+    chunk writes them, the others write partials added in float32 in chunk order: deterministic). Returns the
+    first chunk's scratch with D = rowsum(dout * out) ("dout_dot_out", what the sinks' gradient reads) summed over
+    the chunks."""
+    xp = backend.xp
+    scratch, partials = None, {"dq": [], "dk": []}
+    for i, (program, (start, stop)) in enumerate(zip(programs, _value_chunks(programs))):
+        part = _value_columns(arrays, start, stop)
+        if i:
+            for name in partials:
+                part[name] = backend.empty(arrays[name].shape, arrays[name].dtype)
+                partials[name].append(part[name])
+        buffers = dict(zip(program.scratch_names, program.run(backend, part)))
+        if scratch is None:
+            scratch = buffers
+        elif "dout_dot_out" in buffers:
+            scratch["dout_dot_out"] = scratch["dout_dot_out"] + buffers["dout_dot_out"]
+    for name, parts in partials.items():
+        total = arrays[name].astype(xp.float32)
+        for part in parts:
+            total += part.astype(xp.float32)
+        arrays[name][...] = total.astype(arrays[name].dtype)
+    return scratch
 
 
 class VarlenInputs:
@@ -741,7 +807,8 @@ attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = sc
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
     with nheads a multiple of nheads_k (GQA/MQA); dtype float16, bfloat16 or float32
     (all equal), head dim 1..256. ``softmax_scale`` defaults to 1/sqrt(headdim).
-    v may have a head dim of its own, headdim_v in 1..256 (MLA-style; fa2 only): out then has it.
+    v may have a head dim of its own, headdim_v in 1..512 (MLA-style; fa2 only): out then has it
+    (above 256, V runs in column chunks: README).
     ``algorithm``: "fa2" (default), "fa1" or "standard".
 
     Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads, seqlen_q),

@@ -9,6 +9,8 @@ tests/jax/test_jax_headdim_v.py).
   both variants race-free, and clean under AddressSanitizer (no store past v's columns of out or dv).
 * Varlen, the KV cache (append, split-KV, paged), bad shapes refused naming the argument before anything is written,
   fa1 and standard refuse it naming fa2.
+* V wider than the kernels (up to FA3's qk 64 / v 512): a launch per column chunk, forward and backward, with every
+  option (sinks, ALiBi, dropout, softcap, varlen, the KV cache: appended, paged, split).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels import plans
 from cuflash.kernels.families import fa2, fa2_tc
-from cuflash.kernels.program import Problem
+from cuflash.kernels.program import MAX_HEADDIM_V, MAX_KERNEL_HEADDIM_V, Problem, value_column_chunks
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
 from cuflash.reference import attention_with_kvcache_reference
@@ -309,13 +311,123 @@ def test_kvcache_appends_and_splits(dtype, pair, page):
 
 
 # ---------------------------------------------------------------------------
+# V wider than the kernels take (FA3's qk 64 / v 512): column chunks (program.value_column_chunks).
+
+
+def test_value_column_chunks_cover_every_width():
+    for width in range(1, MAX_HEADDIM_V + 1):
+        chunks = value_column_chunks(width)
+        assert len(chunks) == math.ceil(width / MAX_KERNEL_HEADDIM_V), width
+        assert chunks[0][0] == 0 and chunks[-1][1] == width
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # end to end, no gap, no overlap
+        assert all(0 < stop - start <= MAX_KERNEL_HEADDIM_V and start % 8 == 0 for start, stop in chunks)
+        assert len({stop - start for start, stop in chunks[:-1]}) <= 1  # equal widths but the last
+
+
+WIDE_CASES = [  # (dtype, (q/k head dim, v head dim), shape (batch, seqlen_q, seqlen_k, nheads, nheads_k), options)
+    pytest.param("float16", (64, 512), (2, 37, 45, 4, 2), dict(causal=True), id="qk64-v512-fp16-causal-gqa"),
+    pytest.param("bfloat16", (64, 512), (1, 21, 70, 3, 1), dict(window_size=(9, 3), softcap=5.0),
+                 id="qk64-v512-bf16-window-softcap-mqa"),
+    pytest.param("float32", (40, 300), (2, 33, 19, 2, 2), dict(causal=True), id="qk40-v300-fp32-causal-no-key-rows"),
+]
+
+
+@pytest.mark.parametrize("dtype, pair, shape, options", WIDE_CASES)
+def test_wide_v_runs_in_column_chunks_and_matches_the_reference(dtype, pair, shape, options):
+    """Each chunk is a launch of the instance for its own width; out, lse and the gradients (dq and dk the
+    chunks' sums, dv their columns) within FA2's rule, rows without keys 0, the deterministic backward bitwise."""
+    q, k, v, dout = _inputs(shape, pair, dtype, seed=sum(pair) + shape[1])
+    chunks = value_column_chunks(pair[1])
+    with sim.record() as records:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    variant = "cuflash::fa2_forward_kernel" if dtype == "float32" else "cuflash::fa2_tc_forward_kernel"
+    launched = [r.kernel for r in records.launches if r.kernel.startswith(variant + "<")]
+    assert len(launched) == len(chunks) == 2
+    assert _compiled_head_dim(records, variant) == {fa2.compiled_head_dim(max(pair[0], stop - start))
+                                                   for start, stop in chunks}
+    assert out.shape == (*q.shape[:3], pair[1]) and out.dtype == q.dtype
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
+    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+
+    bref = tol.backward_references(dout, q, k, v, **options)
+    runs = [cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+            for deterministic in (False, True, True)]
+    for a, b in zip(runs[1], runs[2]):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for grads in runs[:2]:
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            assert got.dtype == q.dtype and got.shape == getattr(bref, name).shape
+            tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR,
+                            atol=1e-5)
+
+
+def test_wide_v_with_sinks_alibi_and_dropout():
+    """D = rowsum(dO * O) summed over the chunks for the sinks' gradient; each chunk drops the same entries."""
+    shape, pair = (2, 29, 37, 4, 2), (64, 512)
+    q, k, v, dout = _inputs(shape, pair, "float16", seed=43)
+    rng = np.random.default_rng(44)
+    options = dict(causal=True, alibi_slopes=rng.uniform(0.05, 0.5, 4).astype(np.float32),
+                   sinks=rng.standard_normal(4).astype(np.float32))
+    dropping = dict(dropout_p=0.2, dropout_seed=7)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options, **dropping)
+    keep = cuflash.dropout_mask(7, 2, 4, 29, 37, 0.2)
+    ref = tol.forward_references(q, k, v, dropout_p=0.2, dropout_mask=keep, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options, **dropping)
+    bref = tol.backward_references(dout, q, k, v, dropout_p=0.2, dropout_mask=keep, **options)
+    for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+def test_wide_v_varlen_matches_the_reference():
+    rng = np.random.default_rng(8)
+    cu_q, cu_k = np.array([0, 7, 7, 40], np.int32), np.array([0, 12, 20, 61], np.int32)
+    q = rng.standard_normal((40, 4, 64)).astype(np.float16)
+    k = rng.standard_normal((61, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((61, 2, 512)).astype(np.float16)
+    dout = rng.standard_normal((40, 4, 512)).astype(np.float16)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    assert out.shape == (40, 4, 512)
+    ref = tol.forward_references(q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
+    bref = tol.backward_references(dout, q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, page", [("bfloat16", 16), ("float16", None)])
+def test_wide_v_kvcache_appends_and_splits(dtype, page):
+    """The new rows land whole (all 512 columns of v); the folded GQA decode, one split and three, each chunk."""
+    q, k_cache, v_cache, k_new, v_new, lengths, table = _caches(dtype, (64, 512), page, seed=10)
+    for splits in (1, 3):
+        kc, vc = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                  block_table=table, causal=True, num_splits=splits,
+                                                  return_lse=True)
+        assert out.shape == (*q.shape[:3], 512)
+        ref, low = (attention_with_kvcache_reference(q, kc, vc, lengths + 2, block_table=table, causal=True, dtype=dt)
+                    for dt in (np.float64, q.dtype))
+        tol.check_close(f"out ({splits} splits)", out, ref[0], low[0], tol.FORWARD_FACTOR)
+        tol.check_close(f"lse ({splits} splits)", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+        if table is None:
+            for b in range(3):
+                assert np.array_equal(vc[b, lengths[b]:lengths[b] + 2], v_new[b])
+
+
+# ---------------------------------------------------------------------------
 # Bad input: refused naming the argument, before anything is written.
 
 
 def test_bad_shapes_are_refused_before_anything_runs():
     q, k, v, dout = _inputs((1, 8, 8, 2, 2), (32, 16), "float32", seed=1)
-    with pytest.raises(ValueError, match=r"v's head dim \(its last dimension\) must be in 1..256, got 512"):
-        cuflash.attention(q[..., :16], k[..., :16], np.zeros((1, 8, 2, 512), np.float32))
+    with pytest.raises(ValueError, match=r"v's head dim \(its last dimension\) must be in 1..512, got 513"):
+        cuflash.attention(q[..., :16], k[..., :16], np.zeros((1, 8, 2, 513), np.float32))
     with pytest.raises(ValueError, match="v must have k's shape but for the head dim"):
         cuflash.attention(q, k, v[:, :5])
     with pytest.raises(ValueError, match="k must have the head dim of q"):

@@ -41,7 +41,7 @@ def attention(
     The layout, dtypes, masking and return values are those of ``cuflash.attention``:
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
     nheads a multiple of nheads_k (GQA/MQA); float16, bfloat16 or float32; head dim
-    1..256; v's may be its own (MLA-style, fa2), then out's. ``causal`` aligns the mask to the
+    1..256; v's may be its own, 1..512 (MLA-style, fa2), then out's. ``causal`` aligns the mask to the
     bottom-right corner (query i sees key j iff j <= i + seqlen_k - seqlen_q); a row that sees no
     key gives 0 and lse -inf.
     ``softmax_scale`` (a Python number, static) defaults to 1/sqrt(headdim).

@@ -41,7 +41,7 @@ from ..kernels import plans, targets
 from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
 from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, VALUE_WIDTH_TENSORS, pack_params
-from ..kernels.program import LaunchPlan, Problem, Program
+from ..kernels.program import LaunchPlan, Problem, Program, value_column_chunks
 from . import _ffi, _partitioning
 
 
@@ -436,8 +436,31 @@ for _direction, _primitive in _PRIMITIVES.items():
 def call(direction: str, config: CallConfig, *arrays):
     """One forward or backward call on ``arrays`` (operand_names order), through custom_partitioning
     (_partitioning.py: split along batch and kv heads where the problem allows), wrapped in custom_vmap because
-    custom_partitioning has no batching rule of its own: vmap folds into the batch as the primitive's rule does."""
+    custom_partitioning has no batching rule of its own: vmap folds into the batch as the primitive's rule does.
+    A V wider than the kernels take runs as a call per column chunk (value_column_chunks)."""
+    chunks = value_column_chunks(config.problem.headdim_v)
+    if len(chunks) > 1:
+        return _call_in_value_chunks(direction, config, chunks, arrays)
     return _partitioned(direction, config)(*arrays)
+
+
+def _call_in_value_chunks(direction: str, config: CallConfig, chunks: Sequence[tuple[int, int]], arrays):
+    """``call`` chunk by chunk over V's columns, as the NumPy API runs them (api.Prepared.run): the forward's out is
+    the chunks' laid side by side (their lse is the same: the first one's is returned); the backward's dv too, its
+    dq and dk the chunks' summed in float32 in chunk order. The lse's cotangent joins D once: in the first chunk."""
+    names = operand_names(direction, config)
+    results = []
+    for i, (start, stop) in enumerate(chunks):
+        part = dataclasses.replace(config, problem=dataclasses.replace(config.problem, headdim_v=stop - start),
+                                   with_dlse=config.with_dlse and i == 0)
+        operands = [x[..., start:stop] if name in VALUE_WIDTH_TENSORS else x for name, x in zip(names, arrays)
+                    if name != "dlse" or part.with_dlse]
+        results.append(call(direction, part, *operands))
+    if direction == "forward":
+        return jnp.concatenate([out for out, _ in results], axis=-1), results[0][1]
+    dq, dk = (sum((r[at].astype(jnp.float32) for r in results[1:]), results[0][at].astype(jnp.float32))
+              .astype(results[0][at].dtype) for at in (0, 1))
+    return dq, dk, jnp.concatenate([r[2] for r in results], axis=-1)
 
 
 @functools.lru_cache(maxsize=256)

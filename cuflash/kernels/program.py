@@ -216,6 +216,34 @@ def gqa_decode_fold(problem: Problem) -> Problem | None:
     return dataclasses.replace(problem, seqlen_q=problem.group_size, nheads=problem.nheads_k, mask=Mask())
 
 
+# The widest V any kernel takes (the largest compiled head dim), and the widest the API takes: FA3's qk 64 / v 512
+# pair. A wider V runs as column chunks (value_column_chunks).
+MAX_KERNEL_HEADDIM_V = 256
+MAX_HEADDIM_V = 2 * MAX_KERNEL_HEADDIM_V
+# Chunks start at multiples of this many elements: v's, out's, dout's and dv's chunk pointers keep the 16-byte
+# alignment of the arrays' rows (the kernels' whole-chunk copies need it).
+_VALUE_CHUNK_ALIGN = 8
+
+
+def value_column_chunks(headdim_v: int) -> tuple[tuple[int, int], ...]:
+    """The one rule for a V wider than the kernels take: its columns cut into as few (start, stop) chunks as the
+    kernels allow, of equal width (a multiple of 8 but the last), each run as a problem of its own width.
+
+    Exact by linearity: out's columns are independent given the softmax, which each chunk recomputes; in the
+    backward dS = P * (dP - D) with dP and D = rowsum(dO * O) sums over V's columns, so the chunks' dS add up to the
+    whole one and so do their dQ and dK, while dV is each chunk's own columns. One chunk (0, headdim_v) otherwise.
+
+    What it costs: Q K^T (and K's reads) once per chunk, and, as for every pair of unequal dims, at the tile's head
+    dim (the larger of q's and the chunk's: fa2.tile_head_dim; the columns past q's are zeros). For FA3's qk 64 /
+    v 512 pair the MMAs do 2 x (2 x 256 + 2 x 256) = 2048 FLOPs per score where 2 x 64 + 2 x 512 = 1152 are needed:
+    a kernel with a Q K^T width of its own (FA3's) would issue 0.56x of them."""
+    if headdim_v <= MAX_KERNEL_HEADDIM_V:
+        return ((0, headdim_v),)
+    count = ceil_div(headdim_v, MAX_KERNEL_HEADDIM_V)
+    width = ceil_div(ceil_div(headdim_v, count), _VALUE_CHUNK_ALIGN) * _VALUE_CHUNK_ALIGN
+    return tuple((start, min(start + width, headdim_v)) for start in range(0, headdim_v, width))
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     kernel: KernelInstance

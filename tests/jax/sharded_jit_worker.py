@@ -170,6 +170,11 @@ def main() -> None:
         tensor = NamedSharding(mesh, CASES["batch+heads"][0])
         args = [jax.device_put(x, tensor) for x in (q, k, v_narrow, dout_narrow)] + [key]
         results[f"{axis_type.name}:headdim_v batch+heads"] = compare_sharded(dropout_step, args, plain)
+        # v wider than the kernels take (300 columns, two chunks of value_column_chunks): each chunk's call sharded.
+        v_wide, dout_wide = (np.concatenate([x] * 13, axis=-1)[..., :300] for x in (v, dout))
+        plain = jax.jit(dropout_step)(q, k, v_wide, dout_wide, key)
+        args = [jax.device_put(x, tensor) for x in (q, k, v_wide, dout_wide)] + [key]
+        results[f"{axis_type.name}:headdim_v wide batch+heads"] = compare_sharded(dropout_step, args, plain)
         # KV caches sharded along kv heads (and batch when not paged), as tensor-parallel serving shards them: a
         # one-row GQA decode (folded) and a 3-row prefill appending to the caches, contiguous and paged, num_splits=1
         # (the heuristic would see each device's smaller problem and may split differently).

@@ -6,8 +6,10 @@ attention_with_kvcache.
 * a loss through out and lse against JAX autodiff of plain jnp attention;
 * vmap with k and v shared (folded into the heads) and mapped (folded into the batch): each element bit for bit
   its own call;
-* varlen and the KV cache (with an append) bit for bit their NumPy twins.
-(Sharding: the "headdim_v" case of tests/jax/sharded_jit_worker.py.)
+* varlen and the KV cache (with an append) bit for bit their NumPy twins;
+* v wider than the kernels (qk 64 / v 512): a call per column chunk, bit for bit the NumPy calls, the lse's
+  cotangent counted once.
+(Sharding: the "headdim_v" and "headdim_v wide" cases of tests/jax/sharded_jit_worker.py.)
 """
 
 from __future__ import annotations
@@ -110,4 +112,73 @@ def test_varlen_and_kvcache_equal_the_numpy_calls():
     kc, vc = k_cache.copy(), v_cache.copy()
     want = cuflash.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths)
     assert out.shape == (2, 1, 4, 32) and np.array_equal(np.asarray(out), want)
+    assert np.array_equal(np.asarray(k_after), kc) and np.array_equal(np.asarray(v_after), vc)
+
+
+# ---------------------------------------------------------------------------
+# V wider than the kernels take (FA3's qk 64 / v 512): a call per column chunk (program.value_column_chunks).
+
+
+def test_wide_v_jit_grad_and_vmap_equal_the_numpy_calls():
+    """Forward and gradients bit for bit the NumPy calls' (the same chunks, summed in the same order); under vmap
+    each element its own call."""
+    q, k, v, dout = _inputs((2, 23, 31, 4, 2), 64, 512, "bfloat16", seed=7)
+    options = dict(causal=True, window_size=(12, -1))
+
+    @jax.jit
+    def forward_and_grads(q, k, v):
+        def loss(q, k, v):
+            out, lse = cfj.attention(q, k, v, return_lse=True, **options)
+            return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), (out, lse)
+        (_, results), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return results, grads
+
+    (out, lse), grads = forward_and_grads(q, k, v)
+    assert out.shape == (2, 23, 4, 512)
+    want_out, want_lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    want = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, **options)
+    assert np.array_equal(np.asarray(out), want_out) and np.array_equal(np.asarray(lse), want_lse)
+    for got, expected in zip(grads, want):
+        assert got.shape == expected.shape and np.array_equal(np.asarray(got), expected)
+    qs = np.stack([q, -q])
+    mapped = jax.jit(jax.vmap(lambda q: cfj.attention(q, k, v, **options)))(qs)
+    for m in range(2):
+        assert np.array_equal(np.asarray(mapped[m]), cuflash.attention(qs[m], k, v, **options))
+
+
+def test_wide_v_grad_through_out_and_lse_matches_jnp_autodiff():
+    """The lse's cotangent joins D once (in the first chunk's call), not once per chunk."""
+    q, k, v, dout = _inputs((1, 17, 29, 4, 2), 32, 300, "float32", seed=8)
+    dlse = np.random.default_rng(9).standard_normal((1, 4, 17)).astype(np.float32)
+    scale = 32 ** -0.5
+
+    def plain(q, k, v):
+        kk, vv = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+        lse = jax.nn.logsumexp(scores, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
+
+    def grads(attention):
+        def loss(q, k, v):
+            out, lse = attention(q, k, v)
+            return jnp.sum(out * dout) + jnp.sum(lse * dlse)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(grads(lambda q, k, v: cfj.attention(q, k, v, return_lse=True)), grads(plain)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+
+
+def test_wide_v_kvcache_equals_the_numpy_call():
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float16)
+    k_cache = rng.standard_normal((2, 64, 2, 64)).astype(np.float16)
+    v_cache = rng.standard_normal((2, 64, 2, 512)).astype(np.float16)
+    k_new = rng.standard_normal((2, 1, 2, 64)).astype(np.float16)
+    v_new = rng.standard_normal((2, 1, 2, 512)).astype(np.float16)
+    lengths = np.array([10, 50], np.int32)
+    out, k_after, v_after = cfj.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                       causal=True)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    want = cuflash.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
+    assert out.shape == (2, 1, 4, 512) and np.array_equal(np.asarray(out), want)
     assert np.array_equal(np.asarray(k_after), kc) and np.array_equal(np.asarray(v_after), vc)

@@ -69,7 +69,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "kvcache contiguous rows=1", "kvcache contiguous rows=3",
                                          "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout",
                                          "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads",
-                                         "kvcache indexed", "headdim_v batch+heads")}
+                                         "kvcache indexed", "headdim_v batch+heads",
+                                         "headdim_v wide batch+heads")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -124,6 +125,10 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
             case = results.pop(f"{mode}:{layout} {split}")
             assert case["bitwise"] == [True] * 4 and case["collectives"] == [], (mode, layout, case)
             assert case["custom_calls"] == 2 and case["shardings"] == [expected_specs[split][0]] * 4, (mode, layout)
+        # v wider than the kernels take: a forward and a backward call per column chunk (two), each per device.
+        case = results.pop(f"{mode}:headdim_v wide batch+heads")
+        assert case["bitwise"] == [True] * 4 and case["collectives"] == [], (mode, case)
+        assert case["custom_calls"] == 4 and case["shardings"] == [expected_specs["batch+heads"][0]] * 4, (mode, case)
         # KV caches split along kv heads (and batch when contiguous), a folded one-row GQA decode and a 3-row
         # prefill appending to the caches: one forward call per device, bitwise, no collective (was: gathered).
         for layout, split in (("contiguous", "batch+heads"), ("paged", "heads")):
