@@ -330,13 +330,14 @@ LEAN_PER_HMMA = {
     ("forward", "sm_90", 128): 4.719,   # 128x32x4: 604 / 128 (796 before)
     ("forward", "sm_90", 256): 3.375,   # 64x64x4: 864 / 256 (1910 before)
     # The backward since its square warp tiles (fa2_tc_backward.cu's pick_warps_m; "strips" below: before them).
-    ("backward", "sm_80", 64): 3.969,   # 64x128x8: 635 / 160 (strips 651; 681 before the folded scale; 951 before
-                                        # held lane bases, step rows, pair stores)
-    ("backward", "sm_80", 128): 2.894,  # 64x128x8: 926 / 320 (strips 966; 995 before the folded scale)
+    ("backward", "sm_80", 64): 3.509,   # 128x128x8 (FA2's tile, NVRTC 13): 1123 / 320; at 64x128x8 635 / 160 = 3.97
+                                        # (strips 651; 681 before the folded scale; 951 before held lane bases,
+                                        # step rows, pair stores)
+    ("backward", "sm_80", 128): 2.9,    # 64x128x8: 928 / 320 (strips 966; 995 before the folded scale)
     ("backward", "sm_90", 64): 3.575,   # 128x128x8: 1144 / 320 (strips 1174; 1236 before the folded scale)
-    ("backward", "sm_90", 128): 2.966,  # 64x128x8: 949 / 320 (strips 991; 1021 before the folded scale)
-    ("backward", "sm_80", 256): 3.956,  # 32x64x8: 633 / 160 (strips 636; 971 before whole Q, dO)
-    ("backward", "sm_90", 256): 4.169,  # 32x64x8: 667 / 160 (strips 666; 1008 before whole Q, dO)
+    ("backward", "sm_90", 128): 2.953,  # 64x128x8: 945 / 320 (strips 991; 1021 before the folded scale)
+    ("backward", "sm_80", 256): 3.938,  # 32x64x8: 630 / 160 (strips 636; 971 before whole Q, dO)
+    ("backward", "sm_90", 256): 4.15,   # 32x64x8: 664 / 160 (strips 666; 1008 before whole Q, dO)
 }
 
 
@@ -344,6 +345,8 @@ LEAN_PER_HMMA = {
 # figures x 1.3 (the issue's bound for masked paths): forward d64 5.98, d128 at 128x32 5.59; backward d128 at 64x128
 # 3.64. The forward's mask is one pass per crossed edge of the band, a compare per diagonal and a select per score
 # (mask.cuh's LaneTileMask), with the mask policy held through the K/V loop; before, MaskPolicy::visible per score.
+# The backward's masked step without a score hook the same since BackwardTraits::kMaskByEdges (before: visible per
+# score in P's loop, the figures in parentheses as "per score").
 LEAN_MASKED_PER_HMMA = {
     ("forward", "sm_80", 64): 5.891,    # 754 / 128 (plain 659; 919 before)
     ("forward", "sm_80", 128): 5.117,   # 655 / 128 (plain 601; 756 before)
@@ -351,12 +354,12 @@ LEAN_MASKED_PER_HMMA = {
     ("forward", "sm_90", 64): 5.914,    # 757 / 128 (928 before)
     ("forward", "sm_90", 128): 5.156,   # 660 / 128 (765 before)
     ("forward", "sm_90", 256): 3.629,   # 929 / 256 (1026 before)
-    ("backward", "sm_80", 64): 4.844,   # 775 / 160 (plain 635; strips 784)
-    ("backward", "sm_80", 128): 3.344,  # 1070 / 320 (plain 926; strips 1101)
-    ("backward", "sm_80", 256): 4.263,  # 682 / 160 (plain 633; strips 685)
-    ("backward", "sm_90", 64): 4.341,   # 1389 / 320 (strips 1422)
-    ("backward", "sm_90", 128): 3.413,  # 1092 / 320 (strips 1126)
-    ("backward", "sm_90", 256): 4.475,  # 716 / 160 (strips 715)
+    ("backward", "sm_80", 64): 3.834,   # 128x128x8: 1227 / 320 (per score 1369; at 64x128x8 775 / 160)
+    ("backward", "sm_80", 128): 3.131,  # 1002 / 320 (per score 1070; strips 1101)
+    ("backward", "sm_80", 256): 4.2,    # 672 / 160 (per score 682; strips 685)
+    ("backward", "sm_90", 64): 3.909,   # 1251 / 320 (per score 1389; strips 1422)
+    ("backward", "sm_90", 128): 3.194,  # 1022 / 320 (per score 1092; strips 1126)
+    ("backward", "sm_90", 256): 4.438,  # 710 / 160 (per score 716; strips 715)
 }
 assert set(LEAN_MASKED_PER_HMMA) == set(LEAN_PER_HMMA)
 
@@ -397,15 +400,15 @@ def test_main_loop_stays_lean(direction, arch, head_dim):
 # figures (the issue's table, counted from FA2's own SASS): forward d64 4.6 (its 128x128x4; cuflash runs 128x64x4),
 # d128 4.3 at 128x32x4, backward d128 2.8 at 64x128x8; counted here (see LEAN_PER_HMMA): backward d64 3.29 at
 # 128x128x8, forward d256 2.96 at 128x64x8 and 3.02 at 64x64x4 (FA2's H100 tile; its sm_80 SASS, as the issue's
-# table counts sm_80). Not yet held: the backward's d64 on sm_80, which keeps 64x128x8 (NVRTC 12.9's ptxas spills the
-# 128x128 step there; 3.97 per HMMA, 1.21x), and its masked step on sm_90 (4.34, 1.32x: the forward's per-lane mask
-# made NVRTC 12.9 spill the d128 step, see fa2_tc_backward.cu). Those cases are strict xfails: they run, and the day
-# one holds the test says so.
+# table counts sm_80). Every case holds since the backward's d64 runs FA2's 128x128x8 on sm_80 too (under NVRTC 13:
+# 3.51 per HMMA, 1.07x; at 64x128x8 it was 3.97, 1.21x) and its masked steps apply the mask by the tile's edges
+# (d64 sm_90 3.91, 1.19x; per score it was 4.34, 1.32x). The sets below name cases that do not hold (strict xfails:
+# they run, and the day one holds the test says so); empty now.
 FA2_PER_HMMA = {("forward", 64): 4.6, ("forward", 128): 4.3, ("backward", 128): 2.8, ("backward", 64): 3.29,
                 # FA2's d256 forward tile per target, counted here: 128x64x8 (A100) 758 / 256, 64x64x4 (H100) 774 / 256
                 ("forward", 256): {"sm_80": 2.96, "sm_90": 3.02}}
-PLAIN_NOT_YET_WITHIN_FA2 = {("backward", 64, "sm_80")}
-MASKED_NOT_YET_WITHIN_FA2 = {("backward", 64, "sm_80"), ("backward", 64, "sm_90")}
+PLAIN_NOT_YET_WITHIN_FA2: set[tuple[str, int, str]] = set()
+MASKED_NOT_YET_WITHIN_FA2: set[tuple[str, int, str]] = set()
 
 
 def _bound_cases(not_yet):

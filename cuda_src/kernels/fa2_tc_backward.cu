@@ -139,6 +139,16 @@ struct BackwardTraits {
   // 32 stores of a 64 x 128 step, against about 60 through element_offset). Not at d256, where its register made
   // ptxas spill 16 to 48 bytes (32 x 64 on 8 warps, sm_80 and sm_90, at 255 registers already).
   static constexpr bool kStorePairsFromBase = HeadDim < 256;
+  // How a masked step without a score hook hides scores: by the edges its tile crosses (fa2_tc_tiles.cuh's
+  // mask_tile on S, -inf before the exponent, as the forward: a compare per crossed edge and diagonal against a
+  // per-lane limit, a select per score), or per score in P's loop (MaskPolicy::visible: each key formed and compared
+  // with both limits, about four instructions a score). By edges everywhere since the square warp tiles: the masked
+  // step issued (NVRTC 13.5) d64 128 x 128 x 8 1227 instructions for 320 HMMA on sm_80 and 1251 on sm_90 where it
+  // issued 1369 and 1389 per score, d128 64 x 128 x 8 1002 and 1022 where 1070 and 1092, d256 672 and 710 where
+  // 682 and 716; the compile report spill-free under NVRTC 13.5 and 12.9 (before the square tiles, 12.9 spilled
+  // d128's step on sm_90 44 bytes this way). Kept as a switch: the per-score form is what a step with a score hook
+  // runs (the hook first, then the mask: softcap of -inf is not -inf).
+  static constexpr bool kMaskByEdges = true;
 
   using KVTile = SwizzledTile<BlockN, HeadDim>;
   using QTile = SwizzledTile<BlockM, HeadDim>;
@@ -430,15 +440,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             }
           }
         };
-        // (The forward's mask, fa2tc::mask_tile on S before P, cut the masked step here by 50 to 120 instructions,
-        // but NVRTC 12.9's ptxas then spilled d128's 64 x 128 step on sm_90, 44 bytes; with its per-lane limits
-        // inside p_and_ds instead, 32 bytes. So P is zeroed per score with MaskPolicy::visible.)
-        if (score_hook.active())
-          p_and_ds(true, masked);
-        else if (masked)
+        // The mask: by the edges the tile crosses, on S (BackwardTraits::kMaskByEdges), or per score with P.
+        if (score_hook.active()) {
+          p_and_ds(true, masked);  // the hook first, then the mask: per score (softcap of -inf is not -inf)
+        } else if constexpr (Tr::kMaskByEdges) {
+          if (masked)
+            fa2tc::mask_tile(s, mask, mask.tile_edges(row0, block_rows(), key0, BlockN), row0 + s_m0, key0 + s_n0,
+                             lane);
+          p_and_ds(false, false);  // a hidden score's P is exp2(-inf) = 0 (a row that sees no key has lse +inf here)
+        } else if (masked) {
           p_and_ds(false, true);
-        else
+        } else {
           p_and_ds(false, false);
+        }
       }
       __syncthreads();  // P, dS complete
 
