@@ -14,7 +14,7 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash.kernels import catalog
-from cuflash.testing import random_qkv
+from cuflash.testing import numpy_dtype, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -123,3 +123,30 @@ def test_gpu_kvcache_split_kv_and_decode_fold(dtype):
     low = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table, dtype=dt)
     for splits, out in results.items():
         tol.check_close(f"out (num_splits={splits})", out, ref[0], low[0], tol.FORWARD_FACTOR)
+
+
+@pytest.mark.parametrize("dtype, pair", [("bfloat16", (192, 128)), ("float16", (64, 512)), ("float32", (40, 300))])
+def test_gpu_v_with_a_head_dim_of_its_own(dtype, pair):
+    """MLA's 192 / 128 and FA3's 64 / 512 (V in column chunks: program.value_column_chunks) on CuPy arrays: the
+    chunks' views of v, out, dout and dv launch at their column offsets (CuPy's data.ptr of a view), dq and dk
+    summed on the device; forward, backward and deterministic reruns against the reference."""
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(4)
+    d, dv = pair
+    dt = np.dtype(numpy_dtype(dtype))
+    q = rng.standard_normal((2, 77, 4, d)).astype(dt)
+    k = rng.standard_normal((2, 90, 2, d)).astype(dt)
+    v = rng.standard_normal((2, 90, 2, dv)).astype(dt)
+    dout = rng.standard_normal((2, 77, 4, dv)).astype(dt)
+    gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuflash.attention(gq, gk, gv, causal=True, return_lse=True)
+    assert out.shape == (2, 77, 4, dv)
+    ref = tol.forward_references(q, k, v, causal=True)
+    tol.check_close("out", cupy.asnumpy(out), ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", cupy.asnumpy(lse), ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    runs = [cuflash.attention_backward(gdout, gq, gk, gv, out, lse, causal=True, deterministic=True) for _ in range(2)]
+    bref = tol.backward_references(dout, q, k, v, causal=True)
+    for name, got, again in zip(("dq", "dk", "dv"), *runs):
+        got, again = cupy.asnumpy(got), cupy.asnumpy(again)
+        assert np.array_equal(got.view(np.uint8), again.view(np.uint8)), name
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
