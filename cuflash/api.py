@@ -663,7 +663,7 @@ def attention_with_kvcache(
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
     keys = V.kvcache_keys(used, leftpad)
-    plan = prepared.plan(q.shape[1], V.min_max(keys)[1] if keys.size else 0)
+    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(V.min_max(keys)[1] if keys.size else 0, layout.capacity))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], keys - k.shape[1],
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import _validation as V
 from cuflash import api, sim
 from cuflash.benchmarks import host
 from cuflash.kernels import plans
@@ -81,14 +82,39 @@ def test_a_repeated_decode_plans_once_per_length(planner_calls, no_launches):
     for _ in range(3):
         cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lengths, causal=True)
     assert planner_calls["forward"] == 1
-    # Another sequence's length changes, not the longest: the same plan. A longer longest: one more.
-    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([15, 20], np.int32),
-                                   causal=True)
-    assert planner_calls["forward"] == 1
-    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([15, 21], np.int32),
+    # Another sequence's length changes, not the longest: the same plan. A longer longest within the planned key
+    # extent (21 keys in use -> V.kvcache_key_extent 32): the same plan; past it: one more.
+    for lengths in ([15, 20], [15, 30], [31, 20]):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array(lengths, np.int32),
+                                       causal=True)
+        assert planner_calls["forward"] == 1, lengths
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([15, 32], np.int32),
                                    causal=True)
     assert planner_calls["forward"] == 2
     assert len(api.prepared_calls) == 1
+
+
+def test_a_growing_decode_plans_once_per_eighth_of_its_length(planner_calls, no_launches):
+    """A decode loop's caches gain a row per call, so its longest sequence grows every call; the plan is made for a
+    bound on it (V.kvcache_key_extent), so 512 steps from 1024 keys plan a handful of times, not 512."""
+    rng = np.random.default_rng(4)
+    q, k_cache, v_cache, k, v = _decode(rng, capacity=2048)
+    for used in range(1024, 1536):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array([5, used], np.int32),
+                                       causal=True)
+    # Keys 1025 .. 1536: extents 1152, 1280, 1408, 1536 (steps of 128 in [1024, 2048)).
+    assert planner_calls["forward"] == 4
+
+
+def test_the_key_extent_bounds_the_longest_sequence_within_an_eighth():
+    for capacity in (1, 100, 4096, 1 << 20):
+        previous = 0
+        for longest in range(0, min(capacity, 5000) + 1):
+            extent = V.kvcache_key_extent(longest, capacity)
+            assert longest <= extent <= capacity and extent >= previous  # a bound, within the caches, monotone
+            assert extent - longest < max(longest / 8, 16) or extent == capacity  # within an eighth (or 16)
+            previous = extent
+    assert V.kvcache_key_extent(0, 64) == 0  # no key: the no-launch case stays
 
 
 @pytest.mark.parametrize("change", ["shape", "strides", "dtype", "causal", "softmax_scale", "scale_type",

@@ -7,8 +7,8 @@ allocation, validation, planning and packing all still run and only the kernels 
 
 Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
-int32 cache_seqlens and one new k/v row appended), and the first three at a training shape (batch 4, seqlen 2048,
-32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
+int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended), and the first three
+at a training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
 nothing of that call cached yet), the median of warm calls after a warm-up (wall clock, and the thread's CPU time,
 which a loaded machine inflates less), the median of uncached calls (the API's prepared calls forgotten before
 each: a new signature in a warm process); and the Python function calls a warm call makes (counted with sys.setprofile).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -96,9 +97,12 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     k_cache, v_cache = k.copy(), v.copy()
     k_new = _random((b, 1, hk, d), f16, rng)
     v_new = _random((b, 1, hk, d), f16, rng)
-    cache_seqlens = np.full(b, n - 1, np.int32)  # the new row lands in the cache's last row every call
-    q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, cache_seqlens = (
-        place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, cache_seqlens))
+    # The caches gain a row per call, as in a decode loop: cache_seqlens runs through n/2 .. n-2 rows in use (arrays
+    # made beforehand, so the row times cuflash alone), then starts over. A decode's seqlen_k grows every step; the
+    # plan serves a range of it (V.kvcache_key_extent), and the row shows what a real decode step costs.
+    lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+    q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new = (
+        place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new))
     shape = f"batch {b}, seqlen_q 1, heads {h}/{hk}, d {d}, keys {n}, float16, causal"
     return [
         Case("attention", shape, lambda: cuflash.attention(q, k, v, causal=True), repeats),
@@ -106,9 +110,9 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
              lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True), repeats),
         Case("attention_varlen", shape,
              lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu_q, cu_k, causal=True), repeats),
-        Case("attention_with_kvcache", shape + ", cache_seqlens int32 array, 1 new k/v row",
+        Case("attention_with_kvcache", shape + ", cache_seqlens int32 array growing a row per call, 1 new k/v row",
              lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
-                                                    cache_seqlens=cache_seqlens, causal=True), repeats),
+                                                    cache_seqlens=next(lengths), causal=True), repeats),
     ]
 
 

@@ -100,11 +100,13 @@ def attention_with_kvcache(
     leftpad_known = cache_leftpad is None or leftpad is not None
     if lengths_known:
         V.check_kvcache_index_values(index, leftpad, used, layout)
-    # The grid's extent: the longest sequence's keys where known, else a bound on them (rows in use, the capacity).
+    # The grid's extent: a bound on the longest sequence's keys where known (V.kvcache_key_extent: one static call
+    # signature for many decode steps), else the capacity.
     if not lengths_known:
         seqlen_k = layout.capacity
     else:
-        seqlen_k = int((V.kvcache_keys(used, leftpad) if leftpad_known else used).max(initial=0))
+        longest = int((V.kvcache_keys(used, leftpad) if leftpad_known else used).max(initial=0))
+        seqlen_k = V.kvcache_key_extent(longest, layout.capacity)
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))

@@ -138,10 +138,25 @@ def test_the_call_solves_the_numpy_problem(page, nheads, seqlen_q, traced):
     problems = _forward_problems(step if traced else lambda *a: step(*a, lengths), *args)
     want, _ = cuflash._validation.check_kvcache(q, k_cache, v_cache, rows["k"], rows["v"], lengths, table,
                                                 causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
-    want = dataclasses.replace(want, num_splits=2, seqlen_k=CAPACITY if traced else want.seqlen_k)
+    # Concrete lengths plan for a bound on the longest sequence's keys, as the NumPy call does (its plans).
+    want = dataclasses.replace(want, num_splits=2, seqlen_k=CAPACITY if traced
+                               else cuflash._validation.kvcache_key_extent(want.seqlen_k, CAPACITY))
     folded = gqa_decode_fold(want)
     assert (folded is not None) == (seqlen_q == 1 and nheads > 2)
     assert problems == [folded or want]
+
+
+def test_a_growing_decode_keeps_its_call_signature():
+    """Concrete lengths growing a row per call (a decode loop outside jit) lower to one Problem per eighth of the
+    longest length (V.kvcache_key_extent), not one per call: each new static signature is a new lowering."""
+    q, k_cache, v_cache, rows, table = _inputs(np.float32, new=1, capacity=512)
+    problems = set()
+    for used in range(300, 400):
+        lengths = np.array([7, used], np.int32)
+        problems.update(_forward_problems(lambda q, k_cache, v_cache, rows: cfj.attention_with_kvcache(
+            q, k_cache, v_cache, **rows, cache_seqlens=lengths, causal=True), q, k_cache, v_cache, rows))
+    # Keys 301 .. 400: extents 320, 352, 384, 416 (steps of 32 in [256, 512)).
+    assert sorted(p.seqlen_k for p in problems) == [320, 352, 384, 416]
 
 
 def test_traced_lengths_below_capacity_equal_numpy():
