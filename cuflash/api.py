@@ -111,7 +111,7 @@ class Plan:
     def __init__(self, problem: Problem):
         self.problem = problem
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
-        self.programs: tuple[PreparedProgram, ...] | None = None  # one per column chunk of V
+        self.programs: ChunkPrograms | None = None  # (start, stop, program) per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
 
 
@@ -161,16 +161,19 @@ class Prepared:
             programs = []
             for start, stop in value_column_chunks(problem.headdim_v):
                 part = dataclasses.replace(problem, headdim_v=stop - start)
-                programs.append(PreparedProgram(planner(self.algorithm, part, backend.target), part, self.scale,
-                                                _value_columns(arrays, start, stop)))
+                programs.append((start, stop, PreparedProgram(planner(self.algorithm, part, backend.target), part,
+                                                              self.scale, _value_columns(arrays, start, stop))))
             plan.programs = programs = tuple(programs)
         if len(programs) == 1:
-            return dict(zip(programs[0].scratch_names, programs[0].run(backend, arrays)))
+            program = programs[0][2]
+            return dict(zip(program.scratch_names, program.run(backend, arrays)))
         return (_run_value_chunks_backward if backward else _run_value_chunks_forward)(backend, programs, arrays)
 
 
 # The tensors of V's width (AttentionParams' "V" fields: v, out, dout, dv), which a column chunk views.
 _VALUE_WIDTH = frozenset(VALUE_WIDTH_TENSORS)
+# A plan's programs: (start, stop, program) per column chunk of V.
+ChunkPrograms = tuple[tuple[int, int, PreparedProgram], ...]
 
 
 def _value_columns(arrays: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
@@ -178,37 +181,25 @@ def _value_columns(arrays: dict[str, Any], start: int, stop: int) -> dict[str, A
     return {name: x[..., start:stop] if name in _VALUE_WIDTH else x for name, x in arrays.items()}
 
 
-def _value_chunks(programs: tuple[PreparedProgram, ...]) -> list[tuple[int, int]]:
-    """The (start, stop) columns of each chunk's program, in order (their widths laid end to end)."""
-    chunks, start = [], 0
-    for program in programs:
-        stop = start + program.headdim_v
-        chunks.append((start, stop))
-        start = stop
-    return chunks
-
-
-def _run_value_chunks_forward(backend: Any, programs: tuple[PreparedProgram, ...],
-                              arrays: dict[str, Any]) -> dict[str, Any]:
+def _run_value_chunks_forward(backend: Any, programs: ChunkPrograms, arrays: dict[str, Any]) -> dict[str, Any]:
     """The forward chunk by chunk: each writes its columns of out (and the same lse: the softmax does not depend on
     V). Returns the first chunk's scratch."""
     scratch = None
-    for program, (start, stop) in zip(programs, _value_chunks(programs)):
+    for start, stop, program in programs:
         buffers = program.run(backend, _value_columns(arrays, start, stop))
         if scratch is None:
             scratch = dict(zip(program.scratch_names, buffers))
     return scratch
 
 
-def _run_value_chunks_backward(backend: Any, programs: tuple[PreparedProgram, ...],
-                               arrays: dict[str, Any]) -> dict[str, Any]:
+def _run_value_chunks_backward(backend: Any, programs: ChunkPrograms, arrays: dict[str, Any]) -> dict[str, Any]:
     """The backward chunk by chunk: each writes its columns of dv; dq and dk are the sums of the chunks' (the first
     chunk writes them, the others write partials added in float32 in chunk order: deterministic). Returns the
     first chunk's scratch with D = rowsum(dout * out) ("dout_dot_out", what the sinks' gradient reads) summed over
     the chunks."""
     xp = backend.xp
     scratch, partials = None, {"dq": [], "dk": []}
-    for i, (program, (start, stop)) in enumerate(zip(programs, _value_chunks(programs))):
+    for i, (start, stop, program) in enumerate(programs):
         part = _value_columns(arrays, start, stop)
         if i:
             for name in partials:

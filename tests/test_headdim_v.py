@@ -233,7 +233,8 @@ def test_tiles_hold_the_larger_dim():
 # Varlen and the KV cache.
 
 
-@pytest.mark.parametrize("dtype, pair", [("float32", (24, 40)), ("float16", (192, 128)), ("bfloat16", (40, 24))])
+@pytest.mark.parametrize("dtype, pair", [("float32", (24, 40)), ("float16", (192, 128)), ("bfloat16", (40, 24)),
+                                         ("float16", (64, 512))])  # the last: V in column chunks
 def test_varlen_matches_the_reference(dtype, pair):
     d, dv = pair
     rng = np.random.default_rng(5)
@@ -281,7 +282,8 @@ def _caches(dtype, pair, page, seed):
 
 
 @pytest.mark.parametrize("dtype, pair, page", [("float32", (40, 24), None), ("bfloat16", (192, 128), 16),
-                                               ("float16", (24, 72), None)])
+                                               ("float16", (24, 72), None), ("bfloat16", (64, 512), 16),
+                                               ("float16", (64, 512), None)])  # 64 / 512: V in column chunks
 def test_kvcache_appends_and_splits(dtype, pair, page):
     """The new rows land in each cache at its own width; one split and three give the reference's result."""
     q, k_cache, v_cache, k_new, v_new, lengths, table = _caches(dtype, pair, page, seed=9)
@@ -381,43 +383,6 @@ def test_wide_v_with_sinks_alibi_and_dropout():
     bref = tol.backward_references(dout, q, k, v, dropout_p=0.2, dropout_mask=keep, **options)
     for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
         tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
-
-
-def test_wide_v_varlen_matches_the_reference():
-    rng = np.random.default_rng(8)
-    cu_q, cu_k = np.array([0, 7, 7, 40], np.int32), np.array([0, 12, 20, 61], np.int32)
-    q = rng.standard_normal((40, 4, 64)).astype(np.float16)
-    k = rng.standard_normal((61, 2, 64)).astype(np.float16)
-    v = rng.standard_normal((61, 2, 512)).astype(np.float16)
-    dout = rng.standard_normal((40, 4, 512)).astype(np.float16)
-    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
-    assert out.shape == (40, 4, 512)
-    ref = tol.forward_references(q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
-    bref = tol.backward_references(dout, q, k, v, cu_seqlens=(cu_q, cu_k), causal=True)
-    for name, got in zip(("dq", "dk", "dv"), grads):
-        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype, page", [("bfloat16", 16), ("float16", None)])
-def test_wide_v_kvcache_appends_and_splits(dtype, page):
-    """The new rows land whole (all 512 columns of v); the folded GQA decode, one split and three, each chunk."""
-    q, k_cache, v_cache, k_new, v_new, lengths, table = _caches(dtype, (64, 512), page, seed=10)
-    for splits in (1, 3):
-        kc, vc = k_cache.copy(), v_cache.copy()
-        out, lse = cuflash.attention_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lengths,
-                                                  block_table=table, causal=True, num_splits=splits,
-                                                  return_lse=True)
-        assert out.shape == (*q.shape[:3], 512)
-        ref, low = (attention_with_kvcache_reference(q, kc, vc, lengths + 2, block_table=table, causal=True, dtype=dt)
-                    for dt in (np.float64, q.dtype))
-        tol.check_close(f"out ({splits} splits)", out, ref[0], low[0], tol.FORWARD_FACTOR)
-        tol.check_close(f"lse ({splits} splits)", lse, ref[1], low[1], tol.FORWARD_FACTOR)
-        if table is None:
-            for b in range(3):
-                assert np.array_equal(vc[b, lengths[b]:lengths[b] + 2], v_new[b])
 
 
 # ---------------------------------------------------------------------------

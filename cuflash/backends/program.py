@@ -53,7 +53,6 @@ class PreparedProgram:
 
     def __init__(self, program: Program, problem: Problem, softmax_scale: float, arrays: Mapping[str, Any]):
         self.program = program
-        self.headdim_v = problem.headdim_v  # the columns of V it reads (a chunk's, when V runs in chunks)
         self.inputs = tuple(arrays)
         strides = {name: element_strides(arrays[name]) for name in STRIDED_TENSORS if name in arrays}
         self._launches = tuple(plan for plan in program.launches if not plan.is_empty)

@@ -40,7 +40,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, Scratch, ceil_div
+from ..program import (CXX_ELEMENT_TYPES, MAX_KERNEL_HEADDIM_V, KernelInstance, LaunchPlan, Problem, Program,
+                       Scratch, ceil_div)
 from ..targets import TARGETS, Target
 
 NAME = "fa2"
@@ -52,6 +53,7 @@ MAX_KV_SPLITS = 128
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEADDIM = HEAD_DIMS[-1]
+assert MAX_HEADDIM == MAX_KERNEL_HEADDIM_V  # the V column chunks (program.value_column_chunks) fit the tiles
 
 # The most shared memory any target's block may have (sm_90: 227 KB); each plan checks its own target.
 MAX_DYNAMIC_SMEM = max(t.smem_per_block_bytes for t in TARGETS.values())
