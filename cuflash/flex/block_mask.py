@@ -418,13 +418,21 @@ def _on_the_host():
         return contextlib.nullcontext()
 
 
+def _q_blocks_per_chunk(batch: int, heads: int, seq_lengths: tuple[int, int], block_size: tuple[int, int]) -> int:
+    """How many q blocks create_block_mask evaluates at once: as many as _MAX_SCORES_PER_CHUNK values allow (each
+    block row is batch x heads x q x the keys rounded up to whole kv blocks), at least one, at most all."""
+    (q_len, kv_len), (bq, bkv) = seq_lengths, block_size
+    scores_per_block_row = batch * heads * bq * _ceil_div(kv_len, bkv) * bkv
+    return max(1, min(_ceil_div(q_len, bq), _MAX_SCORES_PER_CHUNK // scores_per_block_row))
+
+
 def _evaluate_block_states(mask_mod: Callable, batch: int, heads: int, seq_lengths: tuple[int, int],
                            block_size: tuple[int, int]) -> np.ndarray:
     """The (batch, heads, nq, nkv) block states of mask_mod, evaluated a chunk of whole q blocks at a time."""
     jnp = jax.numpy
     (q_len, kv_len), (bq, bkv) = seq_lengths, block_size
     nq, nkv = _ceil_div(q_len, bq), _ceil_div(kv_len, bkv)
-    blocks_per_chunk = max(1, min(nq, _MAX_SCORES_PER_CHUNK // (batch * heads * bq * nkv * bkv)))
+    blocks_per_chunk = _q_blocks_per_chunk(batch, heads, seq_lengths, block_size)
     rows_per_chunk = blocks_per_chunk * bq
     # mask_mod sees scalars: vmap it over kv_idx, q_idx, h and b (innermost first).
     visible_of = mask_mod

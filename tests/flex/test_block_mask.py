@@ -2,8 +2,8 @@
 
 * create_block_mask's block states and every list (partial and full, forward and transposed) equal a brute-force
   reading of the dense mask, for causal, document, prefix-LM, sliding-window and per-head masks, block sizes that
-  do and do not divide the lengths, Q_LEN != KV_LEN, and B / H broadcast; evaluating in many small chunks gives
-  the same mask as in one; pairs past the lengths in the last, ragged blocks count for nothing.
+  do and do not divide the lengths, Q_LEN != KV_LEN, and B / H broadcast. Pairs past the lengths, in the last
+  (ragged) blocks, count for nothing. Many small chunks give the same mask as one; a chunk's size is bounded.
 * tile_lists equals a brute-force reading of the mask blocks each kernel tile overlaps, for tiles smaller, larger
   and misaligned with the blocks; it never skips a tile with a visible pair, never calls full a tile with a
   hidden one, and is exact when tiles are whole blocks.
@@ -187,6 +187,18 @@ def test_chunked_evaluation_gives_the_same_mask(monkeypatch, scores_per_chunk):
     np.testing.assert_array_equal(chunked.to_dense(), whole.to_dense())
 
 
+@pytest.mark.parametrize("batch,heads,q_len,kv_len,block_size,blocks", [
+    (1, 1, 4096, 4096, 128, 32),                 # 32 x 128 x 4096 = 2**24: the whole mask at once
+    (1, 1, 131072, 131072, 128, 1),              # 128 x 131072 = 2**24 per block row: one at a time
+    (8, 32, 131072, 131072, 128, 1),             # a block row alone is over the budget: still one, not zero
+    (2, 4, 1 << 20, 1000, (64, 256), 32),        # 8 x 64 x 1024 (keys in whole kv blocks) = 2**19 per block row
+])
+def test_a_chunk_holds_a_bounded_number_of_mask_values(batch, heads, q_len, kv_len, block_size, blocks):
+    # Memory per chunk is O(block rows x KV_LEN), not O(Q_LEN x KV_LEN).
+    blocks_per_chunk = block_mask_module._q_blocks_per_chunk(batch, heads, (q_len, kv_len), block_size_pair(block_size))
+    assert blocks_per_chunk == blocks
+
+
 # -- kernel tiles -------------------------------------------------------------------------------------------------
 
 
@@ -304,6 +316,13 @@ def branches_in_python(b, h, q_idx, kv_idx):
     return True if q_idx >= kv_idx else False
 
 
+DOCUMENT_IDS = np.arange(64) // 8
+
+
+def indexes_numpy(b, h, q_idx, kv_idx):
+    return DOCUMENT_IDS[q_idx] == DOCUMENT_IDS[kv_idx]  # a NumPy array cannot take a traced index: jnp.asarray it
+
+
 def three_arguments(b, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -326,6 +345,7 @@ CAUSAL = causal(jnp, 0, 0)
     ((returns_vector, None, None, 64, 64), {}, TypeError, "mask_mod returns_vector must return a bool scalar"),
     ((three_arguments, None, None, 64, 64), {}, TypeError, r"mask_mod three_arguments must take 4 arguments"),
     ((branches_in_python, None, None, 64, 64), {}, TypeError, "mask_mod branches_in_python must be traceable"),
+    ((indexes_numpy, None, None, 64, 64), {}, TypeError, "mask_mod indexes_numpy must be traceable .* jax arrays"),
     (("causal", None, None, 64, 64), {}, TypeError, "mask_mod must be callable"),
 ])
 def test_create_block_mask_rejects_bad_arguments(args, kwargs, error, match):
