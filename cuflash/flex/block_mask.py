@@ -43,8 +43,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # What index lists hold past their count (every slot of kv_indices from kv_num_blocks on, and so on).
 UNUSED_SLOT = 0
 
-# The most (b, h, q, kv) mask values create_block_mask evaluates at once (one bool each, plus what mask_mod
-# computes per value): 2**24 keeps a chunk's working memory at tens of MB whatever the sequence lengths.
+# The most (b, h, q, kv) mask values create_block_mask evaluates at once: 2**24 bools are 16 MB, and what
+# mask_mod computes per value (a gathered document id: 4 bytes) a few times that, whatever the sequence lengths.
 _MAX_SCORES_PER_CHUNK = 1 << 24
 
 # __repr__ draws at most this many block rows and columns.

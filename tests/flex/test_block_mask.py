@@ -217,11 +217,6 @@ def brute_tile_states(states, seq_lengths, block_size, tile):
     return out
 
 
-def brute_pair_states(dense, tile):
-    """Per kernel tile, the state of its own (q, kv) pairs: what an exact, block-free reading would give."""
-    return brute_block_states(dense, tile)
-
-
 def tile_states_of(visits, columns):
     """The (B, H, rows, columns) tile states a TileVisits lists."""
     states = np.zeros(visits.counts.shape + (columns,), dtype=int)
@@ -249,7 +244,7 @@ def test_tile_lists_match_the_blocks_each_tile_overlaps(name, tile):
     np.testing.assert_array_equal(tile_states_of(lists.kv, nkvt), expected)
     np.testing.assert_array_equal(tile_states_of(lists.q, nqt), expected.swapaxes(-1, -2))
     # Conservative against the pairs themselves: no visible pair skipped, no hidden pair in a full tile.
-    exact = brute_pair_states(dense_mask(name, 200, 333), tile)
+    exact = brute_block_states(dense_mask(name, 200, 333), tile)  # each tile's own pairs, as if it were a block
     assert not ((exact != EMPTY) & (expected == EMPTY)).any()
     assert not ((exact != FULL) & (expected == FULL)).any()
     if tile[0] % 32 == 0 and tile[1] % 48 == 0:  # whole blocks: nothing to be conservative about
