@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._emit import SIDE_C_TYPE, EmitError, dtype_name
-from ._trace import arg_names, describe, emit_body, trace
+from ._trace import arg_names, check_result, describe, emit_body, trace
 
 # flex_mod.cuh's kMaxSides / kMaxSideDims.
 MAX_SIDES = 4
@@ -128,22 +128,25 @@ def _side_spec(label: str, what: str, name: str, value) -> SideSpec:
 
 def _traced(fn, kind: str) -> FlexMod:
     label = f"{kind}_mod {describe(fn)}"
-    jaxprs = {kind: trace(fn, kind)}
-    if kind == "score":
-        jaxprs["dscore"] = trace(fn, kind, derivative=True)
     values, specs, index_of = [], [], {}
-    side_of_const = {}
-    for which, closed in jaxprs.items():
-        side_of_const[which] = []
+    jaxprs, side_of_const = {}, {}
+
+    def collect(which: str, closed) -> None:
+        """The jaxpr's constants as side arrays (one side per captured array, whichever jaxprs hold it)."""
+        jaxprs[which], side_of_const[which] = closed, []
         for value, var in zip(closed.consts, closed.jaxpr.constvars):
             if id(value) not in index_of:
                 k = len(values)
-                spec = _side_spec(label, f"captured array #{k} ({dtype_name(var.aval.dtype)}{list(var.aval.shape)})",
-                                  f"side{k}", var.aval)
+                spec = _side_spec(label, f"captured array #{k}", f"side{k}", var.aval)
                 index_of[id(value)] = k
                 values.append(value)
                 specs.append(spec)
             side_of_const[which].append(index_of[id(value)])
+
+    collect(kind, trace(fn, kind))
+    check_result(jaxprs[kind], fn, kind)  # after the sides: a float64 capture would first show as a float64 result
+    if kind == "score":
+        collect("dscore", trace(fn, kind, derivative=True))
     if len(values) > MAX_SIDES:
         raise TypeError(f"{label} captures {len(values)} arrays; a mod reads at most {MAX_SIDES}")
     sides = [(s.dtype, s.shape) for s in specs]

@@ -54,8 +54,8 @@ def _check_arity(fn, kind: str) -> None:
 
 
 def trace(fn, kind: str, *, derivative: bool = False) -> ClosedJaxpr:
-    """The closed jaxpr of the mod (or of its derivative in score), checked: one scalar result of the right
-    dtype, no Python control flow on traced values."""
+    """The closed jaxpr of the mod (or of its derivative in score), checked for arity and for Python control
+    flow on traced values (check_result checks what it returns)."""
     label = f"{kind}_mod {describe(fn)}"
     _check_arity(fn, kind)
     target = jax.grad(fn, argnums=0) if derivative else fn
@@ -67,12 +67,16 @@ def trace(fn, kind: str, *, derivative: bool = False) -> ClosedJaxpr:
     except (jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError) as e:
         raise TypeError(f"{label} converts a traced value to a Python or NumPy value ({type(e).__name__}); "
                         "mods must stay in jax.numpy") from None
+    return closed
+
+
+def check_result(closed: ClosedJaxpr, fn, kind: str) -> None:
+    """One scalar result of the kind's dtype: float32 (score) or bool (mask)."""
     outs = closed.out_avals
     want = "float32" if kind == "score" else "bool"
     if len(outs) != 1 or tuple(outs[0].shape) != () or dtype_name(outs[0].dtype) != want:
         got = ", ".join(f"{dtype_name(a.dtype)}{list(a.shape)}" for a in outs) or "nothing"
-        raise TypeError(f"{label} returns {got}; a {kind}_mod returns one {want} scalar")
-    return closed
+        raise TypeError(f"{kind}_mod {describe(fn)} returns {got}; a {kind}_mod returns one {want} scalar")
 
 
 def _check_dtype(var, primitive: str) -> None:
