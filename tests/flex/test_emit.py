@@ -72,7 +72,7 @@ def arithmetic(score, b, h, q_idx, kv_idx):
     return (picked + jnp.sign(score) + jnp.floor(score / 3) + jnp.ceil(score / 7) + jnp.round(score / 2)
             + score ** 2 + score ** 3 - jnp.square(score) * 0.5 + saturated * 1e-9 + jnp.abs(score) ** -2
             + jax.lax.clamp(-1.0, score, 1.0) + jnp.maximum(score, 0.0) * jnp.minimum(score, -0.0)
-            + jax.nn.relu(score))
+            + jax.nn.relu(score) + score % 2.5 + score // 1.5 + jnp.where(jnp.isfinite(score), 1.0, 0.5))
 
 
 def gather_modes(score, b, h, q_idx, kv_idx):
@@ -113,6 +113,22 @@ def pow_mod(score, b, h, q_idx, kv_idx):
     return jnp.abs(score) ** 1.5
 
 
+def sin_mod(score, b, h, q_idx, kv_idx):
+    return jnp.sin(jnp.clip(score, -100.0, 100.0))
+
+
+def cos_mod(score, b, h, q_idx, kv_idx):
+    return jnp.cos(jnp.clip(score, -100.0, 100.0))
+
+
+def cbrt_mod(score, b, h, q_idx, kv_idx):
+    return jnp.cbrt(score)
+
+
+def atan2_mod(score, b, h, q_idx, kv_idx):
+    return jnp.arctan2(score, (q_idx - kv_idx).astype(jnp.float32))
+
+
 def document_mask(b, h, q_idx, kv_idx):
     return DOC_IDS[b, q_idx] == DOC_IDS[b, kv_idx]
 
@@ -137,7 +153,8 @@ EXACT_SCORE_MODS = [relative_bias, relative_bias_bf16, alibi, floor_div_mod, nar
 # near y = -1) turn those into many ulp of a small difference: they get an absolute tolerance.
 ULP_SCORE_MODS = [(softcap, 4, 4, 1e-6), (exp_mod, 2, 2, 0), (exp2_mod, 2, 2, 0), (log1p_mod, 2, 2, 0),
                   (log_mod, 2, 2, 0), (expm1_mod, 3, 3, 1e-6), (sqrt_mod, 2, 2, 0), (sigmoid_mod, 2, 4, 0),
-                  (pow_mod, 2, 2, 0)]
+                  (pow_mod, 2, 2, 0), (sin_mod, 2, 2, 0), (cos_mod, 2, 2, 0), (cbrt_mod, 2, 2, 0),
+                  (atan2_mod, 2, 2, 0)]
 MASK_MODS = [document_mask, prefix_lm, sliding_window_with_sinks, narrow_sides_mask]
 EXPERT_BIAS = jnp.asarray(RNG.randn(H, S).astype(np.float32))
 EXPERT = flex.cuda_mod("return score * 2.f + bias(h, kv_idx < 0 ? 0 : (kv_idx > 7 ? 7 : kv_idx));", {"bias": EXPERT_BIAS}, dscore="return 2.f;",
