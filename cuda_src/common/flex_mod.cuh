@@ -10,6 +10,9 @@
 //     static float score(float score, int b, int h, int q_idx, int kv_idx, const Sides& sides);
 //     static float dscore(float score, int b, int h, int q_idx, int kv_idx, const Sides& sides);  // d score / d score
 //     static bool mask(int b, int h, int q_idx, int kv_idx, const Sides& sides);               // mask mods
+//     static constexpr bool kHasSideGrads;  // score mods: whether side_grads exists; it adds g * d score / d side
+//     static void side_grads(float g, float score, int b, int h, int q_idx, int kv_idx, const Sides& sides,
+//                            const SideGrads& grads);
 //   };
 // (all __device__ __forceinline__). score is the scaled float32 score before softmax; h the query head.
 #pragma once
@@ -31,6 +34,11 @@ struct SideArray {
 };
 struct Sides {
   SideArray arrays[kMaxSides];
+};
+// Gradients to float side arrays (score mods traced with side_grads): one float32 array per side, contiguous
+// and row-major in the side's shape, that side_grads adds into atomically.
+struct SideGrads {
+  float* arrays[kMaxSides];
 };
 
 // What a side element of stored type T reads as: float for the float types, int for int32 (int8 / uint8

@@ -18,12 +18,18 @@ MAX_SIDES arrays of at most MAX_SIDE_DIMS dims). A primitive with no emission, P
 traced value, a wrong arity or a result that is not one float32 (score) / bool (mask) scalar raise a
 TypeError naming the mod (its __qualname__) and the primitive or argument, before any kernel runs.
 
+`trace_score_mod(fn, side_grads=True)` also emits `side_grads`, adding g * d score_mod / d side (g the upstream
+gradient of the modded score) into float32 gradient buffers of the float side arrays with atomic adds, from
+the jaxpr of jax.vjp (a gather's transpose is a scatter-add: an add at the clamped index, or none where
+fill mode drops it).
+
 `cuda_mod(source, sides, kind=...)` is the expert form: the function body in C++, side arrays by name.
 
 Calling convention (cuda_src/common/flex_mod.cuh): a FlexMod's `source` defines
 `cuflash::flex::mods::<struct_name>` with static __device__ functions
 `float score(float score, int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides)`,
-`float dscore(...)` (same parameters) or `bool mask(int b, int h, int q_idx, int kv_idx, const Sides&)`;
+`float dscore(...)` (same parameters), `void side_grads(float g, <score's parameters>, const SideGrads& grads)`
+or `bool mask(int b, int h, int q_idx, int kv_idx, const Sides&)`;
 a kernel takes the struct as a template argument and its params carry a `Sides` (`sides_struct` packs one)
 whose arrays[i] describes `FlexMod.kernel_side_values()[i]`. `FlexMod.cache_key` depends on the emitted
 source and the sides' dtypes and shapes only: a new bias value reuses the compiled kernel.

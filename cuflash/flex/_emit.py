@@ -3,7 +3,9 @@
 Every value of the jaxpr is either a small tensor of C scalar expressions (`_Tensor`: a scalar, or the
 few-element index vectors gathers take) or a window into a side array that has not been read yet
 (`_Window`: jnp indexing slices, squeezes and gathers it before one element is read, so a
-`bias[h, q_idx - kv_idx]` is one load, not a row of them). Each primitive is emitted with XLA's semantics
+`bias[h, q_idx - kv_idx]` is one load, not a row of them), or, in a vjp, a side's cotangent (`_Scattered`:
+zeros plus the windows a scatter-add / dynamic_update_slice / pad put values in, emitted as atomic adds
+into a gradient buffer). Each primitive is emitted with XLA's semantics
 in float32 / int32 (cuda_src/common/flex_mod.cuh has the helpers C operators lack); products use
 __fmul_rn so no compiler contracts a product and a sum into an FMA the jaxpr does not have.
 
@@ -71,6 +73,27 @@ class _Window:
         return self.sizes
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Values added into a window of a scattered array: window [starts, starts + sizes) per dim, `values`
+    row-major over it; nothing is added where `valid` (if set) is false."""
+
+    starts: tuple[str, ...]
+    sizes: tuple[int, ...]
+    values: tuple[str, ...]
+    valid: str | None = None
+
+
+@dataclass(frozen=True)
+class _Scattered:
+    """An array of zeros plus entries: the cotangent of a side array in a vjp (a gather's transpose is a
+    scatter-add, a dynamic_slice's a dynamic_update_slice into zeros). Emitted as atomic adds."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    entries: tuple[_Entry, ...] = ()
+
+
 def literal(value, dtype: str) -> str:
     """A C expression of exactly `value` in `dtype` (floats as hex literals: exact bits)."""
     if dtype == "bool":
@@ -94,6 +117,7 @@ class Emitter:
 
     sides: list[tuple[str, tuple[int, ...]]]
     statements: list[tuple[str, str, str]] = field(default_factory=list)  # (C type, name, expression)
+    effects: list[str] = field(default_factory=list)  # statements with side effects, in order (atomic adds)
     _count: itertools.count = field(default_factory=itertools.count)
 
     # ---- statements -------------------------------------------------------------------------
@@ -102,14 +126,34 @@ class Emitter:
         self.statements.append((_C_TYPE[dtype], name, expr))
         return name
 
-    def body(self, result: str, indent: str = "    ") -> str:
-        """The statements the result depends on (dead ones dropped), then the return."""
-        live, needed = [], set(re.findall(r"\bv\d+\b", result))
+    def body(self, result: str | None, indent: str = "    ") -> str:
+        """The statements the result and the effects depend on (dead ones dropped), the effects, then the
+        return (none for a void function: result None)."""
+        tail = [f"{indent}{e}" for e in self.effects] + ([f"{indent}return {result};"] if result is not None else [])
+        live, needed = [], set(re.findall(r"\bv\d+\b", "\n".join(tail)))
         for ctype, name, expr in reversed(self.statements):
             if name in needed:
                 live.append(f"{indent}const {ctype} {name} = {expr};")
                 needed |= set(re.findall(r"\bv\d+\b", expr))
-        return "\n".join([*reversed(live), f"{indent}return {result};"])
+        return "\n".join([*reversed(live), *tail])
+
+    def add_into(self, value, buffer: str, shape: tuple[int, ...], primitive: str) -> None:
+        """Effects adding `value` (a cotangent of `shape`) into the contiguous float32 array `buffer`."""
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        if isinstance(value, _Scattered):
+            for entry in value.entries:
+                for k, index in enumerate(itertools.product(*(range(n) for n in entry.sizes))):
+                    if _is_zero(entry.values[k]):
+                        continue
+                    terms = [f"static_cast<long long>({start}{f' + {i}' if i else ''}) * {stride}"
+                             for start, i, stride in zip(entry.starts, index, strides)]
+                    add = f"cuflash::arch::atomic_add({buffer} + ({' + '.join(terms) or '0'}), {entry.values[k]});"
+                    self.effects.append(f"if ({entry.valid}) {add}" if entry.valid else add)
+            return
+        t = self.read(value, primitive)
+        for k, e in enumerate(t.elems):
+            if not _is_zero(e):
+                self.effects.append(f"cuflash::arch::atomic_add({buffer} + {k}, {e});")
 
     # ---- values -------------------------------------------------------------------------------
     def side_window(self, side: int) -> _Window:
@@ -120,6 +164,10 @@ class Emitter:
         """The value as a tensor of scalars (a window's elements read from its side array)."""
         if isinstance(value, _Tensor):
             return value
+        if isinstance(value, _Scattered):
+            if value.entries or math.prod(value.shape) > MAX_ELEMENTS:
+                raise EmitError(primitive, "uses a scattered array (a side's cotangent) as a value")
+            return _Tensor(value.dtype, value.shape, (literal(0, value.dtype),) * math.prod(value.shape))
         w = value
         count = math.prod(w.sizes)
         if count > MAX_ELEMENTS:
@@ -146,6 +194,8 @@ class Emitter:
         structural = _STRUCTURAL.get(primitive)
         if structural is not None:
             return [structural(self, params, args, out_shape, out_dtype)]
+        if primitive in ("add", "add_any") and all(isinstance(a, _Scattered) for a in args):
+            return [_Scattered(out_dtype, out_shape, args[0].entries + args[1].entries)]
         rule = _ELEMENTWISE.get(primitive)
         if rule is None:
             raise EmitError(primitive, "is not a primitive cuflash.flex can emit")
@@ -359,6 +409,8 @@ def _slice(em, params, args, out_shape, out_dtype):
 
 def _squeeze(em, params, args, out_shape, out_dtype):
     (operand,) = args
+    if isinstance(operand, _Scattered):
+        return _scattered_to(operand, out_shape, _unit_reshape_dims(operand.shape, out_shape))
     if isinstance(operand, _Window):
         drop = {d % len(operand.sizes) for d in params["dimensions"]}
         keep = [i for i in range(len(operand.sizes)) if i not in drop]
@@ -380,6 +432,8 @@ def _reshape(em, params, args, out_shape, out_dtype):
     operand = args[0]
     if params.get("dimensions") not in (None, ()):
         raise EmitError("reshape", "reshapes with a transpose")
+    if isinstance(operand, _Scattered) and (dims := _unit_reshape_dims(operand.shape, out_shape)) is not None:
+        return _scattered_to(operand, out_shape, dims)
     if isinstance(operand, _Window):
         w = _reshape_window(operand, out_shape)
         if w is not None:
@@ -391,6 +445,10 @@ def _reshape(em, params, args, out_shape, out_dtype):
 def _broadcast_in_dim(em, params, args, out_shape, out_dtype):
     operand = args[0]
     dims = tuple(params["broadcast_dimensions"])
+    if isinstance(operand, _Tensor) and operand.shape == () and _is_zero(operand.elems[0]) and math.prod(out_shape) > 1:
+        return _Scattered(out_dtype, out_shape)  # zeros: what a cotangent is scattered into
+    if isinstance(operand, _Scattered) and math.prod(out_shape) == math.prod(operand.shape):
+        return _scattered_to(operand, out_shape, list(dims))
     if isinstance(operand, _Window) and math.prod(out_shape) == math.prod(operand.sizes) and dims == tuple(sorted(dims)):
         w = _reshape_window(operand, out_shape)
         if w is not None:
@@ -468,7 +526,100 @@ def _gather(em, params, args, out_shape, out_dtype):
     return replace(w, axes=tuple(axes), sizes=tuple(out_sizes))
 
 
+def _is_zero(expr: str) -> bool:
+    return expr in ("0", "false") or bool(re.fullmatch(r"\(?-?0x0\.0+p\+0f\)?", expr))
+
+
+def _scattered_to(sc: _Scattered, out_shape: tuple[int, ...], dims: list[int]) -> _Scattered:
+    """`sc` with its dim i moved to out dim dims[i] and unit dims around them (no element moves)."""
+    entries = []
+    for e in sc.entries:
+        starts, sizes = ["0"] * len(out_shape), [1] * len(out_shape)
+        for i, d in enumerate(dims):
+            if d is not None:
+                starts[d], sizes[d] = e.starts[i], e.sizes[i]
+        entries.append(replace(e, starts=tuple(starts), sizes=tuple(sizes)))
+    return _Scattered(sc.dtype, out_shape, tuple(entries))
+
+
+def _unit_reshape_dims(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int | None] | None:
+    """For a reshape that only adds or drops unit dims: the out dim of each dim (None: a dropped unit dim)."""
+    kept = [i for i, n in enumerate(shape) if n != 1]
+    out_kept = [d for d, n in enumerate(out_shape) if n != 1]
+    if [shape[i] for i in kept] != [out_shape[d] for d in out_kept]:
+        return None
+    dims: list[int | None] = [None] * len(shape)
+    for i, d in zip(kept, out_kept):
+        dims[i] = d
+    return dims
+
+
+def _dynamic_update_slice(em, params, args, out_shape, out_dtype):
+    operand, update, *starts = args
+    if not isinstance(operand, _Scattered) or operand.entries:
+        raise EmitError("dynamic_update_slice", "updates an array other than zeros (only a cotangent's scatter)")
+    starts = [f"cuflash::flex::clamp_index({_scalar_index(em, s, 'dynamic_update_slice')}, 0, {n - k})"
+              for s, n, k in zip(starts, operand.shape, update.shape)]
+    if isinstance(update, _Scattered):  # a cotangent scattered into a window, placed in the whole array
+        return _Scattered(out_dtype, out_shape, tuple(
+            replace(e, starts=tuple(f"({a} + {b})" if b != "0" else a for a, b in zip(starts, e.starts)))
+            for e in update.entries))
+    values = em.read(update, "dynamic_update_slice")
+    return _Scattered(out_dtype, out_shape, (_Entry(tuple(starts), tuple(values.shape), values.elems),))
+
+
+def _pad(em, params, args, out_shape, out_dtype):
+    """Zero padding without interior padding: a static slice's transpose (a cotangent placed in zeros)."""
+    operand, padding = args
+    config = [tuple(int(x) for x in c) for c in params["padding_config"]]
+    value = em.read(padding, "pad")
+    if not _is_zero(value.elems[0]) or any(lo < 0 or hi < 0 or interior for lo, hi, interior in config):
+        raise EmitError("pad", "pads with a value other than zero, negative or interior padding (only a static "
+                               "slice's transpose)")
+    starts = tuple(str(lo) for lo, _, _ in config)
+    if isinstance(operand, _Scattered):
+        return _Scattered(out_dtype, out_shape, tuple(
+            replace(e, starts=tuple(f"({a} + {b})" if a != "0" else b for a, b in zip(starts, e.starts)))
+            for e in operand.entries))
+    t = em.read(operand, "pad")
+    return _Scattered(out_dtype, out_shape, (_Entry(starts, tuple(t.shape), t.elems),))
+
+
+def _scatter_add(em, params, args, out_shape, out_dtype):
+    operand, indices, updates = args
+    dn = params["dimension_numbers"]
+    jaxpr = params.get("update_jaxpr")
+    if jaxpr is not None and [e.primitive.name for e in jaxpr.eqns] not in (["add"], ["add_any"]):
+        raise EmitError("scatter-add", "combines updates other than by adding")
+    if not isinstance(operand, _Scattered):
+        raise EmitError("scatter-add", "scatters into an array other than zeros (only a cotangent's scatter)")
+    if tuple(dn.operand_batching_dims) or tuple(dn.scatter_indices_batching_dims):
+        raise EmitError("scatter-add", "scatters with batching dimensions")
+    idx = em.read(indices, "scatter-add")
+    if math.prod(idx.shape[:-1]) != 1:
+        raise EmitError("scatter-add", "scatters several windows at once")
+    values = em.read(updates, "scatter-add")
+    window = [d for d in range(len(out_shape)) if d not in set(dn.inserted_window_dims)]
+    sizes = [1] * len(out_shape)
+    for d, u in zip(window, dn.update_window_dims):
+        sizes[d] = values.shape[u]
+    starts = ["0"] * len(out_shape)
+    for k, d in enumerate(dn.scatter_dims_to_operand_dims):
+        starts[d] = idx.elems[k]
+    valid = None
+    if "FILL" in str(params["mode"]).upper():  # FILL_OR_DROP: a window not wholly inside is dropped
+        checks = [f"({starts[d]} >= 0 && {starts[d]} <= {out_shape[d] - sizes[d]})"
+                  for d in dn.scatter_dims_to_operand_dims]
+        valid = em.bind("bool", " && ".join(checks)) if checks else None
+    else:  # CLIP (and PROMISE_IN_BOUNDS as XLA evaluates it): clamped into the operand
+        starts = [s if s == "0" else f"cuflash::flex::clamp_index({s}, 0, {n - k})"
+                  for s, n, k in zip(starts, out_shape, sizes)]
+    entry = _Entry(tuple(starts), tuple(sizes), values.elems, valid)
+    return _Scattered(out_dtype, out_shape, operand.entries + (entry,))
+
+
 _STRUCTURAL = {
+    "pad": _pad, "dynamic_update_slice": _dynamic_update_slice, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
     "dynamic_slice": _dynamic_slice, "slice": _slice, "squeeze": _squeeze, "reshape": _reshape,
     "broadcast_in_dim": _broadcast_in_dim, "concatenate": _concatenate, "gather": _gather,
 }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._emit import SIDE_C_TYPE, EmitError, dtype_name
-from ._trace import arg_names, check_result, describe, emit_body, trace
+from ._trace import arg_names, check_result, describe, emit_body, emit_side_grads, side_grads_jaxpr, trace
 
 # flex_mod.cuh's kMaxSides / kMaxSideDims.
 MAX_SIDES = 4
@@ -22,6 +22,7 @@ MAX_SIDE_DIMS = 4
 # Side dtypes, and what each travels to the kernel as (1-byte types widened: global loads move >= 2 bytes).
 SIDE_DTYPES = tuple(SIDE_C_TYPE)
 _STORED = {"bool": "int32", "int8": "int32", "uint8": "int32"}
+_FLOAT_SIDES = ("float32", "float16", "bfloat16")
 
 SIDE_ARRAY_DTYPE = np.dtype([("data", np.uint64), ("strides", np.int64, MAX_SIDE_DIMS),
                              ("shape", np.int32, MAX_SIDE_DIMS)])
@@ -57,6 +58,7 @@ class FlexMod:
     side_values: tuple
     has_dscore: bool
     cache_key: str
+    grad_sides: tuple[int, ...] = ()  # sides whose gradients side_grads adds (trace_score_mod(side_grads=True))
 
     @property
     def qualified_name(self) -> str:
@@ -87,6 +89,8 @@ def sides_struct(descriptors) -> np.ndarray:
     return out
 
 
+_GRADS_SIGNATURE = ("float g, float score, int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides, "
+                    "const cuflash::flex::SideGrads& grads")
 _SCORE_SIGNATURE = "float score, int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides"
 _MASK_SIGNATURE = "int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides"
 
@@ -96,23 +100,27 @@ def _function(ret: str, name: str, signature: str, params: tuple[str, ...], body
     return (f"  static __device__ __forceinline__ {ret} {name}({signature}) {{\n    {unused}\n{body}\n  }}\n")
 
 
-def _assemble(kind: str, name: str, bodies: dict[str, str], specs: list[SideSpec], values: list) -> FlexMod:
+def _assemble(kind: str, name: str, bodies: dict[str, str], specs: list[SideSpec], values: list,
+              grad_sides: tuple[int, ...] = ()) -> FlexMod:
     params = arg_names(kind)
     if kind == "score":
         members = _function("float", "score", _SCORE_SIGNATURE, params, bodies["score"])
         if "dscore" in bodies:
             members += _function("float", "dscore", _SCORE_SIGNATURE, params, bodies["dscore"])
+        if "side_grads" in bodies:
+            members += _function("void", "side_grads", _GRADS_SIGNATURE, ("g", *params, "grads"), bodies["side_grads"])
     else:
         members = _function("bool", "mask", _MASK_SIGNATURE, params, bodies["mask"])
     consts = f"  static constexpr int kSides = {len(specs)};\n"
     if kind == "score":
         consts += f"  static constexpr bool kHasDScore = {'true' if 'dscore' in bodies else 'false'};\n"
+        consts += f"  static constexpr bool kHasSideGrads = {'true' if 'side_grads' in bodies else 'false'};\n"
     template = "namespace cuflash::flex::mods {\nstruct @NAME@ {\n" + consts + members + "};\n}  // namespace cuflash::flex::mods\n"
     struct_name = "FlexMod_" + hashlib.sha256(template.encode()).hexdigest()[:16]
     source = template.replace("@NAME@", struct_name)
     key_text = source + "".join(f"|{s.name}:{s.dtype}:{s.shape}" for s in specs)
     return FlexMod(kind, name, struct_name, source, tuple(specs), tuple(values), "dscore" in bodies,
-                   hashlib.sha256(key_text.encode()).hexdigest()[:32])
+                   hashlib.sha256(key_text.encode()).hexdigest()[:32], tuple(grad_sides))
 
 
 def _side_spec(label: str, what: str, name: str, value) -> SideSpec:
@@ -126,7 +134,7 @@ def _side_spec(label: str, what: str, name: str, value) -> SideSpec:
     return SideSpec(name, dtype, shape)
 
 
-def _traced(fn, kind: str) -> FlexMod:
+def _traced(fn, kind: str, side_grads: bool = False) -> FlexMod:
     label = f"{kind}_mod {describe(fn)}"
     values, specs, index_of = [], [], {}
     jaxprs, side_of_const = {}, {}
@@ -157,12 +165,24 @@ def _traced(fn, kind: str) -> FlexMod:
         except EmitError as e:
             what = "its derivative in score" if which == "dscore" else "it"
             raise TypeError(f"{label}: {e.primitive} {e} (in {what})") from None
-    return _assemble(kind, describe(fn), bodies, specs, values)
+    grad_sides = ()
+    if side_grads:
+        closed = jaxprs[kind]
+        positions = [i for i, k in enumerate(side_of_const[kind]) if specs[k].dtype in _FLOAT_SIDES]
+        grad_sides = tuple(side_of_const[kind][i] for i in positions)
+        try:
+            bodies["side_grads"] = emit_side_grads(side_grads_jaxpr(closed, positions), side_of_const[kind],
+                                                   positions, sides)
+        except EmitError as e:
+            raise TypeError(f"{label}: {e.primitive} {e} (in its gradient to captured arrays)") from None
+    return _assemble(kind, describe(fn), bodies, specs, values, grad_sides)
 
 
-def trace_score_mod(fn) -> FlexMod:
-    """Trace `fn(score, b, h, q_idx, kv_idx) -> float32 score` (and its derivative in score) into C++."""
-    return _traced(fn, "score")
+def trace_score_mod(fn, *, side_grads: bool = False) -> FlexMod:
+    """Trace `fn(score, b, h, q_idx, kv_idx) -> float32 score` (and its derivative in score) into C++.
+    side_grads: also emit `side_grads(g, score, b, h, q_idx, kv_idx, sides, grads)`, adding g * d fn / d side
+    into float32 gradient buffers (flex_mod.cuh's SideGrads) of every float side (FlexMod.grad_sides)."""
+    return _traced(fn, "score", side_grads)
 
 
 def trace_mask_mod(fn) -> FlexMod:

@@ -14,7 +14,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from ._emit import _C_TYPE, EmitError, Emitter, _Tensor, dtype_name, literal
 
@@ -142,6 +142,41 @@ def _inner_const(value, var, primitive: str) -> _Tensor:
         raise EmitError(primitive, "holds an array constant inside a nested function (capture arrays at the top "
                                    "level of the mod)")
     return _literal_tensor(value, var.aval)
+
+
+def side_grads_jaxpr(closed: ClosedJaxpr, positions: list[int]) -> ClosedJaxpr:
+    """The jaxpr of (g, score, b, h, q_idx, kv_idx, *constants) -> the vjp of the score mod `closed` with
+    cotangent g, in the constants at `positions` (its float captured arrays), as jax.vjp transposes it."""
+    jaxpr = closed.jaxpr
+    opened = jaxpr_as_fun(ClosedJaxpr(jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars]), []))
+
+    def grads(g, score, b, h, q_idx, kv_idx, *consts):
+        def of_floats(*floats):
+            full = list(consts)
+            for position, value in zip(positions, floats):
+                full[position] = value
+            return opened(*full, score, b, h, q_idx, kv_idx)[0]
+
+        _, vjp = jax.vjp(of_floats, *(consts[p] for p in positions))
+        return vjp(g)
+
+    consts = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.constvars]
+    return jax.make_jaxpr(grads)(jax.ShapeDtypeStruct((), jnp.float32), *_in_avals("score"), *consts)
+
+
+def emit_side_grads(closed: ClosedJaxpr, side_of_const: list[int], positions: list[int],
+                    sides: list[tuple[str, tuple[int, ...]]]) -> str:
+    """Statements adding g * d score_mod / d side into grads.arrays[side] (float32, contiguous) with atomic
+    adds, for the sides of the constants at `positions`; `closed` is side_grads_jaxpr's."""
+    em = Emitter(sides)
+    args = [_Tensor(dtype_name(a.aval.dtype), (), (name,)) for a, name in zip(closed.jaxpr.invars, ("g", *SCORE_ARGS))]
+    windows = [em.side_window(k) for k in side_of_const]
+    inner = [_inner_const(c, v, "vjp") for c, v in zip(closed.consts, closed.jaxpr.constvars)]
+    outs = _eval(em, closed.jaxpr, inner, [*args, *windows])
+    for position, cotangent in zip(positions, outs):
+        side = side_of_const[position]
+        em.add_into(cotangent, f"grads.arrays[{side}]", sides[side][1], "side gradient")
+    return em.body(None)
 
 
 def emit_body(closed: ClosedJaxpr, side_of_const: list[int], sides: list[tuple[str, tuple[int, ...]]],

@@ -147,6 +147,23 @@ def narrow_sides_mask(b, h, q_idx, kv_idx):
     return ALLOWED[h, kv_idx] & ~((CODES_U8[kv_idx] - 3) > 200) | (CODES_I8[q_idx] * 2 < 0)
 
 
+def bias_and_slopes(bias, slopes):
+    def mod(score, b, h, q_idx, kv_idx):
+        filled = bias.at[h, q_idx * 3].get(mode="fill", fill_value=-7.0)
+        clipped = jnp.take(bias[h], q_idx + kv_idx * 2, mode="clip")
+        return jnp.tanh(score * slopes[h]) + bias[h, q_idx - kv_idx + L] * slopes[h] + filled + clipped
+    return mod
+
+
+def scaled_within_documents(scale, doc_ids):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * scale[h] + jnp.where(doc_ids[b, q_idx] == doc_ids[b, kv_idx], 0.0, scale[0] ** 2)
+    return mod
+
+
+# (factory, its arrays: the float ones get gradients)
+GRAD_MODS = {"bias_and_slopes": (bias_and_slopes, (BIAS, SLOPES)),
+             "scaled_within_documents": (scaled_within_documents, (SLOPES, DOC_IDS))}
 EXACT_SCORE_MODS = [relative_bias, relative_bias_bf16, alibi, floor_div_mod, narrow_dtypes, arithmetic, gather_modes]
 # (mod, ulp allowed for the value, for the derivative, absolute tolerance of the derivative). XLA's CPU
 # tanh and expm1 are a few ulp from glibc's; derivatives that cancel (softcap's 1 - tanh^2, expm1's y + 1
@@ -175,7 +192,8 @@ def _grid():
 SCORES, IDX = _grid()
 N = len(IDX)
 ARGS_DTYPE = np.dtype([("scores", np.uint64), ("idx", np.uint64), ("out", np.uint64), ("dout", np.uint64),
-                       ("n", np.int32), ("pad", np.int32), ("sides", flex.SIDES_DTYPE)])
+                       ("n", np.int32), ("pad", np.int32), ("sides", flex.SIDES_DTYPE),
+                       ("grads", np.uint64, flex.MAX_SIDES)])
 
 KERNELS = """
 namespace flextest {
@@ -187,6 +205,7 @@ struct Args {
   int n;
   int pad;
   cuflash::flex::Sides sides;
+  cuflash::flex::SideGrads grads;
 };
 using cuflash::arch::load;
 using cuflash::arch::store;
@@ -206,6 +225,15 @@ template <class Mod> __global__ void mask_kernel(const Args a) {
   const int b = load(a.idx + 4 * i), h = load(a.idx + 4 * i + 1), q = load(a.idx + 4 * i + 2), kv = load(a.idx + 4 * i + 3);
   store(a.out + i, Mod::mask(b, h, q, kv, a.sides) ? 1.f : 0.f);
 }
+
+// out holds the upstream gradient g of each point.
+template <class Mod> __global__ void side_grads_kernel(const Args a) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= a.n) return;
+  const float s = load(a.scores + i), g = load(a.out + i);
+  const int b = load(a.idx + 4 * i), h = load(a.idx + 4 * i + 1), q = load(a.idx + 4 * i + 2), kv = load(a.idx + 4 * i + 3);
+  Mod::side_grads(g, s, b, h, q, kv, a.sides, a.grads);
+}
 }  // namespace flextest
 """
 
@@ -217,6 +245,8 @@ def _nvrtc_kernel(mods) -> str:
         if m.kind == "score":
             calls.append(f"  out[{k}] = {m.qualified_name}::score(s, b, h, q, kv, a.sides)"
                          + (f" + {m.qualified_name}::dscore(s, b, h, q, kv, a.sides);" if m.has_dscore else ";"))
+            if m.grad_sides:
+                calls.append(f"  {m.qualified_name}::side_grads(s, s, b, h, q, kv, a.sides, a.grads);")
         else:
             calls.append(f"  out[{k}] = {m.qualified_name}::mask(b, h, q, kv, a.sides) ? 1.f : 0.f;")
     return ("namespace flextest {\n__global__ void all_mods_kernel(const Args a) {\n"
@@ -229,16 +259,22 @@ def built(tmp_path_factory):
     mods = {fn: flex.trace_score_mod(fn) for fn in [*EXACT_SCORE_MODS, *(m for m, *_ in ULP_SCORE_MODS)]}
     mods.update({fn: flex.trace_mask_mod(fn) for fn in MASK_MODS})
     mods["expert"] = EXPERT
+    for key, (factory, arrays) in GRAD_MODS.items():
+        mods[key] = flex.trace_score_mod(factory(*arrays), side_grads=True)
     unique = {m.struct_name: m for m in mods.values()}
     source = tmp_path_factory.mktemp("flex") / "flex_mods.cu"
     source.write_text('#include "arch/arch.cuh"\n#include "common/flex_mod.cuh"\n\n'
                       + "\n".join(m.source for m in unique.values()) + KERNELS + _nvrtc_kernel(list(unique.values())))
     instances = {k: KernelInstance(str(source), f"flextest::{m.kind}_kernel<{m.qualified_name}>") for k, m in mods.items()}
+    instances.update({("grads", k): KernelInstance(str(source), f"flextest::side_grads_kernel<{mods[k].qualified_name}>")
+                      for k in GRAD_MODS})
     sim.precompile(list(instances.values()), modes=("normal",))
     return source, mods, instances
 
 
-def _run(built, key):
+def _run(built, key, grads=None, g=None):
+    """Run mod `key`'s kernel on the grid: (out, dout); with `grads` (float32 buffers by side index), its
+    side_grads kernel with upstream gradients `g` instead."""
     source, mods, instances = built
     mod = mods[key]
     values = [np.ascontiguousarray(np.asarray(v)) for v in mod.kernel_side_values()]
@@ -250,7 +286,14 @@ def _run(built, key):
     args["scores"], args["idx"], args["out"], args["dout"], args["n"] = (
         scores.ctypes.data, idx.ctypes.data, out.ctypes.data, dout.ctypes.data, N)
     args["sides"] = flex.sides_struct(descriptors)
-    sim.launch(instances[key], (N + 127) // 128, 128, 0, args[()], [scores, idx, out, dout, *values])
+    buffers = [scores, idx, out, dout, *values]
+    if grads is not None:
+        out[:] = g
+        for side, buffer in grads.items():
+            args["grads"][side] = buffer.ctypes.data
+            buffers.append(buffer)
+        key = ("grads", key)
+    sim.launch(instances[key], (N + 127) // 128, 128, 0, args[()], buffers)
     return out, dout
 
 
@@ -323,6 +366,29 @@ def test_expert_mod_runs_its_source(built):
         want = SCORES * np.float32(2) + np.asarray(EXPERT_BIAS)[IDX[:, 1], np.clip(IDX[:, 3], 0, S - 1)]
     assert_bits_equal(out, want, "expert_bias")
     assert_bits_equal(dout, np.full(N, 2, np.float32), "expert_bias's dscore")
+
+
+@pytest.mark.parametrize("key", GRAD_MODS)
+def test_side_grads_add_what_jax_grad_gives_the_captured_float_arrays(built, key):
+    factory, arrays = GRAD_MODS[key]
+    mod = built[1][key]
+    floats = [k for k, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert mod.grad_sides == tuple(floats)
+    g = RNG.randn(N).astype(np.float32)
+    grads = {k: np.zeros(arrays[k].shape, np.float32) for k in floats}
+    _run(built, key, grads=grads, g=g)
+
+    def loss(*floats_in):
+        full = list(arrays)
+        for k, value in zip(floats, floats_in):
+            full[k] = value
+        b, h, q, kv = (jnp.asarray(IDX[:, c]) for c in range(4))
+        return jnp.sum(jnp.asarray(g) * jax.vmap(factory(*full))(jnp.asarray(SCORES), b, h, q, kv))
+
+    want = jax.grad(loss, argnums=tuple(range(len(floats))))(*(arrays[k] for k in floats))
+    for k, w in zip(floats, want):
+        assert np.any(grads[k] != 0)
+        np.testing.assert_allclose(grads[k], np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=f"{key}: side {k}")
 
 
 def test_emitted_code_compiles_with_nvrtc_for_sm_80(built):
