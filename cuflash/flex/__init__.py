@@ -12,6 +12,8 @@ exp, exp2, log, log1p, expm1, tanh, sqrt, rsqrt, logistic, pow, sign, floor, cei
 they capture (also traced ones, inside jax.jit) become side arrays the kernel reads through its params, and
 may be indexed with the scalar arguments (`bias[h, q_idx - kv_idx + L]`, `doc_ids[b, q_idx]`): jnp's
 index wrapping, dynamic_slice's clamping and gather's modes (clip, fill) behave as JAX evaluates them.
+Python numbers a mod captures, and concrete 0-d jax arrays (JAX inlines those), are constants of its code:
+a new value compiles anew; arrays of one or more dims (and any traced array) are sides.
 Each primitive is emitted with XLA's float32 / int32 semantics, one rounding per primitive (no FMA the
 jaxpr does not have). Side dtypes: float32, float16, bfloat16, int32, bool, int8, uint8 (at most
 MAX_SIDES arrays of at most MAX_SIDE_DIMS dims). A primitive with no emission, Python control flow on a

@@ -118,6 +118,7 @@ class Emitter:
     sides: list[tuple[str, tuple[int, ...]]]
     statements: list[tuple[str, str, str]] = field(default_factory=list)  # (C type, name, expression)
     effects: list[str] = field(default_factory=list)  # statements with side effects, in order (atomic adds)
+    _reads: dict = field(default_factory=dict)  # window -> its tensor: a window used twice is loaded once
     _count: itertools.count = field(default_factory=itertools.count)
 
     # ---- statements -------------------------------------------------------------------------
@@ -169,6 +170,8 @@ class Emitter:
                 raise EmitError(primitive, "uses a scattered array (a side's cotangent) as a value")
             return _Tensor(value.dtype, value.shape, (literal(0, value.dtype),) * math.prod(value.shape))
         w = value
+        if w in self._reads:
+            return self._reads[w]
         count = math.prod(w.sizes)
         if count > MAX_ELEMENTS:
             raise EmitError(primitive, f"reads {count} elements of a captured array at once (at most {MAX_ELEMENTS}: "
@@ -185,7 +188,8 @@ class Emitter:
             if w.valid is not None:
                 load = f"({w.valid} ? {load} : {w.fill})"
             elems.append(self.bind(w.dtype, load))
-        return _Tensor(w.dtype, w.sizes, tuple(elems))
+        self._reads[w] = _Tensor(w.dtype, w.sizes, tuple(elems))
+        return self._reads[w]
 
     # ---- the primitives --------------------------------------------------------------------------
     def apply(self, primitive: str, params: dict, args: list, out_avals: list) -> list:
