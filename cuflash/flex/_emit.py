@@ -348,10 +348,10 @@ _ELEMENTWISE = {
     "select_n": _select_n, "convert_element_type": _convert,
     "copy": lambda ops, dtypes, out, params: ops[0], "copy_p": lambda ops, dtypes, out, params: ops[0],
 }
-# Primitives whose result needs no rounding / wrapping to its dtype (it is one of the operands, or converted
-# by the rule itself, or bool).
+# Primitives whose result needs no rounding / wrapping to its dtype: it is one of the operands, converted by
+# the rule itself, bool, or a bitwise and / or / xor of in-range values (not ~: ~ of a uint8 is negative).
 _EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge",
-                 "is_finite", "max", "min", "clamp", "and", "or", "xor", "not"}
+                 "is_finite", "max", "min", "clamp", "and", "or", "xor"}
 
 
 # ---- structural primitives: shapes, slicing, indexing ---------------------------------------------

@@ -143,8 +143,8 @@ def sliding_window_with_sinks(b, h, q_idx, kv_idx):
 
 
 def narrow_sides_mask(b, h, q_idx, kv_idx):
-    # bool, int8 (wrapping product) and uint8 (wrapping difference) sides
-    return ALLOWED[h, kv_idx] & ~((CODES_U8[kv_idx] - 3) > 200) | (CODES_I8[q_idx] * 2 < 0)
+    # bool, int8 (wrapping product) and uint8 (wrapping difference, bitwise not) sides
+    return ALLOWED[h, kv_idx] & ~((CODES_U8[kv_idx] - 3) > 200) | (CODES_I8[q_idx] * 2 < 0) & (~CODES_U8[q_idx] > 100)
 
 
 def bias_and_slopes(bias, slopes):
