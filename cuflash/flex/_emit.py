@@ -408,7 +408,8 @@ def _slice(em, params, args, out_shape, out_dtype):
     starts = tuple(int(s) for s in params["start_indices"])
     if isinstance(operand, _Window):
         return _window_slice(operand, [str(s) for s in starts], out_shape, clamp=False)
-    return _tensor(operand, out_dtype, out_shape, lambda ix: _tensor_at(operand, tuple(a + i for a, i in zip(starts, ix))))
+    return _tensor(operand, out_dtype, out_shape,
+                   lambda ix: _tensor_at(operand, tuple(a + i for a, i in zip(starts, ix))))
 
 
 def _squeeze(em, params, args, out_shape, out_dtype):

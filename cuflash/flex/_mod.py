@@ -115,7 +115,8 @@ def _assemble(kind: str, name: str, bodies: dict[str, str], specs: list[SideSpec
     if kind == "score":
         consts += f"  static constexpr bool kHasDScore = {'true' if 'dscore' in bodies else 'false'};\n"
         consts += f"  static constexpr bool kHasSideGrads = {'true' if 'side_grads' in bodies else 'false'};\n"
-    template = "namespace cuflash::flex::mods {\nstruct @NAME@ {\n" + consts + members + "};\n}  // namespace cuflash::flex::mods\n"
+    template = ("namespace cuflash::flex::mods {\nstruct @NAME@ {\n" + consts + members
+                + "};\n}  // namespace cuflash::flex::mods\n")
     struct_name = "FlexMod_" + hashlib.sha256(template.encode()).hexdigest()[:16]
     source = template.replace("@NAME@", struct_name)
     key_text = source + "".join(f"|{s.name}:{s.dtype}:{s.shape}" for s in specs)

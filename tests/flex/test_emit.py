@@ -174,7 +174,8 @@ ULP_SCORE_MODS = [(softcap, 4, 4, 1e-6), (exp_mod, 2, 2, 0), (exp2_mod, 2, 2, 0)
                   (atan2_mod, 2, 2, 0)]
 MASK_MODS = [document_mask, prefix_lm, sliding_window_with_sinks, narrow_sides_mask]
 EXPERT_BIAS = jnp.asarray(RNG.randn(H, S).astype(np.float32))
-EXPERT = flex.cuda_mod("return score * 2.f + bias(h, kv_idx < 0 ? 0 : (kv_idx > 7 ? 7 : kv_idx));", {"bias": EXPERT_BIAS}, dscore="return 2.f;",
+EXPERT = flex.cuda_mod("return score * 2.f + bias(h, kv_idx < 0 ? 0 : (kv_idx > 7 ? 7 : kv_idx));",
+                       {"bias": EXPERT_BIAS}, dscore="return 2.f;",
                        name="expert_bias")
 
 
