@@ -288,6 +288,13 @@ __forceinline__ float __fdividef(float x, float y) {
   if (ay > 8.50705917e+37f && ay < INFINITY) return std::isinf(x) ? NAN : 0.f;
   return x / y;
 }
+// __fmul_rn: a product rounded on its own, never contracted into an FMA (the kernels build with
+// -ffp-contract=fast; the empty asm hides the product from the contraction, as CUDA documents the intrinsic).
+__forceinline__ float __fmul_rn(float a, float b) {
+  float p = a * b;
+  asm("" : "+x"(p));
+  return p;
+}
 __forceinline__ float rsqrtf(float x) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(x))); }
 __forceinline__ long long clock64() { return static_cast<long long>(__builtin_ia32_rdtsc()); }
 
