@@ -69,6 +69,17 @@ struct Cell {
   uint32_t a_epoch;
   uint32_t f_block;  // 1 + linear block index of a cp.async in flight to this byte; 0: none
   uint16_t f_tid;    // its issuing thread
+  bool r_mapped;     // every read since the last write is in RaceState::reads (exact per reader)
+  uint32_t w_clock;  // the writer's vector-clock clock at the write
+  uint32_t w_fences;  // the writer's fence.proxy.async count at the write (a generic-proxy write)
+};
+
+// One thread's latest read of a byte since its last write (reads in program order: the latest covers
+// the earlier ones, as epoch, warp generation and clock only grow).
+struct ReadEntry {
+  uint16_t tid;
+  uint32_t gen;
+  uint32_t clock;
 };
 
 constexpr uintptr_t kChunkBytes = 4096;
@@ -92,6 +103,8 @@ struct RaceState {
   std::vector<GlobalShadow> globals;
   std::vector<Cell> shared;
   uint32_t shared_block = 0;  // the block whose accesses the shared cells hold
+  // In blocks with vector clocks: each cell's reads since its last write, by reader (Cell::r_mapped).
+  std::unordered_map<const Cell*, std::vector<ReadEntry>> reads;
 };
 
 RaceState g_race;  // one worker runs every block of a race-mode launch
@@ -108,12 +121,13 @@ struct Access {
   unsigned lane;
 };
 
-bool ordered_after(const Access& a, uint32_t block, uint32_t epoch, uint32_t gen, uint16_t tid) {
+bool ordered_after(const Access& a, uint32_t block, uint32_t epoch, uint32_t gen, uint16_t tid, uint32_t clock) {
   if (block != a.block) return false;  // different blocks of one launch: never ordered
   if (epoch != a.epoch) return true;   // a __syncthreads() came between
   if (tid == a.tid) return true;       // program order
-  if ((tid >> 5) != a.warp) return false;
-  return a.fiber->joint_gen[tid & 31] > gen;  // a __syncwarp naming both lanes came after
+  if ((tid >> 5) == a.warp && a.fiber->joint_gen[tid & 31] > gen) return true;  // a __syncwarp naming both lanes
+  // An mbarrier or named-barrier chain: this thread acquired a release that thread `tid` made after the access.
+  return tid < a.fiber->vc.size() && a.fiber->vc[tid] >= clock;
 }
 
 std::string thread_name(const Access& a, uint32_t block_plus_one, uint16_t tid, bool global) {
@@ -147,6 +161,8 @@ std::string thread_name(const Access& a, uint32_t block_plus_one, uint16_t tid, 
     text += " with no __syncthreads() or __syncwarp() naming both lanes in between";
   else
     text += " with no __syncthreads() in between";
+  if (other_block == a.block && a.worker->vector_clocks)
+    text += ", nor an mbarrier or named-barrier handoff ordering them";
   fail_current(text);
 }
 
@@ -168,7 +184,7 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
            c.f_tid, global);
   }
   // Against the last plain write.
-  if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid))
+  if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid, c.w_clock))
     report(a, where, offset, is_write, "wrote it", c.w_block, c.w_tid, global);
   // Against atomics (plain accesses only; atomics never race with each other).
   if (!is_atomic && c.a_block != 0) {
@@ -188,6 +204,10 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
   if (is_write && c.r_block != 0) {
     if (c.r_block == kMultiple || c.r_block != a.block) {
       report(a, where, offset, is_write, "read it", c.r_block == kMultiple ? a.block : c.r_block, c.r_tid, global);
+    } else if (c.r_epoch == a.epoch && c.r_mapped) {
+      for (const ReadEntry& r : g_race.reads[&c])
+        if (!ordered_after(a, c.r_block, c.r_epoch, r.gen, r.tid, r.clock))
+          report(a, where, offset, is_write, "read it", c.r_block, r.tid, global);
     } else if (c.r_epoch == a.epoch) {
       if (c.r_warp == kMultipleWarps || c.r_warp != a.warp) {
         report(a, where, offset, is_write, "read it", c.r_block, c.r_tid, global);
@@ -217,11 +237,30 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
     c.w_epoch = a.epoch;
     c.w_gen = a.gen;
     c.w_tid = a.tid;
+    c.w_clock = a.fiber->clock;
+    c.w_fences = a.fiber->proxy_fences;
     c.r_block = 0;
     return;
   }
-  // Record the read.
-  if (c.r_block == 0 || (c.r_block == a.block && c.r_epoch != a.epoch)) {
+
+  // Record the read. Blocks with vector clocks also keep every reader of the cell (the summary cannot
+  // say which readers a release ordered): a summary started then is exact (r_mapped), one started
+  // before keeps only its summary form.
+  const bool starts = c.r_block == 0 || (c.r_block == a.block && c.r_epoch != a.epoch);
+  if (starts) c.r_mapped = a.worker->vector_clocks;
+  if (c.r_mapped) {
+    std::vector<ReadEntry>& readers = g_race.reads[&c];
+    if (starts) readers.clear();
+    bool known = false;
+    for (ReadEntry& r : readers) {
+      if (r.tid != a.tid) continue;
+      r.gen = a.gen;
+      r.clock = a.fiber->clock;
+      known = true;
+    }
+    if (!known) readers.push_back(ReadEntry{a.tid, a.gen, a.fiber->clock});
+  }
+  if (starts) {
     c.r_block = a.block;
     c.r_epoch = a.epoch;
     c.r_warp = a.warp;
@@ -313,7 +352,11 @@ void race_launch_end(Launch*) {
   g_race.launch = nullptr;
 }
 
-void race_block_begin(Worker* w) { w->epoch = ++g_race.epoch_counter; }
+void race_block_begin(Worker* w) {
+  w->epoch = ++g_race.epoch_counter;
+  w->vector_clocks = false;
+  g_race.reads.clear();
+}
 
 void race_barrier_complete(Worker* w) { w->epoch = ++g_race.epoch_counter; }
 
@@ -352,7 +395,53 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
     c.w_epoch = a.epoch;
     c.w_gen = a.gen;
     c.w_tid = a.tid;
+    c.w_clock = issuer->clock;
+    c.w_fences = issuer->proxy_fences;
     c.r_block = 0;
+  }
+}
+
+void race_release(Fiber* f, std::vector<uint32_t>& into) {
+  Worker* w = f->worker;
+  w->vector_clocks = true;
+  const size_t n = w->fibers.size();
+  if (into.size() < n) into.resize(n, 0);
+  for (size_t t = 0; t < f->vc.size(); ++t)
+    if (f->vc[t] > into[t]) into[t] = f->vc[t];
+  if (f->clock > into[f->index]) into[f->index] = f->clock;
+  ++f->clock;  // accesses after the release are not covered by it
+}
+
+void race_acquire(Fiber* f, const std::vector<uint32_t>& from) {
+  if (f->vc.size() < from.size()) f->vc.resize(from.size(), 0);
+  for (size_t t = 0; t < from.size(); ++t)
+    if (from[t] > f->vc[t]) f->vc[t] = from[t];
+}
+
+void fence_proxy_async() {
+  if (Fiber* f = fiber_on_this_stack()) ++f->proxy_fences;
+}
+
+void race_async_proxy_read(uintptr_t address, unsigned bytes) {
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  Worker* w = f->worker;
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
+  const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
+  if (address < smem || address + bytes > smem_end)
+    fail_current(format("async-proxy read of %u bytes at 0x%" PRIxPTR " outside the block's dynamic shared memory", bytes,
+                        address));
+  on_access(address, bytes, false, false);  // ordered after the writes like any read
+  const uint32_t block = static_cast<uint32_t>(w->block_linear + 1);
+  for (uintptr_t p = address; p < address + bytes; ++p) {
+    const Cell& c = g_race.shared[p - smem];
+    if (c.w_block != block) continue;
+    if (w->fibers[c.w_tid].proxy_fences > c.w_fences) continue;
+    const Access a = access_of(f);
+    fail_current(format("async-proxy read of shared byte offset %" PRIuPTR " (a wgmma or TMA operand) without a "
+                        "fence.proxy.async: %s wrote it with an ordinary (generic-proxy) store and has executed no "
+                        "fence.proxy.async since, so the async proxy may read stale bytes",
+                        p - smem, thread_name(a, block, c.w_tid, false).c_str()));
   }
 }
 
