@@ -49,7 +49,7 @@ def handoff(mode_value, rounds=3):
     return x, out
 
 
-@pytest.mark.parametrize("variant", [0, 4])
+@pytest.mark.parametrize("variant", [0, 4, 5])
 def test_producer_consumer_handoff_through_mbarriers(mode, variant):
     x, out = handoff(variant)
     assert out.tolist() == [x[32 * (i // 32) + (i % 32 + 1) % 32] for i in range(out.size)]
@@ -169,6 +169,15 @@ def test_consumer_without_the_wait_races(mode):
     with pytest.raises(sim.KernelError, match=r"data race on shared memory byte offset 16: this thread writes it, "
                                               r"thread \(63,0,0\) read it .*nor an mbarrier or named-barrier handoff"):
         handoff(1)
+
+
+def test_elected_arrival_without_syncwarp_races(mode):
+    if mode != "race":
+        pytest.skip("race mode only")
+    handoff(5)  # the clean twin: __syncwarp, then the elected lane arrives for the warp
+    with pytest.raises(sim.KernelError, match=r"data race on shared memory byte offset 20: this thread reads it, "
+                                              r"thread \(1,0,0\) wrote it"):
+        handoff(6)
 
 
 def test_named_barrier_without_the_sync_races(mode):

@@ -178,6 +178,9 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
 // the thread's vector clock into `into` and ticks the thread's clock; an acquire joins `from` into it.
 void race_release(Fiber* f, std::vector<uint32_t>& into);
 void race_acquire(Fiber* f, const std::vector<uint32_t>& from);
+// From the block's first mbarrier.init on, __syncwarp also joins its lanes' clocks (a write, __syncwarp,
+// then one lane's arrive is a chain), so accesses before it are ordered after by clocks, not only by generation.
+void race_enable_vector_clocks(Worker* w);
 #endif
 
 #if CUFLASH_SIM_PROFILE

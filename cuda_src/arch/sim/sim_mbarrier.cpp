@@ -153,6 +153,7 @@ void mbarrier_init(const Site& site, uint64_t* bar, unsigned arrivals) {
   b->idle_polls = 0;
   b->init_site = site;
 #if CUFLASH_SIM_RACE
+  race_enable_vector_clocks(w);
   b->current_vc.assign(w->fibers.size(), 0);
   b->completed_vc.assign(w->fibers.size(), 0);
 #endif

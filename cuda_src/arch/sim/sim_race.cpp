@@ -105,6 +105,7 @@ struct RaceState {
   uint32_t shared_block = 0;  // the block whose accesses the shared cells hold
   // In blocks with vector clocks: each cell's reads since its last write, by reader (Cell::r_mapped).
   std::unordered_map<const Cell*, std::vector<ReadEntry>> reads;
+  std::vector<uint32_t> syncwarp_vc;  // scratch: the join of a __syncwarp's lanes
 };
 
 RaceState g_race;  // one worker runs every block of a race-mode launch
@@ -368,7 +369,19 @@ void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask) {
     for (unsigned m = 0; m < 32; ++m)
       if (mask >> m & 1u) f.joint_gen[m] = gen;
   }
+  // With vector clocks a __syncwarp is also a release and acquire among its lanes, so a chain such as
+  // "every lane writes, __syncwarp, one elected lane arrives on an mbarrier" orders every lane's write.
+  if (w->vector_clocks) {
+    std::vector<uint32_t>& joined = g_race.syncwarp_vc;
+    joined.assign(w->fibers.size(), 0);
+    for (unsigned l = 0; l < 32; ++l)
+      if (mask >> l & 1u) race_release(&w->fibers[warp * 32 + l], joined);
+    for (unsigned l = 0; l < 32; ++l)
+      if (mask >> l & 1u) race_acquire(&w->fibers[warp * 32 + l], joined);
+  }
 }
+
+void race_enable_vector_clocks(Worker* w) { w->vector_clocks = true; }
 
 void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address, bytes, true, true); }
 

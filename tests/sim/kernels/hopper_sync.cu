@@ -28,7 +28,9 @@ using arch::store;
 // a.mode 1: the consumer does not wait for `full` (a race); 2: the producer announces 4 bytes per lane
 // that never arrive (a deadlock); 3: each consumer arrives twice on `empty`, so its phase completes with
 // half the consumers and the producer refills the buffer while the others read it (a race); 4: correct,
-// with every consumer lane reading the whole buffer (many readers per byte, each ordered by its arrival).
+// with every consumer lane reading the whole buffer (many readers per byte, each ordered by its arrival);
+// 5: correct, `full` counts one arrival: the producer warp's writes, a __syncwarp, one elected lane arrives;
+// 6: the same without the __syncwarp (the other lanes' writes are not ordered before the arrival: a race).
 __global__ void __launch_bounds__(64) handoff_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(64) handoff_kernel(const Args a) {
   const int t = threadIdx.x;
   const int lane = t & 31;
   if (t == 0) {
-    arch::mbarrier_init(full, 32);
+    arch::mbarrier_init(full, a.mode >= 5 ? 1 : 32);
     arch::mbarrier_init(empty, 32);
     arch::fence_mbarrier_init();
   }
@@ -48,7 +50,10 @@ __global__ void __launch_bounds__(64) handoff_kernel(const Args a) {
     if (t < 32) {
       arch::mbarrier_wait(empty, (k & 1) ^ 1);  // round 0: the phase before the first counts as complete
       buffer[lane] = load(in + 32 * k + lane);
-      if (a.mode == 2)
+      if (a.mode >= 5) {  // the warp's writes reach the consumers through one elected arrival
+        if (a.mode == 5) __syncwarp();
+        if (arch::elect_one_sync()) arch::mbarrier_arrive(full);
+      } else if (a.mode == 2)
         arch::mbarrier_arrive_expect_tx(full, 4);
       else
         arch::mbarrier_arrive(full);
