@@ -187,7 +187,7 @@ def test_named_barrier_without_the_sync_races(mode):
         named(8)
 
 
-@pytest.mark.parametrize("bug", [1, 2])
+@pytest.mark.parametrize("bug", [1, 2, 3])
 def test_async_proxy_read_needs_the_writers_fence(mode, bug):
     out = np.zeros(32, np.float32)
     launch("async_proxy_kernel", 32, smem=512, out0=out, mode=0)  # every writer fenced: clean
@@ -195,7 +195,9 @@ def test_async_proxy_read_needs_the_writers_fence(mode, bug):
     if mode != "race":
         launch("async_proxy_kernel", 32, smem=512, out0=out, mode=bug)  # the other modes do not model proxies
         return
-    writer = 0 if bug == 1 else 1  # thread 0 fenced in bug 2, so the first unfenced byte is thread 1's
+    # Thread 0 reads. In bug 2 it fenced; in bug 3 its own fence precedes its read in program order: either way
+    # its own bytes are fine, and the first unfenced byte is thread 1's.
+    writer = 0 if bug == 1 else 1
     with pytest.raises(sim.KernelError, match=rf"async-proxy read of shared byte offset {16 * writer} \(a wgmma or "
                                               rf"TMA operand\) without a fence.proxy.async: thread \({writer},0,0\) "
                                               r"wrote it with an ordinary"):

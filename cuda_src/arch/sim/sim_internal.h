@@ -65,7 +65,13 @@ struct Fiber {
   // latest clock of thread t this thread has acquired, empty until its first acquire.
   uint32_t clock;
   std::vector<uint32_t> vc;
-  uint32_t proxy_fences;  // fence.proxy.async count
+  // Each fence.proxy.async of this thread, in order, as the moment a later access must be ordered after.
+  struct ProxyFence {
+    uint32_t epoch;
+    uint32_t gen;
+    uint32_t clock;
+  };
+  std::vector<ProxyFence> proxy_fences;
 #endif
 };
 

@@ -15,6 +15,8 @@
 //     - a __syncthreads() between them (same block: the barrier epoch changed),
 //     - for lanes of one warp, a completed __syncwarp() that named both lanes and
 //       came after the earlier access.
+//     - a chain of mbarrier arrive -> wait, named-barrier arrive -> completion (and, from the block's
+//       first mbarrier.init, __syncwarp) between them: vector clocks, below.
 //   Accesses of different blocks of one launch are never ordered (global memory).
 //   arch::atomic_add does not race with other atomics, but does with plain accesses.
 //   A cp.async destination is written at issue and in flight until the issuing thread's
@@ -32,6 +34,30 @@
 // generation, so a write is accepted only after a __syncwarp that follows all those
 // reads and names every reader: stricter than exact in one unusual pattern (readers
 // synchronized with the writer by different, interleaved __syncwarp calls).
+//
+// Vector clocks (FastTrack style, beside the epoch and generation rules, which stay the fast paths):
+// each thread has a clock, ticked at each release, and a vector clock vc (its knowledge of the others'
+// clocks; empty until its first acquire). A release (mbarrier arrive or complete_tx, a named-barrier
+// arrival, a __syncwarp in a block with mbarriers) joins the thread's vc and own clock into the
+// synchronization object (the mbarrier's current phase, the barrier instance, the __syncwarp's lanes)
+// and ticks the clock; an acquire (a wait observing the phase complete, the named barrier completing
+// for a bar.sync, the __syncwarp) joins the object's clock into the thread's vc. A cell keeps its
+// writer's clock at the write: a later access by t is ordered after it when t.vc[writer] >= that clock.
+// Reads: in blocks that never release through these objects the summary above is kept, unchanged. In a
+// block that does, the summary cannot tell which of several readers a release ordered (the usual
+// consumer pattern: many warps read a stage, each arrives, the producer waits and refills it), so a
+// summary started after the block's first release is exact instead: each reader's latest read
+// (warp generation and clock, in a side map keyed by cell); the latest read of one reader covers its
+// earlier ones, as epoch, generation and clock only grow along program order, so keeping one entry per
+// reader is sound, and it is exact. A summary started before that first release keeps its old form
+// (conservative: at worst a false report, never a missed race).
+//
+// The async proxy: a cell also keeps its writer's fence.proxy.async count at the write (every write the
+// hooks see, cp.async landings included, is a generic-proxy write), and each thread keeps its fences as
+// moments (epoch, warp generation, clock; the fence ticks the clock). race_async_proxy_read (the operand
+// reads of the wgmma and TMA-store twins) fails on a byte unless the writer's first fence after the write
+// is ordered before the read by the rules above (a fence after the barrier that orders the read does not
+// count), and is otherwise checked as an ordinary read.
 //
 // Blocks run one at a time (one worker) in this mode, so the shadow needs no locks.
 // The first race ends the launch with a KernelError naming both threads.
@@ -239,7 +265,7 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
     c.w_gen = a.gen;
     c.w_tid = a.tid;
     c.w_clock = a.fiber->clock;
-    c.w_fences = a.fiber->proxy_fences;
+    c.w_fences = static_cast<uint32_t>(a.fiber->proxy_fences.size());
     c.r_block = 0;
     return;
   }
@@ -409,7 +435,7 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
     c.w_gen = a.gen;
     c.w_tid = a.tid;
     c.w_clock = issuer->clock;
-    c.w_fences = issuer->proxy_fences;
+    c.w_fences = static_cast<uint32_t>(issuer->proxy_fences.size());
     c.r_block = 0;
   }
 }
@@ -432,7 +458,11 @@ void race_acquire(Fiber* f, const std::vector<uint32_t>& from) {
 }
 
 void fence_proxy_async() {
-  if (Fiber* f = fiber_on_this_stack()) ++f->proxy_fences;
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  const Access a = access_of(f);
+  f->proxy_fences.push_back(Fiber::ProxyFence{a.epoch, a.gen, f->clock});
+  ++f->clock;  // accesses after the fence are not covered by it (a release carrying this clock would say so)
 }
 
 void race_async_proxy_read(uintptr_t address, unsigned bytes) {
@@ -445,16 +475,21 @@ void race_async_proxy_read(uintptr_t address, unsigned bytes) {
     fail_current(format("async-proxy read of %u bytes at 0x%" PRIxPTR " outside the block's dynamic shared memory", bytes,
                         address));
   on_access(address, bytes, false, false);  // ordered after the writes like any read
-  const uint32_t block = static_cast<uint32_t>(w->block_linear + 1);
+  const Access a = access_of(f);
   for (uintptr_t p = address; p < address + bytes; ++p) {
     const Cell& c = g_race.shared[p - smem];
-    if (c.w_block != block) continue;
-    if (w->fibers[c.w_tid].proxy_fences > c.w_fences) continue;
-    const Access a = access_of(f);
+    if (c.w_block != a.block) continue;
+    // The writer's first fence after the write must be ordered before this read.
+    const std::vector<Fiber::ProxyFence>& fences = w->fibers[c.w_tid].proxy_fences;
+    if (c.w_fences < fences.size()) {
+      const Fiber::ProxyFence& first = fences[c.w_fences];
+      if (ordered_after(a, a.block, first.epoch, first.gen, c.w_tid, first.clock)) continue;
+    }
     fail_current(format("async-proxy read of shared byte offset %" PRIuPTR " (a wgmma or TMA operand) without a "
-                        "fence.proxy.async: %s wrote it with an ordinary (generic-proxy) store and has executed no "
-                        "fence.proxy.async since, so the async proxy may read stale bytes",
-                        p - smem, thread_name(a, block, c.w_tid, false).c_str()));
+                        "fence.proxy.async: %s wrote it with an ordinary (generic-proxy) store and no "
+                        "fence.proxy.async of that thread after the write is ordered before this read, so the "
+                        "async proxy may read stale bytes",
+                        p - smem, thread_name(a, a.block, c.w_tid, false).c_str()));
   }
 }
 

@@ -459,7 +459,7 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   memset(f.joint_gen, 0, sizeof f.joint_gen);
   f.clock = 1;
   f.vc.clear();
-  f.proxy_fences = 0;
+  f.proxy_fences.clear();
 #endif
   // First frame, as switch_stack pops it: x87 CW, MXCSR, r15..r12, rbx, rbp, return address.
   // sp0 + 72 (the trampoline's %rsp) must be 16-byte aligned for its call.

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(64) elect_kernel(const Args a) {
 // Each thread writes 4 floats of a 512-byte tile with ordinary stores; after a barrier, thread 0 hands the
 // tile to the async proxy (as a wgmma or TMA store reads its shared operand). a.mode 0: every writer
 // fences (fence.proxy.async) before the barrier; 1: no fence (an error in race mode); 2: only thread 0
-// fences (the other writers' bytes are unfenced).
+// fences (the other writers' bytes are unfenced); 3: every writer fences after the barrier (too late).
 __global__ void __launch_bounds__(32) async_proxy_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   float* tile = reinterpret_cast<float*>(smem);
@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(32) async_proxy_kernel(const Args a) {
   for (int i = 0; i < 4; ++i) tile[4 * t + i] = static_cast<float>(4 * t + i);
   if (a.mode == 0 || (a.mode == 2 && t == 0)) arch::fence_proxy_async();
   __syncthreads();
+  if (a.mode == 3) arch::fence_proxy_async();  // too late: the barrier before it ordered the read
 #if !CUFLASH_GPU
   if (t == 0) cuflash::sim::race_async_proxy_read(reinterpret_cast<uintptr_t>(tile), 512);
 #endif
