@@ -180,6 +180,17 @@ def test_elected_arrival_without_syncwarp_races(mode):
         handoff(6)
 
 
+def test_use_of_an_mbarrier_not_ordered_after_its_init(mode):
+    if mode != "race":
+        handoff(7)  # the fibers happen to run the init first: only race mode sees the missing ordering
+        return
+    with pytest.raises(sim.KernelError, match=r"mbarrier_wait \(hopper_sync.cu:\d+:\d+\): uses the mbarrier at "
+                                              r"shared byte offset 8, which thread \(0,0,0\) initialized at "
+                                              r"mbarrier.init \(hopper_sync.cu:\d+:\d+\), with nothing ordering"
+                                              r"(.|\n)*thread \(1,0,0\)"):
+        handoff(7)
+
+
 def test_named_barrier_without_the_sync_races(mode):
     if mode != "race":
         pytest.skip("only race mode sees a read that no barrier orders after the write")
@@ -202,3 +213,32 @@ def test_async_proxy_read_needs_the_writers_fence(mode, bug):
                                               rf"TMA operand\) without a fence.proxy.async: thread \({writer},0,0\) "
                                               r"wrote it with an ordinary"):
         launch("async_proxy_kernel", 32, smem=512, out0=out, mode=bug)
+
+
+# ---- the other modes: the twins' blocking (fiber switches) under ASan, named barriers as profile sync points ----
+
+
+def _asan_scenarios() -> list[str]:
+    sim.precompile([inst("handoff_kernel"), inst("named_barrier_kernel")], modes=("asan",))
+    with sim.checking("asan"):
+        _, out = handoff(0)
+        x, named_out = named(0)
+        try:
+            handoff(2)
+            deadlock = "none"
+        except sim.KernelError as error:
+            deadlock = str(error).splitlines()[0]
+    return [sim.current_mode(), str(out[:4].tolist()), str(named_out[:2].tolist()), deadlock]
+
+
+def test_twins_under_asan():
+    mode, out, named_out, deadlock = sim.run_in_asan_subprocess(_asan_scenarios)
+    assert mode == "asan" and out == "[1.0, 2.0, 3.0, 4.0]" and named_out == "[2.0, 4.0]"
+    assert deadlock == "deadlock: no thread of the block can proceed:"
+
+
+def test_named_barrier_in_profile_mode():
+    sim.precompile([inst("named_barrier_kernel")], modes=("profile",))
+    with sim.checking("profile"):
+        x, out = named(0)
+    assert out.tolist() == [2 * x[(i + 1) % 64] for i in range(64)]

@@ -187,6 +187,8 @@ void race_acquire(Fiber* f, const std::vector<uint32_t>& from);
 // From the block's first mbarrier.init on, __syncwarp also joins its lanes' clocks (a write, __syncwarp,
 // then one lane's arrive is a chain), so accesses before it are ordered after by clocks, not only by generation.
 void race_enable_vector_clocks(Worker* w);
+RaceMoment race_moment(Fiber* f);                         // the running fiber's moment now
+bool race_ordered_after(Fiber* f, const RaceMoment& m);  // is f's next access ordered after m?
 #endif
 
 #if CUFLASH_SIM_PROFILE

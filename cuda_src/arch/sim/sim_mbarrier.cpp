@@ -23,6 +23,7 @@
 //   bytes); a tx-count outside +-(2^20 - 1); a tx-count below zero when no arrival is pending (more
 //   bytes completed than expected: the phase can never complete). A tx-count may go below zero while
 //   arrivals are pending (complete_tx may precede the matching expect_tx, as the ISA allows).
+//   Race mode: a use by another thread not ordered after the init (no __syncthreads in between).
 //   Deadlock: when no thread of the block can run, the launch fails naming each waiting thread's
 //   barrier (shared byte offset), phase, pending arrivals and tx bytes. A polling loop around the
 //   non-blocking form cannot block, so kPollLimit consecutive failed polls of one object with no change
@@ -70,6 +71,14 @@ Mbarrier& object_at(const Site& site, const uint64_t* bar) {
   if (b == nullptr)
     fail_current(format("%s: no initialized mbarrier at shared byte offset %" PRIuPTR " (mbarrier.init must come first)",
                         describe_site(site).c_str(), at - base));
+#if CUFLASH_SIM_RACE
+  // Another thread's init is visible only through an ordering (a __syncthreads after it, as a rule).
+  if (!race_ordered_after(current_fiber(), b->init_moment))
+    fail_current(format("%s: uses the mbarrier at shared byte offset %u, which %s initialized at %s, with nothing "
+                        "ordering the init before this use (a __syncthreads after mbarrier.init)",
+                        describe_site(site).c_str(), b->offset, describe_thread(w, b->init_moment.tid).c_str(),
+                        describe_site(b->init_site).c_str()));
+#endif
   return *b;
 }
 
@@ -154,6 +163,7 @@ void mbarrier_init(const Site& site, uint64_t* bar, unsigned arrivals) {
   b->init_site = site;
 #if CUFLASH_SIM_RACE
   race_enable_vector_clocks(w);
+  b->init_moment = race_moment(f);
   b->current_vc.assign(w->fibers.size(), 0);
   b->completed_vc.assign(w->fibers.size(), 0);
 #endif
@@ -296,6 +306,11 @@ void named_barrier(const Site& site, unsigned id, unsigned threads, bool wait) {
 #if CUFLASH_SIM_RACE
     if (wait) race_acquire(f, n.vc);
     n.vc.assign(n.vc.size(), 0);
+#endif
+#if CUFLASH_SIM_PROFILE
+    // Every live lane of each participating warp passed its accesses before the barrier (.aligned).
+    for (unsigned wp = 0; wp < w->num_warps; ++wp)
+      if (n.arrived_lanes[wp] != 0) profile_warp_synchronized(w, wp);
 #endif
     n.expected = 0;
     n.counted = 0;

@@ -409,6 +409,16 @@ void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask) {
 
 void race_enable_vector_clocks(Worker* w) { w->vector_clocks = true; }
 
+RaceMoment race_moment(Fiber* f) {
+  const Access a = access_of(f);
+  return RaceMoment{a.epoch, a.gen, f->clock, a.tid};
+}
+
+bool race_ordered_after(Fiber* f, const RaceMoment& m) {
+  const Access a = access_of(f);
+  return ordered_after(a, a.block, m.epoch, m.gen, m.tid, m.clock);
+}
+
 void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address, bytes, true, true); }
 
 void race_access(uintptr_t address, unsigned bytes, bool is_write) { on_access(address, bytes, is_write, false); }

@@ -9,6 +9,15 @@
 
 namespace cuflash::sim {
 
+// A moment of a thread's execution, as race mode orders them (sim_race.cpp): the block's __syncthreads
+// epoch, the warp's __syncwarp generation, the thread's vector-clock clock.
+struct RaceMoment {
+  uint32_t epoch;
+  uint32_t gen;
+  uint32_t clock;
+  uint16_t tid;
+};
+
 // One mbarrier object. The PTX ISA makes its 64 bits opaque, so the twin keeps the state here, in a
 // per-block side table keyed by the object's byte offset in shared memory (cleared at block start);
 // the 8 shared bytes themselves are never read or written.
@@ -23,6 +32,7 @@ struct Mbarrier {
   uint32_t idle_polls;
   Site init_site;
 #if CUFLASH_SIM_RACE
+  RaceMoment init_moment;  // every later use by another thread must be ordered after the init
   // Happens-before (sim_race.cpp): the join of the vector clocks of the current phase's arrivals
   // (the releases), and of the last completed phase's, which a wait observing it acquires.
   std::vector<uint32_t> current_vc;

@@ -30,7 +30,8 @@ using arch::store;
 // half the consumers and the producer refills the buffer while the others read it (a race); 4: correct,
 // with every consumer lane reading the whole buffer (many readers per byte, each ordered by its arrival);
 // 5: correct, `full` counts one arrival: the producer warp's writes, a __syncwarp, one elected lane arrives;
-// 6: the same without the __syncwarp (the other lanes' writes are not ordered before the arrival: a race).
+// 6: the same without the __syncwarp (the other lanes' writes are not ordered before the arrival: a race);
+// 7: no __syncthreads between thread 0's inits and the other threads' first uses.
 __global__ void __launch_bounds__(64) handoff_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(64) handoff_kernel(const Args a) {
     arch::mbarrier_init(empty, 32);
     arch::fence_mbarrier_init();
   }
-  __syncthreads();
+  if (a.mode != 7) __syncthreads();
   const float* in = static_cast<const float*>(a.in0);
   float* out = static_cast<float*>(a.out0);
   for (int k = 0; k < a.n; ++k) {
