@@ -26,8 +26,9 @@
 //   Race mode: a use by another thread not ordered after the init (no __syncthreads in between).
 //   Deadlock: when no thread of the block can run, the launch fails naming each waiting thread's
 //   barrier (shared byte offset), phase, pending arrivals and tx bytes. A polling loop around the
-//   non-blocking form cannot block, so kPollLimit consecutive failed polls of one object with no change
-//   to it are reported as the same deadlock.
+//   non-blocking form cannot block: kLonePollLimit failed polls of one object with no change to it
+//   while no other thread of the block can run are a deadlock, and so are kPollLimit such polls while
+//   others can (threads polling each other's barriers).
 //
 // Named barriers
 //   bar.sync / bar.arrive id, threads: id 1..15 (0 is the barrier of __syncthreads, which the simulator
@@ -49,7 +50,11 @@ namespace {
 
 constexpr uint32_t kMaxArrivals = (1u << 20) - 1;
 constexpr int32_t kMaxTx = (1 << 20) - 1;
-constexpr uint32_t kPollLimit = 1u << 16;
+// Failed polls of one object with no change to it, taken for a deadlock: when no other thread of the block can
+// run (the polling thread alone could still change it, so not at the first failed poll), and when the threads
+// that can run keep polling too.
+constexpr uint32_t kLonePollLimit = 1024;
+constexpr uint32_t kPollLimit = 1u << 22;
 
 uintptr_t smem_base(const Worker* w) { return reinterpret_cast<uintptr_t>(w->view.smem); }
 
@@ -228,10 +233,19 @@ bool mbarrier_try_wait_parity(const Site& site, uint64_t* bar, unsigned parity) 
 #endif
     return true;
   }
-  if (++b.idle_polls >= kPollLimit)
-    fail_current(format("deadlock: %s polled %u times with mbarrier_try_wait_parity for parity %u with no change to "
-                        "%s", describe_site(site).c_str(), kPollLimit, parity, describe_state(b).c_str()));
-  run_others(f->worker, f);
+  Worker* w = f->worker;
+  bool others_can_run = false;
+  for (const Fiber& other : w->fibers) others_can_run = others_can_run || (&other != f && other.state == FiberState::kRunnable);
+  ++b.idle_polls;
+  if (!others_can_run && b.idle_polls >= kLonePollLimit)
+    fail_current(format("deadlock: %s polled %u times for parity %u of %s while no other thread of the block can "
+                        "run, so the phase can never complete", describe_site(site).c_str(), b.idle_polls, parity,
+                        describe_state(b).c_str()));
+  if (b.idle_polls >= kPollLimit)
+    fail_current(format("deadlock: %s polled %u times for parity %u with no change to %s (the threads that can "
+                        "run are polling too)", describe_site(site).c_str(), kPollLimit, parity,
+                        describe_state(b).c_str()));
+  run_others(w, f);
   return false;
 }
 
