@@ -16,12 +16,19 @@
 //   - async copies:      cp_async<bytes>    (zero-filling or whole), cp_async_commit, cp_async_wait<n>
 //                                           (cp.async.{ca,cg}, groups)
 //   - 16-bit packing:    pack_float2<T>     (cvt.rn.{f16x2,bf16x2}.f32), smem_address (cvta to shared)
+//   - Hopper sync:       mbarrier_init / arrive / arrive_expect_tx / expect_tx / complete_tx /
+//                        try_wait_parity / wait, fence_mbarrier_init, fence_proxy_async,
+//                        named_barrier_sync / arrive (bar.sync / bar.arrive), elect_one_sync (sm_90a)
 #pragma once
 
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
 #define CUFLASH_GPU 1
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#if defined(__CUDACC_RTC__)
+// NVRTC has no <stdint.h>; the mbarrier wrappers take the 64-bit object as uint64_t*, as CUDA code spells it.
+typedef unsigned long long uint64_t;
+#endif
 // Shared memory is only dynamic: one byte array per block, sized by the launch plan.
 #define CUFLASH_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #else
@@ -247,6 +254,117 @@ __forceinline__ unsigned pack_float2(float lo, float hi) {
   else
     return sim::float_to_half_bits(lo) | static_cast<unsigned>(sim::float_to_half_bits(hi)) << 16;
 }
+
+#endif  // CUFLASH_GPU
+
+// ---- Hopper synchronization: mbarrier, named barriers, elect.sync, proxy fences -------------------
+// One PTX instruction each (sm_90a; emitted only where a kernel calls them, so sm_80 kernels never see
+// them). The simulator's twins are in sim/sim_mbarrier.h and sim/sim_mbarrier.cpp (the README's
+// section "Hopper synchronization"); tests/test_arch_hopper_sync.py checks each wrapper's SASS. An
+// mbarrier is a 64-bit object in shared memory; `bar` points at it.
+
+#if CUFLASH_GPU
+
+// mbarrier.init.shared::cta.b64: expected arrivals per phase (1 .. 2^20 - 1), phase 0, tx-count 0.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
+}
+// Makes the initializations visible to the other threads (and the async proxy): before they use the objects.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival (release semantics): mbarrier.arrive.shared::cta.b64.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+// Raises the phase's transaction count by `bytes`, then one arrival: mbarrier.arrive.expect_tx.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// Raises the transaction count without arriving: mbarrier.expect_tx.
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// Lowers the transaction count by `bytes` (what a TMA copy does as its bytes land): mbarrier.complete_tx.
+__device__ __forceinline__ void mbarrier_complete_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// True when the phase of parity `phase` (the current one or the one before it) has completed; may give up
+// after a hardware time limit: mbarrier.try_wait.parity.
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, unsigned phase) {
+  unsigned done;
+  asm volatile(
+      "{\n .reg .pred complete;\n mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, complete;\n}"
+      : "=r"(done)
+      : "r"(smem_address(bar)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+// Waits until the phase of parity `phase` has completed (acquire): try_wait.parity in a loop.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned phase) {
+  asm volatile(
+      "{\n .reg .pred complete;\n wait_for_phase:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 complete, [%0], %1;\n @!complete bra wait_for_phase;\n}" ::"r"(
+          smem_address(bar)),
+      "r"(phase)
+      : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory writes before its later async-proxy accesses
+// (a wgmma or TMA store reading them): fence.proxy.async.shared::cta.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// bar.sync id, threads: waits until `threads` threads (a multiple of 32) arrived at barrier `id` (1 .. 15).
+__device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// bar.arrive id, threads: arrives at barrier `id` without waiting.
+__device__ __forceinline__ void named_barrier_arrive(unsigned id, unsigned threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// True in exactly one lane of the (whole, converged) warp: elect.sync _|P, 0xffffffff.
+__device__ __forceinline__ bool elect_one_sync() {
+  unsigned elected;
+  asm volatile(
+      "{\n .reg .pred leader;\n elect.sync _|leader, 0xffffffff;\n selp.u32 %0, 1, 0, leader;\n}"
+      : "=r"(elected));
+  return elected != 0;
+}
+
+#else  // the simulator: the twins of sim/sim_mbarrier.h, with the kernel's call site.
+
+__forceinline__ void mbarrier_init(uint64_t* bar, unsigned arrivals, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_init(CUFLASH_SIM_SITE("mbarrier.init"), bar, arrivals);
+}
+__forceinline__ void fence_mbarrier_init() { sim::fence_mbarrier_init(); }
+__forceinline__ void mbarrier_arrive(uint64_t* bar, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_arrive(CUFLASH_SIM_SITE("mbarrier.arrive"), bar, false, 0);
+}
+__forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_arrive(CUFLASH_SIM_SITE("mbarrier.arrive.expect_tx"), bar, true, bytes);
+}
+__forceinline__ void mbarrier_expect_tx(uint64_t* bar, unsigned bytes, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_expect_tx(CUFLASH_SIM_SITE("mbarrier.expect_tx"), bar, bytes);
+}
+__forceinline__ void mbarrier_complete_tx(uint64_t* bar, unsigned bytes, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_complete_tx(CUFLASH_SIM_SITE("mbarrier.complete_tx"), bar, bytes);
+}
+__forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, unsigned phase, CUFLASH_SIM_SITE_PARAMS) {
+  return sim::mbarrier_try_wait_parity(CUFLASH_SIM_SITE("mbarrier.try_wait.parity"), bar, phase);
+}
+__forceinline__ void mbarrier_wait(uint64_t* bar, unsigned phase, CUFLASH_SIM_SITE_PARAMS) {
+  sim::mbarrier_wait_parity(CUFLASH_SIM_SITE("mbarrier_wait"), bar, phase);
+}
+__forceinline__ void fence_proxy_async() { sim::fence_proxy_async(); }
+__forceinline__ void named_barrier_sync(unsigned id, unsigned threads, CUFLASH_SIM_SITE_PARAMS) {
+  sim::named_barrier(CUFLASH_SIM_SITE("bar.sync"), id, threads, true);
+}
+__forceinline__ void named_barrier_arrive(unsigned id, unsigned threads, CUFLASH_SIM_SITE_PARAMS) {
+  sim::named_barrier(CUFLASH_SIM_SITE("bar.arrive"), id, threads, false);
+}
+__forceinline__ bool elect_one_sync(CUFLASH_SIM_SITE_PARAMS) { return sim::elect_one_sync(site_); }
 
 #endif  // CUFLASH_GPU
 

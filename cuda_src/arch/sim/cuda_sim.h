@@ -7,7 +7,8 @@
 //   - threadIdx / blockIdx / blockDim / gridDim / warpSize, vector types, dim3,
 //   - __half / __nv_bfloat16 with bit-exact round-to-nearest-even conversions,
 //   - __syncthreads, __syncwarp, shuffles and votes, __trap,
-//   - twins of mma.sync / ldmatrix / cp.async for the arch layer to wrap (sim_tensor.h),
+//   - twins of mma.sync / ldmatrix / cp.async for the arch layer to wrap (sim_tensor.h), and of
+//     mbarrier, named barriers, elect.sync and the async-proxy fence (sim_mbarrier.h),
 //   - the CPU twins of the arch layer (namespace cuflash::arch),
 //   - launch_kernel<P>(): what the generated launcher TUs call.
 //
@@ -680,6 +681,7 @@ __forceinline__ int __all_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PA
 }
 
 #include "sim_tensor.h"
+#include "sim_mbarrier.h"
 
 // ---- CPU twins of the arch layer ---------------------------------------------------------------
 namespace cuflash::sim {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda_sim.h"
+#include "sim_sync_state.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define CUFLASH_SIM_ASAN 1
@@ -27,7 +28,9 @@
 
 namespace cuflash::sim {
 
-enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kExited };
+// kAtMbarrier: in mbarrier_wait_parity until a phase of that parity completes; kAtNamedBarrier: in
+// bar.sync until its instance completes (sim_mbarrier.cpp).
+enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCollective, kAtMbarrier, kAtNamedBarrier, kExited };
 
 struct Worker;
 
@@ -49,6 +52,8 @@ struct Fiber {
   FiberState state;
   Site wait_site;    // where it waits (barrier or collective)
   unsigned wait_mask;
+  unsigned wait_object;  // kAtMbarrier: the object's shared byte offset; kAtNamedBarrier: the barrier id
+  unsigned wait_parity;  // kAtMbarrier: the parity waited for
   void* asan_fake_stack;
   std::vector<PendingCopy> copies;  // cp.async not yet waited for, in issue order
   unsigned groups_committed;        // cp.async.commit_group count
@@ -56,6 +61,17 @@ struct Fiber {
   // joint_gen[l]: generation of the latest __syncwarp of this warp that included
   // both this thread and lane l (see sim_race.cpp).
   uint32_t joint_gen[32];
+  // Vector clock (sim_race.cpp): clock ticks at each release (mbarrier arrive, named barrier); vc[t] is the
+  // latest clock of thread t this thread has acquired, empty until its first acquire.
+  uint32_t clock;
+  std::vector<uint32_t> vc;
+  // Each fence.proxy.async of this thread, in order, as the moment a later access must be ordered after.
+  struct ProxyFence {
+    uint32_t epoch;
+    uint32_t gen;
+    uint32_t clock;
+  };
+  std::vector<ProxyFence> proxy_fences;
 #endif
 };
 
@@ -124,8 +140,10 @@ struct Worker {
   unsigned long long copies_in_flight;  // cp.async of this block's fibers not landed yet
   uintptr_t smem_map_lo;            // the mapping around the block's shared memory: an access here
   uintptr_t smem_map_hi;            // outside [smem, smem + bytes) is a shared-memory overrun
+  SyncState sync;                   // mbarriers and named barriers (sim_mbarrier.cpp)
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
+  bool vector_clocks;  // the block has released through an mbarrier or named barrier (sim_race.cpp)
 #endif
 };
 
@@ -138,7 +156,16 @@ bool same_site(const Site& a, const Site& b);
 std::string describe_site(const Site& s);
 std::string describe_thread(const Worker* w, unsigned linear_tid);
 std::string describe_block(const Worker* w);
+std::string lanes_text(unsigned mask);  // "0-3,8"
 [[noreturn]] void fail_current(const std::string& message);
+// The running fiber lets the others run: until woken when it set a waiting state, else (a failed
+// poll) until they had their turn.
+void run_others(Worker* w, Fiber* f);
+
+// Hopper synchronization twins (sim_mbarrier.cpp).
+void sync_block_begin(Worker* w);
+std::string describe_sync_wait(const Worker* w, const Fiber& f);  // for kAtMbarrier / kAtNamedBarrier
+void sync_thread_exit(Worker* w, Fiber* f);  // the running fiber exits: fails if its warp awaits it at a named barrier
 
 #if CUFLASH_SIM_RACE
 // Race detector hooks (sim_race.cpp).
@@ -153,6 +180,15 @@ void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behal
 // until the issuing thread's covering wait, where the copy lands as that thread's write.
 void race_copy_issued(uintptr_t dst, unsigned bytes);
 void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
+// Happens-before edges beyond __syncthreads and __syncwarp (mbarriers, named barriers): a release joins
+// the thread's vector clock into `into` and ticks the thread's clock; an acquire joins `from` into it.
+void race_release(Fiber* f, std::vector<uint32_t>& into);
+void race_acquire(Fiber* f, const std::vector<uint32_t>& from);
+// From the block's first mbarrier.init on, __syncwarp also joins its lanes' clocks (a write, __syncwarp,
+// then one lane's arrive is a chain), so accesses before it are ordered after by clocks, not only by generation.
+void race_enable_vector_clocks(Worker* w);
+RaceMoment race_moment(Fiber* f);                         // the running fiber's moment now
+bool race_ordered_after(Fiber* f, const RaceMoment& m);  // is f's next access ordered after m?
 #endif
 
 #if CUFLASH_SIM_PROFILE

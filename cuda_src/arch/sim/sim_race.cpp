@@ -15,6 +15,8 @@
 //     - a __syncthreads() between them (same block: the barrier epoch changed),
 //     - for lanes of one warp, a completed __syncwarp() that named both lanes and
 //       came after the earlier access.
+//     - a chain of mbarrier arrive -> wait, named-barrier arrive -> completion (and, from the block's
+//       first mbarrier.init, __syncwarp) between them: vector clocks, below.
 //   Accesses of different blocks of one launch are never ordered (global memory).
 //   arch::atomic_add does not race with other atomics, but does with plain accesses.
 //   A cp.async destination is written at issue and in flight until the issuing thread's
@@ -32,6 +34,30 @@
 // generation, so a write is accepted only after a __syncwarp that follows all those
 // reads and names every reader: stricter than exact in one unusual pattern (readers
 // synchronized with the writer by different, interleaved __syncwarp calls).
+//
+// Vector clocks (FastTrack style, beside the epoch and generation rules, which stay the fast paths):
+// each thread has a clock, ticked at each release, and a vector clock vc (its knowledge of the others'
+// clocks; empty until its first acquire). A release (mbarrier arrive or complete_tx, a named-barrier
+// arrival, a __syncwarp in a block with mbarriers) joins the thread's vc and own clock into the
+// synchronization object (the mbarrier's current phase, the barrier instance, the __syncwarp's lanes)
+// and ticks the clock; an acquire (a wait observing the phase complete, the named barrier completing
+// for a bar.sync, the __syncwarp) joins the object's clock into the thread's vc. A cell keeps its
+// writer's clock at the write: a later access by t is ordered after it when t.vc[writer] >= that clock.
+// Reads: in blocks that never release through these objects the summary above is kept, unchanged. In a
+// block that does, the summary cannot tell which of several readers a release ordered (the usual
+// consumer pattern: many warps read a stage, each arrives, the producer waits and refills it), so a
+// summary started after the block's first release is exact instead: each reader's latest read
+// (warp generation and clock, in a side map keyed by cell); the latest read of one reader covers its
+// earlier ones, as epoch, generation and clock only grow along program order, so keeping one entry per
+// reader is sound, and it is exact. A summary started before that first release keeps its old form
+// (conservative: at worst a false report, never a missed race).
+//
+// The async proxy: a cell also keeps its writer's fence.proxy.async count at the write (every write the
+// hooks see, cp.async landings included, is a generic-proxy write), and each thread keeps its fences as
+// moments (epoch, warp generation, clock; the fence ticks the clock). race_async_proxy_read (the operand
+// reads of the wgmma and TMA-store twins) fails on a byte unless the writer's first fence after the write
+// is ordered before the read by the rules above (a fence after the barrier that orders the read does not
+// count), and is otherwise checked as an ordinary read.
 //
 // Blocks run one at a time (one worker) in this mode, so the shadow needs no locks.
 // The first race ends the launch with a KernelError naming both threads.
@@ -69,6 +95,17 @@ struct Cell {
   uint32_t a_epoch;
   uint32_t f_block;  // 1 + linear block index of a cp.async in flight to this byte; 0: none
   uint16_t f_tid;    // its issuing thread
+  bool r_mapped;     // every read since the last write is in RaceState::reads (exact per reader)
+  uint32_t w_clock;  // the writer's vector-clock clock at the write
+  uint32_t w_fences;  // the writer's fence.proxy.async count at the write (a generic-proxy write)
+};
+
+// One thread's latest read of a byte since its last write (reads in program order: the latest covers
+// the earlier ones, as epoch, warp generation and clock only grow).
+struct ReadEntry {
+  uint16_t tid;
+  uint32_t gen;
+  uint32_t clock;
 };
 
 constexpr uintptr_t kChunkBytes = 4096;
@@ -92,6 +129,9 @@ struct RaceState {
   std::vector<GlobalShadow> globals;
   std::vector<Cell> shared;
   uint32_t shared_block = 0;  // the block whose accesses the shared cells hold
+  // In blocks with vector clocks: each cell's reads since its last write, by reader (Cell::r_mapped).
+  std::unordered_map<const Cell*, std::vector<ReadEntry>> reads;
+  std::vector<uint32_t> syncwarp_vc;  // scratch: the join of a __syncwarp's lanes
 };
 
 RaceState g_race;  // one worker runs every block of a race-mode launch
@@ -108,12 +148,13 @@ struct Access {
   unsigned lane;
 };
 
-bool ordered_after(const Access& a, uint32_t block, uint32_t epoch, uint32_t gen, uint16_t tid) {
+bool ordered_after(const Access& a, uint32_t block, uint32_t epoch, uint32_t gen, uint16_t tid, uint32_t clock) {
   if (block != a.block) return false;  // different blocks of one launch: never ordered
   if (epoch != a.epoch) return true;   // a __syncthreads() came between
   if (tid == a.tid) return true;       // program order
-  if ((tid >> 5) != a.warp) return false;
-  return a.fiber->joint_gen[tid & 31] > gen;  // a __syncwarp naming both lanes came after
+  if ((tid >> 5) == a.warp && a.fiber->joint_gen[tid & 31] > gen) return true;  // a __syncwarp naming both lanes
+  // An mbarrier or named-barrier chain: this thread acquired a release that thread `tid` made after the access.
+  return tid < a.fiber->vc.size() && a.fiber->vc[tid] >= clock;
 }
 
 std::string thread_name(const Access& a, uint32_t block_plus_one, uint16_t tid, bool global) {
@@ -147,6 +188,8 @@ std::string thread_name(const Access& a, uint32_t block_plus_one, uint16_t tid, 
     text += " with no __syncthreads() or __syncwarp() naming both lanes in between";
   else
     text += " with no __syncthreads() in between";
+  if (other_block == a.block && a.worker->vector_clocks)
+    text += ", nor an mbarrier or named-barrier handoff ordering them";
   fail_current(text);
 }
 
@@ -168,7 +211,7 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
            c.f_tid, global);
   }
   // Against the last plain write.
-  if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid))
+  if (c.w_block != 0 && !ordered_after(a, c.w_block, c.w_epoch, c.w_gen, c.w_tid, c.w_clock))
     report(a, where, offset, is_write, "wrote it", c.w_block, c.w_tid, global);
   // Against atomics (plain accesses only; atomics never race with each other).
   if (!is_atomic && c.a_block != 0) {
@@ -188,6 +231,10 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
   if (is_write && c.r_block != 0) {
     if (c.r_block == kMultiple || c.r_block != a.block) {
       report(a, where, offset, is_write, "read it", c.r_block == kMultiple ? a.block : c.r_block, c.r_tid, global);
+    } else if (c.r_epoch == a.epoch && c.r_mapped) {
+      for (const ReadEntry& r : g_race.reads[&c])
+        if (!ordered_after(a, c.r_block, c.r_epoch, r.gen, r.tid, r.clock))
+          report(a, where, offset, is_write, "read it", c.r_block, r.tid, global);
     } else if (c.r_epoch == a.epoch) {
       if (c.r_warp == kMultipleWarps || c.r_warp != a.warp) {
         report(a, where, offset, is_write, "read it", c.r_block, c.r_tid, global);
@@ -217,11 +264,30 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
     c.w_epoch = a.epoch;
     c.w_gen = a.gen;
     c.w_tid = a.tid;
+    c.w_clock = a.fiber->clock;
+    c.w_fences = static_cast<uint32_t>(a.fiber->proxy_fences.size());
     c.r_block = 0;
     return;
   }
-  // Record the read.
-  if (c.r_block == 0 || (c.r_block == a.block && c.r_epoch != a.epoch)) {
+
+  // Record the read. Blocks with vector clocks also keep every reader of the cell (the summary cannot
+  // say which readers a release ordered): a summary started then is exact (r_mapped), one started
+  // before keeps only its summary form.
+  const bool starts = c.r_block == 0 || (c.r_block == a.block && c.r_epoch != a.epoch);
+  if (starts) c.r_mapped = a.worker->vector_clocks;
+  if (c.r_mapped) {
+    std::vector<ReadEntry>& readers = g_race.reads[&c];
+    if (starts) readers.clear();
+    bool known = false;
+    for (ReadEntry& r : readers) {
+      if (r.tid != a.tid) continue;
+      r.gen = a.gen;
+      r.clock = a.fiber->clock;
+      known = true;
+    }
+    if (!known) readers.push_back(ReadEntry{a.tid, a.gen, a.fiber->clock});
+  }
+  if (starts) {
     c.r_block = a.block;
     c.r_epoch = a.epoch;
     c.r_warp = a.warp;
@@ -313,7 +379,11 @@ void race_launch_end(Launch*) {
   g_race.launch = nullptr;
 }
 
-void race_block_begin(Worker* w) { w->epoch = ++g_race.epoch_counter; }
+void race_block_begin(Worker* w) {
+  w->epoch = ++g_race.epoch_counter;
+  w->vector_clocks = false;
+  g_race.reads.clear();
+}
 
 void race_barrier_complete(Worker* w) { w->epoch = ++g_race.epoch_counter; }
 
@@ -325,6 +395,28 @@ void race_syncwarp_complete(Worker* w, unsigned warp, unsigned mask) {
     for (unsigned m = 0; m < 32; ++m)
       if (mask >> m & 1u) f.joint_gen[m] = gen;
   }
+  // With vector clocks a __syncwarp is also a release and acquire among its lanes, so a chain such as
+  // "every lane writes, __syncwarp, one elected lane arrives on an mbarrier" orders every lane's write.
+  if (w->vector_clocks) {
+    std::vector<uint32_t>& joined = g_race.syncwarp_vc;
+    joined.assign(w->fibers.size(), 0);
+    for (unsigned l = 0; l < 32; ++l)
+      if (mask >> l & 1u) race_release(&w->fibers[warp * 32 + l], joined);
+    for (unsigned l = 0; l < 32; ++l)
+      if (mask >> l & 1u) race_acquire(&w->fibers[warp * 32 + l], joined);
+  }
+}
+
+void race_enable_vector_clocks(Worker* w) { w->vector_clocks = true; }
+
+RaceMoment race_moment(Fiber* f) {
+  const Access a = access_of(f);
+  return RaceMoment{a.epoch, a.gen, f->clock, a.tid};
+}
+
+bool race_ordered_after(Fiber* f, const RaceMoment& m) {
+  const Access a = access_of(f);
+  return ordered_after(a, a.block, m.epoch, m.gen, m.tid, m.clock);
 }
 
 void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address, bytes, true, true); }
@@ -352,7 +444,62 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
     c.w_epoch = a.epoch;
     c.w_gen = a.gen;
     c.w_tid = a.tid;
+    c.w_clock = issuer->clock;
+    c.w_fences = static_cast<uint32_t>(issuer->proxy_fences.size());
     c.r_block = 0;
+  }
+}
+
+void race_release(Fiber* f, std::vector<uint32_t>& into) {
+  Worker* w = f->worker;
+  w->vector_clocks = true;
+  const size_t n = w->fibers.size();
+  if (into.size() < n) into.resize(n, 0);
+  for (size_t t = 0; t < f->vc.size(); ++t)
+    if (f->vc[t] > into[t]) into[t] = f->vc[t];
+  if (f->clock > into[f->index]) into[f->index] = f->clock;
+  ++f->clock;  // accesses after the release are not covered by it
+}
+
+void race_acquire(Fiber* f, const std::vector<uint32_t>& from) {
+  if (f->vc.size() < from.size()) f->vc.resize(from.size(), 0);
+  for (size_t t = 0; t < from.size(); ++t)
+    if (from[t] > f->vc[t]) f->vc[t] = from[t];
+}
+
+void fence_proxy_async() {
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  const Access a = access_of(f);
+  f->proxy_fences.push_back(Fiber::ProxyFence{a.epoch, a.gen, f->clock});
+  ++f->clock;  // accesses after the fence are not covered by it (a release carrying this clock would say so)
+}
+
+void race_async_proxy_read(uintptr_t address, unsigned bytes) {
+  Fiber* f = fiber_on_this_stack();
+  if (f == nullptr) return;
+  Worker* w = f->worker;
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
+  const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
+  if (address < smem || address + bytes > smem_end)
+    fail_current(format("async-proxy read of %u bytes at 0x%" PRIxPTR " outside the block's dynamic shared memory", bytes,
+                        address));
+  on_access(address, bytes, false, false);  // ordered after the writes like any read
+  const Access a = access_of(f);
+  for (uintptr_t p = address; p < address + bytes; ++p) {
+    const Cell& c = g_race.shared[p - smem];
+    if (c.w_block != a.block) continue;
+    // The writer's first fence after the write must be ordered before this read.
+    const std::vector<Fiber::ProxyFence>& fences = w->fibers[c.w_tid].proxy_fences;
+    if (c.w_fences < fences.size()) {
+      const Fiber::ProxyFence& first = fences[c.w_fences];
+      if (ordered_after(a, a.block, first.epoch, first.gen, c.w_tid, first.clock)) continue;
+    }
+    fail_current(format("async-proxy read of shared byte offset %" PRIuPTR " (a wgmma or TMA operand) without a "
+                        "fence.proxy.async: %s wrote it with an ordinary (generic-proxy) store and no "
+                        "fence.proxy.async of that thread after the write is ordered before this read, so the "
+                        "async proxy may read stale bytes",
+                        p - smem, thread_name(a, a.block, c.w_tid, false).c_str()));
   }
 }
 

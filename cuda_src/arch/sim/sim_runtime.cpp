@@ -343,19 +343,6 @@ uint3 unflatten(unsigned long long linear, dim3 dims) {
   return r;
 }
 
-std::string lanes_text(unsigned mask) {
-  std::string s;
-  for (unsigned lane = 0; lane < 32; ++lane) {
-    if (!(mask >> lane & 1u)) continue;
-    unsigned end = lane;
-    while (end + 1 < 32 && (mask >> (end + 1) & 1u)) ++end;
-    if (!s.empty()) s += ",";
-    s += end == lane ? format("%u", lane) : format("%u-%u", lane, end);
-    lane = end;
-  }
-  return s.empty() ? "none" : s;
-}
-
 void release_barrier(Worker* w) {
   for (Fiber& f : w->fibers)
     if (f.state == FiberState::kAtBarrier) f.state = FiberState::kRunnable;
@@ -376,6 +363,7 @@ void release_barrier(Worker* w) {
 
 std::string describe_wait(const Worker* w, const Fiber& f) {
   if (f.state == FiberState::kAtBarrier) return "waits at " + describe_site(f.wait_site);
+  if (f.state == FiberState::kAtMbarrier || f.state == FiberState::kAtNamedBarrier) return describe_sync_wait(w, f);
   const unsigned warp = f.index >> 5;
   const Warp& wp = w->warps[warp];
   unsigned missing = f.wait_mask;
@@ -453,6 +441,8 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   f.stack_hi = base + kThreadViewOffset;
   f.asan_fake_stack = nullptr;
   f.wait_mask = 0;
+  f.wait_object = 0;
+  f.wait_parity = 0;
   f.copies.clear();
   f.groups_committed = 0;
   f.view = reinterpret_cast<ThreadView*>(base + kThreadViewOffset);
@@ -467,6 +457,9 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
 #endif
 #if CUFLASH_SIM_RACE
   memset(f.joint_gen, 0, sizeof f.joint_gen);
+  f.clock = 1;
+  f.vc.clear();
+  f.proxy_fences.clear();
 #endif
   // First frame, as switch_stack pops it: x87 CW, MXCSR, r15..r12, rbx, rbp, return address.
   // sp0 + 72 (the trampoline's %rsp) must be 16-byte aligned for its call.
@@ -528,6 +521,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
 #endif
   }
   for (unsigned i = 0; i < n; ++i) init_fiber(w, w->fibers[i], i, w->slots[i]);
+  sync_block_begin(w);
 #if CUFLASH_SIM_RACE
   race_block_begin(w);
 #endif
@@ -637,6 +631,19 @@ std::string format(const char* fmt, ...) {
   return buffer;
 }
 
+std::string lanes_text(unsigned mask) {
+  std::string s;
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    if (!(mask >> lane & 1u)) continue;
+    unsigned end = lane;
+    while (end + 1 < 32 && (mask >> (end + 1) & 1u)) ++end;
+    if (!s.empty()) s += ",";
+    s += end == lane ? format("%u", lane) : format("%u-%u", lane, end);
+    lane = end;
+  }
+  return s.empty() ? "none" : s;
+}
+
 bool same_site(const Site& a, const Site& b) {
   return a.line == b.line && a.column == b.column && (a.file == b.file || strcmp(a.file, b.file) == 0) &&
          (a.what == b.what || strcmp(a.what, b.what) == 0);
@@ -668,6 +675,10 @@ void fail_current(const std::string& message) {
 }
 
 void fail(const char* message) { fail_current(message); }
+
+// The running fiber lets the block's others run: the runnable ones above it, then from the lowest up
+// (the scheduler), so a fiber that stays runnable (a failed poll) runs again after the others had a turn.
+void run_others(Worker* w, Fiber* f) { yield_from(w, f, false); }
 
 Fiber* fiber_on_this_stack() {
   const uintptr_t frame = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
@@ -900,6 +911,7 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
       fail_current(format("lane %u exited while lane(s) %s wait for it at %s (mask 0x%08x): a hang on a GPU", lane,
                           lanes_text(q.arrived).c_str(), describe_site(q.site).c_str(), q.mask));
   }
+  sync_thread_exit(w, f);
   wp.gone |= 1u << lane;
   f->state = FiberState::kExited;
   --w->live;
