@@ -39,6 +39,21 @@ struct PendingCopy {  // one cp.async in flight: lands at a random moment before
   unsigned group;
 };
 
+// A range of a thread's registers (its stack here) that wgmma watches in race mode (sim_wgmma.cpp): the
+// accumulators of a wgmma in flight (any access is an error), or of one already waited for (an access marks
+// them touched: a later wgmma on them needs a wgmma.fence first).
+struct RegisterWatch {
+  uintptr_t lo, hi;
+  const void* op;  // the wgmma in flight (its WgmmaOp), or nullptr once waited for
+  bool touched;    // accessed since the thread's last wgmma.fence
+};
+
+struct FiberWgmma {
+  unsigned groups_committed;  // wgmma.commit_group count
+  unsigned fences;            // wgmma.fence count
+  std::vector<RegisterWatch> watch;  // race mode only
+};
+
 struct Fiber {
   ThreadView* view;  // lives at the top of the fiber's stack slot
   Worker* worker;
@@ -52,6 +67,7 @@ struct Fiber {
   void* asan_fake_stack;
   std::vector<PendingCopy> copies;  // cp.async not yet waited for, in issue order
   unsigned groups_committed;        // cp.async.commit_group count
+  FiberWgmma wgmma;
 #if CUFLASH_SIM_RACE
   // joint_gen[l]: generation of the latest __syncwarp of this warp that included
   // both this thread and lane l (see sim_race.cpp).
@@ -124,6 +140,8 @@ struct Worker {
   unsigned long long copies_in_flight;  // cp.async of this block's fibers not landed yet
   uintptr_t smem_map_lo;            // the mapping around the block's shared memory: an access here
   uintptr_t smem_map_hi;            // outside [smem, smem + bytes) is a shared-memory overrun
+  unsigned long long wgmma_in_flight;  // wgmma of this block not landed yet (sim_wgmma.cpp)
+  size_t wgmma_operand_bytes;          // race mode: shared bytes a wgmma in flight reads
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
 #endif
@@ -139,6 +157,16 @@ std::string describe_site(const Site& s);
 std::string describe_thread(const Worker* w, unsigned linear_tid);
 std::string describe_block(const Worker* w);
 [[noreturn]] void fail_current(const std::string& message);
+// The running fiber waits at a collective of more than one warp (sim_wgmma.cpp's warpgroup ones) until
+// another fiber sets it runnable.
+void block_current_fiber(const Site& site);
+bool coin_flip(Worker* w);  // one fair bit from the block's landing stream (copy_landing's seed)
+
+// wgmma and warpgroup collectives (sim_wgmma.cpp).
+void wgmma_block_begin(Worker* w);
+void wgmma_land_some(Worker* w);  // normal mode, at a fiber switch: each wgmma in flight lands with probability 1/2
+void wgmma_thread_exit(Fiber* f);
+std::string describe_warpgroup_wait(const Worker* w, const Fiber& f);
 
 #if CUFLASH_SIM_RACE
 // Race detector hooks (sim_race.cpp).
@@ -153,6 +181,10 @@ void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behal
 // until the issuing thread's covering wait, where the copy lands as that thread's write.
 void race_copy_issued(uintptr_t dst, unsigned bytes);
 void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
+// A wgmma's read of a shared operand, at its landing, on behalf of the running fiber.
+void race_wgmma_operand_read(uintptr_t address, unsigned bytes);
+// sim_wgmma.cpp: an access to a watched register range or a write to a shared operand in flight.
+void race_wgmma_check_access(Fiber* f, uintptr_t address, unsigned bytes, bool is_write);
 #endif
 
 #if CUFLASH_SIM_PROFILE

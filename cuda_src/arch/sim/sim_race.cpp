@@ -259,8 +259,11 @@ Access access_of(Fiber* f) {
 void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic, bool check_alignment = false) {
   Fiber* f = fiber_on_this_stack();
   if (f == nullptr) return;
-  const Access a = access_of(f);
   Worker* w = f->worker;
+  // wgmma (sim_wgmma.cpp): accumulator registers it watches, shared operands it reads in flight.
+  if (__builtin_expect(!f->wgmma.watch.empty() || (is_write && w->wgmma_operand_bytes != 0), 0))
+    race_wgmma_check_access(f, address, bytes, is_write);
+  const Access a = access_of(f);
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
   const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
   if (address + bytes > w->smem_map_lo && address < w->smem_map_hi) {
@@ -355,6 +358,10 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
     c.r_block = 0;
   }
 }
+
+// For now the ordinary check of a read by the running fiber; wgmma reads through the async proxy, whose
+// ordering rules (fence.proxy.async) are to be checked here.
+void race_wgmma_operand_read(uintptr_t address, unsigned bytes) { on_access(address, bytes, false, false); }
 
 }  // namespace cuflash::sim
 
