@@ -268,14 +268,15 @@ def run_small(mode, ksteps=1):
     return out
 
 
-def test_reading_accumulators_before_the_wait_depends_on_when_the_wgmma_lands():
+@pytest.mark.parametrize("mode", [1, 2], ids=["accumulators read early", "operand overwritten early"])
+def test_early_accesses_depend_on_when_the_wgmma_lands(mode):
     clean = run_small(0)
     results = []
     for seed in range(6):
         with sim.copy_landing(seed):
-            results.append(run_small(1))
+            results.append(run_small(mode))
             np.testing.assert_array_equal(run_small(0), clean)  # the clean twin: the same at every seed
-    assert any(not np.array_equal(results[0], r) for r in results[1:]), "early reads did not depend on the seed"
+    assert any(not np.array_equal(results[0], r) for r in results[1:]), "the result did not depend on the seed"
 
 
 @pytest.mark.parametrize("mode, pattern", [
@@ -288,6 +289,15 @@ def test_reading_accumulators_before_the_wait_depends_on_when_the_wgmma_lands():
 def test_warpgroup_disagreement_is_an_error(mode, pattern):
     image, out, kw = small_case(mode)
     with pytest.raises(sim.KernelError, match=pattern):
+        launch(RACE, image, out, **kw)
+
+
+def test_a_warp_that_never_arrives_is_a_deadlock_naming_the_site():
+    image, out, kw = small_case(8)
+    with pytest.raises(sim.KernelError, match=r"(?s)deadlock: .*thread \(0,0,0\) \.\. thread \(95,0,0\) waits at "
+                                              r"wgmma.mma_async \(hopper_wgmma.cu:\d+:\d+\) for the rest of warpgroup 0 "
+                                              r"\(96 of 128 threads arrived\).*thread \(96,0,0\) \.\. thread "
+                                              r"\(127,0,0\) waits at __syncthreads"):
         launch(RACE, image, out, **kw)
 
 

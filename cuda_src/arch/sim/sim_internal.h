@@ -100,6 +100,7 @@ struct Launch {
   const void* kernel;
   const void* params;
   unsigned threads_per_block;
+  unsigned launch_bound_threads;  // the first argument of the kernel's __launch_bounds__ (1024 without one)
   unsigned long long num_blocks;
   std::atomic<unsigned long long> next_block{0};
   std::atomic<bool> abort{false};

@@ -980,6 +980,7 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   launch.kernel = kernel;
   launch.params = request->params;
   launch.threads_per_block = static_cast<unsigned>(threads);
+  launch.launch_bound_threads = static_cast<unsigned>(max_threads);
   launch.num_blocks = blocks;
   launch.copy_landing_seed = request->copy_landing_seed;
 

@@ -29,9 +29,10 @@
 //
 // setmaxnreg
 //   Each warpgroup starts with the kernel's per-thread register count, which g++ cannot know: the
-//   simulator assumes the largest count that fits one block of this size in the 64K registers of an SM,
-//   floor(65536 / threads / 8) * 8, at most 256 (what ptxas gives a kernel with __launch_bounds__(threads,
-//   1) that needs it). inc must not lower the count and dec must not raise it (errors); an inc whose
+//   simulator assumes the largest count that fits one block of the kernel's __launch_bounds__ maximum in
+//   the 64K registers of an SM, floor(65536 / max_threads / 8) * 8, at most 256: what ptxas gives a kernel
+//   with __launch_bounds__(max_threads, 1) that needs it (ptxas drops setmaxnreg when it cannot tell the
+//   count at entry, so kernels using it declare such bounds). inc must not lower the count and dec must not raise it (errors); an inc whose
 //   warpgroup would take the block past 65536 registers waits until other warpgroups' dec free enough, as
 //   on a GPU, and a block where none can is a deadlock naming the request. Not checked: the kernel's real
 //   register use (ptxas's business), registers of other blocks on the SM.
@@ -326,7 +327,7 @@ void wgmma_block_begin(Worker* w) {
   const unsigned n = w->launch->threads_per_block;
   if (n % kWarpgroupThreads == 0) {
     t_block.groups.resize(n / kWarpgroupThreads);
-    unsigned initial = kRegistersPerSm / n / 8 * 8;
+    unsigned initial = kRegistersPerSm / w->launch->launch_bound_threads / 8 * 8;
     if (initial > 256) initial = 256;
     for (Warpgroup& g : t_block.groups) g.registers = initial;
   }

@@ -34,7 +34,7 @@ __device__ __forceinline__ void copy_image_in(const Args& a, unsigned char* smem
 //   1 reads the accumulators before the covering wait     2 overwrites A's first elements in flight
 //   3 no wgmma.fence before the first wgmma                4 touches acc after a wait, no fence before the next
 //   5 the clean twin of 4 (a fence before every step)      6 warp 3 never issues the wgmma (it exits)
-//   7 warp 3 gives another descriptor of B
+//   7 warp 3 gives another descriptor of B                8 warp 3 waits at a barrier instead (a deadlock)
 template <class T, int N, bool kRegisters>
 __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   if (a.accumulate)
     for (int i = 0; i < N / 2; ++i) acc[i] = load(a.acc_in + t * (N / 2) + i);
   if (a.mode == 6 && t / 32 == 3) return;
+  if (a.mode == 8 && t / 32 == 3) __syncthreads();
   for (int s = 0; s < a.ksteps; ++s) {
     if (a.mode != 3 && (s == 0 || a.mode != 4)) cuflash::arch::wgmma_fence();
     const unsigned long long desc_b = a.desc_b + s * a.desc_step_b + (a.mode == 7 && t / 32 == 3 ? 2 : 0);
