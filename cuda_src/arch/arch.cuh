@@ -533,13 +533,17 @@ __forceinline__ void wgmma_rs(float (&acc)[N / 2], const unsigned (&a)[4], uint6
   const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 1, accumulate ? 1u : 0u, 0, desc_b};
   sim::wgmma_issue(CUFLASH_SIM_SITE("wgmma.mma_async"), shape, acc, a);
 }
-__forceinline__ void wgmma_fence() { sim::wgmma_fence(); }
-__forceinline__ void wgmma_commit() { sim::wgmma_commit(); }
-template <int kPending> __forceinline__ void wgmma_wait() {
-  static_assert(kPending >= 0 && kPending < 8, "wgmma.wait_group takes 0..7");
-  sim::wgmma_wait(kPending);
+__forceinline__ void wgmma_fence(CUFLASH_SIM_SITE_PARAMS) { sim::wgmma_fence(CUFLASH_SIM_SITE("wgmma.fence")); }
+__forceinline__ void wgmma_commit(CUFLASH_SIM_SITE_PARAMS) {
+  sim::wgmma_commit(CUFLASH_SIM_SITE("wgmma.commit_group"));
 }
-template <int kPending, int K> __forceinline__ void wgmma_wait(float (&)[K]) { wgmma_wait<kPending>(); }
+template <int kPending> __forceinline__ void wgmma_wait(CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kPending >= 0 && kPending < 8, "wgmma.wait_group takes 0..7");
+  sim::wgmma_wait(CUFLASH_SIM_SITE("wgmma.wait_group"), kPending);
+}
+template <int kPending, int K> __forceinline__ void wgmma_wait(float (&)[K], CUFLASH_SIM_SITE_PARAMS) {
+  wgmma_wait<kPending>(site_);
+}
 template <int kSwizzleBytes>
 __forceinline__ uint64_t wgmma_desc(const void* smem, unsigned leading_byte_offset, unsigned stride_byte_offset,
                                     CUFLASH_SIM_SITE_PARAMS) {

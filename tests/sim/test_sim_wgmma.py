@@ -292,6 +292,14 @@ def test_warpgroup_disagreement_is_an_error(mode, pattern):
         launch(RACE, image, out, **kw)
 
 
+def test_a_divergent_commit_is_an_error():
+    image, out, kw = small_case(9)
+    with pytest.raises(sim.KernelError, match=r"warp collective mismatch: lane 1 reached wgmma.commit_group "
+                                              r"\(hopper_wgmma.cu:\d+:\d+\) .* while lane\(s\) 0 wait at "
+                                              r"wgmma.wait_group"):
+        launch(RACE, image, out, **kw)
+
+
 def test_a_warp_that_never_arrives_is_a_deadlock_naming_the_site():
     image, out, kw = small_case(8)
     with pytest.raises(sim.KernelError, match=r"(?s)deadlock: .*thread \(0,0,0\) \.\. thread \(95,0,0\) waits at "

@@ -23,6 +23,8 @@
 //       waited-for wgmma of the thread used) since its last wgmma.fence is an error. Accesses to registers
 //       no wgmma has used yet are not seen (so `fence; acc = 0; wgmma(accumulate)` on fresh registers is
 //       not caught).
+//   wgmma.fence, commit_group and wait_group are .sync.aligned: each is checked as a warp collective (all 32
+//   lanes at one site), then acts for the thread alone.
 //   Numerics: products of two 16-bit values are exact in float32; each result element is summed in k
 //   order (k = 0..15) in float32, starting from the accumulator (or 0). The tensor core's order and
 //   rounding are unspecified: results agree with a GPU to float32 rounding, not bits.
@@ -481,15 +483,26 @@ void wgmma_issue(const Site& site, const WgmmaShape& shape, float* acc, const un
   wake(g, group_index, f->index);
 }
 
-void wgmma_fence() {
+// wgmma.fence, commit_group and wait_group are .sync.aligned: the whole warp executes each one together.
+const char* converged(unsigned, LaneIO*) { return nullptr; }
+void warp_converged(const Site& site) {
+  warp_collective(site, 0xffffffffu, &converged, kCollectiveNone, nullptr, 0, nullptr, 0);
+}
+
+void wgmma_fence(const Site& site) {
+  warp_converged(site);
   Fiber* f = current_fiber();
   ++f->wgmma.fences;
   for (RegisterWatch& watch : f->wgmma.watch) watch.touched = false;
 }
 
-void wgmma_commit() { ++current_fiber()->wgmma.groups_committed; }
+void wgmma_commit(const Site& site) {
+  warp_converged(site);
+  ++current_fiber()->wgmma.groups_committed;
+}
 
-void wgmma_wait(unsigned newest_groups_left_pending) {
+void wgmma_wait(const Site& site, unsigned newest_groups_left_pending) {
+  warp_converged(site);
   Fiber* f = current_fiber();
   if (t_block.groups.empty() || f->wgmma.groups_committed < newest_groups_left_pending) return;
   const unsigned complete_below = f->wgmma.groups_committed - newest_groups_left_pending;

@@ -28,9 +28,10 @@ struct WgmmaShape {
 // acc: the thread's n / 2 accumulators (read at landing when accumulating, written at landing);
 // a_registers: the thread's 4 A-fragment registers (RS form; read at issue), else nullptr.
 CUFLASH_SIM_API void wgmma_issue(const Site& site, const WgmmaShape& shape, float* acc, const unsigned* a_registers);
-CUFLASH_SIM_API void wgmma_fence();
-CUFLASH_SIM_API void wgmma_commit();
-CUFLASH_SIM_API void wgmma_wait(unsigned newest_groups_left_pending);
+// .sync.aligned: each is a warp collective (all 32 lanes at the same site), then the thread's own action.
+CUFLASH_SIM_API void wgmma_fence(const Site& site);
+CUFLASH_SIM_API void wgmma_commit(const Site& site);
+CUFLASH_SIM_API void wgmma_wait(const Site& site, unsigned newest_groups_left_pending);
 // Checks what a descriptor for `smem` can encode (inside the block's shared memory, 16-byte aligned start,
 // offsets multiples of 16 below 2^18) and returns the start's shared-window address.
 CUFLASH_SIM_API unsigned wgmma_descriptor_start(const Site& site, const void* smem, unsigned leading_byte_offset,

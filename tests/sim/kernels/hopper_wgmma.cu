@@ -35,6 +35,7 @@ __device__ __forceinline__ void copy_image_in(const Args& a, unsigned char* smem
 //   3 no wgmma.fence before the first wgmma                4 touches acc after a wait, no fence before the next
 //   5 the clean twin of 4 (a fence before every step)      6 warp 3 never issues the wgmma (it exits)
 //   7 warp 3 gives another descriptor of B                8 warp 3 waits at a barrier instead (a deadlock)
+//   9 lane 0 of each warp skips the commit (.aligned: the warp must execute it together)
 template <class T, int N, bool kRegisters>
 __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
     } else {
       cuflash::arch::wgmma<T, N>(acc, a.desc_a + s * a.desc_step_a, desc_b, accumulate);
     }
-    cuflash::arch::wgmma_commit();
+    if (a.mode != 9 || t % 32 != 0) cuflash::arch::wgmma_commit();
     if (a.mode == 1)
       for (int i = 0; i < N / 2; ++i) store(a.out + t * (N / 2) + i, acc[i]);
     if (a.mode == 2) {  // each thread one of A's first 16 elements (the first writer is the issuing thread)
