@@ -270,20 +270,20 @@ __forceinline__ unsigned pack_float2(float lo, float hi) {
 //       accumulators may not be touched before, and wgmma.fence must come between register accesses and a
 //       wgmma using those registers (and before the first wgmma).
 //   wgmma_desc<kSwizzleBytes>(smem, leading_byte_offset, stride_byte_offset): the 64-bit descriptor of a
-//       K-major operand at smem (swizzle 0, 32, 64 or 128 bytes; the base offset from the start address).
+//       K-major operand at smem (swizzle 0, 32, 64 or 128 bytes), whose swizzle pattern starts at a boundary of
+//       8 x kSwizzleBytes bytes (base offset 0; smem itself may lie inside the pattern, as a k step does).
 //   setmaxnreg_inc<N>() / setmaxnreg_dec<N>(): setmaxnreg.{inc,dec}.sync.aligned.u32 N.
 
 // The descriptor's bits (PTX ISA, "Matrix Descriptor Format"): 0-13 start address, 16-29 leading byte offset,
 // 32-45 stride byte offset (each as (x & 0x3FFFF) >> 4), 49-51 base offset, 62-63 swizzle (0 none, 1 128B,
-// 2 64B, 3 32B). The base offset is (start >> 7) & 7 when the start is not at a boundary of the swizzle's
-// 8-row pattern (8 x kSwizzleBytes bytes), else 0.
+// 2 64B, 3 32B). The base offset is 0 here: the swizzle's repeating pattern (8 rows of kSwizzleBytes) starts
+// at a boundary of its size, where the kernel places its tiles (the ISA's non-zero base offset, for patterns
+// off their boundary, is left out).
 __host__ __device__ constexpr uint64_t wgmma_desc_encode(unsigned start, unsigned leading_byte_offset,
                                                          unsigned stride_byte_offset, int swizzle_bytes) {
   const uint64_t swizzle_code = swizzle_bytes == 128 ? 1 : swizzle_bytes == 64 ? 2 : swizzle_bytes == 32 ? 3 : 0;
-  const uint64_t base_offset =
-      swizzle_bytes != 0 && start % (8u * static_cast<unsigned>(swizzle_bytes)) != 0 ? (start >> 7) & 7u : 0;
   return ((start & 0x3FFFFu) >> 4) | static_cast<uint64_t>((leading_byte_offset & 0x3FFFFu) >> 4) << 16 |
-         static_cast<uint64_t>((stride_byte_offset & 0x3FFFFu) >> 4) << 32 | base_offset << 49 | swizzle_code << 62;
+         static_cast<uint64_t>((stride_byte_offset & 0x3FFFFu) >> 4) << 32 | swizzle_code << 62;
 }
 
 #define CUFLASH_WGMMA_STATIC_CHECKS(T, N)                                                                   \

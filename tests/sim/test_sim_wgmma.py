@@ -46,10 +46,9 @@ def _built():
 SWIZZLE_CODE = {0: 0, 128: 1, 64: 2, 32: 3}
 
 
-def descriptor(start, lbo, sbo, swizzle, base_offset=None):
-    """Bits 0-13 start, 16-29 LBO, 32-45 SBO (each (x & 0x3FFFF) >> 4), 49-51 base offset, 62-63 swizzle."""
-    if base_offset is None:  # (start >> 7) & 7 when the start is not at a boundary of the 8-row pattern
-        base_offset = (start >> 7) & 7 if swizzle and start % (8 * swizzle) else 0
+def descriptor(start, lbo, sbo, swizzle, base_offset=0):
+    """Bits 0-13 start, 16-29 LBO, 32-45 SBO (each (x & 0x3FFFF) >> 4), 49-51 base offset, 62-63 swizzle.
+    Base offset 0: the swizzle pattern starts at a boundary of its size (the start may lie inside it)."""
     return ((start & 0x3FFFF) >> 4 | ((lbo & 0x3FFFF) >> 4) << 16 | ((sbo & 0x3FFFF) >> 4) << 32
             | base_offset << 49 | SWIZZLE_CODE[swizzle] << 62)
 
@@ -125,7 +124,7 @@ IDENTITY_AT = 28672  # where the selecting identity operand lives (no swizzle, L
 
 # ---- descriptors, element by element ------------------------------------------------------------------
 
-LAYOUTS = [  # (swizzle, start, LBO, SBO)
+LAYOUTS = [  # (swizzle, start, LBO, SBO); some starts lie inside a pattern (rows 1, 2 or 3 on, or a k step on)
     (0, 0, 128, 256), (0, 2048, 1024, 128), (32, 256, 16, 256), (32, 4096 + 32, 16, 512), (64, 512, 16, 512),
     (64, 8192 + 640, 16, 512), (128, 0, 16, 1024), (128, 8192 + 3 * 128, 16, 1024), (128, 32, 16, 1024)]
 
@@ -160,7 +159,7 @@ def test_wgmma_desc_encodes_the_descriptor_fields():
     launch("wgmma_desc_kernel", np.zeros(2048, np.uint16), out)
     assert out.tolist() == [descriptor(256, 128, 256, 0), descriptor(512 + 32, 16, 256, 32),
                             descriptor(1024 + 128, 16, 512, 64), descriptor(2048 + 384, 16, 1024, 128)]
-    assert out[3] >> 49 & 7 == 3  # a 128B-swizzled operand starting at row 3 of its pattern
+    assert all(d >> 49 & 7 == 0 for d in out)  # patterns at their boundaries, starts anywhere inside
 
 
 def test_wgmma_desc_rejects_a_misaligned_start():
@@ -170,8 +169,8 @@ def test_wgmma_desc_rejects_a_misaligned_start():
 
 
 @pytest.mark.parametrize("desc, pattern", [
-    (descriptor(8192 + 384, 16, 1024, 128, base_offset=0),
-     r"the descriptor of A: base offset 0, but a 128B-swizzled operand starting at shared address 0x2180 needs 3"),
+    (descriptor(8192 + 384, 16, 1024, 128, base_offset=3),
+     r"the descriptor of A: base offset 3: a 128B swizzle pattern that does not start at a 1024-byte boundary"),
     (descriptor(30720, 16, 1024, 128),
      r"the descriptor of A: element \(16, 0\) at shared address 0x8000 lies outside the block's 32768 bytes"),
     (descriptor(0, 16, 1024, 128) | 1 << 47, r"the descriptor of A: reserved bits set \(0x0000800000000000\)"),

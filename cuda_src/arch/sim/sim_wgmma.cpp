@@ -96,7 +96,9 @@ Descriptor decode(uint64_t d) {
 //   32/64/128B: ((8,m),(T,2k)):((sT,SBO),(1,T)), s = 2/4/8: rows of 32/64/128 bytes holding all 16 k,
 //               8-row groups SBO apart, then the swizzle on the address: its 16-byte chunk bits [4, 4 + b)
 //               XOR its bits [7, 7 + b), b = 1/2/3 (a pattern repeating every 8 rows: 256/512/1024 bytes).
-// The swizzle acts on the address itself, so a tile must sit where its pattern expects (the base offset).
+// The swizzle acts on the address itself: with base offset 0 (the only one modeled, see check_descriptor) the
+// repeating pattern starts at a 256/512/1024-byte boundary, and a start inside a pattern (a k step 32 bytes on)
+// reads the same swizzled tile.
 unsigned element_address(const Descriptor& d, unsigned row, unsigned k) {
   if (d.swizzle_bytes == 0) return d.start + (row % 8) * 16 + (row / 8) * d.stride + (k % 8) * 2 + (k / 8) * d.leading;
   const unsigned a = d.start + (row % 8) * d.swizzle_bytes + (row / 8) * d.stride + k * 2;
@@ -108,16 +110,14 @@ unsigned element_address(const Descriptor& d, unsigned row, unsigned k) {
 std::string check_descriptor(uint64_t raw, unsigned rows, unsigned smem_bytes) {
   if (raw & kReservedBits) return format("reserved bits set (0x%016" PRIx64 ")", raw & kReservedBits);
   const Descriptor d = decode(raw);
-  if (d.swizzle_bytes != 0) {
-    // The ISA: when the start is not at a boundary of the swizzle's repeating pattern, base offset =
-    // (start >> 7) & 7; at a boundary, 0.
-    const unsigned pattern = 8 * d.swizzle_bytes;
-    const unsigned expected = d.start % pattern == 0 ? 0 : (d.start >> 7) & 7;
-    if (d.base_offset != expected)
-      return format("base offset %u, but a %uB-swizzled operand starting at shared address 0x%x needs %u (its "
-                    "%u-byte pattern starts %u bytes before it)",
-                    d.base_offset, d.swizzle_bytes, d.start, expected, pattern, d.start % pattern);
-  }
+  // The ISA: the base offset is 0 when the swizzle's repeating pattern starts at a boundary of its size
+  // (1024 / 512 / 256 bytes), else (pattern start >> 7) & 7. How the hardware then shifts the pattern is not
+  // specified, so the simulator refuses patterns off their boundary rather than guess (the no-swizzle mode
+  // ignores the field).
+  if (d.swizzle_bytes != 0 && d.base_offset != 0)
+    return format("base offset %u: a %uB swizzle pattern that does not start at a %u-byte boundary (not modeled: "
+                  "place swizzled tiles at pattern boundaries, with base offset 0)",
+                  d.base_offset, d.swizzle_bytes, 8 * d.swizzle_bytes);
   for (unsigned r = 0; r < rows; ++r)
     for (unsigned k = 0; k < 16; ++k) {
       const unsigned a = element_address(d, r, k);
