@@ -1,8 +1,12 @@
 """The arch layer's Hopper warpgroup wrappers (cuda_src/arch/arch.cuh) compiled by NVRTC for sm_90a.
 
 * wgmma<T, N> (SS) and wgmma_rs<T, N> compile to HGMMA.64xNx16 (descriptor operands gdesc[..]; A in registers for
-  RS) between WARPGROUP.ARRIVE (wgmma.fence) and WARPGROUP.DEPBAR.LE (wgmma.wait_group), for every N of the
-  m64nNk16 shapes (multiples of 8 up to 256); setmaxnreg_inc/_dec compile to USETMAXREG.TRY_ALLOC / .DEALLOC.
+  RS; .tnspA / .tnspB for the MN-major forms) between WARPGROUP.ARRIVE (wgmma.fence) and WARPGROUP.DEPBAR.LE
+  (wgmma.wait_group), for every N of the m64nNk16 shapes (multiples of 8 up to 256); setmaxnreg_inc/_dec compile
+  to USETMAXREG.TRY_ALLOC / .DEALLOC.
+* The test kernel's planted early accumulator read makes ptxas inject a wait (C7517) and serialize the wgmma
+  (C7519): on a GPU that bug costs time, not correctness; the simulator reports it (race mode) or shows it
+  (normal mode: seed-dependent results).
 * Uses outside sm_90a, other element types, bad N and bad register counts are compile-time errors.
 * The kernels are tests/sim/kernels/hopper_wgmma.cu's, which tests/sim/test_sim_wgmma.py runs on the simulator.
 """
@@ -26,7 +30,11 @@ SASS_CASES = [
     ("wgmma_kernel<__nv_bfloat16, 128, false>", [r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]"]),
     ("wgmma_kernel<__half, 256, false>", [r"\bHGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]"]),
     ("wgmma_kernel<__nv_bfloat16, 32, true>",
-     [r"\bHGMMA\.64x32x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]", r"\bWARPGROUP\.ARRIVE\b"]),
+     [r"\bHGMMA\.64x32x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\], ", r"\bWARPGROUP\.ARRIVE\b"]),
+    # The MN-major forms (imm-trans-a / -b): the descriptor operand marked .tnspA / .tnspB.
+    ("wgmma_kernel<__half, 64, false, true, true>", [r"\bHGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB, "]),
+    ("wgmma_kernel<__half, 64, false, true, false>", [r"\bHGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspA, "]),
+    ("wgmma_kernel<__half, 64, true, false, true>", [r"\bHGMMA\.64x64x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB, "]),
     # ptxas honours setmaxnreg only when it knows the count at entry: __launch_bounds__(384, 1) gives 168.
     ("setmaxnreg_kernel", [r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, 0xe8\b", r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b"]),
 ]

@@ -263,14 +263,15 @@ __forceinline__ unsigned pack_float2(float lo, float hi) {
 //   wgmma<T, N>(acc, desc_a, desc_b, accumulate): wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T, A and B
 //       K-major from shared-memory matrix descriptors; acc: N / 2 floats per thread (row 16 warp + lane / 4 +
 //       8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2); accumulate false overwrites acc.
+//       wgmma<T, N, kAMnMajor, kBMnMajor>: the transposed forms (imm-trans-a / -b 1: the operand M- / N-major).
 //   wgmma_rs<T, N>(acc, a, desc_b, accumulate): the same with A from registers (warp q holds rows 16 q ..
-//       16 q + 15 of the 64 x 16 A in mma.m16n8k16's A fragment layout).
+//       16 q + 15 of the 64 x 16 A in mma.m16n8k16's A fragment layout); wgmma_rs<T, N, kBMnMajor>.
 //   wgmma_fence(), wgmma_commit(), wgmma_wait<N>() (wgmma.fence / commit_group / wait_group N): a wgmma is
 //       in flight until the wait that leaves at most N of the thread's committed groups pending; its
 //       accumulators may not be touched before, and wgmma.fence must come between register accesses and a
 //       wgmma using those registers (and before the first wgmma).
-//   wgmma_desc<kSwizzleBytes>(smem, leading_byte_offset, stride_byte_offset): the 64-bit descriptor of a
-//       K-major operand at smem (swizzle 0, 32, 64 or 128 bytes), whose swizzle pattern starts at a boundary of
+//   wgmma_desc<kSwizzleBytes>(smem, leading_byte_offset, stride_byte_offset): the 64-bit descriptor of an
+//       operand at smem (swizzle 0, 32, 64 or 128 bytes), whose swizzle pattern starts at a boundary of
 //       8 x kSwizzleBytes bytes (base offset 0; smem itself may lie inside the pattern, as a k step does).
 //   setmaxnreg_inc<N>() / setmaxnreg_dec<N>(): setmaxnreg.{inc,dec}.sync.aligned.u32 N.
 
@@ -401,67 +402,68 @@ __host__ __device__ constexpr uint64_t wgmma_desc_encode(unsigned start, unsigne
 #define CUFLASH_WGMMA_ACC_31 CUFLASH_WGMMA_ACC_30, CUFLASH_WGMMA_A4(120)
 #define CUFLASH_WGMMA_REGS_32 CUFLASH_WGMMA_REGS_31 ", " CUFLASH_WGMMA_R31
 #define CUFLASH_WGMMA_ACC_32 CUFLASH_WGMMA_ACC_31, CUFLASH_WGMMA_A4(124)
-// X(j, N, o0, .., o5): N = 8 j and the numbers of the six operands after the 4 j accumulators.
+// X(j, N, o0, .., o6): N = 8 j and the numbers of the seven operands after the 4 j accumulators.
 #define CUFLASH_WGMMA_SHAPES(X) \
-  X(1, 8, 4, 5, 6, 7, 8, 9) \
-  X(2, 16, 8, 9, 10, 11, 12, 13) \
-  X(3, 24, 12, 13, 14, 15, 16, 17) \
-  X(4, 32, 16, 17, 18, 19, 20, 21) \
-  X(5, 40, 20, 21, 22, 23, 24, 25) \
-  X(6, 48, 24, 25, 26, 27, 28, 29) \
-  X(7, 56, 28, 29, 30, 31, 32, 33) \
-  X(8, 64, 32, 33, 34, 35, 36, 37) \
-  X(9, 72, 36, 37, 38, 39, 40, 41) \
-  X(10, 80, 40, 41, 42, 43, 44, 45) \
-  X(11, 88, 44, 45, 46, 47, 48, 49) \
-  X(12, 96, 48, 49, 50, 51, 52, 53) \
-  X(13, 104, 52, 53, 54, 55, 56, 57) \
-  X(14, 112, 56, 57, 58, 59, 60, 61) \
-  X(15, 120, 60, 61, 62, 63, 64, 65) \
-  X(16, 128, 64, 65, 66, 67, 68, 69) \
-  X(17, 136, 68, 69, 70, 71, 72, 73) \
-  X(18, 144, 72, 73, 74, 75, 76, 77) \
-  X(19, 152, 76, 77, 78, 79, 80, 81) \
-  X(20, 160, 80, 81, 82, 83, 84, 85) \
-  X(21, 168, 84, 85, 86, 87, 88, 89) \
-  X(22, 176, 88, 89, 90, 91, 92, 93) \
-  X(23, 184, 92, 93, 94, 95, 96, 97) \
-  X(24, 192, 96, 97, 98, 99, 100, 101) \
-  X(25, 200, 100, 101, 102, 103, 104, 105) \
-  X(26, 208, 104, 105, 106, 107, 108, 109) \
-  X(27, 216, 108, 109, 110, 111, 112, 113) \
-  X(28, 224, 112, 113, 114, 115, 116, 117) \
-  X(29, 232, 116, 117, 118, 119, 120, 121) \
-  X(30, 240, 120, 121, 122, 123, 124, 125) \
-  X(31, 248, 124, 125, 126, 127, 128, 129) \
-  X(32, 256, 128, 129, 130, 131, 132, 133)
+  X(1, 8, 4, 5, 6, 7, 8, 9, 10) \
+  X(2, 16, 8, 9, 10, 11, 12, 13, 14) \
+  X(3, 24, 12, 13, 14, 15, 16, 17, 18) \
+  X(4, 32, 16, 17, 18, 19, 20, 21, 22) \
+  X(5, 40, 20, 21, 22, 23, 24, 25, 26) \
+  X(6, 48, 24, 25, 26, 27, 28, 29, 30) \
+  X(7, 56, 28, 29, 30, 31, 32, 33, 34) \
+  X(8, 64, 32, 33, 34, 35, 36, 37, 38) \
+  X(9, 72, 36, 37, 38, 39, 40, 41, 42) \
+  X(10, 80, 40, 41, 42, 43, 44, 45, 46) \
+  X(11, 88, 44, 45, 46, 47, 48, 49, 50) \
+  X(12, 96, 48, 49, 50, 51, 52, 53, 54) \
+  X(13, 104, 52, 53, 54, 55, 56, 57, 58) \
+  X(14, 112, 56, 57, 58, 59, 60, 61, 62) \
+  X(15, 120, 60, 61, 62, 63, 64, 65, 66) \
+  X(16, 128, 64, 65, 66, 67, 68, 69, 70) \
+  X(17, 136, 68, 69, 70, 71, 72, 73, 74) \
+  X(18, 144, 72, 73, 74, 75, 76, 77, 78) \
+  X(19, 152, 76, 77, 78, 79, 80, 81, 82) \
+  X(20, 160, 80, 81, 82, 83, 84, 85, 86) \
+  X(21, 168, 84, 85, 86, 87, 88, 89, 90) \
+  X(22, 176, 88, 89, 90, 91, 92, 93, 94) \
+  X(23, 184, 92, 93, 94, 95, 96, 97, 98) \
+  X(24, 192, 96, 97, 98, 99, 100, 101, 102) \
+  X(25, 200, 100, 101, 102, 103, 104, 105, 106) \
+  X(26, 208, 104, 105, 106, 107, 108, 109, 110) \
+  X(27, 216, 108, 109, 110, 111, 112, 113, 114) \
+  X(28, 224, 112, 113, 114, 115, 116, 117, 118) \
+  X(29, 232, 116, 117, 118, 119, 120, 121, 122) \
+  X(30, 240, 120, 121, 122, 123, 124, 125, 126) \
+  X(31, 248, 124, 125, 126, 127, 128, 129, 130) \
+  X(32, 256, 128, 129, 130, 131, 132, 133, 134)
 
 template <int kGroups> struct WgmmaAsm;  // kGroups = N / 8; the instruction text for each N
-#define CUFLASH_WGMMA_SS(N, ptx_type, j, o0, o1, o2)                                                         \
+// imm-trans-a / imm-trans-b are "n" operands: 1 reads the operand MN-major.
+#define CUFLASH_WGMMA_SS(N, ptx_type, j, o0, o1, o2, o3, o4)                                                 \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #o2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N        \
                "k16.f32." ptx_type "." ptx_type " {" CUFLASH_WGMMA_REGS_##j "}, %" #o0 ", %" #o1              \
-               ", p, 1, 1, 0, 0;\n}"                                                                         \
+               ", p, 1, 1, %" #o3 ", %" #o4 ";\n}"                                                           \
                : CUFLASH_WGMMA_ACC_##j                                                                       \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d)                                                      \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)                          \
                : "memory")
-#define CUFLASH_WGMMA_RS(N, ptx_type, j, o0, o1, o2, o3, o4, o5)                                             \
+#define CUFLASH_WGMMA_RS(N, ptx_type, j, o0, o1, o2, o3, o4, o5, o6)                                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #o5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N        \
                "k16.f32." ptx_type "." ptx_type " {" CUFLASH_WGMMA_REGS_##j "}, {%" #o0 ", %" #o1 ", %" #o2     \
-               ", %" #o3 "}, %" #o4 ", p, 1, 1, 0;\n}"                                                       \
+               ", %" #o3 "}, %" #o4 ", p, 1, 1, %" #o6 ";\n}"                                                \
                : CUFLASH_WGMMA_ACC_##j                                                                       \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)         \
                : "memory")
-#define CUFLASH_WGMMA_DEFINE(j, N, o0, o1, o2, o3, o4, o5)                                                   \
+#define CUFLASH_WGMMA_DEFINE(j, N, o0, o1, o2, o3, o4, o5, o6)                                               \
   template <> struct WgmmaAsm<j> {                                                                           \
-    template <bool kBf16>                                                                                    \
+    template <bool kBf16, int kTransA, int kTransB>                                                          \
     __device__ static __forceinline__ void ss(float* acc, uint64_t desc_a, uint64_t desc_b, int scale_d) {   \
-      if constexpr (kBf16) CUFLASH_WGMMA_SS(N, "bf16", j, o0, o1, o2);                                       \
-      else CUFLASH_WGMMA_SS(N, "f16", j, o0, o1, o2);                                                        \
+      if constexpr (kBf16) CUFLASH_WGMMA_SS(N, "bf16", j, o0, o1, o2, o3, o4);                               \
+      else CUFLASH_WGMMA_SS(N, "f16", j, o0, o1, o2, o3, o4);                                                \
     }                                                                                                        \
-    template <bool kBf16>                                                                                    \
+    template <bool kBf16, int kTransB>                                                                       \
     __device__ static __forceinline__ void rs(float* acc, const unsigned* a, uint64_t desc_b, int scale_d) { \
-      if constexpr (kBf16) CUFLASH_WGMMA_RS(N, "bf16", j, o0, o1, o2, o3, o4, o5);                           \
-      else CUFLASH_WGMMA_RS(N, "f16", j, o0, o1, o2, o3, o4, o5);                                            \
+      if constexpr (kBf16) CUFLASH_WGMMA_RS(N, "bf16", j, o0, o1, o2, o3, o4, o5, o6);                       \
+      else CUFLASH_WGMMA_RS(N, "f16", j, o0, o1, o2, o3, o4, o5, o6);                                        \
     }                                                                                                        \
   };
 CUFLASH_WGMMA_SHAPES(CUFLASH_WGMMA_DEFINE)
@@ -469,15 +471,15 @@ CUFLASH_WGMMA_SHAPES(CUFLASH_WGMMA_DEFINE)
 #undef CUFLASH_WGMMA_SS
 #undef CUFLASH_WGMMA_RS
 
-template <class T, int N>
+template <class T, int N, bool kAMnMajor = false, bool kBMnMajor = false>
 __device__ __forceinline__ void wgmma(float (&acc)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   CUFLASH_WGMMA_STATIC_CHECKS(T, N);
-  WgmmaAsm<N / 8>::template ss<is_mma_operand<T>::bf16>(acc, desc_a, desc_b, accumulate ? 1 : 0);
+  WgmmaAsm<N / 8>::template ss<is_mma_operand<T>::bf16, kAMnMajor, kBMnMajor>(acc, desc_a, desc_b, accumulate ? 1 : 0);
 }
-template <class T, int N>
+template <class T, int N, bool kBMnMajor = false>
 __device__ __forceinline__ void wgmma_rs(float (&acc)[N / 2], const unsigned (&a)[4], uint64_t desc_b, bool accumulate) {
   CUFLASH_WGMMA_STATIC_CHECKS(T, N);
-  WgmmaAsm<N / 8>::template rs<is_mma_operand<T>::bf16>(acc, a, desc_b, accumulate ? 1 : 0);
+  WgmmaAsm<N / 8>::template rs<is_mma_operand<T>::bf16, kBMnMajor>(acc, a, desc_b, accumulate ? 1 : 0);
 }
 // Templates, so that nothing sm_90a-only is compiled for a kernel that does not use them.
 template <int kUnused = 0> __device__ __forceinline__ void wgmma_fence() {
@@ -519,18 +521,20 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
 
 #define CUFLASH_WGMMA_TARGET 1
 
-template <class T, int N>
+template <class T, int N, bool kAMnMajor = false, bool kBMnMajor = false>
 __forceinline__ void wgmma(float (&acc)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate,
                            CUFLASH_SIM_SITE_PARAMS) {
   CUFLASH_WGMMA_STATIC_CHECKS(T, N);
-  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 0, accumulate ? 1u : 0u, desc_a, desc_b};
+  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 0, accumulate ? 1u : 0u, desc_a, desc_b,
+                              kAMnMajor ? 1u : 0u, kBMnMajor ? 1u : 0u};
   sim::wgmma_issue(CUFLASH_SIM_SITE("wgmma.mma_async"), shape, acc, nullptr);
 }
-template <class T, int N>
+template <class T, int N, bool kBMnMajor = false>
 __forceinline__ void wgmma_rs(float (&acc)[N / 2], const unsigned (&a)[4], uint64_t desc_b, bool accumulate,
                               CUFLASH_SIM_SITE_PARAMS) {
   CUFLASH_WGMMA_STATIC_CHECKS(T, N);
-  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 1, accumulate ? 1u : 0u, 0, desc_b};
+  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 1, accumulate ? 1u : 0u, 0, desc_b,
+                              0, kBMnMajor ? 1u : 0u};
   sim::wgmma_issue(CUFLASH_SIM_SITE("wgmma.mma_async"), shape, acc, a);
 }
 __forceinline__ void wgmma_fence(CUFLASH_SIM_SITE_PARAMS) { sim::wgmma_fence(CUFLASH_SIM_SITE("wgmma.fence")); }

@@ -24,11 +24,20 @@ RS = [("__half", 64), ("__nv_bfloat16", 32)]
 RACE = "wgmma_kernel<__half, 8, false>"
 
 
-def kernel_name(T, n, registers=False):
-    return f"wgmma_kernel<{T}, {n}, {'true' if registers else 'false'}>"
+MN = [("__half", 64), ("__nv_bfloat16", 128)]  # SS with either operand or both MN-major
+MAJORS = [(True, False), (False, True), (True, True)]
+
+
+def kernel_name(T, n, registers=False, a_mn=False, b_mn=False):
+    flag = lambda b: "true" if b else "false"
+    tail = f", {flag(a_mn)}, {flag(b_mn)}" if a_mn or b_mn else ""
+    return f"wgmma_kernel<{T}, {n}, {flag(registers)}{tail}>"
 
 
 NAMES = ([kernel_name(T, n) for T, n in SS] + [kernel_name(T, n, True) for T, n in RS]
+         + [kernel_name(T, n, False, a, b) for T, n in MN for a, b in MAJORS]
+         + [kernel_name("__half", 16, False, True), kernel_name("__half", 64, False, False, True),
+            kernel_name("__half", 64, True, False, True)]
          + [RACE, "wgmma_desc_kernel", "setmaxnreg_kernel"])
 
 
@@ -53,25 +62,44 @@ def descriptor(start, lbo, sbo, swizzle, base_offset=0):
             | base_offset << 49 | SWIZZLE_CODE[swizzle] << 62)
 
 
-def element_address(start, lbo, sbo, swizzle, row, k):
-    """Byte address of element (row, k) of a K-major operand: the layout ((8, m), (T, 2k)) with T = 8
-    elements (16 bytes) and strides ((1T, SBO), (1, LBO)) without swizzle, ((sT, SBO), (1, T)) for a swizzle
-    of 16 s bytes; then the swizzle of the address: its 16-byte unit index (bits 4..) XOR its 128-byte row
-    index (bits 7..) over log2(s) bits."""
-    if swizzle == 0:
-        offset = (row % 8) * 16 + (row // 8) * sbo + (k % 8) * 2 + (k // 8) * lbo
-        return start + offset
-    s = swizzle // 16
-    address = start + (row % 8) * (s * 16) + (row // 8) * sbo + (k % 8) * 2 + (k // 8) * 16
-    return address ^ (((address >> 7) & (s - 1)) << 4)
+def layout_offset(shape, stride, coordinate):
+    """A CuTe-style layout: the coordinate split over the (flattened) shape, dotted with the strides."""
+    offset = 0
+    for extent, step in zip(shape, stride):
+        offset += (coordinate % extent) * step
+        coordinate //= extent
+    return offset
 
 
-def place(image, matrix_bits, start, lbo, sbo, swizzle):
+def element_address(start, lbo, sbo, swizzle, row, k, mn_major=False):
+    """Byte address of element (row, k) (row along M or N) of a 16-bit operand, from the ISA's canonical layouts
+    in elements, T = 8 (16 bytes), s = swizzle / 16 (a layout mode of extent 0 below stands for m or k: the
+    rest of the index):
+      K-major:  none ((8,m),(T,2k)):((1T,SBO),(1,LBO))    swizzled ((8,m),(T,2k)):((sT,SBO),(1,T))
+      MN-major: none ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)) swizzled ((T,s,m),(8,k)):((1,T,LBO),(sT,SBO))
+    then the swizzle of the byte address: its 16-byte unit index (bits 4..) XOR its 128-byte row index
+    (bits 7..) over log2(s) bits."""
+    T, s, big = 8, max(swizzle // 16, 1), 1 << 30
+    L, S = lbo // 2, sbo // 2
+    if not mn_major:
+        row_part = layout_offset((8, big), (s * T if swizzle else T, S), row)
+        k_part = layout_offset((T, big), (1, T if swizzle else L), k)
+    elif swizzle == 0:
+        row_part = layout_offset((T, 1, big), (1, T, S), row)
+        k_part = layout_offset((8, big), (T, L), k)
+    else:
+        row_part = layout_offset((T, s, big), (1, T, L), row)
+        k_part = layout_offset((8, big), (s * T, S), k)
+    address = start + 2 * (row_part + k_part)
+    return address ^ (((address >> 7) & (s - 1)) << 4) if swizzle else address
+
+
+def place(image, matrix_bits, start, lbo, sbo, swizzle, mn_major=False):
     """Writes a rows x K matrix of 16-bit values into the shared-memory image (uint16 per 2 bytes)."""
     rows, cols = matrix_bits.shape
     for r in range(rows):
         for k in range(cols):
-            image[element_address(start, lbo, sbo, swizzle, r, k) // 2] = matrix_bits[r, k]
+            image[element_address(start, lbo, sbo, swizzle, r, k, mn_major) // 2] = matrix_bits[r, k]
 
 
 def acc_position(t, i):
@@ -129,9 +157,14 @@ LAYOUTS = [  # (swizzle, start, LBO, SBO); some starts lie inside a pattern (row
     (64, 8192 + 640, 16, 512), (128, 0, 16, 1024), (128, 8192 + 3 * 128, 16, 1024), (128, 32, 16, 1024)]
 
 
+MN_LAYOUTS = [  # (swizzle, start, LBO, SBO) of MN-major operands: LBO between row groups when swizzled
+    (0, 0, 128, 256), (0, 2048, 1024, 128), (32, 256, 256, 2048), (64, 4096, 512, 2048), (128, 8192, 4096, 1024)]
+DECODE_CASES = [(*layout, False) for layout in LAYOUTS] + [(*layout, True) for layout in MN_LAYOUTS]
+
+
 @pytest.mark.parametrize("operand", ["A", "B"])
-@pytest.mark.parametrize("swizzle, start, lbo, sbo", LAYOUTS)
-def test_descriptor_decodes_to_the_canonical_layout(operand, swizzle, start, lbo, sbo):
+@pytest.mark.parametrize("swizzle, start, lbo, sbo, mn_major", DECODE_CASES)
+def test_descriptor_decodes_to_the_canonical_layout(operand, swizzle, start, lbo, sbo, mn_major):
     # The operand under test holds the slot values; the other is a 0/1 selector, so D shows each element read.
     image = slot_values(32768 // 2)
     rows = 64 if operand == "A" else 64
@@ -142,12 +175,12 @@ def test_descriptor_decodes_to_the_canonical_layout(operand, swizzle, start, lbo
     tested = descriptor(start, lbo, sbo, swizzle)
     identity = descriptor(IDENTITY_AT, 128, 256, 0)
     out = np.zeros((128, n // 2), np.float32)
-    launch(kernel_name("__half", n), image, out, desc_a=tested if operand == "A" else identity,
-           desc_b=identity if operand == "A" else tested)
+    launch(kernel_name("__half", n, False, mn_major and operand == "A", mn_major and operand == "B"), image, out,
+           desc_a=tested if operand == "A" else identity, desc_b=identity if operand == "A" else tested)
     D = gather(out, n)
     values = image.view(np.float16).astype(np.float64)
-    expected = np.array([[values[element_address(start, lbo, sbo, swizzle, r, k) // 2] for k in range(16)]
-                         for r in range(rows)])
+    expected = np.array([[values[element_address(start, lbo, sbo, swizzle, r, k, mn_major) // 2]
+                          for k in range(16)] for r in range(rows)])
     if operand == "A":
         np.testing.assert_array_equal(D[:, :16], expected)  # D = A I
     else:
@@ -214,6 +247,49 @@ def test_ss_product(T, n, swizzle):
     if accumulate:
         expected += gather(acc_in, n)
     np.testing.assert_allclose(gather(out, n), expected, rtol=1e-5, atol=1e-4)
+
+
+def mn_major_tile(rows, k, swizzle):
+    """LBO, SBO and the k16 descriptor step of a dense MN-major rows x k tile: 8-k groups next to each other
+    (SBO, swizzled; LBO without swizzle), then the next group of rows."""
+    if swizzle == 0:  # core matrices of 8 k x 8 rows (128 bytes): k groups 128 apart, row groups after all k
+        return 128, 128 * (k // 8), 2 * 128
+    atom = 8 * swizzle  # 8 lines of 8 s rows
+    return atom * (k // 8), atom, 2 * atom
+
+
+@pytest.mark.parametrize("T, n", MN)
+@pytest.mark.parametrize("a_mn, b_mn", MAJORS)
+@pytest.mark.parametrize("swizzle", [0, 32, 64, 128])
+def test_ss_product_mn_major(T, n, a_mn, b_mn, swizzle):
+    ksteps = 4 if swizzle in (0, 128) else 1
+    A, B = operands(T, n, 16 * ksteps, n + swizzle + a_mn)
+    image = np.zeros(32768 // 2, np.uint16)
+    descs, steps = [], []
+    for M, at, mn in ((A, 0, a_mn), (B, 8192, b_mn)):
+        if mn:
+            lbo, sbo, step = mn_major_tile(M.shape[0], M.shape[1], swizzle)
+        else:
+            lbo, sbo = (128, 2 * 128 * ksteps) if swizzle == 0 else (16, 8 * swizzle)
+            step = 2 * lbo if swizzle == 0 else 32
+        place(image, M.view(np.uint16), at, lbo, sbo, swizzle, mn)
+        descs.append(descriptor(at, lbo, sbo, swizzle))
+        steps.append(step >> 4)
+    out = np.zeros((128, n // 2), np.float32)
+    launch(kernel_name(T, n, False, a_mn, b_mn), image, out, desc_a=descs[0], desc_b=descs[1], step_a=steps[0],
+           step_b=steps[1], ksteps=ksteps)
+    np.testing.assert_allclose(gather(out, n), A.astype(np.float64) @ B.astype(np.float64).T, rtol=1e-5, atol=1e-4)
+
+
+def test_rs_product_with_n_major_b():
+    A, B = operands("__half", 64, 64, 13)
+    image = np.zeros(16384, np.uint16)
+    lbo, sbo, step = mn_major_tile(64, 64, 128)
+    place(image, B.view(np.uint16), 0, lbo, sbo, 128, mn_major=True)
+    out = np.zeros((128, 32), np.float32)
+    launch(kernel_name("__half", 64, True, False, True), image, out, desc_b=descriptor(0, lbo, sbo, 128),
+           step_b=step >> 4, ksteps=4, a_registers=a_fragments(A.view(np.uint16), 4))
+    np.testing.assert_allclose(gather(out, 64), A.astype(np.float64) @ B.astype(np.float64).T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("T, n", RS)

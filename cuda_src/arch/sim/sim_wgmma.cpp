@@ -60,15 +60,17 @@ struct WarpgroupKey {  // what the 128 threads must agree on
 bool same_key(const WarpgroupKey& a, const WarpgroupKey& b) {
   return a.kind == b.kind && a.shape.n == b.shape.n && a.shape.bf16 == b.shape.bf16 &&
          a.shape.a_registers == b.shape.a_registers && a.shape.accumulate == b.shape.accumulate &&
-         (a.shape.a_registers || a.shape.desc_a == b.shape.desc_a) && a.shape.desc_b == b.shape.desc_b;
+         (a.shape.a_registers || a.shape.desc_a == b.shape.desc_a) && a.shape.desc_b == b.shape.desc_b &&
+         a.shape.a_mn_major == b.shape.a_mn_major && a.shape.b_mn_major == b.shape.b_mn_major;
 }
 
 std::string describe_key(const WarpgroupKey& k) {
   if (k.kind != kWgmma) return format("setmaxnreg.%s %u", k.kind == kSetmaxnregInc ? "inc" : "dec", k.shape.n);
   const WgmmaShape& s = k.shape;
-  std::string a = s.a_registers ? std::string("A from registers") : format("desc-a 0x%016" PRIx64, s.desc_a);
-  return format("m64n%uk16 %s, %s, desc-b 0x%016" PRIx64 ", scale-d %u", s.n, s.bf16 ? "bf16" : "f16", a.c_str(),
-                s.desc_b, s.accumulate);
+  std::string a = s.a_registers ? std::string("A from registers")
+                                : format("desc-a 0x%016" PRIx64 "%s", s.desc_a, s.a_mn_major ? " (M-major)" : "");
+  return format("m64n%uk16 %s, %s, desc-b 0x%016" PRIx64 "%s, scale-d %u", s.n, s.bf16 ? "bf16" : "f16", a.c_str(),
+                s.desc_b, s.b_mn_major ? " (N-major)" : "", s.accumulate);
 }
 
 // ---- shared-memory matrix descriptors (PTX ISA, "Matrix Descriptor Format") ----------------------------
@@ -78,38 +80,52 @@ struct Descriptor {
   unsigned stride;         // stride dimension byte offset, bits 32-45
   unsigned base_offset;    // bits 49-51
   unsigned swizzle_bytes;  // bits 62-63: 0 none, 1 128B, 2 64B, 3 32B
+  bool mn_major;           // the instruction's imm-trans bit for this operand, not a descriptor field
 };
 
 constexpr uint64_t kReservedBits = (3ull << 14) | (3ull << 30) | (7ull << 46) | (0x3ffull << 52);
 
-Descriptor decode(uint64_t d) {
+Descriptor decode(uint64_t d, bool mn_major) {
   static constexpr unsigned kSwizzle[4] = {0, 128, 64, 32};
   return Descriptor{static_cast<unsigned>(d & 0x3fff) << 4, static_cast<unsigned>((d >> 16) & 0x3fff) << 4,
                     static_cast<unsigned>((d >> 32) & 0x3fff) << 4, static_cast<unsigned>((d >> 49) & 7),
-                    kSwizzle[d >> 62]};
+                    kSwizzle[d >> 62], mn_major};
 }
 
-// The shared-window byte address of element (row, k) of a K-major 16-bit operand (row along M for A, N for
-// B; k = 0..15), per the ISA's canonical K-major layouts, T = 8 elements (16 bytes):
-//   no swizzle: ((8,m),(T,2k)):((1T,SBO),(1,LBO)): core matrices of 8 rows x 16 bytes, rows 16 bytes apart,
-//               the next 8 k LBO bytes on, the next 8 rows SBO bytes on;
-//   32/64/128B: ((8,m),(T,2k)):((sT,SBO),(1,T)), s = 2/4/8: rows of 32/64/128 bytes holding all 16 k,
-//               8-row groups SBO apart, then the swizzle on the address: its 16-byte chunk bits [4, 4 + b)
-//               XOR its bits [7, 7 + b), b = 1/2/3 (a pattern repeating every 8 rows: 256/512/1024 bytes).
+// The shared-window byte address of element (row, k) of a 16-bit operand (row along M for A, N for B; k =
+// 0..15), per the ISA's canonical layouts in element units, T = 8 elements (16 bytes), s = swizzle bytes / 16:
+//   K-major, no swizzle:  ((8,m),(T,2k)):((1T,SBO),(1,LBO))  core matrices of 8 rows x 16 bytes, rows 16 bytes
+//                         apart, the next 8 k LBO bytes on, the next 8 rows SBO bytes on;
+//   K-major, swizzled:    ((8,m),(T,2k)):((sT,SBO),(1,T))    rows of 16 s bytes holding all 16 k, 8-row groups
+//                         SBO apart;
+//   MN-major, no swizzle: ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)) core matrices of 8 k x 16 bytes (T rows), the
+//                         next T rows SBO bytes on, the next 8 k LBO bytes on;
+//   MN-major, swizzled:   ((T,s,m),(8,k)):((1,T,LBO),(sT,SBO)) lines of 16 s bytes holding s T rows, one line
+//                         per k, the next s T rows LBO bytes on, the next 8 k SBO bytes on;
+// then the swizzle of the address: its 16-byte unit bits [4, 4 + b) XOR its bits [7, 7 + b), b = log2 s (a
+// pattern of 8 lines repeating every 256/512/1024 bytes).
 // The swizzle acts on the address itself: with base offset 0 (the only one modeled, see check_descriptor) the
-// repeating pattern starts at a 256/512/1024-byte boundary, and a start inside a pattern (a k step 32 bytes on)
-// reads the same swizzled tile.
+// repeating pattern starts at a 256/512/1024-byte boundary, and a start inside a pattern (a k step on) reads
+// the same swizzled tile.
 unsigned element_address(const Descriptor& d, unsigned row, unsigned k) {
-  if (d.swizzle_bytes == 0) return d.start + (row % 8) * 16 + (row / 8) * d.stride + (k % 8) * 2 + (k / 8) * d.leading;
-  const unsigned a = d.start + (row % 8) * d.swizzle_bytes + (row / 8) * d.stride + k * 2;
-  const unsigned chunk_bits = d.swizzle_bytes / 16 - 1;  // 1, 3, 7
-  return a ^ (((a >> 7) & chunk_bits) << 4);
+  const unsigned s = d.swizzle_bytes / 16;  // 16-byte units per swizzled line
+  unsigned a;
+  if (!d.mn_major) {
+    a = d.swizzle_bytes == 0 ? d.start + (row % 8) * 16 + (row / 8) * d.stride + (k % 8) * 2 + (k / 8) * d.leading
+                             : d.start + (row % 8) * 16 * s + (row / 8) * d.stride + k * 2;
+  } else {
+    a = d.swizzle_bytes == 0 ? d.start + (row % 8) * 2 + (row / 8) * d.stride + (k % 8) * 16 + (k / 8) * d.leading
+                             : d.start + (row % (8 * s)) * 2 + (row / (8 * s)) * d.leading + (k % 8) * 16 * s +
+                                   (k / 8) * d.stride;
+  }
+  if (s <= 1) return a;
+  return a ^ (((a >> 7) & (s - 1)) << 4);
 }
 
 // nullptr, or what is wrong with a descriptor of a `rows` x 16 operand in `smem_bytes` of shared memory.
-std::string check_descriptor(uint64_t raw, unsigned rows, unsigned smem_bytes) {
+std::string check_descriptor(uint64_t raw, bool mn_major, unsigned rows, unsigned smem_bytes) {
   if (raw & kReservedBits) return format("reserved bits set (0x%016" PRIx64 ")", raw & kReservedBits);
-  const Descriptor d = decode(raw);
+  const Descriptor d = decode(raw, mn_major);
   // The ISA: the base offset is 0 when the swizzle's repeating pattern starts at a boundary of its size
   // (1024 / 512 / 256 bytes), else (pattern start >> 7) & 7. How the hardware then shifts the pattern is not
   // specified, so the simulator refuses patterns off their boundary rather than guess (the no-swizzle mode
@@ -123,8 +139,8 @@ std::string check_descriptor(uint64_t raw, unsigned rows, unsigned smem_bytes) {
       const unsigned a = element_address(d, r, k);
       if (a + 2 > smem_bytes)
         return format("element (%u, %u) at shared address 0x%x lies outside the block's %u bytes of dynamic shared "
-                      "memory (start 0x%x, LBO %u, SBO %u, swizzle %uB)",
-                      r, k, a, smem_bytes, d.start, d.leading, d.stride, d.swizzle_bytes);
+                      "memory (start 0x%x, LBO %u, SBO %u, swizzle %uB, %s-major)",
+                      r, k, a, smem_bytes, d.start, d.leading, d.stride, d.swizzle_bytes, mn_major ? "MN" : "K");
     }
   return {};
 }
@@ -248,11 +264,11 @@ void land(WgmmaOp& op) {
       }
     }
   } else {
-    const Descriptor da = decode(s.desc_a);
+    const Descriptor da = decode(s.desc_a, s.a_mn_major != 0);
     for (unsigned r = 0; r < 64; ++r)
       for (unsigned k = 0; k < 16; ++k) A[r][k] = read(element_address(da, r, k));
   }
-  const Descriptor db = decode(s.desc_b);
+  const Descriptor db = decode(s.desc_b, s.b_mn_major != 0);
   for (unsigned r = 0; r < s.n; ++r)
     for (unsigned k = 0; k < 16; ++k) B[r][k] = read(element_address(db, r, k));
   // Accumulator i of thread t (warp q, lane l): row 16 q + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4)
@@ -434,11 +450,11 @@ void wgmma_issue(const Site& site, const WgmmaShape& shape, float* acc, const un
   // The last thread to arrive: check the operands, put the wgmma in flight.
   const unsigned smem_bytes = w->launch->view.smem_bytes;
   if (!shape.a_registers) {
-    const std::string why = check_descriptor(shape.desc_a, 64, smem_bytes);
+    const std::string why = check_descriptor(shape.desc_a, shape.a_mn_major != 0, 64, smem_bytes);
     if (!why.empty()) fail_current(describe_site(site) + ": the descriptor of A: " + why);
   }
   {
-    const std::string why = check_descriptor(shape.desc_b, shape.n, smem_bytes);
+    const std::string why = check_descriptor(shape.desc_b, shape.b_mn_major != 0, shape.n, smem_bytes);
     if (!why.empty()) fail_current(describe_site(site) + ": the descriptor of B: " + why);
   }
   auto op = std::make_unique<WgmmaOp>();
@@ -463,8 +479,8 @@ void wgmma_issue(const Site& site, const WgmmaShape& shape, float* acc, const un
           op->operand_bytes.push_back(offset);
         }
   };
-  if (!shape.a_registers) mark(decode(shape.desc_a), 64);
-  mark(decode(shape.desc_b), shape.n);
+  if (!shape.a_registers) mark(decode(shape.desc_a, shape.a_mn_major != 0), 64);
+  mark(decode(shape.desc_b, shape.b_mn_major != 0), shape.n);
   w->wgmma_operand_bytes += op->operand_bytes.size();
   for (unsigned t = 0; t < kWarpgroupThreads; ++t) {
     const uintptr_t a_lo = reinterpret_cast<uintptr_t>(op->acc[t]);
@@ -537,7 +553,7 @@ unsigned wgmma_descriptor_start(const Site& site, const void* smem, unsigned lea
 void setmaxnreg(const Site& site, unsigned count, bool increase) {
   Fiber* f = current_fiber();
   Worker* w = f->worker;
-  const WarpgroupKey key{increase ? kSetmaxnregInc : kSetmaxnregDec, WgmmaShape{count, 0, 0, 0, 0, 0}};
+  const WarpgroupKey key{increase ? kSetmaxnregInc : kSetmaxnregDec, WgmmaShape{count, 0, 0, 0, 0, 0, 0, 0}};
   if (warpgroup_arrive(site, key, nullptr) == nullptr) return;
   const unsigned group_index = f->index / kWarpgroupThreads;
   Warpgroup& g = t_block.groups[group_index];

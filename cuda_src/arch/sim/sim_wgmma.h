@@ -23,6 +23,8 @@ struct WgmmaShape {
   unsigned accumulate;   // scale-d: 1 adds to the accumulators, 0 overwrites them
   uint64_t desc_a;
   uint64_t desc_b;
+  unsigned a_mn_major;   // imm-trans-a: 1 reads A M-major from its descriptor (SS only)
+  unsigned b_mn_major;   // imm-trans-b: 1 reads B N-major
 };
 
 // acc: the thread's n / 2 accumulators (read at landing when accumulating, written at landing);

@@ -29,14 +29,15 @@ __device__ __forceinline__ void copy_image_in(const Args& a, unsigned char* smem
   __syncthreads();
 }
 
-// D (+)= A B^T over a.ksteps k16 steps, A and B from descriptors (kRegisters: A from a.a_registers).
+// D (+)= A B^T over a.ksteps k16 steps, A and B from descriptors (kRegisters: A from a.a_registers), each
+// K-major or, with kAMnMajor / kBMnMajor, MN-major.
 // Planted bugs (a.mode):
 //   1 reads the accumulators before the covering wait     2 overwrites A's first elements in flight
 //   3 no wgmma.fence before the first wgmma                4 touches acc after a wait, no fence before the next
 //   5 the clean twin of 4 (a fence before every step)      6 warp 3 never issues the wgmma (it exits)
 //   7 warp 3 gives another descriptor of B                8 warp 3 waits at a barrier instead (a deadlock)
 //   9 lane 0 of each warp skips the commit (.aligned: the warp must execute it together)
-template <class T, int N, bool kRegisters>
+template <class T, int N, bool kRegisters, bool kAMnMajor = false, bool kBMnMajor = false>
 __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
   copy_image_in(a, smem);
@@ -53,9 +54,9 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
     if constexpr (kRegisters) {
       unsigned r[4];
       for (int j = 0; j < 4; ++j) r[j] = load(a.a_registers + (s * 128 + t) * 4 + j);
-      cuflash::arch::wgmma_rs<T, N>(acc, r, desc_b, accumulate);
+      cuflash::arch::wgmma_rs<T, N, kBMnMajor>(acc, r, desc_b, accumulate);
     } else {
-      cuflash::arch::wgmma<T, N>(acc, a.desc_a + s * a.desc_step_a, desc_b, accumulate);
+      cuflash::arch::wgmma<T, N, kAMnMajor, kBMnMajor>(acc, a.desc_a + s * a.desc_step_a, desc_b, accumulate);
     }
     if (a.mode != 9 || t % 32 != 0) cuflash::arch::wgmma_commit();
     if (a.mode == 1)
