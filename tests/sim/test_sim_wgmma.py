@@ -397,11 +397,12 @@ class TestRaceMode:
         with sim.checking("race"):
             yield
 
-    @pytest.mark.parametrize("mode, ksteps", [(0, 1), (0, 3), (5, 3)])
+    @pytest.mark.parametrize("mode, ksteps", [(0, 1), (0, 3), (5, 3), (10, 3), (11, 3)])
     def test_clean_twins(self, mode, ksteps):
         out = run_small(mode, ksteps)
         with sim.checking("normal"):
             np.testing.assert_array_equal(out, run_small(mode, ksteps))
+            np.testing.assert_array_equal(out, run_small(0, ksteps))  # the same sums in every pipeline
 
     @pytest.mark.parametrize("mode, ksteps, pattern", [
         (1, 1, r"wgmma accumulators in flight: this thread reads accumulator 0 of the wgmma issued at "

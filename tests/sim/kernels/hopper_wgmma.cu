@@ -37,6 +37,8 @@ __device__ __forceinline__ void copy_image_in(const Args& a, unsigned char* smem
 //   5 the clean twin of 4 (a fence before every step)      6 warp 3 never issues the wgmma (it exits)
 //   7 warp 3 gives another descriptor of B                8 warp 3 waits at a barrier instead (a deadlock)
 //   9 lane 0 of each warp skips the commit (.aligned: the warp must execute it together)
+// and clean variants of the pipeline: 10 one fence, every step issued back to back, one commit and wait;
+// 11 a commit per step and wait<1> in the loop (one group left in flight, chained on the same accumulators).
 template <class T, int N, bool kRegisters, bool kAMnMajor = false, bool kBMnMajor = false>
 __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   CUFLASH_DYNAMIC_SMEM(smem);
@@ -48,7 +50,8 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
   if (a.mode == 6 && t / 32 == 3) return;
   if (a.mode == 8 && t / 32 == 3) __syncthreads();
   for (int s = 0; s < a.ksteps; ++s) {
-    if (a.mode != 3 && (s == 0 || a.mode != 4)) cuflash::arch::wgmma_fence();
+    const bool last = s + 1 == a.ksteps;
+    if (a.mode != 3 && (s == 0 || (a.mode != 4 && a.mode != 10))) cuflash::arch::wgmma_fence();
     const unsigned long long desc_b = a.desc_b + s * a.desc_step_b + (a.mode == 7 && t / 32 == 3 ? 2 : 0);
     const bool accumulate = a.accumulate || s > 0;
     if constexpr (kRegisters) {
@@ -58,16 +61,20 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const Args a) {
     } else {
       cuflash::arch::wgmma<T, N, kAMnMajor, kBMnMajor>(acc, a.desc_a + s * a.desc_step_a, desc_b, accumulate);
     }
-    if (a.mode != 9 || t % 32 != 0) cuflash::arch::wgmma_commit();
+    if ((a.mode != 9 || t % 32 != 0) && (a.mode != 10 || last)) cuflash::arch::wgmma_commit();
     if (a.mode == 1)
       for (int i = 0; i < N / 2; ++i) store(a.out + t * (N / 2) + i, acc[i]);
     if (a.mode == 2) {  // each thread one of A's first 16 elements (the first writer is the issuing thread)
       const unsigned start = static_cast<unsigned>(a.desc_a & 0x3fff) << 4;
       *reinterpret_cast<unsigned short*>(smem + start + 2 * (t % 16)) = 0;
     }
-    cuflash::arch::wgmma_wait<0>(acc);
+    if (a.mode == 11)
+      cuflash::arch::wgmma_wait<1>();
+    else if (a.mode != 10 || last)
+      cuflash::arch::wgmma_wait<0>(acc);
     if (a.mode == 4 || a.mode == 5) acc[0] += 0.f;
   }
+  if (a.mode == 11) cuflash::arch::wgmma_wait<0>(acc);
   if (a.mode != 1)
     for (int i = 0; i < N / 2; ++i) store(a.out + t * (N / 2) + i, acc[i]);
 }
