@@ -19,6 +19,8 @@
 //   - Hopper sync:       mbarrier_init / arrive / arrive_expect_tx / expect_tx / complete_tx /
 //                        try_wait_parity / wait, fence_mbarrier_init, fence_proxy_async,
 //                        named_barrier_sync / arrive (bar.sync / bar.arrive), elect_one_sync (sm_90a)
+//   - Hopper (sm_90a):   wgmma<T, N> / wgmma_rs<T, N>, wgmma_fence / commit / wait<n>, wgmma_desc<swizzle>
+//                        (wgmma.mma_async m64nNk16 and its fences), setmaxnreg_inc / _dec<n>
 #pragma once
 
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
@@ -26,8 +28,10 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #if defined(__CUDACC_RTC__)
-// NVRTC has no <stdint.h>; the mbarrier wrappers take the 64-bit object as uint64_t*, as CUDA code spells it.
-typedef unsigned long long uint64_t;
+// NVRTC has no <stdint.h>; the mbarrier and wgmma wrappers take uint64_t as CUDA code spells it. glibc's
+// uint64_t on 64-bit Linux is unsigned long, so this typedef agrees with it should both ever be seen.
+typedef unsigned long uint64_t;
+static_assert(sizeof(uint64_t) == 8, "uint64_t: unsigned long is not 64 bits on this target");
 #endif
 // Shared memory is only dynamic: one byte array per block, sized by the launch plan.
 #define CUFLASH_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
@@ -365,6 +369,318 @@ __forceinline__ void named_barrier_arrive(unsigned id, unsigned threads, CUFLASH
   sim::named_barrier(CUFLASH_SIM_SITE("bar.arrive"), id, threads, false);
 }
 __forceinline__ bool elect_one_sync(CUFLASH_SIM_SITE_PARAMS) { return sim::elect_one_sync(site_); }
+
+#endif  // CUFLASH_GPU
+
+// ---- Hopper warpgroup instructions: wgmma, its fences, setmaxnreg ------------------------------------
+// A warpgroup is 4 consecutive warps (threads 128 g .. 128 g + 127); wgmma and setmaxnreg are executed by
+// all of its threads at once. The GPU forms compile only for sm_90a (a use elsewhere is a static_assert);
+// the simulator's twins (sim/sim_wgmma.h, sim_wgmma.cpp) check what the ISA requires of their use.
+//   wgmma<T, N>(acc, desc_a, desc_b, accumulate): wgmma.mma_async.sync.aligned.m64nNk16.f32.T.T, A and B
+//       K-major from shared-memory matrix descriptors; acc: N / 2 floats per thread (row 16 warp + lane / 4 +
+//       8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2); accumulate false overwrites acc.
+//       wgmma<T, N, kAMnMajor, kBMnMajor>: the transposed forms (imm-trans-a / -b 1: the operand M- / N-major).
+//   wgmma_rs<T, N>(acc, a, desc_b, accumulate): the same with A from registers (warp q holds rows 16 q ..
+//       16 q + 15 of the 64 x 16 A in mma.m16n8k16's A fragment layout); wgmma_rs<T, N, kBMnMajor>.
+//   wgmma_fence(), wgmma_commit(), wgmma_wait<N>() (wgmma.fence / commit_group / wait_group N): a wgmma is
+//       in flight until the wait that leaves at most N of the thread's committed groups pending; its
+//       accumulators may not be touched before, and wgmma.fence must come between register accesses and a
+//       wgmma using those registers (and before the first wgmma).
+//   wgmma_desc<kSwizzleBytes>(smem, leading_byte_offset, stride_byte_offset): the 64-bit descriptor of an
+//       operand at smem (swizzle 0, 32, 64 or 128 bytes), whose swizzle pattern starts at a boundary of
+//       8 x kSwizzleBytes bytes (base offset 0; smem itself may lie inside the pattern, as a k step does).
+//   setmaxnreg_inc<N>() / setmaxnreg_dec<N>(): setmaxnreg.{inc,dec}.sync.aligned.u32 N.
+
+// The descriptor's bits (PTX ISA, "Matrix Descriptor Format"): 0-13 start address, 16-29 leading byte offset,
+// 32-45 stride byte offset (each as (x & 0x3FFFF) >> 4), 49-51 base offset, 62-63 swizzle (0 none, 1 128B,
+// 2 64B, 3 32B). The base offset is 0 here: the swizzle's repeating pattern (8 rows of kSwizzleBytes) starts
+// at a boundary of its size, where the kernel places its tiles (the ISA's non-zero base offset, for patterns
+// off their boundary, is left out).
+__host__ __device__ constexpr uint64_t wgmma_desc_encode(unsigned start, unsigned leading_byte_offset,
+                                                         unsigned stride_byte_offset, int swizzle_bytes) {
+  const uint64_t swizzle_code = swizzle_bytes == 128 ? 1 : swizzle_bytes == 64 ? 2 : swizzle_bytes == 32 ? 3 : 0;
+  return ((start & 0x3FFFFu) >> 4) | static_cast<uint64_t>((leading_byte_offset & 0x3FFFFu) >> 4) << 16 |
+         static_cast<uint64_t>((stride_byte_offset & 0x3FFFFu) >> 4) << 32 | swizzle_code << 62;
+}
+
+#define CUFLASH_WGMMA_STATIC_CHECKS(T, N)                                                                   \
+  static_assert(is_mma_operand<T>::value, "wgmma takes __half or __nv_bfloat16 operands");                 \
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16 takes N a multiple of 8 in 8..256");     \
+  static_assert(CUFLASH_WGMMA_TARGET || sizeof(T) == 0, "wgmma needs sm_90a (compile for sm_90a)")
+#define CUFLASH_SETMAXNREG_STATIC_CHECKS(N)                                                                 \
+  static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg takes a multiple of 8 in 24..256");          \
+  static_assert(CUFLASH_WGMMA_TARGET || N == 0, "setmaxnreg needs sm_90a (compile for sm_90a)")
+
+#if CUFLASH_GPU
+
+// The architecture-specific features of sm_90 (wgmma, setmaxnreg) exist only in sm_90a code.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CUFLASH_WGMMA_TARGET 1
+#else
+#define CUFLASH_WGMMA_TARGET 0
+#endif
+
+// Operand lists of m64nNk16 for N = 8 j: the accumulators are asm operands %0 .. %(4 j - 1), four per group.
+#define CUFLASH_WGMMA_R0 "%0, %1, %2, %3"
+#define CUFLASH_WGMMA_R1 "%4, %5, %6, %7"
+#define CUFLASH_WGMMA_R2 "%8, %9, %10, %11"
+#define CUFLASH_WGMMA_R3 "%12, %13, %14, %15"
+#define CUFLASH_WGMMA_R4 "%16, %17, %18, %19"
+#define CUFLASH_WGMMA_R5 "%20, %21, %22, %23"
+#define CUFLASH_WGMMA_R6 "%24, %25, %26, %27"
+#define CUFLASH_WGMMA_R7 "%28, %29, %30, %31"
+#define CUFLASH_WGMMA_R8 "%32, %33, %34, %35"
+#define CUFLASH_WGMMA_R9 "%36, %37, %38, %39"
+#define CUFLASH_WGMMA_R10 "%40, %41, %42, %43"
+#define CUFLASH_WGMMA_R11 "%44, %45, %46, %47"
+#define CUFLASH_WGMMA_R12 "%48, %49, %50, %51"
+#define CUFLASH_WGMMA_R13 "%52, %53, %54, %55"
+#define CUFLASH_WGMMA_R14 "%56, %57, %58, %59"
+#define CUFLASH_WGMMA_R15 "%60, %61, %62, %63"
+#define CUFLASH_WGMMA_R16 "%64, %65, %66, %67"
+#define CUFLASH_WGMMA_R17 "%68, %69, %70, %71"
+#define CUFLASH_WGMMA_R18 "%72, %73, %74, %75"
+#define CUFLASH_WGMMA_R19 "%76, %77, %78, %79"
+#define CUFLASH_WGMMA_R20 "%80, %81, %82, %83"
+#define CUFLASH_WGMMA_R21 "%84, %85, %86, %87"
+#define CUFLASH_WGMMA_R22 "%88, %89, %90, %91"
+#define CUFLASH_WGMMA_R23 "%92, %93, %94, %95"
+#define CUFLASH_WGMMA_R24 "%96, %97, %98, %99"
+#define CUFLASH_WGMMA_R25 "%100, %101, %102, %103"
+#define CUFLASH_WGMMA_R26 "%104, %105, %106, %107"
+#define CUFLASH_WGMMA_R27 "%108, %109, %110, %111"
+#define CUFLASH_WGMMA_R28 "%112, %113, %114, %115"
+#define CUFLASH_WGMMA_R29 "%116, %117, %118, %119"
+#define CUFLASH_WGMMA_R30 "%120, %121, %122, %123"
+#define CUFLASH_WGMMA_R31 "%124, %125, %126, %127"
+#define CUFLASH_WGMMA_A4(i) "+f"(acc[i]), "+f"(acc[i + 1]), "+f"(acc[i + 2]), "+f"(acc[i + 3])
+#define CUFLASH_WGMMA_REGS_1 CUFLASH_WGMMA_R0
+#define CUFLASH_WGMMA_ACC_1 CUFLASH_WGMMA_A4(0)
+#define CUFLASH_WGMMA_REGS_2 CUFLASH_WGMMA_REGS_1 ", " CUFLASH_WGMMA_R1
+#define CUFLASH_WGMMA_ACC_2 CUFLASH_WGMMA_ACC_1, CUFLASH_WGMMA_A4(4)
+#define CUFLASH_WGMMA_REGS_3 CUFLASH_WGMMA_REGS_2 ", " CUFLASH_WGMMA_R2
+#define CUFLASH_WGMMA_ACC_3 CUFLASH_WGMMA_ACC_2, CUFLASH_WGMMA_A4(8)
+#define CUFLASH_WGMMA_REGS_4 CUFLASH_WGMMA_REGS_3 ", " CUFLASH_WGMMA_R3
+#define CUFLASH_WGMMA_ACC_4 CUFLASH_WGMMA_ACC_3, CUFLASH_WGMMA_A4(12)
+#define CUFLASH_WGMMA_REGS_5 CUFLASH_WGMMA_REGS_4 ", " CUFLASH_WGMMA_R4
+#define CUFLASH_WGMMA_ACC_5 CUFLASH_WGMMA_ACC_4, CUFLASH_WGMMA_A4(16)
+#define CUFLASH_WGMMA_REGS_6 CUFLASH_WGMMA_REGS_5 ", " CUFLASH_WGMMA_R5
+#define CUFLASH_WGMMA_ACC_6 CUFLASH_WGMMA_ACC_5, CUFLASH_WGMMA_A4(20)
+#define CUFLASH_WGMMA_REGS_7 CUFLASH_WGMMA_REGS_6 ", " CUFLASH_WGMMA_R6
+#define CUFLASH_WGMMA_ACC_7 CUFLASH_WGMMA_ACC_6, CUFLASH_WGMMA_A4(24)
+#define CUFLASH_WGMMA_REGS_8 CUFLASH_WGMMA_REGS_7 ", " CUFLASH_WGMMA_R7
+#define CUFLASH_WGMMA_ACC_8 CUFLASH_WGMMA_ACC_7, CUFLASH_WGMMA_A4(28)
+#define CUFLASH_WGMMA_REGS_9 CUFLASH_WGMMA_REGS_8 ", " CUFLASH_WGMMA_R8
+#define CUFLASH_WGMMA_ACC_9 CUFLASH_WGMMA_ACC_8, CUFLASH_WGMMA_A4(32)
+#define CUFLASH_WGMMA_REGS_10 CUFLASH_WGMMA_REGS_9 ", " CUFLASH_WGMMA_R9
+#define CUFLASH_WGMMA_ACC_10 CUFLASH_WGMMA_ACC_9, CUFLASH_WGMMA_A4(36)
+#define CUFLASH_WGMMA_REGS_11 CUFLASH_WGMMA_REGS_10 ", " CUFLASH_WGMMA_R10
+#define CUFLASH_WGMMA_ACC_11 CUFLASH_WGMMA_ACC_10, CUFLASH_WGMMA_A4(40)
+#define CUFLASH_WGMMA_REGS_12 CUFLASH_WGMMA_REGS_11 ", " CUFLASH_WGMMA_R11
+#define CUFLASH_WGMMA_ACC_12 CUFLASH_WGMMA_ACC_11, CUFLASH_WGMMA_A4(44)
+#define CUFLASH_WGMMA_REGS_13 CUFLASH_WGMMA_REGS_12 ", " CUFLASH_WGMMA_R12
+#define CUFLASH_WGMMA_ACC_13 CUFLASH_WGMMA_ACC_12, CUFLASH_WGMMA_A4(48)
+#define CUFLASH_WGMMA_REGS_14 CUFLASH_WGMMA_REGS_13 ", " CUFLASH_WGMMA_R13
+#define CUFLASH_WGMMA_ACC_14 CUFLASH_WGMMA_ACC_13, CUFLASH_WGMMA_A4(52)
+#define CUFLASH_WGMMA_REGS_15 CUFLASH_WGMMA_REGS_14 ", " CUFLASH_WGMMA_R14
+#define CUFLASH_WGMMA_ACC_15 CUFLASH_WGMMA_ACC_14, CUFLASH_WGMMA_A4(56)
+#define CUFLASH_WGMMA_REGS_16 CUFLASH_WGMMA_REGS_15 ", " CUFLASH_WGMMA_R15
+#define CUFLASH_WGMMA_ACC_16 CUFLASH_WGMMA_ACC_15, CUFLASH_WGMMA_A4(60)
+#define CUFLASH_WGMMA_REGS_17 CUFLASH_WGMMA_REGS_16 ", " CUFLASH_WGMMA_R16
+#define CUFLASH_WGMMA_ACC_17 CUFLASH_WGMMA_ACC_16, CUFLASH_WGMMA_A4(64)
+#define CUFLASH_WGMMA_REGS_18 CUFLASH_WGMMA_REGS_17 ", " CUFLASH_WGMMA_R17
+#define CUFLASH_WGMMA_ACC_18 CUFLASH_WGMMA_ACC_17, CUFLASH_WGMMA_A4(68)
+#define CUFLASH_WGMMA_REGS_19 CUFLASH_WGMMA_REGS_18 ", " CUFLASH_WGMMA_R18
+#define CUFLASH_WGMMA_ACC_19 CUFLASH_WGMMA_ACC_18, CUFLASH_WGMMA_A4(72)
+#define CUFLASH_WGMMA_REGS_20 CUFLASH_WGMMA_REGS_19 ", " CUFLASH_WGMMA_R19
+#define CUFLASH_WGMMA_ACC_20 CUFLASH_WGMMA_ACC_19, CUFLASH_WGMMA_A4(76)
+#define CUFLASH_WGMMA_REGS_21 CUFLASH_WGMMA_REGS_20 ", " CUFLASH_WGMMA_R20
+#define CUFLASH_WGMMA_ACC_21 CUFLASH_WGMMA_ACC_20, CUFLASH_WGMMA_A4(80)
+#define CUFLASH_WGMMA_REGS_22 CUFLASH_WGMMA_REGS_21 ", " CUFLASH_WGMMA_R21
+#define CUFLASH_WGMMA_ACC_22 CUFLASH_WGMMA_ACC_21, CUFLASH_WGMMA_A4(84)
+#define CUFLASH_WGMMA_REGS_23 CUFLASH_WGMMA_REGS_22 ", " CUFLASH_WGMMA_R22
+#define CUFLASH_WGMMA_ACC_23 CUFLASH_WGMMA_ACC_22, CUFLASH_WGMMA_A4(88)
+#define CUFLASH_WGMMA_REGS_24 CUFLASH_WGMMA_REGS_23 ", " CUFLASH_WGMMA_R23
+#define CUFLASH_WGMMA_ACC_24 CUFLASH_WGMMA_ACC_23, CUFLASH_WGMMA_A4(92)
+#define CUFLASH_WGMMA_REGS_25 CUFLASH_WGMMA_REGS_24 ", " CUFLASH_WGMMA_R24
+#define CUFLASH_WGMMA_ACC_25 CUFLASH_WGMMA_ACC_24, CUFLASH_WGMMA_A4(96)
+#define CUFLASH_WGMMA_REGS_26 CUFLASH_WGMMA_REGS_25 ", " CUFLASH_WGMMA_R25
+#define CUFLASH_WGMMA_ACC_26 CUFLASH_WGMMA_ACC_25, CUFLASH_WGMMA_A4(100)
+#define CUFLASH_WGMMA_REGS_27 CUFLASH_WGMMA_REGS_26 ", " CUFLASH_WGMMA_R26
+#define CUFLASH_WGMMA_ACC_27 CUFLASH_WGMMA_ACC_26, CUFLASH_WGMMA_A4(104)
+#define CUFLASH_WGMMA_REGS_28 CUFLASH_WGMMA_REGS_27 ", " CUFLASH_WGMMA_R27
+#define CUFLASH_WGMMA_ACC_28 CUFLASH_WGMMA_ACC_27, CUFLASH_WGMMA_A4(108)
+#define CUFLASH_WGMMA_REGS_29 CUFLASH_WGMMA_REGS_28 ", " CUFLASH_WGMMA_R28
+#define CUFLASH_WGMMA_ACC_29 CUFLASH_WGMMA_ACC_28, CUFLASH_WGMMA_A4(112)
+#define CUFLASH_WGMMA_REGS_30 CUFLASH_WGMMA_REGS_29 ", " CUFLASH_WGMMA_R29
+#define CUFLASH_WGMMA_ACC_30 CUFLASH_WGMMA_ACC_29, CUFLASH_WGMMA_A4(116)
+#define CUFLASH_WGMMA_REGS_31 CUFLASH_WGMMA_REGS_30 ", " CUFLASH_WGMMA_R30
+#define CUFLASH_WGMMA_ACC_31 CUFLASH_WGMMA_ACC_30, CUFLASH_WGMMA_A4(120)
+#define CUFLASH_WGMMA_REGS_32 CUFLASH_WGMMA_REGS_31 ", " CUFLASH_WGMMA_R31
+#define CUFLASH_WGMMA_ACC_32 CUFLASH_WGMMA_ACC_31, CUFLASH_WGMMA_A4(124)
+// X(j, N, o0, .., o6): N = 8 j and the numbers of the seven operands after the 4 j accumulators.
+#define CUFLASH_WGMMA_SHAPES(X) \
+  X(1, 8, 4, 5, 6, 7, 8, 9, 10) \
+  X(2, 16, 8, 9, 10, 11, 12, 13, 14) \
+  X(3, 24, 12, 13, 14, 15, 16, 17, 18) \
+  X(4, 32, 16, 17, 18, 19, 20, 21, 22) \
+  X(5, 40, 20, 21, 22, 23, 24, 25, 26) \
+  X(6, 48, 24, 25, 26, 27, 28, 29, 30) \
+  X(7, 56, 28, 29, 30, 31, 32, 33, 34) \
+  X(8, 64, 32, 33, 34, 35, 36, 37, 38) \
+  X(9, 72, 36, 37, 38, 39, 40, 41, 42) \
+  X(10, 80, 40, 41, 42, 43, 44, 45, 46) \
+  X(11, 88, 44, 45, 46, 47, 48, 49, 50) \
+  X(12, 96, 48, 49, 50, 51, 52, 53, 54) \
+  X(13, 104, 52, 53, 54, 55, 56, 57, 58) \
+  X(14, 112, 56, 57, 58, 59, 60, 61, 62) \
+  X(15, 120, 60, 61, 62, 63, 64, 65, 66) \
+  X(16, 128, 64, 65, 66, 67, 68, 69, 70) \
+  X(17, 136, 68, 69, 70, 71, 72, 73, 74) \
+  X(18, 144, 72, 73, 74, 75, 76, 77, 78) \
+  X(19, 152, 76, 77, 78, 79, 80, 81, 82) \
+  X(20, 160, 80, 81, 82, 83, 84, 85, 86) \
+  X(21, 168, 84, 85, 86, 87, 88, 89, 90) \
+  X(22, 176, 88, 89, 90, 91, 92, 93, 94) \
+  X(23, 184, 92, 93, 94, 95, 96, 97, 98) \
+  X(24, 192, 96, 97, 98, 99, 100, 101, 102) \
+  X(25, 200, 100, 101, 102, 103, 104, 105, 106) \
+  X(26, 208, 104, 105, 106, 107, 108, 109, 110) \
+  X(27, 216, 108, 109, 110, 111, 112, 113, 114) \
+  X(28, 224, 112, 113, 114, 115, 116, 117, 118) \
+  X(29, 232, 116, 117, 118, 119, 120, 121, 122) \
+  X(30, 240, 120, 121, 122, 123, 124, 125, 126) \
+  X(31, 248, 124, 125, 126, 127, 128, 129, 130) \
+  X(32, 256, 128, 129, 130, 131, 132, 133, 134)
+
+template <int kGroups> struct WgmmaAsm;  // kGroups = N / 8; the instruction text for each N
+// imm-trans-a / imm-trans-b are "n" operands: 1 reads the operand MN-major.
+#define CUFLASH_WGMMA_SS(N, ptx_type, j, o0, o1, o2, o3, o4)                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #o2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N        \
+               "k16.f32." ptx_type "." ptx_type " {" CUFLASH_WGMMA_REGS_##j "}, %" #o0 ", %" #o1              \
+               ", p, 1, 1, %" #o3 ", %" #o4 ";\n}"                                                           \
+               : CUFLASH_WGMMA_ACC_##j                                                                       \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)                          \
+               : "memory")
+#define CUFLASH_WGMMA_RS(N, ptx_type, j, o0, o1, o2, o3, o4, o5, o6)                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #o5 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N        \
+               "k16.f32." ptx_type "." ptx_type " {" CUFLASH_WGMMA_REGS_##j "}, {%" #o0 ", %" #o1 ", %" #o2     \
+               ", %" #o3 "}, %" #o4 ", p, 1, 1, %" #o6 ";\n}"                                                \
+               : CUFLASH_WGMMA_ACC_##j                                                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)         \
+               : "memory")
+#define CUFLASH_WGMMA_DEFINE(j, N, o0, o1, o2, o3, o4, o5, o6)                                               \
+  template <> struct WgmmaAsm<j> {                                                                           \
+    template <bool kBf16, int kTransA, int kTransB>                                                          \
+    __device__ static __forceinline__ void ss(float* acc, uint64_t desc_a, uint64_t desc_b, int scale_d) {   \
+      if constexpr (kBf16) CUFLASH_WGMMA_SS(N, "bf16", j, o0, o1, o2, o3, o4);                               \
+      else CUFLASH_WGMMA_SS(N, "f16", j, o0, o1, o2, o3, o4);                                                \
+    }                                                                                                        \
+    template <bool kBf16, int kTransB>                                                                       \
+    __device__ static __forceinline__ void rs(float* acc, const unsigned* a, uint64_t desc_b, int scale_d) { \
+      if constexpr (kBf16) CUFLASH_WGMMA_RS(N, "bf16", j, o0, o1, o2, o3, o4, o5, o6);                       \
+      else CUFLASH_WGMMA_RS(N, "f16", j, o0, o1, o2, o3, o4, o5, o6);                                        \
+    }                                                                                                        \
+  };
+CUFLASH_WGMMA_SHAPES(CUFLASH_WGMMA_DEFINE)
+#undef CUFLASH_WGMMA_DEFINE
+#undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_RS
+
+template <class T, int N, bool kAMnMajor = false, bool kBMnMajor = false>
+__device__ __forceinline__ void wgmma(float (&acc)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  CUFLASH_WGMMA_STATIC_CHECKS(T, N);
+  WgmmaAsm<N / 8>::template ss<is_mma_operand<T>::bf16, kAMnMajor, kBMnMajor>(acc, desc_a, desc_b, accumulate ? 1 : 0);
+}
+template <class T, int N, bool kBMnMajor = false>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[N / 2], const unsigned (&a)[4], uint64_t desc_b, bool accumulate) {
+  CUFLASH_WGMMA_STATIC_CHECKS(T, N);
+  WgmmaAsm<N / 8>::template rs<is_mma_operand<T>::bf16, kBMnMajor>(acc, a, desc_b, accumulate ? 1 : 0);
+}
+// Templates, so that nothing sm_90a-only is compiled for a kernel that does not use them.
+template <int kUnused = 0> __device__ __forceinline__ void wgmma_fence() {
+  static_assert(CUFLASH_WGMMA_TARGET || kUnused != 0, "wgmma needs sm_90a (compile for sm_90a)");
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+template <int kUnused = 0> __device__ __forceinline__ void wgmma_commit() {
+  static_assert(CUFLASH_WGMMA_TARGET || kUnused != 0, "wgmma needs sm_90a (compile for sm_90a)");
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending> __device__ __forceinline__ void wgmma_wait() {
+  static_assert(kPending >= 0 && kPending < 8, "wgmma.wait_group takes 0..7");
+  static_assert(CUFLASH_WGMMA_TARGET || kPending < 0, "wgmma needs sm_90a (compile for sm_90a)");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// The wait, then the accumulators pinned after it: registers are not memory, so without this the compiler
+// may read them before the wait (the "memory" clobber does not order register reads).
+template <int kPending, int K> __device__ __forceinline__ void wgmma_wait(float (&acc)[K]) {
+  wgmma_wait<kPending>();
+  for (int i = 0; i < K; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+template <int kSwizzleBytes>
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, unsigned leading_byte_offset,
+                                               unsigned stride_byte_offset) {
+  static_assert(kSwizzleBytes == 0 || kSwizzleBytes == 32 || kSwizzleBytes == 64 || kSwizzleBytes == 128,
+                "wgmma descriptors swizzle 0, 32, 64 or 128 bytes");
+  return wgmma_desc_encode(smem_address(smem), leading_byte_offset, stride_byte_offset, kSwizzleBytes);
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  CUFLASH_SETMAXNREG_STATIC_CHECKS(N);
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  CUFLASH_SETMAXNREG_STATIC_CHECKS(N);
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+#else  // the simulator
+
+#define CUFLASH_WGMMA_TARGET 1
+
+template <class T, int N, bool kAMnMajor = false, bool kBMnMajor = false>
+__forceinline__ void wgmma(float (&acc)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                           CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_WGMMA_STATIC_CHECKS(T, N);
+  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 0, accumulate ? 1u : 0u, desc_a, desc_b,
+                              kAMnMajor ? 1u : 0u, kBMnMajor ? 1u : 0u};
+  sim::wgmma_issue(CUFLASH_SIM_SITE("wgmma.mma_async"), shape, acc, nullptr);
+}
+template <class T, int N, bool kBMnMajor = false>
+__forceinline__ void wgmma_rs(float (&acc)[N / 2], const unsigned (&a)[4], uint64_t desc_b, bool accumulate,
+                              CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_WGMMA_STATIC_CHECKS(T, N);
+  const sim::WgmmaShape shape{N, is_mma_operand<T>::bf16 ? 1u : 0u, 1, accumulate ? 1u : 0u, 0, desc_b,
+                              0, kBMnMajor ? 1u : 0u};
+  sim::wgmma_issue(CUFLASH_SIM_SITE("wgmma.mma_async"), shape, acc, a);
+}
+__forceinline__ void wgmma_fence(CUFLASH_SIM_SITE_PARAMS) { sim::wgmma_fence(CUFLASH_SIM_SITE("wgmma.fence")); }
+__forceinline__ void wgmma_commit(CUFLASH_SIM_SITE_PARAMS) {
+  sim::wgmma_commit(CUFLASH_SIM_SITE("wgmma.commit_group"));
+}
+template <int kPending> __forceinline__ void wgmma_wait(CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kPending >= 0 && kPending < 8, "wgmma.wait_group takes 0..7");
+  sim::wgmma_wait(CUFLASH_SIM_SITE("wgmma.wait_group"), kPending);
+}
+template <int kPending, int K> __forceinline__ void wgmma_wait(float (&)[K], CUFLASH_SIM_SITE_PARAMS) {
+  wgmma_wait<kPending>(site_);
+}
+template <int kSwizzleBytes>
+__forceinline__ uint64_t wgmma_desc(const void* smem, unsigned leading_byte_offset, unsigned stride_byte_offset,
+                                    CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kSwizzleBytes == 0 || kSwizzleBytes == 32 || kSwizzleBytes == 64 || kSwizzleBytes == 128,
+                "wgmma descriptors swizzle 0, 32, 64 or 128 bytes");
+  const unsigned start =
+      sim::wgmma_descriptor_start(CUFLASH_SIM_SITE("wgmma_desc"), smem, leading_byte_offset, stride_byte_offset);
+  return wgmma_desc_encode(start, leading_byte_offset, stride_byte_offset, kSwizzleBytes);
+}
+template <int N> __forceinline__ void setmaxnreg_inc(CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_SETMAXNREG_STATIC_CHECKS(N);
+  sim::setmaxnreg(CUFLASH_SIM_SITE("setmaxnreg.inc"), N, true);
+}
+template <int N> __forceinline__ void setmaxnreg_dec(CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_SETMAXNREG_STATIC_CHECKS(N);
+  sim::setmaxnreg(CUFLASH_SIM_SITE("setmaxnreg.dec"), N, false);
+}
 
 #endif  // CUFLASH_GPU
 

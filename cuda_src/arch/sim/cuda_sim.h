@@ -682,6 +682,7 @@ __forceinline__ int __all_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PA
 
 #include "sim_tensor.h"
 #include "sim_mbarrier.h"
+#include "sim_wgmma.h"
 
 // ---- CPU twins of the arch layer ---------------------------------------------------------------
 namespace cuflash::sim {

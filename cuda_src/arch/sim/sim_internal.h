@@ -42,6 +42,21 @@ struct PendingCopy {  // one cp.async in flight: lands at a random moment before
   unsigned group;
 };
 
+// A range of a thread's registers (its stack here) that wgmma watches in race mode (sim_wgmma.cpp): the
+// accumulators of a wgmma in flight (any access is an error), or of one already waited for (an access marks
+// them touched: a later wgmma on them needs a wgmma.fence first).
+struct RegisterWatch {
+  uintptr_t lo, hi;
+  const void* op;  // the wgmma in flight (its WgmmaOp), or nullptr once waited for
+  bool touched;    // accessed since the thread's last wgmma.fence
+};
+
+struct FiberWgmma {
+  unsigned groups_committed;  // wgmma.commit_group count
+  unsigned fences;            // wgmma.fence count
+  std::vector<RegisterWatch> watch;  // race mode only
+};
+
 struct Fiber {
   ThreadView* view;  // lives at the top of the fiber's stack slot
   Worker* worker;
@@ -57,6 +72,7 @@ struct Fiber {
   void* asan_fake_stack;
   std::vector<PendingCopy> copies;  // cp.async not yet waited for, in issue order
   unsigned groups_committed;        // cp.async.commit_group count
+  FiberWgmma wgmma;
 #if CUFLASH_SIM_RACE
   // joint_gen[l]: generation of the latest __syncwarp of this warp that included
   // both this thread and lane l (see sim_race.cpp).
@@ -100,6 +116,7 @@ struct Launch {
   const void* kernel;
   const void* params;
   unsigned threads_per_block;
+  unsigned launch_bound_threads;  // the first argument of the kernel's __launch_bounds__ (1024 without one)
   unsigned long long num_blocks;
   std::atomic<unsigned long long> next_block{0};
   std::atomic<bool> abort{false};
@@ -141,6 +158,8 @@ struct Worker {
   uintptr_t smem_map_lo;            // the mapping around the block's shared memory: an access here
   uintptr_t smem_map_hi;            // outside [smem, smem + bytes) is a shared-memory overrun
   SyncState sync;                   // mbarriers and named barriers (sim_mbarrier.cpp)
+  unsigned long long wgmma_in_flight;  // wgmma of this block not landed yet (sim_wgmma.cpp)
+  size_t wgmma_operand_bytes;          // race mode: shared bytes a wgmma in flight reads
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
   bool vector_clocks;  // the block has released through an mbarrier or named barrier (sim_race.cpp)
@@ -166,6 +185,16 @@ void run_others(Worker* w, Fiber* f);
 void sync_block_begin(Worker* w);
 std::string describe_sync_wait(const Worker* w, const Fiber& f);  // for kAtMbarrier / kAtNamedBarrier
 void sync_thread_exit(Worker* w, Fiber* f);  // the running fiber exits: fails if its warp awaits it at a named barrier
+// The running fiber waits at a collective of more than one warp (sim_wgmma.cpp's warpgroup ones) until
+// another fiber sets it runnable.
+void block_current_fiber(const Site& site);
+bool coin_flip(Worker* w);  // one fair bit from the block's landing stream (copy_landing's seed)
+
+// wgmma and warpgroup collectives (sim_wgmma.cpp).
+void wgmma_block_begin(Worker* w);
+void wgmma_land_some(Worker* w);  // normal mode, at a fiber switch: each wgmma in flight lands with probability 1/2
+void wgmma_thread_exit(Fiber* f);
+std::string describe_warpgroup_wait(const Worker* w, const Fiber& f);
 
 #if CUFLASH_SIM_RACE
 // Race detector hooks (sim_race.cpp).
@@ -189,6 +218,10 @@ void race_acquire(Fiber* f, const std::vector<uint32_t>& from);
 void race_enable_vector_clocks(Worker* w);
 RaceMoment race_moment(Fiber* f);                         // the running fiber's moment now
 bool race_ordered_after(Fiber* f, const RaceMoment& m);  // is f's next access ordered after m?
+// A wgmma's read of a shared operand, at its landing, on behalf of the running fiber.
+void race_wgmma_operand_read(uintptr_t address, unsigned bytes);
+// sim_wgmma.cpp: an access to a watched register range or a write to a shared operand in flight.
+void race_wgmma_check_access(Fiber* f, uintptr_t address, unsigned bytes, bool is_write);
 #endif
 
 #if CUFLASH_SIM_PROFILE

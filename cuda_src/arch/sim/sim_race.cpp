@@ -325,8 +325,11 @@ Access access_of(Fiber* f) {
 void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic, bool check_alignment = false) {
   Fiber* f = fiber_on_this_stack();
   if (f == nullptr) return;
-  const Access a = access_of(f);
   Worker* w = f->worker;
+  // wgmma (sim_wgmma.cpp): accumulator registers it watches, shared operands it reads in flight.
+  if (__builtin_expect(!f->wgmma.watch.empty() || (is_write && w->wgmma_operand_bytes != 0), 0))
+    race_wgmma_check_access(f, address, bytes, is_write);
+  const Access a = access_of(f);
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
   const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
   if (address + bytes > w->smem_map_lo && address < w->smem_map_hi) {
@@ -502,6 +505,10 @@ void race_async_proxy_read(uintptr_t address, unsigned bytes) {
                         p - smem, thread_name(a, a.block, c.w_tid, false).c_str()));
   }
 }
+
+// A wgmma reads its shared operands through the async proxy: the ordinary read check and the
+// fence.proxy.async rule, both in race_async_proxy_read.
+void race_wgmma_operand_read(uintptr_t address, unsigned bytes) { race_async_proxy_read(address, bytes); }
 
 }  // namespace cuflash::sim
 

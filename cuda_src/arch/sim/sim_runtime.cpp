@@ -364,6 +364,7 @@ void release_barrier(Worker* w) {
 std::string describe_wait(const Worker* w, const Fiber& f) {
   if (f.state == FiberState::kAtBarrier) return "waits at " + describe_site(f.wait_site);
   if (f.state == FiberState::kAtMbarrier || f.state == FiberState::kAtNamedBarrier) return describe_sync_wait(w, f);
+  if (f.wait_mask == 0) return describe_warpgroup_wait(w, f);  // a collective of more than one warp
   const unsigned warp = f.index >> 5;
   const Warp& wp = w->warps[warp];
   unsigned missing = f.wait_mask;
@@ -404,6 +405,8 @@ void apply_copy(const PendingCopy& c) {
   if (c.src_size < c.cp_size) memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);
 }
 
+}  // namespace
+
 // splitmix64 step: one fair bit per call, from the block's landing stream.
 bool coin_flip(Worker* w) {
   uint64_t z = (w->landing_rng += 0x9e3779b97f4a7c15ull);
@@ -411,6 +414,16 @@ bool coin_flip(Worker* w) {
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return ((z ^ (z >> 31)) >> 63) != 0;
 }
+
+void block_current_fiber(const Site& site) {
+  Fiber* f = current_fiber();
+  f->state = FiberState::kAtCollective;
+  f->wait_site = site;
+  f->wait_mask = 0;
+  yield_from(f->worker, f, false);
+}
+
+namespace {
 
 // At a fiber switch: every copy still in flight lands now with probability 1/2.
 void land_some_copies(Worker* w) {
@@ -445,6 +458,9 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   f.wait_parity = 0;
   f.copies.clear();
   f.groups_committed = 0;
+  f.wgmma.groups_committed = 0;
+  f.wgmma.fences = 0;
+  f.wgmma.watch.clear();
   f.view = reinterpret_cast<ThreadView*>(base + kThreadViewOffset);
   f.view->thread_idx = unflatten(index, w->launch->view.block_dim);
   f.view->linear_tid = index;
@@ -504,6 +520,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
   w->smem_map_hi = smem.mapped_hi();
   w->landing_rng = launch->copy_landing_seed ^ (0x9e3779b97f4a7c15ull * (block_linear + 1));
   w->copies_in_flight = 0;
+  wgmma_block_begin(w);
   w->live = n;
   w->arrived = 0;
   w->barrier_predicates = 0;
@@ -536,6 +553,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     w->current = next;
     Fiber& f = w->fibers[next];
     if (w->copies_in_flight != 0) land_some_copies(w);
+    if (w->wgmma_in_flight != 0) wgmma_land_some(w);
     switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);
     if (w->failed) break;
     if (asan_report_pending()) {
@@ -900,6 +918,7 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
   // GPU; leaving the NaN fill in place makes such a read visible.
   w->copies_in_flight -= f->copies.size();
   f->copies.clear();
+  wgmma_thread_exit(f);
   // The thread exited: it no longer blocks barriers, but lanes waiting for it in a
   // warp collective never complete on a GPU.
   const unsigned warp = f->index >> 5;
@@ -973,6 +992,7 @@ int run_launch(LaunchRequest* request, KernelThunk thunk, const void* kernel, un
   launch.kernel = kernel;
   launch.params = request->params;
   launch.threads_per_block = static_cast<unsigned>(threads);
+  launch.launch_bound_threads = static_cast<unsigned>(max_threads);
   launch.num_blocks = blocks;
   launch.copy_landing_seed = request->copy_landing_seed;
 
