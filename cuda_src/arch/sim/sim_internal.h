@@ -170,6 +170,17 @@ __attribute__((always_inline)) inline Fiber* current_fiber() {
   return static_cast<Fiber*>(current_thread()->fiber);
 }
 
+// The one model of the shared-memory swizzle modes (32B, 64B, 128B; 0 or 16: none), used by the wgmma
+// twin to read operands and by the TMA twin to place a box: the 16-byte unit bits [4, 4 + b) of the
+// shared-window address XOR its bits [7, 7 + b), b = log2(swizzle_bytes / 16), so the pattern of 8 lines
+// of swizzle_bytes repeats every 8 * swizzle_bytes (256/512/1024) bytes from address 0 of the window
+// (whose base is 1024-byte aligned, as on a GPU). Addresses here are offsets in the shared window.
+inline unsigned swizzled_shared_address(unsigned address, unsigned swizzle_bytes) {
+  const unsigned units = swizzle_bytes / 16;  // 16-byte units per line: 2, 4 or 8
+  if (units <= 1) return address;
+  return address ^ (((address >> 7) & (units - 1)) << 4);
+}
+
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 bool same_site(const Site& a, const Site& b);
 std::string describe_site(const Site& s);
@@ -177,17 +188,15 @@ std::string describe_thread(const Worker* w, unsigned linear_tid);
 std::string describe_block(const Worker* w);
 std::string lanes_text(unsigned mask);  // "0-3,8"
 [[noreturn]] void fail_current(const std::string& message);
-// The running fiber lets the others run: until woken when it set a waiting state, else (a failed
-// poll) until they had their turn.
-void run_others(Worker* w, Fiber* f);
+// The running fiber `f` lets the others run: until woken when it set a waiting state (state, wait_site and
+// the state's wait fields first), else (a failed poll) until they had their turn. Every wait of the runtime
+// twins (mbarrier, named barrier, warpgroup collective) goes through it.
+void run_others(Fiber* f);
 
 // Hopper synchronization twins (sim_mbarrier.cpp).
 void sync_block_begin(Worker* w);
 std::string describe_sync_wait(const Worker* w, const Fiber& f);  // for kAtMbarrier / kAtNamedBarrier
 void sync_thread_exit(Worker* w, Fiber* f);  // the running fiber exits: fails if its warp awaits it at a named barrier
-// The running fiber waits at a collective of more than one warp (sim_wgmma.cpp's warpgroup ones) until
-// another fiber sets it runnable.
-void block_current_fiber(const Site& site);
 bool coin_flip(Worker* w);  // one fair bit from the block's landing stream (copy_landing's seed)
 
 // wgmma and warpgroup collectives (sim_wgmma.cpp).

@@ -245,7 +245,7 @@ bool mbarrier_try_wait_parity(const Site& site, uint64_t* bar, unsigned parity) 
     fail_current(format("deadlock: %s polled %u times for parity %u with no change to %s (the threads that can "
                         "run are polling too)", describe_site(site).c_str(), kPollLimit, parity,
                         describe_state(b).c_str()));
-  run_others(w, f);
+  run_others(f);
   return false;
 }
 
@@ -263,7 +263,7 @@ void mbarrier_wait_parity(const Site& site, uint64_t* bar, unsigned parity) {
   f->wait_site = site;
   f->wait_object = b.offset;
   f->wait_parity = parity;
-  run_others(f->worker, f);  // resumes once maybe_complete saw the phase complete (and joined its clocks)
+  run_others(f);  // resumes once maybe_complete saw the phase complete (and joined its clocks)
 }
 
 void fence_mbarrier_init() {}
@@ -336,7 +336,7 @@ void named_barrier(const Site& site, unsigned id, unsigned threads, bool wait) {
   f->state = FiberState::kAtNamedBarrier;
   f->wait_site = site;
   f->wait_object = id;
-  run_others(w, f);
+  run_others(f);
 }
 
 void sync_thread_exit(Worker* w, Fiber* f) {

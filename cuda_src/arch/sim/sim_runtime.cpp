@@ -415,14 +415,6 @@ bool coin_flip(Worker* w) {
   return ((z ^ (z >> 31)) >> 63) != 0;
 }
 
-void block_current_fiber(const Site& site) {
-  Fiber* f = current_fiber();
-  f->state = FiberState::kAtCollective;
-  f->wait_site = site;
-  f->wait_mask = 0;
-  yield_from(f->worker, f, false);
-}
-
 namespace {
 
 // At a fiber switch: every copy still in flight lands now with probability 1/2.
@@ -695,8 +687,9 @@ void fail_current(const std::string& message) {
 void fail(const char* message) { fail_current(message); }
 
 // The running fiber lets the block's others run: the runnable ones above it, then from the lowest up
-// (the scheduler), so a fiber that stays runnable (a failed poll) runs again after the others had a turn.
-void run_others(Worker* w, Fiber* f) { yield_from(w, f, false); }
+// (the scheduler), so a fiber that stays runnable (a failed poll) runs again after the others had a turn,
+// and one that set a waiting state runs again once another fiber (or a landing) sets it runnable.
+void run_others(Fiber* f) { yield_from(f->worker, f, false); }
 
 Fiber* fiber_on_this_stack() {
   const uintptr_t frame = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));

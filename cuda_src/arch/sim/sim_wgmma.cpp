@@ -102,8 +102,7 @@ Descriptor decode(uint64_t d, bool mn_major) {
 //                         next T rows SBO bytes on, the next 8 k LBO bytes on;
 //   MN-major, swizzled:   ((T,s,m),(8,k)):((1,T,LBO),(sT,SBO)) lines of 16 s bytes holding s T rows, one line
 //                         per k, the next s T rows LBO bytes on, the next 8 k SBO bytes on;
-// then the swizzle of the address: its 16-byte unit bits [4, 4 + b) XOR its bits [7, 7 + b), b = log2 s (a
-// pattern of 8 lines repeating every 256/512/1024 bytes).
+// then the swizzle of the address (swizzled_shared_address, sim_internal.h: the same model places TMA boxes).
 // The swizzle acts on the address itself: with base offset 0 (the only one modeled, see check_descriptor) the
 // repeating pattern starts at a 256/512/1024-byte boundary, and a start inside a pattern (a k step on) reads
 // the same swizzled tile.
@@ -118,8 +117,7 @@ unsigned element_address(const Descriptor& d, unsigned row, unsigned k) {
                              : d.start + (row % (8 * s)) * 2 + (row / (8 * s)) * d.leading + (k % 8) * 16 * s +
                                    (k / 8) * d.stride;
   }
-  if (s <= 1) return a;
-  return a ^ (((a >> 7) & (s - 1)) << 4);
+  return swizzled_shared_address(a, d.swizzle_bytes);
 }
 
 // nullptr, or what is wrong with a descriptor of a `rows` x 16 operand in `smem_bytes` of shared memory.
@@ -206,6 +204,16 @@ void wake(Warpgroup& g, unsigned group_index, unsigned except) {
 
 // Every thread of the warpgroup deposits `io`; the last to arrive gets all 128 and acts for them (then calls
 // wake), the others return nullptr once woken.
+// The running thread waits at a warpgroup collective (wait_mask 0: more than one warp; describe_wait asks
+// describe_warpgroup_wait) until another thread of the warpgroup sets it runnable.
+void wait_for_warpgroup(const Site& site) {
+  Fiber* f = current_fiber();
+  f->state = FiberState::kAtCollective;
+  f->wait_site = site;
+  f->wait_mask = 0;
+  run_others(f);
+}
+
 const void* const* warpgroup_arrive(const Site& site, const WarpgroupKey& key, const void* io) {
   Fiber* f = current_fiber();
   Worker* w = f->worker;
@@ -230,7 +238,7 @@ const void* const* warpgroup_arrive(const Site& site, const WarpgroupKey& key, c
   }
   g.io[f->index % kWarpgroupThreads] = io;
   if (++g.arrived < kWarpgroupThreads) {
-    block_current_fiber(site);
+    wait_for_warpgroup(site);
     return nullptr;
   }
   return g.io;
@@ -580,7 +588,7 @@ void setmaxnreg(const Site& site, unsigned count, bool increase) {
     return;
   }
   g.requested = count;  // wait, with the other 127, for a dec elsewhere
-  block_current_fiber(site);
+  wait_for_warpgroup(site);
 }
 
 }  // namespace cuflash::sim
