@@ -21,6 +21,8 @@
 //                        named_barrier_sync / arrive (bar.sync / bar.arrive), elect_one_sync (sm_90a)
 //   - Hopper (sm_90a):   wgmma<T, N> / wgmma_rs<T, N>, wgmma_fence / commit / wait<n>, wgmma_desc<swizzle>
 //                        (wgmma.mma_async m64nNk16 and its fences), setmaxnreg_inc / _dec<n>
+//   - Hopper TMA:        TensorMap, tma_load<rank> / tma_load_2d, tma_store<rank> / tma_store_2d,
+//                        tma_store_commit, tma_store_wait_read<n> (cp.async.bulk.tensor, bulk groups)
 #pragma once
 
 #if defined(__CUDACC_RTC__) || defined(__CUDACC__)
@@ -680,6 +682,141 @@ template <int N> __forceinline__ void setmaxnreg_inc(CUFLASH_SIM_SITE_PARAMS) {
 template <int N> __forceinline__ void setmaxnreg_dec(CUFLASH_SIM_SITE_PARAMS) {
   CUFLASH_SETMAXNREG_STATIC_CHECKS(N);
   sim::setmaxnreg(CUFLASH_SIM_SITE("setmaxnreg.dec"), N, false);
+}
+
+#endif  // CUFLASH_GPU
+
+// ---- Hopper TMA: tiled tensor copies through a tensor map -------------------------------------------
+// A tensor map describes a global tensor of rank 1..5 and the box one copy moves (cuTensorMapEncodeTiled
+// on a GPU, cuflash.kernels.tensor_map.encode_tiled on both sides). Kernels take it as a `const
+// __grid_constant__` parameter (or a member of one) and pass its address. One thread issues each copy.
+//   tma_load<kRank>(smem_dst, map, {c0, ..}, bar): the box at coordinates c (innermost first, signed:
+//       elements outside the tensor arrive as zeros, or NaN when the map says so) into shared memory (dense,
+//       innermost contiguous, swizzled as the map says; 128-byte aligned), completing the box's bytes as tx
+//       bytes on the mbarrier `bar`: cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes.
+//       tma_load_2d(smem_dst, map, c0, c1, bar) is the 2-D form.
+//   tma_store<kRank>(map, smem_src, {c0, ..}): the box from shared memory to the tensor, clipped to it:
+//       cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group. tma_store_2d(map, smem_src, c0, c1).
+//   tma_store_commit(): cp.async.bulk.commit_group (this thread's stores since the last commit form a group).
+//   tma_store_wait_read<N>(): cp.async.bulk.wait_group.read N: all but the newest N groups have read their
+//       source, which may be overwritten from then on (their global writes may still be in flight).
+// Shared-memory writes a TMA store reads need fence_proxy_async() first (the async proxy reads them). The
+// simulator's twins are in sim/sim_tma.h and sim/sim_tma.cpp (the README's section "TMA").
+
+// CUtensorMap's size and alignment; the contents are the driver's (GPU) or the simulator twin's encoding.
+struct alignas(64) TensorMap {
+  unsigned char opaque[128];
+};
+static_assert(sizeof(TensorMap) == 128, "a tensor map is 128 bytes");
+
+#define CUFLASH_TMA_STATIC_CHECKS(kRank)                                                                    \
+  static_assert(kRank >= 1 && kRank <= 5, "tensor copies take 1 to 5 coordinates");                        \
+  static_assert(CUFLASH_TMA_TARGET || kRank == 0, "TMA (cp.async.bulk.tensor) needs sm_90 or later")
+
+#if CUFLASH_GPU
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUFLASH_TMA_TARGET 1
+#else
+#define CUFLASH_TMA_TARGET 0
+#endif
+
+template <int kRank>
+__device__ __forceinline__ void tma_load(void* smem_dst, const TensorMap* map, const int (&c)[kRank], uint64_t* bar) {
+  CUFLASH_TMA_STATIC_CHECKS(kRank);
+  const unsigned dst = smem_address(smem_dst);
+  const unsigned mbar = smem_address(bar);
+  const unsigned long long tmap = reinterpret_cast<unsigned long long>(map);
+  if constexpr (kRank == 1) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]) : "memory");
+  } else if constexpr (kRank == 2) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]) : "memory");
+  } else if constexpr (kRank == 3) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]) : "memory");
+  } else if constexpr (kRank == 4) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]) : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
+  }
+}
+template <int kRank>
+__device__ __forceinline__ void tma_store(const TensorMap* map, const void* smem_src, const int (&c)[kRank]) {
+  CUFLASH_TMA_STATIC_CHECKS(kRank);
+  const unsigned src = smem_address(smem_src);
+  const unsigned long long tmap = reinterpret_cast<unsigned long long>(map);
+  if constexpr (kRank == 1) {
+    asm volatile("cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%2}], [%1];"
+                 ::"l"(tmap), "r"(src), "r"(c[0]) : "memory");
+  } else if constexpr (kRank == 2) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(tmap), "r"(src), "r"(c[0]), "r"(c[1]) : "memory");
+  } else if constexpr (kRank == 3) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];"
+                 ::"l"(tmap), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]) : "memory");
+  } else if constexpr (kRank == 4) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 ::"l"(tmap), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]) : "memory");
+  } else {
+    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];"
+                 ::"l"(tmap), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
+  }
+}
+// Templates, so that nothing sm_90-only is compiled for a kernel that does not use them.
+template <int kUnused = 0> __device__ __forceinline__ void tma_store_commit() {
+  static_assert(CUFLASH_TMA_TARGET || kUnused != 0, "TMA (cp.async.bulk) needs sm_90 or later");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+template <int kPending> __device__ __forceinline__ void tma_store_wait_read() {
+  static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group.read takes an immediate");
+  static_assert(CUFLASH_TMA_TARGET || kPending < 0, "TMA (cp.async.bulk) needs sm_90 or later");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const TensorMap* map, int c0, int c1, uint64_t* bar) {
+  const int c[2] = {c0, c1};
+  tma_load<2>(smem_dst, map, c, bar);
+}
+__device__ __forceinline__ void tma_store_2d(const TensorMap* map, const void* smem_src, int c0, int c1) {
+  const int c[2] = {c0, c1};
+  tma_store<2>(map, smem_src, c);
+}
+
+#else  // the simulator: the twins of sim/sim_tma.h, with the kernel's call site.
+
+#define CUFLASH_TMA_TARGET 1
+
+template <int kRank>
+__forceinline__ void tma_load(void* smem_dst, const TensorMap* map, const int (&c)[kRank], uint64_t* bar,
+                              CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_TMA_STATIC_CHECKS(kRank);
+  sim::tma_load(CUFLASH_SIM_SITE("cp.async.bulk.tensor (TMA load)"), smem_dst, map, c, kRank, bar);
+}
+template <int kRank>
+__forceinline__ void tma_store(const TensorMap* map, const void* smem_src, const int (&c)[kRank],
+                               CUFLASH_SIM_SITE_PARAMS) {
+  CUFLASH_TMA_STATIC_CHECKS(kRank);
+  sim::tma_store(CUFLASH_SIM_SITE("cp.async.bulk.tensor (TMA store)"), map, smem_src, c, kRank);
+}
+__forceinline__ void tma_store_commit(CUFLASH_SIM_SITE_PARAMS) {
+  sim::tma_store_commit(CUFLASH_SIM_SITE("cp.async.bulk.commit_group"));
+}
+template <int kPending> __forceinline__ void tma_store_wait_read(CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group.read takes an immediate");
+  sim::tma_store_wait_read(CUFLASH_SIM_SITE("cp.async.bulk.wait_group.read"), kPending);
+}
+__forceinline__ void tma_load_2d(void* smem_dst, const TensorMap* map, int c0, int c1, uint64_t* bar,
+                                 CUFLASH_SIM_SITE_PARAMS) {
+  const int c[2] = {c0, c1};
+  tma_load<2>(smem_dst, map, c, bar, site_);
+}
+__forceinline__ void tma_store_2d(const TensorMap* map, const void* smem_src, int c0, int c1,
+                                  CUFLASH_SIM_SITE_PARAMS) {
+  const int c[2] = {c0, c1};
+  tma_store<2>(map, smem_src, c, site_);
 }
 
 #endif  // CUFLASH_GPU

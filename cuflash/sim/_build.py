@@ -32,8 +32,8 @@ from ..kernels.program import KernelInstance
 MODES = ("normal", "race", "asan", "profile")
 
 SIM_DIR = CUDA_SRC / "arch" / "sim"
-RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "sim_mbarrier.cpp", "sim_wgmma.cpp", "sim_profile.cpp",
-                   "fiber_switch_x86_64.S")
+RUNTIME_SOURCES = ("sim_runtime.cpp", "sim_race.cpp", "sim_mbarrier.cpp", "sim_wgmma.cpp", "sim_tma.cpp",
+                   "sim_profile.cpp", "fiber_switch_x86_64.S")
 # What the generated launcher table includes (beside the kernel sources, the rest of a library's input).
 TABLE_INCLUDES = ("arch/sim/sim_abi.h", "common/attention_params.cuh")
 # Bump when the generated translation units, or how a library or the runtime is linked, change.

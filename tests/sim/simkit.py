@@ -62,3 +62,10 @@ def run(name: str, grid, block, *, smem: int = 0, in0=None, in1=None, out0=None,
     """Launch simtest::<name> with every given array registered as a buffer."""
     buffers = [b for b in (in0, in1, out0, out1) if b is not None]
     return sim.launch(kernel(name), grid, block, smem, args(in0, in1, out0, out1, **ints), buffers)
+
+
+def swizzled_address(address: int, swizzle: int) -> int:
+    """The shared-memory swizzle (32, 64 or 128 bytes; 0: none) of a shared-window byte address, as wgmma reads
+    and TMA writes: the 16-byte unit bits [4, 4 + b) XOR bits [7, 7 + b), b = log2(swizzle / 16)."""
+    units = swizzle // 16
+    return address ^ (((address >> 7) & (units - 1)) << 4) if units > 1 else address

@@ -10,7 +10,7 @@ import pytest
 
 import cuflash.sim as sim
 from cuflash.kernels.program import KernelInstance
-from simkit import KERNELS
+from simkit import KERNELS, swizzled_address
 
 SOURCE = KERNELS / "hopper_wgmma.cu"
 ARGS = np.dtype([("image", np.uint64), ("a_registers", np.uint64), ("acc_in", np.uint64), ("out", np.uint64),
@@ -90,8 +90,7 @@ def element_address(start, lbo, sbo, swizzle, row, k, mn_major=False):
     else:
         row_part = layout_offset((T, s, big), (1, T, L), row)
         k_part = layout_offset((8, big), (s * T, S), k)
-    address = start + 2 * (row_part + k_part)
-    return address ^ (((address >> 7) & (s - 1)) << 4) if swizzle else address
+    return swizzled_address(start + 2 * (row_part + k_part), swizzle)
 
 
 def place(image, matrix_bits, start, lbo, sbo, swizzle, mn_major=False):

@@ -46,6 +46,9 @@
 #define __launch_bounds__(...)
 #endif
 #define __align__(n) __attribute__((aligned(n)))
+// A kernel parameter the kernel may take the address of (a TMA tensor map): on a GPU it stays in the
+// parameter space; here the parameter block is already copied per thread (kernel_thunk), so it is a no-op.
+#define __grid_constant__
 // __shared__ is deliberately not defined: kernels use only dynamic shared memory,
 // and a static __shared__ array would silently become per-fiber or per-process memory.
 
@@ -683,6 +686,7 @@ __forceinline__ int __all_sync(unsigned mask, int predicate, CUFLASH_SIM_SITE_PA
 #include "sim_tensor.h"
 #include "sim_mbarrier.h"
 #include "sim_wgmma.h"
+#include "sim_tma.h"
 
 // ---- CPU twins of the arch layer ---------------------------------------------------------------
 namespace cuflash::sim {

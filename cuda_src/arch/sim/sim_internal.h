@@ -51,6 +51,34 @@ struct RegisterWatch {
   bool touched;    // accessed since the thread's last wgmma.fence
 };
 
+// A TMA load in flight (sim_tma.cpp): the box as it will land (read from global memory at issue), in
+// 16-byte units placed at their swizzled offsets from dst_offset, and the mbarrier whose tx bytes it completes.
+struct TmaLoad {
+  struct Fiber* issuer;
+  Site site;
+  uint32_t bar_offset;
+  unsigned bytes;
+  unsigned dst_offset;
+  unsigned swizzle_bytes;
+  std::vector<unsigned char> image;
+};
+
+// A TMA store not yet known to have read its source (sim_tma.cpp): each element inside the global tensor,
+// its box offset in shared memory (before the swizzle) and its global address.
+struct TmaStore {
+  struct Element {
+    unsigned shared;
+    uintptr_t global;
+  };
+  Site site;
+  unsigned group;  // the issuing thread's bulk async-group
+  unsigned src_offset;
+  unsigned swizzle_bytes;
+  unsigned bytes;
+  unsigned element_bytes;
+  std::vector<Element> elements;
+};
+
 struct FiberWgmma {
   unsigned groups_committed;  // wgmma.commit_group count
   unsigned fences;            // wgmma.fence count
@@ -73,6 +101,8 @@ struct Fiber {
   std::vector<PendingCopy> copies;  // cp.async not yet waited for, in issue order
   unsigned groups_committed;        // cp.async.commit_group count
   FiberWgmma wgmma;
+  std::vector<TmaStore> tma_stores;  // TMA stores not yet covered by a wait_group.read, in issue order
+  unsigned bulk_groups_committed;    // cp.async.bulk.commit_group count
 #if CUFLASH_SIM_RACE
   // joint_gen[l]: generation of the latest __syncwarp of this warp that included
   // both this thread and lane l (see sim_race.cpp).
@@ -160,6 +190,8 @@ struct Worker {
   SyncState sync;                   // mbarriers and named barriers (sim_mbarrier.cpp)
   unsigned long long wgmma_in_flight;  // wgmma of this block not landed yet (sim_wgmma.cpp)
   size_t wgmma_operand_bytes;          // race mode: shared bytes a wgmma in flight reads
+  std::vector<TmaLoad> tma_loads;      // TMA loads of the block not landed yet, in issue order (sim_tma.cpp)
+  size_t tma_store_source_bytes;       // shared bytes TMA stores of the block may still read
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
   bool vector_clocks;  // the block has released through an mbarrier or named barrier (sim_race.cpp)
@@ -199,6 +231,21 @@ std::string describe_sync_wait(const Worker* w, const Fiber& f);  // for kAtMbar
 void sync_thread_exit(Worker* w, Fiber* f);  // the running fiber exits: fails if its warp awaits it at a named barrier
 bool coin_flip(Worker* w);  // one fair bit from the block's landing stream (copy_landing's seed)
 
+// TMA (sim_tma.cpp).
+void tma_block_begin(Worker* w);
+bool tma_loads_pending_on(const Worker* w, uint32_t bar_offset);  // a load in flight completes on that mbarrier
+// Lands the block's loads in flight: all of them, each with probability 1/2 (the copy_landing stream), or those
+// completing on the mbarrier at bar_offset. A landing's error fails the block (on_fiber: the running fiber's
+// failure, else recorded from the scheduler). True when any landed.
+enum class LoadsToLand { kAll, kSome, kOnBarrier };
+bool tma_land_loads(Worker* w, LoadsToLand which, uint32_t bar_offset, bool on_fiber);
+void tma_land_some_stores(Worker* w);  // normal mode, at a fiber switch: each store lands with probability 1/2
+void tma_thread_exit(Fiber* f);        // the exiting thread's stores land (on a GPU they complete)
+// sim_mbarrier.cpp for the TMA twin: the offset of the initialized mbarrier at `bar` (else a failure naming
+// the site), and a landing's complete_tx on behalf of the issuer (its release in race mode): an error text or "".
+uint32_t mbarrier_offset_for_tx(const Site& site, uint64_t* bar);
+std::string mbarrier_land_tx(Worker* w, Fiber* issuer, uint32_t bar_offset, unsigned bytes);
+
 // wgmma and warpgroup collectives (sim_wgmma.cpp).
 void wgmma_block_begin(Worker* w);
 void wgmma_land_some(Worker* w);  // normal mode, at a fiber switch: each wgmma in flight lands with probability 1/2
@@ -216,8 +263,14 @@ void race_atomic(Fiber* f, uintptr_t address, unsigned bytes);
 void race_access(uintptr_t address, unsigned bytes, bool is_write);  // on behalf of the running fiber
 // cp.async: its destination counts as written at issue and stays in flight (any access is a race)
 // until the issuing thread's covering wait, where the copy lands as that thread's write.
-void race_copy_issued(uintptr_t dst, unsigned bytes);
-void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes);
+// tma: a TMA load, in flight until its mbarrier phase is observed (messages say which); async_proxy: the
+// landing is an async-proxy write (a TMA load's), which a later async-proxy read needs no fence for.
+void race_copy_issued(uintptr_t dst, unsigned bytes, bool tma = false);
+void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes, bool async_proxy = false);
+// The issue site of the TMA load in flight to shared byte offset `offset` (sim_tma.cpp), for messages.
+std::string tma_load_site(const Worker* w, unsigned offset);
+// A write to shared bytes a TMA store in flight may still read (sim_tma.cpp): an error.
+void race_tma_check_write(Fiber* f, uintptr_t address, unsigned bytes);
 // Happens-before edges beyond __syncthreads and __syncwarp (mbarriers, named barriers): a release joins
 // the thread's vector clock into `into` and ticks the thread's clock; an acquire joins `from` into it.
 void race_release(Fiber* f, std::vector<uint32_t>& into);

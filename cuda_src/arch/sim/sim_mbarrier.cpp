@@ -222,10 +222,45 @@ void mbarrier_complete_tx(const Site& site, uint64_t* bar, unsigned bytes) {
   maybe_complete(f->worker, b);
 }
 
+// Race mode: a thread about to wait on (or poll) the phase lands the TMA loads completing on the barrier
+// first, so the copies land as late as a wait allows (their destinations are in flight until then).
+void land_loads_at_wait(Worker* w, const Mbarrier& b) {
+#if CUFLASH_SIM_RACE
+  if ((b.pending == 0 || b.tx > 0) && tma_loads_pending_on(w, b.offset))
+    tma_land_loads(w, LoadsToLand::kOnBarrier, b.offset, true);
+#else
+  (void)w;
+  (void)b;
+#endif
+}
+
+uint32_t mbarrier_offset_for_tx(const Site& site, uint64_t* bar) { return object_at(site, bar).offset; }
+
+std::string mbarrier_land_tx(Worker* w, Fiber* issuer, uint32_t bar_offset, unsigned bytes) {
+  Mbarrier* b = find_mbarrier(w, bar_offset);
+  if (b == nullptr) return format("mbarrier at shared byte offset %u is gone (re-initialized?)", bar_offset);
+  const int64_t tx = static_cast<int64_t>(b->tx) - bytes;
+  if (tx < -kMaxTx)
+    return format("%u bytes would take the tx-count outside the ISA's range of +-(2^20 - 1), on %s", bytes,
+                  describe_state(*b).c_str());
+  if (b->pending == 0 && tx < 0)
+    return format("%u bytes exceed the %d expected by %s", bytes, b->tx, describe_state(*b).c_str());
+  b->tx = static_cast<int32_t>(tx);
+  changed(*b);
+#if CUFLASH_SIM_RACE
+  race_release(issuer, b->current_vc);  // the copy's writes, made on the issuer's behalf, reach the waiters
+#else
+  (void)issuer;
+#endif
+  maybe_complete(w, *b);
+  return "";
+}
+
 bool mbarrier_try_wait_parity(const Site& site, uint64_t* bar, unsigned parity) {
   Fiber* f = current_fiber();
   Mbarrier& b = object_at(site, bar);
   if (parity > 1) fail_current(format("%s: the phase parity must be 0 or 1, not %u", describe_site(site).c_str(), parity));
+  if ((b.phase & 1u) == parity) land_loads_at_wait(f->worker, b);
   if ((b.phase & 1u) != parity) {  // the phase of this parity is the preceding one: it completed
     changed(b);
 #if CUFLASH_SIM_RACE
@@ -236,7 +271,12 @@ bool mbarrier_try_wait_parity(const Site& site, uint64_t* bar, unsigned parity) 
   Worker* w = f->worker;
   bool others_can_run = false;
   for (const Fiber& other : w->fibers) others_can_run = others_can_run || (&other != f && other.state == FiberState::kRunnable);
-  ++b.idle_polls;
+  // A TMA load in flight changes the object without any thread: polls while one is pending are not idle (the
+  // scheduler lands it at a later switch, at the latest when nothing else can run).
+  if (tma_loads_pending_on(w, b.offset))
+    b.idle_polls = 0;
+  else
+    ++b.idle_polls;
   if (!others_can_run && b.idle_polls >= kLonePollLimit)
     fail_current(format("deadlock: %s polled %u times for parity %u of %s while no other thread of the block can "
                         "run, so the phase can never complete", describe_site(site).c_str(), b.idle_polls, parity,
@@ -253,6 +293,7 @@ void mbarrier_wait_parity(const Site& site, uint64_t* bar, unsigned parity) {
   Fiber* f = current_fiber();
   Mbarrier& b = object_at(site, bar);
   if (parity > 1) fail_current(format("%s: the phase parity must be 0 or 1, not %u", describe_site(site).c_str(), parity));
+  if ((b.phase & 1u) == parity) land_loads_at_wait(f->worker, b);
   if ((b.phase & 1u) != parity) {
 #if CUFLASH_SIM_RACE
     race_acquire(f, b.completed_vc);

@@ -95,10 +95,15 @@ struct Cell {
   uint32_t a_epoch;
   uint32_t f_block;  // 1 + linear block index of a cp.async in flight to this byte; 0: none
   uint16_t f_tid;    // its issuing thread
+  bool f_tma;        // the copy in flight is a TMA load (landing when its mbarrier phase is observed)
   bool r_mapped;     // every read since the last write is in RaceState::reads (exact per reader)
   uint32_t w_clock;  // the writer's vector-clock clock at the write
-  uint32_t w_fences;  // the writer's fence.proxy.async count at the write (a generic-proxy write)
+  uint32_t w_fences;  // the writer's fence.proxy.async count at the write (a generic-proxy write), or
+                      // kAsyncProxyWrite
 };
+
+// w_fences of a byte the async proxy wrote (a TMA load's landing): an async-proxy read needs no fence for it.
+constexpr uint32_t kAsyncProxyWrite = 0xffffffffu;
 
 // One thread's latest read of a byte since its last write (reads in program order: the latest covers
 // the earlier ones, as epoch, warp generation and clock only grow).
@@ -203,6 +208,12 @@ void check_and_record(const Access& a, Cell& c, bool is_write, bool is_atomic, c
     c.a_block = 0;
   }
   if (c.f_block != 0) {
+    if (c.f_tma)
+      fail_current(std::string("data race on ") + where + " byte offset " + std::to_string(offset) + ": this thread " +
+                   (is_write ? "writes" : "reads") + " the destination of a TMA load that " +
+                   thread_name(a, c.f_block, c.f_tid, global) + " issued at " +
+                   tma_load_site(a.worker, static_cast<unsigned>(offset)) +
+                   ", before a wait observes the mbarrier phase the load completes on (mbarrier_wait)");
     if (c.f_tid == a.tid)
       fail_current(std::string("data race on ") + where + " byte offset " + std::to_string(offset) + ": this thread " +
                    (is_write ? "writes" : "reads") +
@@ -329,6 +340,8 @@ void on_access(uintptr_t address, unsigned bytes, bool is_write, bool is_atomic,
   // wgmma (sim_wgmma.cpp): accumulator registers it watches, shared operands it reads in flight.
   if (__builtin_expect(!f->wgmma.watch.empty() || (is_write && w->wgmma_operand_bytes != 0), 0))
     race_wgmma_check_access(f, address, bytes, is_write);
+  // TMA stores (sim_tma.cpp): shared sources they may still read.
+  if (__builtin_expect(is_write && w->tma_store_source_bytes != 0, 0)) race_tma_check_write(f, address, bytes);
   const Access a = access_of(f);
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
   const uintptr_t smem_end = smem + w->launch->view.smem_bytes;
@@ -426,7 +439,7 @@ void race_atomic(Fiber*, uintptr_t address, unsigned bytes) { on_access(address,
 
 void race_access(uintptr_t address, unsigned bytes, bool is_write) { on_access(address, bytes, is_write, false); }
 
-void race_copy_issued(uintptr_t dst, unsigned bytes) {
+void race_copy_issued(uintptr_t dst, unsigned bytes, bool tma) {
   on_access(dst, bytes, true, false);  // the write happens at issue: it must be ordered after earlier accesses
   Fiber* f = fiber_on_this_stack();
   const uintptr_t smem = reinterpret_cast<uintptr_t>(f->worker->view.smem);
@@ -434,10 +447,11 @@ void race_copy_issued(uintptr_t dst, unsigned bytes) {
     Cell& c = g_race.shared[p - smem];
     c.f_block = static_cast<uint32_t>(f->worker->block_linear + 1);
     c.f_tid = static_cast<uint16_t>(f->index);
+    c.f_tma = tma;
   }
 }
 
-void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
+void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes, bool async_proxy) {
   const Access a = access_of(issuer);
   const uintptr_t smem = reinterpret_cast<uintptr_t>(issuer->worker->view.smem);
   for (uintptr_t p = dst; p < dst + bytes; ++p) {
@@ -448,7 +462,7 @@ void race_copy_landed(Fiber* issuer, uintptr_t dst, unsigned bytes) {
     c.w_gen = a.gen;
     c.w_tid = a.tid;
     c.w_clock = issuer->clock;
-    c.w_fences = static_cast<uint32_t>(issuer->proxy_fences.size());
+    c.w_fences = async_proxy ? kAsyncProxyWrite : static_cast<uint32_t>(issuer->proxy_fences.size());
     c.r_block = 0;
   }
 }
@@ -491,7 +505,7 @@ void race_async_proxy_read(uintptr_t address, unsigned bytes) {
   const Access a = access_of(f);
   for (uintptr_t p = address; p < address + bytes; ++p) {
     const Cell& c = g_race.shared[p - smem];
-    if (c.w_block != a.block) continue;
+    if (c.w_block != a.block || c.w_fences == kAsyncProxyWrite) continue;
     // The writer's first fence after the write must be ordered before this read.
     const std::vector<Fiber::ProxyFence>& fences = w->fibers[c.w_tid].proxy_fences;
     if (c.w_fences < fences.size()) {

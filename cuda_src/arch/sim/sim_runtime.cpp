@@ -453,6 +453,8 @@ void init_fiber(Worker* w, Fiber& f, unsigned index, unsigned slot) {
   f.wgmma.groups_committed = 0;
   f.wgmma.fences = 0;
   f.wgmma.watch.clear();
+  f.tma_stores.clear();
+  f.bulk_groups_committed = 0;
   f.view = reinterpret_cast<ThreadView*>(base + kThreadViewOffset);
   f.view->thread_idx = unflatten(index, w->launch->view.block_dim);
   f.view->linear_tid = index;
@@ -513,6 +515,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
   w->landing_rng = launch->copy_landing_seed ^ (0x9e3779b97f4a7c15ull * (block_linear + 1));
   w->copies_in_flight = 0;
   wgmma_block_begin(w);
+  tma_block_begin(w);
   w->live = n;
   w->arrived = 0;
   w->barrier_predicates = 0;
@@ -541,11 +544,21 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
   for (;;) {
     unsigned next = 0;
     while (next < n && w->fibers[next].state != FiberState::kRunnable) ++next;
-    if (next == n) break;
+    if (next == n) {
+      // Nothing can run: TMA loads still in flight land now (they may complete the phases threads wait for);
+      // only without any is the block deadlocked.
+      if (!w->tma_loads.empty() && tma_land_loads(w, LoadsToLand::kAll, 0, false) && !w->failed) continue;
+      break;
+    }
     w->current = next;
     Fiber& f = w->fibers[next];
     if (w->copies_in_flight != 0) land_some_copies(w);
     if (w->wgmma_in_flight != 0) wgmma_land_some(w);
+#if !CUFLASH_SIM_RACE
+    if (!w->tma_loads.empty()) tma_land_loads(w, LoadsToLand::kSome, 0, false);
+    if (w->tma_store_source_bytes != 0) tma_land_some_stores(w);
+    if (w->failed) break;
+#endif
     switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);
     if (w->failed) break;
     if (asan_report_pending()) {
@@ -912,6 +925,7 @@ extern "C" void cuflash_sim_fiber_main(cuflash::sim::Fiber* f) {
   w->copies_in_flight -= f->copies.size();
   f->copies.clear();
   wgmma_thread_exit(f);
+  tma_thread_exit(f);
   // The thread exited: it no longer blocks barriers, but lanes waiting for it in a
   // warp collective never complete on a GPU.
   const unsigned warp = f->index >> 5;

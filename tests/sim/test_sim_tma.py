@@ -1,0 +1,343 @@
+"""The TMA twins (cp.async.bulk.tensor loads and stores, bulk groups) and the tensor-map twin on the simulator:
+1-D to 5-D loads against NumPy with out-of-bounds fill, every swizzle mode unit by unit with the model the wgmma
+tests use (simkit.swizzled_address), a TMA load feeding a wgmma, clipped stores; each strict check on a planted
+bug; every encode_tiled argument rule. Kernels: tests/sim/kernels/hopper_tma.cu (tests/test_arch_hopper_tma.py
+checks their SASS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash.sim as sim
+from cuflash.kernels import tensor_map as tm
+from cuflash.kernels.program import KernelInstance
+from simkit import KERNELS, swizzled_address
+
+SOURCE = KERNELS / "hopper_tma.cu"
+BOX_AT = 1024  # hopper_tma.cu's kBoxAt
+
+ARGS_DTYPE = np.dtype({"names": ["map", "out", "image", "coords", "box_bytes", "box_offset", "mode", "span"],
+                       "formats": ["V128", np.uint64, np.uint64, (np.int32, 5), np.int32, np.int32, np.int32,
+                                   np.int32],
+                       "offsets": [0, 128, 136, 144, 164, 168, 172, 176], "itemsize": 192})
+GEMM_DTYPE = np.dtype({"names": ["map_a", "map_b", "out", "mode"], "formats": ["V128", "V128", np.uint64, np.int32],
+                       "offsets": [0, 128, 256, 264], "itemsize": 320})
+DTYPES = {np.dtype(np.uint16): tm.UINT16, np.dtype(np.float16): tm.FLOAT16, np.dtype(np.float32): tm.FLOAT32,
+          np.dtype(np.uint8): tm.UINT8}
+
+
+def inst(name: str) -> KernelInstance:
+    return KernelInstance(str(SOURCE), f"simtma::{name}")
+
+
+NAMES = [f"load_kernel<{r}>" for r in range(1, 6)] + ["store_kernel<2>", "store_kernel<3>", "tma_wgmma_kernel"]
+
+
+@pytest.fixture(scope="module", params=["normal", "race"])
+def mode(request):
+    sim.precompile([inst(n) for n in NAMES], modes=(request.param,))
+    with sim.checking(request.param):
+        yield request.param
+
+
+def tensor(dims, dtype, seed=0):
+    """A global tensor of dims (innermost first) whose rows are padded to a 16-byte multiple (a pitch), and the
+    map's view of it: the array (NumPy order, outermost first) and the byte strides of dims 1 ..."""
+    dtype = np.dtype(dtype)
+    pitch = -(-dims[0] * dtype.itemsize // 16) * 16 // dtype.itemsize
+    rng = np.random.default_rng(seed)
+    shape = tuple(reversed(dims[1:])) + (pitch,)
+    if dtype.kind == "f":
+        base = rng.integers(-8, 8, size=shape).astype(dtype)
+    else:
+        base = rng.integers(1, np.iinfo(dtype).max, size=shape).astype(dtype)
+    strides = [base.strides[len(dims) - 1 - d] for d in range(1, len(dims))]
+    return base, strides
+
+
+def make_map(base, dims, strides, box, swizzle=0, oob_fill=0, element_strides=None):
+    code = {0: tm.SWIZZLE_NONE, 32: tm.SWIZZLE_32B, 64: tm.SWIZZLE_64B, 128: tm.SWIZZLE_128B}[swizzle]
+    return tm.encode_tiled(DTYPES[base.dtype], len(dims), base.ctypes.data, dims, strides, box, element_strides,
+                           swizzle=code, oob_fill=oob_fill)
+
+
+def expected_box(base, dims, coords, box, fill=0, element_strides=None):
+    """The box as TMA loads it, NumPy order (outermost first): elements outside dims are `fill`."""
+    rank = len(dims)
+    element_strides = element_strides or [1] * rank
+    counts = [-(-box[d] // element_strides[d]) for d in range(rank)]
+    out = np.full(tuple(reversed(counts)), fill, base.dtype)
+    for index in np.ndindex(*out.shape):
+        c = [coords[d] + index[rank - 1 - d] * element_strides[d] for d in range(rank)]
+        if all(0 <= c[d] < dims[d] for d in range(rank)):
+            out[index] = base[tuple(reversed(c))]
+    return out
+
+
+def swizzled_image(dense: bytes, swizzle: int) -> tuple[bytes, int]:
+    """The box's dense bytes placed unit by unit at their swizzled addresses (the box at BOX_AT), and the span."""
+    places = [swizzled_address(BOX_AT + 16 * u, swizzle) - BOX_AT for u in range(len(dense) // 16)]
+    span = max(places) + 16
+    image = bytearray(span)
+    for u, at in enumerate(places):
+        image[at:at + 16] = dense[16 * u:16 * u + 16]
+    return bytes(image), span
+
+
+def run_load(base, dims, strides, box, coords, *, swizzle=0, oob_fill=0, element_strides=None, bug=0,
+             box_offset=0):
+    rank = len(dims)
+    tmap = make_map(base, dims, strides, box, swizzle, oob_fill, element_strides)
+    counts = [-(-box[d] // (element_strides or [1] * rank)[d]) for d in range(rank)]
+    box_bytes = int(np.prod(counts)) * base.dtype.itemsize
+    span = max(swizzled_address(BOX_AT + 16 * u, swizzle) - BOX_AT for u in range(box_bytes // 16)) + 16
+    out = np.zeros(span + 16, np.uint8)
+    a = np.zeros((), ARGS_DTYPE)
+    a["map"] = tmap
+    a["out"] = out.ctypes.data
+    a["coords"][:rank] = coords
+    a["box_bytes"], a["box_offset"], a["mode"], a["span"] = box_bytes, box_offset, bug, span
+    sim.launch(inst(f"load_kernel<{rank}>"), 1, 64, BOX_AT + span + 32, a[()], [base, out])
+    return out[:span].tobytes()
+
+
+LOAD_CASES = [  # dims (innermost first), box, coords
+    ([8], [8], [0]),
+    ([20], [16], [-8]),
+    ([40, 13], [16, 8], [0, 0]),
+    ([40, 13], [16, 8], [-3, -5]),        # hangs off the low edges (negative coordinates)
+    ([40, 13], [16, 8], [32, 9]),         # off the high edges
+    ([24, 5, 7], [8, 4, 4], [20, -2, 5]),
+    ([16, 3, 4, 5], [8, 2, 4, 2], [12, 2, -1, 4]),
+    ([8, 3, 2, 2, 3], [8, 2, 2, 2, 2], [-4, 2, 1, -1, 2]),
+]
+
+
+@pytest.mark.parametrize("dims, box, coords", LOAD_CASES)
+def test_load_matches_numpy_with_out_of_bounds_zeros(mode, dims, box, coords):
+    base, strides = tensor(dims, np.uint16)
+    got = run_load(base, dims, strides, box, coords)
+    assert got == expected_box(base, dims, coords, box).tobytes()
+
+
+@pytest.mark.parametrize("swizzle, dtype, inner", [(32, np.float16, 16), (64, np.float16, 32), (128, np.float16, 64),
+                                                  (128, np.float32, 16), (64, np.uint8, 48), (32, np.float32, 4)])
+def test_every_swizzle_mode_places_each_unit(mode, swizzle, dtype, inner):
+    dims, box, coords = [inner + 8, 40], [inner, 24], [4, 10]
+    base, strides = tensor(dims, dtype, seed=swizzle)
+    got = run_load(base, dims, strides, box, coords, swizzle=swizzle)
+    assert got == swizzled_image(expected_box(base, dims, coords, box).tobytes(), swizzle)[0]
+
+
+def test_nan_fill_and_element_strides(mode):
+    dims, box, coords = [16, 6], [16, 8], [-4, 3]
+    base, strides = tensor(dims, np.float32)
+    got = np.frombuffer(run_load(base, dims, strides, box, coords, oob_fill=tm.OOB_FILL_NAN_REQUEST_ZERO_FMA),
+                        np.float32)
+    want = expected_box(base, dims, coords, box, fill=np.nan).ravel()
+    np.testing.assert_array_equal(got, want)  # NaN where NaN
+    # element strides: every second row of the box (ceil(8 / 2) = 4 rows), coordinates stepping by 2
+    got = run_load(base, dims, strides, box, [0, 1], element_strides=[1, 2])
+    assert got == expected_box(base, dims, [0, 1], box, element_strides=[1, 2]).tobytes()
+
+
+@pytest.mark.parametrize("variant", [0, 5])  # 5: the threads poll with try_wait.parity
+def test_landing_moment_does_not_change_a_correct_kernel(variant):
+    # A poll failing while a load to its barrier is in flight is not idle (the load changes the object without
+    # any thread): polling loops never read as a deadlock, whenever the seed lands the copy.
+    dims, box, coords = [40, 13], [16, 8], [-3, 2]
+    base, strides = tensor(dims, np.uint16)
+    want = expected_box(base, dims, coords, box).tobytes()
+    with sim.checking("normal"):
+        for seed in range(4):
+            with sim.copy_landing(seed):
+                assert run_load(base, dims, strides, box, coords, bug=variant) == want
+
+
+def test_tma_load_feeds_wgmma(mode):
+    rng = np.random.default_rng(3)
+    A = (rng.integers(-4, 5, size=(64, 64)) / 4).astype(np.float16)
+    B = (rng.integers(-4, 5, size=(64, 64)) / 4).astype(np.float16)
+    out = np.zeros((64, 64), np.float32)
+    g = np.zeros((), GEMM_DTYPE)
+    for field, matrix in (("map_a", A), ("map_b", B)):
+        g[field] = tm.encode_tiled(tm.FLOAT16, 2, matrix.ctypes.data, [64, 64], [128], [64, 64],
+                                   swizzle=tm.SWIZZLE_128B)
+    g["out"] = out.ctypes.data
+    sim.launch(inst("tma_wgmma_kernel"), 1, 128, 1024 + 16384, g[()], [A, B, out])
+    np.testing.assert_array_equal(out, A.astype(np.float64) @ B.astype(np.float64).T)
+
+
+def run_store(dims, box, coords, *, swizzle=0, bug=0):
+    rank = len(dims)
+    base, strides = tensor(dims, np.uint16, seed=7)
+    before = base.copy()
+    tmap = make_map(base, dims, strides, box, swizzle)
+    box_bytes = int(np.prod(box)) * 2
+    payload = np.arange(1, int(np.prod(box)) + 1, dtype=np.uint16).reshape(tuple(reversed(box)))
+    image, span = swizzled_image(payload.tobytes(), swizzle)
+    image_arr = np.frombuffer(image + bytes(16), np.uint8).copy()
+    a = np.zeros((), ARGS_DTYPE)
+    a["map"] = tmap
+    a["image"] = image_arr.ctypes.data
+    a["coords"][:rank] = coords
+    a["box_bytes"], a["mode"], a["span"] = span, bug, span
+    sim.launch(inst(f"store_kernel<{rank}>"), 1, 64, BOX_AT + span + 32, a[()], [base, image_arr])
+    want = before.copy()
+    for index in np.ndindex(*payload.shape):
+        c = [coords[d] + index[rank - 1 - d] for d in range(rank)]
+        if all(0 <= c[d] < dims[d] for d in range(rank)):
+            want[tuple(reversed(c))] = payload[index]
+    return base, want
+
+
+@pytest.mark.parametrize("dims, box, coords, swizzle", [
+    ([40, 13], [16, 8], [0, 0], 0),
+    ([40, 13], [16, 8], [30, -3], 0),      # clipped on the right and at the top
+    ([40, 13], [64, 4], [-20, 11], 128),   # clipped on both sides of the row, swizzled
+    ([24, 5, 7], [8, 4, 4], [20, -2, 5], 0),
+])
+def test_store_writes_the_box_clipped_to_the_tensor(mode, dims, box, coords, swizzle):
+    got, want = run_store(dims, box, coords, swizzle=swizzle)
+    np.testing.assert_array_equal(got, want)
+
+
+# ---- planted bugs ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bug, message", [
+    (1, r"reads the destination of a TMA load that thread \(0,0,0\) issued at cp.async.bulk.tensor \(TMA load\) "
+        r"\(hopper_tma.cu:\d+:\d+\), before a wait observes the mbarrier phase"),
+    # thread 0's own wait landed the load first: the landing is its write, which thread 32 is not ordered after
+    (2, r"thread \(0,0,0\) wrote it with no __syncthreads\(\) in between, nor an mbarrier or named-barrier handoff"),
+])
+def test_reading_the_destination_before_the_wait_is_a_race(bug, message):
+    dims, box = [40, 13], [16, 8]
+    base, strides = tensor(dims, np.uint16)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=message):
+        run_load(base, dims, strides, box, [0, 0], bug=bug)
+
+
+def test_wrong_expected_tx_bytes(mode):
+    dims, box = [40, 13], [16, 8]
+    base, strides = tensor(dims, np.uint16)
+    with pytest.raises(sim.KernelError, match=r"(?s)deadlock: .*waits at .*hopper_tma.cu:\d+.* for parity 0 of the "
+                       r"mbarrier at shared byte offset 0 .*phase 0 \(parity 0\) with 0 of 1 arrivals pending and a "
+                       r"tx-count of 16 bytes"):
+        run_load(base, dims, strides, box, [0, 0], bug=3)
+    with pytest.raises(sim.KernelError, match=r"hopper_tma.cu:\d+.*: the TMA load's 256 bytes exceed the 240 "
+                       r"expected by the mbarrier at shared byte offset 0"):
+        run_load(base, dims, strides, box, [0, 0], bug=4)
+
+
+def test_misaligned_destination_is_an_error(mode):
+    dims, box = [40, 13], [16, 8]
+    base, strides = tensor(dims, np.uint16)
+    with pytest.raises(sim.KernelError, match=r"hopper_tma.cu:\d+.*TMA load destination at shared byte offset "
+                       r"1040 is not 128-byte aligned"):
+        run_load(base, dims, strides, box, [0, 0], box_offset=16)
+
+
+def test_store_source_overwritten_before_wait_read_is_an_error():
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"writes shared byte offset 1024, the source "
+                                             r"of a TMA store that thread \(0,0,0\) issued at .*hopper_tma.cu:\d+"):
+        run_store([40, 13], [16, 8], [0, 0], bug=2)
+
+
+def test_store_of_unfenced_ordinary_stores_is_an_error():
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"async-proxy read of shared byte offset "
+                                             r"\d+ \(a wgmma or TMA operand\) without a fence.proxy.async"):
+        run_store([40, 13], [16, 8], [0, 0], bug=1)
+
+
+def test_wgmma_reading_tiles_in_flight_is_a_race():
+    A = np.ones((64, 64), np.float16)
+    out = np.zeros((64, 64), np.float32)
+    g = np.zeros((), GEMM_DTYPE)
+    for field in ("map_a", "map_b"):
+        g[field] = tm.encode_tiled(tm.FLOAT16, 2, A.ctypes.data, [64, 64], [128], [64, 64], swizzle=tm.SWIZZLE_128B)
+    g["out"], g["mode"] = out.ctypes.data, 1
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"the destination of a TMA load"):
+        sim.launch(inst("tma_wgmma_kernel"), 1, 128, 1024 + 16384, g[()], [A, out])
+
+
+# ---- encode_tiled's argument rules -----------------------------------------------------------------------------
+
+GOOD = dict(dtype=tm.FLOAT16, rank=2, global_address=0x10000, global_dims=[64, 32], global_strides=[128],
+            box_dims=[64, 16], element_strides=[1, 1])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=13), r"tensorDataType 13 is not a CUtensorMapDataType"),
+    (dict(rank=0, global_dims=[], global_strides=[], box_dims=[], element_strides=[]), r"tensorRank 0: must be non-zero"),
+    (dict(rank=6, global_dims=[2] * 6, global_strides=[16] * 5, box_dims=[8] * 6, element_strides=[1] * 6),
+     r"tensorRank 6: must be non-zero and at most 5"),
+    (dict(global_dims=[64]), r"globalDim has 1 entries; a rank-2 map takes 2"),
+    (dict(global_strides=[128, 256]), r"globalStrides has 2 entries; a rank-2 map takes 1"),
+    (dict(global_address=0x10008), r"globalAddress 0x10008: must be 16-byte aligned"),
+    (dict(global_dims=[0, 32]), r"globalDim\[0\] = 0: must be non-zero and at most 2\^32"),
+    (dict(global_dims=[64, 2**32 + 1]), r"globalDim\[1\] = 4294967297"),
+    (dict(global_strides=[120]), r"globalStrides\[0\] = 120: must be a multiple of 16"),
+    (dict(global_strides=[2**40]), r"globalStrides\[0\] = 1099511627776: must be positive and less than 2\^40"),
+    (dict(box_dims=[0, 16]), r"boxDim\[0\] = 0: must be non-zero and at most 256"),
+    (dict(box_dims=[64, 257]), r"boxDim\[1\] = 257: must be non-zero and at most 256"),
+    (dict(box_dims=[12, 16]), r"boxDim\[0\] = 12: boxDim\[0\] \* 2 bytes must be a multiple of 16"),
+    (dict(element_strides=[1, 9]), r"elementStrides\[1\] = 9: must be non-zero and at most 8"),
+    (dict(element_strides=[0, 1]), r"elementStrides\[0\] = 0"),
+    (dict(swizzle=tm.SWIZZLE_64B), r"boxDim\[0\] = 64: the inner box \(128 bytes\) must not exceed the 64-byte "
+                                   r"swizzle span"),
+    (dict(swizzle=7), r"swizzle 7 is not a CUtensorMapSwizzle"),
+    (dict(interleave=3), r"interleave 3 is not a CUtensorMapInterleave"),
+    (dict(interleave=tm.INTERLEAVE_16B), r"tensorRank 2: must be at least 3 with interleave"),
+    (dict(rank=3, global_dims=[64, 32, 2], global_strides=[128, 4096], box_dims=[64, 16, 1],
+          element_strides=[1, 1, 1], interleave=tm.INTERLEAVE_32B, swizzle=tm.SWIZZLE_32B, global_address=0x10010),
+     r"globalAddress 0x10010: must be 32-byte aligned with 32B interleave"),
+    (dict(rank=3, global_dims=[64, 32, 2], global_strides=[128, 4096], box_dims=[64, 16, 1],
+          element_strides=[1, 1, 1], interleave=tm.INTERLEAVE_32B), r"swizzle: 32B interleave needs the 32B swizzle"),
+    (dict(rank=3, global_dims=[64, 32, 2], global_strides=[128, 4096], box_dims=[64, 16, 1],
+          element_strides=[1, 1, 1], interleave=tm.INTERLEAVE_16B), r"interleaved layouts are not modeled"),
+    (dict(l2_promotion=4), r"l2Promotion 4 is not a CUtensorMapL2promotion"),
+    (dict(oob_fill=2), r"oobFill 2 is not a CUtensorMapFloatOOBfill"),
+    (dict(dtype=tm.UINT16, oob_fill=tm.OOB_FILL_NAN_REQUEST_ZERO_FMA), r"oobFill NAN_REQUEST_ZERO_FMA needs a "
+                                                                      r"floating-point tensorDataType"),
+])
+def test_encode_tiled_names_the_broken_rule(change, message):
+    with pytest.raises(ValueError, match=message):
+        tm.encode_tiled(**{**GOOD, **change})
+
+
+def test_encode_tiled_twin_layout():
+    raw = tm.encode_tiled(**{**GOOD, "swizzle": tm.SWIZZLE_128B})
+    assert len(raw) == 128 and raw[:4] == b"CFTM"
+    assert raw[4:11] == bytes([tm.FLOAT16, 2, 0, tm.SWIZZLE_128B, 0, 0, 2])
+    assert int.from_bytes(raw[16:24], "little") == 0x10000
+    assert int.from_bytes(raw[24:28], "little") == 63 and int.from_bytes(raw[48:56], "little") == 128
+    assert raw[80:82] == bytes([63, 15]) and raw[85:87] == bytes([1, 1])
+
+
+def test_a_map_not_made_by_encode_tiled_is_an_error():
+    a = np.zeros((), ARGS_DTYPE)
+    out = np.zeros(16, np.uint8)
+    a["out"], a["box_bytes"], a["span"] = out.ctypes.data, 16, 16
+    with sim.checking("normal"), pytest.raises(sim.KernelError, match=r"the tensor map was not made by "
+                                               r"cuflash.kernels.tensor_map.encode_tiled"):
+        sim.launch(inst("load_kernel<1>"), 1, 64, BOX_AT + 64, a[()], [out])
+
+
+@pytest.mark.gpu
+def test_encode_tiled_on_a_gpu_calls_the_driver():
+    from cuda.bindings import driver
+
+    (err,) = driver.cuInit(0)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    raw = tm.encode_tiled(**GOOD, device=True)
+    assert len(raw) == 128 and raw[:4] != b"CFTM"
+    with pytest.raises(ValueError, match=r"globalStrides\[0\] = 120"):  # our checks run before the driver's
+        tm.encode_tiled(**{**GOOD, "global_strides": [120]}, device=True)
+
+
+def test_polling_consumers_see_the_box(mode):
+    dims, box, coords = [24, 5, 7], [8, 4, 4], [20, -2, 5]
+    base, strides = tensor(dims, np.uint16)
+    assert run_load(base, dims, strides, box, coords, bug=5) == expected_box(base, dims, coords, box).tobytes()
