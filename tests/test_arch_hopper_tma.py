@@ -58,6 +58,8 @@ def test_plain_sm_90_has_tma(tmp_path):
 @pytest.mark.parametrize("arch, call, message", [
     ("sm_80", "int c[2] = {0, 0}; cuflash::arch::tma_load<2>(nullptr, m, c, nullptr);",
      "TMA (cp.async.bulk.tensor) needs sm_90 or later"),
+    ("sm_80", "cuflash::arch::tma_load_2d(nullptr, m, 0, 0, nullptr);", "needs sm_90 or later"),
+    ("sm_80", "cuflash::arch::tma_store_2d(m, nullptr, 0, 0);", "needs sm_90 or later"),
     ("sm_80", "cuflash::arch::tma_store_commit();", "TMA (cp.async.bulk) needs sm_90 or later"),
     ("sm_80", "cuflash::arch::tma_store_wait_read<0>();", "TMA (cp.async.bulk) needs sm_90 or later"),
     ("sm_90a", "int c[6] = {}; cuflash::arch::tma_store<6>(m, nullptr, c);", "tensor copies take 1 to 5 coordinates"),

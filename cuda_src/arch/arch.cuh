@@ -776,13 +776,16 @@ template <int kPending> __device__ __forceinline__ void tma_store_wait_read() {
   static_assert(CUFLASH_TMA_TARGET || kPending < 0, "TMA (cp.async.bulk) needs sm_90 or later");
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
+// Templates too (kUnused makes the rank dependent), so an sm_80 kernel never instantiates the sm_90 forms.
+template <int kUnused = 0>
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const TensorMap* map, int c0, int c1, uint64_t* bar) {
   const int c[2] = {c0, c1};
-  tma_load<2>(smem_dst, map, c, bar);
+  tma_load<2 + kUnused>(smem_dst, map, c, bar);
 }
+template <int kUnused = 0>
 __device__ __forceinline__ void tma_store_2d(const TensorMap* map, const void* smem_src, int c0, int c1) {
   const int c[2] = {c0, c1};
-  tma_store<2>(map, smem_src, c);
+  tma_store<2 + kUnused>(map, smem_src, c);
 }
 
 #else  // the simulator: the twins of sim/sim_tma.h, with the kernel's call site.

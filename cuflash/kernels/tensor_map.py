@@ -92,12 +92,12 @@ def check_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequenc
 
 def encode_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequence[int],
                  global_strides: Sequence[int], box_dims: Sequence[int], element_strides: Sequence[int] | None = None,
-                 interleave: int = INTERLEAVE_NONE, swizzle: int = SWIZZLE_NONE,
-                 l2_promotion: int = L2_PROMOTION_NONE, oob_fill: int = OOB_FILL_NONE, *,
-                 device: bool = False) -> bytes:
+                 *, swizzle: int = SWIZZLE_NONE, interleave: int = INTERLEAVE_NONE,
+                 l2_promotion: int = L2_PROMOTION_NONE, oob_fill: int = OOB_FILL_NONE, device: bool = False) -> bytes:
     """The 128 bytes of a tiled tensor map: cuTensorMapEncodeTiled's arguments (dims and strides innermost
     first; global_strides has rank - 1 entries, in bytes, for dimensions 1 .. rank - 1). device=False: the
-    simulator twin's encoding; device=True: the driver's (needs a CUDA GPU and cuda-bindings)."""
+    simulator twin's encoding; device=True: the driver's (needs a CUDA GPU and cuda-bindings). The enums are
+    keyword-only (the driver's positional order puts interleave before swizzle)."""
     if element_strides is None:
         element_strides = [1] * rank
     global_dims, global_strides = [int(v) for v in global_dims], [int(v) for v in global_strides]

@@ -226,8 +226,7 @@ void mbarrier_complete_tx(const Site& site, uint64_t* bar, unsigned bytes) {
 // first, so the copies land as late as a wait allows (their destinations are in flight until then).
 void land_loads_at_wait(Worker* w, const Mbarrier& b) {
 #if CUFLASH_SIM_RACE
-  if ((b.pending == 0 || b.tx > 0) && tma_loads_pending_on(w, b.offset))
-    tma_land_loads(w, LoadsToLand::kOnBarrier, b.offset, true);
+  if (tma_loads_pending_on(w, b.offset)) tma_land_loads(w, LoadsToLand::kOnBarrier, b.offset, true);
 #else
   (void)w;
   (void)b;
