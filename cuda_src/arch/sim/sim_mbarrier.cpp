@@ -28,7 +28,10 @@
 //   barrier (shared byte offset), phase, pending arrivals and tx bytes. A polling loop around the
 //   non-blocking form cannot block: kLonePollLimit failed polls of one object with no change to it
 //   while no other thread of the block can run are a deadlock, and so are kPollLimit such polls while
-//   others can (threads polling each other's barriers).
+//   others can (threads polling each other's barriers). TMA loads (sim_tma.cpp) change objects without
+//   any thread: a poll while a load to its object is in flight is not idle, the scheduler lands loads in
+//   flight before calling a block deadlocked, and race mode lands an object's loads when a thread waits on
+//   or polls it (mbarrier_land_tx completes their bytes as the issuer's release).
 //
 // Named barriers
 //   bar.sync / bar.arrive id, threads: id 1..15 (0 is the barrier of __syncthreads, which the simulator
