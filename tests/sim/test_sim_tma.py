@@ -341,3 +341,31 @@ def test_polling_consumers_see_the_box(mode):
     dims, box, coords = [24, 5, 7], [8, 4, 4], [20, -2, 5]
     base, strides = tensor(dims, np.uint16)
     assert run_load(base, dims, strides, box, coords, bug=5) == expected_box(base, dims, coords, box).tobytes()
+
+
+def test_coordinates_must_match_the_maps_rank(mode):
+    dims, box = [24, 5, 7], [8, 4, 4]
+    base, strides = tensor(dims, np.uint16)
+    a = np.zeros((), ARGS_DTYPE)
+    out = np.zeros(512, np.uint8)
+    a["map"] = make_map(base, dims, strides, box)
+    a["out"], a["box_bytes"], a["span"] = out.ctypes.data, 256, 256
+    with pytest.raises(sim.KernelError, match=r"hopper_tma.cu:\d+.*: 2 coordinates for a tensor map of rank 3"):
+        sim.launch(inst("load_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [base, out])
+
+
+def test_global_bytes_outside_the_launchs_buffers_are_errors(mode):
+    dims, box = [40, 13], [16, 8]
+    base, strides = tensor(dims, np.uint16)
+    a = np.zeros((), ARGS_DTYPE)
+    out = np.zeros(512, np.uint8)
+    a["map"] = make_map(base, dims, strides, box)
+    a["out"], a["box_bytes"], a["span"] = out.ctypes.data, 256, 256
+    with pytest.raises(sim.KernelError, match=r"out of bounds \(TMA load source\)"):
+        sim.launch(inst("load_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [out])  # the tensor is not registered
+    image = np.zeros(256, np.uint8)
+    a["image"] = image.ctypes.data
+    with pytest.raises(sim.KernelError, match=r"to a read-only buffer \(TMA store destination\)"):
+        frozen = base.view()
+        frozen.flags.writeable = False  # registered as a read-only buffer
+        sim.launch(inst("store_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [frozen, image])
