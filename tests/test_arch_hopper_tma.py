@@ -47,7 +47,8 @@ def test_plain_sm_90_has_tma(tmp_path):
     source.write_text('#include "arch/arch.cuh"\nnamespace plain {\n__global__ void kernel(const __grid_constant__ '
                       "cuflash::arch::TensorMap map) {\n  CUFLASH_DYNAMIC_SMEM(smem);\n  uint64_t* bar = "
                       "reinterpret_cast<uint64_t*>(smem);\n  cuflash::arch::tma_load_2d(smem + 128, &map, 1, 2, bar);\n"
-                      "  cuflash::arch::mbarrier_wait(bar, 0);\n  cuflash::arch::tma_store_2d(&map, smem + 128, 3, 4);\n"
+                      "  cuflash::arch::mbarrier_wait(bar, 0);\n"
+                      "  cuflash::arch::tma_store_2d(&map, smem + 128, 3, 4);\n"
                       "  cuflash::arch::tma_store_commit();\n  cuflash::arch::tma_store_wait_read<0>();\n}\n}\n")
     sass = nvrtc.dump_sass(nvrtc.compile_instance(KernelInstance(str(source), "plain::kernel"), "sm_90"))
     assert sass is not None

@@ -727,22 +727,24 @@ __device__ __forceinline__ void tma_load(void* smem_dst, const TensorMap* map, c
   const unsigned dst = smem_address(smem_dst);
   const unsigned mbar = smem_address(bar);
   const unsigned long long tmap = reinterpret_cast<unsigned long long>(map);
+  // The coordinate list {%3, ..} has kRank operands.
+#define CUFLASH_TMA_LOAD_PTX(dims, list) \
+  "cp.async.bulk.tensor." dims ".shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {" list "}], [%2];"
   if constexpr (kRank == 1) {
-    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];"
-                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]) : "memory");
+    asm volatile(CUFLASH_TMA_LOAD_PTX("1d", "%3")::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]) : "memory");
   } else if constexpr (kRank == 2) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]) : "memory");
+    asm volatile(CUFLASH_TMA_LOAD_PTX("2d", "%3, %4")::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]) : "memory");
   } else if constexpr (kRank == 3) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
-                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]) : "memory");
+    asm volatile(CUFLASH_TMA_LOAD_PTX("3d", "%3, %4, %5")::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]),
+                 "r"(c[2]) : "memory");
   } else if constexpr (kRank == 4) {
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
-                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]) : "memory");
+    asm volatile(CUFLASH_TMA_LOAD_PTX("4d", "%3, %4, %5, %6")::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]),
+                 "r"(c[2]), "r"(c[3]) : "memory");
   } else {
-    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
-                 ::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
+    asm volatile(CUFLASH_TMA_LOAD_PTX("5d", "%3, %4, %5, %6, %7")::"r"(dst), "l"(tmap), "r"(mbar), "r"(c[0]),
+                 "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
   }
+#undef CUFLASH_TMA_LOAD_PTX
 }
 template <int kRank>
 __device__ __forceinline__ void tma_store(const TensorMap* map, const void* smem_src, const int (&c)[kRank]) {

@@ -270,7 +270,8 @@ GOOD = dict(dtype=tm.FLOAT16, rank=2, global_address=0x10000, global_dims=[64, 3
 
 @pytest.mark.parametrize("change, message", [
     (dict(dtype=13), r"tensorDataType 13 is not a CUtensorMapDataType"),
-    (dict(rank=0, global_dims=[], global_strides=[], box_dims=[], element_strides=[]), r"tensorRank 0: must be non-zero"),
+    (dict(rank=0, global_dims=[], global_strides=[], box_dims=[], element_strides=[]),
+     r"tensorRank 0: must be non-zero"),
     (dict(rank=6, global_dims=[2] * 6, global_strides=[16] * 5, box_dims=[8] * 6, element_strides=[1] * 6),
      r"tensorRank 6: must be non-zero and at most 5"),
     (dict(global_dims=[64]), r"globalDim has 1 entries; a rank-2 map takes 2"),

@@ -336,8 +336,10 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   });
 #if CUFLASH_SIM_RACE
   // The async proxy reads the source from the issue on: ordinary stores to it must be fenced before now.
-  for (unsigned u = 0; u < box.bytes / 16; ++u)
-    race_async_proxy_read(reinterpret_cast<uintptr_t>(smem_at(w, unit_offset(store.src_offset, u, store.swizzle_bytes))), 16);
+  for (unsigned u = 0; u < box.bytes / 16; ++u) {
+    const unsigned at = unit_offset(store.src_offset, u, store.swizzle_bytes);
+    race_async_proxy_read(reinterpret_cast<uintptr_t>(smem_at(w, at)), 16);
+  }
 #endif
   w->tma_store_source_bytes += store.bytes;
   f->tma_stores.push_back(std::move(store));
