@@ -31,7 +31,8 @@ def inst(name: str) -> KernelInstance:
     return KernelInstance(str(SOURCE), f"simtma::{name}")
 
 
-NAMES = [f"load_kernel<{r}>" for r in range(1, 6)] + ["store_kernel<2>", "store_kernel<3>", "tma_wgmma_kernel"]
+NAMES = [f"load_kernel<{r}>" for r in range(1, 6)] + ["store_kernel<2>", "store_kernel<3>", "tma_wgmma_kernel",
+                                                        "ring_kernel"]
 
 
 @pytest.fixture(scope="module", params=["normal", "race"])
@@ -370,3 +371,32 @@ def test_global_bytes_outside_the_launchs_buffers_are_errors(mode):
         frozen = base.view()
         frozen.flags.writeable = False  # registered as a read-only buffer
         sim.launch(inst("store_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [frozen, image])
+
+
+def run_ring(rounds, bug=0):
+    dims = [16, 8 * rounds]
+    base, strides = tensor(dims, np.uint16, seed=11)
+    out = np.zeros(128 * rounds, np.uint16)
+    a = np.zeros((), ARGS_DTYPE)
+    a["map"] = make_map(base, dims, strides, [16, 8])
+    a["out"], a["mode"] = out.ctypes.data, bug
+    a["coords"][0] = rounds
+    sim.launch(inst("ring_kernel"), 1, 64, BOX_AT + 512, a[()], [base, out])
+    return base, out
+
+
+def test_two_stage_ring_hands_every_box_over(mode):
+    # Stages refilled after the consumers' arrivals on "empty": the producer's waits order its TMA writes after
+    # their reads, and the consumers' waits on "full" order their reads after the landing (race mode's clocks).
+    base, out = run_ring(5)
+    np.testing.assert_array_equal(out, base[:, :16].ravel())
+
+
+def test_refilling_a_stage_without_waiting_for_its_consumers_is_an_error():
+    # Race mode lands a load only when a thread waits on its barrier (or nothing else can run), so a producer
+    # that never waits for "empty" reaches its next arrival on a stage's "full" while the stage's previous phase
+    # still waits for its bytes: an over-arrival, as on a GPU whenever that copy is slow.
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"mbarrier.arrive.expect_tx \(hopper_tma.cu:\d+:"
+                                             r"\d+\): over-arrival: no arrival is pending on the mbarrier at shared "
+                                             r"byte offset 0 .*a tx-count of 256 bytes"):
+        run_ring(5, bug=1)

@@ -88,6 +88,42 @@ __global__ void __launch_bounds__(64) store_kernel(const __grid_constant__ Args 
   }
 }
 
+// A two-stage ring: lane 0 of warp 0 loads a.coords[0] boxes of 16 x 8 16-bit elements (box i at row 8 i) into
+// alternating stages, each completing on its stage's "full" mbarrier; warp 1 waits on it, copies the stage to
+// a.out (box i at element 128 i) and arrives on the stage's "empty" mbarrier (32 arrivals), which the producer
+// waits on before refilling the stage. a.mode 1: the producer refills without waiting for "empty" (it runs
+// ahead: its next expect-tx arrival on "full" may find the stage's previous phase still waiting for bytes).
+__global__ void __launch_bounds__(64) ring_kernel(const __grid_constant__ Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + 2;
+  const int t = threadIdx.x, n = a.coords[0];
+  if (t == 0) {
+    for (int s = 0; s < 2; ++s) {
+      cuflash::arch::mbarrier_init(full + s, 1);
+      cuflash::arch::mbarrier_init(empty + s, 32);
+    }
+    cuflash::arch::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (t == 0) {
+    for (int i = 0; i < n; ++i) {
+      const int s = i % 2;
+      if (i >= 2 && a.mode != 1) cuflash::arch::mbarrier_wait(empty + s, (i / 2 - 1) % 2);
+      cuflash::arch::mbarrier_arrive_expect_tx(full + s, 256);
+      cuflash::arch::tma_load_2d(smem + kBoxAt + 256 * s, &a.map, 0, 8 * i, full + s);
+    }
+  } else if (t >= 32) {
+    for (int i = 0; i < n; ++i) {
+      const int s = i % 2;
+      cuflash::arch::mbarrier_wait(full + s, (i / 2) % 2);
+      const unsigned short* stage = reinterpret_cast<const unsigned short*>(smem + kBoxAt + 256 * s);
+      for (int j = t - 32; j < 128; j += 32) store(a.out + 128 * i + j, stage[j]);
+      cuflash::arch::mbarrier_arrive(empty + s);
+    }
+  }
+}
+
 // The producer/consumer pattern: thread 0 loads A (64 x 64) and B (64 x 64) f16 tiles, K-major with the 128B
 // swizzle, through TMA onto one mbarrier; the warpgroup waits on it and computes D = A B^T with 4 k16 wgmma steps
 // (a k step advances the descriptors' start by 32 bytes), then writes D (64 x 64 floats) out.
