@@ -1,0 +1,247 @@
+// Warp-specialized FlashAttention forward for Hopper (sm_90a): wgmma from swizzled shared memory, a producer
+// warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
+//
+// What it does: out = softmax(scale * Q K^T [causal]) V and lse = logsumexp of the scaled scores, per (batch,
+// query head), for __half and __nv_bfloat16, head dims 64 and 128 (equal to the compiled one), GQA/MQA, any
+// seqlens. Not (yet): other head dims, windows, softcap/ALiBi, varlen, paged or split KV, dropout: the plan
+// sends those to the mma.sync kernels (fa2_tc_forward.cu).
+//
+// How it partitions work
+//   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
+//           kv head h / (nheads / nheads_k), block_info.cuh).
+//   block = 1 + kConsumers warpgroups of 128 threads (fa3_forward_traits.cuh):
+//     warpgroup 0, the producer (setmaxnreg down to kProducerRegisters): copies Q once and, per visible K/V block
+//       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
+//       with 16-byte global loads into the 128-byte-swizzled layout wgmma reads (fa3::produce_tile: zero rows past
+//       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
+//       a stage it waits on the stage's "empty" mbarrier.
+//     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
+//       per K/V block, wait full_k; S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16);
+//       mask (blocks crossing the causal diagonal or the keys' end only, mask.cuh); online softmax in registers on
+//       the accumulator layout (a row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA; O
+//       rescaled); P rounded to 16 bits in registers as wgmma_rs's A fragment; wait full_v; O += P V by wgmma RS
+//       (V read MN-major from the same layout as K, BlockN / 16 steps of m64nHeadDimk16); once those wgmma have
+//       completed (wgmma_wait), each warp arrives on the stage's empty mbarrier.
+//   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
+//   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
+//   log l from one lane per row.
+//   Not yet here (issue 31's speed features): the next block's S issued before this block's softmax
+//   (intra-warpgroup overlap) and the consumers' ping-pong through named barriers; each wgmma group is waited for
+//   at once.
+//
+// Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
+//   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (d128, 128 x 128, 2
+//   stages: 160 KB + 56 B; d64: 80 KB + 56 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats,
+//   P BlockN / 4 words.
+//
+// What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
+// rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
+// written once. Rows past the sequence are zero-filled in shared memory, never read. FLOPs: 4 B H Sq Sk d, about
+// half with causal.
+//
+// Rows that see no key write out = 0 and lse = -inf. Requires softmax_scale > 0.
+#include "arch/arch.cuh"
+#include "kernels/fa3_forward_traits.cuh"
+
+namespace cuflash {
+
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
+__global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const AttentionParams p) {
+  static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
+  using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+
+  CUFLASH_DYNAMIC_SMEM(smem);
+  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
+  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0) __trap();
+
+  const int m_block = blockIdx.x;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  const int row0 = m_block * BlockM;
+  if (row0 >= info.seqlen_q(p)) return;  // the whole block, before any barrier
+  const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
+  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+
+  unsigned char* q_tile = smem + Tr::kQOffset;
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
+  uint64_t* q_full = barriers;
+  uint64_t* full_k = barriers + 1;
+  uint64_t* full_v = full_k + Stages;
+  uint64_t* empty = full_v + Stages;
+  auto k_tile = [&](int stage) { return smem + Tr::kKOffset + stage * KVTile::kBytes; };
+  auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * KVTile::kBytes; };
+
+  if (threadIdx.x == 0) {
+    arch::mbarrier_init(q_full, fa3::kFullArrivals);
+    for (int s = 0; s < Stages; ++s) {
+      arch::mbarrier_init(full_k + s, fa3::kFullArrivals);
+      arch::mbarrier_init(full_v + s, fa3::kFullArrivals);
+      arch::mbarrier_init(empty + s, Tr::kConsumerWarps);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();  // every use of the barriers after their init
+
+  const int warpgroup = threadIdx.x / fa3::kWarpgroupThreads;
+  const int thread = threadIdx.x % fa3::kWarpgroupThreads;
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    arch::setmaxnreg_dec<Tr::kProducerRegisters>();
+    if (n_range.empty()) return;
+    const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+    fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, fa3::rows_16b_aligned(q, p.q_stride.row), thread,
+                             q_full);
+    const T* k = info.k<T>(p);
+    const T* v = info.v<T>(p);
+    const bool k_vector = fa3::rows_16b_aligned(k, p.k_stride.row);
+    const bool v_vector = fa3::rows_16b_aligned(v, p.v_stride.row);
+    const int seqlen_k = info.seqlen_k(p);
+#pragma unroll 1
+    for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+      const int stage = it % Stages;
+      // The empty phase of the previous round of this stage; on the first round the barrier's phase "before
+      // phase 0" (parity 1) counts as complete, so the wait returns at once.
+      arch::mbarrier_wait(empty + stage, ((it / Stages) & 1) ^ 1);
+      const int key0 = n_block * BlockN;
+      const int keys = min(BlockN, seqlen_k - key0);
+      fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, k_vector, thread,
+                                full_k + stage);
+      fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, v_vector, thread,
+                                full_v + stage);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  arch::setmaxnreg_inc<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = thread / 32;  // in the warpgroup
+  const int lane = thread % 32;
+  const int group_row0 = consumer * 64;  // block-relative first row of this consumer
+  const int first_row = group_row0 + fa3::acc_first_row(warp, lane);  // block-relative, half 0
+
+  float acc_o[Tr::kAccO];
+#pragma unroll
+  for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] = 0.f;
+  // Running max of this thread's two rows in base 2 (m * scale_log2, -inf until the row sees a key) and its part
+  // of the row sums (the quad is summed at the end).
+  float row_max[2] = {neg_inf(), neg_inf()};
+  float row_sum[2] = {0.f, 0.f};
+
+  if (!n_range.empty()) {
+    const float scale_log2 = p.softmax_scale_log2;
+    const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
+    arch::mbarrier_wait(q_full, 0);
+#pragma unroll 1
+    for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+      const int stage = it % Stages;
+      const unsigned phase = (it / Stages) & 1;
+      const int key0 = n_block * BlockN;
+
+      float s[Tr::kAccS];
+      arch::mbarrier_wait(full_k + stage, phase);
+      arch::wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < HeadDim / 16; ++step)
+        arch::wgmma<T, BlockN>(s, QTile::k_major_desc(q_tile, group_row0, step),
+                               KVTile::k_major_desc(k_tile(stage), 0, step), step > 0);
+      arch::wgmma_commit();
+      arch::wgmma_wait<0>(s);
+
+      if (!unmasked.contains(n_block))
+        fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
+                         key0 + fa3::acc_first_col(lane));
+
+      // Online softmax, base 2, the scale folded into the exponent's FMA (as fa2_tc_forward.cu).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float block_max = neg_inf();
+#pragma unroll
+        for (int j = 0; j < BlockN / 8; ++j)
+          block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+        block_max = fa3::quad_max(block_max);
+        const float old_max = row_max[half];
+        const float new_max = fmaxf(old_max, block_max * scale_log2);
+        row_max[half] = new_max;
+        // A row with no visible key so far keeps -inf: offset 0, so p = exp2(-inf) = 0 (never -inf - -inf).
+        const float max_scaled = new_max == neg_inf() ? 0.f : new_max;
+        const float correction = old_max == neg_inf() ? 0.f : arch::exp2_approx(old_max - max_scaled);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BlockN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j + 2 * half + e];
+            x = arch::exp2_approx(fmaf(x, scale_log2, -max_scaled));
+            sum += x;
+          }
+        row_sum[half] = fmaf(row_sum[half], correction, sum);
+#pragma unroll
+        for (int j = 0; j < HeadDim / 8; ++j) {
+          acc_o[4 * j + 2 * half] *= correction;
+          acc_o[4 * j + 2 * half + 1] *= correction;
+        }
+      }
+
+      unsigned p_frag[BlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BlockN / 16; ++kk) fa3::p_fragment<T>(p_frag[kk], s, kk);
+
+      arch::mbarrier_wait(full_v + stage, phase);
+      arch::wgmma_fence();  // O was rescaled in registers since the last P V
+#pragma unroll
+      for (int kk = 0; kk < BlockN / 16; ++kk)
+        arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], KVTile::mn_major_desc(v_tile(stage), kk), true);
+      arch::wgmma_commit();
+      arch::wgmma_wait<0>(acc_o);
+      // The stage's K and V are read (both groups complete for this thread's warp): one arrival per warp, after
+      // its lanes' waits (the wgmma's reads land at a waiting thread of the warpgroup).
+      __syncwarp();
+      if (lane == 0) arch::mbarrier_arrive(empty + stage);
+    }
+  }
+
+  // Epilogue: O / l into this consumer's 64 rows of the Q buffer, then 16-byte stores. The named barrier first
+  // orders the stores after every read of those rows by this warpgroup's wgmma (their reads land at one waiting
+  // thread), then publishes the staged rows to the warpgroup's 128 threads.
+  const unsigned named_barrier = 1 + consumer;  // 0 is __syncthreads'
+  T* out = info.out<T>(p) + row0 * p.out_stride.row;
+  float* lse = p.lse + info.row_stats_offset(p);
+  arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = fa3::quad_sum(row_sum[half]);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const int row = first_row + 8 * half;
+#pragma unroll
+    for (int j = 0; j < HeadDim / 8; ++j) {
+      const int i = 4 * j + 2 * half;
+      *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa3::acc_first_col(lane) + 8 * j)) =
+          arch::pack_float2<T>(acc_o[i] * inv_l, acc_o[i + 1] * inv_l);
+    }
+    if (lane % 4 == 0 && row < block_rows)
+      arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf());
+  }
+  arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
+  const bool vector = fa3::rows_16b_aligned(out, p.out_stride.row);
+#pragma unroll 1
+  for (int c = thread; c < 64 * QTile::kChunksPerRow; c += fa3::kWarpgroupThreads) {
+    const int row = group_row0 + c / QTile::kChunksPerRow;
+    const int chunk = c % QTile::kChunksPerRow;
+    if (row >= block_rows) break;  // rows grow with c
+    const uint4 packed = *reinterpret_cast<const uint4*>(q_tile + QTile::chunk_offset(row, chunk));
+    T* to = out + row * p.out_stride.row + chunk * fa3::kChunkElems;
+    if (vector) {
+      arch::store(reinterpret_cast<uint4*>(to), packed);
+    } else {
+      const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int e = 0; e < fa3::kChunkElems; ++e)
+        arch::store(reinterpret_cast<unsigned short*>(to) + e, static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,207 @@
+// fa3_forward_traits.cuh: the tile traits and building blocks of the warp-specialized Hopper forward
+// (fa3_forward.cu): the shared-memory layout wgmma reads, the producer's copy into it, the descriptors of
+// each product, the wgmma accumulator layout and the P fragment taken from it.
+//
+// Shared-memory layout (WgmmaTile). wgmma reads a K-major 16-bit operand with the 128-byte swizzle as rows
+// of 128 bytes (64 elements) in atoms of 8 rows (1024 bytes), the 16-byte chunk c of row r stored at chunk
+// c ^ (r % 8) of its row: the swizzle acts on address bits, so each tile starts on a 1024-byte boundary.
+// A tile of D = 64 P columns is P such panels one after the other (panel p: columns 64 p .. 64 p + 63 of
+// every row, Rows x 128 bytes). This is the layout a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a box of
+// 64 columns writes, so the producer's copy can become one TMA load per panel without touching the readers.
+//   Q K^T (SS, both K-major): A = 64 query rows, B = BlockN key rows, one descriptor per k16 step: the panel
+//     of the step, the first row, 32 bytes per step inside the panel; SBO 1024 (8-row groups), LBO unused.
+//   P V (RS): B = V, whose reduction index (the key) is its row: V is N-major for this product. It is read
+//     with the transposed (MN-major) form rather than stored transposed: the ISA's MN-major 128-byte layout is
+//     lines of 64 N-elements, one line per k, 8 lines per 1024-byte atom, the next 64 N LBO bytes on and the
+//     next 8 k SBO bytes on; V's panels as stored are exactly that (line = key row, LBO = the panel size,
+//     SBO = 1024), so K and V share one layout and one copy (a TMA load can write both), and no pass
+//     transposes V through registers or a second buffer.
+//
+// Accumulator layout (wgmma m64nNk16, f32; thread t of the warpgroup: warp w = t / 32, lane l = t % 32):
+// register i holds row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2. So each thread
+// holds two rows (half 0 and 1) and a row's BlockN scores are spread over the 4 lanes of a quad.
+// P as wgmma_rs's A fragment: warp w supplies rows 16 w .. 16 w + 15 of A in mma.m16n8k16's A layout
+// (lane = 4 g + q: a0 = A[g][2q, 2q+1], a1 = A[g+8][2q..], a2 = A[g][2q+8..], a3 = A[g+8][2q+8..]); for the
+// k16 step kk (keys 16 kk ..) that is S's registers 8 kk + {0,1}, {2,3}, {4,5}, {6,7} (n8 tiles 2 kk and
+// 2 kk + 1, halves 0 and 1): the accumulator converts in place, P never goes through shared memory.
+//
+// Everything lives in namespace cuflash::fa3.
+#pragma once
+
+#include "arch/arch.cuh"
+#include "common/block_info.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
+
+namespace cuflash {
+namespace fa3 {
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kChunkElems = 8;     // 16-bit elements per 16-byte chunk
+constexpr int kPanelCols = 64;     // 16-bit elements per 128-byte swizzled line
+constexpr int kSwizzleAtomBytes = 1024;
+
+template <int Rows, int Cols>
+struct WgmmaTile {
+  static_assert(Rows % 8 == 0 && Cols % kPanelCols == 0, "whole 8-row atoms and 64-column panels");
+  static constexpr int kRows = Rows;
+  static constexpr int kCols = Cols;
+  static constexpr int kChunksPerRow = Cols / kChunkElems;
+  static constexpr int kPanelBytes = Rows * 128;
+  static constexpr int kBytes = Rows * Cols * 2;
+
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    return (chunk / 8) * kPanelBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+  }
+  // Byte offset of element (row, col), col even: the pair col, col + 1 stays in one chunk.
+  __device__ __forceinline__ static int element_offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
+  }
+  // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step `step` (columns 16 step ..).
+  __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, int step) {
+    return arch::wgmma_desc<128>(tile + (step / 4) * kPanelBytes + first_row * 128 + (step % 4) * 32, 16,
+                                 kSwizzleAtomBytes);
+  }
+  // MN-major descriptor of rows 16 step .. 16 step + 15 as the k16 step of a B operand whose N runs along the
+  // columns (V in P V): 16 rows are two 1024-byte atoms, so every step starts on an atom boundary.
+  __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, int step) {
+    return arch::wgmma_desc<128>(tile + step * 16 * 128, kPanelBytes, kSwizzleAtomBytes);
+  }
+};
+
+// The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
+// ring of Stages buffers.
+template <int HeadDim, int BlockM, int BlockN, int Stages>
+struct ForwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kStages = Stages;
+  static constexpr int kConsumers = BlockM / 64;  // each owns 64 query rows: one wgmma M
+  static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
+  // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
+  // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
+  // a 16-byte chunk, its two pointers and its loop counters: 40 (a TMA producer needs 24).
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters =
+      ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
+          ? 240
+          : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
+  static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
+  static constexpr int kAccO = HeadDim / 2;
+
+  using QTile = WgmmaTile<BlockM, HeadDim>;
+  using KVTile = WgmmaTile<BlockN, HeadDim>;
+  // Tiles first, each on a 1024-byte boundary (the swizzle's period), then the mbarriers (8 bytes each).
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + Stages * KVTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + Stages * KVTile::kBytes;
+  // q_full, then full_k[Stages], full_v[Stages], empty[Stages].
+  static constexpr int kBarriers = 1 + 3 * Stages;
+  static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
+
+  static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels (wgmma N <= 256)");
+  static_assert(BlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 rows");
+  static_assert(BlockN % 16 == 0 && BlockN <= 256, "keys in k16 steps, S's N at most 256");
+  static_assert(QTile::kBytes % kSwizzleAtomBytes == 0 && KVTile::kBytes % kSwizzleAtomBytes == 0,
+                "tiles stay on swizzle-atom boundaries");
+  static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
+};
+
+// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not (the plan sends only
+// head dims equal to the compiled one).
+template <class Tr>
+__device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
+  return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim != Tr::kHeadDim ||
+         p.headdim_v != Tr::kHeadDim;
+}
+
+// ---- the producer ---------------------------------------------------------------------------------------
+// How many arrivals complete a "full" phase: each of the producer's threads arrives once its own stores are
+// fenced for the async proxy. (A TMA producer: one elected thread's arrive_expect_tx, the copy's bytes complete
+// the phase; this constant and produce_tile are all that change.)
+constexpr int kFullArrivals = kWarpgroupThreads;
+
+// tile = rows [0, valid_rows) of a (Tile::kRows x Tile::kCols) block of global rows `row_stride` elements apart,
+// rows past valid_rows zero (a ragged last block: zero keys give finite scores the mask hides, and zero V rows keep
+// 0 * NaN out of P V). Consecutive threads take consecutive chunks of a row (coalesced). vector: 16-byte loads
+// (rows 16-byte aligned); otherwise element loads. Then each thread orders its generic-proxy stores before the
+// wgmma (async proxy) that will read them (fence.proxy.async) and arrives on `full`.
+template <class Tile, class T>
+__device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+                                             bool vector, int thread, uint64_t* full) {
+  static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
+  constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+#pragma unroll 1
+  for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
+    const int row = c / Tile::kChunksPerRow;
+    const int chunk = c % Tile::kChunksPerRow;
+    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+    if (row < valid_rows) {
+      const T* from = src + row * row_stride + chunk * kChunkElems;
+      if (vector) {
+        packed = arch::load(reinterpret_cast<const uint4*>(from));
+      } else {
+        const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          w[i] = static_cast<unsigned>(arch::load(e + 2 * i)) | (static_cast<unsigned>(arch::load(e + 2 * i + 1)) << 16);
+        packed = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
+  }
+  arch::fence_proxy_async();
+  arch::mbarrier_arrive(full);
+}
+
+template <class T>
+__device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_stride) {
+  return (reinterpret_cast<unsigned long long>(base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0;
+}
+
+// ---- the consumers' accumulator layout -----------------------------------------------------------------
+// Row and column offsets of accumulator register i from the thread's first (row 16 w + l / 4, column 2 (l % 4)).
+__device__ __forceinline__ constexpr int acc_row_step(int i) { return 8 * ((i / 2) % 2); }
+__device__ __forceinline__ constexpr int acc_col_step(int i) { return 8 * (i / 4) + i % 2; }
+__device__ __forceinline__ int acc_first_row(int warp_in_group, int lane) { return 16 * warp_in_group + lane / 4; }
+__device__ __forceinline__ int acc_first_col(int lane) { return 2 * (lane % 4); }
+
+// k16 step kk of P (S rounded to T) as wgmma_rs's A fragment (see the opening comment).
+template <class T, int N>
+__device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N], int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) a[r] = arch::pack_float2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+// The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become -inf. The
+// lane's limits come from mask.cuh (LaneTileMask); each register's offsets are compile-time constants.
+template <int N>
+__device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mask, TileEdges edges, int first_row,
+                                            int first_key) {
+  const LaneTileMask lane = mask.lane_tile(first_row, first_key);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int dr = acc_row_step(i), dc = acc_col_step(i);
+    if ((edges.right && !lane.keeps<Edge::kRight>(dr, dc)) || (edges.left && !lane.keeps<Edge::kLeft>(dr, dc)) ||
+        (edges.end && !lane.keeps<Edge::kEnd>(dr, dc)))
+      s[i] = neg_inf();
+  }
+}
+
+// Reductions over the 4 lanes of a quad (one accumulator row between them), in a fixed order.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace fa3
+}  // namespace cuflash
