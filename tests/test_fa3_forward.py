@@ -1,0 +1,124 @@
+"""The warp-specialized Hopper forward (cuda_src/kernels/fa3_forward.cu, cuflash/kernels/families/fa3.py) on the
+simulator targeting sm_90, and compiled by NVRTC for sm_90a.
+
+* Against the float64 reference with FlashAttention's rule (test_fa2._check_forward): float16 and bfloat16, head
+  dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128, 300/129:
+  rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+* Race mode clean on one case per head dim (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
+  of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
+  seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
+* Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
+  setmaxnreg on both roles, no spills, the shared memory the traits give.
+* Which problems the kernel serves (fa3.supports).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from cuflash import sim
+from cuflash.backends.program import run_program
+from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels import nvrtc
+from cuflash.kernels.families import fa3
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+from cuflash.mask import Mask
+from test_fa2 import _check_forward, _inputs, _launch_traffic, _problem
+
+SM90 = target("sm_90")
+SEQLENS = ((1, 1), (77, 200), (128, 128), (300, 129))
+HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA (nheads, nheads_k)
+
+
+def _run(q, k, v, causal):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal)
+    out = backend.empty(q.shape, q.dtype)
+    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+    program = fa3.forward_program(problem, SM90)
+    with sim.targeting("sm_90"), sim.record() as records:
+        run_program(backend, program, problem, 1.0 / math.sqrt(problem.headdim),
+                    {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    assert [r.kernel.split("<")[0] for r in records.launches] == ["cuflash::fa3_forward_kernel"]
+    return out, lse, records
+
+
+def _cases():
+    cases = []
+    for d in fa3.HEAD_DIMS:
+        for dtype in fa3.DTYPES:
+            for causal in (False, True):
+                for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
+                    nheads, nheads_k = HEADS[(i + causal) % len(HEADS)]
+                    shape = (1 if i % 2 else 2, seqlen_q, seqlen_k, nheads, nheads_k, d)
+                    cases.append(pytest.param(shape, dtype, causal,
+                                              id=f"d{d}-{dtype}-{'causal' if causal else 'full'}-{seqlen_q}x{seqlen_k}"
+                                                 f"-h{nheads}k{nheads_k}"))
+    return cases
+
+
+@pytest.mark.parametrize("shape, dtype, causal", _cases())
+def test_forward_matches_reference(shape, dtype, causal):
+    q, k, v, _ = _inputs(shape, dtype, seed=31)
+    out, lse, _ = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, "float16"), (128, "bfloat16")])
+def test_race_free_reproducible_and_on_formula(head_dim, dtype):
+    """Ragged Q and K/V blocks under causal with GQA: three K/V blocks through the 2-stage ring (each stage refilled
+    once), both consumers, rows without a key."""
+    q, k, v, _ = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=32)
+    with sim.checking("race"):
+        out, lse, records = _run(q, k, v, True)
+    _check_forward(q, k, v, out, lse, True, None)
+    problem = _problem(q, k, True)
+    assert _launch_traffic(records) == [tuple(fa3.forward_traffic(problem, SM90))]
+    for seed in (1, 2):
+        with sim.copy_landing(seed):
+            again, again_lse, _ = _run(q, k, v, True)
+        assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
+        assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
+
+
+def test_serves_only_its_problems():
+    def problem(**kw):
+        fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
+        return Problem(**{**fields, **kw})
+
+    assert fa3.supports(problem(), SM90) and fa3.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
+    assert fa3.supports(problem(headdim=64), target("sm_90a"))
+    for other in (problem(headdim=96), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
+                  problem(softcap=5.0), problem(dropout_p=0.1), problem(headdim=128, headdim_v=64)):
+        assert not fa3.supports(other, SM90)
+    assert not fa3.supports(problem(), target("sm_80"))
+    with pytest.raises(ValueError):
+        fa3.forward_program(problem(headdim=96), SM90)
+
+
+# What ptxas gives every instance (NVRTC 13.5, sm_90a): the launch count of __launch_bounds__(384, 1), no spills.
+LAUNCH_REGISTERS = 168
+
+
+def test_compiles_for_sm90a_with_hgmma_and_no_spills():
+    compiled = nvrtc.compile_many(fa3.instances(), ["sm_90a"], jobs=1, return_errors=True)
+    for result in compiled:
+        assert not isinstance(result, nvrtc.CompileError), str(result)
+        name = result.instance.name_expr
+        traits = next(t for t in fa3.FORWARD_CHOICES.values() if f", {t.head_dim}, {t.block_m}," in name)
+        res = result.resources
+        assert res.registers <= LAUNCH_REGISTERS and res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
+        assert traits.smem_bytes <= SM90.smem_per_block_bytes
+        sass = nvrtc.dump_sass(result)
+        assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra"
+        bf16 = r"\.BF16" if "bfloat16" in name else ""
+        # S = Q K^T: both operands from descriptors; O += P V: P from registers, V N-major (.tnspB).
+        assert re.search(rf"\bHGMMA\.64x{traits.block_n}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]", sass), name
+        assert re.search(rf"\bHGMMA\.64x{traits.head_dim}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
+        assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, 0xe8\b", sass), name  # consumers: 232
+        assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass), name  # producer: 40
