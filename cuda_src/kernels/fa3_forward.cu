@@ -16,18 +16,21 @@
 //       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
 //       a stage it waits on the stage's "empty" mbarrier.
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
-//       per K/V block, wait full_k; S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16);
-//       mask (blocks crossing the causal diagonal or the keys' end only, mask.cuh); online softmax in registers on
-//       the accumulator layout (a row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA; O
-//       rescaled); P rounded to 16 bits in registers as wgmma_rs's A fragment; wait full_v; O += P V by wgmma RS
-//       (V read MN-major from the same layout as K, BlockN / 16 steps of m64nHeadDimk16); once those wgmma have
-//       completed (wgmma_wait), each warp arrives on the stage's empty mbarrier.
+//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); mask (blocks crossing the
+//       causal diagonal or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
+//       row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA); P rounded to 16 bits in registers
+//       as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from the same layout as K, BlockN / 16 k16
+//       steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
+//       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
+//         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
+//         then waits for it, releases the stage (one arrival per warp on its "empty" mbarrier), rescales O and
+//         converts P_{j+1} (P's registers are A operands of the wgmma in flight until then);
+//       - ping-pong: the two consumers take turns to issue their wgmma (named barriers kSchedulerBarrier + c: a
+//         consumer waits for its turn, issues, hands the turn over), so one's softmax runs while the other's
+//         products do.
 //   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
 //   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
 //   log l from one lane per row.
-//   Not yet here (issue 31's speed features): the next block's S issued before this block's softmax
-//   (intra-warpgroup overlap) and the consumers' ping-pong through named barriers; each wgmma group is waited for
-//   at once.
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (d128, 128 x 128, 2
@@ -51,6 +54,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
+  static_assert(Tr::kConsumers == 2, "the ping-pong takes turns between two consumers");
 
   CUFLASH_DYNAMIC_SMEM(smem);
   // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
@@ -83,7 +87,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   }
   __syncthreads();  // every use of the barriers after their init
 
-  const int warpgroup = threadIdx.x / fa3::kWarpgroupThreads;
+  // Warp-uniform as ptxas sees it (a shuffle's result), so the role branches are not divergent paths to it.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / fa3::kWarpgroupThreads), 0);
   const int thread = threadIdx.x % fa3::kWarpgroupThreads;
 
   if (warpgroup == 0) {
@@ -133,80 +138,102 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   if (!n_range.empty()) {
     const float scale_log2 = p.softmax_scale_log2;
     const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
-    arch::mbarrier_wait(q_full, 0);
-#pragma unroll 1
-    for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
-      const int stage = it % Stages;
-      const unsigned phase = (it / Stages) & 1;
+    // S of K/V block n_block in s: the element-wise mask where the tile needs it, then the online softmax (s
+    // becomes P in float32); returns O's correction per half (applied by the caller once no P V is in flight).
+    float s[Tr::kAccS];
+    unsigned p_frag[BlockN / 16][4];
+    auto softmax = [&](int n_block, float (&correction)[2]) {
       const int key0 = n_block * BlockN;
-
-      float s[Tr::kAccS];
-      arch::mbarrier_wait(full_k + stage, phase);
-      arch::wgmma_fence();
+      if (!unmasked.contains(n_block))
+        fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
+                         key0 + fa3::acc_first_col(lane));
+      fa3::online_softmax<BlockN>(s, row_max, row_sum, scale_log2, correction);
+    };
+    auto to_p = [&] {
+#pragma unroll
+      for (int kk = 0; kk < BlockN / 16; ++kk) fa3::p_fragment<T>(p_frag[kk], s, kk);
+    };
+    auto issue_s = [&](int stage) {
 #pragma unroll
       for (int step = 0; step < HeadDim / 16; ++step)
         arch::wgmma<T, BlockN>(s, QTile::k_major_desc(q_tile, group_row0, step),
                                KVTile::k_major_desc(k_tile(stage), 0, step), step > 0);
       arch::wgmma_commit();
-      arch::wgmma_wait<0>(s);
+    };
 
-      if (!unmasked.contains(n_block))
-        fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
-                         key0 + fa3::acc_first_col(lane));
+    // Prologue: S and P of the first block (O is still 0: no correction to apply).
+    arch::mbarrier_wait(q_full, 0);
+    arch::mbarrier_wait(full_k, 0);
+    arch::wgmma_fence();
+    issue_s(0);
+    arch::wgmma_wait<0>(s);
+    {
+      float unused[2];
+      softmax(n_range.end - 1, unused);
+    }
+    to_p();
 
-      // Online softmax, base 2, the scale folded into the exponent's FMA (as fa2_tc_forward.cu).
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float block_max = neg_inf();
-#pragma unroll
-        for (int j = 0; j < BlockN / 8; ++j)
-          block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-        block_max = fa3::quad_max(block_max);
-        const float old_max = row_max[half];
-        const float new_max = fmaxf(old_max, block_max * scale_log2);
-        row_max[half] = new_max;
-        // A row with no visible key so far keeps -inf: offset 0, so p = exp2(-inf) = 0 (never -inf - -inf).
-        const float max_scaled = new_max == neg_inf() ? 0.f : new_max;
-        const float correction = old_max == neg_inf() ? 0.f : arch::exp2_approx(old_max - max_scaled);
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < BlockN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * j + 2 * half + e];
-            x = arch::exp2_approx(fmaf(x, scale_log2, -max_scaled));
-            sum += x;
-          }
-        row_sum[half] = fmaf(row_sum[half], correction, sum);
-#pragma unroll
-        for (int j = 0; j < HeadDim / 8; ++j) {
-          acc_o[4 * j + 2 * half] *= correction;
-          acc_o[4 * j + 2 * half + 1] *= correction;
-        }
-      }
-
-      unsigned p_frag[BlockN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BlockN / 16; ++kk) fa3::p_fragment<T>(p_frag[kk], s, kk);
-
+    auto issue_pv = [&](int stage, unsigned phase) {
       arch::mbarrier_wait(full_v + stage, phase);
-      arch::wgmma_fence();  // O was rescaled in registers since the last P V
 #pragma unroll
       for (int kk = 0; kk < BlockN / 16; ++kk)
         arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], KVTile::mn_major_desc(v_tile(stage), kk), true);
       arch::wgmma_commit();
-      arch::wgmma_wait<0>(acc_o);
-      // The stage's K and V are read (both groups complete for this thread's warp): one arrival per warp, after
-      // its lanes' waits (the wgmma's reads land at a waiting thread of the warpgroup).
+    };
+    // The stage's K and V are read (this thread's wgmma_wait<0> is behind it): one arrival per warp, after its
+    // lanes' waits (a wgmma's reads land at a waiting thread of the warpgroup).
+    auto release = [&](int stage) {
       __syncwarp();
       if (lane == 0) arch::mbarrier_arrive(empty + stage);
+    };
+    // The consumers' turns (ping-pong): a consumer issues its wgmma between waiting for its turn and handing the
+    // turn to the other, so one's softmax runs while the other's products do. Consumer 1 hands consumer 0 the
+    // first turn, and takes no turn back after its last block's: every barrier instance completes.
+    auto take_turn = [&] {
+      arch::named_barrier_sync(fa3::kSchedulerBarrier + consumer, 2 * fa3::kWarpgroupThreads);
+    };
+    auto hand_over_turn = [&] {
+      arch::named_barrier_arrive(fa3::kSchedulerBarrier + (1 - consumer), 2 * fa3::kWarpgroupThreads);
+    };
+    if (consumer == 1) hand_over_turn();
+
+    // Each step but the last issues the next block's S and this block's P V back to back, then computes the next
+    // softmax while P V is in flight (intra-warpgroup overlap), then rescales O and converts P once it landed. The
+    // loop has no branch around a wgmma: ptxas serializes wgmma on a path it cannot prove uniform (C7519).
+    int it = 0;
+#pragma unroll 1
+    for (int n_block = n_range.end - 1; n_block > n_range.begin; --n_block, ++it) {
+      const int stage = it % Stages;
+      const int next_stage = (it + 1) % Stages;
+      take_turn();
+      arch::wgmma_fence();  // s was read into P and O rescaled since the last wgmma
+      arch::mbarrier_wait(full_k + next_stage, ((it + 1) / Stages) & 1);
+      issue_s(next_stage);
+      issue_pv(stage, (it / Stages) & 1);
+      hand_over_turn();
+      float correction[2];
+      arch::wgmma_wait<1>(s);  // S of the next block; P V still in flight
+      softmax(n_block - 1, correction);
+      arch::wgmma_wait<0>(acc_o);
+      release(stage);
+#pragma unroll
+      for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] *= correction[fa3::acc_row_step(i) / 8];
+      to_p();
     }
+    // The last block: P V alone.
+    const int stage = it % Stages;
+    take_turn();
+    arch::wgmma_fence();
+    issue_pv(stage, (it / Stages) & 1);
+    if (consumer == 0) hand_over_turn();
+    arch::wgmma_wait<0>(acc_o);
+    release(stage);
   }
 
   // Epilogue: O / l into this consumer's 64 rows of the Q buffer, then 16-byte stores. The named barrier first
   // orders the stores after every read of those rows by this warpgroup's wgmma (their reads land at one waiting
   // thread), then publishes the staged rows to the warpgroup's 128 threads.
-  const unsigned named_barrier = 1 + consumer;  // 0 is __syncthreads'
+  const unsigned named_barrier = fa3::kEpilogueBarrier + consumer;
   T* out = info.out<T>(p) + row0 * p.out_stride.row;
   float* lse = p.lse + info.row_stats_offset(p);
   arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);

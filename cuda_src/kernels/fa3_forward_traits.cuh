@@ -180,18 +180,26 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N]
 
 // The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become -inf. The
 // lane's limits come from mask.cuh (LaneTileMask); each register's offsets are compile-time constants.
+template <Edge E, int N>
+__device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (!lane.keeps<E>(acc_row_step(i), acc_col_step(i))) s[i] = neg_inf();
+}
+// One pass per edge the tile crosses, each behind a block-uniform test (a select per score, no branch).
 template <int N>
 __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mask, TileEdges edges, int first_row,
                                             int first_key) {
   const LaneTileMask lane = mask.lane_tile(first_row, first_key);
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int dr = acc_row_step(i), dc = acc_col_step(i);
-    if ((edges.right && !lane.keeps<Edge::kRight>(dr, dc)) || (edges.left && !lane.keeps<Edge::kLeft>(dr, dc)) ||
-        (edges.end && !lane.keeps<Edge::kEnd>(dr, dc)))
-      s[i] = neg_inf();
-  }
+  if (edges.right) mask_edge<Edge::kRight>(s, lane);
+  if (edges.left) mask_edge<Edge::kLeft>(s, lane);
+  if (edges.end) mask_edge<Edge::kEnd>(s, lane);
 }
+
+// Named barriers (0 is __syncthreads'): each consumer's epilogue (1 + consumer, its 128 threads) and the
+// consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the other's 128 arrive).
+constexpr unsigned kEpilogueBarrier = 1;
+constexpr unsigned kSchedulerBarrier = 3;
 
 // Reductions over the 4 lanes of a quad (one accumulator row between them), in a fixed order.
 __device__ __forceinline__ float quad_max(float x) {
@@ -201,6 +209,38 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// One block's online softmax on a warpgroup's S accumulator (BlockN scores per row; this thread's two rows are
+// halves 0 and 1), base 2 with the scale folded into the exponent's FMA (as fa2_tc_forward.cu): s becomes
+// P = exp2(s scale_log2 - m) in float32, row_max and row_sum (this thread's part of l) move on, and
+// correction[half] is the factor O must take (exp2(m_old - m_new); 0 while the row had seen no key).
+template <int BlockN>
+__device__ __forceinline__ void online_softmax(float (&s)[BlockN / 2], float (&row_max)[2], float (&row_sum)[2],
+                                               float scale_log2, float (&correction)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float block_max = neg_inf();
+#pragma unroll
+    for (int j = 0; j < BlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    block_max = quad_max(block_max);
+    const float old_max = row_max[half];
+    const float new_max = fmaxf(old_max, block_max * scale_log2);  // rounding is monotonic: max commutes
+    row_max[half] = new_max;
+    // A row with no visible key so far keeps -inf: offset 0, so p = exp2(-inf) = 0 (never -inf - -inf).
+    const float max_scaled = new_max == neg_inf() ? 0.f : new_max;
+    correction[half] = old_max == neg_inf() ? 0.f : arch::exp2_approx(old_max - max_scaled);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < BlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = arch::exp2_approx(fmaf(x, scale_log2, -max_scaled));
+        sum += x;
+      }
+    row_sum[half] = fmaf(row_sum[half], correction[half], sum);
+  }
 }
 
 }  // namespace fa3
