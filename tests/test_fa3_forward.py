@@ -4,7 +4,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Against the float64 reference with FlashAttention's rule (test_fa2._check_forward): float16 and bfloat16, head
   dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128, 300/129:
   rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
-* Race mode clean on one case per head dim (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
+* Race mode clean on one case per tile (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
   of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
   seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
 * Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
@@ -69,19 +69,20 @@ def test_forward_matches_reference(shape, dtype, causal):
     _check_forward(q, k, v, out, lse, causal, None)
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(64, "float16"), (128, "bfloat16")])
-def test_race_free_reproducible_and_on_formula(head_dim, dtype):
-    """Ragged Q and K/V blocks under causal with GQA: three K/V blocks through the 2-stage ring (each stage refilled
-    once), both consumers, rows without a key."""
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", True),
+                                                     (128, "float16", False)])
+def test_race_free_reproducible_and_on_formula(head_dim, dtype, causal):
+    """Every instance's tile (d128 non-causal is FA3's 128 x 176): ragged Q and K/V blocks with GQA, two or three K/V
+    blocks through the 2-stage ring (a stage refilled), both consumers, rows without a key where causal."""
     q, k, v, _ = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=32)
     with sim.checking("race"):
-        out, lse, records = _run(q, k, v, True)
-    _check_forward(q, k, v, out, lse, True, None)
-    problem = _problem(q, k, True)
+        out, lse, records = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+    problem = _problem(q, k, causal)
     assert _launch_traffic(records) == [tuple(fa3.forward_traffic(problem, SM90))]
     for seed in (1, 2):
         with sim.copy_landing(seed):
-            again, again_lse, _ = _run(q, k, v, True)
+            again, again_lse, _ = _run(q, k, v, causal)
         assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
         assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
 
@@ -110,7 +111,8 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
     for result in compiled:
         assert not isinstance(result, nvrtc.CompileError), str(result)
         name = result.instance.name_expr
-        traits = next(t for t in fa3.FORWARD_CHOICES.values() if f", {t.head_dim}, {t.block_m}," in name)
+        traits = next(t for choices in fa3.FORWARD_CHOICES.values() for t in choices
+                      if f", {t.head_dim}, {t.block_m}, {t.block_n}," in name)
         res = result.resources
         assert res.registers <= LAUNCH_REGISTERS and res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
         assert traits.smem_bytes <= SM90.smem_per_block_bytes

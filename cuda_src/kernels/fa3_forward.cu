@@ -33,8 +33,8 @@
 //   log l from one lane per row.
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
-//   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (d128, 128 x 128, 2
-//   stages: 160 KB + 56 B; d64: 80 KB + 56 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats,
+//   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (2 stages: d128
+//   128 x 176 208 KB + 56 B, 128 x 128 160 KB + 56 B; d64 128 x 128 80 KB + 56 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats,
 //   P BlockN / 4 words.
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,

@@ -72,11 +72,12 @@ class ForwardTraits:
         )
 
 
-# The first tiles: 128 x 128 with two consumers at both head dims. FA3's table (hopper.md) has d64 192 x 128 causal
-# (3 consumers) and d128 128 x 176 non-causal: the next steps.
+# The tiles, (causal, non-causal) per head dim: 128 x 128 with two consumers, and FA3's 128 x 176 for d128 without a
+# mask (hopper.md's table; 208 KB of shared memory with two stages). FA3's d64 192 x 128 (causal) / 192 x 192 take
+# three consumers, which the ping-pong here does not pair yet: the next step.
 FORWARD_CHOICES = {
-    64: ForwardTraits(64, block_m=128, block_n=128),
-    128: ForwardTraits(128, block_m=128, block_n=128),
+    64: (ForwardTraits(64, block_m=128, block_n=128), ForwardTraits(64, block_m=128, block_n=128)),
+    128: (ForwardTraits(128, block_m=128, block_n=128), ForwardTraits(128, block_m=128, block_n=176)),
 }
 HEAD_DIMS = tuple(FORWARD_CHOICES)
 
@@ -92,13 +93,15 @@ def supports(problem: Problem, target: Target) -> bool:
 def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     if not supports(problem, target):
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
-    traits = FORWARD_CHOICES[problem.headdim]
+    causal_choice, full_choice = FORWARD_CHOICES[problem.headdim]
+    traits = full_choice if problem.mask.window_right < 0 else causal_choice
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
 
 def instances() -> list[KernelInstance]:
-    return [traits.instance(dtype) for dtype in DTYPES for traits in FORWARD_CHOICES.values()]
+    tiles = dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in choices)  # distinct, in order
+    return [traits.instance(dtype) for dtype in DTYPES for traits in tiles]
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
