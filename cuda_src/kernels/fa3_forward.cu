@@ -34,8 +34,8 @@
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (2 stages: d128
-//   128 x 176 208 KB + 56 B, 128 x 128 160 KB + 56 B; d64 128 x 128 80 KB + 56 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats,
-//   P BlockN / 4 words.
+//   128 x 176 208 KB + 56 B, 128 x 128 160 KB + 56 B; d64 128 x 128 80 KB + 56 B). Registers per consumer
+//   thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4 words.
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
 // rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
@@ -266,7 +266,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
       for (int e = 0; e < fa3::kChunkElems; ++e)
-        arch::store(reinterpret_cast<unsigned short*>(to) + e, static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
+        arch::store(reinterpret_cast<unsigned short*>(to) + e,
+                    static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
     }
   }
 }

@@ -149,7 +149,8 @@ __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, 
         unsigned w[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          w[i] = static_cast<unsigned>(arch::load(e + 2 * i)) | (static_cast<unsigned>(arch::load(e + 2 * i + 1)) << 16);
+          w[i] = static_cast<unsigned>(arch::load(e + 2 * i)) |
+                 (static_cast<unsigned>(arch::load(e + 2 * i + 1)) << 16);
         packed = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
@@ -222,7 +223,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[BlockN / 2], float (&r
   for (int half = 0; half < 2; ++half) {
     float block_max = neg_inf();
 #pragma unroll
-    for (int j = 0; j < BlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    for (int j = 0; j < BlockN / 8; ++j)
+      block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
     block_max = quad_max(block_max);
     const float old_max = row_max[half];
     const float new_max = fmaxf(old_max, block_max * scale_log2);  // rounding is monotonic: max commutes
