@@ -9,6 +9,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
   seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
 * Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
   setmaxnreg on both roles, no spills, the shared memory the traits give.
+* Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).
 """
 
@@ -69,6 +70,19 @@ def test_forward_matches_reference(shape, dtype, causal):
     _check_forward(q, k, v, out, lse, causal, None)
 
 
+# Head dims between the compiled ones run on the next (64 or 128), the columns past them zero-filled: whole chunks
+# (40), a chunk the head dim cuts (100, 127: element loads and stores), a single column.
+@pytest.mark.parametrize("head_dim, dtype, causal, seqlens", [(40, "float16", True, (77, 200)),
+                                                              (100, "bfloat16", False, (300, 129)),
+                                                              (127, "bfloat16", True, (70, 700)),
+                                                              (1, "float16", False, (128, 128))])
+def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
+    q, k, v, _ = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=33)
+    out, lse, records = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+    assert _launch_traffic(records) == [tuple(fa3.forward_traffic(_problem(q, k, causal), SM90))]
+
+
 @pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", True),
                                                      (128, "float16", False)])
 def test_race_free_reproducible_and_on_formula(head_dim, dtype, causal):
@@ -93,13 +107,13 @@ def test_serves_only_its_problems():
         return Problem(**{**fields, **kw})
 
     assert fa3.supports(problem(), SM90) and fa3.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
-    assert fa3.supports(problem(headdim=64), target("sm_90a"))
-    for other in (problem(headdim=96), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
+    assert fa3.supports(problem(headdim=64), target("sm_90a")) and fa3.supports(problem(headdim=96), SM90)
+    for other in (problem(headdim=160), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
                   problem(softcap=5.0), problem(dropout_p=0.1), problem(headdim=128, headdim_v=64)):
         assert not fa3.supports(other, SM90)
     assert not fa3.supports(problem(), target("sm_80"))
     with pytest.raises(ValueError):
-        fa3.forward_program(problem(headdim=96), SM90)
+        fa3.forward_program(problem(headdim=160), SM90)
 
 
 # What ptxas gives every instance (NVRTC 13.5, sm_90a): the launch count of __launch_bounds__(384, 1), no spills.

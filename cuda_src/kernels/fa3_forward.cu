@@ -2,9 +2,10 @@
 // warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
 //
 // What it does: out = softmax(scale * Q K^T [causal]) V and lse = logsumexp of the scaled scores, per (batch,
-// query head), for __half and __nv_bfloat16, head dims 64 and 128 (equal to the compiled one), GQA/MQA, any
-// seqlens. Not (yet): other head dims, windows, softcap/ALiBi, varlen, paged or split KV, dropout: the plan
-// sends those to the mma.sync kernels (fa2_tc_forward.cu).
+// query head), for __half and __nv_bfloat16, head dims 1..128 (q, k and v alike) on the next compiled one (64 or
+// 128: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens.
+// Not (yet): head dims above 128 or v's own, windows, softcap/ALiBi, varlen, paged or split KV, dropout: those stay
+// on the mma.sync kernels (fa2_tc_forward.cu).
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
@@ -96,8 +97,9 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     if (n_range.empty()) return;
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
-    fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, fa3::rows_16b_aligned(q, p.q_stride.row), thread,
-                             q_full);
+    const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
+    fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
+                             thread, q_full);
     const T* k = info.k<T>(p);
     const T* v = info.v<T>(p);
     const bool k_vector = fa3::rows_16b_aligned(k, p.k_stride.row);
@@ -111,9 +113,9 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       arch::mbarrier_wait(empty + stage, ((it / Stages) & 1) ^ 1);
       const int key0 = n_block * BlockN;
       const int keys = min(BlockN, seqlen_k - key0);
-      fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, k_vector, thread,
+      fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, d, k_vector, thread,
                                 full_k + stage);
-      fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, v_vector, thread,
+      fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, d, v_vector, thread,
                                 full_v + stage);
     }
     return;
@@ -258,16 +260,19 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     const int row = group_row0 + c / QTile::kChunksPerRow;
     const int chunk = c % QTile::kChunksPerRow;
     if (row >= block_rows) break;  // rows grow with c
+    const int valid = max(0, min(fa3::kChunkElems, p.headdim - chunk * fa3::kChunkElems));  // columns of out
+    if (valid == 0) continue;
     const uint4 packed = *reinterpret_cast<const uint4*>(q_tile + QTile::chunk_offset(row, chunk));
     T* to = out + row * p.out_stride.row + chunk * fa3::kChunkElems;
-    if (vector) {
+    if (vector && valid == fa3::kChunkElems) {
       arch::store(reinterpret_cast<uint4*>(to), packed);
     } else {
       const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
-      for (int e = 0; e < fa3::kChunkElems; ++e)
-        arch::store(reinterpret_cast<unsigned short*>(to) + e,
-                    static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
+      for (int e = 0; e < fa3::kChunkElems; ++e)  // unrolled: words[] stays in registers
+        if (e < valid)
+          arch::store(reinterpret_cast<unsigned short*>(to) + e,
+                      static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
     }
   }
 }

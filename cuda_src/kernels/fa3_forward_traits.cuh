@@ -111,12 +111,13 @@ struct ForwardTraits {
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
 };
 
-// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not (the plan sends only
-// head dims equal to the compiled one).
+// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's, k's and v's head
+// dim one value in 1 .. kHeadDim (the plan sends a head dim to the next compiled one; the columns past it are
+// zero-filled in shared memory, so they add nothing to S and give O columns that are never written).
 template <class Tr>
 __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
-  return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim != Tr::kHeadDim ||
-         p.headdim_v != Tr::kHeadDim;
+  return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > Tr::kHeadDim || p.headdim < 1 ||
+         p.headdim_v != p.headdim;
 }
 
 // ---- the producer ---------------------------------------------------------------------------------------
@@ -125,34 +126,37 @@ __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
 // the phase; this constant and produce_tile are all that change.)
 constexpr int kFullArrivals = kWarpgroupThreads;
 
-// tile = rows [0, valid_rows) of a (Tile::kRows x Tile::kCols) block of global rows `row_stride` elements apart,
-// rows past valid_rows zero (a ragged last block: zero keys give finite scores the mask hides, and zero V rows keep
-// 0 * NaN out of P V). Consecutive threads take consecutive chunks of a row (coalesced). vector: 16-byte loads
-// (rows 16-byte aligned); otherwise element loads. Then each thread orders its generic-proxy stores before the
-// wgmma (async proxy) that will read them (fence.proxy.async) and arrives on `full`.
+// tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block of global rows `row_stride`
+// elements apart, zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite scores the mask
+// hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S).
+// Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector:
+// whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element
+// loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
+// (fence.proxy.async) and arrives on `full`.
 template <class Tile, class T>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
-                                             bool vector, int thread, uint64_t* full) {
+                                             int cols, bool vector, int thread, uint64_t* full) {
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
 #pragma unroll 1
   for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
     const int row = c / Tile::kChunksPerRow;
     const int chunk = c % Tile::kChunksPerRow;
+    const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
     uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    if (row < valid_rows) {
-      const T* from = src + row * row_stride + chunk * kChunkElems;
-      if (vector) {
-        packed = arch::load(reinterpret_cast<const uint4*>(from));
-      } else {
-        const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
-        unsigned w[4];
+    const T* from = src + row * row_stride + chunk * kChunkElems;
+    if (vector && valid == kChunkElems) {
+      packed = arch::load(reinterpret_cast<const uint4*>(from));
+    } else if (valid > 0) {
+      const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
+      unsigned w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          w[i] = static_cast<unsigned>(arch::load(e + 2 * i)) |
-                 (static_cast<unsigned>(arch::load(e + 2 * i + 1)) << 16);
-        packed = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int i = 0; i < 4; ++i) {
+        const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
+        const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
+        w[i] = lo | (hi << 16);
       }
+      packed = make_uint4(w[0], w[1], w[2], w[3]);
     }
     *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
   }

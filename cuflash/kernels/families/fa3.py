@@ -9,7 +9,7 @@ warpgroups; writes out and lse.
 
 Not in the catalog yet (issue 31, item 2, first steps): no plan picks it; ``forward_program`` builds its Program
 directly for the problems ``supports`` accepts, and tests/test_fa3_forward.py runs it on the simulator targeting
-sm_90. It serves 16-bit inputs at head dims 64 and 128 exactly, no mask or causal, GQA/MQA, any seqlens; everything
+sm_90. It serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; everything
 else stays on the mma.sync kernels (fa2_tc).
 """
 
@@ -82,18 +82,23 @@ FORWARD_CHOICES = {
 HEAD_DIMS = tuple(FORWARD_CHOICES)
 
 
+def compiled_head_dim(headdim: int) -> int:
+    """The smallest compiled head dim >= headdim (the kernel zero-fills the columns past it)."""
+    return min(d for d in HEAD_DIMS if d >= headdim)
+
+
 def supports(problem: Problem, target: Target) -> bool:
-    """Whether this kernel computes ``problem``'s forward on ``target``: sm_90, 16-bit, head dim 64 or 128 for q, k
+    """Whether this kernel computes ``problem``'s forward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
     and v, no mask or causal (window (-1, -1) or (-1, 0)), and no other option."""
     mask = problem.mask
-    return (target.arch in ARCHS and problem.dtype in DTYPES and problem.headdim in FORWARD_CHOICES
+    return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= HEAD_DIMS[-1]
             and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
 
 
 def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     if not supports(problem, target):
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
-    causal_choice, full_choice = FORWARD_CHOICES[problem.headdim]
+    causal_choice, full_choice = FORWARD_CHOICES[compiled_head_dim(problem.headdim)]
     traits = full_choice if problem.mask.window_right < 0 else causal_choice
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
