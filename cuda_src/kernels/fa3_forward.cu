@@ -26,9 +26,9 @@
 //         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
 //         then waits for it, releases the stage (one arrival per warp on its "empty" mbarrier), rescales O and
 //         converts P_{j+1} (P's registers are A operands of the wgmma in flight until then);
-//       - ping-pong: the two consumers take turns to issue their wgmma (named barriers kSchedulerBarrier + c: a
-//         consumer waits for its turn, issues, hands the turn over), so one's softmax runs while the other's
-//         products do.
+//       - ping-pong: the consumers take turns (round robin) to issue their wgmma (named barriers
+//         kSchedulerBarrier + c: a consumer waits for its turn, issues, hands the turn to the next), so one's
+//         softmax runs while another's products do.
 //   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
 //   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
 //   log l from one lane per row.
@@ -55,7 +55,6 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
-  static_assert(Tr::kConsumers == 2, "the ping-pong takes turns between two consumers");
 
   CUFLASH_DYNAMIC_SMEM(smem);
   // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
@@ -188,16 +187,21 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       __syncwarp();
       if (lane == 0) arch::mbarrier_arrive(empty + stage);
     };
-    // The consumers' turns (ping-pong): a consumer issues its wgmma between waiting for its turn and handing the
-    // turn to the other, so one's softmax runs while the other's products do. Consumer 1 hands consumer 0 the
-    // first turn, and takes no turn back after its last block's: every barrier instance completes.
+    // The consumers' turns (ping-pong; round robin with three): a consumer issues its wgmma between waiting for its
+    // turn and handing the turn to the next, so one's softmax runs while another's products do. The last consumer
+    // hands consumer 0 the first turn, and hands none over after its last block: every barrier instance completes.
+    // One consumer takes no turns.
+    constexpr bool kTurns = Tr::kConsumers > 1;
+    const bool last_consumer = consumer == Tr::kConsumers - 1;
     auto take_turn = [&] {
-      arch::named_barrier_sync(fa3::kSchedulerBarrier + consumer, 2 * fa3::kWarpgroupThreads);
+      if constexpr (kTurns) arch::named_barrier_sync(fa3::kSchedulerBarrier + consumer, 2 * fa3::kWarpgroupThreads);
     };
     auto hand_over_turn = [&] {
-      arch::named_barrier_arrive(fa3::kSchedulerBarrier + (1 - consumer), 2 * fa3::kWarpgroupThreads);
+      if constexpr (kTurns)
+        arch::named_barrier_arrive(fa3::kSchedulerBarrier + (consumer + 1) % Tr::kConsumers,
+                                   2 * fa3::kWarpgroupThreads);
     };
-    if (consumer == 1) hand_over_turn();
+    if (last_consumer) hand_over_turn();
 
     // Each step but the last issues the next block's S and this block's P V back to back, then computes the next
     // softmax while P V is in flight (intra-warpgroup overlap), then rescales O and converts P once it landed. The
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     take_turn();
     arch::wgmma_fence();
     issue_pv(stage, (it / Stages) & 1);
-    if (consumer == 0) hand_over_turn();
+    if (!last_consumer) hand_over_turn();
     arch::wgmma_wait<0>(acc_o);
     release(stage);
   }

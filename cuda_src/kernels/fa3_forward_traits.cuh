@@ -83,8 +83,9 @@ struct ForwardTraits {
   // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
   // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
   // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
-  // a 16-byte chunk, its two pointers and its loop counters: 40 (a TMA producer needs 24).
-  static constexpr int kProducerRegisters = 40;
+  // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
+  // each, FA3's split there; a TMA producer needs 24).
+  static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegisters =
       ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
           ? 240
@@ -201,10 +202,11 @@ __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mas
   if (edges.end) mask_edge<Edge::kEnd>(s, lane);
 }
 
-// Named barriers (0 is __syncthreads'): each consumer's epilogue (1 + consumer, its 128 threads) and the
-// consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the other's 128 arrive).
+// Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
+// the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
+// 128 arrive). Up to 3 consumers: ids 1..6.
 constexpr unsigned kEpilogueBarrier = 1;
-constexpr unsigned kSchedulerBarrier = 3;
+constexpr unsigned kSchedulerBarrier = 4;
 
 // Reductions over the 4 lanes of a quad (one accumulator row between them), in a fixed order.
 __device__ __forceinline__ float quad_max(float x) {
