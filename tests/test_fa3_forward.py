@@ -10,6 +10,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
   setmaxnreg on both roles within the SM's registers, no spills, no wgmma serialized by ptxas, the step's two
   commit groups and two waits.
+* Every tile under AddressSanitizer (one case each).
 * Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).
 """
@@ -102,6 +103,21 @@ def test_race_free_reproducible_and_on_formula(head_dim, dtype, causal):
         assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
 
 
+def _every_tile_under_asan():
+    results = []
+    for head_dim, causal in ((64, True), (128, True), (128, False)):
+        q, k, v, _ = _inputs((1, 200, 300, 4, 2, head_dim), "bfloat16", seed=34)
+        results.append((q, k, v, causal, *_run(q, k, v, causal)[:2]))
+    return results
+
+
+def test_every_tile_clean_under_asan():
+    """Shared memory is allocated with exactly the planned bytes: a tile, descriptor or mbarrier past the layout, or
+    a global access past a ragged block, is reported."""
+    for q, k, v, causal, out, lse in sim.run_in_asan_subprocess(_every_tile_under_asan, timeout=600):
+        _check_forward(q, k, v, out, lse, causal, None)
+
+
 def test_serves_only_its_problems():
     def problem(**kw):
         fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
@@ -131,7 +147,8 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         traits = next(t for choices in fa3.FORWARD_CHOICES.values() for t in choices
                       if f", {t.head_dim}, {t.block_m}, {t.block_n}," in name)
         res = result.resources
-        assert res.registers <= _launch_registers(traits.threads) and res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
+        assert res.registers <= _launch_registers(traits.threads), (name, res)
+        assert res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
         assert traits.smem_bytes <= SM90.smem_per_block_bytes
         sass = nvrtc.dump_sass(result)
         assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra"
