@@ -10,7 +10,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
   setmaxnreg on both roles within the SM's registers, no spills, no wgmma serialized by ptxas, the step's two
   commit groups and two waits.
-* Every tile under AddressSanitizer (one case each).
+* Every tile under AddressSanitizer (one case each); no shared-memory bank conflicts (profile mode).
 * Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).
 """
@@ -116,6 +116,20 @@ def test_every_tile_clean_under_asan():
     a global access past a ragged block, is reported."""
     for q, k, v, causal, out, lse in sim.run_in_asan_subprocess(_every_tile_under_asan, timeout=600):
         _check_forward(q, k, v, out, lse, causal, None)
+
+
+def test_no_bank_conflicts():
+    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the epilogue's 4-byte pairs (8 rows, each
+    at its own chunk position) and 16-byte reads, at their ideal wavefront counts on both head dims' tiles. (The
+    profile does not count wgmma's operand reads.)"""
+    for head_dim, causal in ((64, True), (128, False)):
+        q, k, v, _ = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=23)
+        with sim.checking("profile"):
+            _, _, records = _run(q, k, v, causal)
+        (launch,) = records.launches
+        assert {site.kind for site in launch.shared_access_sites} == {"store", "load"}
+        for site in launch.shared_access_sites:
+            assert site.excess == 0, (launch.kernel, site)
 
 
 def test_serves_only_its_problems():
