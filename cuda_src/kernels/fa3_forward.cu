@@ -15,7 +15,7 @@
 //       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
 //       with 16-byte global loads into the 128-byte-swizzled layout wgmma reads (fa3::produce_tile: zero rows past
 //       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
-//       a stage it waits on the stage's "empty" mbarrier.
+//       a stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
 //       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); mask (blocks crossing the
 //       causal diagonal or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
@@ -24,7 +24,8 @@
 //       steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
 //       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
 //         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
-//         then waits for it, releases the stage (one arrival per warp on its "empty" mbarrier), rescales O and
+//         then waits for it, releases K (after the first wait) and V (after the second: one arrival per warp on
+//         the stage's "empty" mbarrier of each), rescales O and
 //         converts P_{j+1} (P's registers are A operands of the wgmma in flight until then);
 //       - ping-pong: the consumers take turns (round robin) to issue their wgmma (named barriers
 //         kSchedulerBarrier + c: a consumer waits for its turn, issues, hands the turn to the next), so one's
@@ -34,8 +35,8 @@
 //   log l from one lane per row.
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
-//   plus 1 + 3 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 3 Stages) bytes (2 stages: d128
-//   128 x 176 208 KB + 56 B, 128 x 128 160 KB + 56 B; d64 128 x 128 80 KB + 56 B). Registers per consumer
+//   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
+//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B). Registers per consumer
 //   thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4 words.
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
@@ -73,7 +74,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   uint64_t* q_full = barriers;
   uint64_t* full_k = barriers + 1;
   uint64_t* full_v = full_k + Stages;
-  uint64_t* empty = full_v + Stages;
+  uint64_t* empty_k = full_v + Stages;
+  uint64_t* empty_v = empty_k + Stages;
   auto k_tile = [&](int stage) { return smem + Tr::kKOffset + stage * KVTile::kBytes; };
   auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * KVTile::kBytes; };
 
@@ -82,7 +84,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     for (int s = 0; s < Stages; ++s) {
       arch::mbarrier_init(full_k + s, fa3::kFullArrivals);
       arch::mbarrier_init(full_v + s, fa3::kFullArrivals);
-      arch::mbarrier_init(empty + s, Tr::kConsumerWarps);  // one arrival per consumer warp
+      arch::mbarrier_init(empty_k + s, Tr::kConsumerWarps);  // one arrival per consumer warp
+      arch::mbarrier_init(empty_v + s, Tr::kConsumerWarps);
     }
   }
   __syncthreads();  // every use of the barriers after their init
@@ -107,13 +110,15 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 #pragma unroll 1
     for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
       const int stage = it % Stages;
-      // The empty phase of the previous round of this stage; on the first round the barrier's phase "before
-      // phase 0" (parity 1) counts as complete, so the wait returns at once.
-      arch::mbarrier_wait(empty + stage, ((it / Stages) & 1) ^ 1);
+      // The empty phases of the previous round of this stage; on the first round the barrier's phase "before
+      // phase 0" (parity 1) counts as complete, so the waits return at once.
+      const unsigned previous_round = ((it / Stages) & 1) ^ 1;
       const int key0 = n_block * BlockN;
       const int keys = min(BlockN, seqlen_k - key0);
+      arch::mbarrier_wait(empty_k + stage, previous_round);
       fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, d, k_vector, thread,
                                 full_k + stage);
+      arch::mbarrier_wait(empty_v + stage, previous_round);
       fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, d, v_vector, thread,
                                 full_v + stage);
     }
@@ -162,12 +167,20 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       arch::wgmma_commit();
     };
 
+    // A stage's K (or V) is read once this thread's wait covering the wgmma reading it is behind it: one arrival per
+    // warp on its empty barrier, after its lanes' waits (a wgmma's reads land at a waiting thread of the warpgroup).
+    auto release = [&](uint64_t* empty) {
+      __syncwarp();
+      if (lane == 0) arch::mbarrier_arrive(empty);
+    };
+
     // Prologue: S and P of the first block (O is still 0: no correction to apply).
     arch::mbarrier_wait(q_full, 0);
     arch::mbarrier_wait(full_k, 0);
     arch::wgmma_fence();
     issue_s(0);
     arch::wgmma_wait<0>(s);
+    release(empty_k);
     {
       float unused[2];
       softmax(n_range.end - 1, unused);
@@ -180,12 +193,6 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       for (int kk = 0; kk < BlockN / 16; ++kk)
         arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], KVTile::mn_major_desc(v_tile(stage), kk), true);
       arch::wgmma_commit();
-    };
-    // The stage's K and V are read (this thread's wgmma_wait<0> is behind it): one arrival per warp, after its
-    // lanes' waits (a wgmma's reads land at a waiting thread of the warpgroup).
-    auto release = [&](int stage) {
-      __syncwarp();
-      if (lane == 0) arch::mbarrier_arrive(empty + stage);
     };
     // The consumers' turns (ping-pong; round robin with three): a consumer issues its wgmma between waiting for its
     // turn and handing the turn to the next, so one's softmax runs while another's products do. The last consumer
@@ -219,9 +226,10 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       hand_over_turn();
       float correction[2];
       arch::wgmma_wait<1>(s);  // S of the next block; P V still in flight
+      release(empty_k + next_stage);
       softmax(n_block - 1, correction);
       arch::wgmma_wait<0>(acc_o);
-      release(stage);
+      release(empty_v + stage);
 #pragma unroll
       for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] *= correction[fa3::acc_row_step(i) / 8];
       to_p();
@@ -233,7 +241,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     issue_pv(stage, (it / Stages) & 1);
     if (!last_consumer) hand_over_turn();
     arch::wgmma_wait<0>(acc_o);
-    release(stage);
+    release(empty_v + stage);
   }
 
   // Epilogue: O / l into this consumer's 64 rows of the Q buffer, then 16-byte stores. The named barrier first

@@ -100,8 +100,9 @@ struct ForwardTraits {
   static constexpr int kKOffset = kQOffset + QTile::kBytes;
   static constexpr int kVOffset = kKOffset + Stages * KVTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + Stages * KVTile::kBytes;
-  // q_full, then full_k[Stages], full_v[Stages], empty[Stages].
-  static constexpr int kBarriers = 1 + 3 * Stages;
+  // q_full, then full_k[Stages], full_v[Stages], empty_k[Stages], empty_v[Stages] (K is released as soon as S has
+  // read it, V once P V has).
+  static constexpr int kBarriers = 1 + 4 * Stages;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels (wgmma N <= 256)");

@@ -58,9 +58,9 @@ class ForwardTraits:
 
     @property
     def smem_bytes(self) -> int:
-        # 16-bit Q [block_m][D] and K, V [stages][block_n][D], then 1 + 3 stages mbarriers of 8 bytes.
+        # 16-bit Q [block_m][D] and K, V [stages][block_n][D], then 1 + 4 stages mbarriers of 8 bytes.
         tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * _ELEMENT_BYTES
-        return tiles + 8 * (1 + 3 * self.stages)
+        return tiles + 8 * (1 + 4 * self.stages)
 
     def instance(self, dtype: str) -> KernelInstance:
         if dtype not in DTYPES:
