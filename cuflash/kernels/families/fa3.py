@@ -74,8 +74,8 @@ class ForwardTraits:
 
 # The tiles, (causal, non-causal) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and 128 x 176
 # without a mask (208 KB of shared memory with two stages), two consumers; d64 192 x 128 causal, three consumers.
-# FA3's d64 192 x 192 without a mask would hold S (96 floats), P (48) and O (32) per thread within the 160 registers
-# three consumers get: not tried yet, d64 takes 192 x 128 both ways.
+# FA3's d64 192 x 192 without a mask holds S (96 floats), P (48) and O (32) per thread where three consumers get 160
+# registers: NVRTC 13.5 spills 400 bytes and serializes the wgmma (C7512), so d64 takes 192 x 128 both ways.
 FORWARD_CHOICES = {
     64: (ForwardTraits(64, block_m=192, block_n=128), ForwardTraits(64, block_m=192, block_n=128)),
     128: (ForwardTraits(128, block_m=128, block_n=128), ForwardTraits(128, block_m=128, block_n=176)),
