@@ -1,0 +1,292 @@
+// Warp-specialized FlashAttention forward for Hopper (sm_90a): wgmma from swizzled shared memory, a producer
+// warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
+//
+// What it does: out = softmax(scale * Q K^T [causal]) V and lse = logsumexp of the scaled scores, per (batch,
+// query head), for __half and __nv_bfloat16, head dims 1..128 (q, k and v alike) on the next compiled one (64 or
+// 128: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens.
+// Not (yet): head dims above 128 or v's own, windows, softcap/ALiBi, varlen, paged or split KV, dropout: those stay
+// on the mma.sync kernels (fa2_tc_forward.cu).
+//
+// How it partitions work
+//   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
+//           kv head h / (nheads / nheads_k), block_info.cuh).
+//   block = 1 + kConsumers warpgroups of 128 threads (fa3_forward_traits.cuh):
+//     warpgroup 0, the producer (setmaxnreg down to kProducerRegisters): copies Q once and, per visible K/V block
+//       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
+//       with 16-byte global loads into the 128-byte-swizzled layout wgmma reads (fa3::produce_tile: zero rows past
+//       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
+//       a stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
+//     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
+//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); mask (blocks crossing the
+//       causal diagonal or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
+//       row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA); P rounded to 16 bits in registers
+//       as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from the same layout as K, BlockN / 16 k16
+//       steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
+//       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
+//         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
+//         then waits for it, releases K (after the first wait) and V (after the second: one arrival per warp on
+//         the stage's "empty" mbarrier of each), rescales O and
+//         converts P_{j+1} (P's registers are A operands of the wgmma in flight until then);
+//       - ping-pong: the consumers take turns (round robin) to issue their wgmma (named barriers
+//         kSchedulerBarrier + c: a consumer waits for its turn, issues, hands the turn to the next), so one's
+//         softmax runs while another's products do.
+//   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
+//   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
+//   log l from one lane per row.
+//
+// Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
+//   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
+//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B). Registers per consumer
+//   thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4 words.
+//
+// What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
+// rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
+// written once. Rows past the sequence are zero-filled in shared memory, never read. FLOPs: 4 B H Sq Sk d, about
+// half with causal.
+//
+// Rows that see no key write out = 0 and lse = -inf. Requires softmax_scale > 0.
+#include "arch/arch.cuh"
+#include "kernels/fa3_forward_traits.cuh"
+
+namespace cuflash {
+
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
+__global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const AttentionParams p) {
+  static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
+  using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+
+  CUFLASH_DYNAMIC_SMEM(smem);
+  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
+  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0) __trap();
+
+  const int m_block = blockIdx.x;
+  const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
+  const int row0 = m_block * BlockM;
+  if (row0 >= info.seqlen_q(p)) return;  // the whole block, before any barrier
+  const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
+  const MaskPolicy mask = MaskPolicy::of(p, info);
+  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+
+  unsigned char* q_tile = smem + Tr::kQOffset;
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
+  uint64_t* q_full = barriers;
+  uint64_t* full_k = barriers + 1;
+  uint64_t* full_v = full_k + Stages;
+  uint64_t* empty_k = full_v + Stages;
+  uint64_t* empty_v = empty_k + Stages;
+  auto k_tile = [&](int stage) { return smem + Tr::kKOffset + stage * KVTile::kBytes; };
+  auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * KVTile::kBytes; };
+
+  if (threadIdx.x == 0) {
+    arch::mbarrier_init(q_full, fa3::kFullArrivals);
+    for (int s = 0; s < Stages; ++s) {
+      arch::mbarrier_init(full_k + s, fa3::kFullArrivals);
+      arch::mbarrier_init(full_v + s, fa3::kFullArrivals);
+      arch::mbarrier_init(empty_k + s, Tr::kConsumerWarps);  // one arrival per consumer warp
+      arch::mbarrier_init(empty_v + s, Tr::kConsumerWarps);
+    }
+  }
+  __syncthreads();  // every use of the barriers after their init
+
+  // Warp-uniform as ptxas sees it (a shuffle's result), so the role branches are not divergent paths to it.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / fa3::kWarpgroupThreads), 0);
+  const int thread = threadIdx.x % fa3::kWarpgroupThreads;
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    arch::setmaxnreg_dec<Tr::kProducerRegisters>();
+    if (n_range.empty()) return;
+    const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+    const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
+    fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
+                             thread, q_full);
+    const T* k = info.k<T>(p);
+    const T* v = info.v<T>(p);
+    const bool k_vector = fa3::rows_16b_aligned(k, p.k_stride.row);
+    const bool v_vector = fa3::rows_16b_aligned(v, p.v_stride.row);
+    const int seqlen_k = info.seqlen_k(p);
+#pragma unroll 1
+    for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+      const int stage = it % Stages;
+      // The empty phases of the previous round of this stage; on the first round the barrier's phase "before
+      // phase 0" (parity 1) counts as complete, so the waits return at once.
+      const unsigned previous_round = ((it / Stages) & 1) ^ 1;
+      const int key0 = n_block * BlockN;
+      const int keys = min(BlockN, seqlen_k - key0);
+      arch::mbarrier_wait(empty_k + stage, previous_round);
+      fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, d, k_vector, thread,
+                                full_k + stage);
+      arch::mbarrier_wait(empty_v + stage, previous_round);
+      fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, d, v_vector, thread,
+                                full_v + stage);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  arch::setmaxnreg_inc<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = thread / 32;  // in the warpgroup
+  const int lane = thread % 32;
+  const int group_row0 = consumer * 64;  // block-relative first row of this consumer
+  const int first_row = group_row0 + fa3::acc_first_row(warp, lane);  // block-relative, half 0
+
+  float acc_o[Tr::kAccO];
+#pragma unroll
+  for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] = 0.f;
+  // Running max of this thread's two rows in base 2 (m * scale_log2, -inf until the row sees a key) and its part
+  // of the row sums (the quad is summed at the end).
+  float row_max[2] = {neg_inf(), neg_inf()};
+  float row_sum[2] = {0.f, 0.f};
+
+  if (!n_range.empty()) {
+    const float scale_log2 = p.softmax_scale_log2;
+    const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
+    // S of K/V block n_block in s: the element-wise mask where the tile needs it, then the online softmax (s
+    // becomes P in float32); returns O's correction per half (applied by the caller once no P V is in flight).
+    float s[Tr::kAccS];
+    unsigned p_frag[BlockN / 16][4];
+    auto softmax = [&](int n_block, float (&correction)[2]) {
+      const int key0 = n_block * BlockN;
+      if (!unmasked.contains(n_block))
+        fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
+                         key0 + fa3::acc_first_col(lane));
+      fa3::online_softmax<BlockN>(s, row_max, row_sum, scale_log2, correction);
+    };
+    auto to_p = [&] {
+#pragma unroll
+      for (int kk = 0; kk < BlockN / 16; ++kk) fa3::p_fragment<T>(p_frag[kk], s, kk);
+    };
+    auto issue_s = [&](int stage) {
+#pragma unroll
+      for (int step = 0; step < HeadDim / 16; ++step)
+        arch::wgmma<T, BlockN>(s, QTile::k_major_desc(q_tile, group_row0, step),
+                               KVTile::k_major_desc(k_tile(stage), 0, step), step > 0);
+      arch::wgmma_commit();
+    };
+
+    // A stage's K (or V) is read once this thread's wait covering the wgmma reading it is behind it: one arrival per
+    // warp on its empty barrier, after its lanes' waits (a wgmma's reads land at a waiting thread of the warpgroup).
+    auto release = [&](uint64_t* empty) {
+      __syncwarp();
+      if (lane == 0) arch::mbarrier_arrive(empty);
+    };
+
+    // Prologue: S and P of the first block (O is still 0: no correction to apply).
+    arch::mbarrier_wait(q_full, 0);
+    arch::mbarrier_wait(full_k, 0);
+    arch::wgmma_fence();
+    issue_s(0);
+    arch::wgmma_wait<0>(s);
+    release(empty_k);
+    {
+      float unused[2];
+      softmax(n_range.end - 1, unused);
+    }
+    to_p();
+
+    auto issue_pv = [&](int stage, unsigned phase) {
+      arch::mbarrier_wait(full_v + stage, phase);
+#pragma unroll
+      for (int kk = 0; kk < BlockN / 16; ++kk)
+        arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], KVTile::mn_major_desc(v_tile(stage), kk), true);
+      arch::wgmma_commit();
+    };
+    // The consumers' turns (ping-pong; round robin with three): a consumer issues its wgmma between waiting for its
+    // turn and handing the turn to the next, so one's softmax runs while another's products do. The last consumer
+    // hands consumer 0 the first turn, and hands none over after its last block: every barrier instance completes.
+    // One consumer takes no turns.
+    constexpr bool kTurns = Tr::kConsumers > 1;
+    const bool last_consumer = consumer == Tr::kConsumers - 1;
+    auto take_turn = [&] {
+      if constexpr (kTurns) arch::named_barrier_sync(fa3::kSchedulerBarrier + consumer, 2 * fa3::kWarpgroupThreads);
+    };
+    auto hand_over_turn = [&] {
+      if constexpr (kTurns)
+        arch::named_barrier_arrive(fa3::kSchedulerBarrier + (consumer + 1) % Tr::kConsumers,
+                                   2 * fa3::kWarpgroupThreads);
+    };
+    if (last_consumer) hand_over_turn();
+
+    // Each step but the last issues the next block's S and this block's P V back to back, then computes the next
+    // softmax while P V is in flight (intra-warpgroup overlap), then rescales O and converts P once it landed. The
+    // loop has no branch around a wgmma: ptxas serializes wgmma on a path it cannot prove uniform (C7519).
+    int it = 0;
+#pragma unroll 1
+    for (int n_block = n_range.end - 1; n_block > n_range.begin; --n_block, ++it) {
+      const int stage = it % Stages;
+      const int next_stage = (it + 1) % Stages;
+      take_turn();
+      arch::wgmma_fence();  // s was read into P and O rescaled since the last wgmma
+      arch::mbarrier_wait(full_k + next_stage, ((it + 1) / Stages) & 1);
+      issue_s(next_stage);
+      issue_pv(stage, (it / Stages) & 1);
+      hand_over_turn();
+      float correction[2];
+      arch::wgmma_wait<1>(s);  // S of the next block; P V still in flight
+      release(empty_k + next_stage);
+      softmax(n_block - 1, correction);
+      arch::wgmma_wait<0>(acc_o);
+      release(empty_v + stage);
+#pragma unroll
+      for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] *= correction[fa3::acc_row_step(i) / 8];
+      to_p();
+    }
+    // The last block: P V alone.
+    const int stage = it % Stages;
+    take_turn();
+    arch::wgmma_fence();
+    issue_pv(stage, (it / Stages) & 1);
+    if (!last_consumer) hand_over_turn();
+    arch::wgmma_wait<0>(acc_o);
+    release(empty_v + stage);
+  }
+
+  // Epilogue: O / l into this consumer's 64 rows of the Q buffer, then 16-byte stores. The named barrier first
+  // orders the stores after every read of those rows by this warpgroup's wgmma (their reads land at one waiting
+  // thread), then publishes the staged rows to the warpgroup's 128 threads.
+  const unsigned named_barrier = fa3::kEpilogueBarrier + consumer;
+  T* out = info.out<T>(p) + row0 * p.out_stride.row;
+  float* lse = p.lse + info.row_stats_offset(p);
+  arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = fa3::quad_sum(row_sum[half]);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const int row = first_row + 8 * half;
+#pragma unroll
+    for (int j = 0; j < HeadDim / 8; ++j) {
+      const int i = 4 * j + 2 * half;
+      *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa3::acc_first_col(lane) + 8 * j)) =
+          arch::pack_float2<T>(acc_o[i] * inv_l, acc_o[i + 1] * inv_l);
+    }
+    if (lane % 4 == 0 && row < block_rows)
+      arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf());
+  }
+  arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
+  const bool vector = fa3::rows_16b_aligned(out, p.out_stride.row);
+#pragma unroll 1
+  for (int c = thread; c < 64 * QTile::kChunksPerRow; c += fa3::kWarpgroupThreads) {
+    const int row = group_row0 + c / QTile::kChunksPerRow;
+    const int chunk = c % QTile::kChunksPerRow;
+    if (row >= block_rows) break;  // rows grow with c
+    const int valid = max(0, min(fa3::kChunkElems, p.headdim - chunk * fa3::kChunkElems));  // columns of out
+    if (valid == 0) continue;
+    const uint4 packed = *reinterpret_cast<const uint4*>(q_tile + QTile::chunk_offset(row, chunk));
+    T* to = out + row * p.out_stride.row + chunk * fa3::kChunkElems;
+    if (vector && valid == fa3::kChunkElems) {
+      arch::store(reinterpret_cast<uint4*>(to), packed);
+    } else {
+      const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int e = 0; e < fa3::kChunkElems; ++e)  // unrolled: words[] stays in registers
+        if (e < valid)
+          arch::store(reinterpret_cast<unsigned short*>(to) + e,
+                      static_cast<unsigned short>(words[e / 2] >> (16 * (e % 2))));
+    }
+  }
+}
+
+}  // namespace cuflash

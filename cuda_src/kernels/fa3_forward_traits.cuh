@@ -1,0 +1,256 @@
+// fa3_forward_traits.cuh: the tile traits and building blocks of the warp-specialized Hopper forward
+// (fa3_forward.cu): the shared-memory layout wgmma reads, the producer's copy into it, the descriptors of
+// each product, the wgmma accumulator layout and the P fragment taken from it.
+//
+// Shared-memory layout (WgmmaTile). wgmma reads a K-major 16-bit operand with the 128-byte swizzle as rows
+// of 128 bytes (64 elements) in atoms of 8 rows (1024 bytes), the 16-byte chunk c of row r stored at chunk
+// c ^ (r % 8) of its row: the swizzle acts on address bits, so each tile starts on a 1024-byte boundary.
+// A tile of D = 64 P columns is P such panels one after the other (panel p: columns 64 p .. 64 p + 63 of
+// every row, Rows x 128 bytes). This is the layout a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a box of
+// 64 columns writes, so the producer's copy can become one TMA load per panel without touching the readers.
+//   Q K^T (SS, both K-major): A = 64 query rows, B = BlockN key rows, one descriptor per k16 step: the panel
+//     of the step, the first row, 32 bytes per step inside the panel; SBO 1024 (8-row groups), LBO unused.
+//   P V (RS): B = V, whose reduction index (the key) is its row: V is N-major for this product. It is read
+//     with the transposed (MN-major) form rather than stored transposed: the ISA's MN-major 128-byte layout is
+//     lines of 64 N-elements, one line per k, 8 lines per 1024-byte atom, the next 64 N LBO bytes on and the
+//     next 8 k SBO bytes on; V's panels as stored are exactly that (line = key row, LBO = the panel size,
+//     SBO = 1024), so K and V share one layout and one copy (a TMA load can write both), and no pass
+//     transposes V through registers or a second buffer.
+//
+// Accumulator layout (wgmma m64nNk16, f32; thread t of the warpgroup: warp w = t / 32, lane l = t % 32):
+// register i holds row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2. So each thread
+// holds two rows (half 0 and 1) and a row's BlockN scores are spread over the 4 lanes of a quad.
+// P as wgmma_rs's A fragment: warp w supplies rows 16 w .. 16 w + 15 of A in mma.m16n8k16's A layout
+// (lane = 4 g + q: a0 = A[g][2q, 2q+1], a1 = A[g+8][2q..], a2 = A[g][2q+8..], a3 = A[g+8][2q+8..]); for the
+// k16 step kk (keys 16 kk ..) that is S's registers 8 kk + {0,1}, {2,3}, {4,5}, {6,7} (n8 tiles 2 kk and
+// 2 kk + 1, halves 0 and 1): the accumulator converts in place, P never goes through shared memory.
+//
+// Everything lives in namespace cuflash::fa3.
+#pragma once
+
+#include "arch/arch.cuh"
+#include "common/block_info.cuh"
+#include "common/kernel_utils.cuh"
+#include "common/mask.cuh"
+
+namespace cuflash {
+namespace fa3 {
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kChunkElems = 8;     // 16-bit elements per 16-byte chunk
+constexpr int kPanelCols = 64;     // 16-bit elements per 128-byte swizzled line
+constexpr int kSwizzleAtomBytes = 1024;
+
+template <int Rows, int Cols>
+struct WgmmaTile {
+  static_assert(Rows % 8 == 0 && Cols % kPanelCols == 0, "whole 8-row atoms and 64-column panels");
+  static constexpr int kRows = Rows;
+  static constexpr int kCols = Cols;
+  static constexpr int kChunksPerRow = Cols / kChunkElems;
+  static constexpr int kPanelBytes = Rows * 128;
+  static constexpr int kBytes = Rows * Cols * 2;
+
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    return (chunk / 8) * kPanelBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+  }
+  // Byte offset of element (row, col), col even: the pair col, col + 1 stays in one chunk.
+  __device__ __forceinline__ static int element_offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
+  }
+  // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step `step` (columns 16 step ..).
+  __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, int step) {
+    return arch::wgmma_desc<128>(tile + (step / 4) * kPanelBytes + first_row * 128 + (step % 4) * 32, 16,
+                                 kSwizzleAtomBytes);
+  }
+  // MN-major descriptor of rows 16 step .. 16 step + 15 as the k16 step of a B operand whose N runs along the
+  // columns (V in P V): 16 rows are two 1024-byte atoms, so every step starts on an atom boundary.
+  __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, int step) {
+    return arch::wgmma_desc<128>(tile + step * 16 * 128, kPanelBytes, kSwizzleAtomBytes);
+  }
+};
+
+// The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
+// ring of Stages buffers.
+template <int HeadDim, int BlockM, int BlockN, int Stages>
+struct ForwardTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kStages = Stages;
+  static constexpr int kConsumers = BlockM / 64;  // each owns 64 query rows: one wgmma M
+  static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
+  // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
+  // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
+  // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
+  // each, FA3's split there; a TMA producer needs 24).
+  static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
+  static constexpr int kConsumerRegisters =
+      ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
+          ? 240
+          : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
+  static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
+  static constexpr int kAccO = HeadDim / 2;
+
+  using QTile = WgmmaTile<BlockM, HeadDim>;
+  using KVTile = WgmmaTile<BlockN, HeadDim>;
+  // Tiles first, each on a 1024-byte boundary (the swizzle's period), then the mbarriers (8 bytes each).
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + Stages * KVTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + Stages * KVTile::kBytes;
+  // q_full, then full_k[Stages], full_v[Stages], empty_k[Stages], empty_v[Stages] (K is released as soon as S has
+  // read it, V once P V has).
+  static constexpr int kBarriers = 1 + 4 * Stages;
+  static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
+
+  static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels (wgmma N <= 256)");
+  static_assert(BlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 rows");
+  static_assert(BlockN % 16 == 0 && BlockN <= 256, "keys in k16 steps, S's N at most 256");
+  static_assert(QTile::kBytes % kSwizzleAtomBytes == 0 && KVTile::kBytes % kSwizzleAtomBytes == 0,
+                "tiles stay on swizzle-atom boundaries");
+  static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
+};
+
+// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's, k's and v's head
+// dim one value in 1 .. kHeadDim (the plan sends a head dim to the next compiled one; the columns past it are
+// zero-filled in shared memory, so they add nothing to S and give O columns that are never written).
+template <class Tr>
+__device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
+  return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > Tr::kHeadDim || p.headdim < 1 ||
+         p.headdim_v != p.headdim;
+}
+
+// ---- the producer ---------------------------------------------------------------------------------------
+// How many arrivals complete a "full" phase: each of the producer's threads arrives once its own stores are
+// fenced for the async proxy. (A TMA producer: one elected thread's arrive_expect_tx, the copy's bytes complete
+// the phase; this constant and produce_tile are all that change.)
+constexpr int kFullArrivals = kWarpgroupThreads;
+
+// tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block of global rows `row_stride`
+// elements apart, zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite scores the mask
+// hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S).
+// Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector:
+// whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element
+// loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
+// (fence.proxy.async) and arrives on `full`.
+template <class Tile, class T>
+__device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+                                             int cols, bool vector, int thread, uint64_t* full) {
+  static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
+  constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+#pragma unroll 1
+  for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
+    const int row = c / Tile::kChunksPerRow;
+    const int chunk = c % Tile::kChunksPerRow;
+    const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
+    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+    const T* from = src + row * row_stride + chunk * kChunkElems;
+    if (vector && valid == kChunkElems) {
+      packed = arch::load(reinterpret_cast<const uint4*>(from));
+    } else if (valid > 0) {
+      const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
+      unsigned w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
+        const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
+        w[i] = lo | (hi << 16);
+      }
+      packed = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
+  }
+  arch::fence_proxy_async();
+  arch::mbarrier_arrive(full);
+}
+
+template <class T>
+__device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_stride) {
+  return (reinterpret_cast<unsigned long long>(base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0;
+}
+
+// ---- the consumers' accumulator layout -----------------------------------------------------------------
+// Row and column offsets of accumulator register i from the thread's first (row 16 w + l / 4, column 2 (l % 4)).
+__device__ __forceinline__ constexpr int acc_row_step(int i) { return 8 * ((i / 2) % 2); }
+__device__ __forceinline__ constexpr int acc_col_step(int i) { return 8 * (i / 4) + i % 2; }
+__device__ __forceinline__ int acc_first_row(int warp_in_group, int lane) { return 16 * warp_in_group + lane / 4; }
+__device__ __forceinline__ int acc_first_col(int lane) { return 2 * (lane % 4); }
+
+// k16 step kk of P (S rounded to T) as wgmma_rs's A fragment (see the opening comment).
+template <class T, int N>
+__device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N], int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) a[r] = arch::pack_float2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+// The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become -inf. The
+// lane's limits come from mask.cuh (LaneTileMask); each register's offsets are compile-time constants.
+template <Edge E, int N>
+__device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (!lane.keeps<E>(acc_row_step(i), acc_col_step(i))) s[i] = neg_inf();
+}
+// One pass per edge the tile crosses, each behind a block-uniform test (a select per score, no branch).
+template <int N>
+__device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mask, TileEdges edges, int first_row,
+                                            int first_key) {
+  const LaneTileMask lane = mask.lane_tile(first_row, first_key);
+  if (edges.right) mask_edge<Edge::kRight>(s, lane);
+  if (edges.left) mask_edge<Edge::kLeft>(s, lane);
+  if (edges.end) mask_edge<Edge::kEnd>(s, lane);
+}
+
+// Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
+// the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
+// 128 arrive). Up to 3 consumers: ids 1..6.
+constexpr unsigned kEpilogueBarrier = 1;
+constexpr unsigned kSchedulerBarrier = 4;
+
+// Reductions over the 4 lanes of a quad (one accumulator row between them), in a fixed order.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// One block's online softmax on a warpgroup's S accumulator (BlockN scores per row; this thread's two rows are
+// halves 0 and 1), base 2 with the scale folded into the exponent's FMA (as fa2_tc_forward.cu): s becomes
+// P = exp2(s scale_log2 - m) in float32, row_max and row_sum (this thread's part of l) move on, and
+// correction[half] is the factor O must take (exp2(m_old - m_new); 0 while the row had seen no key).
+template <int BlockN>
+__device__ __forceinline__ void online_softmax(float (&s)[BlockN / 2], float (&row_max)[2], float (&row_sum)[2],
+                                               float scale_log2, float (&correction)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float block_max = neg_inf();
+#pragma unroll
+    for (int j = 0; j < BlockN / 8; ++j)
+      block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    block_max = quad_max(block_max);
+    const float old_max = row_max[half];
+    const float new_max = fmaxf(old_max, block_max * scale_log2);  // rounding is monotonic: max commutes
+    row_max[half] = new_max;
+    // A row with no visible key so far keeps -inf: offset 0, so p = exp2(-inf) = 0 (never -inf - -inf).
+    const float max_scaled = new_max == neg_inf() ? 0.f : new_max;
+    correction[half] = old_max == neg_inf() ? 0.f : arch::exp2_approx(old_max - max_scaled);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < BlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * half + e];
+        x = arch::exp2_approx(fmaf(x, scale_log2, -max_scaled));
+        sum += x;
+      }
+    row_sum[half] = fmaf(row_sum[half], correction[half], sum);
+  }
+}
+
+}  // namespace fa3
+}  // namespace cuflash

@@ -1,0 +1,123 @@
+"""The warp-specialized Hopper forward (FlashAttention-3's structure): the fa2 forward's wgmma twin for sm_90a.
+
+Kernel: ``cuda_src/kernels/fa3_forward.cu`` (its opening comment gives the warp roles, the pipeline and the traffic,
+which is the FA2 forward's for the same tiles: ``fa2.forward_traffic_of_tiles``); tiles, shared-memory layout and the
+producer's copy in ``fa3_forward_traits.cuh``.
+
+Program: one launch, ``fa3_forward_kernel`` over (Q blocks, nheads, batch), 1 producer + block_m / 64 consumer
+warpgroups; writes out and lse.
+
+Not in the catalog yet (issue 31, item 2, first steps): no plan picks it; ``forward_program`` builds its Program
+directly for the problems ``supports`` accepts, and tests/test_fa3_forward.py runs it on the simulator targeting
+sm_90. It serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; everything
+else stays on the mma.sync kernels (fa2_tc).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, ceil_div
+from ..targets import Target
+from . import fa2
+
+SOURCE = "kernels/fa3_forward.cu"
+DTYPES = ("float16", "bfloat16")
+ARCHS = ("sm_90", "sm_90a")  # wgmma and setmaxnreg exist only in sm_90a code
+_ELEMENT_BYTES = 2
+_WARPGROUP_THREADS = 128
+
+
+@dataclass(frozen=True)
+class ForwardTraits:
+    """fa3::ForwardTraits: a (block_m x block_n) tile at ``head_dim``, block_m / 64 consumer warpgroups, K/V in a
+    ring of ``stages`` buffers."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
+            raise ValueError(f"{self}: head dims of whole 64-column panels up to 256")
+        if self.block_m % 64 or not 1 <= self.block_m // 64 <= 3:
+            raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 rows")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
+        if self.stages < 2:
+            raise ValueError(f"{self}: at least 2 K/V stages")
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return (1 + self.consumers) * _WARPGROUP_THREADS
+
+    @property
+    def smem_bytes(self) -> int:
+        # 16-bit Q [block_m][D] and K, V [stages][block_n][D], then 1 + 4 stages mbarriers of 8 bytes.
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * _ELEMENT_BYTES
+        return tiles + 8 * (1 + 4 * self.stages)
+
+    def instance(self, dtype: str) -> KernelInstance:
+        if dtype not in DTYPES:
+            raise ValueError(f"fa3_forward_kernel takes {DTYPES}, got {dtype!r}")
+        return KernelInstance(
+            SOURCE,
+            f"cuflash::fa3_forward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.stages}>",
+        )
+
+
+# The tiles, (causal, non-causal) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and 128 x 176
+# without a mask (208 KB of shared memory with two stages), two consumers; d64 192 x 128 causal, three consumers.
+# FA3's d64 192 x 192 without a mask holds S (96 floats), P (48) and O (32) per thread where three consumers get 160
+# registers: NVRTC 13.5 spills 400 bytes and serializes the wgmma (C7512), so d64 takes 192 x 128 both ways.
+FORWARD_CHOICES = {
+    64: (ForwardTraits(64, block_m=192, block_n=128), ForwardTraits(64, block_m=192, block_n=128)),
+    128: (ForwardTraits(128, block_m=128, block_n=128), ForwardTraits(128, block_m=128, block_n=176)),
+}
+HEAD_DIMS = tuple(FORWARD_CHOICES)
+
+
+def compiled_head_dim(headdim: int) -> int:
+    """The smallest compiled head dim >= headdim (the kernel zero-fills the columns past it)."""
+    return min(d for d in HEAD_DIMS if d >= headdim)
+
+
+def supports(problem: Problem, target: Target) -> bool:
+    """Whether this kernel computes ``problem``'s forward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
+    and v, no mask or causal (window (-1, -1) or (-1, 0)), and no other option."""
+    mask = problem.mask
+    return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= HEAD_DIMS[-1]
+            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
+
+
+def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
+    if not supports(problem, target):
+        raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
+    causal_choice, full_choice = FORWARD_CHOICES[compiled_head_dim(problem.headdim)]
+    traits = full_choice if problem.mask.window_right < 0 else causal_choice
+    assert traits.smem_bytes <= target.smem_per_block_bytes
+    return traits
+
+
+def instances() -> list[KernelInstance]:
+    tiles = dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in choices)  # distinct, in order
+    return [traits.instance(dtype) for dtype in DTYPES for traits in tiles]
+
+
+def forward_program(problem: Problem, target: Target) -> Program:
+    traits = forward_traits(problem, target)
+    grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
+    launch = LaunchPlan(traits.instance(problem.dtype), fa2.check_grid(grid), (traits.threads, 1, 1),
+                        traits.smem_bytes)
+    return Program(launches=(launch,))
+
+
+def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
+    traits = forward_traits(problem, target)
+    return fa2.forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)

@@ -1,0 +1,187 @@
+"""The warp-specialized Hopper forward (cuda_src/kernels/fa3_forward.cu, cuflash/kernels/families/fa3.py) on the
+simulator targeting sm_90, and compiled by NVRTC for sm_90a.
+
+* Against the float64 reference with FlashAttention's rule (test_fa2._check_forward): float16 and bfloat16, head
+  dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128, 300/129:
+  rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+* Race mode clean on one case per tile (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
+  of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
+  seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
+* Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
+  setmaxnreg on both roles within the SM's registers, no spills, no wgmma serialized by ptxas, the step's two
+  commit groups and two waits.
+* Every tile under AddressSanitizer (one case each); no shared-memory bank conflicts (profile mode).
+* Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
+* Which problems the kernel serves (fa3.supports).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from cuflash import sim
+from cuflash.backends.program import run_program
+from cuflash.backends.simulator import SimulatorBackend
+from cuflash.kernels import nvrtc
+from cuflash.kernels.families import fa3
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+from cuflash.mask import Mask
+from test_fa2 import _check_forward, _inputs, _launch_traffic, _problem
+
+SM90 = target("sm_90")
+SEQLENS = ((1, 1), (77, 200), (128, 128), (300, 129), (70, 700))  # the last: 6 K/V blocks, 3 rounds of the ring
+HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA (nheads, nheads_k)
+
+
+def _run(q, k, v, causal):
+    backend = SimulatorBackend()
+    problem = _problem(q, k, causal)
+    out = backend.empty(q.shape, q.dtype)
+    lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
+    program = fa3.forward_program(problem, SM90)
+    with sim.targeting("sm_90"), sim.record() as records:
+        run_program(backend, program, problem, 1.0 / math.sqrt(problem.headdim),
+                    {"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    assert [r.kernel.split("<")[0] for r in records.launches] == ["cuflash::fa3_forward_kernel"]
+    return out, lse, records
+
+
+def _cases():
+    cases = []
+    for d in fa3.HEAD_DIMS:
+        for dtype in fa3.DTYPES:
+            for causal in (False, True):
+                for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
+                    nheads, nheads_k = HEADS[(i + causal) % len(HEADS)]
+                    shape = (1 if i % 2 else 2, seqlen_q, seqlen_k, nheads, nheads_k, d)
+                    cases.append(pytest.param(shape, dtype, causal,
+                                              id=f"d{d}-{dtype}-{'causal' if causal else 'full'}-{seqlen_q}x{seqlen_k}"
+                                                 f"-h{nheads}k{nheads_k}"))
+    return cases
+
+
+@pytest.mark.parametrize("shape, dtype, causal", _cases())
+def test_forward_matches_reference(shape, dtype, causal):
+    q, k, v, _ = _inputs(shape, dtype, seed=31)
+    out, lse, _ = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+
+
+# Head dims between the compiled ones run on the next (64 or 128), the columns past them zero-filled: whole chunks
+# (40), a chunk the head dim cuts (100, 127: element loads and stores), a single column.
+@pytest.mark.parametrize("head_dim, dtype, causal, seqlens", [(40, "float16", True, (77, 200)),
+                                                              (100, "bfloat16", False, (300, 129)),
+                                                              (127, "bfloat16", True, (70, 700)),
+                                                              (1, "float16", False, (128, 128))])
+def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
+    q, k, v, _ = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=33)
+    out, lse, records = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+    assert _launch_traffic(records) == [tuple(fa3.forward_traffic(_problem(q, k, causal), SM90))]
+
+
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", True),
+                                                     (128, "float16", False)])
+def test_race_free_reproducible_and_on_formula(head_dim, dtype, causal):
+    """Every instance's tile (d128 non-causal is FA3's 128 x 176): ragged Q and K/V blocks with GQA, two or three K/V
+    blocks through the 2-stage ring (a stage refilled), both consumers, rows without a key where causal."""
+    q, k, v, _ = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=32)
+    with sim.checking("race"):
+        out, lse, records = _run(q, k, v, causal)
+    _check_forward(q, k, v, out, lse, causal, None)
+    problem = _problem(q, k, causal)
+    assert _launch_traffic(records) == [tuple(fa3.forward_traffic(problem, SM90))]
+    for seed in (1, 2):
+        with sim.copy_landing(seed):
+            again, again_lse, _ = _run(q, k, v, causal)
+        assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
+        assert np.array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
+
+
+def _every_tile_under_asan():
+    results = []
+    for head_dim, causal in ((64, True), (128, True), (128, False)):
+        q, k, v, _ = _inputs((1, 200, 300, 4, 2, head_dim), "bfloat16", seed=34)
+        results.append((q, k, v, causal, *_run(q, k, v, causal)[:2]))
+    return results
+
+
+def test_every_tile_clean_under_asan():
+    """Shared memory is allocated with exactly the planned bytes: a tile, descriptor or mbarrier past the layout, or
+    a global access past a ragged block, is reported."""
+    for q, k, v, causal, out, lse in sim.run_in_asan_subprocess(_every_tile_under_asan, timeout=600):
+        _check_forward(q, k, v, out, lse, causal, None)
+
+
+def test_no_bank_conflicts():
+    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the epilogue's 4-byte pairs (8 rows, each
+    at its own chunk position) and 16-byte reads, at their ideal wavefront counts on both head dims' tiles. (The
+    profile does not count wgmma's operand reads.)"""
+    for head_dim, causal in ((64, True), (128, False)):
+        q, k, v, _ = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=23)
+        with sim.checking("profile"):
+            _, _, records = _run(q, k, v, causal)
+        (launch,) = records.launches
+        assert {site.kind for site in launch.shared_access_sites} == {"store", "load"}
+        for site in launch.shared_access_sites:
+            assert site.excess == 0, (launch.kernel, site)
+
+
+def test_serves_only_its_problems():
+    def problem(**kw):
+        fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
+        return Problem(**{**fields, **kw})
+
+    assert fa3.supports(problem(), SM90) and fa3.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
+    assert fa3.supports(problem(headdim=64), target("sm_90a")) and fa3.supports(problem(headdim=96), SM90)
+    for other in (problem(headdim=160), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
+                  problem(softcap=5.0), problem(dropout_p=0.1), problem(headdim=128, headdim_v=64)):
+        assert not fa3.supports(other, SM90)
+    assert not fa3.supports(problem(), target("sm_80"))
+    with pytest.raises(ValueError):
+        fa3.forward_program(problem(headdim=160), SM90)
+
+
+# What ptxas gives every instance (NVRTC 13.5, sm_90a): at most the launch count of __launch_bounds__(threads, 1), no
+# spills.
+def _launch_registers(threads):
+    return 65536 // threads // 8 * 8
+
+
+def test_compiles_for_sm90a_with_hgmma_and_no_spills():
+    compiled = nvrtc.compile_many(fa3.instances(), ["sm_90a"], jobs=1, return_errors=True)
+    for result in compiled:
+        assert not isinstance(result, nvrtc.CompileError), str(result)
+        name = result.instance.name_expr
+        traits = next(t for choices in fa3.FORWARD_CHOICES.values() for t in choices
+                      if f", {t.head_dim}, {t.block_m}, {t.block_n}," in name)
+        res = result.resources
+        assert res.registers <= _launch_registers(traits.threads), (name, res)
+        assert res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
+        assert traits.smem_bytes <= SM90.smem_per_block_bytes
+        sass = nvrtc.dump_sass(result)
+        assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra"
+        bf16 = r"\.BF16" if "bfloat16" in name else ""
+        # S = Q K^T: both operands from descriptors; O += P V: P from registers, V N-major (.tnspB).
+        assert re.search(rf"\bHGMMA\.64x{traits.block_n}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]", sass), name
+        assert re.search(rf"\bHGMMA\.64x{traits.head_dim}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
+        # setmaxnreg: the producer gives registers back, the consumers take them, within the SM's 64 K.
+        (consumer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)\b", sass)}
+        (producer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)\b", sass)}
+        assert producer <= 40 and consumer > res.registers, name
+        assert 128 * (producer + traits.consumers * consumer) <= 65536, name
+        # ptxas neither serialized the wgmma (C7519) nor inserted waits of its own (C7517).
+        assert "C7519" not in result.log and "C7517" not in result.log, result.log
+        # Intra-warpgroup overlap, as issued: the steady-state step issues the next S (SS) and this P V (RS, V
+        # transposed) back to back, then waits leaving one group (P V) in flight, then waits for it. (What ptxas
+        # schedules between the two waits is its choice: NVRTC 13.5 keeps the mask's selects there and sinks the
+        # softmax's max and exponentials past the second wait.)
+        steps = re.findall(r"HGMMA\.64x\d+x16[^;]*gdesc\[UR\d+\], R\d+, gsb0 ;.*?"
+                           r"HGMMA\.64x\d+x16[^;]*\.tnspB, R\d+, gsb0 ;.*?"
+                           r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1 ;.*?WARPGROUP\.DEPBAR\.LE gsb0, 0x0 ;", sass, re.S)
+        assert len(steps) == 1, name
