@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from . import _validation as V
 from ._dlpack import immutable_array_type
 from .backends.simulator import SimulatorBackend
 
@@ -89,10 +88,12 @@ class Placement:
         """Refuse, naming the argument, an array that arrived read-only among ``names`` (what ``written_by``
         writes in place); ``instead`` says what to call instead. Called before anything is written."""
         read_only = self.read_only
-        if read_only is None:
-            read_only = {name: not a.flags.writeable for name, a in zip(self.names, self.arrays)}
         for name in names:
-            if read_only.get(name, False):
+            if read_only is not None:
+                refused = read_only.get(name, False)
+            else:  # NumPy arrays only: their flags, read for the names asked
+                refused = name in self.names and not self.arrays[self.names.index(name)].flags.writeable
+            if refused:
                 raise ValueError(f"{name} is read-only ({written_by} writes it in place); pass a writable array, "
                                  f"or {instead}")
 
@@ -169,10 +170,6 @@ def ascontiguous(array: Any) -> Any:
     import cupy
 
     return cupy.ascontiguousarray(array)
-
-
-def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
 
 
 def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any = None,

@@ -29,6 +29,7 @@ class CupyBackend:
 
         self._cupy = cupy
         self.xp = cupy  # the array module of the backend's arrays
+        self.synchronous = False  # launches are queued on the current stream
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
         # Plans respect the device's opt-in shared memory limit and plan splits for its SMs.
