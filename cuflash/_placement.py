@@ -105,7 +105,9 @@ class Placement:
         strides and dtype, and where the call runs (its GPU, or the target the simulator stands in for at this
         moment, cuflash.sim.targeting). Never data or addresses: those change between calls of equal signatures."""
         arrays = tuple([(type(a), a.shape, a.strides, a.dtype) for a in self.arrays])
-        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target)
+        # The simulator's target by its arch name: each is the table's Target of its arch (targets.target), and a
+        # name hashes in C where a Target (a dataclass) hashes in Python, on every lookup of every call.
+        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target.arch)
 
     def results(self, *results: Any) -> tuple[Any, ...]:
         """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA
