@@ -28,7 +28,7 @@ class Placement:
     """Which backend runs the call, and how to hand results back in the caller's array type."""
 
     def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
-        if {type(a) for a in arrays} == _NUMPY_ONLY:
+        if set(map(type, arrays)) == _NUMPY_ONLY:
             # Every array a NumPy array (the simulator's case): what the general path below concludes for them,
             # without its per-array dispatch.
             self.names = names

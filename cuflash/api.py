@@ -244,12 +244,13 @@ class VarlenInputs:
         self.seqused_q, self.seqused_k = seqused_q, seqused_k
 
     def side_inputs(self, backend: Any) -> dict[str, Any]:
-        inputs = {"cu_seqlens_q": backend.upload(_int32_words(self.cu_seqlens_q)),
-                  "cu_seqlens_k": backend.upload(_int32_words(self.cu_seqlens_k))}
+        # Checked host copies are int32 and C-contiguous: their words are a view (_int32_words without its checks).
+        inputs = {"cu_seqlens_q": backend.upload(self.cu_seqlens_q.view(np.float32)),
+                  "cu_seqlens_k": backend.upload(self.cu_seqlens_k.view(np.float32))}
         if self.seqused_q is not None:
-            inputs["seqused_q"] = backend.upload(_int32_words(self.seqused_q))
+            inputs["seqused_q"] = backend.upload(self.seqused_q.view(np.float32))
         if self.seqused_k is not None:
-            inputs["seqused_k"] = backend.upload(_int32_words(self.seqused_k))
+            inputs["seqused_k"] = backend.upload(self.seqused_k.view(np.float32))
         return inputs
 
     def unused_rows(self, side: str) -> np.ndarray | None:
@@ -782,16 +783,19 @@ def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, tabl
     library."""
     batch, seqlen_new = k.shape[:2]
     if batch <= _SLICED_APPEND_MAX and seqlen_new <= _SLICED_APPEND_MAX:
-        page_size = k_cache.shape[1] if table is not None else 0
+        if table is None:  # a sequence's rows are one slice of its cache row
+            for b, start in enumerate(starts.tolist()):
+                outer = b if cache_rows is None else int(cache_rows[b])
+                k_cache[outer, start:start + seqlen_new] = k[b]
+                v_cache[outer, start:start + seqlen_new] = v[b]
+            return
+        page_size = k_cache.shape[1]
         for b, start in enumerate(starts.tolist()):
             i = 0
-            while i < seqlen_new:
+            while i < seqlen_new:  # a slice per page the rows reach
                 row = start + i
-                if page_size:
-                    outer, row, count = int(table[b, row // page_size]), row % page_size, page_size - row % page_size
-                else:
-                    outer, count = (b if cache_rows is None else int(cache_rows[b])), seqlen_new
-                count = min(count, seqlen_new - i)
+                outer, row = int(table[b, row // page_size]), row % page_size
+                count = min(page_size - row, seqlen_new - i)
                 k_cache[outer, row:row + count] = k[b, i:i + count]
                 v_cache[outer, row:row + count] = v[b, i:i + count]
                 i += count

@@ -44,7 +44,9 @@ class ArrayBackend(Protocol):
         gives (synchronous backends only)."""
 
     def upload(self, host: np.ndarray) -> Any:
-        """A device copy of a small host array (side inputs made by the API, such as dropout's seed words)."""
+        """A small host array on the backend's device: side inputs the API made for this call (dropout's seed words,
+        checked host copies of cu_seqlens ...), which nothing else holds or writes (the simulator, whose device is
+        the host, takes them as they are)."""
 
     def address(self, array: Any) -> int: ...
 

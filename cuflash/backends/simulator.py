@@ -68,7 +68,7 @@ class SimulatorBackend:
         return np.ndarray(shape, dtype, raw, start)
 
     def upload(self, host: np.ndarray) -> np.ndarray:
-        return np.array(host, copy=True)
+        return host  # already on the simulator's device, and the API's own (ArrayBackend.upload)
 
     def address(self, array: np.ndarray) -> int:
         if array.flags.c_contiguous:
