@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 from typing import Any, Callable, Hashable
 
@@ -27,7 +28,7 @@ from . import _validation as V
 from . import rotary
 from .sinks import sink_gradient, sink_logits_by_row
 from ._placement import Placement, ascontiguous, host_copy, place
-from .backends.program import PreparedProgram
+from .backends.program import SPARE_SCRATCH_BYTES, PreparedProgram
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
 from .kernels.params import VALUE_WIDTH_TENSORS
@@ -122,6 +123,9 @@ class Plan:
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
         self.programs: ChunkPrograms | None = None  # (start, stop, program) per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
+        # The lse of finished calls that did not return it, for the next such call on a synchronous backend
+        # (_run_forward), while it is no larger than the scratch a program keeps (SPARE_SCRATCH_BYTES).
+        self.spare_lse: list[Any] | None = [] if 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES else None
 
 
 class Prepared:
@@ -323,9 +327,22 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
     the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
     problem = plan.problem
+    # A call that does not return its lse takes, on a synchronous backend, one an earlier such call of its plan
+    # left, renewed as PreparedProgram.launch renews scratch: no caller holds it, no kernel still reads it. Popped
+    # for the call and pushed back after it, so concurrent calls never share one.
+    spare = plan.spare_lse if backend.synchronous and not prepared.return_lse else None
     with backend.device():
         out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)  # v's head dim
-        lse = backend.empty(plan.row_stats_shape, np.float32)
+        lse = None
+        if spare:
+            try:
+                lse = spare.pop()
+            except IndexError:  # another thread took the last one since the test
+                pass
+        if lse is None:
+            lse = backend.empty(plan.row_stats_shape, np.float32)
+        else:
+            backend.renew_scratch(lse, False)
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
@@ -344,6 +361,8 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 rows = backend.upload(unused_q)
                 out[rows] = 0
                 lse[:, rows] = -np.inf
+    if spare is not None:
+        spare.append(lse)
     return placement.results(out, lse)
 
 

@@ -320,6 +320,31 @@ def test_a_forward_allocates_its_scratch_anew_where_reuse_is_unsafe_or_too_large
     assert all(a is not b and not np.shares_memory(a, b) for (a, _), (b, _) in zip(first, second))
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_an_lse_the_caller_does_not_get_is_reused_and_one_it_gets_never(return_lse, monkeypatch):
+    """A forward's lse is reused by the next call of its plan on the simulator only when no caller got it
+    (return_lse=False), renewed to NaN bytes; a returned lse keeps its values through later calls."""
+    from cuflash.backends.simulator import SimulatorBackend
+
+    seen = []
+    monkeypatch.setattr(SimulatorBackend, "launch", lambda self, plan, params, buffers: seen.extend(
+        b for b in buffers if b.dtype == np.float32))  # float16 inputs, one unsplit launch: the lse alone
+    q, k, v = _qkv(np.random.default_rng(14), dtype=np.float16)
+    results, launched = [], []
+    for _ in range(2):
+        seen.clear()
+        results.append(cuflash.attention(q, k, v, return_lse=return_lse))
+        (lse,) = seen
+        assert (lse.view(np.uint8) == 0xFF).all()  # unwritten when launched
+        lse[...] = 1.0  # as the kernel writes it
+        launched.append(lse)
+    if return_lse:
+        assert all(returned is lse for (_, returned), lse in zip(results, launched))
+        assert not np.shares_memory(*launched) and (results[0][1] == 1.0).all()
+    else:
+        assert launched[0] is launched[1]
+
+
 # ---------------------------------------------------------------------------
 # Same bits
 
