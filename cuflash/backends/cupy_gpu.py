@@ -23,13 +23,13 @@ from ..kernels.program import KernelInstance, LaunchPlan
 
 class CupyBackend:
     name = "cupy"
+    synchronous = False  # launches are queued on the current stream
 
     def __init__(self, device_id: int):
         import cupy
 
         self._cupy = cupy
         self.xp = cupy  # the array module of the backend's arrays
-        self.synchronous = False  # launches are queued on the current stream
         self.device_id = device_id
         device = cupy.cuda.Device(device_id)
         # Plans respect the device's opt-in shared memory limit and plan splits for its SMs.
