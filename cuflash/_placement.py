@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from . import _validation as V
 from ._dlpack import immutable_array_type
 from .backends.simulator import SimulatorBackend
 
@@ -29,7 +28,7 @@ class Placement:
     """Which backend runs the call, and how to hand results back in the caller's array type."""
 
     def __init__(self, names: tuple[str, ...], arrays: tuple[Any, ...]):
-        if {type(a) for a in arrays} == _NUMPY_ONLY:
+        if set(map(type, arrays)) == _NUMPY_ONLY:
             # Every array a NumPy array (the simulator's case): what the general path below concludes for them,
             # without its per-array dispatch.
             self.names = names
@@ -89,10 +88,12 @@ class Placement:
         """Refuse, naming the argument, an array that arrived read-only among ``names`` (what ``written_by``
         writes in place); ``instead`` says what to call instead. Called before anything is written."""
         read_only = self.read_only
-        if read_only is None:
-            read_only = {name: not a.flags.writeable for name, a in zip(self.names, self.arrays)}
         for name in names:
-            if read_only.get(name, False):
+            if read_only is not None:
+                refused = read_only.get(name, False)
+            else:  # NumPy arrays only: their flags, read for the names asked
+                refused = name in self.names and not self.arrays[self.names.index(name)].flags.writeable
+            if refused:
                 raise ValueError(f"{name} is read-only ({written_by} writes it in place); pass a writable array, "
                                  f"or {instead}")
 
@@ -104,7 +105,9 @@ class Placement:
         strides and dtype, and where the call runs (its GPU, or the target the simulator stands in for at this
         moment, cuflash.sim.targeting). Never data or addresses: those change between calls of equal signatures."""
         arrays = tuple([(type(a), a.shape, a.strides, a.dtype) for a in self.arrays])
-        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target)
+        # The simulator's target by its arch name: each is the table's Target of its arch (targets.target), and a
+        # name hashes in C where a Target (a dataclass) hashes in Python, on every lookup of every call.
+        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target.arch)
 
     def results(self, *results: Any) -> tuple[Any, ...]:
         """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA
@@ -169,10 +172,6 @@ def ascontiguous(array: Any) -> Any:
     import cupy
 
     return cupy.ascontiguousarray(array)
-
-
-def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
 
 
 def place(names: tuple[str, ...], arrays: tuple[Any, ...], alibi_slopes: Any = None,

@@ -175,17 +175,17 @@ def varlen_extents(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, total_q: 
     """(sequences, max_seqlen_q, max_seqlen_k) of checked host copies of cu_seqlens_q/k (and of seqused_q/k where
     given) and the max_seqlen arguments: the checks of a varlen call that read values, run on every call (a
     prepared call's too)."""
-    lengths_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (rows of q)")
-    lengths_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (rows of k and v)")
+    lengths_q, longest_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (rows of q)")
+    lengths_k, longest_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (rows of k and v)")
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{len(lengths_q) + 1} and {len(lengths_k) + 1}")
-    seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
-    seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
-    for name, seqused, lengths, cu_name in (("seqused_q", seqused_q, lengths_q, "cu_seqlens_q"),
-                                            ("seqused_k", seqused_k, lengths_k, "cu_seqlens_k")):
-        if seqused is not None:
-            check_seqused(name, seqused, lengths, cu_name)
+    seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q, "cu_seqlens_q")
+    seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
+    if seqused_q is not None:
+        check_seqused("seqused_q", seqused_q, lengths_q, "cu_seqlens_q")
+    if seqused_k is not None:
+        check_seqused("seqused_k", seqused_k, lengths_k, "cu_seqlens_k")
     return len(lengths_q), seqlen_q, seqlen_k
 
 
@@ -198,7 +198,7 @@ def check_seqused_type(name: str, seqused: Any, batch: int) -> None:
                          f"{tuple(seqused.shape)}")
 
 
-def check_seqused(name: str, seqused: np.ndarray, lengths: np.ndarray, cu_name: str) -> None:
+def check_seqused(name: str, seqused: np.ndarray, lengths: np.ndarray | list[int], cu_name: str) -> None:
     """A varlen call's used-prefix counts (a host copy): int32 (batch,), 0 <= seqused[b] <= the length of sequence b
     that ``cu_name`` gives (``lengths``)."""
     check_seqused_type(name, seqused, len(lengths))
@@ -258,27 +258,37 @@ def _check_v_shape(kshape: tuple[int, ...], vshape: tuple[int, ...], names: tupl
                          f"{k_name} {kshape} and {v_name} {vshape}")
 
 
-def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int, total_name: str) -> np.ndarray:
+def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int,
+                     total_name: str) -> tuple[list[int] | np.ndarray, int]:
     """The sequence lengths of ``cu_seqlens`` (a host copy): int32, (batch + 1,), 0 first, nondecreasing, last =
-    ``total``. Zero-length sequences are allowed."""
+    ``total``; and the longest (0 without a sequence). Zero-length sequences are allowed. Up to _SMALL_ARRAY offsets
+    (a decode's few sequences) the lengths are a list of Python ints, worked out without NumPy's per-call overhead;
+    beyond, an int64 array."""
     if dtype_name(cu_seqlens) != "int32":
         raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu_seqlens)}")
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.shape[0] - 1 > MAX_GRID_YZ:
-        raise ValueError(f"{name} describes {cu_seqlens.shape[0] - 1} sequences, more than {MAX_GRID_YZ}")
-    offsets = cu_seqlens.astype(np.int64)
-    lengths = offsets[1:] - offsets[:-1]  # np.diff's, without its few microseconds of Python per call
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    shape = cu_seqlens.shape
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(shape)}")
+    if shape[0] - 1 > MAX_GRID_YZ:
+        raise ValueError(f"{name} describes {shape[0] - 1} sequences, more than {MAX_GRID_YZ}")
+    if shape[0] <= _SMALL_ARRAY:
+        offsets = cu_seqlens.tolist()
+        lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+        first, last = offsets[0], offsets[-1]
+    else:
+        wide = cu_seqlens.astype(np.int64)
+        lengths = wide[1:] - wide[:-1]  # np.diff's, without its few microseconds of Python per call
+        first, last = int(wide[0]), int(wide[-1])
+    shortest, longest = min_max(lengths) if len(lengths) else (0, 0)
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
-    if lengths.size and min_max(lengths)[0] < 0:
-        at = int(np.argmax(lengths < 0))
+    if shortest < 0:
+        at = int(np.argmax(np.asarray(lengths) < 0))
         raise ValueError(f"{name} must be nondecreasing, got {name}[{at + 1}] = {int(cu_seqlens[at + 1])} < "
                          f"{name}[{at}] = {int(cu_seqlens[at])}")
     if last != total:
         raise ValueError(f"{name}[-1] must equal {total_name} = {total}, got {last}")
-    return lengths
+    return lengths, longest
 
 
 # Below this many elements a Python list's min and max cost less than NumPy's reductions (a call each of about a
@@ -286,17 +296,18 @@ def check_cu_seqlens(name: str, cu_seqlens: np.ndarray, total: int, total_name: 
 _SMALL_ARRAY = 64
 
 
-def min_max(values: np.ndarray) -> tuple[int, int]:
-    """(min, max) of a non-empty integer array, as Python ints."""
+def min_max(values: np.ndarray | list[int]) -> tuple[int, int]:
+    """(min, max) of a non-empty integer array (or list of ints), as Python ints."""
+    if type(values) is list:
+        return min(values), max(values)
     if values.size <= _SMALL_ARRAY:
         listed = values.ravel().tolist()
         return min(listed), max(listed)
     return int(values.min()), int(values.max())
 
 
-def check_max_seqlen(name: str, max_seqlen: Any, lengths: np.ndarray, cu_name: str) -> int:
-    """``max_seqlen`` (default: the longest of ``lengths``), at least the longest."""
-    longest = min_max(lengths)[1] if len(lengths) else 0
+def check_max_seqlen(name: str, max_seqlen: Any, longest: int, cu_name: str) -> int:
+    """``max_seqlen`` (default: ``longest``, the longest sequence of ``cu_name``), at least the longest."""
     if max_seqlen is None:
         return longest
     value = _check_int(name, max_seqlen)
@@ -581,7 +592,8 @@ def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
         b = int(np.argmax(lengths))
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {longest} + {seqlen_new} exceeds the cache's "
                          f"capacity of {capacity} rows")
-    return np.add(lengths, seqlen_new, dtype=np.int32)  # every sum is at most the capacity, below 2**31
+    # Every sum is at most the capacity, below 2**31; an int32 array plus a Python int that fits stays int32.
+    return lengths + seqlen_new if lengths.dtype == np.int32 else lengths.astype(np.int32) + seqlen_new
 
 
 def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *, seqlen_k: int, causal: Any,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 from typing import Any, Callable, Hashable
 
@@ -26,8 +27,8 @@ import numpy as np
 from . import _validation as V
 from . import rotary
 from .sinks import sink_gradient, sink_logits_by_row
-from ._placement import Placement, ascontiguous, contiguous_last_dim, host_copy, place
-from .backends.program import PreparedProgram
+from ._placement import Placement, ascontiguous, host_copy, place
+from .backends.program import SPARE_SCRATCH_BYTES, PreparedProgram
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
 from .kernels.params import VALUE_WIDTH_TENSORS
@@ -53,11 +54,15 @@ class BoundedCache:
         self._lock = threading.Lock()
 
     def get(self, key: Hashable) -> Any:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
+        # No lock (every call looks up two entries): each OrderedDict method is one atomic step under the GIL; a
+        # put of another thread may drop the entry between the two, which leaves nothing to move.
+        entry = self._entries.get(key)
+        if entry is not None:
+            try:
                 self._entries.move_to_end(key)
-            return entry
+            except KeyError:
+                pass
+        return entry
 
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
@@ -88,8 +93,13 @@ def call_key(entry: str, placement: Placement, *options: Any) -> tuple | None:
         signature = placement.signature()
     except ValueError:
         return None
-    return (entry, signature,
-            tuple([(type(o), tuple([(type(x), x) for x in o]) if type(o) in (tuple, list) else o) for o in options]))
+    key = [entry, signature, *map(type, options)]
+    for o in options:
+        key.append(tuple([(type(x), x) for x in o]) if type(o) in _PAIRS else o)
+    return tuple(key)
+
+
+_PAIRS = (tuple, list)  # option values whose items call_key keys with their types (window_size)
 
 
 def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
@@ -113,6 +123,9 @@ class Plan:
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
         self.programs: ChunkPrograms | None = None  # (start, stop, program) per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
+        # The lse of finished calls that did not return it, for the next such call on a synchronous backend
+        # (_run_forward), while it is no larger than the scratch a program keeps (SPARE_SCRATCH_BYTES).
+        self.spare_lse: list[Any] | None = [] if 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES else None
 
 
 class Prepared:
@@ -127,6 +140,18 @@ class Prepared:
         self._mask = mask
         self._plans = BoundedCache(PLANS_PER_CALL)
         self._plans.put((problem.seqlen_q, problem.seqlen_k), Plan(problem))
+        self._copied: tuple[bool, ...] | None = None  # which arrays contiguous_last_dim copies: see there
+
+    def contiguous_last_dim(self, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The call's arrays (the same ones, in the same order, on every call of the signature) with each whose last
+        dimension the kernels cannot take as it is (V.needs_copy) copied to a contiguous one. Which need a copy
+        follows from their strides, shapes and dtypes, part of the signature: worked out on the first call only."""
+        copied = self._copied
+        if copied is None:
+            copied = self._copied = tuple([V.needs_copy(a) for a in arrays])
+        if True not in copied:
+            return arrays
+        return tuple([ascontiguous(a) if copy else a for a, copy in zip(arrays, copied)])
 
     @classmethod
     def checked(cls, problem: Problem, causal: Any, window_size: Any, *, algorithm: str, softmax_scale: Any,
@@ -149,11 +174,13 @@ class Prepared:
             self._plans.put((seqlen_q, seqlen_k), plan)
         return plan
 
-    def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> dict[str, Any]:
+    def run(self, backend: Any, plan: Plan, arrays: dict[str, Any], backward: bool = False) -> dict[str, Any] | None:
         """Run the plan's forward (or backward) program on ``arrays`` (tensors by AttentionParams field name); the
         program is made and packed on the plan's first run (its strides are those of every later call's arrays:
-        they follow from the signature). Returns the scratch it allocated, by name. A V wider than the kernels take
-        runs as a program per column chunk (value_column_chunks), on views of the chunk's columns."""
+        they follow from the signature). Returns the backward's scratch, by name (the sinks' gradient reads it); a
+        forward's is read by no caller, so it returns None and its programs may reuse their scratch
+        (PreparedProgram.launch). A V wider than the kernels take runs as a program per column chunk
+        (value_column_chunks), on views of the chunk's columns."""
         programs = plan.programs
         if programs is None:
             problem = plan.folded or plan.problem
@@ -164,10 +191,14 @@ class Prepared:
                 programs.append((start, stop, PreparedProgram(planner(self.algorithm, part, backend.target), part,
                                                               self.scale, _value_columns(arrays, start, stop))))
             plan.programs = programs = tuple(programs)
+        if not backward:  # each chunk writes its columns of out, and the same lse (the softmax does not depend on V)
+            for start, stop, program in programs:
+                program.launch(backend, arrays if len(programs) == 1 else _value_columns(arrays, start, stop))
+            return None
         if len(programs) == 1:
             program = programs[0][2]
             return dict(zip(program.scratch_names, program.run(backend, arrays)))
-        return (_run_value_chunks_backward if backward else _run_value_chunks_forward)(backend, programs, arrays)
+        return _run_value_chunks_backward(backend, programs, arrays)
 
 
 # The tensors of V's width (AttentionParams' "V" fields: v, out, dout, dv), which a column chunk views.
@@ -179,17 +210,6 @@ ChunkPrograms = tuple[tuple[int, int, PreparedProgram], ...]
 def _value_columns(arrays: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     """``arrays`` with the V-wide tensors viewed at columns start:stop (the same strides, the pointer moved)."""
     return {name: x[..., start:stop] if name in _VALUE_WIDTH else x for name, x in arrays.items()}
-
-
-def _run_value_chunks_forward(backend: Any, programs: ChunkPrograms, arrays: dict[str, Any]) -> dict[str, Any]:
-    """The forward chunk by chunk: each writes its columns of out (and the same lse: the softmax does not depend on
-    V). Returns the first chunk's scratch."""
-    scratch = None
-    for start, stop, program in programs:
-        buffers = program.run(backend, _value_columns(arrays, start, stop))
-        if scratch is None:
-            scratch = dict(zip(program.scratch_names, buffers))
-    return scratch
 
 
 def _run_value_chunks_backward(backend: Any, programs: ChunkPrograms, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -228,12 +248,13 @@ class VarlenInputs:
         self.seqused_q, self.seqused_k = seqused_q, seqused_k
 
     def side_inputs(self, backend: Any) -> dict[str, Any]:
-        inputs = {"cu_seqlens_q": backend.upload(_int32_words(self.cu_seqlens_q)),
-                  "cu_seqlens_k": backend.upload(_int32_words(self.cu_seqlens_k))}
+        # Checked host copies are int32 and C-contiguous: their words are a view (_int32_words without its checks).
+        inputs = {"cu_seqlens_q": backend.upload(self.cu_seqlens_q.view(np.float32)),
+                  "cu_seqlens_k": backend.upload(self.cu_seqlens_k.view(np.float32))}
         if self.seqused_q is not None:
-            inputs["seqused_q"] = backend.upload(_int32_words(self.seqused_q))
+            inputs["seqused_q"] = backend.upload(self.seqused_q.view(np.float32))
         if self.seqused_k is not None:
-            inputs["seqused_k"] = backend.upload(_int32_words(self.seqused_k))
+            inputs["seqused_k"] = backend.upload(self.seqused_k.view(np.float32))
         return inputs
 
     def unused_rows(self, side: str) -> np.ndarray | None:
@@ -289,7 +310,7 @@ def _forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k: An
              dropout_seed: Any, varlen: VarlenInputs | None = None) -> Any:
     """The forward every entry point but the KV cache's runs once its Prepared object and Plan are known."""
     dropout_seed = check_dropout_seed(dropout_seed, plan.problem.dropout_p)
-    q, k, v = contiguous_last_dim((q, k, v))
+    q, k, v = prepared.contiguous_last_dim((q, k, v))
     out, lse = _run_forward(placement, prepared, plan, q, k, v,
                             lambda backend: _side_inputs(backend, per_head, plan.problem, dropout_seed, varlen),
                             None if varlen is None else varlen.unused_rows("q"), per_head.get("sinks"))
@@ -306,9 +327,22 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
     the same bytes, viewed with the group's query heads as rows."""
     backend = placement.backend()
     problem = plan.problem
+    # A call that does not return its lse takes, on a synchronous backend, one an earlier such call of its plan
+    # left, renewed as PreparedProgram.launch renews scratch: no caller holds it, no kernel still reads it. Popped
+    # for the call and pushed back after it, so concurrent calls never share one.
+    spare = plan.spare_lse if backend.synchronous and not prepared.return_lse else None
     with backend.device():
         out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)  # v's head dim
-        lse = backend.empty(plan.row_stats_shape, np.float32)
+        lse = None
+        if spare:
+            try:
+                lse = spare.pop()
+            except IndexError:  # another thread took the last one since the test
+                pass
+        if lse is None:
+            lse = backend.empty(plan.row_stats_shape, np.float32)
+        else:
+            backend.renew_scratch(lse, False)
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
@@ -316,7 +350,10 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
         elif out.size:
             arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
             folded = plan.folded
-            if folded is not None:
+            if folded is not None and plan.programs is None:
+                # The folded program's strides are the views' (packed once, when its plan is first run). A launch
+                # reads only its arrays' addresses and extents, which the views share with q, out and lse: later
+                # calls pass those as they are, without making views.
                 arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
                               lse=lse.reshape(folded.row_stats_shape))
             prepared.run(backend, plan, {**arrays, **side_inputs(backend)})
@@ -324,6 +361,8 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 rows = backend.upload(unused_q)
                 out[rows] = 0
                 lse[:, rows] = -np.inf
+    if spare is not None:
+        spare.append(lse)
     return placement.results(out, lse)
 
 
@@ -342,7 +381,7 @@ def _backward(placement: Placement, prepared: Prepared, plan: Plan, dout: Any, q
     the kernels to write through their strides. With sinks, d loss / d sinks follows the gradients."""
     problem = plan.problem
     dropout_seed = check_dropout_seed(dropout_seed, problem.dropout_p)
-    dout, q, k, v, out = contiguous_last_dim((dout, q, k, v, out))
+    dout, q, k, v, out = prepared.contiguous_last_dim((dout, q, k, v, out))
     if not lse.flags.c_contiguous:
         lse = ascontiguous(lse)
 
@@ -660,7 +699,7 @@ def attention_with_kvcache(
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, used - k.shape[1], table, index)  # every check is behind us: now write
-    (q,) = contiguous_last_dim((q,))
+    (q,) = prepared.contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
         inputs = {"seqused_k": backend.upload(_int32_words(used))}
@@ -763,16 +802,19 @@ def _append(k_cache: Any, v_cache: Any, k: Any, v: Any, starts: np.ndarray, tabl
     library."""
     batch, seqlen_new = k.shape[:2]
     if batch <= _SLICED_APPEND_MAX and seqlen_new <= _SLICED_APPEND_MAX:
-        page_size = k_cache.shape[1] if table is not None else 0
+        if table is None:  # a sequence's rows are one slice of its cache row
+            for b, start in enumerate(starts.tolist()):
+                outer = b if cache_rows is None else int(cache_rows[b])
+                k_cache[outer, start:start + seqlen_new] = k[b]
+                v_cache[outer, start:start + seqlen_new] = v[b]
+            return
+        page_size = k_cache.shape[1]
         for b, start in enumerate(starts.tolist()):
             i = 0
-            while i < seqlen_new:
+            while i < seqlen_new:  # a slice per page the rows reach
                 row = start + i
-                if page_size:
-                    outer, row, count = int(table[b, row // page_size]), row % page_size, page_size - row % page_size
-                else:
-                    outer, count = (b if cache_rows is None else int(cache_rows[b])), seqlen_new
-                count = min(count, seqlen_new - i)
+                outer, row = int(table[b, row // page_size]), row % page_size
+                count = min(page_size - row, seqlen_new - i)
                 k_cache[outer, row:row + count] = k[b, i:i + count]
                 v_cache[outer, row:row + count] = v[b, i:i + count]
                 i += count

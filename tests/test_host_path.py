@@ -269,6 +269,83 @@ def test_dropout_seed_and_read_only_caches_are_checked_on_a_cached_call(no_launc
 
 
 # ---------------------------------------------------------------------------
+# Scratch a forward reuses
+
+
+def _split_decode_launches(monkeypatch):
+    """Per call of two split decodes of one plan: the scratch buffers its first launch got, and whether they held
+    the bytes of a new allocation (0xFF: NaN) then. Between the calls the scratch is written, as kernels write it."""
+    from cuflash.backends.simulator import SimulatorBackend
+
+    seen = []
+    monkeypatch.setattr(SimulatorBackend, "launch", lambda self, plan, params, buffers: seen.append(buffers[-2:]))
+    rng = np.random.default_rng(13)
+    q, k_cache, v_cache, k, v = _decode(rng, capacity=512)  # keys of several K/V blocks: two splits
+    calls = []
+    for lengths in ([300, 170], [301, 171]):
+        seen.clear()
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=np.array(lengths, np.int32),
+                                       num_splits=2)
+        scratch = seen[0]  # a program's buffers: its inputs, then its scratch (here out_accum, lse_accum)
+        assert len(seen) == 2 and all(s[0] is scratch[0] for s in seen)  # the split kernel, then the combine
+        assert [b.dtype for b in scratch] == [np.float32, np.float32] and scratch[0].size > scratch[1].size
+        calls.append([(b, bool((b.view(np.uint8) == 0xFF).all())) for b in scratch])
+        for b in scratch:
+            b[...] = 1.0
+    return calls
+
+
+def test_a_forward_reuses_its_scratch_renewed_on_the_simulator(monkeypatch):
+    """A split decode's partials (out_accum, lse_accum) serve the next call of its plan on the simulator, whose
+    launches are done when they return, renewed to NaN bytes as a new allocation is: a kernel reading a partial it
+    did not write still shows."""
+    first, second = _split_decode_launches(monkeypatch)
+    assert all(unwritten for call in (first, second) for _, unwritten in call)
+    assert all(a is b for (a, _), (b, _) in zip(first, second))  # the same buffers
+
+
+@pytest.mark.parametrize("why", ["asynchronous", "large"])
+def test_a_forward_allocates_its_scratch_anew_where_reuse_is_unsafe_or_too_large(why, monkeypatch):
+    """On an asynchronous backend (CuPy: a kernel of an earlier call may still use the old scratch) and for scratch
+    beyond SPARE_SCRATCH_BYTES each launch allocates its own, as every launch did before reuse."""
+    from cuflash.backends import program
+    from cuflash.backends.simulator import SimulatorBackend
+
+    if why == "asynchronous":
+        monkeypatch.setattr(SimulatorBackend, "synchronous", False)
+    else:
+        monkeypatch.setattr(program, "SPARE_SCRATCH_BYTES", 0)
+    first, second = _split_decode_launches(monkeypatch)
+    assert all(unwritten for call in (first, second) for _, unwritten in call)
+    assert all(a is not b and not np.shares_memory(a, b) for (a, _), (b, _) in zip(first, second))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_an_lse_the_caller_does_not_get_is_reused_and_one_it_gets_never(return_lse, monkeypatch):
+    """A forward's lse is reused by the next call of its plan on the simulator only when no caller got it
+    (return_lse=False), renewed to NaN bytes; a returned lse keeps its values through later calls."""
+    from cuflash.backends.simulator import SimulatorBackend
+
+    seen = []
+    monkeypatch.setattr(SimulatorBackend, "launch", lambda self, plan, params, buffers: seen.extend(
+        b for b in buffers if b.dtype == np.float32))  # float16 inputs, one unsplit launch: the lse alone
+    q, k, v = _qkv(np.random.default_rng(14), dtype=np.float16)
+    results, launched = [], []
+    for _ in range(2):
+        seen.clear()
+        results.append(cuflash.attention(q, k, v, return_lse=return_lse))
+        (lse,) = seen
+        assert (lse.view(np.uint8) == 0xFF).all()  # unwritten when launched
+        lse[...] = 1.0  # as the kernel writes it
+        launched.append(lse)
+    if return_lse:
+        assert all(returned is lse for (_, returned), lse in zip(results, launched))
+        assert not np.shares_memory(*launched) and (results[0][1] == 1.0).all()
+    else:
+        assert launched[0] is launched[1]
+
+
+# ---------------------------------------------------------------------------
 # Same bits
 
 
@@ -312,6 +389,9 @@ def test_cached_varlen_and_decode_calls_give_the_uncached_bits():
         return out, lse, *caches
 
     _bitwise_equal_cold_and_warm(decode)
+    k_cache, v_cache = (rng.standard_normal((2, 512, 2, 32)).astype(np.float16) for _ in range(2))
+    lengths = np.array([300, 170], np.int32)  # keys of several K/V blocks: two splits, whose scratch a warm call reuses
+    _bitwise_equal_cold_and_warm(decode)
 
 
 # ---------------------------------------------------------------------------
@@ -330,14 +410,22 @@ def _yardstick() -> int:
     return int(lengths.max()) + len(table) + int(raw[0]) + int(np.add(lengths, 1).sum())
 
 
-def test_a_warm_decode_call_is_cheap_on_the_host():
-    """The decode row of ``python3 -m cuflash.benchmarks host``: generous bounds, which the host path before Prepared
-    calls exceeded several times (about 450 us and 730 Python calls). Time is counted in yardsticks measured in
-    alternation with the call, the fastest of 50 each: an absolute bound failed on a loaded CI machine (167 us there
-    against 124 us on an idle development machine), while the ratio stays near 4 on both an idle and a loaded machine
-    here (the old host path: about 14)."""
+# Per decode row of the host benchmark: (most Python calls, most yardsticks) of a warm call. Measured here: attention
+# 43 calls and 1.5 yardsticks (of about 11.5 us), attention_varlen 64 and 2.1, attention_with_kvcache 59 and 2.8
+# (before this bound covered them: 52 and 1.9, 75 and 2.9, 75 and 3.85); the host path before Prepared calls took
+# about 730 calls and 14 yardsticks for the KV-cache row.
+WARM_DECODE_BOUNDS = {"attention": (55, 2.3), "attention_varlen": (80, 3.2), "attention_with_kvcache": (75, 4.2)}
+
+
+@pytest.mark.parametrize("call", sorted(WARM_DECODE_BOUNDS))
+def test_a_warm_decode_call_is_cheap_on_the_host(call):
+    """The decode rows of ``python3 -m cuflash.benchmarks host``: bounds about 1.5 times what they take here.
+    Time is counted in yardsticks measured in alternation with the call, the fastest of 50 each: an absolute bound
+    failed on a loaded CI machine (167 us there against 124 us on an idle development machine), while the ratio
+    stays put on an idle and a loaded machine alike."""
+    most_calls, most_yardsticks = WARM_DECODE_BOUNDS[call]
     with host.launches_do_nothing():
-        case = next(c for c in host.decode_cases(repeats=50) if c.call == "attention_with_kvcache")
+        case = next(c for c in host.decode_cases(repeats=50) if c.call == call)
         for _ in range(5):
             case.run()
             _yardstick()
@@ -350,8 +438,8 @@ def test_a_warm_decode_call_is_cheap_on_the_host():
             _yardstick()
             times.append(middle - start)
             yardsticks.append(time.perf_counter() - middle)
-    assert calls <= 120, calls
-    assert min(times) < 8 * min(yardsticks), (min(times), min(yardsticks))
+    assert calls <= most_calls, calls
+    assert min(times) < most_yardsticks * min(yardsticks), (min(times), min(yardsticks))
 
 
 def test_an_unhashable_option_is_checked_and_never_cached(no_launches):

@@ -23,6 +23,7 @@ from ..kernels.program import KernelInstance, LaunchPlan
 
 class CupyBackend:
     name = "cupy"
+    synchronous = False  # launches are queued on the current stream
 
     def __init__(self, device_id: int):
         import cupy

@@ -9,6 +9,7 @@ runs on a GPU.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -16,9 +17,18 @@ import numpy as np
 from ..kernels.params import STRIDED_TENSORS, PointerSlots, pack_params
 from ..kernels.program import LaunchPlan, Problem, Program
 
+# The most float32 scratch bytes a prepared program keeps between launches for reuse (PreparedProgram.launch): a
+# decode step's split-KV partials (out_accum: splits x heads x headdim floats, a few hundred KB), whose allocation
+# is a fair part of the step's host time. Larger scratch belongs to larger problems, where allocating is a small
+# part of the call, and keeping it in every cached plan would hold memory for little gain.
+SPARE_SCRATCH_BYTES = 1 << 22
+
 
 class ArrayBackend(Protocol):
     xp: Any  # the array module of the backend's arrays (numpy, cupy)
+    # Whether launch returns only once its kernels are done (the simulator): then no kernel reads a buffer after the
+    # call that launched it, and a prepared program may reuse its scratch in a later call (PreparedProgram.launch).
+    synchronous: bool
 
     def device(self) -> Any:
         """Context manager making the backend's device current for allocation and launch."""
@@ -29,8 +39,14 @@ class ArrayBackend(Protocol):
     def zeros(self, shape: tuple[int, ...]) -> Any:
         """A zero-filled float32 buffer."""
 
+    def renew_scratch(self, buffer: Any, zero: bool) -> None:
+        """Give a reused scratch buffer the contents a new one would have: zeros (``zero``), else what empty_scratch
+        gives (synchronous backends only)."""
+
     def upload(self, host: np.ndarray) -> Any:
-        """A device copy of a small host array (side inputs made by the API, such as dropout's seed words)."""
+        """A small host array on the backend's device: side inputs the API made for this call (dropout's seed words,
+        checked host copies of cu_seqlens ...), which nothing else holds or writes (the simulator, whose device is
+        the host, takes them as they are)."""
 
     def address(self, array: Any) -> int: ...
 
@@ -67,20 +83,52 @@ class PreparedProgram:
             num_dq_splits=program.num_dq_splits,
             num_kv_splits=program.num_kv_splits,
         ).tobytes()
+        # Scratch of finished launches, (buffers, their addresses) per set, which launch on a synchronous backend
+        # takes instead of allocating: a set is popped for one launch and pushed back after it, so concurrent calls
+        # never share one, and the list holds at most as many sets as calls ever ran at once.
+        self._spare_scratch: list[tuple[list[Any], list[int]]] = []
+        self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> list[Any]:
         """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
         buffers it allocated, in the program's order."""
-        buffers = [arrays[name] for name in self.inputs]
-        scratch = []
-        for shape, zero_init in self._scratch:
-            scratch.append(backend.zeros(shape) if zero_init else backend.empty_scratch(shape))
-        buffers += scratch
+        scratch, addresses = self._allocate_scratch(backend)
+        self._launch(backend, arrays, scratch, addresses)
+        return scratch
+
+    def launch(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> None:
+        """``run`` for a caller that never reads the scratch. On a synchronous backend the scratch of an earlier
+        launch, renewed (backend.renew_scratch: the same contents as a new allocation), serves again: the kernels
+        that used it are done, and no caller holds it. Elsewhere (CuPy) the scratch is allocated anew: a kernel
+        queued by an earlier call may still use the old one, and CuPy's memory pool already hands its memory back
+        in the launch stream's order."""
+        if not (backend.synchronous and self._reuses_scratch):
+            self._launch(backend, arrays, *self._allocate_scratch(backend))
+            return
+        try:
+            scratch, addresses = self._spare_scratch.pop()
+        except IndexError:
+            scratch, addresses = self._allocate_scratch(backend)
+        else:
+            for buffer, (_, zero_init) in zip(scratch, self._scratch):
+                backend.renew_scratch(buffer, zero_init)
+        self._launch(backend, arrays, scratch, addresses)
+        self._spare_scratch.append((scratch, addresses))
+
+    def _allocate_scratch(self, backend: ArrayBackend) -> tuple[list[Any], list[int]]:
+        scratch = [backend.zeros(shape) if zero_init else backend.empty_scratch(shape)
+                   for shape, zero_init in self._scratch]
         address = backend.address
-        params = self._slots.pack(self._packed, [address(b) for b in buffers])
+        return scratch, [address(b) for b in scratch]
+
+    def _launch(self, backend: ArrayBackend, arrays: Mapping[str, Any], scratch: list[Any],
+                scratch_addresses: list[int]) -> None:
+        buffers = [arrays[name] for name in self.inputs]
+        address = backend.address
+        params = self._slots.pack(self._packed, [address(b) for b in buffers] + scratch_addresses)
+        buffers += scratch
         for plan in self._launches:
             backend.launch(plan, params, buffers)
-        return scratch
 
 
 def run_program(

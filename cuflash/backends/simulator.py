@@ -30,6 +30,7 @@ _current_target = None  # cuflash.sim.current_target, once imported
 class SimulatorBackend:
     name = "simulator"
     xp = np  # the array module of the backend's arrays
+    synchronous = True  # a launch returns once its kernels have run
 
     @property
     def target(self) -> Target:
@@ -52,17 +53,22 @@ class SimulatorBackend:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
+    def renew_scratch(self, buffer: np.ndarray, zero: bool) -> None:
+        # A reused buffer is as unwritten as a new one (empty's bytes): a kernel reading what this launch did not
+        # write still sees NaN, not the previous launch's values.
+        buffer.view(np.uint8).fill(0 if zero else _UNWRITTEN_BYTE)
+
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         # Unwritten (NaN) and 64-byte aligned, so JAX takes results through DLPack without a copy.
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
         raw.fill(_UNWRITTEN_BYTE)  # all of it: one fill instead of a view of the output's bytes to fill
-        start = -self.address(raw) % _ALIGNMENT
-        return raw[start : start + nbytes].view(dtype).reshape(shape)
+        start = -int(_ffi.cast(_UINTPTR, _ffi.from_buffer(raw))) % _ALIGNMENT  # address(raw), one call less
+        return np.ndarray(shape, dtype, raw, start)
 
     def upload(self, host: np.ndarray) -> np.ndarray:
-        return np.array(host, copy=True)
+        return host  # already on the simulator's device, and the API's own (ArrayBackend.upload)
 
     def address(self, array: np.ndarray) -> int:
         if array.flags.c_contiguous:

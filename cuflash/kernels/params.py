@@ -122,27 +122,35 @@ def field_layout() -> dict[str, tuple[int, int]]:
 _POINTER_WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in POINTER_FIELDS}
 if sorted(PARAMS_DTYPE.fields[name][1] for name in POINTER_FIELDS) != [8 * i for i in range(len(POINTER_FIELDS))]:
     raise ValueError(f"{HEADER.name}: AttentionParams' pointers are no longer one block at its start (PointerSlots)")
-_POINTER_BLOCK = struct.Struct(f"<{len(POINTER_FIELDS)}Q")
 
 
 class PointerSlots:
-    """Where the addresses of a fixed tuple of pointer fields go: a prepared program packs every other field once and
-    lays each call's addresses into a copy (the other pointer fields null)."""
+    """Where the addresses of a fixed tuple of pointer fields go: a prepared program packs every other field once, its
+    pointers null, and lays each call's addresses into a copy."""
 
     def __init__(self, names: tuple[str, ...]):
         for name in names:
             if name not in POINTER_FIELDS:
                 raise KeyError(f"AttentionParams has no pointer field {name!r}")
         self.names = names
-        self._words = tuple(_POINTER_WORD[name] for name in names)
+        words = [_POINTER_WORD[name] for name in names]
+        # One struct call writes exactly these words, in word order (skipping the others: they keep the packed
+        # bytes' nulls), from the addresses in names' order taken through _order.
+        self._order = sorted(range(len(names)), key=words.__getitem__)
+        layout, at = [], 0
+        for i in self._order:
+            layout.append(f"{8 * (words[i] - at)}xQ" if words[i] > at else "Q")
+            at = words[i] + 1
+        self._struct = struct.Struct("<" + "".join(layout))
+        if self._order == list(range(len(names))):
+            self._order = None  # names already in word order
 
     def pack(self, packed: bytes, addresses: list[int]) -> np.void:
-        """``packed`` (PARAMS_DTYPE's bytes) with ``addresses`` (in the order of ``names``) in their fields."""
-        words = [0] * len(_POINTER_WORD)
-        for word, address in zip(self._words, addresses):
-            words[word] = address
+        """``packed`` (PARAMS_DTYPE's bytes, these pointers null) with ``addresses`` (in the order of ``names``) in
+        their fields."""
         buffer = bytearray(packed)
-        _POINTER_BLOCK.pack_into(buffer, 0, *words)
+        order = self._order
+        self._struct.pack_into(buffer, 0, *(addresses if order is None else [addresses[i] for i in order]))
         return np.frombuffer(buffer, PARAMS_DTYPE)[0]
 
 

@@ -200,9 +200,11 @@ _target_stack: list[Target] = []
 def current_target() -> Target:
     """The target plans for NumPy arrays are made for and launches are checked against:
     the innermost ``targeting(...)``, else $CUFLASH_SIM_TARGET, else sm_80."""
-    with _mode_lock:
-        if _target_stack:
-            return _target_stack[-1]
+    # Read without the lock (every simulator call's signature reads it): a slice of a list is taken atomically, and
+    # targeting() changes the stack under the lock.
+    innermost = _target_stack[-1:]
+    if innermost:
+        return innermost[0]
     return targets.target(os.environ.get("CUFLASH_SIM_TARGET") or targets.DEFAULT_ARCH)
 
 

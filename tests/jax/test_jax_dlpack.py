@@ -34,13 +34,14 @@ def load_example():
 def bound_addresses(monkeypatch):
     """Records the address of every array a prepared program binds to a kernel argument, by field name."""
     seen: dict[str, int] = {}
-    original = api.PreparedProgram.run
+    for method in ("run", "launch"):  # launch: a forward's (its scratch reusable), run: a backward's
+        original = getattr(api.PreparedProgram, method)
 
-    def recording(self, backend, arrays):
-        seen.update({name: backend.address(array) for name, array in arrays.items()})
-        return original(self, backend, arrays)
+        def recording(self, backend, arrays, _original=original):
+            seen.update({name: backend.address(array) for name, array in arrays.items()})
+            return _original(self, backend, arrays)
 
-    monkeypatch.setattr(api.PreparedProgram, "run", recording)
+        monkeypatch.setattr(api.PreparedProgram, method, recording)
     return seen
 
 
