@@ -191,6 +191,7 @@ __device__ __forceinline__ float tanh_by_exp2(float x) {
 }
 
 struct ScoreHook {
+  static constexpr bool kHasSideGrads = false;  // (flex_hook.cuh's FlexHook has gradients to side arrays)
   // The kernel's parameters: the softcap factors (AttentionParams packs c / scale and scale / c) and the diagonal
   // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
   // tensor-core kernels run at the register limit).
@@ -227,6 +228,8 @@ struct ScoreHook {
     if (slope != 0.f) qk -= slope * static_cast<float>(abs(MaskPolicy::of(p, info).diagonal(row) - key));
     return qk;
   }
+
+  __device__ __forceinline__ void side_grads(float, float, int, int) const {}
 };
 
 // What fa1 and standard attention call where fa2 calls ScoreHook: the identity (the Python plans refuse softcap and

@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
 // __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
 // so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
 // value at head dim 96 to stay at 128 registers).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
     const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
     for (int h = 0; h < group; ++h) {
       const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-      const ScoreHook score_hook = ScoreHook::of(p, info);
+      const Hook score_hook = Hook::of(p, info);
       const Dropout dropout = Dropout::of(p, batch, info.head);
       const T* q_head = info.q<T>(p);
       const T* do_head = info.dout<T>(p);
@@ -285,6 +286,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
               const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
               p_tile[r * Tr::kPStride + c] = prob * kept;
               ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
+              // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D) (mods run without dropout).
+              if constexpr (Hook::kHasSideGrads)
+                if (prob != 0.f) score_hook.side_grads(prob * (dp[i][j] - dot), s[i][j], row0 + r, key0 + c);
             }
           }
         }

@@ -107,7 +107,8 @@ struct ForwardTraits {
 // __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
 // so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
 // value at head dim 96 to stay at 128 registers).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
   const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
   const MaskPolicy mask = MaskPolicy::of(p, info);
-  const ScoreHook score_hook = ScoreHook::of(p, info);
+  const Hook score_hook = Hook::of(p, info);
   const IndexRange n_range = split_kv_blocks<BlockN>(mask.kv_blocks<BlockN>(row0, row0 + block_rows), mask.seqlen_k,
                                                      blockIdx.x % p.num_kv_splits, p.num_kv_splits);
 

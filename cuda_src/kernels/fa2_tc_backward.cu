@@ -245,7 +245,8 @@ struct StepRows {
 }  // namespace fa2tc
 
 // WithDropout: a template flag, as in the tensor-core forward (a runtime flag spilled the instances without it).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core backward takes __half or __nv_bfloat16");
   using Tr = fa2tc::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
         // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
         // limit), for one cached load per Q block.
-        const ScoreHook score_hook = ScoreHook::of(p, info);
+        const Hook score_hook = Hook::of(p, info);
         // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
         // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
         // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
@@ -431,6 +432,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                     prob[e] *= kept;
                   } else {
                     grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                    // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D).
+                    if constexpr (Hook::kHasSideGrads)
+                      if (hooked && prob[e] != 0.f)
+                        score_hook.side_grads(prob[e] * (dp.c[i][j][2 * half + e] - dot), s.c[i][j][2 * half + e],
+                                              row0 + r, key0 + c + e);
                   }
                 }
                 const int at = Tr::kStorePairsFromBase ? stores.at(i, half, j) : PTile::element_offset(r, c);

@@ -106,7 +106,8 @@ struct ForwardTraits {
 // WithDropout: dropout (dropout.cuh) is a template flag here, as in FA2: its Philox work inside the K/V loop would
 // push the instances without it past the register limit (a runtime flag spilled 100 to 600 bytes per instance),
 // and the instances with it take their own tiles (fa2_tc.py).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core forward takes __half or __nv_bfloat16");
   using Tr = fa2tc::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
   // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
   auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
-  const ScoreHook score_hook = ScoreHook::of(p, info);
+  const Hook score_hook = Hook::of(p, info);
   const IndexRange n_range =
       split_kv_blocks<BlockN>(MaskPolicy::of(p, info).kv_blocks<BlockN>(row0, row0 + block_rows()), info.seqlen_k(p),
                               blockIdx.x % p.num_kv_splits, p.num_kv_splits);

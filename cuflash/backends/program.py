@@ -13,7 +13,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..kernels.params import STRIDED_TENSORS, PointerSlots, pack_params
+from ..kernels.params import SIDE_GRADS_DTYPE, STRIDED_TENSORS, PointerSlots, pack_params, sides_struct
 from ..kernels.program import LaunchPlan, Problem, Program
 
 
@@ -68,9 +68,12 @@ class PreparedProgram:
             num_kv_splits=program.num_kv_splits,
         ).tobytes()
 
-    def run(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> list[Any]:
+    def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
+            side_grads: Sequence[Any] = ()) -> list[Any]:
         """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
-        buffers it allocated, in the program's order."""
+        buffers it allocated, in the program's order. ``sides``: the side arrays of a flex program's mods
+        (AttentionParams.flex_sides, in order), ``side_grads``: their float32 gradient buffers (None where a side
+        has none); both become launch buffers too (the simulator checks every access against those)."""
         buffers = [arrays[name] for name in self.inputs]
         scratch = []
         for shape, zero_init in self._scratch:
@@ -78,6 +81,13 @@ class PreparedProgram:
         buffers += scratch
         address = backend.address
         params = self._slots.pack(self._packed, [address(b) for b in buffers])
+        if sides or side_grads:
+            params["flex_sides"] = sides_struct(
+                (address(s), tuple(s.shape), tuple(int(n) // s.dtype.itemsize for n in s.strides)) for s in sides)
+            grads = np.zeros((), SIDE_GRADS_DTYPE)
+            grads["arrays"][: len(side_grads)] = [0 if g is None else address(g) for g in side_grads]
+            params["flex_side_grads"] = grads
+            buffers += [*sides, *(g for g in side_grads if g is not None)]
         for plan in self._launches:
             backend.launch(plan, params, buffers)
         return scratch

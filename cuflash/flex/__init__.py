@@ -41,6 +41,7 @@ source and the sides' dtypes and shapes only: a new bias value reuses the compil
 (cuflash.flex.block_mask); `BlockMask.tile_lists` maps them onto a kernel's tiles.
 """
 
+from ._api import flex_attention, flex_attention_backward
 from .block_mask import BlockMask, TileLists, TileVisits, create_block_mask
 from ._mod import (
     MAX_SIDE_DIMS,
@@ -67,6 +68,8 @@ __all__ = [
     "TileVisits",
     "create_block_mask",
     "cuda_mod",
+    "flex_attention",
+    "flex_attention_backward",
     "sides_struct",
     "trace_mask_mod",
     "trace_score_mod",

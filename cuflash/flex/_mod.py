@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # The side-array structs and their limits (attention_params.cuh's flex namespace, read by the params mirror).
-from ..kernels.params import MAX_SIDE_DIMS, MAX_SIDES, SIDES_DTYPE
+from ..kernels.params import MAX_SIDE_DIMS, MAX_SIDES, SIDES_DTYPE, sides_struct
 from ._emit import SIDE_C_TYPE, EmitError, dtype_name
 from ._trace import arg_names, check_result, describe, emit_body, emit_side_grads, side_grads_jaxpr, trace
 
@@ -68,21 +68,6 @@ class FlexMod:
                 value = value.astype(spec.stored_dtype) if hasattr(value, "astype") else np.asarray(value, np.int32)
             out.append(value)
         return tuple(out)
-
-
-def sides_struct(descriptors) -> np.ndarray:
-    """flex_mod.cuh's Sides from (data pointer, shape, element strides) per side array, in side order."""
-    descriptors = list(descriptors)
-    if len(descriptors) > MAX_SIDES:
-        raise ValueError(f"{len(descriptors)} side arrays; a kernel takes at most {MAX_SIDES}")
-    out = np.zeros((), SIDES_DTYPE)
-    for i, (data, shape, strides) in enumerate(descriptors):
-        if len(shape) != len(strides) or len(shape) > MAX_SIDE_DIMS:
-            raise ValueError(f"side array {i}: shape {shape} and strides {strides} (at most {MAX_SIDE_DIMS} dims)")
-        out["arrays"][i]["data"] = data
-        out["arrays"][i]["shape"][: len(shape)] = shape
-        out["arrays"][i]["strides"][: len(strides)] = strides
-    return out
 
 
 _GRADS_SIGNATURE = ("float g, float score, int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides, "

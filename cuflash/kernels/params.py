@@ -236,3 +236,19 @@ def pack_params(
     params["page_size"] = problem.page_size
     params["block_table_stride"] = problem.pages_per_sequence
     return params[()]
+
+
+def sides_struct(descriptors) -> np.ndarray:
+    """attention_params.cuh's flex::Sides (AttentionParams.flex_sides) from (data pointer, shape, element strides)
+    per side array, in side order."""
+    descriptors = list(descriptors)
+    if len(descriptors) > MAX_SIDES:
+        raise ValueError(f"{len(descriptors)} side arrays; a kernel takes at most {MAX_SIDES}")
+    out = np.zeros((), SIDES_DTYPE)
+    for i, (data, shape, strides) in enumerate(descriptors):
+        if len(shape) != len(strides) or len(shape) > MAX_SIDE_DIMS:
+            raise ValueError(f"side array {i}: shape {shape} and strides {strides} (at most {MAX_SIDE_DIMS} dims)")
+        out["arrays"][i]["data"] = data
+        out["arrays"][i]["shape"][: len(shape)] = shape
+        out["arrays"][i]["strides"][: len(strides)] = strides
+    return out
