@@ -42,6 +42,25 @@ struct Sides {
 struct SideGrads {
   float* arrays[kMaxSides];
 };
+// A block mask seen through a kernel's tiles (cuflash.flex.BlockMask.tile_lists): per (batch, head, row tile) the
+// column tiles its loop visits, in increasing order, and whether each is full (every score visible: no mask_mod).
+// Tile (b, h, r)'s list is entry (b batch_stride + h head_stride + r) of counts, and that row of `columns` entries
+// of indices and full (int32 words; full 1 or 0).
+struct TileVisits {
+  const int* counts;
+  const int* indices;
+  const int* full;
+  long long batch_stride;  // row tiles between batches (0: one list for every batch)
+  long long head_stride;   // between heads (0: one for every head)
+  int columns;
+};
+// kv: per Q tile its K/V tiles (the forward's loop); q: per K/V tile its Q tiles (the backward's), per kv head
+// (the backward's block loops over the group's query heads: a Q tile is visited if some head of the group visits it,
+// full if full for every one).
+struct TileLists {
+  TileVisits kv;
+  TileVisits q;
+};
 }  // namespace flex
 
 struct TensorStrides {
@@ -193,6 +212,7 @@ struct AttentionParams {
   // above keep their offsets and kernels without a mod their code.
   flex::Sides flex_sides;
   flex::SideGrads flex_side_grads;
+  flex::TileLists flex_tiles;  // with a block mask (FlexHook's BlockSparse), else unused
 };
 
 }  // namespace cuflash

@@ -40,20 +40,61 @@ template <class M> struct is_mod { static constexpr bool value = true; };
 template <> struct is_mod<NoScoreMod> { static constexpr bool value = false; };
 template <> struct is_mod<NoMaskMod> { static constexpr bool value = false; };
 
-template <class ScoreMod, class MaskMod>
+// The tiles a block mask lists for one row tile (attention_params.cuh's flex::TileVisits): i-th visited tile and
+// whether it is full, for i in [0, count).
+struct TileListVisits {
+  const int* indices;
+  const int* full_flags;
+  int begin;
+  int end;
+  __device__ __forceinline__ bool empty() const { return end <= begin; }
+  __device__ __forceinline__ int tile(int i) const { return arch::load(indices + i); }
+  __device__ __forceinline__ bool full(int i) const { return arch::load(full_flags + i) != 0; }
+
+  __device__ __forceinline__ static TileListVisits of(const TileVisits& lists, int batch, int head, int row_tile) {
+    const long long at = batch * lists.batch_stride + head * lists.head_stride + row_tile;
+    return TileListVisits{lists.indices + at * lists.columns, lists.full + at * lists.columns, 0,
+                          arch::load(lists.counts + at)};
+  }
+};
+
+// BlockSparse: the call has a block mask (p.flex_tiles): the loops visit its listed tiles only, and the mask_mod
+// runs on partial ones only.
+template <class ScoreMod, class MaskMod, bool BlockSparse = false>
 struct FlexHook {
   static constexpr bool kScoreModded = is_mod<ScoreMod>::value;
   static constexpr bool kMasked = is_mod<MaskMod>::value;
   static constexpr bool kHasSideGrads = ScoreMod::kHasSideGrads;
+  static constexpr bool kBlockSparse = BlockSparse;
   static_assert(ScoreMod::kSides + MaskMod::kSides <= kMaxSides, "the mods read at most kMaxSides arrays");
 
   const AttentionParams& p;
   int batch;
   int head;  // the query head
+  bool check_mask;  // false on a tile the block mask lists as full
 
   __device__ __forceinline__ static FlexHook of(const AttentionParams& p, const BlockInfo& info) {
-    return FlexHook{p, info.batch, info.head};
+    return FlexHook{p, info.batch, info.head, true};
   }
+
+  // The K/V tiles Q tile m_block of (info.batch, info.head) visits (forward): the block mask's list, or `range`.
+  __device__ __forceinline__ static auto kv_visits(const AttentionParams& p, const BlockInfo& info, int m_block,
+                                                   IndexRange range) {
+    if constexpr (BlockSparse)
+      return TileListVisits::of(p.flex_tiles.kv, info.batch, info.head, m_block);
+    else
+      return TileRangeVisits{range.begin, range.end};
+  }
+  // The Q tiles that visit K/V tile n_block of (batch, kv_head) (backward; the union over the group's heads).
+  __device__ __forceinline__ static auto q_visits(const AttentionParams& p, int batch, int kv_head, int n_block,
+                                                  IndexRange range) {
+    if constexpr (BlockSparse)
+      return TileListVisits::of(p.flex_tiles.q, batch, kv_head, n_block);
+    else
+      return TileRangeVisits{range.begin, range.end};
+  }
+
+  __device__ __forceinline__ FlexHook for_tile(bool full) const { return FlexHook{p, batch, head, !full}; }
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
@@ -70,7 +111,7 @@ struct FlexHook {
       // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
       // MaskMod::kSides arrays are read, all inside p.flex_sides).
       const Sides& mask_sides = *reinterpret_cast<const Sides*>(&p.flex_sides.arrays[ScoreMod::kSides]);
-      if (!MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
+      if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
     }
     if constexpr (kScoreModded) {
       const float score = qk * p.softmax_scale;

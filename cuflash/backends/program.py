@@ -69,11 +69,13 @@ class PreparedProgram:
         ).tobytes()
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
-            side_grads: Sequence[Any] = ()) -> list[Any]:
+            side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
         """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
         buffers it allocated, in the program's order. ``sides``: the side arrays of a flex program's mods
         (AttentionParams.flex_sides, in order), ``side_grads``: their float32 gradient buffers (None where a side
-        has none); both become launch buffers too (the simulator checks every access against those)."""
+        has none); ``tiles``: a block mask's tile lists by AttentionParams.flex_tiles member ("kv", "q"), each
+        (counts, indices, full, batch_stride, head_stride) with int32 device arrays. All become launch buffers too
+        (the simulator checks every access against those)."""
         buffers = [arrays[name] for name in self.inputs]
         scratch = []
         for shape, zero_init in self._scratch:
@@ -88,6 +90,12 @@ class PreparedProgram:
             grads["arrays"][: len(side_grads)] = [0 if g is None else address(g) for g in side_grads]
             params["flex_side_grads"] = grads
             buffers += [*sides, *(g for g in side_grads if g is not None)]
+        for member, (counts, indices, full, batch_stride, head_stride) in (tiles or {}).items():
+            lists = params["flex_tiles"][member]
+            lists["counts"], lists["indices"], lists["full"] = address(counts), address(indices), address(full)
+            lists["batch_stride"], lists["head_stride"] = batch_stride, head_stride
+            lists["columns"] = indices.shape[-1]
+            buffers += [counts, indices, full]
         for plan in self._launches:
             backend.launch(plan, params, buffers)
         return scratch

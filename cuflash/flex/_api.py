@@ -16,6 +16,7 @@ from .. import _validation as V
 from .._placement import Placement, ascontiguous, contiguous_last_dim
 from ..backends.program import PreparedProgram
 from ..kernels import plans
+from ..kernels.families import fa2
 from ..kernels.program import MAX_KERNEL_HEADDIM_V, Problem
 from ._kernels import hooked_program
 from ._mod import MAX_SIDES, FlexMod, trace_mask_mod, trace_score_mod
@@ -63,6 +64,7 @@ class _Call:
                              f"{self.problem.headdim_v}")
         self.scale = V.check_softmax_scale(softmax_scale, self.problem.headdim)
         _check_block_mask(block_mask, self.problem)
+        self.block_mask = block_mask
         if mask_mod is None and block_mask is not None:
             mask_mod = block_mask.mask_mod
         self.score_mod = _flex_mod(score_mod, "score", side_grads)
@@ -95,11 +97,32 @@ class _Call:
 
     def program(self, backward: bool) -> Any:
         planner = plans.backward_program if backward else plans.forward_program
-        return hooked_program(planner(_ALGORITHM, self.problem, self.backend.target), self.score_mod, self.mask_mod)
+        return hooked_program(planner(_ALGORITHM, self.problem, self.backend.target), self.score_mod, self.mask_mod,
+                              block_sparse=self.block_mask is not None)
+
+    def tiles(self, backward: bool) -> dict[str, Any] | None:
+        """The block mask through the main kernel's tiles, as PreparedProgram.run takes it: the forward's K/V tiles
+        per Q tile ("kv"), or the backward's Q tiles per K/V tile and kv head ("q"), on the call's device."""
+        if self.block_mask is None:
+            return None
+        target = self.backend.target
+        module = plans.variant_for(_ALGORITHM, self.problem, target).module
+        traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(self.problem),
+                                                                                  target)
+        lists = self.block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=self.problem.group_size)
+        visits = lists.q if backward else lists.kv
+        counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32)
+                                 for x in (visits.counts, visits.indices, visits.full))
+        batch, heads, rows = counts.shape
+        batch_stride = heads * rows if batch > 1 else 0
+        head_stride = rows if heads > 1 else 0
+        upload = self.backend.upload
+        return {"q" if backward else "kv": (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
 
     def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = ()) -> dict[str, Any]:
         prepared = PreparedProgram(self.program(backward), self.problem, self.scale, arrays)
-        scratch = prepared.run(self.backend, arrays, sides=self.sides, side_grads=side_grads)
+        scratch = prepared.run(self.backend, arrays, sides=self.sides, side_grads=side_grads,
+                               tiles=self.tiles(backward))
         return dict(zip(prepared.scratch_names, scratch))
 
 
@@ -119,8 +142,9 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
 
     score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod) or FlexMods.
     block_mask: a cuflash.flex.BlockMask of shape (B, H, seqlen_q, seqlen_k), B and H 1 or q's; its mask_mod is the
-    call's when mask_mod is None. (The kernels evaluate mask_mod on every tile: they do not yet skip the tiles the
-    block mask leaves empty.) Errors (bad shapes or dtypes, an unsupported primitive in a mod) are raised before
+    call's when mask_mod is None. With a block mask the kernels read only the tiles it lists (BlockMask.tile_lists for
+    their tile sizes: a tile it leaves empty is skipped unread, its scores hidden) and run mask_mod on its partial
+    tiles only; without one, mask_mod runs on every score. Errors (bad shapes or dtypes, an unsupported primitive in a mod) are raised before
     any kernel runs."""
     placement = Placement(("q", "k", "v"), (q, k, v))
     q, k, v = contiguous_last_dim(placement.arrays[:3])

@@ -25,11 +25,11 @@ _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_fo
 _NO_DROPOUT = "false"
 
 
-def hook_type(score_mod: FlexMod | None, mask_mod: FlexMod | None) -> str:
-    """The C++ type of the Hook for these mods."""
+def hook_type(score_mod: FlexMod | None, mask_mod: FlexMod | None, block_sparse: bool = False) -> str:
+    """The C++ type of the Hook for these mods (block_sparse: the loops visit a block mask's tile lists)."""
     score = score_mod.qualified_name if score_mod is not None else "cuflash::flex::NoScoreMod"
     mask = mask_mod.qualified_name if mask_mod is not None else "cuflash::flex::NoMaskMod"
-    return f"cuflash::flex::FlexHook<{score}, {mask}>"
+    return f"cuflash::flex::FlexHook<{score}, {mask}, {'true' if block_sparse else 'false'}>"
 
 
 def _generated_source(instance: KernelInstance, score_mod: FlexMod | None, mask_mod: FlexMod | None) -> str:
@@ -42,8 +42,8 @@ def _generated_source(instance: KernelInstance, score_mod: FlexMod | None, mask_
     return "\n".join(lines) + "\n"
 
 
-def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None,
-                    mask_mod: FlexMod | None) -> KernelInstance:
+def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None, mask_mod: FlexMod | None,
+                    block_sparse: bool = False) -> KernelInstance:
     """``instance`` with the mods' FlexHook as its Hook, or ``instance`` itself for a kernel that takes none (the
     backward's pre-pass and convert kernels, the split-KV combine)."""
     name = instance.name_expr
@@ -56,7 +56,7 @@ def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None,
     if len(args) > position:
         raise ValueError(f"{name} already has a Hook or more flags than flex instances expect")
     args += [_NO_DROPOUT] * (position - len(args))
-    args.append(hook_type(score_mod, mask_mod))
+    args.append(hook_type(score_mod, mask_mod, block_sparse))
     text = _generated_source(instance, score_mod, mask_mod)
     path = cache_dir("flex") / f"{kernel}_{hashlib.sha256(text.encode()).hexdigest()[:20]}.cu"
     if not path.is_file() or path.read_text() != text:
@@ -65,8 +65,9 @@ def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None,
     return KernelInstance(str(path), f"{name[:cut]}<{', '.join(args)}>")
 
 
-def hooked_program(program: Program, score_mod: FlexMod | None, mask_mod: FlexMod | None) -> Program:
+def hooked_program(program: Program, score_mod: FlexMod | None, mask_mod: FlexMod | None,
+                   block_sparse: bool = False) -> Program:
     """``program`` with its main kernels replaced by their flex instances (launch shapes unchanged)."""
-    launches = tuple(dataclasses.replace(plan, kernel=hooked_instance(plan.kernel, score_mod, mask_mod))
+    launches = tuple(dataclasses.replace(plan, kernel=hooked_instance(plan.kernel, score_mod, mask_mod, block_sparse))
                      for plan in program.launches)
     return dataclasses.replace(program, launches=launches)

@@ -41,9 +41,10 @@ def _macro_entries(text: str, macro: str) -> list[tuple[str, ...]]:
     return [tuple(a.strip() for a in args.split(",")) for args in re.findall(r"\bX\(([^)]*)\)", m.group(1))]
 
 
-_SCALAR_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "long long": np.int64,
+_SCALAR_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const int*": np.uint64,
+                 "long long": np.int64,
                  "int": np.int32, "unsigned": np.uint32, "float": np.float32}
-_MEMBER = re.compile(r"(const void\*|void\*|float\*|int|unsigned|float|long long|\w+)\s*(\w+)(?:\[(\w+)\])?;")
+_MEMBER = re.compile(r"(const void\*|void\*|float\*|const int\*|int|unsigned|float|long long|\w+)\s*(\w+)(?:\[(\w+)\])?;")
 
 
 def _flex_structs(text: str) -> dict[str, np.dtype]:

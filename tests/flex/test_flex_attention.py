@@ -16,6 +16,8 @@ import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
 from cuflash.flex import create_block_mask, cuda_mod
+from cuflash.kernels.families import fa2, fa2_tc
+from cuflash.kernels.program import Problem
 from cuflash.reference import attention_backward_reference
 from cuflash.testing import random_inputs
 
@@ -39,8 +41,10 @@ def _check_backward(dout, q, k, v, out, lse, **mods):
 
 def test_document_mask_with_a_relative_bias_table_and_its_gradient_float32_gqa():
     """SIMT (float32), GQA 4:2, seqlen_q 37 != seqlen_k 45, head dim 40: packed documents of unequal lengths (query
-    rows of a document the keys lack see no key) and a learned relative-position bias per head, whose gradient
-    (return_aux_grads) matches the reference's d loss / d score summed per table entry."""
+    rows of a document the keys lack see no key, and odd heads are also causal) and a learned relative-position bias
+    per head, whose gradient (return_aux_grads) matches the reference's d loss / d score summed per table entry.
+    A block mask of the same mask_mod (blocks of 16, per head: the backward's lists are the union over each kv head's
+    group) gives bitwise the same results."""
     batch, seqlen_q, seqlen_k, heads, heads_k, headdim = 2, 37, 45, 4, 2, 40
     q, k, v, dout = random_inputs((batch, seqlen_q, seqlen_k, heads, heads_k, headdim), "float32", seed=1)
     rng = np.random.default_rng(2)
@@ -51,18 +55,27 @@ def test_document_mask_with_a_relative_bias_table_and_its_gradient_float32_gqa()
     table = jnp.asarray(rng.standard_normal((heads, span)).astype(np.float32))
 
     def same_document(b, h, q_idx, kv_idx):
-        return doc_q_j[b, q_idx] == doc_k_j[b, kv_idx]
+        return (doc_q_j[b, q_idx] == doc_k_j[b, kv_idx]) & ((h % 2 == 0) | (q_idx >= kv_idx))
 
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + seqlen_k]
 
     mods = dict(score_mod=relative_bias, mask_mod=same_document)
     out, lse = _check_forward(q, k, v, **mods)
-    empty = ~(doc_q[:, :, None] == doc_k[:, None, :]).any(-1)  # (batch, seqlen_q)
+    empty = ~(doc_q[:, :, None] == doc_k[:, None, :]).any(-1)  # (batch, seqlen_q): no key in any head
     assert empty.any() and not empty.all()
     assert np.all(out[empty] == 0) and np.all(lse.transpose(0, 2, 1)[empty] == -np.inf)
     dq, dk, dv = _check_backward(dout, q, k, v, out, lse, **mods)
     assert np.all(dq[empty] == 0)
+
+    block_mask = create_block_mask(same_document, batch, heads, seqlen_q, seqlen_k, block_size=16)
+    sparse = dict(score_mod=relative_bias, block_mask=block_mask)
+    sparse_out, sparse_lse = cuflash.flex_attention(q, k, v, return_lse=True, **sparse)
+    np.testing.assert_array_equal(sparse_out, out)
+    np.testing.assert_array_equal(sparse_lse, lse)
+    for name, got, want in zip(("dq", "dk", "dv"), cuflash.flex_attention_backward(dout, q, k, v, out, lse, **sparse),
+                               (dq, dk, dv)):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} with the block mask")
 
     *grads, (dtable,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, return_aux_grads=True, **mods)
     for name, first, again in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
@@ -159,6 +172,69 @@ def test_sliding_window_with_sinks_and_an_alibi_mod_bfloat16_equals_the_built_in
     for name, got in zip(("dq", "dk", "dv"), flex_grads):
         tol.check_close(f"{name} (ALiBi mod)", got, getattr(bref, name), getattr(bref, name + "_lowp"),
                         tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, seqlen", [("float32", 512), ("float16", 1024)])
+def test_a_block_mask_of_8_documents_reads_an_eighth_of_k_and_v(dtype, seqlen):
+    """8 equal documents whose length is a multiple of the kernel's tiles: with the block mask each Q tile reads the
+    K/V tiles of its own document only (1/8 of the keys; the lists themselves add a few int32 reads per visit), and
+    every visited tile is full, so the mask_mod never runs (it would read the document ids). Without the block mask
+    the kernel reads every K/V tile and evaluates mask_mod per score. The results are bitwise the same (a skipped
+    tile's scores are all hidden: it changes no maximum and adds no term), and the backward reads Q and dO of one
+    document's tiles per K/V tile."""
+    q, k, v, dout = random_inputs((1, seqlen, seqlen, 1, 1, 32), dtype, seed=11)
+    document = jnp.asarray(np.arange(seqlen, dtype=np.int32) // (seqlen // 8))
+
+    def same_document(b, h, q_idx, kv_idx):
+        return document[q_idx] == document[kv_idx]
+
+    block_mask = create_block_mask(same_document, None, None, seqlen, seqlen, block_size=seqlen // 8)
+    assert block_mask.sparsity() == pytest.approx(100 * 7 / 8)  # percent of the blocks empty
+    bytes_read, results = {}, {}
+    for name, mods in (("dense", dict(mask_mod=same_document)), ("sparse", dict(block_mask=block_mask))):
+        with sim.record() as forward:
+            out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
+        with sim.record() as backward:
+            grads = cuflash.flex_attention_backward(dout, q, k, v, out, lse, **mods)
+        bytes_read[name] = (forward.launches[0].global_bytes_read, backward.launches[1].global_bytes_read)
+        results[name] = (out, lse, *grads)
+    for name, sparse, dense in zip(("out", "lse", "dq", "dk", "dv"), results["sparse"], results["dense"]):
+        np.testing.assert_array_equal(sparse, dense, err_msg=name)
+
+    itemsize = np.dtype(q.dtype).itemsize
+    q_bytes = seqlen * 32 * itemsize
+    plain = Problem(dtype, 1, seqlen, seqlen, 1, 1, 32)
+    dense_kv = fa2_family(dtype).forward_traffic(plain, sim.current_target()).read - q_bytes
+    sparse_kv = bytes_read["sparse"][0] - q_bytes
+    assert dense_kv / 8 <= sparse_kv <= 1.3 * dense_kv / 8, (sparse_kv, dense_kv)
+    assert bytes_read["dense"][0] > dense_kv  # every tile, and the document ids per score
+    assert bytes_read["sparse"][1] < bytes_read["dense"][1] / 8
+
+
+def test_block_mask_lists_with_gaps_float16_gqa():
+    """Tensor cores (float16), GQA 4:2, odd lengths: interleaved documents (chunks of 128 rows, document = chunk % 2)
+    and per-head causality, through a block mask of 32-row blocks: the kernels' lists skip tiles in the middle (the
+    backward's Q tiles per K/V tile too, its next step then found anew) and mix full and partial tiles. Bitwise the
+    results of the mask_mod alone, which meet the rule against the reference."""
+    seqlen_q, seqlen_k, heads = 301, 283, 4
+    q, k, v, dout = random_inputs((1, seqlen_q, seqlen_k, heads, 2, 32), "float16", seed=13)
+
+    def interleaved(b, h, q_idx, kv_idx):
+        return ((q_idx // 128) % 2 == (kv_idx // 128) % 2) & ((h < 2) | (kv_idx <= q_idx))
+
+    out, lse = _check_forward(q, k, v, mask_mod=interleaved)
+    grads = _check_backward(dout, q, k, v, out, lse, mask_mod=interleaved)
+    block_mask = create_block_mask(interleaved, None, heads, seqlen_q, seqlen_k, block_size=32)
+    sparse_out, sparse_lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    np.testing.assert_array_equal(sparse_out, out)
+    np.testing.assert_array_equal(sparse_lse, lse)
+    for name, got, want in zip(("dq", "dk", "dv"), cuflash.flex_attention_backward(dout, q, k, v, out, lse,
+                                                                                  block_mask=block_mask), grads):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} with the block mask")
+
+
+def fa2_family(dtype):
+    return fa2 if dtype == "float32" else fa2_tc
 
 
 def test_bad_inputs_raise_before_any_kernel():
