@@ -79,21 +79,25 @@ class _Call:
             self.sides = [self._placed(m, i, value) for m in mods for i, value in enumerate(m.kernel_side_values())]
 
     def _placed(self, mod: FlexMod, index: int, value: Any) -> Any:
-        """A side array on the call's device, C-contiguous, of the dtype and shape the mod was compiled for."""
+        """A side array on the call's device, C-contiguous, of the dtype and shape the mod was compiled for (a
+        bfloat16 one travels to a GPU as its 16-bit words: CuPy has no bfloat16; the kernel reads the bits)."""
         spec = mod.sides[index]
         if self.placement.on_gpu and type(value).__module__.startswith("cupy"):
-            placed = ascontiguous(value)
+            array, host = ascontiguous(value), None
         else:
             try:
-                host = np.asarray(value)
+                array = host = np.ascontiguousarray(value)
             except Exception as e:  # a tracer: flex_attention on NumPy / CuPy takes concrete arrays
                 raise TypeError(f"{mod.kind}_mod {mod.name}: captured array {spec.name} is not concrete "
                                 f"({type(value).__name__}): {e}") from None
-            placed = self.backend.upload(np.ascontiguousarray(host))
-        if tuple(placed.shape) != spec.shape or str(placed.dtype) != spec.stored_dtype:
-            raise ValueError(f"{mod.kind}_mod {mod.name}: captured array {spec.name} is {placed.dtype}"
-                             f"{list(placed.shape)}, compiled for {spec.stored_dtype}{list(spec.shape)}")
-        return placed
+        if tuple(array.shape) != spec.shape or str(array.dtype) != spec.stored_dtype:
+            raise ValueError(f"{mod.kind}_mod {mod.name}: captured array {spec.name} is {array.dtype}"
+                             f"{list(array.shape)}, compiled for {spec.stored_dtype}{list(spec.shape)}")
+        if host is None:
+            return array
+        if self.placement.on_gpu and spec.stored_dtype == "bfloat16":
+            host = host.view(np.uint16)
+        return self.backend.upload(host)
 
     def program(self, backward: bool) -> Any:
         planner = plans.backward_program if backward else plans.forward_program
@@ -140,7 +144,9 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
     (scale = softmax_scale, default 1 / sqrt(headdim)); out = softmax(scores) v per row, and lse = logsumexp of the
     scores (float32 (batch, nheads, seqlen_q)) with return_lse. A row that sees no key gets out 0 and lse -inf.
 
-    score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod) or FlexMods.
+    score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod at every call,
+    so that the arrays they capture are read anew) or FlexMods (traced once; their captured values as traced).
+    A kernel instance is compiled per mod structure and kernel tiles (cached on disk: new captured values reuse it).
     block_mask: a cuflash.flex.BlockMask of shape (B, H, seqlen_q, seqlen_k), B and H 1 or q's; its mask_mod is the
     call's when mask_mod is None. With a block mask the kernels read only the tiles it lists (BlockMask.tile_lists for
     their tile sizes: a tile it leaves empty is skipped unread, its scores hidden) and run mask_mod on its partial
