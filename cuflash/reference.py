@@ -142,6 +142,50 @@ class _Scores:
         return scaled, dscore
 
 
+class _Mods:
+    """A call's user mods (FlexAttention's score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx),
+    cuflash.flex_attention's), evaluated element by element on a block: every (query head, row, key) of it at once,
+    the indices as int32 arrays broadcast to the block's shape. The mods are the user's Python functions (jax.numpy
+    code), run with 64-bit JAX types on, so a float64 score stays float64 (captured float32 arrays are read as they
+    are). d score_mod / d score comes from jax.jvp in score (the mods are element-wise)."""
+
+    def __init__(self, score_mod, mask_mod, acc):
+        self.score_mod, self.mask_mod, self.acc = score_mod, mask_mod, acc
+
+    def __bool__(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None
+
+    @staticmethod
+    def _indices(b, heads: slice, rows: range, seqlen_k: int):
+        return (np.int32(b), np.arange(heads.start, heads.stop, dtype=np.int32)[:, None, None],
+                np.arange(rows.start, rows.stop, dtype=np.int32)[None, :, None],
+                np.arange(seqlen_k, dtype=np.int32)[None, None, :])
+
+    def scores(self, scaled, dscore, b, heads: slice, rows: range):
+        """(score_mod(scaled), dscore times d score_mod / d score) of a (group, rows, seqlen_k) block."""
+        if self.score_mod is None:
+            return scaled, dscore
+        import jax
+
+        index = self._indices(b, heads, rows, scaled.shape[-1])
+        with jax.enable_x64(True):
+            value, slope = jax.jvp(lambda s: self.score_mod(s, *index), (jax.numpy.asarray(scaled),),
+                                   (jax.numpy.ones_like(scaled),))
+        shape = scaled.shape
+        return (np.broadcast_to(np.asarray(value, dtype=self.acc), shape),
+                dscore * np.broadcast_to(np.asarray(slope, dtype=self.acc), shape))
+
+    def visible(self, visible, b, heads: slice, rows: range):
+        """The block's visibility (rows, seqlen_k) narrowed by mask_mod to (group, rows, seqlen_k)."""
+        if self.mask_mod is None:
+            return visible
+        import jax
+
+        with jax.enable_x64(True):
+            kept = np.asarray(self.mask_mod(*self._indices(b, heads, rows, visible.shape[-1])), dtype=bool)
+        return visible & kept
+
+
 def _blocks(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int):
     """Yield (b, kv_head, query heads slice, query rows range): the units the score matrix is formed in.
 
@@ -241,7 +285,7 @@ def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                        dropout_mask=None, dtype=np.float64, sinks=None):
+                        dropout_mask=None, dtype=np.float64, sinks=None, score_mod=None, mask_mod=None):
     """Attention forward. Returns ``(out, lse)``.
 
     out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
@@ -249,7 +293,9 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     they mean for ``cuflash.attention``. With ``dropout_p`` > 0, ``dropout_mask`` (bool, (batch, nheads,
     seqlen_q, seqlen_k), True = kept; ``cuflash.dropout_mask`` makes the kernels' one) multiplies P by
     keep / (1 - dropout_p) before P V; the lse is unchanged. ``sinks`` (nheads,): head h's logit s_h joins each
-    row's softmax denominator with no value (the lse includes it; a row that sees no key gets lse s_h). See the
+    row's softmax denominator with no value (the lse includes it; a row that sees no key gets lse s_h).
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``: cuflash.flex_attention's mods
+    (Python functions; score_mod applies after softcap and ALiBi, mask_mod hides scores besides the mask). See the
     module docstring for masking, GQA and the low-precision emulation that ``dtype`` selects.
     """
     dtype = resolve_dtype(dtype)
@@ -261,14 +307,16 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     sinks = _sinks(sinks, nheads, acc)
+    mods = _Mods(score_mod, mask_mod, acc)
     out = np.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=acc)  # v's head dim
     lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=acc)
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
-        visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
+        visible = mods.visible(_visible_keys(rows, seqlen_q, seqlen_k, mask), b, heads, rows)
         qg = _group_rows(q, b, heads, rows)
         _, _, out_g, lse_g, _ = _forward_block(qg, k[b, :, kv_head, :], v[b, :, kv_head, :], visible,
-                                            lambda qk: scores_of(qk, b, heads, rows), dropout_of(b, heads, rows),
-                                            dtype, acc, None if sinks is None else sinks[heads])
+                                            lambda qk: mods.scores(*scores_of(qk, b, heads, rows), b, heads, rows),
+                                            dropout_of(b, heads, rows), dtype, acc,
+                                            None if sinks is None else sinks[heads])
         out[b, rows.start:rows.stop, heads, :] = out_g.transpose(1, 0, 2)
         lse[b, heads, rows.start:rows.stop] = lse_g
     return out.astype(dtype), lse
@@ -276,7 +324,8 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
 
 def attention_backward_reference(
     dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64, sinks=None
+    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64, sinks=None,
+    score_mod=None, mask_mod=None, return_score_grads: bool = False
 ):
     """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``, and with
     ``sinks`` also d / d sinks, -sum_rows e^{s_h - lse} D (in the accumulator: (dq, dk, dv, dsinks)).
@@ -288,6 +337,9 @@ def attention_backward_reference(
     dV = (P Z)^T dO and dP = (dO V^T) Z; D = rowsum(dO * O) is unchanged (O is the dropped output).
     In the low-precision emulation P, O, dP and dS are rounded to ``dtype`` as a kernel feeding them to MMAs
     would, D and the group sums stay in the accumulator, and each gradient is rounded once at the end.
+    ``score_mod`` / ``mask_mod`` as for attention_reference (score' then includes d score_mod / d score).
+    ``return_score_grads``: also return P * (dP - D), d loss / d score per (batch, head, row, key) in the
+    accumulator (what flows into the arrays a score_mod reads), after the other results.
     """
     dtype = resolve_dtype(dtype)
     acc = accumulator_dtype(dtype)
@@ -305,16 +357,20 @@ def attention_backward_reference(
     dq = np.zeros(q.shape, dtype=acc)
     dk = np.zeros(k.shape, dtype=acc)
     dv = np.zeros(v.shape, dtype=acc)
+    mods = _Mods(score_mod, mask_mod, acc)
+    score_grads = np.zeros((batch, nheads, seqlen_q, seqlen_k), dtype=acc) if return_score_grads else None
     for b, kv_head, heads, rows in _blocks(batch, seqlen_q, seqlen_k, nheads, nheads_k):
-        visible = _visible_keys(rows, seqlen_q, seqlen_k, mask)
+        visible = mods.visible(_visible_keys(rows, seqlen_q, seqlen_k, mask), b, heads, rows)
         qg = _group_rows(q, b, heads, rows)
         dog = _group_rows(dout, b, heads, rows)
         kb, vb = k[b, :, kv_head, :], v[b, :, kv_head, :]
         dropout = dropout_of(b, heads, rows)
         sink = None if sinks is None else sinks[heads]
-        probabilities, dropped, out_g, lse_g, dscore = _forward_block(qg, kb, vb, visible,
-                                                                      lambda qk: scores_of(qk, b, heads, rows),
-                                                                      dropout, dtype, acc, sink)
+        probabilities, dropped, out_g, lse_g, dscore = _forward_block(
+            qg, kb, vb, visible, lambda qk: mods.scores(*scores_of(qk, b, heads, rows), b, heads, rows), dropout,
+            dtype, acc, sink)
+        if mods:  # a mod's derivative where it hides the score (or where the mod is undefined) is no gradient
+            dscore = np.where(visible, dscore, 0.0).astype(acc)
         # (group, sk, d) per query head, summed over the group and the row blocks in the accumulator; the
         # gradients are rounded to ``dtype`` once, at the end.
         dv[b, :, kv_head, :] += (dropped.transpose(0, 2, 1) @ dog).sum(axis=0)
@@ -324,11 +380,14 @@ def attention_backward_reference(
         delta = np.sum(dog * out_g, axis=-1, keepdims=True)
         if sink is not None:  # d out / d s_h = -p_sink out, p_sink = e^{s_h - lse}
             dsinks[heads] -= np.sum(np.exp(sink[:, None] - lse_g) * delta[..., 0], axis=-1)
+        if score_grads is not None:
+            score_grads[b, heads, rows.start:rows.stop, :] = probabilities * (dprobabilities - delta)
         dscores = _round(probabilities * (dprobabilities - delta) * dscore, dtype, acc)
         dq[b, rows.start:rows.stop, heads, :] = ((dscores @ kb) * acc.type(scale)).transpose(1, 0, 2)
         dk[b, :, kv_head, :] += (dscores.transpose(0, 2, 1) @ qg).sum(axis=0) * acc.type(scale)
     grads = dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
-    return grads if dsinks is None else (*grads, dsinks)
+    grads = grads if dsinks is None else (*grads, dsinks)
+    return grads if score_grads is None else (*grads, score_grads)
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):

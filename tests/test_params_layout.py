@@ -69,7 +69,12 @@ def test_the_mirror_is_derived_from_the_header_not_copied():
         "int num_kv_splits;", "int num_kv_splits;\n  float new_scalar;").replace(
         "X(dv, Key, V, Out)", "X(dv, Key, V, Out) \\\n  X(dbias, Query, QK, Out)")
     fields, tensors, side_buffers = params.header_fields(grown)
-    assert side_buffers[-1] == "extra_buffer" and fields[-1] == ("new_scalar", "float")
+    assert side_buffers[-1] == "extra_buffer"
+    assert fields[fields.index(("num_kv_splits", "int")) + 1] == ("new_scalar", "float")
+    # The mods' side arrays (attention_params.cuh's flex structs) come from the header's structs too.
+    assert fields[-1] == ("flex_tiles.q.columns", "flex::TileLists")
+    grown_sides = text.replace("int shape[kMaxSideDims];", "int shape[kMaxSideDims];\n  int extra;")
+    assert ("flex_sides.arrays[0].extra", "flex::Sides") in params.header_fields(grown_sides)[0]
     assert tensors[-1] == params.TensorField("dbias", "Query", "QK", "Out")
     assert ("dbias", "void*") in fields and ("dbias_stride.head", "long long") in fields
     with pytest.raises(ValueError, match="cannot read the AttentionParams member 'double oops;'"):

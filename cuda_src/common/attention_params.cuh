@@ -20,6 +20,49 @@
 
 namespace cuflash {
 
+// The side arrays of user mods (cuflash.flex: score_mod / mask_mod compiled into a kernel as a template argument,
+// cuda_src/common/flex_mod.cuh says how they are read). Declared here because AttentionParams carries them; a
+// kernel without a mod never reads them and the API leaves them null. The Python mirror (params.py) reads the
+// constants and these three structs from this text too.
+namespace flex {
+constexpr int kMaxSides = 4;     // side arrays of a kernel's mods, together
+constexpr int kMaxSideDims = 4;  // dims of one side array
+// One side array: its data and element strides. Its dtype is known statically by the emitted code; shape
+// is the one the mod was traced with (traced mods clamp indices with that static shape).
+struct SideArray {
+  const void* data;
+  long long strides[kMaxSideDims];  // in elements
+  int shape[kMaxSideDims];
+};
+struct Sides {
+  SideArray arrays[kMaxSides];
+};
+// Gradients to float side arrays (score mods traced with side_grads): one float32 array per side, contiguous
+// and row-major in the side's shape, that side_grads adds into atomically (null for sides without one).
+struct SideGrads {
+  float* arrays[kMaxSides];
+};
+// A block mask seen through a kernel's tiles (cuflash.flex.BlockMask.tile_lists): per (batch, head, row tile) the
+// column tiles its loop visits, in increasing order, and whether each is full (every score visible: no mask_mod).
+// Tile (b, h, r)'s list is entry (b batch_stride + h head_stride + r) of counts, and that row of `columns` entries
+// of indices and full (int32 words; full 1 or 0).
+struct TileVisits {
+  const int* counts;
+  const int* indices;
+  const int* full;
+  long long batch_stride;  // row tiles between batches (0: one list for every batch)
+  long long head_stride;   // between heads (0: one for every head)
+  int columns;
+};
+// kv: per Q tile its K/V tiles (the forward's loop); q: per K/V tile its Q tiles (the backward's), per kv head
+// (the backward's block loops over the group's query heads: a Q tile is visited if some head of the group visits it,
+// full if full for every one).
+struct TileLists {
+  TileVisits kv;
+  TileVisits q;
+};
+}  // namespace flex
+
 struct TensorStrides {
   long long batch;
   long long row;
@@ -163,6 +206,13 @@ struct AttentionParams {
   // x / num_kv_splits and the K/V blocks of split x % num_kv_splits (mask.cuh's split_kv_blocks); with more than
   // one split it writes float32 partial results (out_accum, lse_accum) that the combine kernel merges. 1: no split.
   int num_kv_splits;
+
+  // User mods (cuflash.flex, flex/flex_hook.cuh): the score_mod's side arrays first, then the mask_mod's; the float32
+  // gradient buffers of the score_mod's sides (backward with side gradients). Last in the struct, so the fields
+  // above keep their offsets and kernels without a mod their code.
+  flex::Sides flex_sides;
+  flex::SideGrads flex_side_grads;
+  flex::TileLists flex_tiles;  // with a block mask (FlexHook's BlockSparse), else unused
 };
 
 }  // namespace cuflash

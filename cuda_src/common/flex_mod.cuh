@@ -18,28 +18,12 @@
 #pragma once
 
 #include "../arch/arch.cuh"
+#include "attention_params.cuh"
 
 namespace cuflash::flex {
 
-// A mod reads at most this many side arrays, of at most kMaxSideDims dims (cuflash/flex/_mod.py's twins).
-constexpr int kMaxSides = 4;
-constexpr int kMaxSideDims = 4;
-
-// One side array: its data and element strides. Its dtype is known statically by the emitted code; shape
-// is the one the mod was traced with (traced mods clamp indices with that static shape; a kernel may check it).
-struct SideArray {
-  const void* data;
-  long long strides[kMaxSideDims];  // in elements
-  int shape[kMaxSideDims];
-};
-struct Sides {
-  SideArray arrays[kMaxSides];
-};
-// Gradients to float side arrays (score mods traced with side_grads): one float32 array per side, contiguous
-// and row-major in the side's shape, that side_grads adds into atomically.
-struct SideGrads {
-  float* arrays[kMaxSides];
-};
+// SideArray, Sides and SideGrads (kMaxSides arrays of at most kMaxSideDims dims) are declared with AttentionParams,
+// which carries them (common/attention_params.cuh).
 
 // What a side element of stored type T reads as: float for the float types, int for int32 (int8 / uint8
 // travel widened to int32), bool for bool (stored as an int32 0 / 1: global loads move 2 bytes or more).

@@ -190,7 +190,21 @@ __device__ __forceinline__ float tanh_by_exp2(float x) {
   return 1.f - __fdividef(2.f, arch::exp2_approx(x * (2.f * kLog2e)) + 1.f);
 }
 
+// The tiles a kernel's loop visits, by position i in [begin, end): here every tile of a range (tile(i) = i), which
+// is what the kernels visit but with a block mask (flex_hook.cuh's TileListVisits, the other kind). full(i): whether
+// the tile needs no user mask_mod (never known here).
+struct TileRangeVisits {
+  int begin;
+  int end;
+  __device__ __forceinline__ bool empty() const { return end <= begin; }
+  __device__ __forceinline__ int tile(int i) const { return i; }
+  __device__ __forceinline__ bool full(int) const { return false; }
+};
+
 struct ScoreHook {
+  // What flex_hook.cuh's FlexHook adds, absent here: gradients to side arrays, block-sparse tile lists.
+  static constexpr bool kHasSideGrads = false;
+  static constexpr bool kBlockSparse = false;
   // The kernel's parameters: the softcap factors (AttentionParams packs c / scale and scale / c) and the diagonal
   // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
   // tensor-core kernels run at the register limit).
@@ -227,6 +241,20 @@ struct ScoreHook {
     if (slope != 0.f) qk -= slope * static_cast<float>(abs(MaskPolicy::of(p, info).diagonal(row) - key));
     return qk;
   }
+
+  __device__ __forceinline__ void side_grads(float, float, int, int) const {}
+
+  // The K/V tiles Q tile m_block visits (forward), and the Q tiles K/V tile n_block is visited by (backward): those
+  // of the mask's range.
+  __device__ __forceinline__ static TileRangeVisits kv_visits(const AttentionParams&, const BlockInfo&, int,
+                                                             IndexRange range) {
+    return TileRangeVisits{range.begin, range.end};
+  }
+  __device__ __forceinline__ static TileRangeVisits q_visits(const AttentionParams&, int, int, int, IndexRange range) {
+    return TileRangeVisits{range.begin, range.end};
+  }
+  // The hook for one visited tile (FlexHook skips its mask_mod on full tiles).
+  __device__ __forceinline__ ScoreHook for_tile(bool) const { return *this; }
 };
 
 // What fa1 and standard attention call where fa2 calls ScoreHook: the identity (the Python plans refuse softcap and

@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(fa2::RowKernel::kThreads) fa2_dout_dot_out_ker
 // __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
 // so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
 // value at head dim 96 to stay at 128 registers).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -228,9 +229,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
           for (int e = 0; e < 4; ++e) acc_dk[i][a][j][e] = acc_dv[i][a][j][e] = 0.f;
 
     const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+    // The Q blocks visited: those of m_range, or a block mask's list (flex_hook.cuh), the same for the group's heads.
+    const auto visits = Hook::q_visits(p, batch, kv_head, n_block, m_range);
     for (int h = 0; h < group; ++h) {
       const BlockInfo info = BlockInfo::of_group(p, batch, kv_head, h);
-      const ScoreHook score_hook = ScoreHook::of(p, info);
+      const Hook score_hook = Hook::of(p, info);
       const Dropout dropout = Dropout::of(p, batch, info.head);
       const T* q_head = info.q<T>(p);
       const T* do_head = info.dout<T>(p);
@@ -238,7 +241,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
       float* dq_head = info.dq_accum(p, dq_slice);
       const long long dq_row_stride = BlockInfo::dense_row_stride(p);
 
-      for (int m_block = m_range.begin; m_block < m_range.end; ++m_block) {
+      for (int visit = visits.begin; visit < visits.end; ++visit) {
+        const int m_block = visits.tile(visit);
+        const Hook tile_hook = score_hook.for_tile(visits.full(visit));
         const int row0 = m_block * BlockM;
         const int block_rows = min(BlockM, mask.seqlen_q - row0);
         const int step_tid = thread_index;
@@ -279,12 +284,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
             for (int j = 0; j < STile::kN; ++j) {
               const int c = s_key + j * STile::kThreadsN;
               float dscore;  // d score / d (scale q.k)
-              const float qk = score_hook(s[i][j], row0 + r, key0 + c, dscore);
+              const float qk = tile_hook(s[i][j], row0 + r, key0 + c, dscore);
               float prob = arch::exp2_approx(fmaf(qk, softmax_scale, -lse) * kLog2e);
               if (needs_mask && !mask.visible(row0 + r, key0 + c)) prob = 0.f;
               const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
               p_tile[r * Tr::kPStride + c] = prob * kept;
               ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
+              // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D) (mods run without dropout).
+              if constexpr (Hook::kHasSideGrads)
+                if (prob != 0.f) tile_hook.side_grads(prob * (dp[i][j] - dot), s[i][j], row0 + r, key0 + c);
             }
           }
         }

@@ -107,7 +107,8 @@ struct ForwardTraits {
 // __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
 // so ptxas need not squeeze under a register-occupancy cliff (without it, it spilled a setup
 // value at head dim 96 to stay at 128 registers).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const AttentionParams p) {
   static_assert(is_element_type<T>::value, "float, __half or __nv_bfloat16");
   using Tr = fa2::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -137,9 +138,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
   const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
   const MaskPolicy mask = MaskPolicy::of(p, info);
-  const ScoreHook score_hook = ScoreHook::of(p, info);
+  const Hook score_hook = Hook::of(p, info);
   const IndexRange n_range = split_kv_blocks<BlockN>(mask.kv_blocks<BlockN>(row0, row0 + block_rows), mask.seqlen_k,
                                                      blockIdx.x % p.num_kv_splits, p.num_kv_splits);
+  // The K/V blocks the loop visits: those of n_range, or a block mask's list (flex_hook.cuh).
+  const auto visits = Hook::kv_visits(p, info, m_block, n_range);
 
   // This thread's rows (absolute index of its i-th row = first_row + i * kLaneRows).
   const int warp_row0 = warp * Tr::kRowsPerWarp;
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       for (int e = 0; e < 4; ++e) acc_o[i][j][e] = 0.f;
   }
 
-  if (!n_range.empty()) {
+  if (!visits.empty()) {
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
     float* q_tile = smem + Tr::kQOffset;
     float* k_tile = smem + Tr::kKOffset;
@@ -172,7 +175,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     const int k_extent = min(HeadDim, (d + 3) / 4 * 4);
     const float scale_log2 = p.softmax_scale_log2;
 
-    for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
+    for (int visit = visits.end - 1; visit >= visits.begin; --visit) {
+      const int n_block = visits.tile(visit);
+      const Hook tile_hook = score_hook.for_tile(visits.full(visit));
       const int key0 = n_block * BlockN;
       const int block_keys = min(BlockN, mask.seqlen_k - key0);
       __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
@@ -196,7 +201,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
         for (int i = 0; i < TM; ++i)
 #pragma unroll
           for (int j = 0; j < TN; ++j)
-            s[i][j] = score_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+            s[i][j] = tile_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
       }
       if (mask.tile_needs_mask(row0, block_rows, key0, BlockN)) {
 #pragma unroll

@@ -245,7 +245,8 @@ struct StepRows {
 }  // namespace fa2tc
 
 // WithDropout: a template flag, as in the tensor-core forward (a runtime flag spilled the instances without it).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core backward takes __half or __nv_bfloat16");
   using Tr = fa2tc::BackwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -312,7 +313,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     // The steps: the group's heads, each over the Q blocks that see the K/V block (the same blocks for every head of
     // the group: one sequence, one mask).
     const IndexRange m_range = MaskPolicy::of(p, kv_info).q_blocks<BlockM>(key0, key0 + block_keys());
-    const int steps = group * max(m_range.end - m_range.begin, 0);
+    // The Q blocks visited: those of m_range, or a block mask's list (flex_hook.cuh), the same for the group's heads;
+    // a step's position in it (without a block mask the position is the Q block itself).
+    const auto visits = Hook::q_visits(p, batch, kv_head, n_block, m_range);
+    const int steps = group * max(visits.end - visits.begin, 0);
     // A step is (query head, Q block), heads outer from the group's first head; the next step's, from this one's by
     // a compare (no division by the runtime number of Q blocks or by the group size in the loop), and so are its
     // rows (StepRows). The sequence's query count is the same for every head.
@@ -336,7 +340,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
     // flips by an XOR per step instead of a select on the step's parity).
     int q_offset = Tr::kQOffset;
     constexpr int kOtherQBuffer = Tr::kQOffset ^ Tr::kQ1Offset;
-    int head = kv_info.head, m_block = m_range.begin;  // this step's
+    int head = kv_info.head, m_block = visits.tile(visits.begin), visit = visits.begin;  // this step's
     Rows rows = rows_of(head, m_block);
     if (steps > 0) {
       copy_rows(smem + q_offset, rows.q, p.q_stride.row, rows.q_vector, rows_in(m_block), d);
@@ -361,9 +365,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       auto block_rows = [&] { return rows_in(m_block); };
       unsigned char* q_tile = smem + q_offset;
       // The next step's head, Q block and rows.
-      const bool head_ends = m_block + 1 == m_range.end;
-      const int next_m_block = head_ends ? m_range.begin : m_block + 1;
-      const Rows next = head_ends ? rows_of(head + 1, next_m_block) : rows.advanced(p, BlockM);
+      const int position = Hook::kBlockSparse ? visit : m_block;
+      const bool head_ends = position + 1 == visits.end;
+      const int next_position = head_ends ? visits.begin : position + 1;
+      const int next_m_block = Hook::kBlockSparse ? visits.tile(next_position) : next_position;
+      const Rows next = head_ends             ? rows_of(head + 1, next_m_block)
+                        : Hook::kBlockSparse ? rows_of(head, next_m_block)  // not the next block: found anew
+                                             : rows.advanced(p, BlockM);
       // Everyone is done with the previous step's P, dS, lse, D and its Q buffer (read by dK += dS^T Q), which
       // the next Q block now fills.
       __syncthreads();
@@ -388,7 +396,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         const bool masked = mask.tile_needs_mask(row0, block_rows(), key0, BlockN);
         // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
         // limit), for one cached load per Q block.
-        const ScoreHook score_hook = ScoreHook::of(p, info);
+        const Hook score_hook = Hook::of(p, info).for_tile(visits.full(position));
         // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
         // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
         // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
@@ -431,6 +439,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                     prob[e] *= kept;
                   } else {
                     grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
+                    // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D).
+                    if constexpr (Hook::kHasSideGrads)
+                      if (hooked && prob[e] != 0.f)
+                        score_hook.side_grads(prob[e] * (dp.c[i][j][2 * half + e] - dot), s.c[i][j][2 * half + e],
+                                              row0 + r, key0 + c + e);
                   }
                 }
                 const int at = Tr::kStorePairsFromBase ? stores.at(i, half, j) : PTile::element_offset(r, c);
@@ -519,6 +532,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
       }
       head += head_ends;
       m_block = next_m_block;
+      visit = next_position;
       rows = next;
       q_offset ^= kOtherQBuffer;
     }

@@ -106,7 +106,8 @@ struct ForwardTraits {
 // WithDropout: dropout (dropout.cuh) is a template flag here, as in FA2: its Philox work inside the K/V loop would
 // push the instances without it past the register limit (a runtime flag spilled 100 to 600 bytes per instance),
 // and the instances with it take their own tiles (fa2_tc.py).
-template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false>
+// Hook: the per-score transform (mask.cuh's ScoreHook; flex_hook.cuh's FlexHook for a user's mods).
+template <class T, int HeadDim, int BlockM, int BlockN, int Warps, bool WithDropout = false, class Hook = ScoreHook>
 __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the tensor-core forward takes __half or __nv_bfloat16");
   using Tr = fa2tc::ForwardTraits<HeadDim, BlockM, BlockN, Warps>;
@@ -130,10 +131,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen): before any barrier
   // The sequence's lengths are re-read where used (block_info.cuh): nothing derived from them stays live.
   auto block_rows = [&] { return min(BlockM, info.seqlen_q(p) - row0); };
-  const ScoreHook score_hook = ScoreHook::of(p, info);
+  const Hook score_hook = Hook::of(p, info);
   const IndexRange n_range =
       split_kv_blocks<BlockN>(MaskPolicy::of(p, info).kv_blocks<BlockN>(row0, row0 + block_rows()), info.seqlen_k(p),
                               blockIdx.x % p.num_kv_splits, p.num_kv_splits);
+  // The K/V blocks the loop visits: those of n_range, or a block mask's list (flex_hook.cuh).
+  const auto visits = Hook::kv_visits(p, info, m_block, n_range);
 
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   // Block-relative row of this lane's accumulator row r (strip r / 2, half r % 2).
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   unsigned char* k_tile = smem + Tr::kKOffset;
   unsigned char* v_tile = smem + Tr::kVOffset;
 
-  if (!n_range.empty()) {
+  if (!visits.empty()) {
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
     const bool q_vector = fa2tc::rows_16b_aligned(q, p.q_stride.row);
     const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
@@ -166,8 +169,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // contiguous or paged with every block inside one page (FA2's paged layout: pages a multiple of the block);
     // per block, every key row in the sequence.
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
+    // (Not with a block mask: the whole copies' addresses step one block back per visit.)
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
-                         (p.block_table == nullptr || (Tr::kPagedWholeCopiesFit && p.page_size % BlockN == 0));
+                         (p.block_table == nullptr || (Tr::kPagedWholeCopiesFit && p.page_size % BlockN == 0)) &&
+                         !Hook::kBlockSparse;
     // This thread's first chunk of the K block a step prefetches (n_block - 1) and of the V block it loads
     // (n_block), meaningful where kv_whole and contiguous: carried from step to step, one block back each (a 64-bit
     // subtraction), where a base plus key0 * stride cost 9 instructions per copy. Paged, a block's first chunk is
@@ -204,11 +209,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const auto v_at = fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane)).pinned(lane);
 
     fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
-    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, (n_range.end - 1) * BlockN),
-                                           block_keys(n_range.end - 1), d, k_vector, threadIdx.x);
+    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, visits.tile(visits.end - 1) * BlockN),
+                                           block_keys(visits.tile(visits.end - 1)), d, k_vector, threadIdx.x);
     arch::cp_async_commit();
 
-    for (int n_block = n_range.end - 1; n_block >= n_range.begin; --n_block) {
+    for (int visit = visits.end - 1; visit >= visits.begin; --visit) {
+      const int n_block = visits.tile(visit);
       const int key0 = n_block * BlockN;
       arch::cp_async_wait<0>();
       __syncthreads();  // K_j (and Q) visible to all; every warp is done with V_{j+1}
@@ -232,9 +238,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
       // branches and the key index per score) in every tile of plain attention.
-      if (score_hook.active())
+      if (score_hook.active()) {
+        const Hook tile_hook = score_hook.for_tile(visits.full(visit));  // FlexHook: mask_mod on partial tiles only
         fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
-                              [&](float& x, int row, int key) { x = score_hook(x, row, key); });
+                              [&](float& x, int row, int key) { x = tile_hook(x, row, key); });
+      }
       if (!unmasked.contains(n_block)) {
         fa2tc::mask_tile(s, mask, mask.tile_edges(row0, min(BlockM, mask.seqlen_q - row0), key0, BlockN),
                          row0 + warp_row0, key0, lane);
@@ -242,16 +250,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
 
       arch::cp_async_wait<0>();
       __syncthreads();  // V_j visible to all; every warp is done with K_j
-      if (n_block > n_range.begin) {
-        if (kv_whole && n_block - 1 < unmasked.end) {
+      if (visit > visits.begin) {
+        // The next visited block: the one before (without a block mask, as the expressions the whole copies use).
+        const int next_block = Hook::kBlockSparse ? visits.tile(visit - 1) : n_block - 1;
+        const int next_key0 = Hook::kBlockSparse ? next_block * BlockN : key0 - BlockN;
+        if (kv_whole && next_block < unmasked.end) {
           if constexpr (kWholeCopies)
             fa2tc::load_whole_tile<KVTile, Tr::kThreads>(
                 k_tile,
-                Tr::kPagedWholeCopiesFit && p.block_table != nullptr ? whole_in_page(info.k_rows<T>(p, key0 - BlockN))
+                Tr::kPagedWholeCopiesFit && p.block_table != nullptr ? whole_in_page(info.k_rows<T>(p, next_key0))
                                                                      : k_whole,
                 p.k_stride.row, threadIdx.x);
         } else {
-          fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, key0 - BlockN), block_keys(n_block - 1),
+          fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, next_key0), block_keys(next_block),
                                                  d, k_vector, threadIdx.x);
         }
         arch::cp_async_commit();

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..kernels.params import STRIDED_TENSORS, PointerSlots, pack_params
+from ..kernels.params import SIDE_GRADS_DTYPE, STRIDED_TENSORS, PointerSlots, pack_params, sides_struct
 from ..kernels.program import LaunchPlan, Problem, Program
 
 # The most float32 scratch bytes a prepared program keeps between launches for reuse (PreparedProgram.launch): a
@@ -89,19 +89,24 @@ class PreparedProgram:
         self._spare_scratch: list[tuple[list[Any], list[int]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
 
-    def run(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> list[Any]:
+    def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
+            side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
         """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
-        buffers it allocated, in the program's order."""
+        buffers it allocated, in the program's order. ``sides``: the side arrays of a flex program's mods
+        (AttentionParams.flex_sides, in order), ``side_grads``: their float32 gradient buffers (None where a side
+        has none); ``tiles``: a block mask's tile lists by AttentionParams.flex_tiles member ("kv", "q"), each
+        (counts, indices, full, batch_stride, head_stride) with int32 device arrays. All become launch buffers too
+        (the simulator checks every access against those)."""
         scratch, addresses = self._allocate_scratch(backend)
-        self._launch(backend, arrays, scratch, addresses)
+        self._launch(backend, arrays, scratch, addresses, sides, side_grads, tiles)
         return scratch
 
     def launch(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> None:
-        """``run`` for a caller that never reads the scratch. On a synchronous backend the scratch of an earlier
-        launch, renewed (backend.renew_scratch: the same contents as a new allocation), serves again: the kernels
-        that used it are done, and no caller holds it. Elsewhere (CuPy) the scratch is allocated anew: a kernel
-        queued by an earlier call may still use the old one, and CuPy's memory pool already hands its memory back
-        in the launch stream's order."""
+        """``run`` for a caller that never reads the scratch (and passes no flex inputs). On a synchronous backend
+        the scratch of an earlier launch, renewed (backend.renew_scratch: the same contents as a new allocation),
+        serves again: the kernels that used it are done, and no caller holds it. Elsewhere (CuPy) the scratch is
+        allocated anew: a kernel queued by an earlier call may still use the old one, and CuPy's memory pool already
+        hands its memory back in the launch stream's order."""
         if not (backend.synchronous and self._reuses_scratch):
             self._launch(backend, arrays, *self._allocate_scratch(backend))
             return
@@ -122,11 +127,25 @@ class PreparedProgram:
         return scratch, [address(b) for b in scratch]
 
     def _launch(self, backend: ArrayBackend, arrays: Mapping[str, Any], scratch: list[Any],
-                scratch_addresses: list[int]) -> None:
+                scratch_addresses: list[int], sides: Sequence[Any] = (), side_grads: Sequence[Any] = (),
+                tiles: Mapping[str, Any] | None = None) -> None:
         buffers = [arrays[name] for name in self.inputs]
         address = backend.address
         params = self._slots.pack(self._packed, [address(b) for b in buffers] + scratch_addresses)
         buffers += scratch
+        if sides or side_grads:
+            params["flex_sides"] = sides_struct(
+                (address(s), tuple(s.shape), tuple(int(n) // s.dtype.itemsize for n in s.strides)) for s in sides)
+            grads = np.zeros((), SIDE_GRADS_DTYPE)
+            grads["arrays"][: len(side_grads)] = [0 if g is None else address(g) for g in side_grads]
+            params["flex_side_grads"] = grads
+            buffers += [*sides, *(g for g in side_grads if g is not None)]
+        for member, (counts, indices, full, batch_stride, head_stride) in (tiles or {}).items():
+            lists = params["flex_tiles"][member]
+            lists["counts"], lists["indices"], lists["full"] = address(counts), address(indices), address(full)
+            lists["batch_stride"], lists["head_stride"] = batch_stride, head_stride
+            lists["columns"] = indices.shape[-1]
+            buffers += [counts, indices, full]
         for plan in self._launches:
             backend.launch(plan, params, buffers)
 

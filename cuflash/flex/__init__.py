@@ -39,8 +39,16 @@ source and the sides' dtypes and shapes only: a new bias value reuses the compil
 `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, block_size=...)` turns a mask_mod into a `BlockMask`: per
 (b, h, q block) the kv blocks it leaves partially and fully visible, and the transposed lists per kv block
 (cuflash.flex.block_mask); `BlockMask.tile_lists` maps them onto a kernel's tiles.
+
+`flex_attention(q, k, v, score_mod=, mask_mod=, block_mask=, ...)` and `flex_attention_backward(...)` (also
+`cuflash.flex_attention`) run the mods in the fa2 kernels on NumPy (simulator) or CuPy (GPU) arrays: the kernels
+take `cuflash::flex::FlexHook<ScoreMod, MaskMod, BlockSparse>` (cuda_src/common/flex_hook.cuh) as their score hook,
+compiled on demand from a generated translation unit per mod structure (cuflash.flex._kernels); the side arrays,
+their gradient buffers and a block mask's tile lists travel in AttentionParams (flex_sides, flex_side_grads,
+flex_tiles), so nothing but the params describes a call.
 """
 
+from ._api import flex_attention, flex_attention_backward
 from .block_mask import BlockMask, TileLists, TileVisits, create_block_mask
 from ._mod import (
     MAX_SIDE_DIMS,
@@ -67,6 +75,8 @@ __all__ = [
     "TileVisits",
     "create_block_mask",
     "cuda_mod",
+    "flex_attention",
+    "flex_attention_backward",
     "sides_struct",
     "trace_mask_mod",
     "trace_score_mod",

@@ -2,7 +2,7 @@
 
 Made by `trace_score_mod` / `trace_mask_mod` (a Python mod traced with JAX) or `cuda_mod` (the expert
 form: C++ source and named side arrays). `sides_struct` packs side-array descriptors as
-cuda_src/common/flex_mod.cuh's `Sides`.
+attention_params.cuh's `flex::Sides` (AttentionParams.flex_sides).
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The side-array structs and their limits (attention_params.cuh's flex namespace, read by the params mirror).
+from ..kernels.params import MAX_SIDE_DIMS, MAX_SIDES, SIDES_DTYPE, sides_struct
 from ._emit import SIDE_C_TYPE, EmitError, dtype_name
 from ._trace import arg_names, check_result, describe, emit_body, emit_side_grads, side_grads_jaxpr, trace
 
-# flex_mod.cuh's kMaxSides / kMaxSideDims.
-MAX_SIDES = 4
-MAX_SIDE_DIMS = 4
 # Side dtypes, and what each travels to the kernel as (1-byte types widened: global loads move >= 2 bytes).
 SIDE_DTYPES = tuple(SIDE_C_TYPE)
 _STORED = {"bool": "int32", "int8": "int32", "uint8": "int32"}
 _FLOAT_SIDES = ("float32", "float16", "bfloat16")
 
-SIDE_ARRAY_DTYPE = np.dtype([("data", np.uint64), ("strides", np.int64, MAX_SIDE_DIMS),
-                             ("shape", np.int32, MAX_SIDE_DIMS)])
-SIDES_DTYPE = np.dtype([("arrays", SIDE_ARRAY_DTYPE, MAX_SIDES)])
 
 
 @dataclass(frozen=True)
@@ -72,21 +68,6 @@ class FlexMod:
                 value = value.astype(spec.stored_dtype) if hasattr(value, "astype") else np.asarray(value, np.int32)
             out.append(value)
         return tuple(out)
-
-
-def sides_struct(descriptors) -> np.ndarray:
-    """flex_mod.cuh's Sides from (data pointer, shape, element strides) per side array, in side order."""
-    descriptors = list(descriptors)
-    if len(descriptors) > MAX_SIDES:
-        raise ValueError(f"{len(descriptors)} side arrays; a kernel takes at most {MAX_SIDES}")
-    out = np.zeros((), SIDES_DTYPE)
-    for i, (data, shape, strides) in enumerate(descriptors):
-        if len(shape) != len(strides) or len(shape) > MAX_SIDE_DIMS:
-            raise ValueError(f"side array {i}: shape {shape} and strides {strides} (at most {MAX_SIDE_DIMS} dims)")
-        out["arrays"][i]["data"] = data
-        out["arrays"][i]["shape"][: len(shape)] = shape
-        out["arrays"][i]["strides"][: len(strides)] = strides
-    return out
 
 
 _GRADS_SIGNATURE = ("float g, float score, int b, int h, int q_idx, int kv_idx, const cuflash::flex::Sides& sides, "

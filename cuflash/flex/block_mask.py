@@ -329,8 +329,12 @@ class BlockMask:
         """The percentage of blocks, over every (b, h), that are empty (never read)."""
         return float(100.0 * np.mean(self.to_dense() == EMPTY))
 
-    def tile_lists(self, q_tile: int, kv_tile: int) -> TileLists:
+    def tile_lists(self, q_tile: int, kv_tile: int, heads_per_kv_list: int = 1) -> TileLists:
         """What a kernel with ``q_tile x kv_tile`` tiles visits, derived from the mask's blocks.
+
+        ``heads_per_kv_list`` g > 1 (GQA's backward, whose blocks loop over a kv head's g query heads): the ``q`` lists
+        are per group of g consecutive heads (H / g of them; unchanged where H is 1), visiting a tile some head of the
+        group visits, full where full for all.
 
         A kernel tile overlapping (within the sequence bounds) only empty mask blocks is skipped; one overlapping
         only full blocks is full; any other is partial (read, mask_mod applied). This is conservative: a tile that
@@ -344,8 +348,16 @@ class BlockMask:
         touched = (rows[1] - rows[0])[:, None] * (cols[1] - cols[0])[None, :]
         visit = _rectangle_sums(states != EMPTY, rows, cols) > 0
         full = _rectangle_sums(states == FULL, rows, cols) == touched
+        group = _positive_int("heads_per_kv_list", heads_per_kv_list)
+        batch, heads = visit.shape[:2]
+        q_visit, q_full = visit, full
+        if group > 1 and heads > 1:
+            if heads % group:
+                raise ValueError(f"heads_per_kv_list {group} does not divide the mask's {heads} heads")
+            q_visit = visit.reshape(batch, heads // group, group, *visit.shape[2:]).any(axis=2)
+            q_full = full.reshape(batch, heads // group, group, *full.shape[2:]).all(axis=2)
         return TileLists((q_tile, kv_tile), kv=_visits(visit, full),
-                         q=_visits(visit.swapaxes(-1, -2), full.swapaxes(-1, -2)))
+                         q=_visits(q_visit.swapaxes(-1, -2), q_full.swapaxes(-1, -2)))
 
     def __repr__(self) -> str:
         head = (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "

@@ -41,8 +41,54 @@ def _macro_entries(text: str, macro: str) -> list[tuple[str, ...]]:
     return [tuple(a.strip() for a in args.split(",")) for args in re.findall(r"\bX\(([^)]*)\)", m.group(1))]
 
 
+_SCALAR_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const int*": np.uint64,
+                 "long long": np.int64,
+                 "int": np.int32, "unsigned": np.uint32, "float": np.float32}
+_MEMBER = re.compile(r"(const void\*|void\*|float\*|const int\*|int|unsigned|float|long long|\w+)\s*(\w+)(?:\[(\w+)\])?;")
+
+
+def _flex_structs(text: str) -> dict[str, np.dtype]:
+    """The header's `namespace flex` structs (the side arrays of user mods) as aligned NumPy dtypes, by C name."""
+    block = re.search(r"namespace flex\s*\{(.*?)\n\}(?!;)", text, re.S)  # up to its closing brace (not a struct's)
+    if block is None:
+        raise ValueError(f"{HEADER.name}: no namespace flex (the side arrays AttentionParams carries)")
+    constants = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", block.group(1))}
+    structs: dict[str, np.dtype] = {}
+    for name, body in re.findall(r"struct (\w+)\s*\{(.*?)\};", block.group(1), re.S):
+        members = []
+        for statement in filter(None, (s.strip() for s in body.split("\n"))):
+            m = _MEMBER.fullmatch(statement)
+            if m is None:
+                raise ValueError(f"{HEADER.name}: cannot read the flex::{name} member {statement!r}")
+            ctype, member, count = m.groups()
+            base = _SCALAR_TYPES.get(ctype) or structs.get(f"flex::{ctype}")
+            if base is None:
+                raise ValueError(f"{HEADER.name}: flex::{name}.{member} has the unknown type {ctype!r}")
+            members.append((member, base, constants[count]) if count else (member, base))
+        structs[f"flex::{name}"] = np.dtype(members, align=True)
+    return structs
+
+
+def _leaves(dtype: np.dtype, prefix: str, offset: int = 0):
+    """(C path, offset, size) of every scalar in a (nested, possibly array-valued) struct dtype."""
+    if dtype.subdtype is not None:
+        base, shape = dtype.subdtype
+        for i in range(shape[0]):
+            yield from _leaves(np.dtype((base, shape[1:])) if len(shape) > 1 else base, f"{prefix}[{i}]",
+                               offset + i * base.itemsize * math.prod(shape[1:]))
+    elif dtype.names:
+        for name in dtype.names:
+            sub, sub_offset = dtype.fields[name][:2]
+            yield from _leaves(sub, f"{prefix}.{name}" if prefix else name, offset + sub_offset)
+    else:
+        yield prefix, offset, dtype.itemsize
+
+
 def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[TensorField], list[str]]:
-    """(leaf fields as (C path, C type) in declaration order, tensor fields, side-buffer fields) of the header."""
+    """(leaf fields as (C path, C type) in declaration order, tensor fields, side-buffer fields) of the header.
+
+    Struct members of the flex namespace (flex::Sides ...) appear as their scalars' paths ("flex_sides.arrays[0].data")
+    with the struct's C type."""
     text = _strip_comments(HEADER.read_text() if text is None else text)
     tensors = [TensorField(*entry) for entry in _macro_entries(text, "CUFLASH_PARAMS_TENSORS")]
     side_buffers = [entry[0] for entry in _macro_entries(text, "CUFLASH_PARAMS_SIDE_BUFFERS")]
@@ -50,6 +96,7 @@ def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[
     body = re.search(r"struct AttentionParams\s*\{(.*?)\};", text, re.S)
     if strides is None or body is None:
         raise ValueError(f"{HEADER.name}: TensorStrides or AttentionParams not found")
+    flex_structs = _flex_structs(text)
     stride_fields = re.findall(r"long long (\w+);", strides.group(1))
     expansions = {
         "CUFLASH_PARAMS_TENSORS(CUFLASH_PARAMS_DECLARE_TENSOR)":
@@ -66,36 +113,47 @@ def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[
         if statement in expansions:
             fields += expansions[statement]
             continue
-        m = re.fullmatch(r"(int|unsigned|float|long long) (\w+);", statement)
-        if m is None:
+        m = re.fullmatch(r"(int|unsigned|float|long long|flex::\w+) (\w+);", statement)
+        if m is None or (m.group(1).startswith("flex::") and m.group(1) not in flex_structs):
             raise ValueError(f"{HEADER.name}: cannot read the AttentionParams member {statement!r}")
-        fields.append((m.group(2), m.group(1)))
+        if m.group(1) in flex_structs:
+            fields += [(path, m.group(1)) for path, _, _ in _leaves(flex_structs[m.group(1)], m.group(2))]
+        else:
+            fields.append((m.group(2), m.group(1)))
     return fields, tensors, side_buffers
 
 
 _FIELDS, _TENSORS, _SIDE_BUFFERS = header_fields()
+_FLEX_STRUCTS = _flex_structs(_strip_comments(HEADER.read_text()))
 TENSOR_FIELDS = tuple(t.name for t in _TENSORS)
 QUERY_SIDE_TENSORS = tuple(t.name for t in _TENSORS if t.side == "Query")
 VALUE_WIDTH_TENSORS = tuple(t.name for t in _TENSORS if t.width == "V")
 SIDE_BUFFER_FIELDS = tuple(_SIDE_BUFFERS)
 POINTER_FIELDS = TENSOR_FIELDS + SIDE_BUFFER_FIELDS
 STRIDED_TENSORS = TENSOR_FIELDS
-SCALAR_FIELDS = tuple(path for path, _ in _FIELDS if "." not in path and path not in POINTER_FIELDS)
-
-_NUMPY_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "long long": np.int64,
-                "int": np.int32, "unsigned": np.uint32, "float": np.float32}
+SCALAR_FIELDS = tuple(path for path, ctype in _FIELDS
+                      if "." not in path and path not in POINTER_FIELDS and not ctype.startswith("flex::"))
+# The user mods' side-array descriptors (flex_mod.cuh): AttentionParams' flex_sides / flex_side_grads members.
+SIDES_DTYPE = _FLEX_STRUCTS["flex::Sides"]
+SIDE_GRADS_DTYPE = _FLEX_STRUCTS["flex::SideGrads"]
+MAX_SIDES = SIDES_DTYPE["arrays"].shape[0]
+MAX_SIDE_DIMS = SIDES_DTYPE["arrays"].base["shape"].shape[0]
 
 
 def _params_dtype(fields: list[tuple[str, str]]) -> np.dtype:
     members: list[tuple[str, object]] = []
     for path, ctype in fields:
-        if "." in path:
+        if ctype in _FLEX_STRUCTS:
+            outer = path.split(".")[0]
+            if not members or members[-1][0] != outer:
+                members.append((outer, _FLEX_STRUCTS[ctype]))
+        elif "." in path:
             outer, inner = path.split(".")
             if not members or members[-1][0] != outer:
                 members.append((outer, []))
-            members[-1][1].append((inner, _NUMPY_TYPES[ctype]))
+            members[-1][1].append((inner, _SCALAR_TYPES[ctype]))
         else:
-            members.append((path, _NUMPY_TYPES[ctype]))
+            members.append((path, _SCALAR_TYPES[ctype]))
     return np.dtype([(name, np.dtype(t, align=True) if isinstance(t, list) else t) for name, t in members],
                     align=True)
 
@@ -104,17 +162,8 @@ PARAMS_DTYPE = _params_dtype(_FIELDS)
 
 
 def field_layout() -> dict[str, tuple[int, int]]:
-    """(offset, size) of every leaf field, by C path ("q_stride.batch", "seqlen_q", ...)."""
-    layout: dict[str, tuple[int, int]] = {}
-    for name in PARAMS_DTYPE.names:
-        sub, offset = PARAMS_DTYPE.fields[name][:2]
-        if sub.names:
-            for inner in sub.names:
-                inner_dtype, inner_offset = sub.fields[inner][:2]
-                layout[f"{name}.{inner}"] = (offset + inner_offset, inner_dtype.itemsize)
-        else:
-            layout[name] = (offset, sub.itemsize)
-    return layout
+    """(offset, size) of every leaf field, by C path ("q_stride.batch", "seqlen_q", "flex_sides.arrays[0].data")."""
+    return {path: (offset, size) for path, offset, size in _leaves(PARAMS_DTYPE, "")}
 
 
 # The header declares the pointers first: they are one block of 8-byte words at the front of AttentionParams, which
@@ -196,3 +245,19 @@ def pack_params(
     params["page_size"] = problem.page_size
     params["block_table_stride"] = problem.pages_per_sequence
     return params[()]
+
+
+def sides_struct(descriptors) -> np.ndarray:
+    """attention_params.cuh's flex::Sides (AttentionParams.flex_sides) from (data pointer, shape, element strides)
+    per side array, in side order."""
+    descriptors = list(descriptors)
+    if len(descriptors) > MAX_SIDES:
+        raise ValueError(f"{len(descriptors)} side arrays; a kernel takes at most {MAX_SIDES}")
+    out = np.zeros((), SIDES_DTYPE)
+    for i, (data, shape, strides) in enumerate(descriptors):
+        if len(shape) != len(strides) or len(shape) > MAX_SIDE_DIMS:
+            raise ValueError(f"side array {i}: shape {shape} and strides {strides} (at most {MAX_SIDE_DIMS} dims)")
+        out["arrays"][i]["data"] = data
+        out["arrays"][i]["shape"][: len(shape)] = shape
+        out["arrays"][i]["strides"][: len(strides)] = strides
+    return out

@@ -326,7 +326,7 @@ def _table_tu(instances: Sequence[KernelInstance]) -> str:
         "}",
         "",
         'extern "C" __attribute__((visibility("default"))) const char* cuflash_sim_params_layout(void) {',
-        "  static char text[8192];",
+        "  static char text[16384];",
         "  if (text[0] == 0) {",
         "    int n = 0;",
         "    using P = cuflash::AttentionParams;",

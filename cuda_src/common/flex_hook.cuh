@@ -1,0 +1,133 @@
+// flex_hook.cuh: a user's score_mod and mask_mod (cuflash.flex) as the score hook of the fa2 kernels.
+//
+// The fa2 kernels (SIMT and tensor-core, forward and backward) take their per-score transform as a template
+// parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi). FlexHook<ScoreMod, MaskMod> is the other
+// one: it computes what a FlexAttention kernel computes for each score,
+//     score' = mask_mod(b, h, q_idx, kv_idx) ? score_mod(scale q.k, b, h, q_idx, kv_idx) : -inf,
+// with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
+// pass x = q.k and fold the softmax scale into their exponents, so the hook returns score' / scale and, for the
+// backward, d score' / d (scale x) = ScoreMod::dscore (0 for a hidden score). This is the one place that converts
+// between the mods' convention (the scaled score) and the kernels' (the score over scale).
+//
+// A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends
+// with l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks.
+// Scores past the sequence (rows >= seqlen_q, keys >= seqlen_k, which a tile holds at its edges) are hidden here
+// before any mod runs, so no mod reads a side array at an index the caller never asked for. The kernels still apply
+// their MaskPolicy (no window, no causal: the API passes none with mods), so that test costs as before.
+//
+// Side arrays: the score_mod reads p.flex_sides.arrays[0 .. ScoreMod::kSides), the mask_mod the next
+// MaskMod::kSides (each mod indexes its own from 0: the mask_mod sees a Sides starting at its first array).
+// Gradients to them (ScoreMod::kHasSideGrads): side_grads(g, x, row, key) with g = d loss / d score' =
+// P (dP - D), added atomically into p.flex_side_grads (float32).
+#pragma once
+
+#include "common/flex_mod.cuh"
+#include "common/mask.cuh"
+
+namespace cuflash::flex {
+
+// The score_mod of a call without one, and the mask_mod of a call without one.
+struct NoScoreMod {
+  static constexpr int kSides = 0;
+  static constexpr bool kHasSideGrads = false;
+};
+struct NoMaskMod {
+  static constexpr int kSides = 0;
+};
+
+// Whether M is a real mod (not NoScoreMod / NoMaskMod); NVRTC has no <type_traits>.
+template <class M> struct is_mod { static constexpr bool value = true; };
+template <> struct is_mod<NoScoreMod> { static constexpr bool value = false; };
+template <> struct is_mod<NoMaskMod> { static constexpr bool value = false; };
+
+// The tiles a block mask lists for one row tile (attention_params.cuh's flex::TileVisits): i-th visited tile and
+// whether it is full, for i in [0, count).
+struct TileListVisits {
+  const int* indices;
+  const int* full_flags;
+  int begin;
+  int end;
+  __device__ __forceinline__ bool empty() const { return end <= begin; }
+  __device__ __forceinline__ int tile(int i) const { return arch::load(indices + i); }
+  __device__ __forceinline__ bool full(int i) const { return arch::load(full_flags + i) != 0; }
+
+  __device__ __forceinline__ static TileListVisits of(const TileVisits& lists, int batch, int head, int row_tile) {
+    const long long at = batch * lists.batch_stride + head * lists.head_stride + row_tile;
+    return TileListVisits{lists.indices + at * lists.columns, lists.full + at * lists.columns, 0,
+                          arch::load(lists.counts + at)};
+  }
+};
+
+// BlockSparse: the call has a block mask (p.flex_tiles): the loops visit its listed tiles only, and the mask_mod
+// runs on partial ones only.
+template <class ScoreMod, class MaskMod, bool BlockSparse = false>
+struct FlexHook {
+  static constexpr bool kScoreModded = is_mod<ScoreMod>::value;
+  static constexpr bool kMasked = is_mod<MaskMod>::value;
+  static constexpr bool kHasSideGrads = ScoreMod::kHasSideGrads;
+  static constexpr bool kBlockSparse = BlockSparse;
+  static_assert(ScoreMod::kSides + MaskMod::kSides <= kMaxSides, "the mods read at most kMaxSides arrays");
+
+  const AttentionParams& p;
+  int batch;
+  int head;  // the query head
+  bool check_mask;  // false on a tile the block mask lists as full
+
+  __device__ __forceinline__ static FlexHook of(const AttentionParams& p, const BlockInfo& info) {
+    return FlexHook{p, info.batch, info.head, true};
+  }
+
+  // The K/V tiles Q tile m_block of (info.batch, info.head) visits (forward): the block mask's list, or `range`.
+  __device__ __forceinline__ static auto kv_visits(const AttentionParams& p, const BlockInfo& info, int m_block,
+                                                   IndexRange range) {
+    if constexpr (BlockSparse)
+      return TileListVisits::of(p.flex_tiles.kv, info.batch, info.head, m_block);
+    else
+      return TileRangeVisits{range.begin, range.end};
+  }
+  // The Q tiles that visit K/V tile n_block of (batch, kv_head) (backward; the union over the group's heads).
+  __device__ __forceinline__ static auto q_visits(const AttentionParams& p, int batch, int kv_head, int n_block,
+                                                  IndexRange range) {
+    if constexpr (BlockSparse)
+      return TileListVisits::of(p.flex_tiles.q, batch, kv_head, n_block);
+    else
+      return TileRangeVisits{range.begin, range.end};
+  }
+
+  __device__ __forceinline__ FlexHook for_tile(bool full) const { return FlexHook{p, batch, head, !full}; }
+
+  __device__ __forceinline__ static constexpr bool active() { return true; }
+
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    float unused;
+    return (*this)(qk, row, key, unused);
+  }
+
+  // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`.
+  __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    slope_of_score = 0.f;
+    if (row >= p.seqlen_q || key >= p.seqlen_k) return neg_inf();
+    if constexpr (kMasked) {
+      // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
+      // MaskMod::kSides arrays are read, all inside p.flex_sides).
+      const Sides& mask_sides = *reinterpret_cast<const Sides*>(&p.flex_sides.arrays[ScoreMod::kSides]);
+      if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
+    }
+    if constexpr (kScoreModded) {
+      const float score = qk * p.softmax_scale;
+      if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(score, batch, head, row, key, p.flex_sides);
+      return ScoreMod::score(score, batch, head, row, key, p.flex_sides) / p.softmax_scale;
+    } else {
+      slope_of_score = 1.f;
+      return qk;
+    }
+  }
+
+  // Adds g * d score' / d side into the side gradients (only for scores the mask keeps: g is 0 elsewhere).
+  __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
+    if constexpr (kHasSideGrads)
+      ScoreMod::side_grads(g, qk * p.softmax_scale, batch, head, row, key, p.flex_sides, p.flex_side_grads);
+  }
+};
+
+}  // namespace cuflash::flex

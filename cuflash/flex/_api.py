@@ -1,0 +1,227 @@
+"""flex_attention and flex_attention_backward on NumPy (simulator) and CuPy (GPU) arrays.
+
+The fa2 programs (tensor cores for float16 / bfloat16, SIMT for float32) with the call's mods compiled into their
+main kernels (cuflash.flex._kernels). Everything a kernel needs of the mods travels in AttentionParams: the side
+arrays' descriptors (flex_sides) and the side gradients' buffers (flex_side_grads), so the same programs can run
+from the JAX FFI handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _validation as V
+from .._placement import Placement, ascontiguous, contiguous_last_dim
+from ..backends.program import PreparedProgram
+from ..kernels import plans
+from ..kernels.families import fa2
+from ..kernels.program import MAX_KERNEL_HEADDIM_V, Problem
+from ._kernels import hooked_program
+from ._mod import MAX_SIDES, FlexMod, trace_mask_mod, trace_score_mod
+from .block_mask import BlockMask
+
+_ALGORITHM = "fa2"
+
+
+def _flex_mod(mod: Any, kind: str, side_grads: bool = False) -> FlexMod | None:
+    """The FlexMod of a score_mod / mask_mod argument: None, a FlexMod of that kind, or a Python function (traced)."""
+    if mod is None:
+        return None
+    if isinstance(mod, FlexMod):
+        if mod.kind != kind:
+            raise TypeError(f"{kind}_mod must be a {kind} mod; {mod.name} is a {mod.kind} mod")
+        return mod
+    if not callable(mod):
+        raise TypeError(f"{kind}_mod must be a function or a cuflash.flex.FlexMod, got {type(mod).__name__}")
+    return trace_score_mod(mod, side_grads=side_grads) if kind == "score" else trace_mask_mod(mod)
+
+
+def _check_block_mask(block_mask: Any, problem: Problem) -> None:
+    if block_mask is None:
+        return
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.flex.BlockMask (create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    batch, heads, q_len, kv_len = block_mask.shape
+    if batch not in (1, problem.batch) or heads not in (1, problem.nheads) or \
+            (q_len, kv_len) != (problem.seqlen_q, problem.seqlen_k):
+        raise ValueError(f"block_mask has shape (B, H, Q_LEN, KV_LEN) = {block_mask.shape}; q and k need B in (1, "
+                         f"{problem.batch}), H in (1, {problem.nheads}), Q_LEN = {problem.seqlen_q} and KV_LEN = "
+                         f"{problem.seqlen_k}")
+
+
+class _Call:
+    """One checked flex call: its Problem, scale, mods and their side arrays placed on the call's backend."""
+
+    def __init__(self, placement: Placement, q: Any, k: Any, v: Any, *, score_mod: Any, mask_mod: Any,
+                 block_mask: Any, softmax_scale: Any, deterministic: Any, side_grads: bool = False):
+        self.placement = placement
+        self.problem = V.check_qkv(q, k, v, causal=False, deterministic=deterministic)
+        if self.problem.headdim_v > MAX_KERNEL_HEADDIM_V:
+            raise ValueError(f"flex_attention takes v's head dim up to {MAX_KERNEL_HEADDIM_V}, got "
+                             f"{self.problem.headdim_v}")
+        self.scale = V.check_softmax_scale(softmax_scale, self.problem.headdim)
+        _check_block_mask(block_mask, self.problem)
+        self.block_mask = block_mask
+        if mask_mod is None and block_mask is not None:
+            mask_mod = block_mask.mask_mod
+        self.score_mod = _flex_mod(score_mod, "score", side_grads)
+        self.mask_mod = _flex_mod(mask_mod, "mask")
+        mods = [m for m in (self.score_mod, self.mask_mod) if m is not None]
+        count = sum(len(m.sides) for m in mods)
+        if count > MAX_SIDES:
+            raise ValueError(f"score_mod and mask_mod capture {count} arrays together; a kernel reads at most "
+                             f"{MAX_SIDES}")
+        self.backend = placement.backend()
+        with self.backend.device():
+            self.sides = [self._placed(m, i, value) for m in mods for i, value in enumerate(m.kernel_side_values())]
+
+    def _placed(self, mod: FlexMod, index: int, value: Any) -> Any:
+        """A side array on the call's device, C-contiguous, of the dtype and shape the mod was compiled for (a
+        bfloat16 one travels to a GPU as its 16-bit words: CuPy has no bfloat16; the kernel reads the bits)."""
+        spec = mod.sides[index]
+        if self.placement.on_gpu and type(value).__module__.startswith("cupy"):
+            array, host = ascontiguous(value), None
+        else:
+            try:
+                array = host = np.ascontiguousarray(value)
+            except Exception as e:  # a tracer: flex_attention on NumPy / CuPy takes concrete arrays
+                raise TypeError(f"{mod.kind}_mod {mod.name}: captured array {spec.name} is not concrete "
+                                f"({type(value).__name__}): {e}") from None
+        if tuple(array.shape) != spec.shape or str(array.dtype) != spec.stored_dtype:
+            raise ValueError(f"{mod.kind}_mod {mod.name}: captured array {spec.name} is {array.dtype}"
+                             f"{list(array.shape)}, compiled for {spec.stored_dtype}{list(spec.shape)}")
+        if host is None:
+            return array
+        if self.placement.on_gpu and spec.stored_dtype == "bfloat16":
+            host = host.view(np.uint16)
+        return self.backend.upload(host)
+
+    def program(self, backward: bool) -> Any:
+        planner = plans.backward_program if backward else plans.forward_program
+        return hooked_program(planner(_ALGORITHM, self.problem, self.backend.target), self.score_mod, self.mask_mod,
+                              block_sparse=self.block_mask is not None)
+
+    def tiles(self, backward: bool) -> dict[str, Any] | None:
+        """The block mask through the main kernel's tiles, as PreparedProgram.run takes it: the forward's K/V tiles
+        per Q tile ("kv"), or the backward's Q tiles per K/V tile and kv head ("q"), on the call's device."""
+        if self.block_mask is None:
+            return None
+        target = self.backend.target
+        module = plans.variant_for(_ALGORITHM, self.problem, target).module
+        traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(self.problem),
+                                                                                  target)
+        lists = self.block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=self.problem.group_size)
+        visits = lists.q if backward else lists.kv
+        counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32)
+                                 for x in (visits.counts, visits.indices, visits.full))
+        batch, heads, rows = counts.shape
+        batch_stride = heads * rows if batch > 1 else 0
+        head_stride = rows if heads > 1 else 0
+        upload = self.backend.upload
+        return {"q" if backward else "kv": (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
+
+    def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = ()) -> dict[str, Any]:
+        prepared = PreparedProgram(self.program(backward), self.problem, self.scale, arrays)
+        scratch = prepared.run(self.backend, arrays, sides=self.sides, side_grads=side_grads,
+                               tiles=self.tiles(backward))
+        return dict(zip(prepared.scratch_names, scratch))
+
+
+def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None,
+                   softmax_scale: float | None = None, return_lse: bool = False, deterministic: bool = False) -> Any:
+    """Attention with a user's score_mod and mask_mod (FlexAttention's signatures) compiled into the fa2 kernels.
+
+    q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim), v (batch, seqlen_k, nheads_k,
+    headdim_v): float16 / bfloat16 (tensor cores) or float32 (SIMT), NumPy (simulator) or CuPy (GPU); nheads a
+    multiple of nheads_k (GQA / MQA), head dims 1..256, any lengths. The score of query row i and key j of query
+    head h in batch b is
+
+        score_mod(scale * q_i . k_j, b, h, i, j)   if mask_mod(b, h, i, j)   else -inf
+
+    (scale = softmax_scale, default 1 / sqrt(headdim)); out = softmax(scores) v per row, and lse = logsumexp of the
+    scores (float32 (batch, nheads, seqlen_q)) with return_lse. A row that sees no key gets out 0 and lse -inf.
+
+    score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod at every call,
+    so that the arrays they capture are read anew) or FlexMods (traced once; their captured values as traced).
+    A kernel instance is compiled per mod structure and kernel tiles (cached on disk: new captured values reuse it).
+    block_mask: a cuflash.flex.BlockMask of shape (B, H, seqlen_q, seqlen_k), B and H 1 or q's; its mask_mod is the
+    call's when mask_mod is None. With a block mask the kernels read only the tiles it lists (BlockMask.tile_lists for
+    their tile sizes: a tile it leaves empty is skipped unread, its scores hidden) and run mask_mod on its partial
+    tiles only; without one, mask_mod runs on every score. Errors (bad shapes or dtypes, an unsupported primitive in a mod) are raised before
+    any kernel runs."""
+    placement = Placement(("q", "k", "v"), (q, k, v))
+    q, k, v = contiguous_last_dim(placement.arrays[:3])
+    call = _Call(placement, q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                 softmax_scale=softmax_scale, deterministic=deterministic)
+    return_lse = V.check_bool("return_lse", return_lse)
+    backend, problem = call.backend, call.problem
+    with backend.device():
+        out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)
+        lse = backend.empty(problem.row_stats_shape, np.float32)
+        if problem.seqlen_k == 0:
+            out[...] = 0
+            lse[...] = -np.inf
+        elif out.size:
+            call.run({"q": q, "k": k, "v": v, "out": out, "lse": lse})
+    out, lse = placement.results(out, lse)
+    return (out, lse) if return_lse else out
+
+
+def flex_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, score_mod: Any = None,
+                            mask_mod: Any = None, block_mask: Any = None, softmax_scale: float | None = None,
+                            deterministic: bool = False, return_aux_grads: bool = False) -> tuple[Any, ...]:
+    """Gradients of flex_attention: (dq, dk, dv) for d loss / d out = dout, given the forward's out and lse (and its
+    mods and options). score_mod's derivative in the score (FlexMod.has_dscore) is needed.
+
+    return_aux_grads: also return the gradients to the float arrays score_mod captures, as a tuple with one entry
+    per captured array of score_mod (float32 arrays of their shapes; None for integer and bool arrays): a Python
+    score_mod is traced with side_grads=True, a FlexMod must have been. They are accumulated with float32 atomic
+    adds, so they are not bitwise reproducible: deterministic=True refuses them (dq, dk, dv alone are)."""
+    placement = Placement(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse))
+    dout, q, k, v, out = contiguous_last_dim(placement.arrays[:5])
+    lse = placement.arrays[5]
+    return_aux_grads = V.check_bool("return_aux_grads", return_aux_grads)
+    call = _Call(placement, q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                 softmax_scale=softmax_scale, deterministic=deterministic, side_grads=return_aux_grads)
+    problem, backend, mod = call.problem, call.backend, call.score_mod
+    V.check_out_like("dout", dout, q, problem.headdim_v)
+    V.check_out_like("out", out, q, problem.headdim_v)
+    V.check_lse(lse, problem)
+    if mod is not None and not mod.has_dscore:
+        raise ValueError(f"score_mod {mod.name} has no derivative in score (cuda_mod without dscore): no backward")
+    grad_sides = mod.grad_sides if mod is not None else ()
+    if return_aux_grads:
+        if mod is None:
+            raise ValueError("return_aux_grads needs a score_mod (gradients go to the arrays it captures)")
+        if not grad_sides and any(s.dtype in ("float32", "float16", "bfloat16") for s in mod.sides):
+            raise ValueError(f"return_aux_grads: score_mod {mod.name} was traced without side_grads "
+                             "(cuflash.flex.trace_score_mod(fn, side_grads=True))")
+        if problem.deterministic and grad_sides:
+            raise ValueError("deterministic=True with return_aux_grads: the gradients to captured arrays are "
+                             "accumulated with float32 atomics, in no fixed order; pass deterministic=False")
+    if not lse.flags.c_contiguous:
+        lse = ascontiguous(lse)
+    with backend.device():
+        dq = backend.empty(q.shape, q.dtype)
+        dk = backend.empty(k.shape, k.dtype)
+        dv = backend.empty(v.shape, v.dtype)
+        side_grads = tuple(backend.zeros(spec.shape) if i in grad_sides and return_aux_grads else None
+                           for i, spec in enumerate(mod.sides)) if mod is not None else ()
+        if problem.seqlen_k == 0 or problem.seqlen_q == 0:
+            for grad in (dq, dk, dv):
+                grad[...] = 0
+        elif dq.size:
+            call.run({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv},
+                     backward=True, side_grads=side_grads)
+        elif dk.size:
+            dk[...] = 0
+            dv[...] = 0
+    if not return_aux_grads:
+        return placement.results(dq, dk, dv)
+    present = [g for g in side_grads if g is not None]
+    results = placement.results(dq, dk, dv, *present)
+    aux = iter(results[3:])
+    return (*results[:3], tuple(next(aux) if g is not None else None for g in side_grads))
