@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import _validation as V
-from .._placement import Placement, ascontiguous, contiguous_last_dim
+from .._placement import Placement, ascontiguous
 from ..backends.program import PreparedProgram
 from ..kernels import plans
 from ..kernels.families import fa2
@@ -23,6 +23,12 @@ from ._mod import MAX_SIDES, FlexMod, trace_mask_mod, trace_score_mod
 from .block_mask import BlockMask
 
 _ALGORITHM = "fa2"
+
+
+def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arrays with each whose last dimension the kernels cannot take as it is (V.needs_copy, the rule) copied to a
+    contiguous one. Per call: a flex call is not cached by signature (api.Prepared works it out once per signature)."""
+    return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
 
 
 def _flex_mod(mod: Any, kind: str, side_grads: bool = False) -> FlexMod | None:
