@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 
 from cuflash import sim
@@ -33,7 +34,6 @@ def _forward(q, k, v, causal):
     backend = SimulatorBackend()
     problem = _problem(q, k, causal)
     out = backend.empty(q.shape, q.dtype)
-    import numpy as np
     lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
     with sim.targeting("sm_90"):
         run_program(backend, fa3.forward_program(problem, SM90), problem, 1.0 / math.sqrt(problem.headdim),
@@ -73,3 +73,57 @@ def test_backward_matches_reference(shape, dtype, causal):
     q, k, v, dout = _inputs(shape, dtype, seed=41)
     out, lse = _forward(q, k, v, causal)
     _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
+
+
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", False)])
+def test_race_free(head_dim, dtype, causal):
+    """Ragged Q and K/V blocks with GQA: 2 K/V blocks of each kv head, 2 heads x 4 Q blocks through the 2-stage ring
+    (every stage refilled), both consumers; rows without a key where causal."""
+    q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=42)
+    out, lse = _forward(q, k, v, causal)
+    with sim.checking("race"):
+        grads = _backward(q, k, v, dout, out, lse, causal)
+    _check_backward(dout, q, k, v, grads, causal, None)
+
+
+def test_compiles_for_sm90a_with_hgmma_and_no_spills():
+    main = [i for i in fa3_backward.instances() if "fa3_backward_kernel" in i.name_expr]
+    compiled = nvrtc.compile_many(main, ["sm_90a"], jobs=1, return_errors=True)
+    for result in compiled:
+        assert not isinstance(result, nvrtc.CompileError), str(result)
+        name = result.instance.name_expr
+        traits = next(t for t in fa3_backward.BACKWARD_CHOICES.values() if f", {t.head_dim}, {t.block_m}," in name)
+        res = result.resources
+        assert res.registers <= 65536 // traits.threads // 8 * 8, (name, res)
+        assert res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
+        assert traits.smem_bytes <= SM90.smem_per_block_bytes
+        sass = nvrtc.dump_sass(result)
+        assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra"
+        bf16 = r"\.BF16" if "bfloat16" in name else ""
+        m, d = traits.block_m, traits.head_dim
+        # S^T = K Q^T and dP^T = V dO^T: both operands from descriptors, K-major.
+        assert re.search(rf"\bHGMMA\.64x{m}x16\.F32{bf16} R\d+, gdesc\[UR\d+\], ", sass), name
+        # dV += P^T dO, dK += dS^T Q: A from registers, B (dO, Q) N-major.
+        assert re.search(rf"\bHGMMA\.64x{d}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
+        # dQ += dS K in 64-column chunks: dS^T read M-major, K N-major.
+        assert re.search(rf"\bHGMMA\.64x64x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
+        (consumer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)\b", sass)}
+        (producer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)\b", sass)}
+        assert producer <= 40 and 128 * (producer + traits.consumers * consumer) <= 65536, name
+        assert "C7519" not in result.log and "C7517" not in result.log and "C7512" not in result.log, result.log
+
+
+def test_serves_only_its_problems():
+    from cuflash.kernels.program import Problem
+    from cuflash.mask import Mask
+
+    def problem(**kw):
+        fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
+        return Problem(**{**fields, **kw})
+
+    assert fa3_backward.supports(problem(), SM90)
+    assert fa3_backward.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
+    for other in (problem(headdim=160), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
+                  problem(softcap=5.0), problem(dropout_p=0.1), problem(deterministic=True)):
+        assert not fa3_backward.supports(other, SM90)
+    assert not fa3_backward.supports(problem(), target("sm_80"))
