@@ -188,12 +188,15 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       const float* lse = lse_rows(stage);
       const float* dot = dot_rows(stage);
       arch::wgmma_wait<1>(s);
-      const bool masked = mask.tile_needs_mask(row0, rows, key0 + key_base, 64);
 #pragma unroll
-      for (int i = 0; i < Tr::kAccS; ++i) {
-        const int col = first_col + fa3::acc_col_step(i);
-        s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[col]));
-        if (masked && !mask.visible(row0 + col, key0 + first_key + fa3::acc_row_step(i))) s[i] = 0.f;
+      for (int i = 0; i < Tr::kAccS; ++i)
+        s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+      // The element-wise mask only on tiles that cross an edge (block-uniform test, outside the scores' loop).
+      if (mask.tile_needs_mask(row0, rows, key0 + key_base, 64)) {
+#pragma unroll
+        for (int i = 0; i < Tr::kAccS; ++i)
+          if (!mask.visible(row0 + first_col + fa3::acc_col_step(i), key0 + first_key + fa3::acc_row_step(i)))
+            s[i] = 0.f;
       }
       arch::wgmma_wait<0>(dp);
 #pragma unroll
@@ -229,7 +232,11 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       arch::wgmma_commit();
 
       // dQ_i += dS_c K_c in 64-column chunks, into dq_accum (rows of this head, unscaled: convert applies it).
-      float* dq_rows = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, 0) + row0 * dq_row_stride;
+      // This thread's first element (row acc_first_row, column first_col) in dq_accum; a whole Q block at the
+      // compiled head dim adds unguarded (block-uniform test), a ragged one tests rows and columns.
+      float* dq_lane = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, 0) +
+                       (row0 + fa3::acc_first_row(warp, lane)) * dq_row_stride + first_col;
+      const bool whole = rows == BlockM && d == HeadDim;
 #pragma unroll
       for (int c = 0; c < Tr::kDqChunks; ++c) {
         float dq[Tr::kDqChunk / 2];
@@ -248,11 +255,17 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
           if (lane == 0) arch::mbarrier_arrive(empty + stage);
         }
         // Register i: query acc_first_row + acc_row_step(i) (dQ's M is the queries), column first_col + ...
+        float* dq_chunk = dq_lane + c * Tr::kDqChunk;
+        if (whole) {
 #pragma unroll
-        for (int i = 0; i < Tr::kDqChunk / 2; ++i) {
-          const int row = fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i);
-          const int col = c * Tr::kDqChunk + first_col + fa3::acc_col_step(i);
-          if (row < rows && col < d) arch::atomic_add(dq_rows + row * dq_row_stride + col, dq[i]);
+          for (int i = 0; i < Tr::kDqChunk / 2; ++i)
+            arch::atomic_add(dq_chunk + fa3::acc_row_step(i) * dq_row_stride + fa3::acc_col_step(i), dq[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < Tr::kDqChunk / 2; ++i)
+            if (fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < rows &&
+                c * Tr::kDqChunk + first_col + fa3::acc_col_step(i) < d)
+              arch::atomic_add(dq_chunk + fa3::acc_row_step(i) * dq_row_stride + fa3::acc_col_step(i), dq[i]);
         }
       }
     }
