@@ -161,6 +161,13 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   if (steps > 0) {
     const float scale_log2 = p.softmax_scale_log2;
     const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+    // Descriptors made once (K_c, V_c; this consumer's dS^T; K_c MN-major for dQ) or once per step (the stage's Q
+    // and dO), each product's steps moved on from them (fa3::desc_advanced: compile-time offsets).
+    const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, 0);
+    const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
+    const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
+    const uint64_t k_mn_desc =
+        arch::wgmma_desc<128>(k_tile + key_base * 128, KVTile::kPanelBytes, fa3::kSwizzleAtomBytes);
     arch::mbarrier_wait(kv_full, 0);
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
@@ -169,19 +176,23 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       const int row0 = (m_range.begin + step % m_blocks) * BlockM;
       const int rows = min(BlockM, seqlen_q - row0);
       arch::mbarrier_wait(full + stage, (step / Stages) & 1);
+      const uint64_t q_desc = QTile::k_major_desc(q_tile(stage), 0, 0);
+      const uint64_t do_desc = QTile::k_major_desc(do_tile(stage), 0, 0);
+      const uint64_t q_mn_desc = QTile::mn_major_desc(q_tile(stage), 0);
+      const uint64_t do_mn_desc = QTile::mn_major_desc(do_tile(stage), 0);
 
       // S^T and dP^T, two groups.
       float s[Tr::kAccS], dp[Tr::kAccS];
       arch::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < HeadDim / 16; ++ks)
-        arch::wgmma<T, BlockM>(s, KVTile::k_major_desc(k_tile, key_base, ks), QTile::k_major_desc(q_tile(stage), 0, ks),
-                               ks > 0);
+        arch::wgmma<T, BlockM>(s, fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(ks)),
+                               fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
       arch::wgmma_commit();
 #pragma unroll
       for (int ks = 0; ks < HeadDim / 16; ++ks)
-        arch::wgmma<T, BlockM>(dp, KVTile::k_major_desc(v_tile, key_base, ks),
-                               QTile::k_major_desc(do_tile(stage), 0, ks), ks > 0);
+        arch::wgmma<T, BlockM>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
+                               fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
       arch::wgmma_commit();
 
       // P^T while dP^T is in flight. Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).
@@ -225,10 +236,10 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       arch::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BlockM / 16; ++kk)
-        arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], QTile::mn_major_desc(do_tile(stage), kk), true);
+        arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
 #pragma unroll
       for (int kk = 0; kk < BlockM / 16; ++kk)
-        arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], QTile::mn_major_desc(q_tile(stage), kk), true);
+        arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
       arch::wgmma_commit();
 
       // dQ_i += dS_c K_c in 64-column chunks, into dq_accum (rows of this head, unscaled: convert applies it).
@@ -244,10 +255,8 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
           arch::wgmma<T, Tr::kDqChunk, true, true>(
-              dq, DsTile::mn_major_desc(ds_tile, kk),
-              arch::wgmma_desc<128>(k_tile + c * KVTile::kPanelBytes + (key_base + 16 * kk) * 128, KVTile::kPanelBytes,
-                                    fa3::kSwizzleAtomBytes),
-              kk > 0);
+              dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
+              fa3::desc_advanced(k_mn_desc, c * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
         arch::wgmma_commit();
         arch::wgmma_wait<0>(dq);
         if (c == 0) {  // dV and dK's group is done too: the stage's Q and dO are read

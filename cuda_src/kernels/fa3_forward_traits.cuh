@@ -59,15 +59,23 @@ struct WgmmaTile {
   }
   // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step `step` (columns 16 step ..).
   __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, int step) {
-    return arch::wgmma_desc<128>(tile + (step / 4) * kPanelBytes + first_row * 128 + (step % 4) * 32, 16,
-                                 kSwizzleAtomBytes);
+    return arch::wgmma_desc<128>(tile + first_row * 128 + k_major_step_bytes(step), 16, kSwizzleAtomBytes);
   }
+  // Where step `step` of a K-major operand starts from its step 0 (the panel of the step, 32 bytes per step in it).
+  __host__ __device__ static constexpr int k_major_step_bytes(int step) { return (step / 4) * kPanelBytes + (step % 4) * 32; }
   // MN-major descriptor of rows 16 step .. 16 step + 15 as the k16 step of a B operand whose N runs along the
   // columns (V in P V): 16 rows are two 1024-byte atoms, so every step starts on an atom boundary.
   __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, int step) {
     return arch::wgmma_desc<128>(tile + step * 16 * 128, kPanelBytes, kSwizzleAtomBytes);
   }
 };
+
+// desc moved `bytes` on in shared memory (a multiple of 16): only the start address field (bits 0-13, the address
+// / 16) changes, and it cannot carry, the shared window being below 256 KB; one 32-bit add where a descriptor made
+// from the address again costs a handful of uniform instructions (mask, shift, or).
+__device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes) {
+  return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
+}
 
 // The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
 // ring of Stages buffers.
