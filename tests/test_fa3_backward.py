@@ -75,6 +75,18 @@ def test_backward_matches_reference(shape, dtype, causal):
     _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
 
 
+# Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory
+# (they add nothing to S^T or dP^T), dQ's atomics and dK/dV's stores guarded by column; whole chunks (40), a chunk the
+# head dim cuts (100: element loads), a single column.
+@pytest.mark.parametrize("head_dim, dtype, causal, seqlens", [(40, "float16", True, (77, 200)),
+                                                              (100, "bfloat16", False, (300, 129)),
+                                                              (1, "float16", False, (128, 128))])
+def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
+    q, k, v, dout = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=43)
+    out, lse = _forward(q, k, v, causal)
+    _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
+
+
 @pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", False)])
 def test_race_free(head_dim, dtype, causal):
     """Ragged Q and K/V blocks with GQA: 2 K/V blocks of each kv head, 2 heads x 4 Q blocks through the 2-stage ring
@@ -127,3 +139,27 @@ def test_serves_only_its_problems():
                   problem(softcap=5.0), problem(dropout_p=0.1), problem(deterministic=True)):
         assert not fa3_backward.supports(other, SM90)
     assert not fa3_backward.supports(problem(), target("sm_80"))
+
+
+# The consumers' steady-state step (loop_census's cheapest walk of the Q-block loop that issues a step's work), per
+# consumer warp, NVRTC 13.5 for sm_90a: d128 602 instructions for 32 HGMMA (S^T 8, dP^T 8, dV 4, dK 4, dQ 2 x 4),
+# d64 496 for 20. Per 1000 MMA FLOPs per warp (5 products of 2 x 64 x 128 x d over 8 consumer warps): d128 0.46, FA3's
+# 80 x 128 0.31 (issue 31). Bounds a little above today's counts, so a regression shows.
+STEP_INSTRUCTIONS = {64: (20, 520), 128: (32, 630)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_census_of_the_consumer_step(head_dim):
+    from cuflash.kernels import loop_census as lc
+
+    traits = fa3_backward.BACKWARD_CHOICES[head_dim]
+    (result,) = nvrtc.compile_many([traits.instance("float16")], ["sm_90a"], jobs=1)
+    sass = nvrtc.dump_sass(result)
+    # The census knows mma.sync's HMMA; the wgmma step's work is HGMMA.
+    hgmma = "".join(line.replace("HGMMA", "HMMA") if "HGMMA" in line else line for line in sass.splitlines(True))
+    hmma, most = STEP_INSTRUCTIONS[head_dim]
+    exponentials = 64 * traits.block_m // 128  # S^T's 64 x block_m per warpgroup
+    dq_adds = 64 * head_dim // 128
+    (plain, *_) = lc.census(hgmma, lc.IterationWork(hmma=hmma, ldgsts=0, exponentials=exponentials,
+                                                   global_writes=dq_adds))
+    assert plain.hmma == hmma and plain.instructions <= most, plain
