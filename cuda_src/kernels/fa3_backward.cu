@@ -23,26 +23,31 @@
 //                                               accumulators (as the forward's P: fa3::p_fragment), dO and Q read
 //                                               MN-major from their stage (as the forward's V), BlockM / 16 steps of
 //                                               m64nHeadDimk16
-//         dQ_i += dS_c K_c                      wgmma SS: dS^T is stored (16-bit) into the consumer's own dS^T tile
-//                                               and read back as an MN-major A (M = the queries, contiguous); K_c
-//                                               MN-major (its keys the reduction); 64-column chunks (32
-//                                               accumulators beside dK and dV), each added to dq_accum with
-//                                               red.global.add.f32 (fa2's atomic mode)
+//         dQ_i^T += K^T dS^T                    wgmma SS (FA3's form): each consumer stores its 64 rows of dS^T
+//                                               (16-bit) into the block's dS^T tile [BlockN][BlockM]; after a
+//                                               barrier of all consumers, dQ^T's M is 64 head-dim columns (K^T: K
+//                                               read MN-major), N the BlockM queries (dS^T MN-major), the reduction
+//                                               all BlockN keys; head-dim tile t is the step's work of consumer
+//                                               (t + step) % kConsumers (d128: one each; d64: they take turns);
+//                                               added to dq_accum with red.global.add.f32 (fa2's atomic mode), once
+//                                               per element per K/V block
 //       Why RS for dV and dK and SS for dQ: P^T and dS^T come out of S^T's and dP^T's accumulators with the keys as
-//       rows, exactly the A operand (M = keys) of dV and dK, so they never touch shared memory; dQ needs dS with the
-//       queries as M, a transpose, which only shared memory gives (wgmma's A from registers cannot be transposed).
-//       Each consumer multiplies only its own 64 keys into dQ, so its dS^T tile is its own (named barriers of its
-//       128 threads, no barrier across consumers) and dq_accum takes kConsumers partial sums per Q block.
+//       rows, exactly the A operand (M = keys) of dV and dK, so they never touch shared memory; dQ reduces over the
+//       keys that two consumers hold, and its operand dS^T must be read with the keys as its K dimension, which only
+//       shared memory gives (wgmma's A from registers is the M x K fragment of the thread's own rows). dV and dK
+//       land before dQ^T is issued (with both in flight ptxas spilled at d128 and serialized the wgmma).
+//       A first version multiplied each consumer's own 64 keys into dQ (dS_c K_c, M = the queries, no barrier
+//       across consumers): twice the atomics, and BlockM tied to wgmma's M of 64.
 //   Epilogue (per consumer): dK_c * scale and dV_c rounded to T, stored from the accumulators (pairs of elements;
 //   keys past the sequence and columns past the head dim not written).
 //
 // Shared memory (16-bit tiles in 64-column panels, fa3_forward_traits.cuh): K, V [BlockN][D]; Q, dO [Stages][BlockM]
-// [D]; dS^T [kConsumers][64][BlockM]; float32 lse, D [Stages][BlockM]; 1 + 2 Stages mbarriers:
+// [D]; dS^T [BlockN][BlockM]; float32 lse, D [Stages][BlockM]; 1 + 2 Stages mbarriers:
 //   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 Stages BlockM + 8 (1 + 2 Stages) bytes
-//   (d128 64 x 128, 2 stages: 144 KB + 1 KB + 40 B; d64: 80 KB + ...).
+//   (d128 64 x 128, 2 stages: 144 KB + 1 KB + 40 B; d64 80 KB + 1 KB + 40 B).
 //
 // What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and
-// kConsumers x rows x d float32 atomic adds into dq_accum; dK_j, dV_j written once. FLOPs: 5 products of
+// rows x d float32 atomic adds into dq_accum; dK_j, dV_j written once. FLOPs: 5 products of
 // 2 BlockM BlockN D each per visited pair.
 //
 // Requires softmax_scale > 0; rows that saw no key (lse = -inf) are taken as lse = +inf: P = 0.
@@ -151,8 +156,15 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   const int key_base = consumer * 64;                                 // block-relative first key of this consumer
   const int first_key = key_base + fa3::acc_first_row(warp, lane);    // block-relative, half 0
   const int first_col = fa3::acc_first_col(lane);                     // query, block-relative
-  unsigned char* ds_tile = smem + Tr::kDsOffset + consumer * DsTile::kBytes;
-  const unsigned named_barrier = fa3::kEpilogueBarrier + consumer;
+  unsigned char* ds_tile = smem + Tr::kDsOffset;
+  // Every consumer's barrier around the dS^T tile (the forward's scheduler ids: the backward takes no turns).
+  constexpr unsigned kDsBarrier = fa3::kSchedulerBarrier;
+  // A stage's Q and dO are read once this thread's wait covering dV and dK's group is behind it: one arrival per
+  // warp on the stage's empty barrier.
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) arch::mbarrier_arrive(bar);
+  };
 
   float acc_dk[Tr::kAccD], acc_dv[Tr::kAccD];
 #pragma unroll
@@ -166,8 +178,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, 0);
     const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
     const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
-    const uint64_t k_mn_desc =
-        arch::wgmma_desc<128>(k_tile + key_base * 128, KVTile::kPanelBytes, fa3::kSwizzleAtomBytes);
+    const uint64_t kt_desc = KVTile::mn_major_desc(k_tile, 0);  // K^T as dQ^T's A (M = the head dim, contiguous)
     arch::mbarrier_wait(kv_full, 0);
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
@@ -219,20 +230,20 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         fa3::p_fragment<T>(ds_frag[kk], dp, kk);
       }
 
-      // dS^T into this consumer's tile: every thread of the warpgroup is past its wait for the previous step's dQ
-      // (which read the tile) at the first barrier; the stores are fenced for wgmma and published by the second.
-      arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
+      // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
+      // previous step's dQ^T (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
+      // published to every consumer by the second.
+      arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
       for (int kk = 0; kk < BlockM / 16; ++kk)
 #pragma unroll
         for (int r = 0; r < 4; ++r)  // word r: rows half r % 2, columns 16 kk + 8 (r / 2) + 2 (l % 4)
-          *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(fa3::acc_first_row(warp, lane) + 8 * (r % 2),
+          *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(first_key + 8 * (r % 2),
                                                                         first_col + 16 * kk + 8 * (r / 2))) =
               ds_frag[kk][r];
       arch::fence_proxy_async();
-      arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
 
-      // dV += P^T dO, dK += dS^T Q: one group.
+      // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.
       arch::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BlockM / 16; ++kk)
@@ -241,40 +252,42 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       for (int kk = 0; kk < BlockM / 16; ++kk)
         arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
       arch::wgmma_commit();
+      arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
+      // dV and dK land before dQ^T is issued: with both in flight (P^T's and dS^T's fragments live beside dQ^T's
+      // accumulators) ptxas spilled 12 bytes at d128 and serialized the wgmma (C7512, NVRTC 13.5).
+      arch::wgmma_wait<0>(acc_dk);
+      arch::wgmma_wait<0>(acc_dv);
+      release(empty + stage);  // the stage's Q and dO are read
 
-      // dQ_i += dS_c K_c in 64-column chunks, into dq_accum (rows of this head, unscaled: convert applies it).
-      // This thread's first element (row acc_first_row, column first_col) in dq_accum; a whole Q block at the
-      // compiled head dim adds unguarded (block-uniform test), a ragged one tests rows and columns.
+      // dQ_i^T += K^T dS^T over all BlockN keys, one 64-column tile of the head dim per wgmma M: tile t is this
+      // step's work of consumer (t + step) % kConsumers (d128, two consumers: one tile each; d64: the consumers take
+      // turns), into dq_accum (rows of this head, unscaled: convert applies the scale).
       float* dq_lane = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, 0) +
-                       (row0 + fa3::acc_first_row(warp, lane)) * dq_row_stride + first_col;
+                       (row0 + first_col) * dq_row_stride + fa3::acc_first_row(warp, lane);
       const bool whole = rows == BlockM && d == HeadDim;
 #pragma unroll
-      for (int c = 0; c < Tr::kDqChunks; ++c) {
-        float dq[Tr::kDqChunk / 2];
+      for (int t = 0; t < Tr::kDqTiles; ++t) {
+        if ((t + step) % Tr::kConsumers != consumer) continue;
+        float dq[BlockM / 2];
         arch::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          arch::wgmma<T, Tr::kDqChunk, true, true>(
-              dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
-              fa3::desc_advanced(k_mn_desc, c * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
+        for (int kk = 0; kk < BlockN / 16; ++kk)
+          arch::wgmma<T, BlockM, true, true>(dq, fa3::desc_advanced(kt_desc, t * KVTile::kPanelBytes + kk * 16 * 128),
+                                             fa3::desc_advanced(ds_desc, kk * 16 * 128), kk > 0);
         arch::wgmma_commit();
         arch::wgmma_wait<0>(dq);
-        if (c == 0) {  // dV and dK's group is done too: the stage's Q and dO are read
-          __syncwarp();
-          if (lane == 0) arch::mbarrier_arrive(empty + stage);
-        }
-        // Register i: query acc_first_row + acc_row_step(i) (dQ's M is the queries), column first_col + ...
-        float* dq_chunk = dq_lane + c * Tr::kDqChunk;
+        // Register i: head dim 64 t + acc_first_row + acc_row_step(i) (dQ^T's M), query first_col + acc_col_step(i).
+        float* dq_tile = dq_lane + 64 * t;
         if (whole) {
 #pragma unroll
-          for (int i = 0; i < Tr::kDqChunk / 2; ++i)
-            arch::atomic_add(dq_chunk + fa3::acc_row_step(i) * dq_row_stride + fa3::acc_col_step(i), dq[i]);
+          for (int i = 0; i < BlockM / 2; ++i)
+            arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
         } else {
 #pragma unroll
-          for (int i = 0; i < Tr::kDqChunk / 2; ++i)
-            if (fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < rows &&
-                c * Tr::kDqChunk + first_col + fa3::acc_col_step(i) < d)
-              arch::atomic_add(dq_chunk + fa3::acc_row_step(i) * dq_row_stride + fa3::acc_col_step(i), dq[i]);
+          for (int i = 0; i < BlockM / 2; ++i)
+            if (first_col + fa3::acc_col_step(i) < rows &&
+                64 * t + fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < d)
+              arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
         }
       }
     }

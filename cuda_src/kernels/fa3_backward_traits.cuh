@@ -27,19 +27,18 @@ struct BackwardTraits {
           : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
   static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
   static constexpr int kAccD = HeadDim / 2;    // dK and dV
-  static constexpr int kDqChunk = 64;          // dQ's columns per wgmma (N): 32 accumulators live beside dK, dV
-  static constexpr int kDqChunks = HeadDim / kDqChunk;
+  static constexpr int kDqTiles = HeadDim / 64;  // dQ^T's M tiles of 64 head-dim columns (BlockM / 2 accumulators)
 
   using KVTile = WgmmaTile<BlockN, HeadDim>;
   using QTile = WgmmaTile<BlockM, HeadDim>;   // Q and dO
-  using DsTile = WgmmaTile<64, BlockM>;       // a consumer's dS^T [its 64 keys][BlockM queries]
+  using DsTile = WgmmaTile<BlockN, BlockM>;   // dS^T [keys][queries], each consumer's 64 keys stored by it
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KVTile::kBytes;
   static constexpr int kQOffset = kVOffset + KVTile::kBytes;            // [Stages]
   static constexpr int kDoOffset = kQOffset + Stages * QTile::kBytes;   // [Stages]
-  static constexpr int kDsOffset = kDoOffset + Stages * QTile::kBytes;  // [kConsumers]
+  static constexpr int kDsOffset = kDoOffset + Stages * QTile::kBytes;
   // Per stage, float32 lse log2(e) and D of the Q block's rows (rows past the sequence: +inf and 0).
-  static constexpr int kStatsOffset = kDsOffset + kConsumers * DsTile::kBytes;
+  static constexpr int kStatsOffset = kDsOffset + DsTile::kBytes;
   static constexpr int kBarrierOffset = kStatsOffset + Stages * 2 * BlockM * 4;
   // kv_full, full[Stages], empty[Stages].
   static constexpr int kBarriers = 1 + 2 * Stages;

@@ -77,10 +77,11 @@ class BackwardTraits:
         return fa2.convert_dq_instance(dtype, self.block_n)
 
 
-# The tiles (Q block x K/V block): 64 x 128 with two consumers at both head dims, FA3's d128 causal tile. FA3's d128
-# 80 x 128 needs an S^T N of 80 (wgmma allows it) but its dS^T tile and Q/dO stages are not whole 64-column panels
-# here (the layout's unit), and 80 query rows per step are not a multiple of wgmma's k16 for dV and dK: 80 = 5 x 16
-# is, but the MN-major B reads of dO and Q assume 64-row panels: left for a later round.
+# The tiles (Q block x K/V block): 64 x 128 with two consumers at both head dims (FA3's d128 causal tile). What keeps
+# FA3's d128 80 x 128 out for now: the kernel's dS^T tile holds BlockM columns as whole 64-column swizzled panels (80
+# would take 128, padded), its traits ask BlockM % 64; and the registers: S^T and dP^T (40 floats each at N = 80),
+# dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250 live beside the addresses,
+# where two consumers get 232 after a 40-register producer (FA3's TMA producer keeps 24, its consumers 240).
 BACKWARD_CHOICES = {
     64: BackwardTraits(64, block_m=64, block_n=128),
     128: BackwardTraits(128, block_m=64, block_n=128),
