@@ -163,3 +163,34 @@ def test_census_of_the_consumer_step(head_dim):
         (plain, *_) = lc.census(hgmma, lc.IterationWork(hmma=hmma, ldgsts=0, exponentials=exponentials,
                                                        global_writes=dq_adds))
         assert plain.hmma == hmma and plain.instructions <= most, plain
+
+
+def _every_tile_under_asan():
+    results = []
+    for head_dim, causal in ((64, True), (128, False)):
+        q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), "bfloat16", seed=44)
+        out, lse = _forward(q, k, v, causal)
+        results.append((q, k, v, dout, causal, _backward(q, k, v, dout, out, lse, causal)))
+    return results
+
+
+def test_every_tile_clean_under_asan():
+    """Shared memory is allocated with exactly the planned bytes: a tile, descriptor, row statistic or mbarrier past
+    the layout, or a global access past a ragged block (dq_accum's atomics, dK/dV's stores), is reported."""
+    for q, k, v, dout, causal, grads in sim.run_in_asan_subprocess(_every_tile_under_asan, timeout=600):
+        _check_backward(dout, q, k, v, grads, causal, None)
+
+
+def test_no_bank_conflicts():
+    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the row statistics, and the consumers' dS^T
+    stores (4-byte pairs, 8 rows each at its own chunk position) and row-statistic reads, at their ideal wavefront
+    counts on both head dims' tiles. (The profile does not count wgmma's operand reads.)"""
+    for head_dim, causal in ((64, True), (128, False)):
+        q, k, v, dout = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=45)
+        out, lse = _forward(q, k, v, causal)
+        with sim.checking("profile"), sim.record() as records:
+            _backward(q, k, v, dout, out, lse, causal)
+        (launch,) = [r for r in records.launches if r.kernel.startswith("cuflash::fa3_backward_kernel")]
+        assert {site.kind for site in launch.shared_access_sites} == {"store", "load"}
+        for site in launch.shared_access_sites:
+            assert site.excess == 0, (launch.kernel, site)
