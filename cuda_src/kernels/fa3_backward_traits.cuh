@@ -40,8 +40,8 @@ struct BackwardTraits {
   // Per stage, float32 lse log2(e) and D of the Q block's rows (rows past the sequence: +inf and 0).
   static constexpr int kStatsOffset = kDsOffset + DsTile::kBytes;
   static constexpr int kBarrierOffset = kStatsOffset + Stages * 2 * BlockM * 4;
-  // kv_full, full[Stages], empty[Stages].
-  static constexpr int kBarriers = 1 + 2 * Stages;
+  // kv_full, kv_empty, full[Stages], empty[Stages].
+  static constexpr int kBarriers = 2 + 2 * Stages;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels");

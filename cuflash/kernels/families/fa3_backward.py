@@ -6,12 +6,13 @@ and the traffic); tiles in ``fa3_backward_traits.cuh``, layout and copies shared
 
 Program: fa2's three-launch backward (``fa2.backward_program_for``): the pre-pass D = rowsum(dO * O), the main
 kernel ``fa3_backward_kernel`` over (K/V blocks, nheads_k, batch) with 1 producer + block_n / 64 consumer
-warpgroups, and fa2's convert kernel (dq = scale * dq_accum), with fa2's dq_accum scratch in atomic mode.
+warpgroups, and fa2's convert kernel (dq = scale * the sum of the dq_accum slices), with fa2's dq_accum scratch, grid
+and slice rules (atomic mode: one slice; deterministic: a block per slice over every num_dq_splits-th K/V block).
 
 Not in the catalog yet (issue 31, item 3, first steps): no plan picks it; ``backward_program`` builds its Program
 for the problems ``supports`` accepts, and tests/test_fa3_backward.py runs it on the simulator targeting sm_90. It
-serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens, dQ by atomics
-(not deterministic mode); everything else stays on the mma.sync backward (fa2_tc).
+serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens, dQ by atomics or
+in deterministic mode (fa2's slices); everything else stays on the mma.sync backward (fa2_tc).
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ class BackwardTraits:
     @property
     def smem_bytes(self) -> int:
         # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [consumers][64][block_m]; float32 lse, D
-        # [stages][block_m]; 1 + 2 stages mbarriers.
+        # [stages][block_m]; 2 + 2 stages mbarriers.
         d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
         tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m)
-        return tiles + 2 * 4 * s * m + 8 * (1 + 2 * s)
+        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s)
 
     def instance(self, dtype: str) -> KernelInstance:
         if dtype not in DTYPES:
@@ -90,11 +91,10 @@ BACKWARD_CHOICES = {
 
 def supports(problem: Problem, target: Target) -> bool:
     """Whether this kernel computes ``problem``'s backward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
-    and v, no mask or causal, no other option, dQ by atomics."""
+    and v, no mask or causal, no other option; dQ by atomics or deterministic (fa2's slices)."""
     mask = problem.mask
     return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= max(BACKWARD_CHOICES)
-            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0)
-            and not problem.deterministic)
+            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
 
 
 def backward_traits(problem: Problem, target: Target) -> BackwardTraits:
