@@ -21,10 +21,7 @@ struct BackwardTraits {
   // setmaxnreg: as the forward (ForwardTraits): the producer keeps 40 (its copy loop and the row statistics), the
   // consumers share the rest, at most 240.
   static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters =
-      ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
-          ? 240
-          : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
+  static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
   static constexpr int kAccD = HeadDim / 2;    // dK and dV
   static constexpr int kDqTiles = HeadDim / 64;  // dQ^T's M tiles of 64 head-dim columns (BlockM / 2 accumulators)

@@ -77,6 +77,14 @@ __device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes)
   return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
 }
 
+// Registers per consumer thread after setmaxnreg: what the SM's 64 K leave after a producer warpgroup of `producer`,
+// shared by `consumers` warpgroups, in setmaxnreg's multiples of 8, at most 240.
+__host__ __device__ constexpr int consumer_registers(int consumers, int producer) {
+  return ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8 > 240
+             ? 240
+             : ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8;
+}
+
 // The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
 // ring of Stages buffers.
 template <int HeadDim, int BlockM, int BlockN, int Stages>
@@ -94,10 +102,7 @@ struct ForwardTraits {
   // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
   // each, FA3's split there; a TMA producer needs 24).
   static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
-  static constexpr int kConsumerRegisters =
-      ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
-          ? 240
-          : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
+  static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
   static constexpr int kAccO = HeadDim / 2;
 
