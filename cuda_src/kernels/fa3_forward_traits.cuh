@@ -59,15 +59,31 @@ struct WgmmaTile {
   }
   // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step `step` (columns 16 step ..).
   __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, int step) {
-    return arch::wgmma_desc<128>(tile + (step / 4) * kPanelBytes + first_row * 128 + (step % 4) * 32, 16,
-                                 kSwizzleAtomBytes);
+    return arch::wgmma_desc<128>(tile + first_row * 128 + k_major_step_bytes(step), 16, kSwizzleAtomBytes);
   }
+  // Where step `step` of a K-major operand starts from its step 0 (the panel of the step, 32 bytes per step in it).
+  __host__ __device__ static constexpr int k_major_step_bytes(int step) { return (step / 4) * kPanelBytes + (step % 4) * 32; }
   // MN-major descriptor of rows 16 step .. 16 step + 15 as the k16 step of a B operand whose N runs along the
   // columns (V in P V): 16 rows are two 1024-byte atoms, so every step starts on an atom boundary.
   __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, int step) {
     return arch::wgmma_desc<128>(tile + step * 16 * 128, kPanelBytes, kSwizzleAtomBytes);
   }
 };
+
+// desc moved `bytes` on in shared memory (a multiple of 16): only the start address field (bits 0-13, the address
+// / 16) changes, and it cannot carry, the shared window being below 256 KB; one 32-bit add where a descriptor made
+// from the address again costs a handful of uniform instructions (mask, shift, or).
+__device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes) {
+  return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
+}
+
+// Registers per consumer thread after setmaxnreg: what the SM's 64 K leave after a producer warpgroup of `producer`,
+// shared by `consumers` warpgroups, in setmaxnreg's multiples of 8, at most 240.
+__host__ __device__ constexpr int consumer_registers(int consumers, int producer) {
+  return ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8 > 240
+             ? 240
+             : ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8;
+}
 
 // The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
 // ring of Stages buffers.
@@ -86,10 +102,7 @@ struct ForwardTraits {
   // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
   // each, FA3's split there; a TMA producer needs 24).
   static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
-  static constexpr int kConsumerRegisters =
-      ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8 > 240
-          ? 240
-          : ((65536 / kWarpgroupThreads - kProducerRegisters) / kConsumers) / 8 * 8;
+  static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
   static constexpr int kAccO = HeadDim / 2;
 

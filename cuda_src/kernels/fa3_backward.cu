@@ -1,0 +1,343 @@
+// FlashAttention backward on Hopper (sm_90a) with wgmma: FA3's structure (a producer warpgroup filling a ring of
+// stages guarded by mbarriers, consumer warpgroups computing the five products with wgmma, dK and dV in registers,
+// dQ accumulated in float32). The main kernel of a three-launch program (fa3_backward.py): fa2's pre-pass
+// (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
+// dq_accum slices) after it, with fa2's dq_accum scratch and slice rules (fa2.py's backward_program_for).
+//
+// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages>: grid = (X, nheads_k, batch); block x takes the K/V blocks
+// x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each, dq_accum's one slice
+// added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by the
+// one thread owning it, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
+// group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
+// q_blocks).
+//   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
+//     warpgroup 0, the producer (setmaxnreg down to 40): copies K and V once per K/V block, after the consumers'
+//       arrivals on "kv_empty" for the previous one (16-byte loads into the 128-byte
+//       swizzled panels wgmma reads, fa3::produce_tile), then per step Q_i and dO_i, and lse_i log2(e) and D_i
+//       (rows past the sequence: +inf and 0, so P = 0 there) into the next stage of a ring of kStages, each thread
+//       arriving on the stage's "full" mbarrier after fence.proxy.async; it waits on the stage's "empty" mbarrier
+//       (one arrival per consumer warp) before refilling it.
+//     warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), consumer c owning keys
+//       64 c .. 64 c + 63 of the block, so that the M of every product it issues is its 64 keys (S and dP computed
+//       transposed, as FA3's "swapped" form) and dK, dV live in its registers whole:
+//         S^T = K_c Q_i^T, dP^T = V_c dO_i^T     wgmma SS, both K-major (HeadDim / 16 steps of m64nBlockMk16),
+//                                               two commit groups: P^T is formed while dP^T is in flight
+//         P^T = exp2(S^T scale log2 e - lse log2 e) (0 where the mask hides the score), dS^T = P^T (dP^T - D)
+//         dV_c += P^T dO_i, dK_c += dS^T Q_i     wgmma RS: P^T and dS^T are A fragments straight from the
+//                                               accumulators (as the forward's P: fa3::p_fragment), dO and Q read
+//                                               MN-major from their stage (as the forward's V), BlockM / 16 steps of
+//                                               m64nHeadDimk16
+//         dQ_i^T += K^T dS^T                    wgmma SS (FA3's form): each consumer stores its 64 rows of dS^T
+//                                               (16-bit) into the block's dS^T tile [BlockN][BlockM]; after a
+//                                               barrier of all consumers, dQ^T's M is 64 head-dim columns (K^T: K
+//                                               read MN-major), N the BlockM queries (dS^T MN-major), the reduction
+//                                               all BlockN keys; head-dim tile t is the step's work of consumer
+//                                               (t + Q block + head) % kConsumers (d128: one each; d64: they take
+//                                               turns, and a dq element is always added by the same thread);
+//                                               added to dq_accum with red.global.add.f32 (fa2's atomic mode), once
+//                                               per element per K/V block
+//       Why RS for dV and dK and SS for dQ: P^T and dS^T come out of S^T's and dP^T's accumulators with the keys as
+//       rows, exactly the A operand (M = keys) of dV and dK, so they never touch shared memory; dQ reduces over the
+//       keys that two consumers hold, and its operand dS^T must be read with the keys as its K dimension, which only
+//       shared memory gives (wgmma's A from registers is the M x K fragment of the thread's own rows). dV and dK
+//       land before dQ^T is issued (with both in flight ptxas spilled at d128 and serialized the wgmma).
+//       A first version multiplied each consumer's own 64 keys into dQ (dS_c K_c, M = the queries, no barrier
+//       across consumers): twice the atomics, and BlockM tied to wgmma's M of 64.
+//   Epilogue (per consumer): dK_c * scale and dV_c rounded to T, stored from the accumulators (pairs of elements;
+//   keys past the sequence and columns past the head dim not written).
+//
+// Shared memory (16-bit tiles in 64-column panels, fa3_forward_traits.cuh): K, V [BlockN][D]; Q, dO [Stages][BlockM]
+// [D]; dS^T [BlockN][BlockM]; float32 lse, D [Stages][BlockM]; 2 + 2 Stages mbarriers:
+//   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 Stages BlockM + 8 (2 + 2 Stages) bytes
+//   (d128 64 x 128, 2 stages: 144 KB + 1 KB + 48 B; d64 80 KB + 1 KB + 48 B).
+//
+// What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and
+// rows x d float32 atomic adds into dq_accum; dK_j, dV_j written once. FLOPs: 5 products of
+// 2 BlockM BlockN D each per visited pair.
+//
+// Requires softmax_scale > 0; rows that saw no key (lse = -inf) are taken as lse = +inf: P = 0.
+#include "arch/arch.cuh"
+#include "kernels/fa3_backward_traits.cuh"
+
+namespace cuflash {
+
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
+__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const AttentionParams p) {
+  static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
+  using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  using DsTile = typename Tr::DsTile;
+
+  CUFLASH_DYNAMIC_SMEM(smem);
+  if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
+      p.headdim_v != p.headdim || (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
+      (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0)
+    __trap();
+
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const BlockInfo kv_info = BlockInfo::of_group(p, batch, kv_head, 0);
+  const int seqlen_k = kv_info.seqlen_k(p);
+  const int seqlen_q = kv_info.seqlen_q(p);
+  const MaskPolicy mask = MaskPolicy::of(p, kv_info);
+  const int group = BlockInfo::group_size(p);
+  // This block's K/V blocks: blockIdx.x in atomic mode, every gridDim.x-th in deterministic mode, where the block
+  // adds only into its own dq_accum slice (fa2's rule).
+  const int slice = p.num_dq_splits > 1 ? blockIdx.x : 0;
+  const int first_n_block = blockIdx.x;
+  const int n_block_step = gridDim.x;
+
+  unsigned char* k_tile = smem + Tr::kKOffset;
+  unsigned char* v_tile = smem + Tr::kVOffset;
+  auto q_tile = [&](int stage) { return smem + Tr::kQOffset + stage * QTile::kBytes; };
+  auto do_tile = [&](int stage) { return smem + Tr::kDoOffset + stage * QTile::kBytes; };
+  auto lse_rows = [&](int stage) { return reinterpret_cast<float*>(smem + Tr::kStatsOffset) + stage * 2 * BlockM; };
+  auto dot_rows = [&](int stage) { return lse_rows(stage) + BlockM; };
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
+  uint64_t* kv_full = barriers;
+  uint64_t* kv_empty = barriers + 1;
+  uint64_t* full = barriers + 2;
+  uint64_t* empty = full + Stages;
+
+  if (threadIdx.x == 0) {
+    arch::mbarrier_init(kv_full, 2 * fa3::kFullArrivals);  // K's and V's copies
+    arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);     // every consumer warp done with a K/V block
+    for (int s = 0; s < Stages; ++s) {
+      arch::mbarrier_init(full + s, 2 * fa3::kFullArrivals);  // Q's and dO's copies (the row statistics before Q's)
+      arch::mbarrier_init(empty + s, Tr::kConsumerWarps);
+    }
+  }
+  __syncthreads();
+
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / fa3::kWarpgroupThreads), 0);
+  const int thread = threadIdx.x % fa3::kWarpgroupThreads;
+  const int d = p.headdim;
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    arch::setmaxnreg_dec<Tr::kProducerRegisters>();
+    int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
+#pragma unroll 1
+    for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
+      const int key0 = n_block * BlockN;
+      const int block_keys = min(BlockN, seqlen_k - key0);
+      const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+      const int m_blocks = max(m_range.end - m_range.begin, 0);
+      const int steps = group * m_blocks;  // (query head, Q block), heads outer
+      if (steps == 0) continue;
+      arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
+      const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+      const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+      fa3::produce_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys, d, fa3::rows_16b_aligned(k, p.k_stride.row),
+                                thread, kv_full);
+      fa3::produce_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys, d, fa3::rows_16b_aligned(v, p.v_stride.row),
+                                thread, kv_full);
+#pragma unroll 1
+      for (int step = 0; step < steps; ++step, ++ring) {
+        const int stage = ring % Stages;
+        const int head = kv_info.head + step / m_blocks;
+        const int row0 = (m_range.begin + step % m_blocks) * BlockM;
+        const int rows = min(BlockM, seqlen_q - row0);
+        const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
+        arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
+        if (thread < BlockM) {
+          float lse = pos_inf(), dot = 0.f;
+          if (thread < rows) {
+            const long long at = info.row_stats_offset(p) + row0 + thread;
+            lse = arch::load(p.lse + at);
+            lse = lse == neg_inf() ? pos_inf() : lse * kLog2e;
+            dot = arch::load(p.dout_dot_out + at);
+          }
+          lse_rows(stage)[thread] = lse;
+          dot_rows(stage)[thread] = dot;
+        }
+        const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+        const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
+        fa3::produce_tile<QTile>(q_tile(stage), q, p.q_stride.row, rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
+                                 thread, full + stage);
+        fa3::produce_tile<QTile>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+                                 fa3::rows_16b_aligned(dout, p.dout_stride.row), thread, full + stage);
+      }
+      ++kv_round;
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  arch::setmaxnreg_inc<Tr::kConsumerRegisters>();
+  const int consumer = warpgroup - 1;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int key_base = consumer * 64;                                 // block-relative first key of this consumer
+  const int first_key = key_base + fa3::acc_first_row(warp, lane);    // block-relative, half 0
+  const int first_col = fa3::acc_first_col(lane);                     // query, block-relative
+  unsigned char* ds_tile = smem + Tr::kDsOffset;
+  // Every consumer's barrier around the dS^T tile (the forward's scheduler ids: the backward takes no turns).
+  constexpr unsigned kDsBarrier = fa3::kSchedulerBarrier;
+  // A stage's Q and dO are read once this thread's wait covering dV and dK's group is behind it: one arrival per
+  // warp on the stage's empty barrier.
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) arch::mbarrier_arrive(bar);
+  };
+
+  int ring = 0, kv_round = 0;  // as the producer's
+#pragma unroll 1
+  for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
+    const int key0 = n_block * BlockN;
+    const int block_keys = min(BlockN, seqlen_k - key0);
+    const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
+    const int m_blocks = max(m_range.end - m_range.begin, 0);
+    const int steps = group * m_blocks;
+    float acc_dk[Tr::kAccD], acc_dv[Tr::kAccD];
+#pragma unroll
+    for (int i = 0; i < Tr::kAccD; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    if (steps > 0) {
+      const float scale_log2 = p.softmax_scale_log2;
+      const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+      // Descriptors made once (K_c, V_c; this consumer's dS^T; K_c MN-major for dQ) or once per step (the stage's Q
+      // and dO), each product's steps moved on from them (fa3::desc_advanced: compile-time offsets).
+      const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, 0);
+      const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
+      const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
+      const uint64_t kt_desc = KVTile::mn_major_desc(k_tile, 0);  // K^T as dQ^T's A (M = the head dim, contiguous)
+      arch::mbarrier_wait(kv_full, kv_round & 1);
+#pragma unroll 1
+      for (int step = 0; step < steps; ++step, ++ring) {
+        const int stage = ring % Stages;
+        const int head = kv_info.head + step / m_blocks;
+        const int m_block = m_range.begin + step % m_blocks;
+        const int row0 = m_block * BlockM;
+        const int rows = min(BlockM, seqlen_q - row0);
+        arch::mbarrier_wait(full + stage, (ring / Stages) & 1);
+        const uint64_t q_desc = QTile::k_major_desc(q_tile(stage), 0, 0);
+        const uint64_t do_desc = QTile::k_major_desc(do_tile(stage), 0, 0);
+        const uint64_t q_mn_desc = QTile::mn_major_desc(q_tile(stage), 0);
+        const uint64_t do_mn_desc = QTile::mn_major_desc(do_tile(stage), 0);
+
+        // S^T and dP^T, two groups.
+        float s[Tr::kAccS], dp[Tr::kAccS];
+        arch::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HeadDim / 16; ++ks)
+          arch::wgmma<T, BlockM>(s, fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(ks)),
+                                 fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
+        arch::wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < HeadDim / 16; ++ks)
+          arch::wgmma<T, BlockM>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
+                                 fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
+        arch::wgmma_commit();
+
+        // P^T while dP^T is in flight. Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).
+        const float* lse = lse_rows(stage);
+        const float* dot = dot_rows(stage);
+        arch::wgmma_wait<1>(s);
+#pragma unroll
+        for (int i = 0; i < Tr::kAccS; ++i)
+          s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+        // The element-wise mask only on tiles that cross an edge (block-uniform test, outside the scores' loop).
+        if (mask.tile_needs_mask(row0, rows, key0 + key_base, 64)) {
+#pragma unroll
+          for (int i = 0; i < Tr::kAccS; ++i)
+            if (!mask.visible(row0 + first_col + fa3::acc_col_step(i), key0 + first_key + fa3::acc_row_step(i)))
+              s[i] = 0.f;
+        }
+        arch::wgmma_wait<0>(dp);
+#pragma unroll
+        for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
+        unsigned p_frag[BlockM / 16][4], ds_frag[BlockM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BlockM / 16; ++kk) {
+          fa3::p_fragment<T>(p_frag[kk], s, kk);
+          fa3::p_fragment<T>(ds_frag[kk], dp, kk);
+        }
+
+        // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
+        // previous step's dQ^T (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
+        // published to every consumer by the second.
+        arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
+#pragma unroll
+        for (int kk = 0; kk < BlockM / 16; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)  // word r: rows half r % 2, columns 16 kk + 8 (r / 2) + 2 (l % 4)
+            *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(first_key + 8 * (r % 2),
+                                                                          first_col + 16 * kk + 8 * (r / 2))) =
+                ds_frag[kk][r];
+        arch::fence_proxy_async();
+
+        // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.
+        arch::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BlockM / 16; ++kk)
+          arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
+#pragma unroll
+        for (int kk = 0; kk < BlockM / 16; ++kk)
+          arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
+        arch::wgmma_commit();
+        arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
+        // dV and dK land before dQ^T is issued: with both in flight (P^T's and dS^T's fragments live beside dQ^T's
+        // accumulators) ptxas spilled 12 bytes at d128 and serialized the wgmma (C7512, NVRTC 13.5).
+        arch::wgmma_wait<0>(acc_dk);
+        arch::wgmma_wait<0>(acc_dv);
+        release(empty + stage);  // the stage's Q and dO are read
+
+        // dQ_i^T += K^T dS^T over all BlockN keys, one 64-column tile of the head dim per wgmma M: tile t is this
+        // step's work of consumer (t + step) % kConsumers (d128, two consumers: one tile each; d64: the consumers take
+        // turns), into dq_accum (rows of this head, unscaled: convert applies the scale).
+        float* dq_lane = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) +
+                         (row0 + first_col) * dq_row_stride + fa3::acc_first_row(warp, lane);
+        const bool whole = rows == BlockM && d == HeadDim;
+#pragma unroll
+        for (int t = 0; t < Tr::kDqTiles; ++t) {
+          if ((t + m_block + head) % Tr::kConsumers != consumer) continue;
+          float dq[BlockM / 2];
+          arch::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BlockN / 16; ++kk)
+            arch::wgmma<T, BlockM, true, true>(dq, fa3::desc_advanced(kt_desc, t * KVTile::kPanelBytes + kk * 16 * 128),
+                                               fa3::desc_advanced(ds_desc, kk * 16 * 128), kk > 0);
+          arch::wgmma_commit();
+          arch::wgmma_wait<0>(dq);
+          // Register i: head dim 64 t + acc_first_row + acc_row_step(i) (dQ^T's M), query first_col + acc_col_step(i).
+          float* dq_tile = dq_lane + 64 * t;
+          if (whole) {
+#pragma unroll
+            for (int i = 0; i < BlockM / 2; ++i)
+              arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < BlockM / 2; ++i)
+              if (first_col + fa3::acc_col_step(i) < rows &&
+                  64 * t + fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < d)
+                arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
+          }
+        }
+      }
+      arch::wgmma_wait<0>(acc_dk);
+      arch::wgmma_wait<0>(acc_dv);
+      release(kv_empty);  // every wgmma reading this K/V block is behind this thread's waits
+      ++kv_round;
+    }
+
+    // Epilogue: dK * scale and dV, element by element (keys past the sequence, columns past the head dim skipped).
+    const float softmax_scale = p.softmax_scale;
+    T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
+    T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
+#pragma unroll
+    for (int i = 0; i < Tr::kAccD; ++i) {
+      const int key = first_key + fa3::acc_row_step(i);
+      const int col = first_col + fa3::acc_col_step(i);
+      if (key < block_keys && col < d) {
+        arch::store(reinterpret_cast<unsigned short*>(dk + key * p.dk_stride.row + col),
+                    static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));
+        arch::store(reinterpret_cast<unsigned short*>(dv + key * p.dv_stride.row + col),
+                    static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i], 0.f) & 0xffffu));
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,114 @@
+"""The warp-specialized Hopper backward (FlashAttention-3's structure): the fa2 backward's wgmma twin for sm_90a.
+
+Kernel: ``cuda_src/kernels/fa3_backward.cu`` (its opening comment gives the warp roles, the products, the pipeline
+and the traffic); tiles in ``fa3_backward_traits.cuh``, layout and copies shared with the forward
+(``fa3_forward_traits.cuh``).
+
+Program: fa2's three-launch backward (``fa2.backward_program_for``): the pre-pass D = rowsum(dO * O), the main
+kernel ``fa3_backward_kernel`` over (K/V blocks, nheads_k, batch) with 1 producer + block_n / 64 consumer
+warpgroups, and fa2's convert kernel (dq = scale * the sum of the dq_accum slices), with fa2's dq_accum scratch, grid
+and slice rules (atomic mode: one slice; deterministic: a block per slice over every num_dq_splits-th K/V block).
+
+Not in the catalog yet (issue 31, item 3, first steps): no plan picks it; ``backward_program`` builds its Program
+for the problems ``supports`` accepts, and tests/test_fa3_backward.py runs it on the simulator targeting sm_90. It
+serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens, dQ by atomics or
+in deterministic mode (fa2's slices); everything else stays on the mma.sync backward (fa2_tc).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..program import CXX_ELEMENT_TYPES, KernelInstance, Problem, Program
+from ..targets import Target
+from . import fa2
+from .fa3 import ARCHS, DTYPES, compiled_head_dim
+
+SOURCE = "kernels/fa3_backward.cu"
+_ELEMENT_BYTES = 2
+_WARPGROUP_THREADS = 128
+
+
+@dataclass(frozen=True)
+class BackwardTraits:
+    """fa3::BackwardTraits: a K/V block of ``block_n`` keys (block_n / 64 consumer warpgroups, 64 keys each), Q blocks
+    of ``block_m`` rows through a ring of ``stages``."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
+            raise ValueError(f"{self}: head dims of whole 64-column panels up to 256")
+        if self.block_n % 64 or not 1 <= self.block_n // 64 <= 3:
+            raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 keys")
+        if self.block_m % 64 or not 64 <= self.block_m <= 256:
+            raise ValueError(f"{self}: block_m a multiple of 64 up to 256 (dS^T panels, wgmma N)")
+        if self.stages < 2:
+            raise ValueError(f"{self}: at least 2 stages")
+
+    @property
+    def consumers(self) -> int:
+        return self.block_n // 64
+
+    @property
+    def threads(self) -> int:
+        return (1 + self.consumers) * _WARPGROUP_THREADS
+
+    @property
+    def smem_bytes(self) -> int:
+        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [consumers][64][block_m]; float32 lse, D
+        # [stages][block_m]; 2 + 2 stages mbarriers.
+        d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
+        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m)
+        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s)
+
+    def instance(self, dtype: str) -> KernelInstance:
+        if dtype not in DTYPES:
+            raise ValueError(f"fa3_backward_kernel takes {DTYPES}, got {dtype!r}")
+        return KernelInstance(
+            SOURCE,
+            f"cuflash::fa3_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
+            f"{self.block_n}, {self.stages}>",
+        )
+
+    def convert_instance(self, dtype: str) -> KernelInstance:
+        return fa2.convert_dq_instance(dtype, self.block_n)
+
+
+# The tiles (Q block x K/V block): 64 x 128 with two consumers at both head dims (FA3's d128 causal tile). What keeps
+# FA3's d128 80 x 128 out for now: the kernel's dS^T tile holds BlockM columns as whole 64-column swizzled panels (80
+# would take 128, padded), its traits ask BlockM % 64; and the registers: S^T and dP^T (40 floats each at N = 80),
+# dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250 live beside the addresses,
+# where two consumers get 232 after a 40-register producer (FA3's TMA producer keeps 24, its consumers 240).
+BACKWARD_CHOICES = {
+    64: BackwardTraits(64, block_m=64, block_n=128),
+    128: BackwardTraits(128, block_m=64, block_n=128),
+}
+
+
+def supports(problem: Problem, target: Target) -> bool:
+    """Whether this kernel computes ``problem``'s backward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
+    and v, no mask or causal, no other option; dQ by atomics or deterministic (fa2's slices)."""
+    mask = problem.mask
+    return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= max(BACKWARD_CHOICES)
+            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
+
+
+def backward_traits(problem: Problem, target: Target) -> BackwardTraits:
+    if not supports(problem, target):
+        raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}")
+    traits = BACKWARD_CHOICES[compiled_head_dim(problem.headdim)]
+    assert traits.smem_bytes <= target.smem_per_block_bytes
+    return traits
+
+
+def instances() -> list[KernelInstance]:
+    return [i for dtype in DTYPES
+            for i in fa2.backward_program_instances(list(BACKWARD_CHOICES.values()), dtype)]
+
+
+def backward_program(problem: Problem, target: Target) -> Program:
+    return fa2.backward_program_for(problem, backward_traits(problem, target), target)
