@@ -82,24 +82,27 @@ class BoundedCache:
 prepared_calls = BoundedCache(PREPARED_CALLS)
 
 
-def call_key(entry: str, placement: Placement, *options: Any) -> tuple | None:
+def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) -> tuple | None:
     """The static signature of a call, the one rule for what a Prepared object may depend on: the entry point, the
     placement's signature (Placement.signature: names, types, shapes, strides and dtypes of the arrays, the GPU or
     the simulator's current target) and every option value with its type (True and 1, or a float and a NumPy
-    float, are different calls: the checks tell them apart), a pair's items with theirs. A key holding an
+    float, are different calls: the checks tell them apart), window_size's items with theirs. A key holding an
     unhashable option value is never cached: _prepared checks such a call in full every time, as it does when the
     target cannot be read (None: a bad CUFLASH_SIM_TARGET raises where planning reads it, after the input checks)."""
     try:
         signature = placement.signature()
     except ValueError:
         return None
-    key = [entry, signature, *map(type, options)]
-    for o in options:
-        key.append(tuple([(type(x), x) for x in o]) if type(o) in _PAIRS else o)
-    return tuple(key)
+    window_type = type(window_size)
+    if window_type in _PAIRS:
+        window = (window_type, *window_size, *map(type, window_size))
+    else:  # not a pair: the checks refuse it
+        window = (window_type, window_size)
+    # The options as one tuple with their types as another: a key built in a few C calls, every call.
+    return entry, signature, window, options, tuple(map(type, options))
 
 
-_PAIRS = (tuple, list)  # option values whose items call_key keys with their types (window_size)
+_PAIRS = (tuple, list)  # window_size values whose items call_key keys with their types
 
 
 def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
@@ -484,7 +487,7 @@ def attention(
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
-    prepared = _prepared(call_key("attention", placement, causal, softmax_scale, window_size, softcap, dropout_p,
+    prepared = _prepared(call_key("attention", placement, window_size, causal, softmax_scale, softcap, dropout_p,
                                   algorithm, return_lse), prepare)
     plan = prepared.plan(q.shape[1], k.shape[1])
     return _forward(placement, prepared, plan, q, k, v, per_head=per_head, dropout_seed=dropout_seed)
@@ -529,7 +532,7 @@ def _fixed_length_backward(entry: str, placement: Placement, dout: Any, q: Any, 
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
-    prepared = _prepared(call_key(entry, placement, causal, softmax_scale, window_size, softcap, dropout_p,
+    prepared = _prepared(call_key(entry, placement, window_size, causal, softmax_scale, softcap, dropout_p,
                                   algorithm, deterministic), prepare)
     return _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
                      per_head=per_head, dropout_seed=dropout_seed, packed=packed)
@@ -569,7 +572,7 @@ def attention_varlen(
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
-    prepared = _prepared(call_key("attention_varlen", placement, causal, softmax_scale, window_size, softcap,
+    prepared = _prepared(call_key("attention_varlen", placement, window_size, causal, softmax_scale, softcap,
                                   dropout_p, algorithm, return_lse), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
@@ -615,7 +618,7 @@ def attention_varlen_backward(
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
-    prepared = _prepared(call_key("attention_varlen_backward", placement, causal, softmax_scale, window_size,
+    prepared = _prepared(call_key("attention_varlen_backward", placement, window_size, causal, softmax_scale,
                                   softcap, dropout_p, algorithm, deterministic), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
@@ -683,8 +686,8 @@ def attention_with_kvcache(
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
-    prepared = _prepared(call_key("attention_with_kvcache", placement, type(cache_seqlens), causal, softmax_scale,
-                                  window_size, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
+    prepared = _prepared(call_key("attention_with_kvcache", placement, window_size, type(cache_seqlens), causal,
+                                  softmax_scale, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
                          prepare)
     layout = prepared.layout
     if table is not None:

@@ -195,6 +195,21 @@ def _copy_seed() -> int:
 # ---- the GPU the simulator stands in for -------------------------------------------------------
 
 _target_stack: list[Target] = []
+_TARGET_VARIABLE = "CUFLASH_SIM_TARGET"
+# The store behind os.environ (os._Environ's mapping of encoded names to encoded values), which every change made
+# through os.environ updates (monkeypatch.setenv included): os.environ.get raises and catches KeyError twice for an
+# unset name, about a microsecond of every simulator call (its signature names the target). Read through
+# os.environ where the store is not there.
+_ENVIRON_STORE = getattr(os.environ, "_data", None)
+_TARGET_VARIABLE_KEY = os.environ.encodekey(_TARGET_VARIABLE) if _ENVIRON_STORE is not None else None
+
+
+def _target_variable() -> str | None:
+    """$CUFLASH_SIM_TARGET as os.environ has it now."""
+    if _ENVIRON_STORE is None:
+        return os.environ.get(_TARGET_VARIABLE)
+    value = _ENVIRON_STORE.get(_TARGET_VARIABLE_KEY)
+    return None if value is None else os.environ.decodevalue(value)
 
 
 def current_target() -> Target:
@@ -205,7 +220,7 @@ def current_target() -> Target:
     innermost = _target_stack[-1:]
     if innermost:
         return innermost[0]
-    return targets.target(os.environ.get("CUFLASH_SIM_TARGET") or targets.DEFAULT_ARCH)
+    return targets.target(_target_variable() or targets.DEFAULT_ARCH)
 
 
 @contextlib.contextmanager
