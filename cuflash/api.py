@@ -692,16 +692,19 @@ def attention_with_kvcache(
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
-    used = V.kvcache_used_rows(lengths, layout)  # cache rows in use; the keys start at cache_leftpad
+    # The cache rows in use before and after the append, and the most after it; the keys start at cache_leftpad.
+    starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
     keys = V.kvcache_keys(used, leftpad)
-    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(V.min_max(keys)[1] if keys.size else 0, layout.capacity))
+    if leftpad is not None:
+        longest = V.min_max(keys)[1] if keys.size else 0
+    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], keys - k.shape[1],
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
-        _append(k_cache, v_cache, k, v, used - k.shape[1], table, index)  # every check is behind us: now write
+        _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
     (q,) = prepared.contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
