@@ -164,6 +164,10 @@ def test_the_cache_is_bounded_and_drops_the_least_recently_used(monkeypatch, no_
     assert cache.get("b") == "B"  # now the most recent: "c" goes next
     cache.put("e", "E")
     assert cache.get("c") is None and cache.get("b") == "B"
+    # Hits on the latest entry (which do not move it) and on others, in turn: still least recently used first.
+    assert cache.get("b") == "B" and cache.get("d") == "D" and cache.get("d") == "D" and cache.get("e") == "E"
+    cache.put("f", "F")
+    assert cache.get("b") is None and [cache.get(key) for key in "def"] == ["D", "E", "F"]
 
     monkeypatch.setattr(api, "prepared_calls", api.BoundedCache(2))
     rng = np.random.default_rng(4)
