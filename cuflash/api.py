@@ -136,9 +136,11 @@ class Plan:
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
         self.programs: ChunkPrograms | None = None  # (start, stop, program) per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
-        # The lse of finished calls that did not return it, for the next such call on a synchronous backend
-        # (_run_forward), while it is no larger than the scratch a program keeps (SPARE_SCRATCH_BYTES).
-        self.spare_lse: list[Any] | None = [] if 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES else None
+        # The lse of finished calls that did not return it, with its renewal (backend.renewal), for the next such
+        # call on a synchronous backend (_run_forward), while it is no larger than the scratch a program keeps
+        # (SPARE_SCRATCH_BYTES).
+        small = 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES
+        self.spare_lse: list[tuple[Any, Callable[[], None]]] | None = [] if small else None
 
 
 class Prepared:
@@ -346,16 +348,16 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
     spare = plan.spare_lse if backend.synchronous and not prepared.return_lse else None
     with backend.device():
         out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)  # v's head dim
-        lse = None
+        lse = renew_lse = None
         if spare:
             try:
-                lse = spare.pop()
+                lse, renew_lse = spare.pop()
             except IndexError:  # another thread took the last one since the test
                 pass
         if lse is None:
             lse = backend.empty(plan.row_stats_shape, np.float32)
         else:
-            backend.renew_scratch(lse, False)
+            renew_lse()
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
@@ -375,7 +377,7 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 out[rows] = 0
                 lse[:, rows] = -np.inf
     if spare is not None:
-        spare.append(lse)
+        spare.append((lse, renew_lse or backend.renewal(lse, False)))
     return placement.results(out, lse)
 
 

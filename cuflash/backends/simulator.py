@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import _cffi_backend
 import numpy as np
@@ -58,10 +59,11 @@ class SimulatorBackend:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
-    def renew_scratch(self, buffer: np.ndarray, zero: bool) -> None:
+    def renewal(self, buffer: np.ndarray, zero: bool) -> Callable[[], None]:
         # A reused buffer is as unwritten as a new one (empty's bytes): a kernel reading what this launch did not
-        # write still sees NaN, not the previous launch's values.
-        buffer.view(np.uint8).fill(0 if zero else _UNWRITTEN_BYTE)
+        # write still sees NaN, not the previous launch's values. A partial of the bytes' fill: one C call per
+        # renewal, no Python frame and no byte view made per call.
+        return functools.partial(buffer.view(np.uint8).fill, 0 if zero else _UNWRITTEN_BYTE)
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         # Unwritten (NaN) and 64-byte aligned, so JAX takes results through DLPack without a copy. The bytes are one
