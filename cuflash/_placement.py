@@ -112,7 +112,7 @@ class Placement:
         layouts = tuple(map(_LAYOUT, self.arrays))
         # The simulator's target by its arch name: each is the table's Target of its arch (targets.target), and a
         # name hashes in C where a Target (a dataclass) hashes in Python, on every lookup of every call.
-        return self.names, self.types, layouts, (self.device_id if self.on_gpu else _SIMULATOR.target.arch)
+        return self.names, self.types, layouts, (self.device_id if self.on_gpu else _SIMULATOR.target_arch)
 
     def results(self, *results: Any) -> tuple[Any, ...]:
         """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA

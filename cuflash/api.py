@@ -92,17 +92,15 @@ class BoundedCache:
 prepared_calls = BoundedCache(PREPARED_CALLS)
 
 
-def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) -> tuple | None:
+def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) -> tuple:
     """The static signature of a call, the one rule for what a Prepared object may depend on: the entry point, the
     placement's signature (Placement.signature: names, types, shapes, strides and dtypes of the arrays, the GPU or
     the simulator's current target) and every option value with its type (True and 1, or a float and a NumPy
     float, are different calls: the checks tell them apart), window_size's items with theirs. A key holding an
-    unhashable option value is never cached: _prepared checks such a call in full every time, as it does when the
-    target cannot be read (None: a bad CUFLASH_SIM_TARGET raises where planning reads it, after the input checks)."""
-    try:
-        signature = placement.signature()
-    except ValueError:
-        return None
+    unhashable option value is never cached: _prepared checks such a call in full every time. A simulator target
+    of unknown name (a bad CUFLASH_SIM_TARGET) keys its calls like any other and raises where planning resolves it,
+    after the input checks, on every call (no plan of it is ever made)."""
+    signature = placement.signature()
     window_type = type(window_size)
     if window_type in _PAIRS:
         window = (window_type, *window_size, *map(type, window_size))
@@ -115,7 +113,7 @@ def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) 
 _PAIRS = (tuple, list)  # window_size values whose items call_key keys with their types
 
 
-def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
+def _prepared(key: tuple, prepare: Callable[[], Prepared]) -> Prepared:
     """The Prepared object of ``key``, made by ``prepare`` (every check of the call, in the API's order) on a miss."""
     try:
         prepared = prepared_calls.get(key)

@@ -446,6 +446,17 @@ def test_a_warm_decode_call_is_cheap_on_the_host(call):
     assert min(times) < most_yardsticks * min(yardsticks), (min(times), min(yardsticks))
 
 
+def test_an_unknown_simulator_target_raises_on_every_call(monkeypatch, no_launches):
+    """The signature names the simulator's target unresolved (sim.current_arch); planning resolves it."""
+    q, k, v = _qkv(np.random.default_rng(15))
+    monkeypatch.setenv("CUFLASH_SIM_TARGET", "sm_42")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unknown GPU arch 'sm_42'"):
+            cuflash.attention(q, k, v)
+    monkeypatch.setenv("CUFLASH_SIM_TARGET", "sm_90")
+    cuflash.attention(q, k, v)
+
+
 def test_an_unhashable_option_is_checked_and_never_cached(no_launches):
     q, k, v = _qkv(np.random.default_rng(11))
     for _ in range(2):

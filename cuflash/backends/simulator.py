@@ -30,7 +30,7 @@ _NULL = _ffi.cast("char *", 0)
 
 
 _NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
-_current_target = None  # cuflash.sim.current_target, once imported
+_current_target = _current_arch = None  # cuflash.sim.current_target and current_arch, once imported
 
 
 class SimulatorBackend:
@@ -48,6 +48,16 @@ class SimulatorBackend:
 
             _current_target = current_target
         return _current_target()
+
+    @property
+    def target_arch(self) -> str:
+        """The arch name of ``target``, not resolved (each name is one Target): what a call's signature names."""
+        global _current_arch
+        if _current_arch is None:
+            from ..sim import current_arch  # as in target
+
+            _current_arch = current_arch
+        return _current_arch()
 
     def device(self) -> contextlib.AbstractContextManager:
         """The simulator has no device to select."""
@@ -78,11 +88,13 @@ class SimulatorBackend:
         return host  # already on the simulator's device, and the API's own (ArrayBackend.upload)
 
     def address(self, array: np.ndarray) -> int:
-        if array.flags.c_contiguous:
-            # The buffer protocol gives the address in C, at half the cost of NumPy's __array_interface__ dict (a
-            # decode call reads ten addresses); it needs a contiguous buffer.
+        # The buffer protocol gives the address in C, at a fifth of the cost of NumPy's __array_interface__ dict (a
+        # decode call reads ten addresses). NumPy exports a simple buffer of C-contiguous arrays only and refuses
+        # the others with ValueError (asked first, their flags cost as much as the export's own test).
+        try:
             return (_from_buffer(array) + 0) - _NULL
-        return array.__array_interface__["data"][0]
+        except ValueError:
+            return array.__array_interface__["data"][0]
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[np.ndarray]) -> None:
         from .. import sim
