@@ -369,7 +369,8 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 # calls pass those as they are, without making views.
                 arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
                               lse=lse.reshape(folded.row_stats_shape))
-            prepared.run(backend, plan, {**arrays, **side_inputs(backend)})
+            arrays.update(side_inputs(backend))
+            prepared.run(backend, plan, arrays)
             if unused_q is not None:
                 rows = backend.upload(unused_q)
                 out[rows] = 0
@@ -660,24 +661,28 @@ def attention_with_kvcache(
     cache_batch_idx: Any = None,
     cache_leftpad: Any = None,
 ) -> Any:
+    # The optional arrays given, by name (an int cache_seqlens is a value, not an array), placed with q and the
+    # caches.
+    seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
     optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table), ("rotary_cos", rotary_cos),
                                         ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                                        ("cache_leftpad", cache_leftpad)) if x is not None}
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        optional["cache_seqlens"] = cache_seqlens
+                                        ("cache_leftpad", cache_leftpad), ("cache_seqlens", seqlens_array))
+                if x is not None}
     names = ("q", "k_cache", "v_cache", *optional)
     placement, per_head = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes, sinks)
-    placed = dict(zip(names, placement.arrays))
     # The caches are written in place: refuse read-only ones (a JAX array, a NumPy array with writeable=False)
     # before anything is read or written, on every backend alike.
     placement.check_writable(("k_cache", "v_cache"), "attention_with_kvcache",
                              "for JAX arrays cuflash.jax.attention_with_kvcache, which returns the updated caches")
-    q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
-    k, v = placed.get("k"), placed.get("v")
-    table = host_copy(placed["block_table"]) if "block_table" in placed else None
-    lengths = host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
-    index = host_copy(placed["cache_batch_idx"]) if "cache_batch_idx" in placed else None
-    leftpad = host_copy(placed["cache_leftpad"]) if "cache_leftpad" in placed else None
+    if placement.foreign_type is not None:  # arrays imported through DLPack: the placed ones are others
+        placed = dict(zip(names, placement.arrays))
+        q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
+        optional = {name: placed[name] for name in optional}
+    k, v = optional.get("k"), optional.get("v")
+    table = host_copy(optional["block_table"]) if "block_table" in optional else None
+    lengths = host_copy(optional["cache_seqlens"]) if "cache_seqlens" in optional else cache_seqlens
+    index = host_copy(optional["cache_batch_idx"]) if "cache_batch_idx" in optional else None
+    leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
 
     def prepare() -> KVCachePrepared:
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
@@ -691,7 +696,7 @@ def attention_with_kvcache(
         prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
         prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, leftpad)
-        prepared.rotary = rotary.check_rotary(placed.get("rotary_cos"), placed.get("rotary_sin"),
+        prepared.rotary = rotary.check_rotary(optional.get("rotary_cos"), optional.get("rotary_sin"),
                                               rotary_interleaved, q, k, prepared.layout.capacity)
         return prepared
 
@@ -706,26 +711,28 @@ def attention_with_kvcache(
     starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
-    keys = V.kvcache_keys(used, leftpad)
     if leftpad is not None:
+        keys = V.kvcache_keys(used, leftpad)
         longest = V.min_max(keys)[1] if keys.size else 0
     plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
-        q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], keys - k.shape[1],
+        first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
+        q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
     (q,) = prepared.contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
-        inputs = {"seqused_k": backend.upload(_int32_words(used))}
+        inputs = _side_inputs(backend, per_head, plan.problem, None)
+        inputs["seqused_k"] = backend.upload(_int32_words(used))
         if table is not None:
             inputs["block_table"] = backend.upload(_int32_words(table))
         if index is not None:
             inputs["cache_batch_idx"] = backend.upload(_int32_words(index))
         if leftpad is not None:
             inputs["cache_leftpad"] = backend.upload(_int32_words(leftpad))
-        return {**_side_inputs(backend, per_head, plan.problem, None), **inputs}
+        return inputs
 
     out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs, sinks=per_head.get("sinks"))
     return (out, lse) if prepared.return_lse else out
