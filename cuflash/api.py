@@ -45,6 +45,9 @@ PREPARED_CALLS = 512
 PLANS_PER_CALL = 64
 
 
+_NO_KEY = object()  # equal to no key
+
+
 class BoundedCache:
     """A map of at most ``maxsize`` entries, dropping the least recently used; safe for concurrent callers."""
 
@@ -52,38 +55,41 @@ class BoundedCache:
         self.maxsize = maxsize
         self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
-        # The value of the most recently used entry. The values the API keeps are distinct objects (Prepared
-        # objects, Plans), so a hit on it is a hit on the last entry, which needs no move: a decode loop, or a
-        # model's layers, repeat one signature call after call, and a move hashes and compares the key once more
-        # (a call key: about a microsecond).
-        self._latest: Any = None
+        # The most recently used entry as (key, value), replaced whole: a reader never pairs one entry's key with
+        # another's value. A decode loop, or a model's layers, repeat one signature call after call: a hit on it is
+        # found by comparing the key, without hashing it (a call key: about half a microsecond), and needs no move
+        # (the entry is the last already; a move hashes and compares the key once more).
+        self._latest: tuple[Any, Any] = (_NO_KEY, None)
 
     def get(self, key: Hashable) -> Any:
+        latest_key, latest = self._latest
+        if key == latest_key:
+            return latest
         # No lock (every call looks up two entries): each OrderedDict method is one atomic step under the GIL; a
         # put of another thread may drop the entry between the two, which leaves nothing to move. Concurrent
-        # callers may leave _latest naming an entry another one moved past: the order is then a little off, never
-        # the entries.
+        # callers may leave _latest naming an entry another one moved past, or dropped: the order is then a little
+        # off (a value is its key's all the same).
         entry = self._entries.get(key)
-        if entry is not None and entry is not self._latest:
+        if entry is not None:
             try:
                 self._entries.move_to_end(key)
             except KeyError:
                 pass
-            self._latest = entry
+            self._latest = (key, entry)
         return entry
 
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._entries[key] = value
             self._entries.move_to_end(key)
-            self._latest = value
+            self._latest = (key, value)
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._latest = None
+            self._latest = (_NO_KEY, None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -103,11 +109,13 @@ def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) 
     signature = placement.signature()
     window_type = type(window_size)
     if window_type in _PAIRS:
-        window = (window_type, *window_size, *map(type, window_size))
+        window = (window_type, *map(type, window_size), *window_size)
     else:  # not a pair: the checks refuse it
         window = (window_type, window_size)
-    # The options as one tuple with their types as another: a key built in a few C calls, every call.
-    return entry, signature, window, options, tuple(map(type, options))
+    # The options as one tuple with their types as another: a key built in a few C calls, every call. Types come
+    # before values, here and in window: keys compared (BoundedCache.get) differ at a type before a value of
+    # another type is compared (an array's == gives an array, whose truth raises).
+    return entry, signature, window, tuple(map(type, options)), options
 
 
 _PAIRS = (tuple, list)  # window_size values whose items call_key keys with their types

@@ -463,6 +463,15 @@ def test_an_unhashable_option_is_checked_and_never_cached(no_launches):
         with pytest.raises(TypeError, match=r"window_size\[0\] must be an int"):
             cuflash.attention(q, k, v, window_size=[[1], 0])
     assert len(api.prepared_calls) == 0
+    # Right after a cached call, whose key a call's is compared with first (BoundedCache.get): arrays as options
+    # (whose == gives arrays) still reach the checks.
+    cuflash.attention(q, k, v, causal=True)
+    for options, message in [(dict(causal=np.array([True, False])), "causal must be a bool"),
+                             (dict(causal=True, window_size=(np.array([1, 2]), 0)), r"window_size\[0\] must be an int"),
+                             (dict(causal=True, softmax_scale=np.array([1.0, 2.0])), "softmax_scale must be a real")]:
+        with pytest.raises(TypeError, match=message):
+            cuflash.attention(q, k, v, **options)
+    assert len(api.prepared_calls) == 1
 
 
 @pytest.mark.parametrize("paged", [False, True])
