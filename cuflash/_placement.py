@@ -13,6 +13,7 @@ DLPack rules kept here (the GPU-only halves live in backends/cupy_gpu.py):
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ class Placement:
             # Every array a NumPy array (the simulator's case): what the general path below concludes for them,
             # without its per-array dispatch.
             self.names = names
+            self.types = None  # every array an np.ndarray: signature() names no type per array
             self.foreign_type = None
             self.read_only = None  # NumPy's writeable flags, read where asked (check_writable)
             self.arrays = tuple(arrays)
@@ -53,6 +55,7 @@ class Placement:
         self.read_only: dict[str, bool] | None = {}
         imported = [self._import(name, a, kind) for (name, kind), a in zip(kinds, arrays)]
         self.arrays = tuple(imported)
+        self.types = tuple(map(type, self.arrays))
         # Views of another library's CUDA memory: held until the kernels reading them are done (results()).
         self._foreign_cuda = tuple(a for (_, kind), a in zip(kinds, imported) if kind == "dlpack" and _is_cupy(a))
         on_gpu = {_is_cupy(a) for a in self.arrays}
@@ -104,10 +107,12 @@ class Placement:
         """What a prepared call (api.py) may depend on besides the option values: each placed array's type, shape,
         strides and dtype, and where the call runs (its GPU, or the target the simulator stands in for at this
         moment, cuflash.sim.targeting). Never data or addresses: those change between calls of equal signatures."""
-        arrays = tuple([(type(a), a.shape, a.strides, a.dtype) for a in self.arrays])
+        # The types once per call (None: all np.ndarray, the simulator's case), then (shape, strides, dtype) per
+        # array, each read by one C call (_LAYOUT).
+        layouts = tuple(map(_LAYOUT, self.arrays))
         # The simulator's target by its arch name: each is the table's Target of its arch (targets.target), and a
         # name hashes in C where a Target (a dataclass) hashes in Python, on every lookup of every call.
-        return self.names, arrays, (self.device_id if self.on_gpu else _SIMULATOR.target.arch)
+        return self.names, self.types, layouts, (self.device_id if self.on_gpu else _SIMULATOR.target_arch)
 
     def results(self, *results: Any) -> tuple[Any, ...]:
         """The call's results in the caller's array type, once every kernel of the call is queued: imported CUDA
@@ -137,6 +142,7 @@ class Placement:
 
 
 _NUMPY_ONLY = {np.ndarray}
+_LAYOUT = operator.attrgetter("shape", "strides", "dtype")  # what signature() reads of each array
 _SIMULATOR = SimulatorBackend()  # stateless: one serves every call
 _cupy_backends: dict[int, Any] = {}
 

@@ -574,6 +574,13 @@ def check_cache_seqlens_array(cache_seqlens: Any, batch: int) -> None:
 def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
     """The key rows in use per sequence once the new ones are appended (int32, (batch,)), from ``cache_seqlens``:
     None (the cache is full but for the new rows), an int or a host copy; checked against the capacity."""
+    return kvcache_rows(cache_seqlens, layout)[1]
+
+
+def kvcache_rows(cache_seqlens: Any, layout: KVCacheLayout) -> tuple[np.ndarray, np.ndarray, int]:
+    """kvcache_used_rows with what a call reads beside it, worked out on the way: (the rows in use before the append
+    per sequence, where its new rows go: cache_seqlens as an array; the rows in use after it, int32; the most rows
+    in use after it, an int, 0 for no sequence)."""
     seqlen_new, capacity = layout.seqlen_new, layout.capacity
     if cache_seqlens is None:
         lengths = np.full(layout.batch, capacity - seqlen_new, np.int64)
@@ -584,7 +591,7 @@ def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
         check_cache_seqlens_array(cache_seqlens, layout.batch)
         lengths = cache_seqlens
     if not lengths.size:
-        return np.zeros(0, np.int32)
+        return lengths, np.zeros(0, np.int32), 0
     shortest, longest = min_max(lengths)  # Python ints: no int32 overflow below
     if shortest < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {shortest}")
@@ -593,7 +600,8 @@ def kvcache_used_rows(cache_seqlens: Any, layout: KVCacheLayout) -> np.ndarray:
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {longest} + {seqlen_new} exceeds the cache's "
                          f"capacity of {capacity} rows")
     # Every sum is at most the capacity, below 2**31; an int32 array plus a Python int that fits stays int32.
-    return lengths + seqlen_new if lengths.dtype == np.int32 else lengths.astype(np.int32) + seqlen_new
+    used = lengths + seqlen_new if lengths.dtype == np.int32 else lengths.astype(np.int32) + seqlen_new
+    return lengths, used, longest + seqlen_new
 
 
 def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *, seqlen_k: int, causal: Any,

@@ -45,6 +45,9 @@ PREPARED_CALLS = 512
 PLANS_PER_CALL = 64
 
 
+_NO_KEY = object()  # equal to no key
+
+
 class BoundedCache:
     """A map of at most ``maxsize`` entries, dropping the least recently used; safe for concurrent callers."""
 
@@ -52,28 +55,41 @@ class BoundedCache:
         self.maxsize = maxsize
         self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # The most recently used entry as (key, value), replaced whole: a reader never pairs one entry's key with
+        # another's value. A decode loop, or a model's layers, repeat one signature call after call: a hit on it is
+        # found by comparing the key, without hashing it (a call key: about half a microsecond), and needs no move
+        # (the entry is the last already; a move hashes and compares the key once more).
+        self._latest: tuple[Any, Any] = (_NO_KEY, None)
 
     def get(self, key: Hashable) -> Any:
+        latest_key, latest = self._latest
+        if key == latest_key:
+            return latest
         # No lock (every call looks up two entries): each OrderedDict method is one atomic step under the GIL; a
-        # put of another thread may drop the entry between the two, which leaves nothing to move.
+        # put of another thread may drop the entry between the two, which leaves nothing to move. Concurrent
+        # callers may leave _latest naming an entry another one moved past, or dropped: the order is then a little
+        # off (a value is its key's all the same).
         entry = self._entries.get(key)
         if entry is not None:
             try:
                 self._entries.move_to_end(key)
             except KeyError:
                 pass
+            self._latest = (key, entry)
         return entry
 
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._entries[key] = value
             self._entries.move_to_end(key)
+            self._latest = (key, value)
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._latest = (_NO_KEY, None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,27 +98,30 @@ class BoundedCache:
 prepared_calls = BoundedCache(PREPARED_CALLS)
 
 
-def call_key(entry: str, placement: Placement, *options: Any) -> tuple | None:
+def call_key(entry: str, placement: Placement, window_size: Any, *options: Any) -> tuple:
     """The static signature of a call, the one rule for what a Prepared object may depend on: the entry point, the
     placement's signature (Placement.signature: names, types, shapes, strides and dtypes of the arrays, the GPU or
     the simulator's current target) and every option value with its type (True and 1, or a float and a NumPy
-    float, are different calls: the checks tell them apart), a pair's items with theirs. A key holding an
-    unhashable option value is never cached: _prepared checks such a call in full every time, as it does when the
-    target cannot be read (None: a bad CUFLASH_SIM_TARGET raises where planning reads it, after the input checks)."""
-    try:
-        signature = placement.signature()
-    except ValueError:
-        return None
-    key = [entry, signature, *map(type, options)]
-    for o in options:
-        key.append(tuple([(type(x), x) for x in o]) if type(o) in _PAIRS else o)
-    return tuple(key)
+    float, are different calls: the checks tell them apart), window_size's items with theirs. A key holding an
+    unhashable option value is never cached: _prepared checks such a call in full every time. A simulator target
+    of unknown name (a bad CUFLASH_SIM_TARGET) keys its calls like any other and raises where planning resolves it,
+    after the input checks, on every call (no plan of it is ever made)."""
+    signature = placement.signature()
+    window_type = type(window_size)
+    if window_type in _PAIRS:
+        window = (window_type, *map(type, window_size), *window_size)
+    else:  # not a pair: the checks refuse it
+        window = (window_type, window_size)
+    # The options as one tuple with their types as another: a key built in a few C calls, every call. Types come
+    # before values, here and in window: keys compared (BoundedCache.get) differ at a type before a value of
+    # another type is compared (an array's == gives an array, whose truth raises).
+    return entry, signature, window, tuple(map(type, options)), options
 
 
-_PAIRS = (tuple, list)  # option values whose items call_key keys with their types (window_size)
+_PAIRS = (tuple, list)  # window_size values whose items call_key keys with their types
 
 
-def _prepared(key: tuple | None, prepare: Callable[[], Prepared]) -> Prepared:
+def _prepared(key: tuple, prepare: Callable[[], Prepared]) -> Prepared:
     """The Prepared object of ``key``, made by ``prepare`` (every check of the call, in the API's order) on a miss."""
     try:
         prepared = prepared_calls.get(key)
@@ -123,9 +142,11 @@ class Plan:
         self.folded = gqa_decode_fold(problem) if problem.kvcache else None
         self.programs: ChunkPrograms | None = None  # (start, stop, program) per column chunk of V
         self.row_stats_shape = problem.row_stats_shape
-        # The lse of finished calls that did not return it, for the next such call on a synchronous backend
-        # (_run_forward), while it is no larger than the scratch a program keeps (SPARE_SCRATCH_BYTES).
-        self.spare_lse: list[Any] | None = [] if 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES else None
+        # The lse of finished calls that did not return it, with its renewal (backend.renewal), for the next such
+        # call on a synchronous backend (_run_forward), while it is no larger than the scratch a program keeps
+        # (SPARE_SCRATCH_BYTES).
+        small = 4 * math.prod(self.row_stats_shape) <= SPARE_SCRATCH_BYTES
+        self.spare_lse: list[tuple[Any, Callable[[], None]]] | None = [] if small else None
 
 
 class Prepared:
@@ -333,16 +354,16 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
     spare = plan.spare_lse if backend.synchronous and not prepared.return_lse else None
     with backend.device():
         out = backend.empty((*q.shape[:-1], v.shape[-1]), q.dtype)  # v's head dim
-        lse = None
+        lse = renew_lse = None
         if spare:
             try:
-                lse = spare.pop()
+                lse, renew_lse = spare.pop()
             except IndexError:  # another thread took the last one since the test
                 pass
         if lse is None:
             lse = backend.empty(plan.row_stats_shape, np.float32)
         else:
-            backend.renew_scratch(lse, False)
+            renew_lse()
         if problem.seqlen_k == 0:
             # No key at all: every row sees no key (the kernels' rule, without a launch).
             out[...] = 0
@@ -356,13 +377,14 @@ def _run_forward(placement: Placement, prepared: Prepared, plan: Plan, q: Any, k
                 # calls pass those as they are, without making views.
                 arrays.update(q=_group_rows(q, folded.seqlen_q), out=_group_rows(out, folded.seqlen_q),
                               lse=lse.reshape(folded.row_stats_shape))
-            prepared.run(backend, plan, {**arrays, **side_inputs(backend)})
+            arrays.update(side_inputs(backend))
+            prepared.run(backend, plan, arrays)
             if unused_q is not None:
                 rows = backend.upload(unused_q)
                 out[rows] = 0
                 lse[:, rows] = -np.inf
     if spare is not None:
-        spare.append(lse)
+        spare.append((lse, renew_lse or backend.renewal(lse, False)))
     return placement.results(out, lse)
 
 
@@ -484,7 +506,7 @@ def attention(
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
-    prepared = _prepared(call_key("attention", placement, causal, softmax_scale, window_size, softcap, dropout_p,
+    prepared = _prepared(call_key("attention", placement, window_size, causal, softmax_scale, softcap, dropout_p,
                                   algorithm, return_lse), prepare)
     plan = prepared.plan(q.shape[1], k.shape[1])
     return _forward(placement, prepared, plan, q, k, v, per_head=per_head, dropout_seed=dropout_seed)
@@ -529,7 +551,7 @@ def _fixed_length_backward(entry: str, placement: Placement, dout: Any, q: Any, 
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
-    prepared = _prepared(call_key(entry, placement, causal, softmax_scale, window_size, softcap, dropout_p,
+    prepared = _prepared(call_key(entry, placement, window_size, causal, softmax_scale, softcap, dropout_p,
                                   algorithm, deterministic), prepare)
     return _backward(placement, prepared, prepared.plan(q.shape[1], k.shape[1]), dout, q, k, v, out, lse,
                      per_head=per_head, dropout_seed=dropout_seed, packed=packed)
@@ -569,7 +591,7 @@ def attention_varlen(
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
-    prepared = _prepared(call_key("attention_varlen", placement, causal, softmax_scale, window_size, softcap,
+    prepared = _prepared(call_key("attention_varlen", placement, window_size, causal, softmax_scale, softcap,
                                   dropout_p, algorithm, return_lse), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
@@ -615,7 +637,7 @@ def attention_varlen_backward(
         _check_backward(problem, dout, q, out, lse, dropout_seed)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale)
 
-    prepared = _prepared(call_key("attention_varlen_backward", placement, causal, softmax_scale, window_size,
+    prepared = _prepared(call_key("attention_varlen_backward", placement, window_size, causal, softmax_scale,
                                   softcap, dropout_p, algorithm, deterministic), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
@@ -647,24 +669,28 @@ def attention_with_kvcache(
     cache_batch_idx: Any = None,
     cache_leftpad: Any = None,
 ) -> Any:
+    # The optional arrays given, by name (an int cache_seqlens is a value, not an array), placed with q and the
+    # caches.
+    seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
     optional = {name: x for name, x in (("k", k), ("v", v), ("block_table", block_table), ("rotary_cos", rotary_cos),
                                         ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                                        ("cache_leftpad", cache_leftpad)) if x is not None}
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        optional["cache_seqlens"] = cache_seqlens
+                                        ("cache_leftpad", cache_leftpad), ("cache_seqlens", seqlens_array))
+                if x is not None}
     names = ("q", "k_cache", "v_cache", *optional)
     placement, per_head = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes, sinks)
-    placed = dict(zip(names, placement.arrays))
     # The caches are written in place: refuse read-only ones (a JAX array, a NumPy array with writeable=False)
     # before anything is read or written, on every backend alike.
     placement.check_writable(("k_cache", "v_cache"), "attention_with_kvcache",
                              "for JAX arrays cuflash.jax.attention_with_kvcache, which returns the updated caches")
-    q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
-    k, v = placed.get("k"), placed.get("v")
-    table = host_copy(placed["block_table"]) if "block_table" in placed else None
-    lengths = host_copy(placed["cache_seqlens"]) if "cache_seqlens" in placed else cache_seqlens
-    index = host_copy(placed["cache_batch_idx"]) if "cache_batch_idx" in placed else None
-    leftpad = host_copy(placed["cache_leftpad"]) if "cache_leftpad" in placed else None
+    if placement.foreign_type is not None:  # arrays imported through DLPack: the placed ones are others
+        placed = dict(zip(names, placement.arrays))
+        q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
+        optional = {name: placed[name] for name in optional}
+    k, v = optional.get("k"), optional.get("v")
+    table = host_copy(optional["block_table"]) if "block_table" in optional else None
+    lengths = host_copy(optional["cache_seqlens"]) if "cache_seqlens" in optional else cache_seqlens
+    index = host_copy(optional["cache_batch_idx"]) if "cache_batch_idx" in optional else None
+    leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
 
     def prepare() -> KVCachePrepared:
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
@@ -678,38 +704,43 @@ def attention_with_kvcache(
         prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
         prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, leftpad)
-        prepared.rotary = rotary.check_rotary(placed.get("rotary_cos"), placed.get("rotary_sin"),
+        prepared.rotary = rotary.check_rotary(optional.get("rotary_cos"), optional.get("rotary_sin"),
                                               rotary_interleaved, q, k, prepared.layout.capacity)
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
-    prepared = _prepared(call_key("attention_with_kvcache", placement, type(cache_seqlens), causal, softmax_scale,
-                                  window_size, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
+    prepared = _prepared(call_key("attention_with_kvcache", placement, window_size, type(cache_seqlens), causal,
+                                  softmax_scale, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
                          prepare)
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
-    used = V.kvcache_used_rows(lengths, layout)  # cache rows in use; the keys start at cache_leftpad
+    # The cache rows in use before and after the append, and the most after it; the keys start at cache_leftpad.
+    starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
-    keys = V.kvcache_keys(used, leftpad)
-    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(V.min_max(keys)[1] if keys.size else 0, layout.capacity))
+    if leftpad is not None:
+        keys = V.kvcache_keys(used, leftpad)
+        longest = V.min_max(keys)[1] if keys.size else 0
+    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
-        q, k = _rotated(placement.backend(), q, k, placed["rotary_cos"], placed["rotary_sin"], keys - k.shape[1],
+        first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
+        q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size))
     if k is not None and k.shape[1]:
-        _append(k_cache, v_cache, k, v, used - k.shape[1], table, index)  # every check is behind us: now write
+        _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
     (q,) = prepared.contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
-        inputs = {"seqused_k": backend.upload(_int32_words(used))}
+        inputs = _side_inputs(backend, per_head, plan.problem, None)
+        inputs["seqused_k"] = backend.upload(_int32_words(used))
         if table is not None:
             inputs["block_table"] = backend.upload(_int32_words(table))
         if index is not None:
             inputs["cache_batch_idx"] = backend.upload(_int32_words(index))
         if leftpad is not None:
             inputs["cache_leftpad"] = backend.upload(_int32_words(leftpad))
-        return {**_side_inputs(backend, per_head, plan.problem, None), **inputs}
+        return inputs
 
     out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs, sinks=per_head.get("sinks"))
     return (out, lse) if prepared.return_lse else out

@@ -10,7 +10,7 @@ runs on a GPU.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -39,9 +39,9 @@ class ArrayBackend(Protocol):
     def zeros(self, shape: tuple[int, ...]) -> Any:
         """A zero-filled float32 buffer."""
 
-    def renew_scratch(self, buffer: Any, zero: bool) -> None:
-        """Give a reused scratch buffer the contents a new one would have: zeros (``zero``), else what empty_scratch
-        gives (synchronous backends only)."""
+    def renewal(self, buffer: Any, zero: bool) -> Callable[[], None]:
+        """A function giving ``buffer``, scratch to reuse, the contents a new one would have: zeros (``zero``), else
+        what empty_scratch gives (synchronous backends only). Made once per buffer, called before each reuse."""
 
     def upload(self, host: np.ndarray) -> Any:
         """A small host array on the backend's device: side inputs the API made for this call (dropout's seed words,
@@ -83,10 +83,10 @@ class PreparedProgram:
             num_dq_splits=program.num_dq_splits,
             num_kv_splits=program.num_kv_splits,
         ).tobytes()
-        # Scratch of finished launches, (buffers, their addresses) per set, which launch on a synchronous backend
-        # takes instead of allocating: a set is popped for one launch and pushed back after it, so concurrent calls
-        # never share one, and the list holds at most as many sets as calls ever ran at once.
-        self._spare_scratch: list[tuple[list[Any], list[int]]] = []
+        # Scratch of finished launches, (buffers, their addresses, their renewals) per set, which launch on a
+        # synchronous backend takes instead of allocating: a set is popped for one launch and pushed back after it,
+        # so concurrent calls never share one, and the list holds at most as many sets as calls ever ran at once.
+        self._spare_scratch: list[tuple[list[Any], list[int], list[Callable[[], None]]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
@@ -103,22 +103,23 @@ class PreparedProgram:
 
     def launch(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> None:
         """``run`` for a caller that never reads the scratch (and passes no flex inputs). On a synchronous backend
-        the scratch of an earlier launch, renewed (backend.renew_scratch: the same contents as a new allocation),
-        serves again: the kernels that used it are done, and no caller holds it. Elsewhere (CuPy) the scratch is
-        allocated anew: a kernel queued by an earlier call may still use the old one, and CuPy's memory pool already
-        hands its memory back in the launch stream's order."""
+        the scratch of an earlier launch, renewed (backend.renewal: the same contents as a new allocation), serves
+        again: the kernels that used it are done, and no caller holds it. Elsewhere (CuPy) the scratch is allocated
+        anew: a kernel queued by an earlier call may still use the old one, and CuPy's memory pool already hands its
+        memory back in the launch stream's order."""
         if not (backend.synchronous and self._reuses_scratch):
             self._launch(backend, arrays, *self._allocate_scratch(backend))
             return
         try:
-            scratch, addresses = self._spare_scratch.pop()
+            scratch, addresses, renewals = self._spare_scratch.pop()
         except IndexError:
             scratch, addresses = self._allocate_scratch(backend)
+            renewals = [backend.renewal(buffer, zero_init) for buffer, (_, zero_init) in zip(scratch, self._scratch)]
         else:
-            for buffer, (_, zero_init) in zip(scratch, self._scratch):
-                backend.renew_scratch(buffer, zero_init)
+            for renew in renewals:
+                renew()
         self._launch(backend, arrays, scratch, addresses)
-        self._spare_scratch.append((scratch, addresses))
+        self._spare_scratch.append((scratch, addresses, renewals))
 
     def _allocate_scratch(self, backend: ArrayBackend) -> tuple[list[Any], list[int]]:
         scratch = [backend.zeros(shape) if zero_init else backend.empty_scratch(shape)
@@ -129,9 +130,10 @@ class PreparedProgram:
     def _launch(self, backend: ArrayBackend, arrays: Mapping[str, Any], scratch: list[Any],
                 scratch_addresses: list[int], sides: Sequence[Any] = (), side_grads: Sequence[Any] = (),
                 tiles: Mapping[str, Any] | None = None) -> None:
-        buffers = [arrays[name] for name in self.inputs]
+        # map over C-level callables: no comprehension frame per call.
+        buffers = list(map(arrays.__getitem__, self.inputs))
         address = backend.address
-        params = self._slots.pack(self._packed, [address(b) for b in buffers] + scratch_addresses)
+        params = self._slots.pack(self._packed, [*map(address, buffers), *scratch_addresses])
         buffers += scratch
         if sides or side_grads:
             params["flex_sides"] = sides_struct(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import _cffi_backend
 import numpy as np
@@ -16,15 +17,20 @@ from ..kernels.targets import Target
 # float16, bfloat16), the way the simulator fills shared memory: an element a kernel forgets to write, or reads
 # before writing, shows. A byte fill is a memset, cheaper than filling float32 NaNs (a split-KV decode's out_accum).
 _UNWRITTEN_BYTE = 0xFF
+_UNWRITTEN = bytearray([_UNWRITTEN_BYTE])
 _ALIGNMENT = 64
 # cffi's C-level FFI (what compiled cffi modules use): its cast and from_buffer are C calls, the cffi.FFI wrapper's
 # are Python functions.
 _ffi = _cffi_backend.FFI()
-_UINTPTR = _ffi.typeof("uintptr_t")
+_from_buffer = _ffi.from_buffer
+# An address as a Python int: a buffer's char pointer less the null pointer. cffi subtracts two pointers in C and
+# returns an int, at half the cost of casting to uintptr_t and converting the cast with int() (a decode call reads
+# about ten addresses). from_buffer gives a char[], which "+ 0" makes the char * the subtraction takes.
+_NULL = _ffi.cast("char *", 0)
 
 
 _NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
-_current_target = None  # cuflash.sim.current_target, once imported
+_current_target = _current_arch = None  # cuflash.sim.current_target and current_arch, once imported
 
 
 class SimulatorBackend:
@@ -43,6 +49,16 @@ class SimulatorBackend:
             _current_target = current_target
         return _current_target()
 
+    @property
+    def target_arch(self) -> str:
+        """The arch name of ``target``, not resolved (each name is one Target): what a call's signature names."""
+        global _current_arch
+        if _current_arch is None:
+            from ..sim import current_arch  # as in target
+
+            _current_arch = current_arch
+        return _current_arch()
+
     def device(self) -> contextlib.AbstractContextManager:
         """The simulator has no device to select."""
         return _NO_DEVICE
@@ -53,29 +69,32 @@ class SimulatorBackend:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
-    def renew_scratch(self, buffer: np.ndarray, zero: bool) -> None:
+    def renewal(self, buffer: np.ndarray, zero: bool) -> Callable[[], None]:
         # A reused buffer is as unwritten as a new one (empty's bytes): a kernel reading what this launch did not
-        # write still sees NaN, not the previous launch's values.
-        buffer.view(np.uint8).fill(0 if zero else _UNWRITTEN_BYTE)
+        # write still sees NaN, not the previous launch's values. A partial of the bytes' fill: one C call per
+        # renewal, no Python frame and no byte view made per call.
+        return functools.partial(buffer.view(np.uint8).fill, 0 if zero else _UNWRITTEN_BYTE)
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        # Unwritten (NaN) and 64-byte aligned, so JAX takes results through DLPack without a copy.
+        # Unwritten (NaN) and 64-byte aligned, so JAX takes results through DLPack without a copy. The bytes are one
+        # unwritten byte repeated: a bytearray allocated and filled (a memset) in one C call, about half the cost of
+        # np.empty and a fill (a decode call's out is a few KB, where the calls' overhead is the cost).
         dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
-        raw.fill(_UNWRITTEN_BYTE)  # all of it: one fill instead of a view of the output's bytes to fill
-        start = -int(_ffi.cast(_UINTPTR, _ffi.from_buffer(raw))) % _ALIGNMENT  # address(raw), one call less
+        raw = _UNWRITTEN * (math.prod(shape) * dtype.itemsize + _ALIGNMENT)
+        start = -((_from_buffer(raw) + 0) - _NULL) % _ALIGNMENT  # address(raw), one call less
         return np.ndarray(shape, dtype, raw, start)
 
     def upload(self, host: np.ndarray) -> np.ndarray:
         return host  # already on the simulator's device, and the API's own (ArrayBackend.upload)
 
     def address(self, array: np.ndarray) -> int:
-        if array.flags.c_contiguous:
-            # The buffer protocol gives the address in C, at half the cost of NumPy's __array_interface__ dict (a
-            # decode call reads ten addresses); it needs a contiguous buffer.
-            return int(_ffi.cast(_UINTPTR, _ffi.from_buffer(array)))
-        return array.__array_interface__["data"][0]
+        # The buffer protocol gives the address in C, at a fifth of the cost of NumPy's __array_interface__ dict (a
+        # decode call reads ten addresses). NumPy exports a simple buffer of C-contiguous arrays only and refuses
+        # the others with ValueError (asked first, their flags cost as much as the export's own test).
+        try:
+            return (_from_buffer(array) + 0) - _NULL
+        except ValueError:
+            return array.__array_interface__["data"][0]
 
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[np.ndarray]) -> None:
         from .. import sim

@@ -199,7 +199,7 @@ class PointerSlots:
         their fields."""
         buffer = bytearray(packed)
         order = self._order
-        self._struct.pack_into(buffer, 0, *(addresses if order is None else [addresses[i] for i in order]))
+        self._struct.pack_into(buffer, 0, *(addresses if order is None else map(addresses.__getitem__, order)))
         return np.frombuffer(buffer, PARAMS_DTYPE)[0]
 
 

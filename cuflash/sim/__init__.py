@@ -9,6 +9,7 @@ Public API (other packages depend on these names):
     targeting(arch)       context manager: the GPU the simulator stands in for (default sm_80, $CUFLASH_SIM_TARGET):
                           plans are made for it, launches above its shared memory per block refused
     current_target()      that Target
+    current_arch()        its arch name, unresolved (what a call's signature names)
     run_in_asan_subprocess(fn, *args, **kwargs)   run fn in a child Python with ASan preloaded
     precompile(instances) build ahead of time (warms the cache)
     params_layout()       AttentionParams layout as g++ computes it
@@ -27,6 +28,7 @@ from ._launch import (
     current_mode,
     on_mode_change,
     current_target,
+    current_arch,
     launch,
     launch_entry_address,
     params_layout,
@@ -47,6 +49,7 @@ __all__ = [
     "current_mode",
     "on_mode_change",
     "current_target",
+    "current_arch",
     "launch",
     "launch_entry_address",
     "params_layout",

@@ -28,6 +28,7 @@ __all__ = [
     "current_mode",
     "on_mode_change",
     "current_target",
+    "current_arch",
     "targeting",
     "precompile",
     "params_layout",
@@ -195,17 +196,34 @@ def _copy_seed() -> int:
 # ---- the GPU the simulator stands in for -------------------------------------------------------
 
 _target_stack: list[Target] = []
+_TARGET_VARIABLE = "CUFLASH_SIM_TARGET"
+# The store behind os.environ (os._Environ's mapping of encoded names to encoded values), which every change made
+# through os.environ updates (monkeypatch.setenv included): os.environ.get raises and catches KeyError twice for an
+# unset name, about a microsecond of every simulator call (its signature names the target). Read through
+# os.environ where the store is not there.
+_ENVIRON_STORE = getattr(os.environ, "_data", None)
+_TARGET_VARIABLE_KEY = os.environ.encodekey(_TARGET_VARIABLE) if _ENVIRON_STORE is not None else None
+
+
+def current_arch() -> str:
+    """The arch name of current_target(), not resolved to its Target (a call's signature names it: each name is one
+    Target, targets.target): the innermost ``targeting(...)``'s, else $CUFLASH_SIM_TARGET, else sm_80's. An unknown
+    name raises where it is resolved."""
+    # Read without the lock (every simulator call's signature reads it): a slice of a list is taken atomically, and
+    # targeting() changes the stack under the lock.
+    innermost = _target_stack[-1:]
+    if innermost:
+        return innermost[0].arch
+    if _ENVIRON_STORE is None:
+        return os.environ.get(_TARGET_VARIABLE) or targets.DEFAULT_ARCH
+    value = _ENVIRON_STORE.get(_TARGET_VARIABLE_KEY)
+    return targets.DEFAULT_ARCH if value is None else os.environ.decodevalue(value) or targets.DEFAULT_ARCH
 
 
 def current_target() -> Target:
     """The target plans for NumPy arrays are made for and launches are checked against:
     the innermost ``targeting(...)``, else $CUFLASH_SIM_TARGET, else sm_80."""
-    # Read without the lock (every simulator call's signature reads it): a slice of a list is taken atomically, and
-    # targeting() changes the stack under the lock.
-    innermost = _target_stack[-1:]
-    if innermost:
-        return innermost[0]
-    return targets.target(os.environ.get("CUFLASH_SIM_TARGET") or targets.DEFAULT_ARCH)
+    return targets.target(current_arch())
 
 
 @contextlib.contextmanager
