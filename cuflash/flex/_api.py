@@ -58,6 +58,21 @@ def _check_block_mask(block_mask: Any, problem: Problem) -> None:
                          f"{problem.seqlen_k}")
 
 
+def tile_visits(block_mask: BlockMask, problem: Problem, target: Any, backward: bool) -> tuple[str, tuple]:
+    """A block mask through the main kernel's tiles, as AttentionParams.flex_tiles takes it (the one packing rule of
+    the NumPy / CuPy path and of the JAX custom call): the member ("kv": the forward's K/V tiles per Q tile, or "q":
+    the backward's Q tiles per K/V tile and kv head) and its (counts, indices, full, batch_stride, head_stride),
+    int32 host arrays and the row-tile strides (0 where B or H broadcast)."""
+    module = plans.variant_for(_ALGORITHM, problem, target).module
+    traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(problem), target)
+    lists = block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=problem.group_size)
+    visits = lists.q if backward else lists.kv
+    counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32) for x in (visits.counts, visits.indices, visits.full))
+    batch, heads, rows = counts.shape
+    return ("q" if backward else "kv"), (counts, indices, full, heads * rows if batch > 1 else 0,
+                                         rows if heads > 1 else 0)
+
+
 class _Call:
     """One checked flex call: its Problem, scale, mods and their side arrays placed on the call's backend."""
 
@@ -111,23 +126,13 @@ class _Call:
                               block_sparse=self.block_mask is not None)
 
     def tiles(self, backward: bool) -> dict[str, Any] | None:
-        """The block mask through the main kernel's tiles, as PreparedProgram.run takes it: the forward's K/V tiles
-        per Q tile ("kv"), or the backward's Q tiles per K/V tile and kv head ("q"), on the call's device."""
+        """The block mask's tile lists for the main kernel (tile_visits), on the call's device."""
         if self.block_mask is None:
             return None
-        target = self.backend.target
-        module = plans.variant_for(_ALGORITHM, self.problem, target).module
-        traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(self.problem),
-                                                                                  target)
-        lists = self.block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=self.problem.group_size)
-        visits = lists.q if backward else lists.kv
-        counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32)
-                                 for x in (visits.counts, visits.indices, visits.full))
-        batch, heads, rows = counts.shape
-        batch_stride = heads * rows if batch > 1 else 0
-        head_stride = rows if heads > 1 else 0
+        member, (counts, indices, full, batch_stride, head_stride) = tile_visits(
+            self.block_mask, self.problem, self.backend.target, backward)
         upload = self.backend.upload
-        return {"q" if backward else "kv": (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
+        return {member: (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
 
     def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = ()) -> dict[str, Any]:
         prepared = PreparedProgram(self.program(backward), self.problem, self.scale, arrays)
