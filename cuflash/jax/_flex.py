@@ -110,7 +110,9 @@ def _tiles(block_mask: BlockMask, problem, backward: bool) -> list:
     platform = jax.default_backend()
     target = P.target_for("cpu" if platform == "cpu" else "cuda")
     _, (counts, indices, full, _, _) = tile_visits(block_mask, problem, target, backward)
-    return [jnp.asarray(counts), jnp.asarray(indices), jnp.asarray(full)]
+    # NumPy, not jnp: the backward's closure keeps them, and jnp.asarray inside a jit trace is a tracer of that trace
+    # (it would outlive it in the cached custom_vjp); bound as operands, they become constants of whichever trace.
+    return [counts, indices, full]
 
 
 def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None,
@@ -131,12 +133,16 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
             mask_mod = block_mask.mask_mod
     score = _flex_mod(score_mod, "score", side_grads=True)
     mask = _flex_mod(mask_mod, "mask")
-    spec = FlexSpec(score, mask, block_mask is not None)
-    if spec.side_count() > MAX_SIDES:
-        raise ValueError(f"score_mod and mask_mod capture {spec.side_count()} arrays together; a kernel reads at "
-                         f"most {MAX_SIDES}")
-    sides = [jnp.asarray(value) for m in spec.mods for value in m.kernel_side_values()]
-    for m in spec.mods:  # the arrays as compiled for (bfloat16 stays bfloat16: the CPU handler reads the bits)
+    mods = [m for m in (score, mask) if m is not None]
+    if sum(len(m.sides) for m in mods) > MAX_SIDES:
+        raise ValueError(f"score_mod and mask_mod capture {sum(len(m.sides) for m in mods)} arrays together; a "
+                         f"kernel reads at most {MAX_SIDES}")
+    sides = [jnp.asarray(value) for m in mods for value in m.kernel_side_values()]
+    # The spec is a primitive parameter: it keeps the mods' structure, never their values (tracers under jit would
+    # outlive their trace in JAX's caches); the values are the call's operands.
+    spec = FlexSpec(*(None if m is None else dataclasses.replace(m, side_values=()) for m in (score, mask)),
+                    block_mask is not None)
+    for m in mods:  # the arrays as compiled for (bfloat16 stays bfloat16: the CPU handler reads the bits)
         for i, value in enumerate(m.kernel_side_values()):
             if tuple(np.shape(value)) != m.sides[i].shape:
                 raise ValueError(f"{m.kind}_mod {m.name}: captured array {m.sides[i].name} has shape "
