@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
-from ..flex._api import _ALGORITHM, _check_block_mask, _flex_mod, tile_visits
+from ..flex._api import _ALGORITHM, _check_block_mask, _flex_mod, block_mask_for_call, tile_visits
 from ..flex._kernels import hooked_program
 from ..flex._mod import MAX_SIDES, FlexMod
 from ..flex.block_mask import BlockMask
@@ -133,6 +133,8 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
             mask_mod = block_mask.mask_mod
     score = _flex_mod(score_mod, "score", side_grads=True)
     mask = _flex_mod(mask_mod, "mask")
+    if block_mask is None and mask is not None:  # built for the call where the mod's captures are concrete
+        block_mask = block_mask_for_call(mask_mod, mask, problem)
     mods = [m for m in (score, mask) if m is not None]
     if sum(len(m.sides) for m in mods) > MAX_SIDES:
         raise ValueError(f"score_mod and mask_mod capture {sum(len(m.sides) for m in mods)} arrays together; a "
@@ -167,11 +169,12 @@ def _differentiable(config: P.CallConfig, forward_tiles, backward_tiles, q, k, v
 
     def backward(residuals, cotangents):
         q, k, v, out, lse, sides = residuals
-        dout, _ = cotangents  # the lse's cotangent is not taken (as cuflash.flex.flex_attention_backward)
+        dout, dlse = cotangents  # the lse's cotangent joins D (attention_params.cuh's dlse): a loss through lse
         if spec.score_mod is not None and not spec.score_mod.has_dscore:
             raise ValueError(f"score_mod {spec.score_mod.name} has no derivative in score: no backward")
-        dq, dk, dv, *grads = P.call("backward", config, dout.astype(q.dtype), q, k, v, out, lse, *sides,
-                                    *backward_tiles)
+        with_dlse = dataclasses.replace(config, with_dlse=True)
+        dq, dk, dv, *grads = P.call("backward", with_dlse, dout.astype(q.dtype), q, k, v, out, lse,
+                                    dlse.astype(jnp.float32), *sides, *backward_tiles)
         by_side = dict(zip(spec.grad_sides, grads))
         dsides = []
         for i, side in enumerate(sides):
