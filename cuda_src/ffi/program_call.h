@@ -38,19 +38,62 @@ namespace ffi = xla::ffi;
 static_assert(std::is_standard_layout_v<AttentionParams> && std::is_trivially_copyable_v<AttentionParams>,
               "AttentionParams is patched with offsetof and copied as bytes");
 
+enum class FieldKind {
+  kTensor,     // element-typed (batch, seqlen, heads, headdim) tensor
+  kSide,       // float32 side buffer
+  kFlexSide,   // a flex mod's side array: any element type, reach from its SideArray's shape and strides
+  kFlexGrad,   // float32 gradient of flex side i: the side's shape, contiguous
+  kFlexTiles,  // int32 words of a block mask's tile lists (their extent is the Python lowering's: it sizes them)
+};
+
 struct PointerField {
   const char* name;
   std::size_t offset;
-  bool is_tensor;  // element-typed (batch, seqlen, heads, headdim) tensor; otherwise a float32 side buffer
+  FieldKind kind;
+  int flex_side = -1;  // kFlexSide / kFlexGrad: which side
+  bool is_tensor() const { return kind == FieldKind::kTensor; }
 };
 
-// From the header's X-macro lists: element tensors first, then the float32 side buffers.
-#define CUFLASH_TENSOR_POINTER_FIELD(name, side, width, access) {#name, offsetof(AttentionParams, name), true},
-#define CUFLASH_SIDE_POINTER_FIELD(name) {#name, offsetof(AttentionParams, name), false},
+// From the header's X-macro lists: element tensors first, then the float32 side buffers, then the flex fields
+// (cuflash.flex: the mods' side arrays, their gradients and the tile lists; cuflash/jax/_flex.py binds them as
+// "flex_side<i>", "flex_side_grad<i>", "flex_tiles_<kv|q>_<counts|indices|full>", the same fields
+// PreparedProgram.run fills on the NumPy / CuPy path).
+#define CUFLASH_TENSOR_POINTER_FIELD(name, side, width, access) {#name, offsetof(AttentionParams, name), FieldKind::kTensor},
+#define CUFLASH_SIDE_POINTER_FIELD(name) {#name, offsetof(AttentionParams, name), FieldKind::kSide},
+#define CUFLASH_FLEX_SIDE_FIELDS(i)                                                                         \
+  {"flex_side" #i, offsetof(AttentionParams, flex_sides) + i * sizeof(flex::SideArray) +                     \
+                       offsetof(flex::SideArray, data), FieldKind::kFlexSide, i},                            \
+  {"flex_side_grad" #i, offsetof(AttentionParams, flex_side_grads) + i * sizeof(float*), FieldKind::kFlexGrad, i},
+#define CUFLASH_FLEX_TILE_FIELDS(member)                                                                    \
+  {"flex_tiles_" #member "_counts", offsetof(AttentionParams, flex_tiles) + offsetof(flex::TileLists, member) + \
+                                         offsetof(flex::TileVisits, counts), FieldKind::kFlexTiles},          \
+  {"flex_tiles_" #member "_indices", offsetof(AttentionParams, flex_tiles) + offsetof(flex::TileLists, member) + \
+                                          offsetof(flex::TileVisits, indices), FieldKind::kFlexTiles},        \
+  {"flex_tiles_" #member "_full", offsetof(AttentionParams, flex_tiles) + offsetof(flex::TileLists, member) + \
+                                       offsetof(flex::TileVisits, full), FieldKind::kFlexTiles},
+static_assert(flex::kMaxSides == 4, "the flex side fields below name sides 0..3");
 inline constexpr PointerField kPointerFields[] = {
-    CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)};
+    CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)
+    CUFLASH_FLEX_SIDE_FIELDS(0) CUFLASH_FLEX_SIDE_FIELDS(1) CUFLASH_FLEX_SIDE_FIELDS(2) CUFLASH_FLEX_SIDE_FIELDS(3)
+    CUFLASH_FLEX_TILE_FIELDS(kv) CUFLASH_FLEX_TILE_FIELDS(q)};
 #undef CUFLASH_TENSOR_POINTER_FIELD
 #undef CUFLASH_SIDE_POINTER_FIELD
+#undef CUFLASH_FLEX_SIDE_FIELDS
+#undef CUFLASH_FLEX_TILE_FIELDS
+
+// The bytes a flex side (or its gradient, float32 and contiguous) reaches, from the SideArray the params carry.
+inline unsigned long long FlexSideReach(const AttentionParams& p, const PointerField& field, std::size_t element_bytes) {
+  const flex::SideArray& side = p.flex_sides.arrays[field.flex_side];
+  long long last = 0, count = 1;
+  for (int d = 0; d < flex::kMaxSideDims; ++d) {
+    // dims past the side's own are 0 in shape and stride (params.sides_struct)
+    int extent = side.shape[d] > 0 ? side.shape[d] : 1;
+    last += (extent - 1) * side.strides[d];
+    count *= extent;
+  }
+  if (field.kind == FieldKind::kFlexGrad) return static_cast<unsigned long long>(count) * 4;
+  return static_cast<unsigned long long>(last + 1) * element_bytes;
+}
 
 inline const PointerField* FindPointerField(std::string_view name) {
   for (const PointerField& field : kPointerFields)
@@ -65,6 +108,7 @@ struct BoundBuffer {
   long long leading_extent;  // the buffer's first dimension (1 for a scalar): a paged cache's page count
   bool is_result;
   bool zero_init;
+  std::size_t element_bytes;
 };
 
 struct KernelLaunch {
@@ -323,7 +367,11 @@ inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs
       bytes = (*buffer)->size_bytes();
       dimensions = (*buffer)->dimensions();
     }
-    if (field->is_tensor) {
+    if (field->kind == FieldKind::kFlexSide || field->kind == FieldKind::kFlexTiles) {
+      // any element type: the mod's emitted code reads its own dtype; tile lists are int32 words
+    } else if (field->kind == FieldKind::kFlexGrad) {
+      if (type != ffi::DataType::F32) return Invalid(std::string(field->name) + " must be float32");
+    } else if (field->is_tensor()) {
       if (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16)
         return Invalid(std::string(field->name) + " must be float32, float16 or bfloat16");
       if (tensor_type == ffi::DataType::INVALID) {
@@ -337,10 +385,18 @@ inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs
     }
     const bool zero_init = is_result && plan.zero_init[i - num_args] != 0;
     const long long leading_extent = dimensions.size() ? static_cast<long long>(dimensions.front()) : 1;
-    call->buffers.push_back(BoundBuffer{field, data, bytes, leading_extent, is_result, zero_init});
+    call->buffers.push_back(
+        BoundBuffer{field, data, bytes, leading_extent, is_result, zero_init, ffi::ByteWidth(type)});
   }
   for (const BoundBuffer& bound : call->buffers) {
-    if (!bound.field->is_tensor) continue;
+    if (bound.field->kind == FieldKind::kFlexSide || bound.field->kind == FieldKind::kFlexGrad) {
+      const unsigned long long needed = FlexSideReach(call->params, *bound.field, bound.element_bytes);
+      if (needed > bound.bytes)
+        return Invalid(std::string(bound.field->name) + " needs " + std::to_string(needed) +
+                       " bytes for the shape and strides in params, but its buffer has " + std::to_string(bound.bytes));
+      continue;
+    }
+    if (!bound.field->is_tensor()) continue;
     // num_pages is not in AttentionParams (kernels never need it: the block_table names the pages), so a paged
     // cache's page count is the bound buffer's own leading dimension.
     const TensorLayout layout{plan.packed, plan.paged, bound.leading_extent};

@@ -8,9 +8,16 @@ from the JAX FFI handler.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from typing import Any
 
 import numpy as np
+
+try:
+    import jax
+except ImportError:  # the NumPy / CuPy API without JAX: Python mods need it anyway
+    jax = None
 
 from .. import _validation as V
 from .._placement import Placement, ascontiguous
@@ -20,7 +27,7 @@ from ..kernels.families import fa2
 from ..kernels.program import MAX_KERNEL_HEADDIM_V, Problem
 from ._kernels import hooked_program
 from ._mod import MAX_SIDES, FlexMod, trace_mask_mod, trace_score_mod
-from .block_mask import BlockMask
+from .block_mask import BlockMask, create_block_mask
 
 _ALGORITHM = "fa2"
 
@@ -58,6 +65,55 @@ def _check_block_mask(block_mask: Any, problem: Problem) -> None:
                          f"{problem.seqlen_k}")
 
 
+def tile_visits(block_mask: BlockMask, problem: Problem, target: Any, backward: bool) -> tuple[str, tuple]:
+    """A block mask through the main kernel's tiles, as AttentionParams.flex_tiles takes it (the one packing rule of
+    the NumPy / CuPy path and of the JAX custom call): the member ("kv": the forward's K/V tiles per Q tile, or "q":
+    the backward's Q tiles per K/V tile and kv head) and its (counts, indices, full, batch_stride, head_stride),
+    int32 host arrays and the row-tile strides (0 where B or H broadcast)."""
+    module = plans.variant_for(_ALGORITHM, problem, target).module
+    traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(problem), target)
+    lists = block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=problem.group_size)
+    visits = lists.q if backward else lists.kv
+    counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32) for x in (visits.counts, visits.indices, visits.full))
+    batch, heads, rows = counts.shape
+    return ("q" if backward else "kv"), (counts, indices, full, heads * rows if batch > 1 else 0,
+                                         rows if heads > 1 else 0)
+
+
+_CALL_BLOCK_MASKS: "collections.OrderedDict[tuple, BlockMask]" = collections.OrderedDict()
+_CALL_BLOCK_MASKS_KEPT = 32
+CALL_BLOCK_SIZE = 128  # create_block_mask's default, FlexAttention's
+
+
+def block_mask_for_call(mask_mod: Any, traced: FlexMod, problem: Problem) -> BlockMask | None:
+    """The block mask a call without one builds from its mask_mod (so the kernels skip the tiles it hides), or None
+    where the call runs the mask_mod densely on every score instead: an expert-form mod (no Python function to
+    evaluate on the host) or one capturing a traced array (its values are unknown while tracing).
+
+    Built per (mod structure, captured values, shapes, block size) and kept (the last _CALL_BLOCK_MASKS_KEPT): a
+    step that calls again with the same mask builds it once. The values of captured arrays are part of the key, so
+    a new document layout builds anew. One home for the NumPy / CuPy API and cuflash.jax.flex_attention."""
+    if isinstance(mask_mod, FlexMod) or not callable(mask_mod):
+        return None
+    values = []
+    for value in traced.side_values:
+        if isinstance(value, jax.core.Tracer):
+            return None
+        array = np.asarray(value)  # a CuPy array's values come to the host for the key and the evaluation
+        values.append((array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).hexdigest()))
+    key = (traced.cache_key, tuple(values), problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k,
+           CALL_BLOCK_SIZE)
+    found = _CALL_BLOCK_MASKS.get(key)
+    if found is None:
+        found = create_block_mask(mask_mod, problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k,
+                                  block_size=CALL_BLOCK_SIZE)
+        _CALL_BLOCK_MASKS[key] = found
+        while len(_CALL_BLOCK_MASKS) > _CALL_BLOCK_MASKS_KEPT:
+            _CALL_BLOCK_MASKS.popitem(last=False)
+    _CALL_BLOCK_MASKS.move_to_end(key)
+    return found
+
+
 class _Call:
     """One checked flex call: its Problem, scale, mods and their side arrays placed on the call's backend."""
 
@@ -75,6 +131,8 @@ class _Call:
             mask_mod = block_mask.mask_mod
         self.score_mod = _flex_mod(score_mod, "score", side_grads)
         self.mask_mod = _flex_mod(mask_mod, "mask")
+        if self.block_mask is None and self.mask_mod is not None:
+            self.block_mask = block_mask_for_call(mask_mod, self.mask_mod, self.problem)
         mods = [m for m in (self.score_mod, self.mask_mod) if m is not None]
         count = sum(len(m.sides) for m in mods)
         if count > MAX_SIDES:
@@ -111,23 +169,13 @@ class _Call:
                               block_sparse=self.block_mask is not None)
 
     def tiles(self, backward: bool) -> dict[str, Any] | None:
-        """The block mask through the main kernel's tiles, as PreparedProgram.run takes it: the forward's K/V tiles
-        per Q tile ("kv"), or the backward's Q tiles per K/V tile and kv head ("q"), on the call's device."""
+        """The block mask's tile lists for the main kernel (tile_visits), on the call's device."""
         if self.block_mask is None:
             return None
-        target = self.backend.target
-        module = plans.variant_for(_ALGORITHM, self.problem, target).module
-        traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(self.problem),
-                                                                                  target)
-        lists = self.block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=self.problem.group_size)
-        visits = lists.q if backward else lists.kv
-        counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32)
-                                 for x in (visits.counts, visits.indices, visits.full))
-        batch, heads, rows = counts.shape
-        batch_stride = heads * rows if batch > 1 else 0
-        head_stride = rows if heads > 1 else 0
+        member, (counts, indices, full, batch_stride, head_stride) = tile_visits(
+            self.block_mask, self.problem, self.backend.target, backward)
         upload = self.backend.upload
-        return {"q" if backward else "kv": (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
+        return {member: (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
 
     def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = ()) -> dict[str, Any]:
         prepared = PreparedProgram(self.program(backward), self.problem, self.scale, arrays)
@@ -156,7 +204,9 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
     block_mask: a cuflash.flex.BlockMask of shape (B, H, seqlen_q, seqlen_k), B and H 1 or q's; its mask_mod is the
     call's when mask_mod is None. With a block mask the kernels read only the tiles it lists (BlockMask.tile_lists for
     their tile sizes: a tile it leaves empty is skipped unread, its scores hidden) and run mask_mod on its partial
-    tiles only; without one, mask_mod runs on every score. Errors (bad shapes or dtypes, an unsupported primitive in a mod) are raised before
+    tiles only; without one, a block mask is built for the call from a Python mask_mod whose captured arrays are
+    concrete (block_mask_for_call: kept per structure, values and shapes), and otherwise (a FlexMod, or a traced
+    capture) mask_mod runs on every score. Errors (bad shapes or dtypes, an unsupported primitive in a mod) are raised before
     any kernel runs."""
     placement = Placement(("q", "k", "v"), (q, k, v))
     q, k, v = contiguous_last_dim(placement.arrays[:3])

@@ -465,7 +465,9 @@ def _evaluate_block_states(mask_mod: Callable, batch: int, heads: int, seq_lengt
         some, every = visible.any(axis=(3, 5)), visible.all(axis=(3, 5))
         return jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
 
-    with _on_the_host():
+    # ensure_compile_time_eval: a mask_mod over concrete arrays evaluates eagerly even inside a jit trace (the JAX
+    # APIs build a block mask for their call while tracing it)
+    with _on_the_host(), jax.ensure_compile_time_eval():
         chunks = [np.asarray(chunk_states(np.int32(first))) for first in range(0, nq * bq, rows_per_chunk)]
     return np.concatenate(chunks, axis=2)[:, :, :nq]
 

@@ -20,6 +20,8 @@ execution. A call lowered by another cuflash version is refused.
 from ._attention import (attention, attention_kvpacked, attention_qkvpacked, attention_varlen, dropout_seed,
                          ring_attention)
 from ._dot_product import dot_product_attention
+from ._flex import flex_attention
+from ..flex import create_block_mask
 from ._kvcache import attention_with_kvcache
 from ._ffi import FfiBuildError as _FfiBuildError
 from ._primitives import install as _install
@@ -29,5 +31,5 @@ try:
 except _FfiBuildError:
     pass  # raised again, with the compiler's output, when a call is first lowered
 
-__all__ = ["attention", "attention_kvpacked", "attention_qkvpacked", "attention_varlen", "attention_with_kvcache",
+__all__ = ["create_block_mask", "flex_attention", "attention", "attention_kvpacked", "attention_qkvpacked", "attention_varlen", "attention_with_kvcache",
            "dot_product_attention", "dropout_seed", "ring_attention"]

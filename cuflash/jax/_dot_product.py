@@ -9,9 +9,16 @@ warning said once per reason. Covered:
   is shifted by off; this is exact whenever both shifted bounds are >= 0 (always when seqlen_q == seqlen_k);
 - ``query_seq_lengths`` / ``key_value_seq_lengths`` (padding) without a causal mask or window: the valid rows are
   packed and run as varlen (cuflash.jax.attention_varlen), padded query rows get 0 as in jax.nn;
-- ``return_residual``: the log-sum-exp of each query row, (batch, seqlen_q, nheads) float32 as jax.nn gives it.
+- ``return_residual``: the log-sum-exp of each query row, (batch, seqlen_q, nheads) float32 as jax.nn gives it;
+- ``bias`` and a boolean ``mask`` (broadcastable to (B, N, T, S), 4-D inputs, no sequence lengths, no
+  return_residual) run as cuflash.jax.flex_attention (_flex_call): the bias is a side array a score_mod adds to the
+  scaled score, as jax.nn adds it to the scaled logits (its gradient, summed over broadcast dims, comes from the
+  backward's side gradients), the mask (with is_causal / local_window_size, top-left as jax.nn) a mask_mod, with a
+  block mask built on the host when the mask is concrete (traced: the mask_mod runs on every score).
 
-A row that sees no key gets 0 (jax.nn's XLA path averages the values there).
+A row that sees no key gets 0 (jax.nn's XLA path averages the values there), except on the bias / mask path, which
+matches jax.nn there too: jax.nn sets masked logits to one large negative number, so such a row's softmax is uniform
+and its output the mean of the values over all keys (gradients: dv gets dout / S per key, nothing else).
 """
 
 from __future__ import annotations
@@ -71,11 +78,15 @@ def dot_product_attention(
     kwargs = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
                   implementation=implementation, return_residual=return_residual)
-    for reason, unsupported in (("a bias", bias is not None), ("a boolean mask", mask is not None),
-                                (f"implementation={implementation!r}", implementation is not None)):
-        if unsupported:
-            return _fallback(f"{reason} is not covered", *args, **kwargs)
+    if implementation is not None:
+        return _fallback(f"implementation={implementation!r} is not covered", *args, **kwargs)
     shape = tuple(getattr(query, "shape", ()))
+    if bias is not None or mask is not None:
+        lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
+        if len(shape) != 4 or lengths or return_residual:
+            return _fallback("a bias or mask with 3-D inputs, sequence lengths or return_residual is not covered",
+                             *args, **kwargs)
+        return _flex_call(query, key, value, bias, mask, scale, is_causal, local_window_size)
     if len(shape) == 3:  # unbatched (T, N, H)
         out = dot_product_attention(*(x[None] for x in (query, key, value)), scale=scale, is_causal=is_causal,
                                     local_window_size=local_window_size, return_residual=return_residual)
@@ -132,3 +143,81 @@ def _padded_as_varlen(query, key, value, scale, query_seq_lengths, key_value_seq
     out = jnp.zeros((full, nheads, headdim_v), query.dtype).at[rows_q].set(out, mode="drop")
     lse = jnp.full((nheads, full), -np.inf, jnp.float32).at[:, rows_q].set(lse, mode="drop")
     return out.reshape(batch, seqlen_q, nheads, headdim_v), jnp.moveaxis(lse.reshape(nheads, batch, seqlen_q), 1, 0)
+
+
+def _broadcast_index(name: str, array: Any, full: tuple[int, ...]):
+    """The array as jax.nn broadcasts it to (B, N, T, S), and an indexer of it by (b, h, q_idx, kv_idx): 0 along
+    its dims of extent 1 (so a mod reads it unbroadcast, and its gradient sums over those dims as jax.nn's does)."""
+    shape = tuple(np.shape(array))
+    if len(shape) > 4:
+        raise ValueError(f"{name} must broadcast to (B, N, T, S) = {full}, got shape {shape}")
+    shape = (1,) * (4 - len(shape)) + shape
+    for extent, want in zip(shape, full):
+        if extent not in (1, want):
+            raise ValueError(f"{name} must broadcast to (B, N, T, S) = {full}, got shape {np.shape(array)}")
+    array = jnp.reshape(array, shape)
+
+    def read(table, b, h, q_idx, kv_idx):
+        at = tuple(0 if extent == 1 else i for extent, i in zip(shape, (b, h, q_idx, kv_idx)))
+        return table[at]
+
+    return array, read
+
+
+def _flex_call(query, key, value, bias, mask, scale, is_causal, local_window_size):
+    """jax.nn.dot_product_attention with a bias and / or a boolean mask as cuflash.jax.flex_attention (module
+    docstring): bias a score_mod, mask (and the band) a mask_mod with a block mask when concrete."""
+    from ..flex import create_block_mask
+    from ._flex import flex_attention
+
+    batch, seqlen_q, nheads, _ = query.shape
+    seqlen_k, nheads_k = key.shape[1], key.shape[2]
+    full = (batch, nheads, seqlen_q, seqlen_k)
+    score_mod = mask_mod = block_mask = None
+    if bias is not None:
+        bias, read_bias = _broadcast_index("bias", bias, full)
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + read_bias(bias, b, h, q_idx, kv_idx).astype(jnp.float32)
+
+        score_mod = add_bias
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+    left, right = local_window_size if local_window_size is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    keep = None
+    if mask is not None:
+        if jnp.asarray(mask).dtype != np.bool_:
+            raise TypeError(f"mask must be boolean, got {jnp.asarray(mask).dtype}")
+        keep, read_mask = _broadcast_index("mask", mask, full)
+    if keep is not None or left is not None or right is not None:
+        def visible(b, h, q_idx, kv_idx):  # jax.nn's mask, causal and window (top-left: key j for query i)
+            seen = read_mask(keep, b, h, q_idx, kv_idx) if keep is not None else q_idx >= 0
+            if left is not None:
+                seen = seen & (kv_idx >= q_idx - left)
+            if right is not None:
+                seen = seen & (kv_idx <= q_idx + right)
+            return seen
+
+        mask_mod = visible
+        if not isinstance(keep, jax.core.Tracer):  # a host block mask: the kernels skip what it hides
+            mask_batch, mask_heads = (keep.shape[:2] if keep is not None else (1, 1))
+            block_mask = create_block_mask(visible, None if mask_batch == 1 else batch,
+                                           None if mask_heads == 1 else nheads, seqlen_q, seqlen_k)
+    out = flex_attention(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                         softmax_scale=scale)
+    if mask_mod is None:
+        return out
+    # Rows that see no key: jax.nn's uniform softmax over its equal large negative logits, the mean of the values.
+    rows = jnp.arange(seqlen_q)[:, None]
+    cols = jnp.arange(seqlen_k)[None, :]
+    seen = jnp.ones(full, bool) if keep is None else jnp.broadcast_to(keep, full)
+    if left is not None:
+        seen = seen & (cols >= rows - left)
+    if right is not None:
+        seen = seen & (cols <= rows + right)
+    empty = ~seen.any(axis=-1)  # (B, N, T)
+    mean = jnp.mean(value.astype(jnp.float32), axis=1).astype(value.dtype)  # (B, K, H)
+    mean = jnp.repeat(mean, nheads // nheads_k, axis=1)  # query head n reads kv head n // group, as jax.nn
+    return jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean[:, None], out)

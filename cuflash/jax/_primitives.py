@@ -55,6 +55,9 @@ class CallConfig:
     with_dlse: bool = False  # backward: the lse's cotangent is an operand (attention_params.cuh's dlse)
     # KV cache: the shape of the caches k and v bind (see tensor_shape), which the Problem does not hold.
     cache_shape: tuple[int, int, int, int] | None = None
+    # flex_attention: the mods compiled into the kernels (_flex.FlexSpec); their side arrays and a block mask's tile
+    # lists are extra operands, the side gradients extra results of the backward.
+    flex: object = None
 
 
 FORWARD_OPERANDS = ("q", "k", "v")
@@ -69,7 +72,16 @@ def operand_names(direction: str, config: CallConfig) -> tuple[str, ...]:
     names += side_input_names(config.problem)
     if direction == "backward" and config.with_dlse:
         names += ("dlse",)
+    if config.flex is not None:
+        names += config.flex.operand_names(direction)
     return names
+
+
+def result_names(direction: str, config: CallConfig) -> tuple[str, ...]:
+    """The AttentionParams fields a call's results bind: out and lse, or dq, dk, dv (then flex side gradients)."""
+    if direction == "forward":
+        return FORWARD_RESULTS
+    return BACKWARD_RESULTS + (config.flex.result_names() if config.flex is not None else ())
 
 
 def side_input_names(problem: Problem) -> tuple[str, ...]:
@@ -133,16 +145,18 @@ def target_for(platform: str) -> Target:
 
 def program_for(direction: str, config: CallConfig, platform: str = "cpu") -> Program:
     planner = plans.forward_program if direction == "forward" else plans.backward_program
-    return planner(config.algorithm, config.problem, target_for(platform))
+    program = planner(config.algorithm, config.problem, target_for(platform))
+    return program if config.flex is None else config.flex.program(program)
 
 
 def custom_call_attributes(
-    direction: str, config: CallConfig, program: Program, launches: Sequence[LaunchPlan]
+    direction: str, config: CallConfig, program: Program, launches: Sequence[LaunchPlan],
+    operand_shapes: Sequence[tuple[int, ...]] = (),
 ) -> dict[str, object]:
     """The custom call's attributes: plain data, nothing process-specific."""
     problem = config.problem
     operands = operand_names(direction, config)
-    results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
+    results = result_names(direction, config)
     tensors = [name for name in operands + results if name in TENSOR_FIELDS]
     params = pack_params(
         problem,
@@ -152,8 +166,12 @@ def custom_call_attributes(
         num_dq_splits=program.num_dq_splits,
         num_kv_splits=program.num_kv_splits,
     )
+    if config.flex is not None:  # the descriptors of the flex operands (their addresses stay null: bound per run)
+        config.flex.pack(params, dict(zip(operands, operand_shapes)))
     bindings = list(operands) + list(results) + [scratch.name for scratch in program.scratch]
-    zero_init = [0] * len(results) + [int(scratch.zero_init) for scratch in program.scratch]
+    # flex side gradients are accumulated with atomic adds: XLA's buffer starts cleared
+    zero_init = [int(name.startswith("flex_side_grad")) for name in results] + \
+        [int(scratch.zero_init) for scratch in program.scratch]
     return dict(
         params=np.frombuffer(params.tobytes(), dtype=np.uint8).copy(),
         bindings=",".join(bindings),
@@ -287,10 +305,13 @@ def _abstract_eval(direction: str, *avals, config: CallConfig):
     problem = config.problem
     names = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
     element = avals[FORWARD_OPERANDS.index("q") if direction == "forward" else BACKWARD_OPERANDS.index("q")].dtype
-    return [
+    results = [
         jax.core.ShapedArray(tensor_shape(name, problem), np.float32 if name == "lse" else element)
         for name in names
     ]
+    if config.flex is not None and direction == "backward":
+        results += [jax.core.ShapedArray(shape, np.float32) for shape in config.flex.grad_shapes()]
+    return results
 
 
 def _lowering(ctx, *operands, config: CallConfig, direction: str, platform: str):
@@ -300,7 +321,8 @@ def _lowering(ctx, *operands, config: CallConfig, direction: str, platform: str)
     _REGISTER_KERNELS[platform](list(dict.fromkeys(plan.kernel for plan in launches)))
     scratch_avals = [jax.core.ShapedArray(scratch.shape, np.float32) for scratch in program.scratch]
     call_ctx = ctx.replace(avals_out=[*ctx.avals_out, *scratch_avals])
-    attributes = custom_call_attributes(direction, config, program, launches)
+    attributes = custom_call_attributes(direction, config, program, launches,
+                                        [tuple(aval.shape) for aval in ctx.avals_in])
     results = jax.ffi.ffi_lowering(_ffi.TARGET_NAME)(call_ctx, *operands, **attributes)
     return results[: len(ctx.avals_out)]
 
@@ -337,7 +359,8 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     heads_fold = (direction == "forward" and dims[names.index("k")] is None and dims[names.index("v")] is None
                   and problem.dropout_p == 0.0 and problem.nheads * size <= V.MAX_GRID_YZ)
     mapped_sinks = problem.sinks and dims[names.index("sinks")] is not None
-    if problem.varlen or problem.kvcache or (mapped_sinks and not heads_fold):
+    # flex: the mods read b and h (and the sides and tile lists are per batch), so no fold keeps their meaning
+    if problem.varlen or problem.kvcache or (mapped_sinks and not heads_fold) or config.flex is not None:
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
@@ -438,6 +461,8 @@ def call(direction: str, config: CallConfig, *arrays):
     (_partitioning.py: split along batch and kv heads where the problem allows), wrapped in custom_vmap because
     custom_partitioning has no batching rule of its own: vmap folds into the batch as the primitive's rule does.
     A V wider than the kernels take runs as a call per column chunk (value_column_chunks)."""
+    if config.flex is not None:  # not partitioned (yet): the primitive itself, whose batching rule covers vmap
+        return _PRIMITIVES[direction].bind(*arrays, config=config)
     chunks = value_column_chunks(config.problem.headdim_v)
     if len(chunks) > 1:
         return _call_in_value_chunks(direction, config, chunks, arrays)

@@ -15,7 +15,7 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
-from cuflash.flex import create_block_mask, cuda_mod
+from cuflash.flex import create_block_mask, cuda_mod, trace_mask_mod
 from cuflash.kernels.families import fa2, fa2_tc
 from cuflash.kernels.program import Problem
 from cuflash.reference import attention_backward_reference
@@ -191,15 +191,22 @@ def test_a_block_mask_of_8_documents_reads_an_eighth_of_k_and_v(dtype, seqlen):
     block_mask = create_block_mask(same_document, None, None, seqlen, seqlen, block_size=seqlen // 8)
     assert block_mask.sparsity() == pytest.approx(100 * 7 / 8)  # percent of the blocks empty
     bytes_read, results = {}, {}
-    for name, mods in (("dense", dict(mask_mod=same_document)), ("sparse", dict(block_mask=block_mask))):
+    # A FlexMod mask_mod is run densely (a call builds a block mask only from a Python function, _api's
+    # block_mask_for_call); the Python function builds one of 128-blocks (2 documents of 64 per block at 512).
+    cases = (("dense", dict(mask_mod=trace_mask_mod(same_document))), ("sparse", dict(block_mask=block_mask)),
+             ("built", dict(mask_mod=same_document)))
+    for name, mods in cases:
         with sim.record() as forward:
             out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
         with sim.record() as backward:
             grads = cuflash.flex_attention_backward(dout, q, k, v, out, lse, **mods)
         bytes_read[name] = (forward.launches[0].global_bytes_read, backward.launches[1].global_bytes_read)
         results[name] = (out, lse, *grads)
-    for name, sparse, dense in zip(("out", "lse", "dq", "dk", "dv"), results["sparse"], results["dense"]):
+    for name, sparse, built, dense in zip(("out", "lse", "dq", "dk", "dv"), results["sparse"], results["built"],
+                                          results["dense"]):
         np.testing.assert_array_equal(sparse, dense, err_msg=name)
+        np.testing.assert_array_equal(built, dense, err_msg=f"{name} with the block mask built for the call")
+    assert bytes_read["built"][0] < bytes_read["dense"][0] / 2
 
     itemsize = np.dtype(q.dtype).itemsize
     q_bytes = seqlen * 32 * itemsize

@@ -110,8 +110,9 @@ def test_unbatched_inputs():
 
 
 FALLBACKS = {
-    "bias": (dict(bias=True), "a bias is not covered"),
-    "mask": (dict(mask=True), "a boolean mask is not covered"),
+    # bias and mask alone run on flex_attention (test_jax_flex.py); with sequence lengths they fall back
+    "bias-lengths": (dict(bias=True, key_value_seq_lengths=True), "a bias or mask with"),
+    "mask-lengths": (dict(mask=True, key_value_seq_lengths=True), "a bias or mask with"),
     "implementation": (dict(implementation="xla"), "implementation='xla' is not covered"),
     "wide-causal": (dict(is_causal=True), "top-left aligned"),
     "lengths-causal": (dict(is_causal=True, key_value_seq_lengths=True), "sequence lengths together with"),
