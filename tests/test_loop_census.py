@@ -447,3 +447,36 @@ def test_masked_and_paged_loops_within_the_bound_of_fa2(direction, head_dim, arc
         for paged in others:
             assert paged.path.instructions_per_hmma <= 1.3 * _fa2(direction, head_dim, arch), paged.as_json()
 
+
+
+# Issue 29 item 6: a kernel whose score_mod is softcap issues at most the built-in softcap's main loop plus 10%
+# (loop_census.softcap_census: every score through its tanh). Measured (sm_80 fp16 d64 forward, instructions per
+# iteration): built-in 1289; the exact mod (IEEE division, tanhf) 2954 (3495 before the hook's 1 / scale became one
+# division per block); the fast-math mod (trace_score_mod(fast_math=True): __fdividef, tanh_by_exp2) 1649, +28%.
+# What is left: the hook's per-score sequence-bound test (about 300 instructions: flex_hook.cuh's
+# `row >= seqlen_q || key >= seqlen_k`), needed only on edge tiles; the bound holds once it leaves interior tiles.
+SOFTCAP_MOD_NOT_YET_WITHIN_BUILT_IN = {("forward", 64, "sm_80")}
+
+
+@pytest.mark.parametrize("direction, head_dim, arch", [
+    pytest.param(*case, marks=[pytest.mark.xfail(strict=True, reason="per-score sequence-bound test (see above)")]
+                 if case in SOFTCAP_MOD_NOT_YET_WITHIN_BUILT_IN else [])
+    for case in (("forward", 64, "sm_80"),)])
+def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch):
+    import jax.numpy as jnp
+
+    from cuflash.flex import trace_score_mod
+    from cuflash.flex._kernels import hooked_instance
+
+    traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
+                                                                                          targets.target(arch))
+    plain = lc.instance_census(traits, CENSUS_DTYPE, arch)[0]
+    built_in = lc.softcap_census(traits, CENSUS_DTYPE, arch)
+    # The softcap path runs the tanh: more exponentials and instructions than the plain path, the same MMAs.
+    assert built_in.path.hmma == plain.path.hmma and built_in.path.instructions > plain.path.instructions
+    assert built_in.path.classes["mufu"] > plain.path.classes["mufu"]
+    cap = 30.0
+    fast = trace_score_mod(lambda score, b, h, q_idx, kv_idx: cap * jnp.tanh(score / cap), fast_math=True)
+    modded = lc.softcap_census(traits, CENSUS_DTYPE, arch, hooked_instance(traits.instance(CENSUS_DTYPE), fast, None))
+    assert modded.path.hmma == plain.path.hmma
+    assert modded.path.instructions <= 1.1 * built_in.path.instructions, (modded.as_json(), built_in.as_json())

@@ -72,9 +72,13 @@ struct FlexHook {
   int batch;
   int head;  // the query head
   bool check_mask;  // false on a tile the block mask lists as full
+  // 1 / scale, divided once per block: score' / scale per score as an IEEE division costs a slow-path test and
+  // branch each (the loop census counted them); a product is within an ulp of it, and the kernels' own
+  // convention (ScoreHook's softcap factors c / scale, scale / c) rounds the same way.
+  float inverse_scale;
 
   __device__ __forceinline__ static FlexHook of(const AttentionParams& p, const BlockInfo& info) {
-    return FlexHook{p, info.batch, info.head, true};
+    return FlexHook{p, info.batch, info.head, true, 1.f / p.softmax_scale};
   }
 
   // The K/V tiles Q tile m_block of (info.batch, info.head) visits (forward): the block mask's list, or `range`.
@@ -94,7 +98,7 @@ struct FlexHook {
       return TileRangeVisits{range.begin, range.end};
   }
 
-  __device__ __forceinline__ FlexHook for_tile(bool full) const { return FlexHook{p, batch, head, !full}; }
+  __device__ __forceinline__ FlexHook for_tile(bool full) const { return FlexHook{p, batch, head, !full, inverse_scale}; }
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
@@ -116,7 +120,7 @@ struct FlexHook {
     if constexpr (kScoreModded) {
       const float score = qk * p.softmax_scale;
       if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(score, batch, head, row, key, p.flex_sides);
-      return ScoreMod::score(score, batch, head, row, key, p.flex_sides) / p.softmax_scale;
+      return ScoreMod::score(score, batch, head, row, key, p.flex_sides) * inverse_scale;
     } else {
       slope_of_score = 1.f;
       return qk;

@@ -120,6 +120,7 @@ class Emitter:
     effects: list[str] = field(default_factory=list)  # statements with side effects, in order (atomic adds)
     _reads: dict = field(default_factory=dict)  # window -> its tensor: a window used twice is loaded once
     _count: itertools.count = field(default_factory=itertools.count)
+    fast_math: bool = False  # _FAST_MATH's approximate forms for division, tanh and exp
 
     # ---- statements -------------------------------------------------------------------------
     def bind(self, dtype: str, expr: str) -> str:
@@ -200,7 +201,7 @@ class Emitter:
             return [structural(self, params, args, out_shape, out_dtype)]
         if primitive in ("add", "add_any") and all(isinstance(a, _Scattered) for a in args):
             return [_Scattered(out_dtype, out_shape, args[0].entries + args[1].entries)]
-        rule = _ELEMENTWISE.get(primitive)
+        rule = (_FAST_MATH.get(primitive) if self.fast_math else None) or _ELEMENTWISE.get(primitive)
         if rule is None:
             raise EmitError(primitive, "is not a primitive cuflash.flex can emit")
         tensors = [self.read(a, primitive) for a in args]
@@ -348,6 +349,17 @@ _ELEMENTWISE = {
     "select_n": _select_n, "convert_element_type": _convert,
     "copy": lambda ops, dtypes, out, params: ops[0], "copy_p": lambda ops, dtypes, out, params: ops[0],
 }
+# trace_score_mod(fn, fast_math=True): the forms the built-in score hook (mask.cuh's ScoreHook) uses, for what a
+# mod's arithmetic costs there. IEEE division and tanhf/expf each add a slow path or a long polynomial per score
+# (the tensor-core loops run at the register limit); these are a few instructions, approximate (about 2 ulp for
+# __fdividef within its range, tanh and exp to ex2.approx's relative 2^-22 plus the argument's rounding), so
+# results no longer match eager JAX bitwise. Integer division is exact either way.
+_FAST_MATH = {
+    "div": _float_or_int(lambda a, b: f"__fdividef({a}, {b})", lambda a, b: f"cuflash::flex::int_div({a}, {b})"),
+    "tanh": _unary("cuflash::tanh_by_exp2"),
+    "exp": _float_only(lambda a: f"cuflash::arch::exp2_approx(__fmul_rn({a}, cuflash::kLog2e))"),
+}
+
 # Primitives whose result needs no rounding / wrapping to its dtype: it is one of the operands, converted by
 # the rule itself, bool, or a bitwise and / or / xor of in-range values (not ~: ~ of a uint8 is negative).
 _EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge",

@@ -116,7 +116,7 @@ def _side_spec(label: str, what: str, name: str, value) -> SideSpec:
     return SideSpec(name, dtype, shape)
 
 
-def _traced(fn, kind: str, side_grads: bool = False) -> FlexMod:
+def _traced(fn, kind: str, side_grads: bool = False, fast_math: bool = False) -> FlexMod:
     label = f"{kind}_mod {describe(fn)}"
     values, specs, index_of = [], [], {}
     jaxprs, side_of_const = {}, {}
@@ -143,7 +143,7 @@ def _traced(fn, kind: str, side_grads: bool = False) -> FlexMod:
     bodies = {}
     for which, closed in jaxprs.items():
         try:
-            bodies[which] = emit_body(closed, side_of_const[which], sides, kind)
+            bodies[which] = emit_body(closed, side_of_const[which], sides, kind, fast_math)
         except EmitError as e:
             what = "its derivative in score" if which == "dscore" else "it"
             raise TypeError(f"{label}: {e.primitive} {e} (in {what})") from None
@@ -154,17 +154,20 @@ def _traced(fn, kind: str, side_grads: bool = False) -> FlexMod:
         grad_sides = tuple(side_of_const[kind][i] for i in positions)
         try:
             bodies["side_grads"] = emit_side_grads(side_grads_jaxpr(closed, positions), side_of_const[kind],
-                                                   positions, sides)
+                                                   positions, sides, fast_math)
         except EmitError as e:
             raise TypeError(f"{label}: {e.primitive} {e} (in its gradient to captured arrays)") from None
     return _assemble(kind, describe(fn), bodies, specs, values, grad_sides)
 
 
-def trace_score_mod(fn, *, side_grads: bool = False) -> FlexMod:
+def trace_score_mod(fn, *, side_grads: bool = False, fast_math: bool = False) -> FlexMod:
     """Trace `fn(score, b, h, q_idx, kv_idx) -> float32 score` (and its derivative in score) into C++.
     side_grads: also emit `side_grads(g, score, b, h, q_idx, kv_idx, sides, grads)`, adding g * d fn / d side
-    into float32 gradient buffers (flex_mod.cuh's SideGrads) of every float side (FlexMod.grad_sides)."""
-    return _traced(fn, "score", side_grads)
+    into float32 gradient buffers (flex_mod.cuh's SideGrads) of every float side (FlexMod.grad_sides).
+    fast_math: float division, tanh and exp in the approximate forms the built-in softcap uses (__fdividef,
+    mask.cuh's tanh_by_exp2, ex2.approx): a few instructions each instead of IEEE division's slow path and
+    tanhf's polynomial, at a few ulp (results no longer equal eager JAX's bitwise). Default: exact."""
+    return _traced(fn, "score", side_grads, fast_math)
 
 
 def trace_mask_mod(fn) -> FlexMod:

@@ -165,10 +165,10 @@ def side_grads_jaxpr(closed: ClosedJaxpr, positions: list[int]) -> ClosedJaxpr:
 
 
 def emit_side_grads(closed: ClosedJaxpr, side_of_const: list[int], positions: list[int],
-                    sides: list[tuple[str, tuple[int, ...]]]) -> str:
+                    sides: list[tuple[str, tuple[int, ...]]], fast_math: bool = False) -> str:
     """Statements adding g * d score_mod / d side into grads.arrays[side] (float32, contiguous) with atomic
     adds, for the sides of the constants at `positions`; `closed` is side_grads_jaxpr's."""
-    em = Emitter(sides)
+    em = Emitter(sides, fast_math=fast_math)
     args = [_Tensor(dtype_name(a.aval.dtype), (), (name,)) for a, name in zip(closed.jaxpr.invars, ("g", *SCORE_ARGS))]
     windows = [em.side_window(k) for k in side_of_const]
     inner = [_inner_const(c, v, "vjp") for c, v in zip(closed.consts, closed.jaxpr.constvars)]
@@ -180,10 +180,10 @@ def emit_side_grads(closed: ClosedJaxpr, side_of_const: list[int], positions: li
 
 
 def emit_body(closed: ClosedJaxpr, side_of_const: list[int], sides: list[tuple[str, tuple[int, ...]]],
-              kind: str) -> str:
+              kind: str, fast_math: bool = False) -> str:
     """The C++ statements (ending in `return`) evaluating `closed` on the C parameters of `kind`.
     side_of_const[i]: the side index of the jaxpr's i-th constant."""
-    em = Emitter(sides)
+    em = Emitter(sides, fast_math=fast_math)
     args = [_Tensor(dtype_name(a.aval.dtype), (), (name,)) for a, name in zip(closed.jaxpr.invars, arg_names(kind))]
     consts = [em.side_window(k) for k in side_of_const]
     (out,) = _eval(em, closed.jaxpr, consts, args)

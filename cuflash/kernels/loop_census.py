@@ -525,6 +525,32 @@ def _instance_census(traits, dtype: str, arch: str, compiled) -> list[CensusRow]
             for path in census(sass, work, marks)]
 
 
+def softcap_work(work: IterationWork) -> IterationWork:
+    """The iteration's work when every score is soft-capped: one more MUFU.EX2 per score, its tanh's (mask.cuh's
+    tanh_by_exp2, and tanhf's polynomial, both take one). The built-in softcap sits behind a block-uniform test the
+    plain walk skips, and a flex hook's mod behind per-score tests (the sequence bounds) whose early return is the
+    cheapest walk; requiring the exponentials makes the walk run the tanh for every score but those few the
+    walk's cap leaves (the counts compare like for like: both kernels' rows get the same requirement)."""
+    return dataclasses.replace(work, exponentials=2 * work.exponentials)
+
+
+def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
+    """The softcap path of ``traits``' main loop: the cheapest walk issuing softcap_work. ``instance``: the kernel
+    to compile (default: the plain instance, whose softcap is the built-in ScoreHook's; a cuflash.flex instance with
+    a softcap score_mod for the comparison issue 29 item 6 bounds)."""
+    from . import nvrtc
+
+    instance = instance or traits.instance(dtype)
+    compiled = nvrtc.compile_instance(instance, arch)
+    key = ("softcap", traits, dtype, arch, compiled.code_path)
+    if key not in _censuses:
+        work = softcap_work(iteration_work(traits))
+        path = census(nvrtc.dump_sass(compiled), work, {})[0]
+        _censuses[key] = (CensusRow(instance.name_expr, arch, f"{traits.block_m}x{traits.block_n}x{traits.warps}",
+                                    work, dataclasses.replace(path, path="softcap")),)
+    return _censuses[key][0]
+
+
 @dataclass(frozen=True)
 class LineCount:
     """The instructions one walked path issues from one source line (the innermost line of inlined code)."""

@@ -278,3 +278,28 @@ def test_bad_inputs_raise_before_any_kernel():
         with pytest.raises(ValueError, match="return_aux_grads needs a score_mod"):
             cuflash.flex_attention_backward(dout, q, k, v, out, lse, mask_mod=causal, return_aux_grads=True)
     assert records.launches == []
+
+
+def test_fast_math_softcap_mod_meets_the_rule_and_emits_the_built_ins_forms():
+    """trace_score_mod(fast_math=True): division as __fdividef, tanh as mask.cuh's tanh_by_exp2 (the built-in
+    softcap's forms, what the loop census compares against), approximate but within FlashAttention's rule against
+    the float64 reference on tensor cores (float16), forward and backward; the default emission stays exact (IEEE
+    division, tanhf)."""
+    cap = 5.0
+    q, k, v, dout = random_inputs((1, 45, 45, 2, 1, 64), "float16", seed=4)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * jnp.tanh(score / cap)
+
+    fast = cuflash.flex.trace_score_mod(softcap, fast_math=True)
+    exact = cuflash.flex.trace_score_mod(softcap)
+    assert "__fdividef" in fast.source and "tanh_by_exp2" in fast.source and "tanhf" not in fast.source
+    assert "__fdividef" not in exact.source and "tanhf(" in exact.source
+    out, lse = cuflash.flex_attention(q, k, v, score_mod=fast, return_lse=True)
+    ref = tol.forward_references(q, k, v, softcap=cap)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    grads = cuflash.flex_attention_backward(dout, q, k, v, out, lse, score_mod=fast)
+    bref = tol.backward_references(dout, q, k, v, softcap=cap)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
