@@ -486,3 +486,38 @@ def test_hopper_forward_step_within_the_bound_of_fa3(head_dim):
     assert [row.path.path for row in others] == ["masked"]
     assert plain.instructions_per_kflop <= 1.15 * FA3_PER_KFLOP[head_dim], plain.as_json()
 
+
+def _softmax_between_pv_issue_and_wait(sass):
+    """The d128 step's softmax instructions (MUFU.EX2, FMNMX, SHFL) that SASS places after the P V wgmma's issue
+    and before the wait for it (WARPGROUP.DEPBAR.LE gsb0, 0x0), the S wait (0x1) between them; and the step's
+    softmax instructions in all (from the P V issue to the next step's wgmma)."""
+    instructions = lc.parse(sass)
+    opcodes = [ins.opcode for ins in instructions]
+    texts = [ins.text for ins in instructions]
+    issue = next(i for i, t in enumerate(texts) if ".tnspB" in t and "gsb0" in t and "HGMMA" in t
+                 and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in " ".join(texts[i + 1:i + 4]))
+    wait = next(i for i in range(issue, len(texts)) if texts[i].endswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    end = next(i for i in range(wait, len(texts)) if opcodes[i] == "WARPGROUP.ARRIVE")
+
+    def softmax(ops):
+        return sum(op == "MUFU.EX2" or op.split(".")[0] in ("FMNMX", "SHFL") for op in ops)
+
+    return softmax(opcodes[issue:wait]), softmax(opcodes[issue:end])
+
+
+# FA3 keeps its P V group in flight across about a third of the softmax (issue 31). NVRTC 13.5 does not here: the
+# PTX has the whole softmax of S_{j+1} (its row max, 90 ex2, the shuffles) between wgmma.wait_group 1 and 0, as
+# fa3_forward.cu orders it (FA3's order), but ptxas hoists the WARPGROUP.DEPBAR of wait_group 0 above it, to the top
+# of the block after the mask's branch, with V's release after it: 1 softmax instruction (the masked path's FMNMX)
+# of the step's 188 stays in flight (measured). Register pins, __syncwarp, FA3's release order and early K release
+# moved nothing (fa3_forward's history), nor did a branch-free correction (exp2 of old_max - max_scaled, which is
+# already 0 for a row at -inf: the only divergent branch inside the softmax; tried here, same SASS order). A strict
+# xfail: the day ptxas keeps a third of it in flight, this test says so.
+@pytest.mark.xfail(strict=True, reason="ptxas hoists the P V wait above the softmax: 1 of 188 softmax instructions "
+                                       "in flight (NVRTC 13.5)")
+def test_hopper_forward_keeps_pv_in_flight_across_a_third_of_the_softmax():
+    instance = fa3.FORWARD_CHOICES[128][1].instance("float16")
+    sass = nvrtc.dump_sass(nvrtc.compile_instance(instance, "sm_90a"))
+    in_flight, step = _softmax_between_pv_issue_and_wait(sass)
+    assert step >= 90 + 88  # the step's exponentials and its row maxima at least
+    assert in_flight >= step / 3, (in_flight, step)
