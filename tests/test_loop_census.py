@@ -11,7 +11,7 @@ import pytest
 from cuflash.kernels import loop_census as lc
 from cuflash.kernels import nvrtc
 from cuflash.kernels import targets
-from cuflash.kernels.families import fa2_tc
+from cuflash.kernels.families import fa2_tc, fa3
 
 
 def listing(*lines: str) -> str:
@@ -270,10 +270,15 @@ def test_iteration_work_of_the_tiles():
     # warp and 8 copies per thread; backward d128 64x64x8 160 HMMA.
     forward = fa2_tc.ForwardTraits(128, block_m=128, block_n=32, warps=4)
     assert lc.iteration_work(forward) == lc.IterationWork(hmma=128, ldgsts=8, exponentials=32, global_writes=0,
-                                                          tiles_copied=2)
+                                                          tiles_copied=2, mma_flops=128 * 4096)
     backward = fa2_tc.BackwardTraits(128, block_m=64, block_n=64, warps=8)
     assert lc.iteration_work(backward) == lc.IterationWork(hmma=160, ldgsts=8, exponentials=16, global_writes=32,
-                                                           tiles_copied=2)
+                                                           tiles_copied=2, mma_flops=160 * 4096)
+    # The Hopper forward, per consumer warp: FA3's d128 128 x 176 step issues 19 HGMMA (issue 31); 2 x 2 x 64 x 176
+    # x 128 FLOPs over the warpgroup's 4 warps.
+    hopper = fa3.ForwardTraits(128, block_m=128, block_n=176)
+    assert lc.iteration_work(hopper) == lc.IterationWork(hmma=19, ldgsts=0, exponentials=88,
+                                                         mma_flops=64 * 176 * 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -480,3 +485,72 @@ def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch)
     modded = lc.softcap_census(traits, CENSUS_DTYPE, arch, hooked_instance(traits.instance(CENSUS_DTYPE), fast, None))
     assert modded.path.hmma == plain.path.hmma
     assert modded.path.instructions <= 1.1 * built_in.path.instructions, (modded.as_json(), built_in.as_json())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Hopper forward (fa3_forward.cu; issue 31, item 5): its consumer warpgroup's steady-state step, compiled for
+# sm_90a, against FA3's figures counted from FA3's own SASS (nvcc 13.5, issue 31): forward d128 0.40 instructions
+# per 1000 MMA FLOPs per warp at 128 x 176 (583 instructions, 19 HGMMA), d64 0.80 at 192 x 192 with 3 consumers.
+# cuflash's d64 runs 192 x 128 (fa3.FORWARD_CHOICES: FA3's 192 x 192 spills at three consumers' 160 registers);
+# per FLOP the two tiles compare fairly, since the softmax costs the same per score and a score is 4 d FLOPs at
+# either width, while the narrower tile spreads the step's fixed cost (waits, barriers, the loop) over fewer FLOPs:
+# the comparison is against cuflash. Bound: 1.15x (issue 31). Measured (NVRTC 13.5): d128 663 instructions, 19
+# HGMMA, 0.460 (1.15x: at the bound); d64 476, 12 HGMMA, 0.908 (1.135x); d128 128 x 128 (causal's tile, no FA3
+# figure) 539, 0.514. Cases that do not hold would be strict xfails naming their figure; none now.
+FA3_PER_KFLOP = {64: 0.80, 128: 0.40}
+HOPPER_NOT_YET_WITHIN_FA3: set[int] = set()
+
+
+def _hopper_census(head_dim):
+    traits = fa3.FORWARD_CHOICES[head_dim][1]  # the tile without a mask (FA3's figures are of it)
+    return traits, lc.instance_census(traits, CENSUS_DTYPE, "sm_90a")
+
+
+@pytest.mark.parametrize("head_dim", [
+    pytest.param(d, marks=[pytest.mark.xfail(strict=True, reason=f"not yet within 1.15x FA3's {FA3_PER_KFLOP[d]}")]
+                 if d in HOPPER_NOT_YET_WITHIN_FA3 else []) for d in sorted(FA3_PER_KFLOP)])
+def test_hopper_forward_step_within_the_bound_of_fa3(head_dim):
+    traits, (plain, *others) = _hopper_census(head_dim)
+    work = lc.iteration_work(traits)
+    # The consumer's step: exactly its HGMMA (S: d / 16, P V: block_n / 16), no LDGSTS (TMA is the producer's), at
+    # least an exponential per score a thread holds; the masked step (causal's diagonal) is a second row.
+    assert plain.path.hmma == work.hmma == traits.head_dim // 16 + traits.block_n // 16
+    assert plain.path.classes["ldgsts"] == 0 and plain.path.classes["mufu"] >= work.exponentials
+    assert [row.path.path for row in others] == ["masked"]
+    assert plain.instructions_per_kflop <= 1.15 * FA3_PER_KFLOP[head_dim], plain.as_json()
+
+
+def _softmax_between_pv_issue_and_wait(sass):
+    """The d128 step's softmax instructions (MUFU.EX2, FMNMX, SHFL) that SASS places after the P V wgmma's issue
+    and before the wait for it (WARPGROUP.DEPBAR.LE gsb0, 0x0), the S wait (0x1) between them; and the step's
+    softmax instructions in all (from the P V issue to the next step's wgmma)."""
+    instructions = lc.parse(sass)
+    opcodes = [ins.opcode for ins in instructions]
+    texts = [ins.text for ins in instructions]
+    issue = next(i for i, t in enumerate(texts) if ".tnspB" in t and "gsb0" in t and "HGMMA" in t
+                 and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in " ".join(texts[i + 1:i + 4]))
+    wait = next(i for i in range(issue, len(texts)) if texts[i].endswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    end = next(i for i in range(wait, len(texts)) if opcodes[i] == "WARPGROUP.ARRIVE")
+
+    def softmax(ops):
+        return sum(op == "MUFU.EX2" or op.split(".")[0] in ("FMNMX", "SHFL") for op in ops)
+
+    return softmax(opcodes[issue:wait]), softmax(opcodes[issue:end])
+
+
+# FA3 keeps its P V group in flight across about a third of the softmax (issue 31). NVRTC 13.5 does not here: the
+# PTX has the whole softmax of S_{j+1} (its row max, 90 ex2, the shuffles) between wgmma.wait_group 1 and 0, as
+# fa3_forward.cu orders it (FA3's order), but ptxas hoists the WARPGROUP.DEPBAR of wait_group 0 above it, to the top
+# of the block after the mask's branch, with V's release after it: 1 softmax instruction (the masked path's FMNMX)
+# of the step's 188 stays in flight (measured). Register pins, __syncwarp, FA3's release order and early K release
+# moved nothing (fa3_forward's history), nor did a branch-free correction (exp2 of old_max - max_scaled, which is
+# already 0 for a row at -inf: the only divergent branch inside the softmax; tried here, same SASS order). A strict
+# xfail: the day ptxas keeps a third of it in flight, this test says so.
+@pytest.mark.xfail(strict=True, reason="ptxas hoists the P V wait above the softmax: 1 of 188 softmax instructions "
+                                       "in flight (NVRTC 13.5)")
+def test_hopper_forward_keeps_pv_in_flight_across_a_third_of_the_softmax():
+    instance = fa3.FORWARD_CHOICES[128][1].instance("float16")
+    sass = nvrtc.dump_sass(nvrtc.compile_instance(instance, "sm_90a"))
+    in_flight, step = _softmax_between_pv_issue_and_wait(sass)
+    assert step >= 90 + 88  # the step's exponentials and its row maxima at least
+    assert in_flight >= step / 3, (in_flight, step)

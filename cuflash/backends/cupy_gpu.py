@@ -161,11 +161,12 @@ def hold_until_done(device_id: int, objects: tuple) -> None:
 
 @functools.lru_cache(maxsize=None)
 def function(kernel: KernelInstance, dynamic_smem_bytes: int, arch: str, device_id: int):
-    """The loaded kernel on a device (current when called), compiled for ``arch`` (sm_XX or compute_XX); resolved
-    once per process, since checking the compile cache reads and hashes the kernel's sources."""
-    from ..kernels import nvrtc
+    """The loaded kernel on a device (current when called), compiled for what the catalog says the kernel takes where
+    the device gets ``arch`` code (sm_XX or compute_XX; sm_90a for the Hopper kernels); resolved once per process,
+    since checking the compile cache reads and hashes the kernel's sources."""
+    from ..kernels import catalog, nvrtc
 
-    compiled = nvrtc.compile_instance(kernel, arch)
+    compiled = nvrtc.compile_instance(kernel, catalog.compile_arch(kernel, arch))
     return load_function(compiled, dynamic_smem_bytes=dynamic_smem_bytes)
 
 

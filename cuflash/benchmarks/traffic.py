@@ -99,7 +99,7 @@ def formula(algorithm: str, direction: str, problem, target) -> list[tuple[int, 
     """(read, written) bytes per launch as the family's traffic formula gives them, empty launches left out."""
     from cuflash.kernels import plans
 
-    family = plans.variant_for(algorithm, problem, target).module
+    family = plans.variant_for(algorithm, problem, target, direction).module
     traffic = getattr(family, f"{direction}_traffic")(problem, target)
     per_launch = [traffic] if isinstance(traffic[0], int) else list(traffic)
     program = (plans.forward_program if direction == "forward" else plans.backward_program)(algorithm, problem, target)

@@ -233,10 +233,11 @@ def register_device_code(instance: KernelInstance, device_arch: str) -> None:
     """Compile (through NVRTC's disk cache) the code kernels.toolchain chooses for devices of ``device_arch``
     (their CUBIN, or PTX for a GPU newer than NVRTC; a ToolchainError naming the driver, the arch and what to
     install when there is none) and register it for them."""
-    from ..kernels import nvrtc, toolchain
+    from ..kernels import catalog, nvrtc, toolchain
 
     code = toolchain.code_for_device(*targets.capability_of(device_arch))
-    compiled = nvrtc.compile_instance(instance, code.compile_arch)
+    # The catalog may specialize the device's code (sm_90a for the Hopper kernels on a sm_90 device).
+    compiled = nvrtc.compile_instance(instance, catalog.compile_arch(instance, code.compile_arch))
     _ffi.register_module_image(instance.name_expr, device_arch, compiled.lowered_name, compiled.code)
 
 

@@ -19,6 +19,8 @@ from typing import Iterable, Protocol
 from .program import ELEMENT_DTYPES, OPTIONS, KernelInstance, Problem, Program
 from .targets import TARGETS, Target
 
+DIRECTIONS = ("forward", "backward")
+
 
 class KernelFamily(Protocol):
     """What a variant's module provides."""
@@ -33,6 +35,10 @@ class KernelFamily(Protocol):
 
     def backward_program(self, problem: Problem, target: Target) -> Program: ...
 
+    # Optional: ``refusal(problem, target) -> str | None``, why the variant cannot serve a problem its dtypes and
+    # options allow (None: it serves it); ``compile_arch(arch) -> str``, what NVRTC compiles its instances for on a
+    # device of ``arch`` (default: ``arch`` itself).
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -43,13 +49,27 @@ class Variant:
     module_name: str
     dtypes: tuple[str, ...] = ELEMENT_DTYPES
     options: frozenset[str] = frozenset()  # of program.OPTIONS
+    directions: tuple[str, ...] = DIRECTIONS  # the programs it has; the others fall to the next variant
+    why: str = ""  # what it is for, in a plan's explanation (plans.explain)
 
     @property
     def module(self) -> KernelFamily | ModuleType:
         return importlib.import_module(self.module_name)
 
-    def serves(self, problem: Problem, target: Target) -> bool:
-        return problem.dtype in self.dtypes and problem.options <= self.options
+    def refusal(self, problem: Problem, target: Target, direction: str = "forward") -> str | None:
+        """Why this variant does not serve ``problem``'s ``direction`` on ``target``; None when it does."""
+        if direction not in self.directions:
+            return f"no {direction} kernel"
+        if problem.dtype not in self.dtypes:
+            return f"takes {'/'.join(self.dtypes)}, not {problem.dtype}"
+        missing = problem.options - self.options
+        if missing:
+            return f"no {', '.join(sorted(missing))}"
+        refusal = getattr(self.module, "refusal", None)
+        return refusal(problem, target) if refusal is not None else None
+
+    def serves(self, problem: Problem, target: Target, direction: str = "forward") -> bool:
+        return self.refusal(problem, target, direction) is None
 
 
 # Algorithm -> its variants, in the order plans try them. The order of the algorithms is the report's.
@@ -57,8 +77,12 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
     "fa2": (
+        # Hopper first: where it serves (sm_90, 16-bit, fa3.refusal says which problems), its wgmma forward runs at
+        # FA3's structure; the backward and every other problem stay on mma.sync.
+        Variant("fa2", "hopper", "cuflash.kernels.families.fa3", dtypes=("float16", "bfloat16"),
+                directions=("forward",), why="warp-specialized wgmma forward (sm_90a code)"),
         Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16"),
-                options=frozenset(OPTIONS)),
+                options=frozenset(OPTIONS), why="mma.sync tensor cores (sm_80 and newer)"),
         Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",), options=frozenset(OPTIONS)),
     ),
 }
@@ -105,7 +129,8 @@ def all_instances(targets: Iterable[Target] | None = None) -> list[KernelInstanc
     return list(seen)
 
 
-def _owner(instance: KernelInstance) -> KernelFamily:
+def owner(instance: KernelInstance) -> KernelFamily:
+    """The variant module whose plans launch ``instance`` (KeyError: none)."""
     for family in FAMILIES.values():
         for variant in family:
             try:
@@ -118,9 +143,22 @@ def _owner(instance: KernelInstance) -> KernelFamily:
 
 def dynamic_smem_bytes(instance: KernelInstance) -> int:
     """The dynamic shared memory the plans give this instance (fixed per instance)."""
-    return _owner(instance).dynamic_smem_bytes(instance)
+    return owner(instance).dynamic_smem_bytes(instance)
 
 
 def threads(instance: KernelInstance) -> int:
     """The block size the plans give this instance (fixed per instance)."""
-    return _owner(instance).threads(instance)
+    return owner(instance).threads(instance)
+
+
+def compile_arch(instance: KernelInstance, arch: str) -> str:
+    """What NVRTC compiles ``instance`` for where a device of ``arch`` gets ``arch`` code (toolchain.choose_code):
+    the owning family's ``compile_arch`` (the Hopper kernels: sm_90a, whose CUBINs run on sm_90 devices), else
+    ``arch``. Every NVRTC caller (the CuPy backend, the JAX FFI registration, the report, the loop census) asks
+    here. An instance outside the catalog (a test's kernel) compiles for ``arch``."""
+    try:
+        family = owner(instance)
+    except KeyError:
+        return arch
+    owned = getattr(family, "compile_arch", None)
+    return owned(arch) if owned is not None else arch

@@ -44,7 +44,10 @@ _BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
 # Instruction classes, by base opcode (the opcode before its first '.').
 CLASSES = ("hmma", "ldsm", "ldgsts", "memory", "fp32", "mufu", "shfl", "barrier", "branch", "integer", "other")
 _CLASS_OF = {
+    # The tensor-core class: mma.sync's HMMA, and wgmma's HGMMA (each warp of the warpgroup issues it, so a warp's
+    # count is the warpgroup's wgmma count).
     "HMMA": "hmma",
+    "HGMMA": "hmma",
     "LDSM": "ldsm",
     "LDGSTS": "ldgsts",
     **{op: "memory" for op in ("LDS", "STS", "LDG", "STG", "LD", "ST", "RED", "REDG", "ATOM", "ATOMS", "ATOMG",
@@ -53,7 +56,7 @@ _CLASS_OF = {
     "MUFU": "mufu",
     "SHFL": "shfl",
     **{op: "barrier" for op in ("BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "BSSY", "BSYNC", "MEMBAR", "ERRBAR",
-                                "CCTL", "FENCE")},
+                                "CCTL", "FENCE", "WARPGROUP", "SYNCS")},  # wgmma's arrive and waits; mbarriers
     **{op: "branch" for op in ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT", "KILL")},
     **{op: "integer" for op in ("IMAD", "IADD3", "IADD", "LEA", "LOP3", "SHF", "ISETP", "MOV", "SEL", "PRMT",
                                 "IABS", "IMNMX", "S2R", "CS2R", "S2UR", "PLOP3", "P2R", "R2P", "IMUL", "LOP",
@@ -251,6 +254,10 @@ class IterationWork:
     # ceil(ldgsts / tiles_copied) from any one LDGSTS: without the cap the cheapest walk could run one copy loop for
     # both tiles and skip the other copy (the backward's last step, with no prefetch), under-reading the step.
     tiles_copied: int = 0
+    # The multiply-add FLOPs of the iteration's MMAs per warp (2 per multiply-add; 0: not said): the measure across
+    # MMA shapes (an m16n8k16 HMMA is 4096, a warp's share of a 64 x N x 16 HGMMA 512 N), hence the census's
+    # instructions per 1000 MMA FLOPs.
+    mma_flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -397,8 +404,14 @@ def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | No
 def iteration_work(traits) -> IterationWork:
     """Per warp, one iteration: the forward's K/V block (S = Q K^T and O += P V; K and V copied), the backward's
     Q block step (S, dP, dV, dK, dQ; Q and dO copied). m16n8k16 MMAs; 16-byte copies spread over the block."""
-    from .families import fa2_tc
+    from .families import fa2_tc, fa3
 
+    if isinstance(traits, fa3.ForwardTraits):
+        # One consumer warpgroup's K/V block: S = Q K^T as head_dim / 16 wgmma of 64 x block_n x 16, O += P V as
+        # block_n / 16 of 64 x head_dim x 16; no copies (the producer's TMA); one exponential per score a thread
+        # holds (64 rows x block_n over 128 threads). A warp's share of both products: 2 x 2 x 64 n d / 4.
+        n, d = traits.block_n, traits.head_dim
+        return IterationWork(hmma=d // 16 + n // 16, ldgsts=0, exponentials=64 * n // 128, mma_flops=64 * n * d)
     m, n, d, warps = traits.block_m, traits.block_n, traits.head_dim, traits.warps
     mma_per_product = m * n * d // (16 * 8 * 16)
     copied_rows = n if isinstance(traits, fa2_tc.ForwardTraits) else m
@@ -408,7 +421,8 @@ def iteration_work(traits) -> IterationWork:
                          exponentials=m * n // traits.threads,
                          # The backward adds its dQ_i part (rows x d floats) into dq_accum, one RED per element.
                          global_writes=0 if forward else m * d // traits.threads,
-                         tiles_copied=2)  # K and V, or Q and dO
+                         tiles_copied=2,  # K and V, or Q and dO
+                         mma_flops=(2 if forward else 5) * mma_per_product // warps * 4096)
 
 
 @dataclass(frozen=True)
@@ -419,6 +433,11 @@ class CensusRow:
     work: IterationWork
     path: PathCensus
 
+    @property
+    def instructions_per_kflop(self) -> float:
+        """Instructions per 1000 MMA FLOPs, per warp: comparable across HMMA and HGMMA loops (issue 31's figures)."""
+        return 1000 * self.path.instructions / self.work.mma_flops if self.work.mma_flops else float("inf")
+
     def as_json(self) -> dict:
         return {
             "kernel": self.kernel,
@@ -428,6 +447,7 @@ class CensusRow:
             "instructions": self.path.instructions,
             "hmma": self.path.hmma,
             "instructions_per_hmma": round(self.path.instructions_per_hmma, 3),
+            "instructions_per_kflop": round(self.instructions_per_kflop, 3),
             **{name: count for name, count in self.path.classes.items() if name != "hmma"},
             "exponentials": self.path.exponentials,
             "expected_ldgsts": self.work.ldgsts,
@@ -437,9 +457,10 @@ class CensusRow:
 
 
 def tensor_core_traits(arch: str) -> list:
-    """Every tensor-core tile (forward and backward, dropout or not) the plans for ``arch`` launch."""
+    """Every tensor-core tile (forward and backward, dropout or not; the Hopper forward's on sm_90) the plans for
+    ``arch`` launch."""
     from . import targets
-    from .families import fa2_tc
+    from .families import fa2_tc, fa3
 
     target = targets.target(arch)
     found = []
@@ -447,6 +468,8 @@ def tensor_core_traits(arch: str) -> list:
         for dropout in (False, True):
             found.append(fa2_tc.forward_traits(head_dim, target, dropout=dropout))
             found.append(fa2_tc.backward_traits(head_dim, target, dropout=dropout))
+    if fa3.instances(target):
+        found += [fa3.traits_of(instance) for instance in fa3.instances(target)]
     return list(dict.fromkeys(found))
 
 
@@ -503,13 +526,26 @@ def instance_census(traits, dtype: str, arch: str, compiled=None) -> list[Census
     """The census of ``traits``' instance for ``dtype`` on ``arch`` (compiled through the cache unless given): the
     plain row, then the marked paths' (MARKED_PATHS) where the main loop runs their source. Made once per process
     for each compiled code (the cache file names its bytes)."""
-    from . import nvrtc
-
-    compiled = compiled or nvrtc.compile_instance(traits.instance(dtype), arch)
+    compiled = compiled or _compiled(traits, dtype, arch)
     key = (traits, dtype, arch, compiled.code_path)
     if key not in _censuses:
         _censuses[key] = tuple(_instance_census(traits, dtype, arch, compiled))
     return list(_censuses[key])
+
+
+def _compiled(traits, dtype: str, arch: str):
+    """The instance compiled (through the cache) for what the catalog says it takes on ``arch`` (sm_90a for the
+    Hopper kernels)."""
+    from . import catalog, nvrtc
+
+    instance = traits.instance(dtype)
+    return nvrtc.compile_instance(instance, catalog.compile_arch(instance, arch))
+
+
+def _tile(traits) -> str:
+    """block_m x block_n x warps; the Hopper forward's consumer warpgroups instead of warps (``2wg``)."""
+    warps = getattr(traits, "warps", None)
+    return f"{traits.block_m}x{traits.block_n}x" + (f"{warps}" if warps is not None else f"{traits.consumers}wg")
 
 
 def _instance_census(traits, dtype: str, arch: str, compiled) -> list[CensusRow]:
@@ -519,7 +555,7 @@ def _instance_census(traits, dtype: str, arch: str, compiled) -> list[CensusRow]
     if sass is None:
         raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")
     work = iteration_work(traits)
-    tile = f"{traits.block_m}x{traits.block_n}x{traits.warps}"
+    tile = _tile(traits)
     marks = marked_addresses(nvrtc.dump_line_table(compiled))
     return [CensusRow(traits.instance(dtype).name_expr, arch, tile, work, path)
             for path in census(sass, work, marks)]
@@ -603,18 +639,18 @@ def format_lines(row: CensusRow, counts: Sequence[LineCount]) -> str:
 def _lines_of(traits, dtype: str, arch: str, row: CensusRow) -> list[LineCount]:
     from . import nvrtc
 
-    compiled = nvrtc.compile_instance(traits.instance(dtype), arch)  # the cache's copy: instance_census compiled it
+    compiled = _compiled(traits, dtype, arch)  # the cache's copy: instance_census compiled it
     return path_lines(nvrtc.dump_sass(compiled), row.path, nvrtc.dump_line_table(compiled))
 
 
 def format_table(rows: Iterable[CensusRow]) -> str:
-    headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "ldsm", "ldgsts", "mem", "fp32",
+    headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "instr/kflop", "ldsm", "ldgsts", "mem", "fp32",
                "mufu", "shfl", "bar", "branch", "int", "other", "loop static")
     table = [headers]
     for row in rows:
         c = row.path.classes
         table.append((row.kernel, row.arch, row.tile, row.path.path, str(row.path.instructions), str(row.path.hmma),
-                      f"{row.path.instructions_per_hmma:.2f}", str(c["ldsm"]), str(c["ldgsts"]), str(c["memory"]),
+                      f"{row.path.instructions_per_hmma:.2f}", f"{row.instructions_per_kflop:.3f}", str(c["ldsm"]), str(c["ldgsts"]), str(c["memory"]),
                       str(c["fp32"]), str(c["mufu"]), str(c["shfl"]), str(c["barrier"]), str(c["branch"]),
                       str(c["integer"]), str(c["other"]), str(row.path.loop_static_instructions)))
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]

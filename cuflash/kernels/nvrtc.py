@@ -739,5 +739,33 @@ def uses_hmma(compiled: CompiledKernel) -> bool | None:
     return verdict
 
 
+_HGMMA_RE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HGMMA\b", re.MULTILINE)
+# setmaxnreg as ptxas writes it: the producer's decrease, the consumers' increase (its count in hex).
+_SETMAXNREG_RE = re.compile(r"\bUSETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL (?:UP\d+, )?(0x[0-9a-f]+)\b")
+
+
+def warpgroup_facts(compiled: CompiledKernel) -> dict | None:
+    """What the SASS of arch-specific Hopper code (sm_90a) says about its warpgroup instructions: {"hgmma": whether
+    it issues a wgmma, "setmaxnreg": {"dealloc": [counts], "alloc": [counts]}} (the registers per thread each
+    setmaxnreg leaves, distinct, ascending). None without cuobjdump/nvdisasm. Kept beside the cache entry as the
+    HMMA verdict is."""
+    facts_file = _beside_entry(compiled, "warpgroup.json")
+    if facts_file is not None:
+        try:
+            return json.loads(facts_file.read_text())
+        except (OSError, ValueError):
+            pass
+    sass = dump_sass(compiled)
+    if sass is None:
+        return None
+    counts = {"dealloc": set(), "alloc": set()}
+    for way, count in _SETMAXNREG_RE.findall(sass):
+        counts["dealloc" if way == "DEALLOC" else "alloc"].add(int(count, 16))
+    facts = {"hgmma": bool(_HGMMA_RE.search(sass)), "setmaxnreg": {k: sorted(v) for k, v in counts.items()}}
+    if facts_file is not None:
+        write_atomically(facts_file, json.dumps(facts).encode())
+    return facts
+
+
 if __name__ == "__main__":
     _worker_main()

@@ -4,10 +4,14 @@
 
 Per (kernel, arch): registers, spill stores/loads, stack frame, static shared memory (all
 from the ptxas log), dynamic shared memory (from the launch plan) beside the arch's limit per
-block, whether the SASS uses tensor cores (HMMA), the NVRTC compile time, and the resident
-blocks per SM those numbers and the arch's published limits allow (cuflash/kernels/targets.py).
-Exits 1 if an instance fails to compile or a plan asks for more shared memory than a block of
-its arch may have (it could never launch there), and with --no-spills if an instance spills.
+block, whether the SASS uses tensor cores (HMMA; HGMMA, wgmma, in sm_90a code), the NVRTC
+compile time, and the resident blocks per SM those numbers and the arch's published limits
+allow (cuflash/kernels/targets.py). An instance compiles for what the catalog says
+(catalog.compile_arch: the Hopper kernels are sm_90a code on sm_90, and their rows say so).
+Warp-specialized kernels add their roles: warpgroups (the family's) and registers per thread
+after setmaxnreg (the SASS's). Exits 1 if an instance fails to compile or a plan asks for
+more shared memory than a block of its arch may have (it could never launch there), or its
+roles more registers than an SM has, and with --no-spills if an instance spills.
 
 It compiles with whichever NVRTC is installed (CUDA 12 or 13): without --arch it reports the
 default archs that NVRTC knows and names those it skips; an --arch it does not know is refused.
@@ -24,7 +28,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import catalog, targets
-from .nvrtc import CompiledKernel, CompileError, compile_many, nvrtc_version, supported_archs, uses_hmma
+from .nvrtc import (CompiledKernel, CompileError, compile_many, nvrtc_version, supported_archs, uses_hmma,
+                    warpgroup_facts)
 from .program import KernelInstance
 
 JSON_KEYS = (
@@ -38,6 +43,8 @@ JSON_KEYS = (
     "smem_limit_bytes",
     "blocks_per_sm",
     "hmma",
+    "hgmma",
+    "roles",
 )
 
 DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
@@ -49,6 +56,15 @@ class ReportRow:
     dynamic_smem_bytes: int
     threads: int | None  # block size of its plans (None: not known to the report)
     hmma: bool | None
+    hgmma: bool | None = False  # only sm_90a code can have it (None: no disassembler)
+    roles: dict | None = None  # {role: {"warpgroups": n, "registers": after setmaxnreg}} (warp-specialized)
+
+    @property
+    def exceeds_sm_registers(self) -> bool:
+        """Whether the roles' registers after setmaxnreg exceed the SM's (setmaxnreg.inc would wait forever)."""
+        return bool(self.roles) and sum(
+            128 * role["warpgroups"] * role["registers"] for role in self.roles.values()
+            if role["registers"] is not None) > self.target.registers_per_sm
 
     @property
     def target(self) -> targets.Target:
@@ -80,6 +96,8 @@ class ReportRow:
             "smem_limit_bytes": self.target.smem_per_block_bytes,
             "blocks_per_sm": self.blocks_per_sm,
             "hmma": self.hmma,
+            "hgmma": self.hgmma,
+            "roles": self.roles,
         }
 
 
@@ -91,9 +109,9 @@ def build_report(
     pairs = []
     for arch in archs:
         for instance in catalog.instances(targets.target(arch)) if instances is None else instances:
-            pairs.append((instance, arch))
+            pairs.append((instance, catalog.compile_arch(instance, arch)))
     results = []
-    for arch in archs:
+    for arch in dict.fromkeys(a for _, a in pairs):
         mine = [instance for instance, a in pairs if a == arch]
         results += compile_many(mine, [arch], jobs=jobs, return_errors=True, check_sass=True)
     compiled = [r for r in results if isinstance(r, CompiledKernel)]
@@ -101,11 +119,38 @@ def build_report(
     # Verdicts are cached by the workers; threads overlap any cuobjdump still needed.
     with ThreadPoolExecutor(max_workers=max(1, jobs or 2)) as pool:
         hmma = list(pool.map(uses_hmma, compiled))
+        warpgroup = list(pool.map(_warpgroup_facts, compiled))
     rows = [
-        ReportRow(kernel, catalog.dynamic_smem_bytes(kernel.instance), catalog.threads(kernel.instance), uses)
-        for kernel, uses in zip(compiled, hmma)
+        ReportRow(kernel, catalog.dynamic_smem_bytes(kernel.instance), catalog.threads(kernel.instance), uses,
+                  hgmma=None if facts is None else facts["hgmma"], roles=_roles(kernel, facts))
+        for kernel, uses, facts in zip(compiled, hmma, warpgroup)
     ]
     return rows, errors
+
+
+def _warpgroup_facts(compiled: CompiledKernel) -> dict | None:
+    """The SASS's wgmma and setmaxnreg facts for arch-specific sm_90a code; no wgmma elsewhere (none to look for)."""
+    if not compiled.arch.endswith("a") or compiled.form != "cubin":
+        return {"hgmma": False, "setmaxnreg": {"dealloc": [], "alloc": []}}
+    return warpgroup_facts(compiled)
+
+
+def _roles(compiled: CompiledKernel, facts: dict | None) -> dict | None:
+    """A warp-specialized kernel's roles (its family's ``warpgroups``: producer, consumer): each one's warpgroups and
+    registers per thread after its setmaxnreg (None where the SASS has not exactly one such count)."""
+    try:
+        warpgroups = getattr(catalog.owner(compiled.instance), "warpgroups", None)
+    except KeyError:  # an instance outside the catalog (a test's probe kernel)
+        return None
+    if warpgroups is None:
+        return None
+    way = {"producer": "dealloc", "consumer": "alloc"}
+    counts = (facts or {}).get("setmaxnreg", {})
+    roles = {}
+    for role, n in warpgroups(compiled.instance).items():
+        found = counts.get(way[role], [])
+        roles[role] = {"warpgroups": n, "registers": found[0] if len(found) == 1 else None}
+    return roles
 
 
 def loop_census_json(row: ReportRow) -> dict:
@@ -148,6 +193,7 @@ def format_table(rows: Sequence[ReportRow]) -> str:
         "dyn smem B",
         "limit B",
         "hmma",
+        "roles: wg x regs",
         "blocks/SM",
         "compile s",
     )
@@ -165,7 +211,8 @@ def format_table(rows: Sequence[ReportRow]) -> str:
                 str(r.static_smem_bytes),
                 str(row.dynamic_smem_bytes),
                 str(row.target.smem_per_block_bytes),
-                _yes_no(row.hmma),
+                "HGMMA" if row.hgmma else _yes_no(row.hmma),
+                " ".join(f"{name[0]}{r['warpgroups']}x{r['registers']}" for name, r in (row.roles or {}).items()),
                 str(blocks) if blocks else "TOO BIG",
                 f"{row.compiled.compile_seconds:.2f}",
             )
@@ -221,6 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row.compiled.arch} allows {limit}",
             file=sys.stderr,
         )
+    # Without a disassembler (hgmma None) the counts are unknown, not wrong.
+    over = [row for row in rows if row.exceeds_sm_registers or (row.roles and row.hgmma is not None and any(
+        r["registers"] is None for r in row.roles.values()))]
+    for row in over:
+        print(f"error: {row.compiled.instance.name_expr} ({row.compiled.arch}): its roles after setmaxnreg "
+              f"{row.roles} exceed the SM's {row.target.registers_per_sm} registers or have no single count",
+              file=sys.stderr)
     spilling = [row for row in rows if row.compiled.resources.spill_store_bytes
                 or row.compiled.resources.spill_load_bytes] if args.no_spills else []
     for row in spilling:
@@ -234,4 +288,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(sum of NVRTC times when built: {sum(r.compiled.compile_seconds for r in rows):.1f} s)",
         file=sys.stderr,
     )
-    return 1 if errors or too_big or spilling else 0
+    return 1 if errors or too_big or over or spilling else 0

@@ -7,10 +7,14 @@ producer's copy in ``fa3_forward_traits.cuh``.
 Program: one launch, ``fa3_forward_kernel`` over (Q blocks, nheads, batch), 1 producer + block_m / 64 consumer
 warpgroups; writes out and lse.
 
-Not in the catalog yet (issue 31, item 2, first steps): no plan picks it; ``forward_program`` builds its Program
-directly for the problems ``supports`` accepts, and tests/test_fa3_forward.py runs it on the simulator targeting
-sm_90. It serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; everything
-else stays on the mma.sync kernels (fa2_tc).
+In the catalog as fa2's first variant, ``hopper``, forward only: on a sm_90 target (a device, or the simulator under
+``sim.targeting("sm_90")``) fa2's forward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims
+1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the
+mma.sync kernels (fa2_tc), as does every backward. fa2_tc's backward takes this forward's out and lse as they are
+(lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
+
+Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
+runs on the sm_90 devices it is for (same major.minor); the report and the census compile it so on sm_90 too.
 """
 
 from __future__ import annotations
@@ -88,12 +92,32 @@ def compiled_head_dim(headdim: int) -> int:
     return min(d for d in HEAD_DIMS if d >= headdim)
 
 
-def supports(problem: Problem, target: Target) -> bool:
-    """Whether this kernel computes ``problem``'s forward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
-    and v, no mask or causal (window (-1, -1) or (-1, 0)), and no other option."""
+def compile_arch(arch: str) -> str:
+    """What NVRTC compiles these instances for where a device of ``arch`` gets ``arch`` code: the arch-specific
+    sm_90a (compute_90a for PTX), the only code with wgmma and setmaxnreg."""
+    return {"sm_90": "sm_90a", "compute_90": "compute_90a"}.get(arch, arch)
+
+
+def refusal(problem: Problem, target: Target) -> str | None:
+    """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
+    one head dim 1..128 for q, k and v, no mask but causal (window (-1, -1) or (-1, 0)), and no other option."""
     mask = problem.mask
-    return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= HEAD_DIMS[-1]
-            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
+    if target.arch not in ARCHS:
+        return f"wgmma needs sm_90, not {target.arch}"
+    if problem.dtype not in DTYPES:
+        return f"takes {'/'.join(DTYPES)}, not {problem.dtype}"
+    if not 1 <= problem.headdim <= HEAD_DIMS[-1]:
+        return f"head dims 1..{HEAD_DIMS[-1]} only, not {problem.headdim}"
+    if problem.options:
+        return f"no {', '.join(sorted(problem.options))} yet"
+    if mask.window_left >= 0 or mask.window_right not in (-1, 0):
+        return "no sliding window yet (causal or no mask only)"
+    return None
+
+
+def supports(problem: Problem, target: Target) -> bool:
+    """Whether this kernel computes ``problem``'s forward on ``target`` (``refusal`` says why not)."""
+    return refusal(problem, target) is None
 
 
 def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
@@ -105,9 +129,42 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     return traits
 
 
-def instances() -> list[KernelInstance]:
-    tiles = dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in choices)  # distinct, in order
-    return [traits.instance(dtype) for dtype in DTYPES for traits in tiles]
+_TILES = tuple(dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in choices))  # distinct, in order
+
+
+def instances(target: Target | None = None) -> list[KernelInstance]:
+    """The instances the plans for ``target`` may launch (none off sm_90); every one without a target."""
+    if target is not None and target.arch not in ARCHS:
+        return []
+    return [traits.instance(dtype) for dtype in DTYPES for traits in _TILES]
+
+
+_TRAITS = {traits.instance(dtype): traits for dtype in DTYPES for traits in _TILES}
+
+
+def traits_of(instance: KernelInstance) -> ForwardTraits:
+    found = _TRAITS.get(instance)
+    if found is None:
+        raise KeyError(f"{instance} is not a Hopper forward kernel")
+    return found
+
+
+def dynamic_smem_bytes(instance: KernelInstance) -> int:
+    return traits_of(instance).smem_bytes
+
+
+def threads(instance: KernelInstance) -> int:
+    return traits_of(instance).threads
+
+
+def warpgroups(instance: KernelInstance) -> dict[str, int]:
+    """Warpgroups per role (the compile report's registers per role after setmaxnreg): the producer gives registers
+    back (setmaxnreg.dec), the consumers take them (setmaxnreg.inc)."""
+    return {"producer": 1, "consumer": traits_of(instance).consumers}
+
+
+def backward_program(problem: Problem, target: Target) -> Program:
+    raise ValueError("the Hopper backward does not exist yet: fa2's backward runs on fa2_tc (catalog)")
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
