@@ -9,6 +9,7 @@ from the JAX FFI handler.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -36,6 +37,12 @@ def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     """The arrays with each whose last dimension the kernels cannot take as it is (V.needs_copy, the rule) copied to a
     contiguous one. Per call: a flex call is not cached by signature (api.Prepared works it out once per signature)."""
     return tuple([ascontiguous(a) if V.needs_copy(a) else a for a in arrays])
+
+
+def flex_problem(q: Any, k: Any, v: Any, deterministic: Any = False) -> Problem:
+    """The checked Problem of a flex call (NumPy, CuPy and JAX alike): marked ``flex``, so the plans pick only variants
+    whose kernels take the mods (fa3's Hopper forward takes none: catalog.Variant.refusal says "no flex")."""
+    return dataclasses.replace(V.check_qkv(q, k, v, causal=False, deterministic=deterministic), flex=True)
 
 
 def _flex_mod(mod: Any, kind: str, side_grads: bool = False) -> FlexMod | None:
@@ -120,7 +127,7 @@ class _Call:
     def __init__(self, placement: Placement, q: Any, k: Any, v: Any, *, score_mod: Any, mask_mod: Any,
                  block_mask: Any, softmax_scale: Any, deterministic: Any, side_grads: bool = False):
         self.placement = placement
-        self.problem = V.check_qkv(q, k, v, causal=False, deterministic=deterministic)
+        self.problem = flex_problem(q, k, v, deterministic)
         if self.problem.headdim_v > MAX_KERNEL_HEADDIM_V:
             raise ValueError(f"flex_attention takes v's head dim up to {MAX_KERNEL_HEADDIM_V}, got "
                              f"{self.problem.headdim_v}")

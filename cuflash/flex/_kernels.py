@@ -23,6 +23,10 @@ from ._mod import FlexMod
 _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_forward_kernel": 6,
                    "fa2_tc_backward_kernel": 6}
 _NO_DROPOUT = "false"
+# The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
+# conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would
+# silently compute plain attention.
+_UNHOOKED_KERNELS = frozenset({"fa2_dout_dot_out_kernel", "fa2_convert_dq_kernel", "fa2_split_kv_combine_kernel"})
 
 
 def hook_type(score_mod: FlexMod | None, mask_mod: FlexMod | None, block_sparse: bool = False) -> str:
@@ -51,7 +55,10 @@ def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None, mask_mo
     kernel = name[:cut].split("::")[-1]
     position = _HOOKED_KERNELS.get(kernel)
     if position is None:
-        return instance
+        if kernel in _UNHOOKED_KERNELS:
+            return instance
+        raise ValueError(f"{name} takes no flex Hook: flex mods run only in {sorted(_HOOKED_KERNELS)} (a plan chose "
+                         f"a kernel for a flex problem that cannot serve it)")
     args = [a.strip() for a in name[cut + 1:-1].split(",")]
     if len(args) > position:
         raise ValueError(f"{name} already has a Hook or more flags than flex instances expect")

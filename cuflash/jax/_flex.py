@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
-from ..flex._api import _ALGORITHM, _check_block_mask, _flex_mod, block_mask_for_call, tile_visits
+from ..flex._api import _ALGORITHM, _check_block_mask, _flex_mod, block_mask_for_call, flex_problem, tile_visits
 from ..flex._kernels import hooked_program
 from ..flex._mod import MAX_SIDES, FlexMod
 from ..flex.block_mask import BlockMask
@@ -121,7 +121,7 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
     captures) and vmap. score_mod / mask_mod: Python functions (traced at each call: under jit once per trace) or
     FlexMods; a traced array a mod captures (inside jit) becomes an operand. block_mask: a concrete
     cuflash.flex.BlockMask (its lists are mapped onto the kernels' tiles on the host)."""
-    problem = V.check_qkv(q, k, v, causal=False)
+    problem = flex_problem(q, k, v)
     if problem.headdim_v > MAX_KERNEL_HEADDIM_V:
         raise ValueError(f"flex_attention takes v's head dim up to {MAX_KERNEL_HEADDIM_V}, got {problem.headdim_v}")
     scale = V.check_softmax_scale(softmax_scale, problem.headdim)

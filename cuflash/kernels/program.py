@@ -22,7 +22,7 @@ from .params import SIDE_BUFFER_FIELDS
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
-OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks", "headdim_v")
+OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks", "headdim_v", "flex")
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -99,6 +99,9 @@ class Problem:
     # V's head dim where it differs from q's and k's (MLA-style, attention_params.cuh): out and dout have it too.
     # None (the default) means headdim; __post_init__ stores the value, so equal dims give equal Problems.
     headdim_v: int | None = None
+    # A user's mods (cuflash.flex: score_mod, mask_mod, block mask) compiled into the main kernels as their Hook
+    # template argument: only variants whose kernels take a Hook may serve it.
+    flex: bool = False
 
     def __post_init__(self) -> None:
         if self.headdim_v is None:
@@ -164,6 +167,8 @@ class Problem:
             used.add("sinks")
         if self.headdim_v != self.headdim:
             used.add("headdim_v")
+        if self.flex:
+            used.add("flex")
         return frozenset(used)
 
     @property
