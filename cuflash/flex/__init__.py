@@ -48,6 +48,12 @@ their gradient buffers and a block mask's tile lists travel in AttentionParams (
 flex_tiles), so nothing but the params describes a call.
 """
 
+try:
+    import jax  # noqa: F401  (mods are traced with JAX, for NumPy and CuPy calls too)
+except ImportError as error:
+    raise ImportError("cuflash.flex (flex_attention, create_block_mask) traces score_mod / mask_mod with JAX, which is "
+                      "not installed: pip install 'cuflash[jax]'") from error
+
 from ._api import flex_attention, flex_attention_backward
 from .block_mask import BlockMask, TileLists, TileVisits, create_block_mask
 from ._mod import (

@@ -218,3 +218,14 @@ def test_cuda_mod_validates_its_arguments(kwargs, error, words):
     source = kwargs.pop("source")
     with pytest.raises(error, match=re.escape(words)):
         flex.cuda_mod(source, **kwargs)
+
+
+def test_flex_without_jax_says_what_to_install():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['jax'] = None\n"
+            "import cuflash\n"
+            "try:\n    cuflash.flex_attention\nexcept ImportError as e:\n    print('refused:', e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused: cuflash.flex" in result.stdout and "pip install 'cuflash[jax]'" in result.stdout, result
