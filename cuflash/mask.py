@@ -109,6 +109,11 @@ class Mask:
     def is_full(self) -> bool:
         return self.window_left < 0 and self.window_right < 0
 
+    @property
+    def without_window(self) -> bool:
+        """No mask or causal: what kernels without sliding-window support (the Hopper kernels) serve."""
+        return self.is_full or self.is_causal
+
     def policy(self, seqlen_q: int, seqlen_k: int) -> MaskPolicy:
         return MaskPolicy(seqlen_q, seqlen_k, self.window_left, self.window_right)
 

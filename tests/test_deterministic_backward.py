@@ -46,7 +46,7 @@ def _assert_loops(records, problem: Problem) -> None:
     every launch moved exactly the bytes of the traffic formulas."""
     target = sim.current_target()
     program = plans.backward_program("fa2", problem, target)
-    family = plans.variant_for("fa2", problem, target).module
+    family = plans.variant_for("fa2", problem, target, "backward").module
     kv_blocks = -(-problem.seqlen_k // family.backward_traits(problem.headdim, target).block_n)
     launch = _main_launch(records)
     assert launch.grid == program.launches[1].grid == (program.num_dq_splits, problem.nheads_k, problem.batch)

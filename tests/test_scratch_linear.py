@@ -143,7 +143,7 @@ def test_deterministic_dq_slices_follow_the_sm_count_not_seqlen_k():
             for batch, nheads_k in ((1, 1), (2, 8), (4, 64)):
                 problem = Problem(dtype, batch, seqlen, seqlen, nheads_k, nheads_k, 128, deterministic=True)
                 program = plans.backward_program("fa2", problem, target)
-                block_n = plans.variant_for("fa2", problem, target).module.backward_traits(128, target).block_n
+                block_n = plans.variant_for("fa2", problem, target, "backward").module.backward_traits(128, target).block_n
                 kv_blocks = math.ceil(seqlen / block_n)
                 expected = max(1, min(kv_blocks, math.ceil(target.sm_count / (batch * nheads_k))))
                 assert program.num_dq_splits == expected

@@ -77,7 +77,7 @@ def tile_visits(block_mask: BlockMask, problem: Problem, target: Any, backward: 
     the NumPy / CuPy path and of the JAX custom call): the member ("kv": the forward's K/V tiles per Q tile, or "q":
     the backward's Q tiles per K/V tile and kv head) and its (counts, indices, full, batch_stride, head_stride),
     int32 host arrays and the row-tile strides (0 where B or H broadcast)."""
-    module = plans.variant_for(_ALGORITHM, problem, target).module
+    module = plans.variant_for(_ALGORITHM, problem, target, "backward" if backward else "forward").module
     traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(problem), target)
     lists = block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=problem.group_size)
     visits = lists.q if backward else lists.kv

@@ -110,7 +110,7 @@ def refusal(problem: Problem, target: Target) -> str | None:
         return f"head dims 1..{HEAD_DIMS[-1]} only, not {problem.headdim}"
     if problem.options:
         return f"no {', '.join(sorted(problem.options))} yet"
-    if mask.window_left >= 0 or mask.window_right not in (-1, 0):
+    if not mask.without_window:
         return "no sliding window yet (causal or no mask only)"
     return None
 
@@ -124,7 +124,7 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     if not supports(problem, target):
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
     causal_choice, full_choice = FORWARD_CHOICES[compiled_head_dim(problem.headdim)]
-    traits = full_choice if problem.mask.window_right < 0 else causal_choice
+    traits = full_choice if problem.mask.is_full else causal_choice
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 

@@ -94,7 +94,7 @@ def supports(problem: Problem, target: Target) -> bool:
     and v, no mask or causal, no other option; dQ by atomics or deterministic (fa2's slices)."""
     mask = problem.mask
     return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= max(BACKWARD_CHOICES)
-            and not problem.options and mask.window_left < 0 and mask.window_right in (-1, 0))
+            and not problem.options and mask.without_window)
 
 
 def backward_traits(problem: Problem, target: Target) -> BackwardTraits:
