@@ -292,12 +292,16 @@ __forceinline__ float __fdividef(float x, float y) {
   if (ay > 8.50705917e+37f && ay < INFINITY) return std::isinf(x) ? NAN : 0.f;
   return x / y;
 }
-// __fmul_rn: a product rounded on its own, never contracted into an FMA (the kernels build with
-// -ffp-contract=fast; the empty asm hides the product from the contraction, as CUDA documents the intrinsic).
+// __fmul_rn: a product rounded on its own, never contracted into an FMA, as CUDA documents the intrinsic (the
+// kernels build with -ffp-contract=fast). GCC (12 on) and Clang keep a product inside __builtin_assoc_barrier out of
+// any contraction; elsewhere a volatile round trip does (slower, the same bits).
 __forceinline__ float __fmul_rn(float a, float b) {
-  float p = a * b;
-  asm("" : "+x"(p));
+#if defined(__has_builtin) && __has_builtin(__builtin_assoc_barrier)
+  return __builtin_assoc_barrier(a * b);
+#else
+  volatile float p = a * b;
   return p;
+#endif
 }
 __forceinline__ float rsqrtf(float x) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(x))); }
 __forceinline__ long long clock64() { return static_cast<long long>(__builtin_ia32_rdtsc()); }
