@@ -123,6 +123,24 @@ void maybe_complete(Worker* w, Mbarrier& b) {
 
 void changed(Mbarrier& b) { b.idle_polls = 0; }
 
+// Adds `delta` more expected bytes to the phase's tx-count, in range.
+void add_tx(const Site& site, Mbarrier& b, int64_t delta) {
+  check_tx_range(site, b, static_cast<int64_t>(b.tx) + delta);
+  b.tx = static_cast<int32_t>(b.tx + delta);
+}
+
+// After an arrival or completed bytes: the pollers see a change, the releasing thread's writes (race mode) reach
+// whoever waits on this phase, and the phase completes if nothing is pending.
+void release_to_waiters(Worker* w, Fiber* releaser, Mbarrier& b) {
+  changed(b);
+#if CUFLASH_SIM_RACE
+  race_release(releaser, b.current_vc);
+#else
+  (void)releaser;
+#endif
+  maybe_complete(w, b);
+}
+
 }  // namespace
 
 void sync_block_begin(Worker* w) {
@@ -183,27 +201,17 @@ void mbarrier_arrive(const Site& site, uint64_t* bar, bool expect_tx, unsigned t
   if (b.pending == 0)
     fail_current(format("%s: over-arrival: no arrival is pending on %s (its phase waits only for transaction bytes)",
                         describe_site(site).c_str(), describe_state(b).c_str()));
-  if (expect_tx) {
-    check_tx_range(site, b, static_cast<int64_t>(b.tx) + tx_bytes);
-    b.tx += static_cast<int32_t>(tx_bytes);
-  }
+  if (expect_tx) add_tx(site, b, tx_bytes);
   --b.pending;
   if (b.pending == 0 && b.tx < 0)
     fail_current(format("%s: the last arrival leaves %s: %d more bytes completed than were expected, so the phase "
                         "can never complete", describe_site(site).c_str(), describe_state(b).c_str(), -b.tx));
-  changed(b);
-#if CUFLASH_SIM_RACE
-  race_release(f, b.current_vc);
-#else
-  (void)f;
-#endif
-  maybe_complete(f->worker, b);
+  release_to_waiters(f->worker, f, b);
 }
 
 void mbarrier_expect_tx(const Site& site, uint64_t* bar, unsigned bytes) {
   Mbarrier& b = object_at(site, bar);
-  check_tx_range(site, b, static_cast<int64_t>(b.tx) + bytes);
-  b.tx += static_cast<int32_t>(bytes);
+  add_tx(site, b, bytes);
   changed(b);
 }
 
@@ -215,14 +223,8 @@ void mbarrier_complete_tx(const Site& site, uint64_t* bar, unsigned bytes) {
     fail_current(format("%s: %u completed bytes exceed the %d expected by %s", describe_site(site).c_str(), bytes,
                         b.tx, describe_state(b).c_str()));
   b.tx -= static_cast<int32_t>(bytes);
-  changed(b);
-#if CUFLASH_SIM_RACE
   // The bytes' writes (a copy landing, done on the completing thread's behalf) are released to the waiters.
-  race_release(f, b.current_vc);
-#else
-  (void)f;
-#endif
-  maybe_complete(f->worker, b);
+  release_to_waiters(f->worker, f, b);
 }
 
 // Race mode: a thread about to wait on (or poll) the phase lands the TMA loads completing on the barrier
@@ -248,13 +250,7 @@ std::string mbarrier_land_tx(Worker* w, Fiber* issuer, uint32_t bar_offset, unsi
   if (b->pending == 0 && tx < 0)
     return format("%u bytes exceed the %d expected by %s", bytes, b->tx, describe_state(*b).c_str());
   b->tx = static_cast<int32_t>(tx);
-  changed(*b);
-#if CUFLASH_SIM_RACE
-  race_release(issuer, b->current_vc);  // the copy's writes, made on the issuer's behalf, reach the waiters
-#else
-  (void)issuer;
-#endif
-  maybe_complete(w, *b);
+  release_to_waiters(w, issuer, *b);  // the copy's writes, made on the issuer's behalf, reach the waiters
   return "";
 }
 

@@ -20,6 +20,7 @@ runs on the sm_90 devices it is for (same major.minor); the report and the censu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, ceil_div
 from ..targets import Target
@@ -33,47 +34,65 @@ _WARPGROUP_THREADS = 128
 
 
 @dataclass(frozen=True)
-class ForwardTraits:
-    """fa3::ForwardTraits: a (block_m x block_n) tile at ``head_dim``, block_m / 64 consumer warpgroups, K/V in a
-    ring of ``stages`` buffers."""
+class WarpgroupTraits:
+    """What the Hopper kernels' traits share: a (block_m x block_n) tile at ``head_dim`` in whole 64-column panels,
+    ring buffers of ``stages``, one producer warpgroup and 1 to 3 consumer warpgroups of 64 each along the tile side
+    ``CONSUMER_SIDE`` names. A subclass names its kernel, that side, and checks and sizes the rest."""
 
     head_dim: int
     block_m: int
     block_n: int
     stages: int = 2
 
+    KERNEL: ClassVar[str]
+    SOURCE: ClassVar[str]
+    CONSUMER_SIDE: ClassVar[str]  # "block_m" (the forward's query rows) or "block_n" (the backward's keys)
+
     def __post_init__(self) -> None:
         if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
             raise ValueError(f"{self}: head dims of whole 64-column panels up to 256")
-        if self.block_m % 64 or not 1 <= self.block_m // 64 <= 3:
-            raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 rows")
-        if self.block_n % 16 or not 16 <= self.block_n <= 256:
-            raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
+        side = getattr(self, self.CONSUMER_SIDE)
+        if side % 64 or not 1 <= side // 64 <= 3:
+            raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 ({self.CONSUMER_SIDE})")
         if self.stages < 2:
-            raise ValueError(f"{self}: at least 2 K/V stages")
+            raise ValueError(f"{self}: at least 2 stages")
 
     @property
     def consumers(self) -> int:
-        return self.block_m // 64
+        return getattr(self, self.CONSUMER_SIDE) // 64
 
     @property
     def threads(self) -> int:
         return (1 + self.consumers) * _WARPGROUP_THREADS
+
+    def instance(self, dtype: str) -> KernelInstance:
+        if dtype not in DTYPES:
+            raise ValueError(f"{self.KERNEL} takes {DTYPES}, got {dtype!r}")
+        return KernelInstance(
+            self.SOURCE,
+            f"cuflash::{self.KERNEL}<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+            f"{self.stages}>",
+        )
+
+
+@dataclass(frozen=True)
+class ForwardTraits(WarpgroupTraits):
+    """fa3::ForwardTraits: block_m / 64 consumer warpgroups of query rows, K/V in a ring of ``stages`` buffers."""
+
+    KERNEL: ClassVar[str] = "fa3_forward_kernel"
+    SOURCE: ClassVar[str] = SOURCE
+    CONSUMER_SIDE: ClassVar[str] = "block_m"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
 
     @property
     def smem_bytes(self) -> int:
         # 16-bit Q [block_m][D] and K, V [stages][block_n][D], then 1 + 4 stages mbarriers of 8 bytes.
         tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * _ELEMENT_BYTES
         return tiles + 8 * (1 + 4 * self.stages)
-
-    def instance(self, dtype: str) -> KernelInstance:
-        if dtype not in DTYPES:
-            raise ValueError(f"fa3_forward_kernel takes {DTYPES}, got {dtype!r}")
-        return KernelInstance(
-            SOURCE,
-            f"cuflash::fa3_forward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.stages}>",
-        )
 
 
 # The tiles, (causal, non-causal) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and 128 x 176

@@ -18,44 +18,30 @@ in deterministic mode (fa2's slices); everything else stays on the mma.sync back
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..program import CXX_ELEMENT_TYPES, KernelInstance, Problem, Program
+from ..program import KernelInstance, Problem, Program
 from ..targets import Target
 from . import fa2
-from .fa3 import ARCHS, DTYPES, compiled_head_dim
+from .fa3 import ARCHS, DTYPES, WarpgroupTraits, compiled_head_dim
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
-_WARPGROUP_THREADS = 128
 
 
 @dataclass(frozen=True)
-class BackwardTraits:
+class BackwardTraits(WarpgroupTraits):
     """fa3::BackwardTraits: a K/V block of ``block_n`` keys (block_n / 64 consumer warpgroups, 64 keys each), Q blocks
     of ``block_m`` rows through a ring of ``stages``."""
 
-    head_dim: int
-    block_m: int
-    block_n: int
-    stages: int = 2
+    KERNEL: ClassVar[str] = "fa3_backward_kernel"
+    SOURCE: ClassVar[str] = SOURCE
+    CONSUMER_SIDE: ClassVar[str] = "block_n"
 
     def __post_init__(self) -> None:
-        if self.head_dim % 64 or not 64 <= self.head_dim <= 256:
-            raise ValueError(f"{self}: head dims of whole 64-column panels up to 256")
-        if self.block_n % 64 or not 1 <= self.block_n // 64 <= 3:
-            raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 keys")
+        super().__post_init__()
         if self.block_m % 64 or not 64 <= self.block_m <= 256:
             raise ValueError(f"{self}: block_m a multiple of 64 up to 256 (dS^T panels, wgmma N)")
-        if self.stages < 2:
-            raise ValueError(f"{self}: at least 2 stages")
-
-    @property
-    def consumers(self) -> int:
-        return self.block_n // 64
-
-    @property
-    def threads(self) -> int:
-        return (1 + self.consumers) * _WARPGROUP_THREADS
 
     @property
     def smem_bytes(self) -> int:
@@ -64,15 +50,6 @@ class BackwardTraits:
         d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
         tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m)
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s)
-
-    def instance(self, dtype: str) -> KernelInstance:
-        if dtype not in DTYPES:
-            raise ValueError(f"fa3_backward_kernel takes {DTYPES}, got {dtype!r}")
-        return KernelInstance(
-            SOURCE,
-            f"cuflash::fa3_backward_kernel<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, "
-            f"{self.block_n}, {self.stages}>",
-        )
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
