@@ -552,3 +552,29 @@ def test_loaded_code_runs_on_gpu(shared_cache, form):
     expected = (values.reshape(threads, 16).astype(np.float64) * np.arange(1, 17)).sum(axis=1)
     # float32 accumulation of 16 terms of size up to ~50: absolute error well under 1e-3.
     np.testing.assert_allclose(cupy.asnumpy(output), expected, rtol=1e-5, atol=1e-3)
+
+
+HOPPER_PROBES = Path(__file__).resolve().parent / "sim" / "kernels" / "hopper_wgmma.cu"
+
+
+def test_report_fails_on_ptxas_performance_loss_when_asked(shared_cache, monkeypatch, capsys):
+    # The wgmma test kernel reads its accumulators before the wait (a planted bug): ptxas serializes its wgmma and
+    # says so only in an info line (C7519), with no spill; the setmaxnreg kernel beside it is clean.
+    serialized = KernelInstance(str(HOPPER_PROBES), "simwgmma::wgmma_kernel<__half, 64, false>")
+    clean = KernelInstance(str(HOPPER_PROBES), "simwgmma::setmaxnreg_kernel")
+    monkeypatch.setattr(report.catalog, "dynamic_smem_bytes", lambda instance: 0)
+    monkeypatch.setattr(report.catalog, "threads", lambda instance: 384)
+    monkeypatch.setattr(report.catalog, "instances", lambda target: [clean])
+    assert report.main(["--arch", "sm_90a", "--no-spills", "--no-perf-loss"]) == 0
+    monkeypatch.setattr(report.catalog, "instances", lambda target: [clean, serialized])
+    capsys.readouterr()
+    assert report.main(["--arch", "sm_90a", "--no-spills"]) == 0  # printed as a warning unless asked
+    out = capsys.readouterr().out
+    assert "warning: simwgmma::wgmma_kernel<__half, 64, false> (sm_90a): ptxas info" in out and "(C7519)" in out
+    assert report.main(["--arch", "sm_90a", "--no-perf-loss", "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = {row["kernel"]: row for row in json.loads(captured.out)}
+    assert rows["simwgmma::wgmma_kernel<__half, 64, false>"]["performance_losses"] == ["C7519"]
+    assert rows["simwgmma::setmaxnreg_kernel"]["performance_losses"] == []
+    assert "error: simwgmma::wgmma_kernel<__half, 64, false> (sm_90a): ptxas reports a performance loss" in captured.err
+    assert "setmaxnreg_kernel" not in captured.err

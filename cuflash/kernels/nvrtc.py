@@ -93,6 +93,10 @@ class Resources:
     static_smem_bytes: int
 
 
+# ptxas's C75xx advisories about wgmma and setmaxnreg ("Potential Performance Loss", "... is injected ...").
+_PERFORMANCE_LOSS_RE = re.compile(r"\(C75\d\d\)")
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
     instance: KernelInstance
@@ -112,6 +116,13 @@ class CompiledKernel:
     def warnings(self) -> list[str]:
         """Compiler warnings in the log (ptxas info lines excluded)."""
         return [line for line in self.log.splitlines() if re.search(r"\bwarning\b", line, re.IGNORECASE)]
+
+    @property
+    def performance_losses(self) -> list[str]:
+        """ptxas's advisories that the code it made runs slower than the source asks (info lines, so no warning):
+        wgmma serialized (C7509-C7520: a divergent path, registers read early, too few registers for the pipeline),
+        waits or warpgroup.arrive it injected, setmaxnreg ignored (C7508). Each line once, in the log's order."""
+        return list(dict.fromkeys(line.strip() for line in self.log.splitlines() if _PERFORMANCE_LOSS_RE.search(line)))
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The compile report: every instance each arch's plans can launch, compiled for that arch.
 
     python -m cuflash.kernels report --arch sm_80 sm_86 sm_89 sm_90 sm_120 [--json] [--jobs N] [--no-spills]
+        [--no-perf-loss]
 
 Per (kernel, arch): registers, spill stores/loads, stack frame, static shared memory (all
 from the ptxas log), dynamic shared memory (from the launch plan) beside the arch's limit per
@@ -11,7 +12,10 @@ allow (cuflash/kernels/targets.py). An instance compiles for what the catalog sa
 Warp-specialized kernels add their roles: warpgroups (the family's) and registers per thread
 after setmaxnreg (the SASS's). Exits 1 if an instance fails to compile or a plan asks for
 more shared memory than a block of its arch may have (it could never launch there), or its
-roles more registers than an SM has, and with --no-spills if an instance spills.
+roles more registers than an SM has; with --no-spills if an instance spills, and with
+--no-perf-loss if ptxas says an instance's code runs slower than written (its C75xx advisories:
+wgmma serialized, waits or warpgroup.arrive injected, setmaxnreg ignored), which no spill count
+shows and which cost a Hopper kernel its overlap.
 
 It compiles with whichever NVRTC is installed (CUDA 12 or 13): without --arch it reports the
 default archs that NVRTC knows and names those it skips; an --arch it does not know is refused.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +50,7 @@ JSON_KEYS = (
     "hmma",
     "hgmma",
     "roles",
+    "performance_losses",
 )
 
 DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
@@ -65,6 +71,12 @@ class ReportRow:
         return bool(self.roles) and sum(
             128 * role["warpgroups"] * role["registers"] for role in self.roles.values()
             if role["registers"] is not None) > self.target.registers_per_sm
+
+    @property
+    def performance_loss_codes(self) -> list[str]:
+        """The codes of ptxas's performance-loss advisories for this instance (nvrtc.CompiledKernel.performance_losses),
+        each once: ["C7519"] for a serialized wgmma pipeline."""
+        return list(dict.fromkeys(re.search(r"C75\d\d", line)[0] for line in self.compiled.performance_losses))
 
     @property
     def target(self) -> targets.Target:
@@ -98,6 +110,7 @@ class ReportRow:
             "hmma": self.hmma,
             "hgmma": self.hgmma,
             "roles": self.roles,
+            "performance_losses": self.performance_loss_codes,
         }
 
 
@@ -234,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print a JSON list (keys: " + ", ".join(JSON_KEYS) + ")")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     parser.add_argument("--no-spills", action="store_true", help="also exit 1 if any instance spills registers")
+    parser.add_argument("--no-perf-loss", action="store_true",
+                        help="also exit 1 if ptxas says an instance's code runs slower than written (C75xx: wgmma "
+                             "serialized, waits injected, setmaxnreg ignored)")
     parser.add_argument("--loop", action="store_true",
                         help="with --json: add each tensor-core instance's loop census (key main_loop; "
                              "python -m cuflash.kernels loop)")
@@ -257,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_table(rows))
         for row in rows:
-            for warning in row.compiled.warnings:
+            for warning in row.compiled.warnings + row.compiled.performance_losses:
                 print(f"warning: {row.compiled.instance.name_expr} ({row.compiled.arch}): {warning}")
     too_big = [row for row in rows if row.exceeds_block_smem]
     for row in too_big:
@@ -281,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = row.compiled.resources
         print(f"error: {row.compiled.instance.name_expr} spills on {row.compiled.arch} ({r.spill_store_bytes} bytes "
               f"stored, {r.spill_load_bytes} loaded, at {r.registers} registers)", file=sys.stderr)
+    losing = [row for row in rows if row.compiled.performance_losses] if args.no_perf_loss else []
+    for row in losing:
+        print(f"error: {row.compiled.instance.name_expr} ({row.compiled.arch}): ptxas reports a performance loss: "
+              + " | ".join(row.compiled.performance_losses), file=sys.stderr)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     print(
@@ -288,4 +308,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(sum of NVRTC times when built: {sum(r.compiled.compile_seconds for r in rows):.1f} s)",
         file=sys.stderr,
     )
-    return 1 if errors or too_big or over or spilling else 0
+    return 1 if errors or too_big or over or spilling or losing else 0
