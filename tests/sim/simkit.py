@@ -13,6 +13,7 @@ from cuflash.kernels.program import KernelInstance
 KERNELS = Path(__file__).resolve().parent / "kernels"
 CHECKS = KERNELS / "sim_checks.cu"
 
+# The layout of kernels/simkit_args.cuh's Args (the test kernels' one by-value argument).
 ARGS_DTYPE = np.dtype(
     [
         ("in0", np.uint64),

@@ -1,21 +1,11 @@
 // Planted access patterns for the bank-conflict profile (tests/sim/test_sim_bank_conflicts.py).
 // One warp; each kernel's shared accesses sit on marked lines the test names.
 #include "arch/arch.cuh"
+#include "simkit_args.cuh"
 
 namespace simbank {
 
-struct Args {  // the layout of simkit.ARGS_DTYPE
-  void* in0;
-  void* in1;
-  void* out0;
-  void* out1;
-  int n;
-  int mode;
-  int width;
-  unsigned mask;
-  int extra;
-  int pad;
-};
+using simkit::Args;  // simkit_args.cuh: the layout of simkit.ARGS_DTYPE
 
 // A 32 x 32 float tile with a row stride of a.n floats (32: every row starts in bank 0; 33: padded),
 // written by rows, then read down column 0 (lane l reads row l).

@@ -3,21 +3,11 @@
 // and race modes), tests/test_arch_hopper_sync.py compiles them with NVRTC for sm_90a and checks their SASS.
 // Each planted bug has a mode; mode 0 is the correct kernel.
 #include "arch/arch.cuh"
+#include "simkit_args.cuh"
 
 namespace simhopper {
 
-struct Args {  // the layout of simkit.ARGS_DTYPE
-  void* in0;
-  void* in1;
-  void* out0;
-  void* out1;
-  int n;
-  int mode;
-  int width;
-  unsigned mask;
-  int extra;
-  int pad;
-};
+using simkit::Args;  // simkit_args.cuh: the layout of simkit.ARGS_DTYPE
 
 namespace arch = cuflash::arch;
 using arch::load;

@@ -2,21 +2,11 @@
 // Each kernel takes the same by-value argument, Args; the Python mirror is
 // simkit.ARGS_DTYPE. Line positions matter only where a test says so.
 #include "arch/arch.cuh"
+#include "simkit_args.cuh"
 
 namespace simtest {
 
-struct Args {
-  void* in0;
-  void* in1;
-  void* out0;
-  void* out1;
-  int n;
-  int mode;
-  int width;
-  unsigned mask;
-  int extra;
-  int pad;
-};
+using simkit::Args;  // simkit_args.cuh: the layout of simkit.ARGS_DTYPE
 
 using cuflash::arch::load;
 using cuflash::arch::store;

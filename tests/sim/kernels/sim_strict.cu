@@ -2,21 +2,11 @@
 // copies in flight, shared-memory alignment and bounds, the shared-memory base,
 // pattern-initialized automatic variables, and __launch_bounds__. Each bug has a mode that fixes it.
 #include "arch/arch.cuh"
+#include "simkit_args.cuh"
 
 namespace simstrict {
 
-struct Args {  // the layout of simkit.ARGS_DTYPE
-  void* in0;
-  void* in1;
-  void* out0;
-  void* out1;
-  int n;
-  int mode;
-  int width;
-  unsigned mask;
-  int extra;
-  int pad;
-};
+using simkit::Args;  // simkit_args.cuh: the layout of simkit.ARGS_DTYPE
 
 using cuflash::arch::load;
 using cuflash::arch::store;

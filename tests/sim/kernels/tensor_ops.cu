@@ -2,21 +2,11 @@
 // simulator side forwards to the twins in sim_tensor.h). tests/test_arch_wrappers.py also compiles them
 // with NVRTC and checks their SASS.
 #include "arch/arch.cuh"
+#include "simkit_args.cuh"
 
 namespace simtensor {
 
-struct Args {
-  void* in0;
-  void* in1;
-  void* out0;
-  void* out1;
-  int n;
-  int mode;
-  int width;
-  unsigned mask;
-  int extra;
-  int pad;
-};
+using simkit::Args;  // simkit_args.cuh: the layout of simkit.ARGS_DTYPE
 
 using cuflash::arch::load;
 using cuflash::arch::store;
