@@ -63,6 +63,23 @@ def test_a_mod_is_traced_once_and_its_captured_arrays_are_read_anew(traces):
     assert _flex_mod(scaled, "score").source != first.source and traces["n"] == 8
 
 
+def test_a_numpy_array_changed_in_place_is_traced_anew_with_the_same_kernel(traces):
+    """A NumPy array becomes a constant of the trace (jnp.asarray copies it): it is keyed by its bytes, so a change
+    in place traces again, and the new FlexMod reads the new values under the same cache_key (the compiled kernel
+    is reused)."""
+    offsets = np.arange(6, dtype=np.float32)
+
+    def numpy_bias(score, b, h, q_idx, kv_idx):
+        return score + jnp.asarray(offsets)[h]
+
+    first = _flex_mod(numpy_bias, "score")
+    assert _flex_mod(numpy_bias, "score").cache_key == first.cache_key and traces["n"] == 2
+    offsets[3] = 100.0
+    changed = _flex_mod(numpy_bias, "score")
+    assert traces["n"] == 4 and changed.cache_key == first.cache_key
+    assert np.asarray(changed.side_values[0])[3] == 100.0
+
+
 def test_mods_the_key_cannot_describe_are_traced_at_every_call(traces):
     class Holder:
         bias = jnp.zeros(4, jnp.float32)
