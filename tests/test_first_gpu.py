@@ -209,7 +209,8 @@ def test_commands_fit_the_step_limits(monkeypatch, tmp_path):
     speed = cmds["speed"]
     assert speed[speed.index("--budget-s") + 1] == str(160 - first_gpu.SPEED_OUTPUT_S)
     for flag, values in [("--headdims", ["64", "128"]), ("--dtypes", ["float16", "bfloat16"]),
-                         ("--seqlens", ["512", "1024", "2048", "4096", "8192", "16384"])]:
+                         ("--seqlens", ["512", "1024", "2048", "4096", "8192", "16384"]),
+                         ("--flex", ["document", "prefix-lm", "relative-bias"])]:
         assert speed[speed.index(flag) + 1: speed.index(flag) + 1 + len(values)] == values
     validate = cmds["validate"]
     assert validate[validate.index("--step-timeout") + 1] == "50"  # memcheck, racecheck and ncu share 150 s

@@ -2,11 +2,12 @@
 
     python3 -m cuflash.benchmarks speed [--headdims 64 128 256] [--seqlens 512 ... 16384] [--causal both]
                                         [--dtypes float16 bfloat16] [--systems ...] [--budget-s S] [--out DIR]
+                                        [--flex document prefix-lm relative-bias]
     python3 -m cuflash.benchmarks seeds [--out DIR]
     python3 -m cuflash.benchmarks validate-gpu --out DIR
     python3 -m cuflash.benchmarks first-gpu --out DIR
     python3 -m cuflash.benchmarks host --out DIR
-    python3 -m cuflash.benchmarks traffic [--out DIR] [--seqlens ...] [--headdims ...]
+    python3 -m cuflash.benchmarks traffic [--out DIR] [--seqlens ...] [--headdims ...] [--flex VARIANT ...]
     python3 -m cuflash.benchmarks profile [--out DIR] [--arch sm_80 sm_90]
 
 ``speed``, ``seeds``, ``validate-gpu`` and ``first-gpu`` time kernels on a CUDA
@@ -25,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .workloads import DTYPES, FA2_HEADDIMS, FA2_SEQLENS, DIRECTIONS, Workload, fa2_sweep
+from .workloads import DTYPES, FA2_HEADDIMS, FA2_SEQLENS, DIRECTIONS, FLEX_VARIANTS, Workload, fa2_sweep, flex_sweep
 
 # The llm.c attention benchmark the CUDA tutorials use, and the A100 figures they publish (forward, ms).
 SEEDS_SETTING = dict(batch=8, seqlen=1024, nheads=12, headdim=64)
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--budget-s", type=float, default=None,
                    help="seconds the sweep may take: points run shortest seqlen first, and a point expected to "
                         "overrun is skipped (and listed as skipped)")
+    g.add_argument("--flex", nargs="*", choices=FLEX_VARIANTS, default=[],
+                   help="also time cuflash.flex_attention with these variants (document mask of 8 documents, "
+                        "prefix-LM, relative-position bias) at the same points, non-causal; only cuflash-fa2 runs "
+                        "them (FLOPs: the visible scores')")
 
     s = sub.add_parser("seeds", help="the llm.c attention benchmark setting (B=8, T=1024, C=768, NH=12)")
     s.add_argument("--repeats", type=int, default=10)
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--skip", nargs="+", default=[], choices=["tests", "sanitizer", "speed", "ncu"])
     v.add_argument("--sanitizer-tools", nargs="+", default=list(validate_tools()), choices=list(validate_tools()))
-    v.add_argument("--sanitizer-grid", choices=["all", "tensor-core"], default="all",
-                   help="every family and variant, or one fa2 tensor-core forward and backward")
+    v.add_argument("--sanitizer-grid", choices=["all", "tensor-core", "flex"], default="all",
+                   help="every family and variant (and the flex variants), one fa2 tensor-core forward and backward, "
+                        "or the flex variants only")
     v.add_argument("--step-timeout", type=int, default=None, help="seconds for each tool run (default per step)")
 
     f = sub.add_parser("first-gpu", help="first command on a new GPU machine: every check and figure in 9 minutes")
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", type=Path, default=None, help="folder for traffic.json and traffic.png (a sweep)")
     t.add_argument("--seqlens", nargs="+", type=int, default=[128, 256, 512])
     t.add_argument("--headdims", nargs="+", type=int, default=[64])
+    t.add_argument("--flex", nargs="+", choices=FLEX_VARIANTS, default=None,
+                   help="bytes read by these flex variants beside dense fa2 (the first seqlen and head dim)")
 
     p = sub.add_parser("profile", help="bank conflicts per access site (simulator) and the compile report")
     p.add_argument("--out", type=Path, required=True)
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "speed":
             systems = peers.select(args.systems)
             workloads = fa2_sweep(args.headdims, args.seqlens, _causal_values(args.causal), args.dtypes)
+            workloads += flex_sweep(args.flex, args.headdims, args.seqlens, args.dtypes) if args.flex else []
             if args.budget_s is not None:  # cheapest first: running out of time drops the longest sequences
                 workloads.sort(key=lambda w: w.seqlen)
             _timed_run(systems, workloads, args.directions, args.repeats, args.warmup, args.out, args.budget_s)
@@ -175,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             unknown = sorted(set(algorithms) - set(available_algorithms()))
             if unknown:
                 parser.error(f"unknown algorithms {unknown}; available: {available_algorithms()}")
-            if args.out is None:
+            if args.flex:
+                print(traffic.flex_table(args.flex, seqlen=args.seqlens[0], headdim=args.headdims[0],
+                                         dtype=args.dtype))
+            elif args.out is None:
                 print(traffic.table(algorithms, dtype=args.dtype))
             else:
                 for path in traffic.sweep_outputs(algorithms, args.out, seqlens=args.seqlens, headdims=args.headdims,

@@ -8,8 +8,9 @@ Steps, in this order, each a subprocess with its own time budget (``STEPS``) who
 3. ``validate``: ``validate-gpu`` narrowed to what the other steps do not cover: compute-sanitizer memcheck and
    racecheck on one tensor-core forward and backward, and Nsight Compute beside the simulator;
 4. ``speed``: the sweep against every peer found (head dims 64 and 128, float16 and bfloat16, causal and not,
-   seqlen 512 to 16k, forward, backward, forward+backward) within the step's time: shortest seqlens first,
-   a point expected to overrun is skipped and listed (speed.Budget);
+   seqlen 512 to 16k, forward, backward, forward+backward), and cuflash's flex variants (document mask, prefix-LM,
+   relative bias) at the same points, within the step's time: shortest seqlens first, a point expected to overrun
+   is skipped and listed (speed.Budget);
 5. ``ncu``: Nsight Compute's tensor-pipe utilization and warp stall reasons (WarpStateStats,
    ComputeWorkloadAnalysis) of the d128 forward and backward tensor-core kernels;
 6. ``host``: ``python3 -m cuflash.benchmarks host`` (host microseconds per call).
@@ -38,7 +39,7 @@ from typing import Callable
 TOTAL_S = 540  # 9 minutes on an H100 with a cold compile cache
 SUMMARY_RESERVE_S = 10  # the summary and its plot, after the last step
 SPEED_SETTING = dict(headdims=(64, 128), dtypes=("float16", "bfloat16"),
-                     seqlens=(512, 1024, 2048, 4096, 8192, 16384))
+                     seqlens=(512, 1024, 2048, 4096, 8192, 16384), flex=("document", "prefix-lm", "relative-bias"))
 # The FA2 sweep's peers, and cuflash's fa2 (its other algorithms are the README's, not the peers' rivals).
 SPEED_SYSTEMS = ("cuflash-fa2", "cupy-standard", "jax-xla", "jax-cudnn", "torch-flash", "torch-cudnn")
 SPEED_OUTPUT_S = 40  # what the speed subprocess needs after its sweep: start-up, writing JSON and plots
@@ -105,7 +106,8 @@ def commands(out: Path, timeout_s: float, python: str = sys.executable) -> dict[
                           "--step-timeout", str(max(10, int((timeout_s - 10) / 3)))]
     result["speed"] = [*bench, "speed", "--out", str(out / "speed"), "--headdims", *map(str, SPEED_SETTING["headdims"]),
                        "--dtypes", *SPEED_SETTING["dtypes"], "--seqlens", *map(str, SPEED_SETTING["seqlens"]),
-                       "--causal", "both", "--systems", *SPEED_SYSTEMS, "--repeats", "3", "--warmup", "1",
+                       "--causal", "both", "--flex", *SPEED_SETTING["flex"], "--systems", *SPEED_SYSTEMS,
+                       "--repeats", "3", "--warmup", "1",
                        "--budget-s", str(max(0, int(timeout_s - SPEED_OUTPUT_S)))]
     ncu = _tool("ncu")
     if ncu is None:

@@ -2,6 +2,7 @@
 
     python3 -m cuflash.benchmarks.gpu_workloads sanitizer              # every family and variant, small shapes
     python3 -m cuflash.benchmarks.gpu_workloads sanitizer tensor-core  # one fa2 tensor-core forward and backward
+    python3 -m cuflash.benchmarks.gpu_workloads sanitizer flex         # each flex variant, forward and backward
     python3 -m cuflash.benchmarks.gpu_workloads ncu                    # the fa2 forward and backward at NCU_SHAPE
     python3 -m cuflash.benchmarks.gpu_workloads ncu-d128               # the same at NCU_D128_SETTING (first-gpu)
 
@@ -27,6 +28,9 @@ NCU_SHAPE = dict(batch=1, seqlen=512, nheads=2, headdim=64, dtype="float16", cau
 NCU_D128_SHAPE = dict(batch=8, seqlen=2048, nheads=16, headdim=128, dtype="float16", causal=False)
 # first-gpu's sanitizer case: one tensor-core instance each way (float16, head dim 128, ragged, GQA, causal).
 TENSOR_CORE_CASE = ("fa2", "float16", True, (1, 96, 131, 4, 2, 128))
+# The flex sanitizer cases: each variant of the speed sweep (workloads.FLEX_VARIANTS) on tensor cores and SIMT,
+# self-attention of a ragged length with GQA (the variants' mods are defined for seqlen_q == seqlen_k).
+FLEX_CASES = (("float16", (1, 131, 131, 4, 2, 64)), ("float32", (1, 77, 77, 2, 1, 40)))
 
 
 def sanitizer_cases():
@@ -44,12 +48,16 @@ def sanitizer_cases():
 
 
 def run_sanitizer_grid(which: str = "all") -> None:
-    """Every case of sanitizer_cases(), or with ``which="tensor-core"`` only TENSOR_CORE_CASE."""
+    """Every case of sanitizer_cases() and the flex cases, or with ``which="tensor-core"`` only TENSOR_CORE_CASE,
+    with ``which="flex"`` only the flex cases (FLEX_CASES)."""
     import cupy
 
     import cuflash
     from cuflash.testing import random_qkv
 
+    if which == "flex":
+        run_flex_sanitizer_cases()
+        return
     if which == "tensor-core":
         algorithm, dtype, causal, shape = TENSOR_CORE_CASE
         cases = [(algorithm, "tensor-core", dtype, causal, shape)]
@@ -65,6 +73,30 @@ def run_sanitizer_grid(which: str = "all") -> None:
                                        deterministic=deterministic)
         cupy.cuda.runtime.deviceSynchronize()
         print(f"case {algorithm}/{variant} {dtype} causal={causal} shape={shape}: ran", flush=True)
+    if which == "all":
+        run_flex_sanitizer_cases()
+
+
+def run_flex_sanitizer_cases() -> None:
+    """Each flex variant's forward and backward (its mask_mod through a block mask) on the GPU, per FLEX_CASES."""
+    import cupy
+
+    import cuflash
+    from cuflash.testing import random_qkv
+
+    from .peers import _flex_options
+    from .workloads import FLEX_VARIANTS
+
+    for dtype, shape in FLEX_CASES:
+        for variant in FLEX_VARIANTS:
+            rng = np.random.default_rng(0)
+            q, k, v = (cupy.asarray(x) for x in random_qkv(rng, *shape, dtype))
+            mods = _flex_options(variant, shape[1], shape[3])
+            out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
+            dout = cupy.asarray(rng.standard_normal(out.shape).astype(q.dtype))
+            cuflash.flex_attention_backward(dout, q, k, v, out, lse, **mods)
+            cupy.cuda.runtime.deviceSynchronize()
+            print(f"case flex/{variant} {dtype} shape={shape}: ran", flush=True)
 
 
 def ncu_inputs(s=NCU_SHAPE):

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import timing
 from .timing import Timer, cupy_or_refuse
-from .workloads import DIRECTIONS, Workload
+from .workloads import DIRECTIONS, FLEX_VARIANTS, Workload, flex_mods
 
 # JAX grabs 75% of GPU memory at start-up unless told otherwise, which would starve the other systems.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -58,6 +58,8 @@ class System:
     label: str = ""
     is_cuflash: bool = False
     directions: tuple[str, ...] = DIRECTIONS
+    # The flex variants (workloads.FLEX_VARIANTS) the system runs: only cuflash's fa2 takes score_mod / mask_mod.
+    flex_variants: tuple[str, ...] = ()
     # The sequence length of the correctness check (speed.check_against_reference): odd, so ragged tiles are judged,
     # where the system takes one.
     check_seqlen: int = 257
@@ -105,6 +107,7 @@ class Cuflash(System):
         self.algorithm = algorithm
         self.key = f"cuflash-{algorithm}"
         self.label = f"cuflash {algorithm}"
+        self.flex_variants = FLEX_VARIANTS if algorithm == "fa2" else ()
 
     def unavailable(self) -> str | None:
         try:
@@ -113,13 +116,18 @@ class Cuflash(System):
             return str(err)
         return None
 
-    def compute(self, q, k, v, dout, causal):
+    def compute(self, q, k, v, dout, causal, flex: str | None = None):
         import cuflash
 
         cupy = cupy_or_refuse()
         gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
-        out, lse = cuflash.attention(gq, gk, gv, causal=causal, algorithm=self.algorithm, return_lse=True)
-        grads = cuflash.attention_backward(gdout, gq, gk, gv, out, lse, causal=causal, algorithm=self.algorithm)
+        if flex is not None:
+            mods = _flex_options(flex, q.shape[1], q.shape[2])
+            out, lse = cuflash.flex_attention(gq, gk, gv, return_lse=True, **mods)
+            grads = cuflash.flex_attention_backward(gdout, gq, gk, gv, out, lse, **mods)
+        else:
+            out, lse = cuflash.attention(gq, gk, gv, causal=causal, algorithm=self.algorithm, return_lse=True)
+            grads = cuflash.attention_backward(gdout, gq, gk, gv, out, lse, causal=causal, algorithm=self.algorithm)
         return cupy.asnumpy(out), tuple(cupy.asnumpy(g) for g in grads)
 
     def prepare(self, workload, seed=0):
@@ -127,6 +135,8 @@ class Cuflash(System):
 
         cupy = cupy_or_refuse()
         q, k, v, dout = (cupy.asarray(x) for x in _host_inputs(workload, seed))
+        if workload.flex is not None:
+            return self._prepare_flex(workload, q, k, v, dout)
         causal, algorithm = workload.causal, self.algorithm
         out, lse = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
 
@@ -141,8 +151,39 @@ class Cuflash(System):
         }
         return Prepared(calls, timing.cupy_timer())
 
+    @staticmethod
+    def _prepare_flex(workload, q, k, v, dout) -> Prepared:
+        """cuflash.flex_attention with the variant's mods (a mask_mod through a block mask built once here, as a
+        training step reuses one); the traced mods and compiled kernels are cached after the first call."""
+        import cuflash
+
+        mods = _flex_options(workload.flex, workload.seqlen, workload.nheads)
+        out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
+
+        def forward_backward():
+            o, l = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
+            return cuflash.flex_attention_backward(dout, q, k, v, o, l, **mods)
+
+        calls = {
+            "forward": lambda: cuflash.flex_attention(q, k, v, **mods),
+            "backward": lambda: cuflash.flex_attention_backward(dout, q, k, v, out, lse, **mods),
+            "forward+backward": forward_backward,
+        }
+        return Prepared(calls, timing.cupy_timer())
+
     def release(self):
         _free_cupy_pools()
+
+
+def _flex_options(variant: str, seqlen: int, nheads: int) -> dict:
+    """flex_attention's keyword arguments for a variant: its score_mod, and its mask_mod as a block mask."""
+    from cuflash.flex import create_block_mask
+
+    mods = flex_mods(variant, seqlen, nheads)
+    mask_mod = mods.pop("mask_mod", None)
+    if mask_mod is not None:
+        mods["block_mask"] = create_block_mask(mask_mod, None, None, seqlen, seqlen)
+    return mods
 
 
 class CupyStandard(System):

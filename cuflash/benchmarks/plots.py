@@ -25,22 +25,24 @@ def _pyplot():
 
 
 def speed_panels(result, direction: str) -> dict[tuple[str, int, bool], dict[str, list[tuple[int, float]]]]:
-    """{(dtype, headdim, causal): {system: [(seqlen, TFLOP/s), ...] sorted by seqlen}} for one direction."""
+    """{(dtype, headdim, causal): {system: [(seqlen, TFLOP/s), ...] sorted by seqlen}} for one direction; a flex
+    workload's panel has its variant's name (workloads.FLEX_VARIANTS) in causal's place."""
     panels: dict[tuple[str, int, bool], dict[str, list[tuple[int, float]]]] = {}
     for m in result.measurements:
         if m.direction != direction:
             continue
         w = m.workload
-        panels.setdefault((w.dtype, w.headdim, w.causal), {}).setdefault(m.system, []).append((w.seqlen, m.tflops))
+        panels.setdefault((w.dtype, w.headdim, w.flex or w.causal), {}).setdefault(m.system, []).append((w.seqlen, m.tflops))
     for series in panels.values():
         for points in series.values():
             points.sort()
-    return dict(sorted(panels.items()))
+    return dict(sorted(panels.items(), key=lambda item: (*item[0][:-1], str(item[0][-1]))))
 
 
 def _panel_title(key) -> str:
     *direction, dtype, headdim, causal = key
-    return ", ".join([*direction, dtype, f"head dim {headdim}", "causal" if causal else "not causal"])
+    mask = f"flex {causal}" if isinstance(causal, str) else ("causal" if causal else "not causal")
+    return ", ".join([*direction, dtype, f"head dim {headdim}", mask])
 
 
 def _panel_figure(panels: dict, path: Path, title: str, ylabel: str, draw, cols: int = 3) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .peers import System
 from .timing import Sample, measure
-from .workloads import DIRECTIONS, Workload
+from .workloads import DIRECTIONS, Workload, flex_mods
 
 # The small problem each system is checked on before it is timed: square, so that every system's causal
 # convention (top-left or bottom-right diagonal) agrees, and not a multiple of any block size.
@@ -63,7 +63,8 @@ class Measurement:
 
     @classmethod
     def from_record(cls, r: dict) -> Measurement:
-        workload = Workload(**{k: r[k] for k in ("batch", "seqlen", "nheads", "headdim", "causal", "dtype")})
+        workload = Workload(**{k: r[k] for k in ("batch", "seqlen", "nheads", "headdim", "causal", "dtype")},
+                            flex=r.get("flex"))
         sample = Sample(tuple(r["runs_ms"]), tuple(r.get("runs_host_us", ())), r.get("uncovered_runs", 0))
         return cls(r["system"], workload, r["direction"], sample)
 
@@ -76,6 +77,7 @@ class Check:
     causal: bool
     passed: bool
     detail: str
+    flex: str | None = None  # the flex variant checked (workloads.FLEX_VARIANTS), None for plain attention
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,10 @@ class Budget:
         self._seen.setdefault(system, []).append((workload.flops("forward+backward"), seconds))
 
 
-def check_against_reference(system: System, dtype: str, headdim: int, causal: bool, seed: int = 0) -> Check:
-    """Run ``system`` once on a small problem and judge out and gradients by the FlashAttention rule."""
+def check_against_reference(system: System, dtype: str, headdim: int, causal: bool, seed: int = 0,
+                            flex: str | None = None) -> Check:
+    """Run ``system`` once on a small problem and judge out and gradients by the FlashAttention rule (with ``flex``,
+    the variant's mods, workloads.flex_mods, against the reference evaluating them element by element)."""
     from cuflash import _tolerance as tol
     from cuflash.testing import random_qkv
 
@@ -154,19 +158,24 @@ def check_against_reference(system: System, dtype: str, headdim: int, causal: bo
     q, k, v = random_qkv(rng, shape["batch"], seqlen, seqlen, shape["nheads"], shape["nheads"], headdim, dtype)
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     try:
-        out, grads = system.compute(q, k, v, dout, causal)
-        ref = tol.forward_references(q, k, v, causal=causal)
+        if flex is None:
+            out, grads = system.compute(q, k, v, dout, causal)
+            options = {"causal": causal}
+        else:
+            out, grads = system.compute(q, k, v, dout, causal, flex=flex)
+            options = flex_mods(flex, seqlen, shape["nheads"])
+        ref = tol.forward_references(q, k, v, **options)
         measured = [tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)]
-        bref = tol.backward_references(dout, q, k, v, causal=causal)
+        bref = tol.backward_references(dout, q, k, v, **options)
         for name, got in zip(("dq", "dk", "dv"), grads):
             measured.append(tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"),
-                                            tol.BACKWARD_FACTOR, atol=1e-5 if causal else 0.0))
+                                            tol.BACKWARD_FACTOR, atol=1e-5 if causal or flex else 0.0))
     except AssertionError as err:
-        return Check(system.key, dtype, headdim, causal, False, f"wrong result: {err}".splitlines()[0])
+        return Check(system.key, dtype, headdim, causal, False, f"wrong result: {err}".splitlines()[0], flex)
     except Exception as err:  # the system cannot run this setting at all
-        return Check(system.key, dtype, headdim, causal, False, f"{type(err).__name__}: {err}".splitlines()[0])
+        return Check(system.key, dtype, headdim, causal, False, f"{type(err).__name__}: {err}".splitlines()[0], flex)
     worst = max(m.max_error / m.bound if m.bound else 0.0 for m in measured)
-    return Check(system.key, dtype, headdim, causal, True, f"max error {worst:.2f} of the bound")
+    return Check(system.key, dtype, headdim, causal, True, f"max error {worst:.2f} of the bound", flex)
 
 
 class Progress:
@@ -212,9 +221,13 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
                                                f"over budget: expected {expected:.0f} s, {max(left, 0):.0f} s left"))
                     continue
                 began = budget.clock()
-            setting = (system.key, workload.dtype, workload.headdim, workload.causal)
+            if workload.flex is not None and workload.flex not in system.flex_variants:
+                result.skipped.append(Skip(system.key, workload.label(), "takes no flex mods"))
+                continue
+            setting = (system.key, workload.dtype, workload.headdim, workload.causal, workload.flex)
             if setting not in verdicts:
-                verdicts[setting] = check(system, workload.dtype, workload.headdim, workload.causal)
+                flex = {"flex": workload.flex} if workload.flex is not None else {}
+                verdicts[setting] = check(system, workload.dtype, workload.headdim, workload.causal, **flex)
                 result.checks.append(verdicts[setting])
             if not verdicts[setting].passed:
                 result.skipped.append(Skip(system.key, workload.label(), f"failed its check: {verdicts[setting].detail}"))
@@ -260,7 +273,7 @@ def _cell(m: Measurement) -> str:
 
 
 def _workload_order(w: Workload) -> tuple:
-    return (w.dtype, w.headdim, w.causal, w.seqlen)
+    return (w.dtype, w.headdim, w.flex or "", w.causal, w.seqlen)
 
 
 def format_table(result: SweepResult) -> str:
@@ -276,12 +289,13 @@ def format_table(result: SweepResult) -> str:
         workloads = sorted({m.workload for m in result.measurements if m.direction == direction}, key=_workload_order)
         if not workloads:
             continue
-        head = f"{'dtype':>8} {'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{s:>32}" for s in timed)
+        mask_width = max([6, *(len(w.flex) for w in workloads if w.flex)])  # a flex variant's name in causal's column
+        head = f"{'dtype':>8} {'hdim':>4} {'causal':>{mask_width}} {'seqlen':>6} " + " ".join(f"{s:>32}" for s in timed)
         ratios = [(p, f"{base.removeprefix('cuflash-')}/{p}") for p in peers] if base in timed else []
         head += "".join(f" {label:>{max(14, len(label))}}" for _, label in ratios)
         lines += ["", f"{direction}", head]
         for w in workloads:
-            row = f"{w.dtype:>8} {w.headdim:4d} {str(w.causal):>6} {w.seqlen:6d} "
+            row = f"{w.dtype:>8} {w.headdim:4d} {w.flex or str(w.causal):>{mask_width}} {w.seqlen:6d} "
             row += " ".join(f"{_cell(by_key[(s, w, direction)]):>32}" if (s, w, direction) in by_key else f"{'-':>32}"
                             for s in timed)
             for p, label in ratios:
@@ -297,7 +311,7 @@ def format_table(result: SweepResult) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ("system", "direction", "batch", "seqlen", "nheads", "headdim", "causal", "dtype", "milliseconds",
+CSV_FIELDS = ("system", "direction", "batch", "seqlen", "nheads", "headdim", "causal", "dtype", "flex", "milliseconds",
               "tflops", "host_microseconds", "uncovered_runs")
 
 

@@ -8,6 +8,10 @@ does identical work, so the scaling is exact for the kernels' traffic. The
 paper's figures (A100, fp16) are printed beside: standard attention 40.3 GB,
 FlashAttention 4.4 GB of HBM reads + writes. These are byte counts, not times.
 
+``flex_table`` (``traffic --flex``) counts the bytes cuflash.flex_attention reads for the flex variants of the
+speed sweep (document mask, prefix-LM, relative bias) beside dense attention: with a block mask the kernels read
+only the tiles it lists, so the bytes read fall with its sparsity.
+
 ``sweep`` (``traffic --out DIR``) records every launch of forward and backward
 over a sweep of sequence lengths and head dims, each count beside the bytes its
 family's formula predicts (``forward_traffic`` / ``backward_traffic`` of
@@ -159,3 +163,70 @@ def sweep_outputs(algorithms: list[str], out_dir, *, seqlens, headdims, dtype: s
     plots.plot_traffic(records, png_path, f"Global memory traffic, forward + backward, {dtype} "
                                           f"(simulator counts, batch 1, 1 head)")
     return [json_path, png_path]
+
+
+@dataclass(frozen=True)
+class FlexTraffic:
+    """Bytes one flex variant moves beside plain dense attention of the same shape (batch 1, one head)."""
+
+    variant: str  # "dense" for plain attention (cuflash.attention, fa2)
+    sparsity: float  # percent of the block mask's blocks that are empty (0 for dense and score_mod-only variants)
+    forward_read: int
+    backward_read: int
+    kv_read: int  # the forward's reads less q's bytes: K, V, the block mask's lists and the side arrays
+
+
+def flex_measure(variants, *, seqlen: int, headdim: int, dtype: str = "float16",
+                 block_size: int | None = None) -> list[FlexTraffic]:
+    """The forward's and backward's global bytes read of each flex variant (workloads.flex_mods; a mask_mod through
+    a block mask of ``block_size``, default seqlen // DOCUMENTS: a document's rows) and of dense attention first.
+    With a block mask the kernels read only the K/V tiles it lists, so the bytes fall with its sparsity: 8 equal
+    documents read about 1/8 of dense K/V where a document is a whole number of the kernel's tiles."""
+    import cuflash
+    from cuflash import sim
+    from cuflash.flex import create_block_mask
+    from cuflash.testing import numpy_dtype
+
+    from .workloads import DOCUMENTS, flex_mods
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, seqlen, 1, headdim)).astype(numpy_dtype(dtype)) for _ in range(4))
+    q_bytes = q.nbytes
+    rows = []
+    with sim.record() as fwd:
+        out, lse = cuflash.attention(q, k, v, algorithm="fa2", return_lse=True)
+    with sim.record() as bwd:
+        cuflash.attention_backward(dout, q, k, v, out, lse, algorithm="fa2")
+    forward = sum(r.global_bytes_read for r in fwd.launches)
+    rows.append(FlexTraffic("dense", 0.0, forward, sum(r.global_bytes_read for r in bwd.launches), forward - q_bytes))
+    for variant in variants:
+        mods = flex_mods(variant, seqlen, 1)
+        sparsity = 0.0
+        mask_mod = mods.pop("mask_mod", None)
+        if mask_mod is not None:
+            mods["block_mask"] = create_block_mask(mask_mod, None, None, seqlen, seqlen,
+                                                   block_size=block_size or max(1, seqlen // DOCUMENTS))
+            sparsity = mods["block_mask"].sparsity()
+        with sim.record() as fwd:
+            out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **mods)
+        with sim.record() as bwd:
+            cuflash.flex_attention_backward(dout, q, k, v, out, lse, **mods)
+        forward = sum(r.global_bytes_read for r in fwd.launches)
+        rows.append(FlexTraffic(variant, sparsity, forward, sum(r.global_bytes_read for r in bwd.launches),
+                                forward - q_bytes))
+    return rows
+
+
+def flex_table(variants, *, seqlen: int = 1024, headdim: int = 64, dtype: str = "float16") -> str:
+    """flex_measure as a table: bytes read per direction and the forward's K/V bytes as a fraction of dense."""
+    rows = flex_measure(variants, seqlen=seqlen, headdim=headdim, dtype=dtype)
+    dense = rows[0]
+    lines = [f"Global bytes read by flex variants beside dense attention (fa2), {dtype}, seqlen {seqlen}, head dim "
+             f"{headdim}, batch 1, 1 head: counted by the CPU simulator (byte counts, not times)",
+             f"{'variant':>14} {'sparsity %':>10} {'fwd read':>12} {'bwd read':>12} {'fwd K/V':>12} {'K/V / dense':>11}"]
+    for row in rows:
+        lines.append(f"{row.variant:>14} {row.sparsity:10.1f} {row.forward_read:12d} {row.backward_read:12d} "
+                     f"{row.kv_read:12d} {row.kv_read / dense.kv_read:11.3f}")
+    lines.append("fwd K/V: the forward's reads less q's bytes (K and V per Q tile, plus the block mask's lists and "
+                 "side arrays a flex variant reads)")
+    return "\n".join(lines)

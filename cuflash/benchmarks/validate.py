@@ -117,7 +117,7 @@ def _sanitizer_verdict(tool: str, rc: int, text: str) -> tuple[bool, str]:
     return ok, f"{shown}; {cases} cases ran; exit {rc}"
 
 
-# What ``main``'s options narrow: the sanitizer's tools and grid ("all" or "tensor-core", gpu_workloads.py).
+# What ``main``'s options narrow: the sanitizer's tools and grid ("all", "tensor-core" or "flex", gpu_workloads.py).
 OPTIONS = {"sanitizer_tools": SANITIZER_TOOLS, "sanitizer_grid": "all"}
 
 

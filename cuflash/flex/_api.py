@@ -27,7 +27,8 @@ from ..kernels import plans
 from ..kernels.families import fa2
 from ..kernels.program import MAX_KERNEL_HEADDIM_V, Problem
 from ._kernels import hooked_program
-from ._mod import MAX_SIDES, FlexMod, trace_mask_mod, trace_score_mod
+from ._mod import MAX_SIDES, FlexMod
+from ._trace_cache import traced_mod
 from .block_mask import BlockMask, create_block_mask
 
 _ALGORITHM = "fa2"
@@ -55,7 +56,7 @@ def _flex_mod(mod: Any, kind: str, side_grads: bool = False) -> FlexMod | None:
         return mod
     if not callable(mod):
         raise TypeError(f"{kind}_mod must be a function or a cuflash.flex.FlexMod, got {type(mod).__name__}")
-    return trace_score_mod(mod, side_grads=side_grads) if kind == "score" else trace_mask_mod(mod)
+    return traced_mod(mod, kind, side_grads)  # traced once per function and structure (_trace_cache)
 
 
 def _check_block_mask(block_mask: Any, problem: Problem) -> None:
@@ -205,8 +206,9 @@ def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: A
     (scale = softmax_scale, default 1 / sqrt(headdim)); out = softmax(scores) v per row, and lse = logsumexp of the
     scores (float32 (batch, nheads, seqlen_q)) with return_lse. A row that sees no key gets out 0 and lse -inf.
 
-    score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod at every call,
-    so that the arrays they capture are read anew) or FlexMods (traced once; their captured values as traced).
+    score_mod / mask_mod: Python functions (traced with cuflash.flex.trace_score_mod / trace_mask_mod, once per
+    function and what its trace depends on: cuflash.flex._trace_cache; the jax arrays they capture are read anew at
+    every call) or FlexMods (traced once; their captured values as traced).
     A kernel instance is compiled per mod structure and kernel tiles (cached on disk: new captured values reuse it).
     block_mask: a cuflash.flex.BlockMask of shape (B, H, seqlen_q, seqlen_k), B and H 1 or q's; its mask_mod is the
     call's when mask_mod is None. With a block mask the kernels read only the tiles it lists (BlockMask.tile_lists for

@@ -60,7 +60,9 @@ def trace(fn, kind: str, *, derivative: bool = False) -> ClosedJaxpr:
     _check_arity(fn, kind)
     target = jax.grad(fn, argnums=0) if derivative else fn
     try:
-        closed = jax.make_jaxpr(target)(*_in_avals(kind))
+        # Through a new function each time: make_jaxpr caches its trace per function object, so tracing `fn` itself
+        # again would return the first trace's constants after the mod's captured array was replaced.
+        closed = jax.make_jaxpr(lambda *args: target(*args))(*_in_avals(kind))
     except jax.errors.ConcretizationTypeError as e:  # TracerBoolConversionError and its kin among them
         raise TypeError(f"{label} uses Python control flow (if / while / bool() / int()) on a traced value; "
                         f"use jnp.where or lax.select instead ({type(e).__name__})") from None

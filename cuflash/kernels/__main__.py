@@ -1,5 +1,6 @@
 """Command line of cuflash.kernels: ``python -m cuflash.kernels report --arch sm_80 sm_90 [--json] [--jobs N]``,
-``python -m cuflash.kernels loop --arch sm_80 sm_90 [--json]`` and ``python -m cuflash.kernels toolchain``."""
+``python -m cuflash.kernels loop --arch sm_80 sm_90 [--json]``, ``python -m cuflash.kernels flex [--arch sm_80] [--mods ...]``
+and ``python -m cuflash.kernels toolchain``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ COMMANDS = {
     "report": "compile every catalog instance and print its resource usage",
     "toolchain": "the installed NVRTC and CUDA headers, the driver, and the code each local GPU gets",
     "loop": "the loop census: what one iteration of each tensor-core main loop issues, from SASS",
+    "flex": "cold NVRTC seconds per flex kernel instance of example mods (a fresh cache; needs JAX)",
 }
 
 
@@ -28,6 +30,10 @@ def main(argv: list[str]) -> int:
         from . import loop_census
 
         return loop_census.main(argv[1:])
+    if argv[0] == "flex":
+        from ..flex import _compile_report
+
+        return _compile_report.main(argv[1:])
     from . import report
 
     return report.main(argv[1:])
