@@ -77,7 +77,8 @@ inline constexpr PointerField kPointerFields[] = {
     CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)
     CUFLASH_FLEX_SIDE_FIELDS(0) CUFLASH_FLEX_SIDE_FIELDS(1) CUFLASH_FLEX_SIDE_FIELDS(2) CUFLASH_FLEX_SIDE_FIELDS(3)
     CUFLASH_FLEX_TILE_FIELDS(kv) CUFLASH_FLEX_TILE_FIELDS(q)
-    {"flex_shard_origin", offsetof(AttentionParams, flex_shard) + offsetof(flex::Shard, origin), FieldKind::kFlexShard}};
+    {"flex_shard_origin", offsetof(AttentionParams, flex_shard) + offsetof(flex::Shard, origin),
+     FieldKind::kFlexShard}};
 #undef CUFLASH_TENSOR_POINTER_FIELD
 #undef CUFLASH_SIDE_POINTER_FIELD
 #undef CUFLASH_FLEX_SIDE_FIELDS

@@ -121,7 +121,7 @@ def _tiles(block_mask: BlockMask, problem, backward: bool) -> list:
 def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None,
                    softmax_scale: float | None = None, return_lse: bool = False) -> Any:
     """cuflash.flex.flex_attention on JAX arrays, under jit, grad (to q, k, v and to the float arrays score_mod
-    captures) and vmap. score_mod / mask_mod: Python functions (traced at each call: under jit once per trace) or
+    captures), vmap and sharded jit (split along batch and kv heads: _partitioning.py). score_mod / mask_mod: Python functions (traced at each call: under jit once per trace) or
     FlexMods; a traced array a mod captures (inside jit) becomes an operand. block_mask: a concrete
     cuflash.flex.BlockMask (its lists are mapped onto the kernels' tiles on the host)."""
     problem = flex_problem(q, k, v)

@@ -22,7 +22,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import cuflash.jax as cfj  # noqa: E402
@@ -74,7 +74,7 @@ def step_of(block_mask):
     return step
 
 
-def references(mask_mod) -> tuple[list, list]:
+def references(mask_mod, q, k, v, dout) -> tuple[list, list]:
     """The float64 results (out, lse, dq, dk, dv, dtable) and their float32 twins (the rule's yardstick)."""
     mods = dict(score_mod=bias_of(jnp.asarray(table)), mask_mod=mask_mod)
     fwd = T.forward_references(q, k, v, **mods)
@@ -118,43 +118,82 @@ def compiled_case(step, args, want, exact, twin) -> dict:
     return result
 
 
+def drop_in_case(mesh) -> dict:
+    """cuflash.jax.dot_product_attention with a dense bias sharded like the scores (batch, heads) and a NumPy mask:
+    the bias is a side array, so it is gathered (replicated) and its gradient all-reduced; the results are the
+    unsharded call's."""
+    bias = rng.standard_normal((B, H, LQ, LK)).astype(np.float32)
+    mask = np.random.default_rng(5).random((B, 1, LQ, LK)) > 0.3
+
+    def step(q, k, v, bias, dout):
+        out, pull = jax.vjp(lambda q, k, v, bias: cfj.dot_product_attention(q, k, v, bias=bias, mask=mask), q, k, v,
+                            bias)
+        return (out, *pull(dout))
+
+    want = jax.jit(step)(q, k, v, bias, dout)
+    tensor = NamedSharding(mesh, P("data", None, "model"))
+    args = [jax.device_put(x, tensor) for x in (q, k, v)]
+    args += [jax.device_put(bias, NamedSharding(mesh, P("data", "model"))), jax.device_put(dout, tensor)]
+    compiled = jax.jit(step).lower(*args).compile()
+    got = compiled(*args)
+    hlo = compiled.as_text()
+    return {"differences": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)],
+            "gathered": re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? all-gather\(", hlo),
+            "custom_calls": hlo.count("cuflash_program")}
+
+
 def main() -> None:
-    mesh = jax.make_mesh((2, 2), ("data", "model"))
     splits = {"batch": P("data"), "heads": P(None, None, "model"), "batch+heads": P("data", None, "model")}
     results = {}
     for mask_name, (mask_mod, block_mask) in BLOCK_MASKS.items():
         step = step_of(block_mask)
-        exact, twin = references(mask_mod)
+        exact, twin = references(mask_mod, q, k, v, dout)
         want = jax.jit(step)(q, k, v, table, dout)
         results[f"{mask_name}:unsharded"] = compiled_case(step, (q, k, v, table, dout), want, exact, twin)
-        for split, spec in splits.items():
-            tensor = NamedSharding(mesh, spec)
-            args = [jax.device_put(x, tensor) for x in (q, k, v)] + [table, jax.device_put(dout, tensor)]
-            results[f"{mask_name}:{split}"] = compiled_case(step, args, want, exact, twin)
-        if mask_name == "per batch and head":
-            # The forward alone: no collective at all.
-            forward = jax.jit(lambda q, k, v, t: cfj.flex_attention(q, k, v, score_mod=bias_of(t),
-                                                                    block_mask=block_mask))
-            tensor = NamedSharding(mesh, splits["batch+heads"])
-            args = [jax.device_put(x, tensor) for x in (q, k, v)] + [table]
-            hlo = forward.lower(*args).compile().as_text()
-            out = forward(*args)
-            results["forward only"] = {"collectives": [c for c in COLLECTIVES if c in hlo],
-                                       "custom_calls": hlo.count("cuflash_program"),
-                                       "out": float(np.max(np.abs(np.asarray(out) - np.asarray(want[0])))),
-                                       "sharding": str(out.sharding.spec)}
-            # The planted bug: shards whose origin is 0 (mods read local b and h) must give other results.
-            real = _partitioning._shard_origin
-            _partitioning._shard_origin = lambda split, local, dtype: jnp.zeros((2,), dtype)
-            try:
-                jax.clear_caches()
-                args = [jax.device_put(x, tensor) for x in (q, k, v)] + [table, jax.device_put(dout, tensor)]
-                got = jax.jit(step)(*args)
-                results["no origin"] = {"differences": [float(np.max(np.abs(np.nan_to_num(np.asarray(a) - np.asarray(b)))))
-                                                        for a, b in zip(got, want)]}
-            finally:
-                _partitioning._shard_origin = real
-                jax.clear_caches()
+        # Both mesh axis types (an Explicit mesh's replicated table makes jax.grad reshard the derivative's seed);
+        # the broadcast block mask in the default one only.
+        for axis_type in (AxisType.Explicit, AxisType.Auto)[:2 if mask_name == "per batch and head" else 1]:
+            mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+            whole = jax.device_put(table, NamedSharding(mesh, P()))
+            for split, spec in splits.items():
+                tensor = NamedSharding(mesh, spec)
+                args = [jax.device_put(x, tensor) for x in (q, k, v)] + [whole, jax.device_put(dout, tensor)]
+                results[f"{axis_type.name}:{mask_name}:{split}"] = compiled_case(step, args, want, exact, twin)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mask_mod, block_mask = BLOCK_MASKS["per batch and head"]
+    step = step_of(block_mask)
+    want = jax.jit(step)(q, k, v, table, dout)
+    tensor = NamedSharding(mesh, splits["batch+heads"])
+    # The forward alone: no collective at all.
+    forward = jax.jit(lambda q, k, v, t: cfj.flex_attention(q, k, v, score_mod=bias_of(t), block_mask=block_mask))
+    args = [jax.device_put(x, tensor) for x in (q, k, v)] + [table]
+    hlo = forward.lower(*args).compile().as_text()
+    out = forward(*args)
+    results["forward only"] = {"collectives": [c for c in COLLECTIVES if c in hlo],
+                               "custom_calls": hlo.count("cuflash_program"),
+                               "out": float(np.max(np.abs(np.asarray(out) - np.asarray(want[0])))),
+                               "sharding": str(out.sharding.spec)}
+    # The planted bug: shards whose origin is 0 (mods read local b and h) must give other results.
+    real = _partitioning._shard_origin
+    _partitioning._shard_origin = lambda split, local, dtype: jnp.zeros((2,), dtype)
+    try:
+        jax.clear_caches()
+        args = [jax.device_put(x, tensor) for x in (q, k, v)] + [table, jax.device_put(dout, tensor)]
+        got = jax.jit(step)(*args)
+        results["no origin"] = {"differences": [
+            float(np.max(np.abs(np.nan_to_num(np.asarray(a) - np.asarray(b))))) for a, b in zip(got, want)]}
+    finally:
+        _partitioning._shard_origin = real
+        jax.clear_caches()
+    # MHA (one kv head per query head: the query heads' factor is the kv heads' own) split along batch and heads.
+    inputs = random_inputs((B, LQ, LK, H, H, D), "float32", seed=4)
+    exact, twin = references(mask_mod, *inputs)
+    want = jax.jit(step)(*inputs[:3], table, inputs[3])
+    args = [jax.device_put(x, tensor) for x in inputs[:3]] + [table, jax.device_put(inputs[3], tensor)]
+    results["mha:batch+heads"] = compiled_case(step, args, want, exact, twin)
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        results[f"{axis_type.name}:drop-in"] = drop_in_case(
+            jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type,) * 2))
     print(json.dumps(results))
 
 
