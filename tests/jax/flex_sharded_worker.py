@@ -191,6 +191,19 @@ def main() -> None:
     want = jax.jit(step)(*inputs[:3], table, inputs[3])
     args = [jax.device_put(x, tensor) for x in inputs[:3]] + [table, jax.device_put(inputs[3], tensor)]
     results["mha:batch+heads"] = compiled_case(step, args, want, exact, twin)
+    # vmap over a leading axis of q, k, v (each element's own call), sharded along batch and heads inside it.
+    forward = jax.jit(jax.vmap(lambda q, k, v: cfj.flex_attention(q, k, v, score_mod=bias_of(jnp.asarray(table)),
+                                                                  block_mask=block_mask)))
+    stacked = [np.stack([x, x[::-1]]) for x in (q, k, v)]
+    want = forward(*stacked)
+    inner = NamedSharding(mesh, P(None, "data", None, "model"))
+    args = [jax.device_put(x, inner) for x in stacked]
+    compiled = forward.lower(*args).compile()
+    got = compiled(*args)
+    hlo = compiled.as_text()
+    results["vmap"] = {"bitwise": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+                       "collectives": [c for c in COLLECTIVES if c in hlo],
+                       "custom_calls": hlo.count("cuflash_program"), "sharding": str(got.sharding.spec)}
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         results[f"{axis_type.name}:drop-in"] = drop_in_case(
             jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type,) * 2))

@@ -258,7 +258,8 @@ def test_sharded_jit_along_batch_and_heads_runs_per_shard():
     h and two block masks (lists per batch and head; heads broadcast): one forward and one backward custom call per
     device on its shard, no all-gather, the results sharded like the inputs; out, lse, dq, dk, dv bitwise the
     unsharded call's, the captured table's gradient (each shard's partial sums, all-reduced: the only collective)
-    within float32 rounding of it, and all meet the rule against the float64 reference. With each shard's origin
+    within float32 rounding of it, and all meet the rule against the float64 reference; under vmap too (forward,
+    bitwise, no collective). With each shard's origin
     forced to 0 (the planted bug: mods would see local b and h), the results differ. The jax.nn drop-in with a bias
     sharded like the scores (a side array: gathered) and a NumPy mask gives the unsharded call's results."""
     from test_jax_subprocesses import run_worker
@@ -270,9 +271,12 @@ def test_sharded_jit_along_batch_and_heads_runs_per_shard():
     sharded += [f"Explicit:heads broadcast:{s}" for s in splits] + ["mha:batch+heads"]
     unsharded = ["per batch and head:unsharded", "heads broadcast:unsharded"]
     drop_in = ["Explicit:drop-in", "Auto:drop-in"]
-    assert set(results) == set(sharded + unsharded + drop_in) | {"forward only", "no origin"}
+    assert set(results) == set(sharded + unsharded + drop_in) | {"forward only", "no origin", "vmap"}
     forward = results.pop("forward only")
     assert forward == {"collectives": [], "custom_calls": 1, "out": 0.0, "sharding": "P('data', None, 'model')"}
+    # vmap inside: a call per mapped element, each split per device
+    assert results.pop("vmap") == {"bitwise": True, "collectives": [], "custom_calls": 2,
+                                   "sharding": "P(None, 'data', None, 'model')"}
     planted = results.pop("no origin")["differences"]
     assert min(planted) > 1e-2, planted  # every result: mods reading local b and h compute another attention
     for name in drop_in:  # out, dq, dk, dv, dbias; the bias (B, H, LQ, LK) gathered along each of its two axes
