@@ -259,9 +259,9 @@ def test_sharded_jit_along_batch_and_heads_runs_per_shard():
     device on its shard, no all-gather, the results sharded like the inputs; out, lse, dq, dk, dv bitwise the
     unsharded call's, the captured table's gradient (each shard's partial sums, all-reduced: the only collective)
     within float32 rounding of it, and all meet the rule against the float64 reference; under vmap too (forward,
-    bitwise, no collective). With each shard's origin
-    forced to 0 (the planted bug: mods would see local b and h), the results differ. The jax.nn drop-in with a bias
-    sharded like the scores (a side array: gathered) and a NumPy mask gives the unsharded call's results."""
+    bitwise, no collective). With each shard's origin forced to 0 (the planted bug: mods would see local b and h),
+    the results differ. The jax.nn drop-in with a bias sharded like the scores (a side array: gathered) and a NumPy
+    mask gives the unsharded call's results."""
     from test_jax_subprocesses import run_worker
 
     results = run_worker("flex_sharded_worker.py")
