@@ -72,7 +72,7 @@ def test_the_mirror_is_derived_from_the_header_not_copied():
     assert side_buffers[-1] == "extra_buffer"
     assert fields[fields.index(("num_kv_splits", "int")) + 1] == ("new_scalar", "float")
     # The mods' side arrays (attention_params.cuh's flex structs) come from the header's structs too.
-    assert fields[-1] == ("flex_tiles.q.columns", "flex::TileLists")
+    assert fields[-2:] == [("flex_tiles.q.columns", "flex::TileLists"), ("flex_shard.origin", "flex::Shard")]
     grown_sides = text.replace("int shape[kMaxSideDims];", "int shape[kMaxSideDims];\n  int extra;")
     assert ("flex_sides.arrays[0].extra", "flex::Sides") in params.header_fields(grown_sides)[0]
     assert tensors[-1] == params.TensorField("dbias", "Query", "QK", "Out")

@@ -61,6 +61,13 @@ struct TileLists {
   TileVisits kv;
   TileVisits q;
 };
+// A call that runs one device's shard of a bigger call's batch and heads (cuflash/jax/_partitioning.py: sharded
+// jit): the mods see the whole call's b and h, as FlexAttention defines them, so a shard's local batch i and query
+// head j are b = origin[0] + i, h = origin[1] + j. Device memory (two int32 words), not scalars: one compiled call
+// runs on every device, each computing its own origin from its mesh position. Null: the call is the whole problem.
+struct Shard {
+  const int* origin;
+};
 }  // namespace flex
 
 struct TensorStrides {
@@ -213,6 +220,7 @@ struct AttentionParams {
   flex::Sides flex_sides;
   flex::SideGrads flex_side_grads;
   flex::TileLists flex_tiles;  // with a block mask (FlexHook's BlockSparse), else unused
+  flex::Shard flex_shard;      // the shard's global first batch and query head (null: offsets 0)
 };
 
 }  // namespace cuflash

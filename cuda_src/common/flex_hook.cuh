@@ -69,8 +69,8 @@ struct FlexHook {
   static_assert(ScoreMod::kSides + MaskMod::kSides <= kMaxSides, "the mods read at most kMaxSides arrays");
 
   const AttentionParams& p;
-  int batch;
-  int head;  // the query head
+  int batch;  // the whole call's (a sharded call's shard adds its origin: attention_params.cuh's flex::Shard)
+  int head;   // the query head, likewise
   bool check_mask;  // false on a tile the block mask lists as full
   // 1 / scale, divided once per block: score' / scale per score as an IEEE division costs a slow-path test and
   // branch each (the loop census counted them); a product is within an ulp of it, and the kernels' own
@@ -78,7 +78,9 @@ struct FlexHook {
   float inverse_scale;
 
   __device__ __forceinline__ static FlexHook of(const AttentionParams& p, const BlockInfo& info) {
-    return FlexHook{p, info.batch, info.head, true, 1.f / p.softmax_scale};
+    const int* origin = p.flex_shard.origin;  // loads the compiler drops where no mod reads b or h
+    return FlexHook{p, origin ? info.batch + arch::load(origin) : info.batch,
+                    origin ? info.head + arch::load(origin + 1) : info.head, true, 1.f / p.softmax_scale};
   }
 
   // The K/V tiles Q tile m_block of (info.batch, info.head) visits (forward): the block mask's list, or `range`.

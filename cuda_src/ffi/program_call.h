@@ -44,6 +44,7 @@ enum class FieldKind {
   kFlexSide,   // a flex mod's side array: any element type, reach from its SideArray's shape and strides
   kFlexGrad,   // float32 gradient of flex side i: the side's shape, contiguous
   kFlexTiles,  // int32 words of a block mask's tile lists (their extent is the Python lowering's: it sizes them)
+  kFlexShard,  // int32 {first batch, first query head} of a sharded call's shard (flex::Shard): two words or more
 };
 
 struct PointerField {
@@ -57,7 +58,7 @@ struct PointerField {
 // From the header's X-macro lists: element tensors first, then the float32 side buffers, then the flex fields
 // (cuflash.flex: the mods' side arrays, their gradients and the tile lists; cuflash/jax/_flex.py binds them as
 // "flex_side<i>", "flex_side_grad<i>", "flex_tiles_<kv|q>_<counts|indices|full>", the same fields
-// PreparedProgram.run fills on the NumPy / CuPy path).
+// PreparedProgram.run fills on the NumPy / CuPy path; and a sharded call's "flex_shard_origin", JAX's only).
 #define CUFLASH_TENSOR_POINTER_FIELD(name, side, width, access) {#name, offsetof(AttentionParams, name), FieldKind::kTensor},
 #define CUFLASH_SIDE_POINTER_FIELD(name) {#name, offsetof(AttentionParams, name), FieldKind::kSide},
 #define CUFLASH_FLEX_SIDE_FIELDS(i)                                                                         \
@@ -75,7 +76,9 @@ static_assert(flex::kMaxSides == 4, "the flex side fields below name sides 0..3"
 inline constexpr PointerField kPointerFields[] = {
     CUFLASH_PARAMS_TENSORS(CUFLASH_TENSOR_POINTER_FIELD) CUFLASH_PARAMS_SIDE_BUFFERS(CUFLASH_SIDE_POINTER_FIELD)
     CUFLASH_FLEX_SIDE_FIELDS(0) CUFLASH_FLEX_SIDE_FIELDS(1) CUFLASH_FLEX_SIDE_FIELDS(2) CUFLASH_FLEX_SIDE_FIELDS(3)
-    CUFLASH_FLEX_TILE_FIELDS(kv) CUFLASH_FLEX_TILE_FIELDS(q)};
+    CUFLASH_FLEX_TILE_FIELDS(kv) CUFLASH_FLEX_TILE_FIELDS(q)
+    {"flex_shard_origin", offsetof(AttentionParams, flex_shard) + offsetof(flex::Shard, origin),
+     FieldKind::kFlexShard}};
 #undef CUFLASH_TENSOR_POINTER_FIELD
 #undef CUFLASH_SIDE_POINTER_FIELD
 #undef CUFLASH_FLEX_SIDE_FIELDS
@@ -369,6 +372,9 @@ inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs
     }
     if (field->kind == FieldKind::kFlexSide || field->kind == FieldKind::kFlexTiles) {
       // any element type: the mod's emitted code reads its own dtype; tile lists are int32 words
+    } else if (field->kind == FieldKind::kFlexShard) {
+      if (type != ffi::DataType::S32 || bytes < 2 * sizeof(int32_t))
+        return Invalid(std::string(field->name) + " must be two int32 words (first batch, first query head)");
     } else if (field->kind == FieldKind::kFlexGrad) {
       if (type != ffi::DataType::F32) return Invalid(std::string(field->name) + " must be float32");
     } else if (field->is_tensor()) {

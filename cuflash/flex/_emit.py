@@ -348,6 +348,10 @@ _ELEMENTWISE = {
     "round": _round, "integer_pow": _integer_pow, "pow": _pow, "clamp": _clamp,
     "select_n": _select_n, "convert_element_type": _convert,
     "copy": lambda ops, dtypes, out, params: ops[0], "copy_p": lambda ops, dtypes, out, params: ops[0],
+    # Sharding annotations change where a value lives, not its value: jax.grad under a mesh (sharded jit) seeds the
+    # derivative in score with a resharded 1.0.
+    "reshard": lambda ops, dtypes, out, params: ops[0],
+    "sharding_constraint": lambda ops, dtypes, out, params: ops[0],
 }
 # trace_score_mod(fn, fast_math=True): the forms the built-in score hook (mask.cuh's ScoreHook) uses, for what a
 # mod's arithmetic costs there. IEEE division and tanhf/expf each add a slow path or a long polynomial per score
@@ -362,8 +366,8 @@ _FAST_MATH = {
 
 # Primitives whose result needs no rounding / wrapping to its dtype: it is one of the operands, converted by
 # the rule itself, bool, or a bitwise and / or / xor of in-range values (not ~: ~ of a uint8 is negative).
-_EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge",
-                 "is_finite", "max", "min", "clamp", "and", "or", "xor"}
+_EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "reshard", "sharding_constraint", "eq", "ne",
+                 "lt", "le", "gt", "ge", "is_finite", "max", "min", "clamp", "and", "or", "xor"}
 
 
 # ---- structural primitives: shapes, slicing, indexing ---------------------------------------------

@@ -145,6 +145,16 @@ def _padded_as_varlen(query, key, value, scale, query_seq_lengths, key_value_seq
     return out.reshape(batch, seqlen_q, nheads, headdim_v), jnp.moveaxis(lse.reshape(nheads, batch, seqlen_q), 1, 0)
 
 
+def _replicated(array: Any) -> Any:
+    """``array`` whole on every device where its type says it is sharded (an Explicit mesh): a mod reads it by
+    scalar indices, which such an array refuses (dynamic_slice on a sharded dim), and a sharded flex call replicates
+    its side arrays anyway (_partitioning.py)."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    if any(axis is not None for axis in getattr(sharding, "spec", ())):
+        return jax.sharding.reshard(array, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return array
+
+
 def _broadcast_index(name: str, array: Any, full: tuple[int, ...]):
     """The array as jax.nn broadcasts it to (B, N, T, S), and an indexer of it by (b, h, q_idx, kv_idx): 0 along
     its dims of extent 1 (so a mod reads it unbroadcast, and its gradient sums over those dims as jax.nn's does)."""
@@ -155,11 +165,11 @@ def _broadcast_index(name: str, array: Any, full: tuple[int, ...]):
     for extent, want in zip(shape, full):
         if extent not in (1, want):
             raise ValueError(f"{name} must broadcast to (B, N, T, S) = {full}, got shape {np.shape(array)}")
-    array = jnp.reshape(array, shape)
+    array = _replicated(jnp.reshape(array, shape))
 
     def read(table, b, h, q_idx, kv_idx):
         at = tuple(0 if extent == 1 else i for extent, i in zip(shape, (b, h, q_idx, kv_idx)))
-        return table[at]
+        return jnp.asarray(table)[at]  # a NumPy mask (jnp.reshape under jit keeps it one) indexed by traced scalars
 
     return array, read
 

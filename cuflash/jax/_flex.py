@@ -39,6 +39,9 @@ class FlexSpec:
     score_mod: FlexMod | None
     mask_mod: FlexMod | None
     block_sparse: bool
+    # A device's call on its shard of a sharded call (_partitioning.py): one more operand, "flex_shard_origin", the
+    # shard's first global batch and query head (int32), so the mods see the whole call's b and h.
+    shard_origin: bool = False
 
     @property
     def mods(self) -> tuple[FlexMod, ...]:
@@ -49,7 +52,7 @@ class FlexSpec:
         return self.score_mod.grad_sides if self.score_mod is not None else ()
 
     def _key(self):
-        return (tuple((m.kind, m.cache_key, m.grad_sides) for m in self.mods), self.block_sparse)
+        return (tuple((m.kind, m.cache_key, m.grad_sides) for m in self.mods), self.block_sparse, self.shard_origin)
 
     def __eq__(self, other):
         return isinstance(other, FlexSpec) and self._key() == other._key()
@@ -65,7 +68,7 @@ class FlexSpec:
         if self.block_sparse:
             member = "kv" if direction == "forward" else "q"
             names += tuple(f"flex_tiles_{member}_{name}" for name in _TILE_LISTS)
-        return names
+        return names + (("flex_shard_origin",) if self.shard_origin else ())
 
     def result_names(self) -> tuple[str, ...]:
         return tuple(f"flex_side_grad{i}" for i in self.grad_sides)
@@ -118,7 +121,7 @@ def _tiles(block_mask: BlockMask, problem, backward: bool) -> list:
 def flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any = None, mask_mod: Any = None, block_mask: Any = None,
                    softmax_scale: float | None = None, return_lse: bool = False) -> Any:
     """cuflash.flex.flex_attention on JAX arrays, under jit, grad (to q, k, v and to the float arrays score_mod
-    captures) and vmap. score_mod / mask_mod: Python functions (traced at each call: under jit once per trace) or
+    captures), vmap and sharded jit (split along batch and kv heads: _partitioning.py). score_mod / mask_mod: Python functions (traced at each call: under jit once per trace) or
     FlexMods; a traced array a mod captures (inside jit) becomes an operand. block_mask: a concrete
     cuflash.flex.BlockMask (its lists are mapped onto the kernels' tiles on the host)."""
     problem = flex_problem(q, k, v)

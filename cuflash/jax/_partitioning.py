@@ -21,6 +21,13 @@ passes its shard's first global batch and head in the seed buffer (words 2 and 3
 ring's block calls their first global row and key (words 4 and 5): the shards drop exactly what the whole call
 drops, and the results are bitwise the unsharded ones (the ring's within float32 rounding: its merge).
 
+Flex calls (_flex.py: user mods compiled into the kernels) split along batch and kv heads the same way, never along
+the sequence (the mods read global positions). The mods' side arrays are replicated (small tables, which a mod may
+index by anything); a block mask's tile lists split with the batch and heads where they have them (B or H > 1),
+whole where broadcast; each device passes its shard's first global batch and query head to the kernels
+("flex_shard_origin", attention_params.cuh's flex::Shard), so the mods see the whole call's b and h; the
+gradients to side arrays, each device's partial sums over its shard, are summed across the split axes (psum).
+
 Varlen calls split along kv heads (packed rows have no batch axis, and every device reads all of cu_seqlens), as
 tensor-parallel training shards them. KV-cache calls split along kv heads, and a cache that is not paged along
 batch too, as tensor-parallel serving shards its caches; a paged cache's page pool is shared by every sequence,
@@ -88,11 +95,30 @@ def _query_heads(problem: Problem) -> str:
     return "r" if problem.nheads_k == 1 else "(g r)"
 
 
-def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]:
+def _flex_term(name: str, shape: tuple[int, ...], problem: Problem) -> str:
+    """A flex operand's factors: a side array's (and its gradient's) dims sideI_J, all its own; a tile list's
+    batch and heads, b and the query heads (kv lists: per query head) or g (q lists: per kv head) where the list
+    has them and its own factors where it broadcasts them (extent 1), then its row tiles and columns, its own."""
+    if name.startswith("flex_side"):
+        side = name.removeprefix("flex_side").removeprefix("_grad")
+        return " ".join(f"side{side}_{d}" for d in range(len(shape)))
+    _, _, member, _ = name.split("_")  # flex_tiles_<kv|q>_<list>
+    batch = "b" if shape[0] == problem.batch > 1 else f"{member}_batch"
+    heads = (_query_heads(problem), problem.nheads) if member == "kv" else ("g", problem.nheads_k)
+    heads = heads[0] if shape[1] == heads[1] > 1 else f"{member}_heads"
+    return " ".join([batch, heads, f"{member}_rows"] + ([f"{member}_columns"] if len(shape) == 4 else []))
+
+
+def _terms(names: Sequence[str], problem: Problem, flex_shapes: dict | None) -> list[str]:
+    return [_flex_term(n, flex_shapes[n], problem) if n.startswith("flex_") else _einsum_term(n, problem)
+            for n in names]
+
+
+def _whole_factors(operands: Sequence[str], problem: Problem, flex_shapes: dict | None = None) -> tuple[str, ...]:
     """The factors no device may split: the head dims; the seed's words; a varlen call's packed rows, its
     cu_seqlens and (with per-sequence ALiBi slopes or used prefixes) its batch, since the kernels find sequences by cu_seqlens; a
     KV cache's rows, and for a paged one its pages, their rows and the batch (block_table numbers pages of the whole
-    pool)."""
+    pool); a flex call's sequences and its side arrays' and tile lists' own factors (_flex_term)."""
     whole = {"d", "v"} | ({"w"} if "dropout_seed" in operands else set())
     if problem.varlen:
         per_sequence = problem.alibi == "batch_heads" or problem.seqused_q or problem.seqused_k
@@ -100,15 +126,19 @@ def _whole_factors(operands: Sequence[str], problem: Problem) -> tuple[str, ...]
     if problem.kvcache:
         whole |= {"s"} | ({"b", "p", "y", "z"} if problem.page_size else {"t"})
         whole |= {"e"} if problem.cache_batch_idx else set()
+    order = [f.strip("()") for term in _terms(operands, problem, flex_shapes) for f in term.split(" ") if f]
+    if flex_shapes is not None:
+        whole |= {"s", "t"} | {f for f in order if f not in ("b", "g", "r")}
     # In the order the rule first names them: Shardy wants its special factors' indices sorted.
-    order = [f.strip("()") for n in operands for f in _einsum_term(n, problem).split(" ")]
     return tuple(sorted(whole & set(order), key=order.index))
 
 
-def sharding_rule(operands: Sequence[str], results: Sequence[str], problem: Problem) -> str:
-    """The Shardy rule of a call binding ``operands`` and producing ``results`` (AttentionParams field names)."""
-    return (", ".join(_einsum_term(n, problem) for n in operands) + " -> " +
-            ", ".join(_einsum_term(n, problem) for n in results))
+def sharding_rule(operands: Sequence[str], results: Sequence[str], problem: Problem,
+                  flex_shapes: dict | None = None) -> str:
+    """The Shardy rule of a call binding ``operands`` and producing ``results`` (AttentionParams field names;
+    ``flex_shapes``: the shapes of a flex call's side arrays, their gradients and its tile lists, by name)."""
+    return (", ".join(_terms(operands, problem, flex_shapes)) + " -> " +
+            ", ".join(_terms(results, problem, flex_shapes)))
 
 
 def _axis_size(mesh, axis: Any) -> int:
@@ -118,9 +148,10 @@ def _axis_size(mesh, axis: Any) -> int:
     return math.prod(mesh.shape[name] for name in names)
 
 
-def _spec_of(name: str, problem: Problem, split: "Split") -> PartitionSpec:
+def _spec_of(name: str, problem: Problem, split: "Split", flex_shapes: dict | None = None) -> PartitionSpec:
     axes = {"b": split.batch, "g": split.heads, "(g": split.heads, "s": split.sequence, "t": split.sequence}
-    return PartitionSpec(*(axes.get(factor) for factor in _einsum_term(name, problem).split(" ") if factor != "r)"))
+    term = _terms([name], problem, flex_shapes)[0]
+    return PartitionSpec(*(axes.get(factor) for factor in term.split(" ") if factor and factor != "r)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +181,9 @@ def ring_possible(problem: Problem, parts: int) -> bool:
                      ring_dropout_misalignment(problem.seqlen_q // parts, problem.seqlen_k // parts, causal) is None)
 
 
-def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Split:
+def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem, flex: bool = False) -> Split:
     """How a call is split: along q's batch and head axes where they divide the batch and the kv heads, and along
-    the sequence axis q and k share where ring attention can run the problem."""
+    the sequence axis q and k share where ring attention can run the problem (never a flex call's)."""
     def spec(sharding):
         found = getattr(sharding, "spec", None)
         if not isinstance(sharding, NamedSharding) or found is None:
@@ -172,7 +203,7 @@ def local_split(mesh, q_sharding: Any, k_sharding: Any, problem: Problem) -> Spl
         batch_axis = None
     if problem.nheads_k % _axis_size(mesh, head_axis):
         head_axis = None  # it would split a GQA group
-    if sequence_axis != k_spec[1] or not ring_possible(problem, _axis_size(mesh, sequence_axis)):
+    if flex or sequence_axis != k_spec[1] or not ring_possible(problem, _axis_size(mesh, sequence_axis)):
         sequence_axis = None
     used = [a for axis in (batch_axis, head_axis) if axis is not None for a in (axis if isinstance(axis, tuple)
                                                                                 else (axis,))]
@@ -188,22 +219,37 @@ def local_problem(mesh, problem: Problem, split: Split) -> Problem:
                                nheads_k=problem.nheads_k // head_parts)
 
 
+def _shard_origin(split: Split, local: Problem, dtype):
+    """The global index of this device's shard's first batch and first query head, from its position along the
+    split mesh axes: (2,) ``dtype``."""
+    first = [jnp.zeros((), dtype) if axis is None else jax.lax.axis_index(axis).astype(dtype) * dtype(rows)
+             for axis, rows in ((split.batch, local.batch), (split.heads, local.nheads))]
+    return jnp.stack(first)
+
+
 def _with_shard_offsets(seed, split: Split, local: Problem):
     """The dropout seed buffer of this device's shard: words 2 and 3 (of its first row) advanced by the global
-    index of the shard's first batch and first query head (dropout.cuh), from the device's position along the split
-    mesh axes."""
+    index of the shard's first batch and first query head (dropout.cuh)."""
     words = jax.lax.bitcast_convert_type(seed, jnp.uint32)
-    first = [jnp.uint32(0) if axis is None else jax.lax.axis_index(axis).astype(jnp.uint32) * jnp.uint32(rows)
-             for axis, rows in ((split.batch, local.batch), (split.heads, local.nheads))]
-    return jax.lax.bitcast_convert_type(words.at[2:4].add(jnp.stack(first)), jnp.float32)
+    return jax.lax.bitcast_convert_type(words.at[2:4].add(_shard_origin(split, local, jnp.uint32)), jnp.float32)
 
 
-def partitioned_call(direction: str, bind, operands: Sequence[str], results: Sequence[str], problem: Problem):
+def _split_axes(split: Split) -> tuple:
+    """The mesh axis names the batch and the heads are split along."""
+    return tuple(a for axis in (split.batch, split.heads) if axis is not None
+                 for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def partitioned_call(direction: str, bind, operands: Sequence[str], results: Sequence[str], problem: Problem,
+                     flex_shapes: dict | None = None):
     """A custom_partitioning function of the operands that runs the call per device on its shard.
 
-    ``bind(problem, *arrays)`` binds the primitive for ``problem`` lowered straight to the custom call. Split along
-    batch and heads, each device makes the call once with its local batch and heads; split along the sequence,
-    it runs the ring (_ring.py) of such calls over that mesh axis."""
+    ``bind(problem, *arrays, shard_origin=None)`` binds the primitive for ``problem`` lowered straight to the custom
+    call (a flex call's shard_origin: its first global batch and query head). Split along batch and heads, each
+    device makes the call once with its local batch and heads; split along the sequence, it runs the ring
+    (_ring.py) of such calls over that mesh axis. ``flex_shapes``: a flex call's side arrays, their gradients and
+    tile lists, by name (None: not a flex call)."""
+    flex = flex_shapes is not None
 
     def call(*arrays):
         return tuple(bind(problem, *arrays))
@@ -212,15 +258,21 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
 
     def shardings(mesh, arg_shapes):
         split = local_split(mesh, arg_shapes[operands.index("q")].sharding, arg_shapes[operands.index("k")].sharding,
-                            problem)
-        arg_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split)) for n in operands)
-        result_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split)) for n in results)
+                            problem, flex)
+        arg_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split, flex_shapes)) for n in operands)
+        result_shardings = tuple(NamedSharding(mesh, _spec_of(n, problem, split, flex_shapes)) for n in results)
         return split, arg_shardings, result_shardings
 
     def partition(mesh, arg_shapes, result_shape):
         split, arg_shardings, result_shardings = shardings(mesh, arg_shapes)
         local = local_problem(mesh, problem, split)
-        if split.sequence is None:
+        if flex and _split_axes(split):
+            def lower_fn(*arrays):
+                found = bind(local, *arrays, shard_origin=_shard_origin(split, local, jnp.int32))
+                # Side gradients: each device's sums over its shard's scores, summed across the shards.
+                return tuple(jax.lax.psum(x, _split_axes(split)) if name.startswith("flex_side_grad") else x
+                             for name, x in zip(results, found))
+        elif split.sequence is None:
             def lower_fn(*arrays):
                 if "dropout_seed" in operands:
                     arrays = list(arrays)
@@ -234,9 +286,9 @@ def partitioned_call(direction: str, bind, operands: Sequence[str], results: Seq
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[2]
 
-    rule = sharding_rule(operands, results, problem)
+    rule = sharding_rule(operands, results, problem, flex_shapes)
     wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                          sharding_rule=rule, need_replication_factors=_whole_factors(operands, problem),
+                          sharding_rule=rule, need_replication_factors=_whole_factors(operands, problem, flex_shapes),
                           **({"r": problem.group_size} if _query_heads(problem) == "(g r)" else {}))
     return wrapped
 

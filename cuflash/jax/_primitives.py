@@ -462,8 +462,10 @@ def call(direction: str, config: CallConfig, *arrays):
     (_partitioning.py: split along batch and kv heads where the problem allows), wrapped in custom_vmap because
     custom_partitioning has no batching rule of its own: vmap folds into the batch as the primitive's rule does.
     A V wider than the kernels take runs as a call per column chunk (value_column_chunks)."""
-    if config.flex is not None:  # not partitioned (yet): the primitive itself, whose batching rule covers vmap
-        return _PRIMITIVES[direction].bind(*arrays, config=config)
+    if config.flex is not None:  # the rule also needs the shapes of the side arrays and tile lists (flex_shapes)
+        shapes = tuple((name, tuple(np.shape(x))) for name, x in zip(operand_names(direction, config), arrays)
+                       if name.startswith("flex_"))
+        return _partitioned(direction, config, shapes)(*arrays)
     chunks = value_column_chunks(config.problem.headdim_v)
     if len(chunks) > 1:
         return _call_in_value_chunks(direction, config, chunks, arrays)
@@ -490,19 +492,28 @@ def _call_in_value_chunks(direction: str, config: CallConfig, chunks: Sequence[t
 
 
 @functools.lru_cache(maxsize=256)
-def _partitioned(direction: str, config: CallConfig):
+def _partitioned(direction: str, config: CallConfig, flex_shapes: tuple = ()):
+    """``flex_shapes``: ((name, shape), ...) of a flex call's side arrays and tile lists (its rule names their
+    dims)."""
     primitive = _PRIMITIVES[direction]
-    results = FORWARD_RESULTS if direction == "forward" else BACKWARD_RESULTS
-
+    results = result_names(direction, config)
     names = operand_names(direction, config)
+    if config.flex is not None:
+        flex_shapes = dict(flex_shapes)
+        flex_shapes.update(zip(config.flex.result_names(), config.flex.grad_shapes()))
 
-    def bind(problem: Problem, *arrays):
+    def bind(problem: Problem, *arrays, shard_origin=None):
+        """The call for ``problem``; a flex call on a device's shard passes the shard's origin (_flex.FlexSpec)."""
         local = dataclasses.replace(config, problem=problem)
         if config.cache_shape is not None:  # a device's shard of the caches (strides come from their shape)
             local = dataclasses.replace(local, cache_shape=tuple(arrays[names.index("k")].shape))
+        if shard_origin is not None:
+            local = dataclasses.replace(local, flex=dataclasses.replace(config.flex, shard_origin=True))
+            arrays = (*arrays, shard_origin)
         return primitive.bind(*arrays, config=local)
 
-    partitioned = _partitioning.partitioned_call(direction, bind, names, results, config.problem)
+    partitioned = _partitioning.partitioned_call(direction, bind, names, results, config.problem,
+                                                 flex_shapes=flex_shapes if config.flex is not None else None)
 
     @custom_vmap
     def run(*arrays):

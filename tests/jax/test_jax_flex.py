@@ -252,13 +252,46 @@ def test_a_call_without_a_block_mask_builds_one_when_the_mask_mod_captures_only_
     assert found == [None]
 
 
-def test_sharded_jit_along_batch_and_heads_equals_unsharded():
-    """Plain jit over inputs sharded along batch or heads on 4 host devices (a fresh process: flex_sharded_worker):
-    the results equal the unsharded call's (not partitioned yet: XLA gathers the operands of a flex call)."""
+def test_sharded_jit_along_batch_and_heads_runs_per_shard():
+    """Plain jit over q, k, v sharded along batch, heads (whole GQA groups) or both on a 2 x 2 mesh of host devices (a
+    fresh process: flex_sharded_worker; GQA, and MHA along both; Explicit and Auto meshes), with mods that read b and
+    h and two block masks (lists per batch and head; heads broadcast): one forward and one backward custom call per
+    device on its shard, no all-gather, the results sharded like the inputs; out, lse, dq, dk, dv bitwise the
+    unsharded call's, the captured table's gradient (each shard's partial sums, all-reduced: the only collective)
+    within float32 rounding of it, and all meet the rule against the float64 reference; under vmap too (forward,
+    bitwise, no collective). With each shard's origin forced to 0 (the planted bug: mods would see local b and h),
+    the results differ. The jax.nn drop-in with a bias sharded like the scores (a side array: gathered) and a NumPy
+    mask gives the unsharded call's results."""
     from test_jax_subprocesses import run_worker
 
     results = run_worker("flex_sharded_worker.py")
-    assert set(results) == {"batch", "heads"}
+    splits = {"batch": ("P('data',)", "P('data',)"), "heads": ("P(None, None, 'model')", "P(None, 'model')"),
+              "batch+heads": ("P('data', None, 'model')", "P('data', 'model')")}
+    sharded = [f"{mode}:per batch and head:{s}" for mode in ("Explicit", "Auto") for s in splits]
+    sharded += [f"Explicit:heads broadcast:{s}" for s in splits] + ["mha:batch+heads"]
+    unsharded = ["per batch and head:unsharded", "heads broadcast:unsharded"]
+    drop_in = ["Explicit:drop-in", "Auto:drop-in"]
+    assert set(results) == set(sharded + unsharded + drop_in) | {"forward only", "no origin", "vmap"}
+    forward = results.pop("forward only")
+    assert forward == {"collectives": [], "custom_calls": 1, "out": 0.0, "sharding": "P('data', None, 'model')"}
+    # vmap inside: a call per mapped element, each split per device
+    assert results.pop("vmap") == {"bitwise": True, "collectives": [], "custom_calls": 2,
+                                   "sharding": "P(None, 'data', None, 'model')"}
+    planted = results.pop("no origin")["differences"]
+    assert min(planted) > 1e-2, planted  # every result: mods reading local b and h compute another attention
+    for name in drop_in:  # out, dq, dk, dv, dbias; the bias (B, H, LQ, LK) gathered along each of its two axes
+        case = results.pop(name)
+        assert case["differences"] == [0.0] * 5 and case["custom_calls"] == 2, (name, case)
+        assert case["gathered"] == ["f32[2,4,13,19]", "f32[4,4,13,19]"], (name, case)
     for name, case in results.items():
-        assert case["out"] == 0.0, name
-        assert max(case["grads"]) < 1e-5, (name, case["grads"])
+        for check, measured in case["checks"].items():
+            assert measured["ok"], f"{name} {check}: {measured.get('message')}"
+        assert case["custom_calls"] == 2 and case["same_special"] == [True] * 6, (name, case)
+        assert case["differences"][:5] == [0.0] * 5 and case["differences"][5] < 1e-5, (name, case["differences"])
+        if name in unsharded:
+            continue
+        # The table's gradient, (H, LQ + LK) float32 partial sums: the only collective. No operand is gathered.
+        assert case["collectives"] == ["all-reduce"] and case["reduced"] == ["f32[4,32]"], (name, case)
+        assert case["gathered"] == [], (name, case)
+        tensor, rows = splits[name.split(":")[-1]]
+        assert case["shardings"] == [tensor, rows, tensor, tensor, tensor, "P()"], (name, case["shardings"])
