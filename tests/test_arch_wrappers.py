@@ -48,6 +48,17 @@ def test_wrapper_compiles_to_its_instruction(arch, kernel, patterns):
         assert re.search(pattern, sass), f"{kernel} on {arch}: no {pattern} in its SASS:\n{sass[:4000]}"
 
 
+def test_atomic_add2_is_one_vector_reduction_on_sm90_and_refused_before():
+    """arch::atomic_add2: one REDG of two floats on sm_90 (the Hopper backward's dQ adds); a compile error naming
+    the instruction for an older arch, not a ptxas failure."""
+    instance = KernelInstance(str(TENSOR_OPS), "simtensor::atomic_add2_kernel<0>")
+    sass = nvrtc.dump_sass(nvrtc.compile_instance(instance, "sm_90"))
+    assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+    assert re.search(r"\bREDG\.E\.ADD\.F32x2\b", sass), sass[:4000]
+    with pytest.raises(nvrtc.CompileError, match=re.escape("red.global.add.v2.f32 needs sm_90")):
+        nvrtc.compile_instance(instance, "sm_80")
+
+
 @pytest.mark.parametrize("call, message", [
     ("float d[4]; const unsigned a[4] = {}; const unsigned b[2] = {}; const float c[4] = {};"
      " cuflash::arch::mma_m16n8k16<float>(d, a, b, c);", "mma_m16n8k16 takes __half or __nv_bfloat16"),

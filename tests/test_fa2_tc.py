@@ -264,7 +264,7 @@ def test_tile_tables():
     for dtype, module in (("float16", fa2_tc), ("bfloat16", fa2_tc), ("float32", fa2)):
         problem = Problem(dtype, 1, 8, 8, 1, 1, 64)
         assert plans.variant_for("fa2", problem, SM80).module is module
-    # The Hopper forward comes first, on sm_90 only (tests/test_fa3_plans.py).
+    # The Hopper kernels come first, on sm_90 only (tests/test_fa3_plans.py).
     assert [v.name for v in catalog.variants("fa2")] == ["hopper", "tensor_core", "simt"]
     for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120"):
         t = target(arch)

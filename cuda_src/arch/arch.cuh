@@ -10,7 +10,8 @@
 // Instruction families (each guarded by static checks on the types it takes):
 //   - special registers: dynamic_smem_size  (mov %dynamic_smem_size)
 //   - exponentials:      exp2_approx        (ex2.approx.ftz.f32)
-//   - global memory:     load / store / atomic_add (red.global.add.f32)
+//   - global memory:     load / store / atomic_add (red.global.add.f32), atomic_add2 (red.global.add.v2.f32,
+//                        sm_90)
 //   - tensor cores:      mma_m16n8k16<T>    (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16})
 //   - shared -> regs:    ldmatrix<n, trans> (ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16)
 //   - async copies:      cp_async<bytes>    (zero-filling or whole), cp_async_commit, cp_async_wait<n>
@@ -84,6 +85,15 @@ template <class T> __device__ __forceinline__ void store(T* p, T v) {
 // Float32 reduction into global memory; the result is not needed, so red (not atom).
 __device__ __forceinline__ void atomic_add(float* p, float v) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+// Two float32 reductions into p[0] and p[1] by one instruction (the vector red, sm_90 and newer; p 8-byte aligned).
+// Each element is its own atomic reduction (PTX ISA: a vector red acts element-wise), so it mixes with atomic_add on
+// the same elements. A template, so that code for older archs never holds it.
+template <int kUnused = 0> __device__ __forceinline__ void atomic_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  static_assert(__CUDA_ARCH__ >= 900 || kUnused != 0, "red.global.add.v2.f32 needs sm_90");
+#endif
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
 // Bytes of dynamic shared memory this launch was given (kernels check their need).

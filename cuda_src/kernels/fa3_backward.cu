@@ -27,22 +27,27 @@
 //                                               accumulators (as the forward's P: fa3::p_fragment), dO and Q read
 //                                               MN-major from their stage (as the forward's V), BlockM / 16 steps of
 //                                               m64nHeadDimk16
-//         dQ_i^T += K^T dS^T                    wgmma SS (FA3's form): each consumer stores its 64 rows of dS^T
+//         dQ_i += dS K                          wgmma SS (FA3's form): each consumer stores its 64 rows of dS^T
 //                                               (16-bit) into the block's dS^T tile [BlockN][BlockM]; after a
-//                                               barrier of all consumers, dQ^T's M is 64 head-dim columns (K^T: K
-//                                               read MN-major), N the BlockM queries (dS^T MN-major), the reduction
-//                                               all BlockN keys; head-dim tile t is the step's work of consumer
-//                                               (t + Q block + head) % kConsumers (d128: one each; d64: they take
-//                                               turns, and a dq element is always added by the same thread);
-//                                               added to dq_accum with red.global.add.f32 (fa2's atomic mode), once
-//                                               per element per K/V block
+//                                               barrier of all consumers, dQ's M is the Q block's 64 queries (dS^T
+//                                               read MN-major as A), N 64 head-dim columns (K read MN-major as B),
+//                                               the reduction all BlockN keys; head-dim tile t is the step's work of
+//                                               consumer (t + Q block + head) % kConsumers (d128: one each; d64:
+//                                               they take turns, and a dq element is always added by the same
+//                                               thread); added to dq_accum with red.global.add.v2.f32 (fa2's atomic
+//                                               mode; two adjacent columns per instruction, 16 a thread), once per
+//                                               element per K/V block
 //       Why RS for dV and dK and SS for dQ: P^T and dS^T come out of S^T's and dP^T's accumulators with the keys as
 //       rows, exactly the A operand (M = keys) of dV and dK, so they never touch shared memory; dQ reduces over the
-//       keys that two consumers hold, and its operand dS^T must be read with the keys as its K dimension, which only
+//       keys that two consumers hold, and its operand dS must be read with the keys as its K dimension, which only
 //       shared memory gives (wgmma's A from registers is the M x K fragment of the thread's own rows). dV and dK
-//       land before dQ^T is issued (with both in flight ptxas spilled at d128 and serialized the wgmma).
-//       A first version multiplied each consumer's own 64 keys into dQ (dS_c K_c, M = the queries, no barrier
-//       across consumers): twice the atomics, and BlockM tied to wgmma's M of 64.
+//       land before dQ is issued (with both in flight ptxas spilled at d128 and serialized the wgmma).
+//       Earlier forms: each consumer multiplying its own 64 keys into dQ (dS_c K_c, no barrier across consumers):
+//       twice the atomics; dQ^T = K^T dS^T (M = the head dim): its accumulator pairs are two queries, a row apart in
+//       dq_accum, so 32 scalar REDs at 16 addresses a step where dQ's pairs are adjacent columns (loop census: the
+//       d128 step 596 instructions then, 462 now).
+//       The step's bookkeeping moves on without dividing (the next Q block, or the next head: dq_accum's rows and
+//       whose turn each dQ tile is), and the stage's descriptors are stage 0's moved on by one add.
 //   Epilogue (per consumer): dK_c * scale and dV_c rounded to T, stored from the accumulators (pairs of elements;
 //   keys past the sequence and columns past the head dim not written).
 //
@@ -197,25 +202,43 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     if (steps > 0) {
       const float scale_log2 = p.softmax_scale_log2;
       const long long dq_row_stride = BlockInfo::dense_row_stride(p);
-      // Descriptors made once (K_c, V_c; this consumer's dS^T; K_c MN-major for dQ) or once per step (the stage's Q
-      // and dO), each product's steps moved on from them (fa3::desc_advanced: compile-time offsets).
+      // Descriptors made once per K/V block (K_c, V_c; this consumer's dS^T; K_c MN-major for dQ; Q and dO of stage
+      // 0, K- and MN-major), each stage's and each product's steps moved on from them by desc_advanced (stage: one
+      // add; k16 steps: compile-time offsets).
       const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, 0);
       const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
+      const uint64_t k_mn_desc = KVTile::mn_major_desc(k_tile, 0);  // K as dQ's B (N = the head dim, contiguous)
       const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
-      const uint64_t kt_desc = KVTile::mn_major_desc(k_tile, 0);  // K^T as dQ^T's A (M = the head dim, contiguous)
+      const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), 0, 0);
+      const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), 0, 0);
+      const uint64_t q_mn_desc0 = QTile::mn_major_desc(q_tile(0), 0);
+      const uint64_t do_mn_desc0 = QTile::mn_major_desc(do_tile(0), 0);
+      // The step's (head, Q block) and its dq_accum rows, moved on step by step (no division by m_blocks, no
+      // address rebuilt per step): Q blocks inner, heads outer, as the producer's. dq_rows: row row0 of this head
+      // in the block's slice; dq_lane_offset: this thread's first element from it (query acc_first_row, head-dim
+      // column first_col of the tile). Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work:
+      // this consumer's are the tiles t with t % kConsumers == dq_mine.
+      int head = kv_info.head, m_block = m_range.begin;
+      const long long dq_block_stride = BlockM * dq_row_stride;
+      float* dq_rows = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) + m_block * dq_block_stride;
+      const int dq_lane_offset = fa3::acc_first_row(warp, lane) * static_cast<int>(dq_row_stride) + first_col;
+      const int dq_pair_stride = 8 * static_cast<int>(dq_row_stride);  // query acc_first_row + 8: the row's other half
+      auto tiles_of_this_consumer = [&] {
+        return (consumer + Tr::kConsumers - (m_block + head) % Tr::kConsumers) % Tr::kConsumers;
+      };
+      int dq_mine = tiles_of_this_consumer();
       arch::mbarrier_wait(kv_full, kv_round & 1);
 #pragma unroll 1
       for (int step = 0; step < steps; ++step, ++ring) {
         const int stage = ring % Stages;
-        const int head = kv_info.head + step / m_blocks;
-        const int m_block = m_range.begin + step % m_blocks;
         const int row0 = m_block * BlockM;
         const int rows = min(BlockM, seqlen_q - row0);
         arch::mbarrier_wait(full + stage, (ring / Stages) & 1);
-        const uint64_t q_desc = QTile::k_major_desc(q_tile(stage), 0, 0);
-        const uint64_t do_desc = QTile::k_major_desc(do_tile(stage), 0, 0);
-        const uint64_t q_mn_desc = QTile::mn_major_desc(q_tile(stage), 0);
-        const uint64_t do_mn_desc = QTile::mn_major_desc(do_tile(stage), 0);
+        const unsigned stage_bytes = stage * QTile::kBytes;
+        const uint64_t q_desc = fa3::desc_advanced(q_desc0, stage_bytes);
+        const uint64_t do_desc = fa3::desc_advanced(do_desc0, stage_bytes);
+        const uint64_t q_mn_desc = fa3::desc_advanced(q_mn_desc0, stage_bytes);
+        const uint64_t do_mn_desc = fa3::desc_advanced(do_mn_desc0, stage_bytes);
 
         // S^T and dP^T, two groups.
         float s[Tr::kAccS], dp[Tr::kAccS];
@@ -256,7 +279,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         }
 
         // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
-        // previous step's dQ^T (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
+        // previous step's dQ (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
         // published to every consumer by the second.
         arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
@@ -278,42 +301,59 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
           arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
         arch::wgmma_commit();
         arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
-        // dV and dK land before dQ^T is issued: with both in flight (P^T's and dS^T's fragments live beside dQ^T's
+        // dV and dK land before dQ is issued: with both in flight (P^T's and dS^T's fragments live beside dQ's
         // accumulators) ptxas spilled 12 bytes at d128 and serialized the wgmma (C7512, NVRTC 13.5).
         arch::wgmma_wait<0>(acc_dk);
         arch::wgmma_wait<0>(acc_dv);
         release(empty + stage);  // the stage's Q and dO are read
 
-        // dQ_i^T += K^T dS^T over all BlockN keys, one 64-column tile of the head dim per wgmma M: tile t is this
-        // step's work of consumer (t + step) % kConsumers (d128, two consumers: one tile each; d64: the consumers take
-        // turns), into dq_accum (rows of this head, unscaled: convert applies the scale).
-        float* dq_lane = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) +
-                         (row0 + first_col) * dq_row_stride + fa3::acc_first_row(warp, lane);
+        // dQ_i += dS K over all BlockN keys (FA3's form: M = the Q block's 64 queries, the reduction every key of
+        // the block, both consumers' rows of dS^T), one 64-column tile of the head dim per wgmma N: tile t is this
+        // step's work of consumer (t + Q block + head) % kConsumers (d128, two consumers: one tile each; d64: the
+        // consumers take turns), added into dq_accum (rows of this head, unscaled: convert applies the scale). dS is
+        // read from the dS^T tile as an MN-major A (the queries contiguous), K as an MN-major B (the head dim).
+        float* dq_lane = dq_rows + dq_lane_offset;
         const bool whole = rows == BlockM && d == HeadDim;
 #pragma unroll
         for (int t = 0; t < Tr::kDqTiles; ++t) {
-          if ((t + m_block + head) % Tr::kConsumers != consumer) continue;
-          float dq[BlockM / 2];
+          if (t % Tr::kConsumers != dq_mine) continue;
+          float dq[fa3::kPanelCols / 2];
           arch::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < BlockN / 16; ++kk)
-            arch::wgmma<T, BlockM, true, true>(dq, fa3::desc_advanced(kt_desc, t * KVTile::kPanelBytes + kk * 16 * 128),
-                                               fa3::desc_advanced(ds_desc, kk * 16 * 128), kk > 0);
+            arch::wgmma<T, fa3::kPanelCols, true, true>(
+                dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
+                fa3::desc_advanced(k_mn_desc, t * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
           arch::wgmma_commit();
           arch::wgmma_wait<0>(dq);
-          // Register i: head dim 64 t + acc_first_row + acc_row_step(i) (dQ^T's M), query first_col + acc_col_step(i).
-          float* dq_tile = dq_lane + 64 * t;
+          // Register i: query acc_first_row + acc_row_step(i), head-dim column 64 t + first_col + acc_col_step(i) =
+          // 8 (i / 4) + i % 2: registers i, i + 1 (i even) are adjacent columns, one vector red (8-byte aligned: the
+          // head dims of a whole tile are even), at compile-time offsets from its row's pointer (RED's immediate).
+          float* dq_upper = dq_lane + 64 * t;
+          float* dq_lower = dq_upper + dq_pair_stride;  // 8 queries on
+          auto dq_at = [&](int i) { return ((i / 2) % 2 ? dq_lower : dq_upper) + fa3::acc_col_step(i); };
           if (whole) {
 #pragma unroll
-            for (int i = 0; i < BlockM / 2; ++i)
-              arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
+            for (int i = 0; i < fa3::kPanelCols / 2; i += 2) arch::atomic_add2(dq_at(i), dq[i], dq[i + 1]);
           } else {
 #pragma unroll
-            for (int i = 0; i < BlockM / 2; ++i)
-              if (first_col + fa3::acc_col_step(i) < rows &&
-                  64 * t + fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < d)
-                arch::atomic_add(dq_tile + fa3::acc_col_step(i) * dq_row_stride + fa3::acc_row_step(i), dq[i]);
+            for (int i = 0; i < fa3::kPanelCols / 2; ++i)
+              if (fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < rows &&
+                  64 * t + first_col + fa3::acc_col_step(i) < d)
+                arch::atomic_add(dq_at(i), dq[i]);
           }
+        }
+
+        // The next step: the next Q block of this head, or the first of the next head (dq_accum's next head is
+        // headdim floats on in a row).
+        if (++m_block < m_range.end) {
+          dq_rows += dq_block_stride;
+          dq_mine = (dq_mine + Tr::kConsumers - 1) % Tr::kConsumers;
+        } else {
+          m_block = m_range.begin;
+          ++head;
+          dq_rows += d - (m_blocks - 1) * dq_block_stride;
+          dq_mine = tiles_of_this_consumer();
         }
       }
       arch::wgmma_wait<0>(acc_dk);

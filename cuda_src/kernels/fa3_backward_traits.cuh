@@ -24,7 +24,7 @@ struct BackwardTraits {
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
   static constexpr int kAccD = HeadDim / 2;    // dK and dV
-  static constexpr int kDqTiles = HeadDim / 64;  // dQ^T's M tiles of 64 head-dim columns (BlockM / 2 accumulators)
+  static constexpr int kDqTiles = HeadDim / 64;  // dQ's N tiles of 64 head-dim columns (32 accumulators each)
 
   using KVTile = WgmmaTile<BlockN, HeadDim>;
   using QTile = WgmmaTile<BlockM, HeadDim>;   // Q and dO
@@ -43,7 +43,7 @@ struct BackwardTraits {
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels");
   static_assert(BlockN % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 keys");
-  static_assert(BlockM % 64 == 0 && BlockM <= 256, "Q blocks of whole 64-column dS^T panels, S^T's N <= 256");
+  static_assert(BlockM == 64, "a Q block is dQ's wgmma M (64 queries) and one 64-column dS^T panel");
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
 };
 

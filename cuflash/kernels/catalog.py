@@ -35,9 +35,9 @@ class KernelFamily(Protocol):
 
     def backward_program(self, problem: Problem, target: Target) -> Program: ...
 
-    # Optional: ``refusal(problem, target) -> str | None``, why the variant cannot serve a problem its dtypes and
-    # options allow (None: it serves it); ``compile_arch(arch) -> str``, what NVRTC compiles its instances for on a
-    # device of ``arch`` (default: ``arch`` itself).
+    # Optional: ``refusal(problem, target, direction) -> str | None``, why the variant cannot serve a problem's
+    # forward or backward that its dtypes and options allow (None: it serves it); ``compile_arch(arch) -> str``,
+    # what NVRTC compiles its instances for on a device of ``arch`` (default: ``arch`` itself).
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Variant:
         if missing:
             return f"no {', '.join(sorted(missing))}"
         refusal = getattr(self.module, "refusal", None)
-        return refusal(problem, target) if refusal is not None else None
+        return refusal(problem, target, direction) if refusal is not None else None
 
     def serves(self, problem: Problem, target: Target, direction: str = "forward") -> bool:
         return self.refusal(problem, target, direction) is None
@@ -77,10 +77,10 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
     "fa2": (
-        # Hopper first: where it serves (sm_90, 16-bit, fa3.refusal says which problems), its wgmma forward runs at
-        # FA3's structure; the backward and every other problem stay on mma.sync.
-        Variant("fa2", "hopper", "cuflash.kernels.families.fa3", dtypes=("float16", "bfloat16"),
-                directions=("forward",), why="warp-specialized wgmma forward (sm_90a code)"),
+        # Hopper first: where it serves (sm_90, 16-bit; hopper.refusal says which problems in each direction), its
+        # wgmma forward and backward run at FA3's structure; every other problem stays on mma.sync.
+        Variant("fa2", "hopper", "cuflash.kernels.families.hopper", dtypes=("float16", "bfloat16"),
+                why="warp-specialized wgmma (sm_90a code)"),
         Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16"),
                 options=frozenset(OPTIONS), why="mma.sync tensor cores (sm_80 and newer)"),
         Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",), options=frozenset(OPTIONS)),

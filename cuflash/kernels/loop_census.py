@@ -404,8 +404,21 @@ def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | No
 def iteration_work(traits) -> IterationWork:
     """Per warp, one iteration: the forward's K/V block (S = Q K^T and O += P V; K and V copied), the backward's
     Q block step (S, dP, dV, dK, dQ; Q and dO copied). m16n8k16 MMAs; 16-byte copies spread over the block."""
-    from .families import fa2_tc, fa3
+    from .families import fa2_tc, fa3, fa3_backward
 
+    if isinstance(traits, fa3_backward.BackwardTraits):
+        # One consumer warpgroup's (head, Q block) step that issues dQ (at d64 the consumers take turns at it: the
+        # step of the one whose turn it is), per warp: S^T and dP^T as d / 16 wgmma of 64 x block_m x 16 each,
+        # and dV and dK as block_m / 16 of 64 x d x 16 each, dQ as block_n / 16 of 64 x 64 x 16 per head-dim tile
+        # of 64 it owns (M: the block_m = 64 queries); its dQ adds, one vector RED per pair of adjacent accumulators
+        # (16 per tile); no copies (the producer's); an exponential per score (64 keys x block_m over 128 threads).
+        # FLOPs: a warp's share (1/4) of each.
+        m, n, d, consumers = traits.block_m, traits.block_n, traits.head_dim, traits.consumers
+        dq_tiles = -(-(d // 64) // consumers)  # the most head-dim tiles one consumer takes in a step
+        hmma = 2 * (d // 16) + 2 * (m // 16) + dq_tiles * (n // 16)
+        flops = 2 * 2 * 64 * m * d + 2 * 2 * 64 * d * m + dq_tiles * 2 * m * 64 * n
+        return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * m // 128, global_writes=dq_tiles * 16,
+                             mma_flops=flops // 4)
     if isinstance(traits, fa3.ForwardTraits):
         # One consumer warpgroup's K/V block: S = Q K^T as head_dim / 16 wgmma of 64 x block_n x 16, O += P V as
         # block_n / 16 of 64 x head_dim x 16; no copies (the producer's TMA); one exponential per score a thread
@@ -457,10 +470,10 @@ class CensusRow:
 
 
 def tensor_core_traits(arch: str) -> list:
-    """Every tensor-core tile (forward and backward, dropout or not; the Hopper forward's on sm_90) the plans for
-    ``arch`` launch."""
+    """Every tensor-core tile (forward and backward, dropout or not; the Hopper forward's and backward's on sm_90)
+    the plans for ``arch`` launch."""
     from . import targets
-    from .families import fa2_tc, fa3
+    from .families import fa2_tc, hopper
 
     target = targets.target(arch)
     found = []
@@ -468,8 +481,7 @@ def tensor_core_traits(arch: str) -> list:
         for dropout in (False, True):
             found.append(fa2_tc.forward_traits(head_dim, target, dropout=dropout))
             found.append(fa2_tc.backward_traits(head_dim, target, dropout=dropout))
-    if fa3.instances(target):
-        found += [fa3.traits_of(instance) for instance in fa3.instances(target)]
+    found += [hopper.traits_of(instance) for instance in hopper.instances(target)]
     return list(dict.fromkeys(found))
 
 
@@ -543,7 +555,7 @@ def _compiled(traits, dtype: str, arch: str):
 
 
 def _tile(traits) -> str:
-    """block_m x block_n x warps; the Hopper forward's consumer warpgroups instead of warps (``2wg``)."""
+    """block_m x block_n x warps; the Hopper kernels' consumer warpgroups instead of warps (``2wg``)."""
     warps = getattr(traits, "warps", None)
     return f"{traits.block_m}x{traits.block_n}x" + (f"{warps}" if warps is not None else f"{traits.consumers}wg")
 

@@ -1,8 +1,9 @@
 """Launch plans: the one place that picks a variant of an algorithm and asks it for a Program.
 
 A plan depends on the problem (shapes, dtype, flags), the direction (forward or backward: a variant may have only
-one, as fa2's Hopper forward) and the target (arch and its shared-memory limit); every backend runs the Program it
-gets (cuflash.backends.program.run_program). ``explain`` says which variant runs and why the earlier ones do not.
+one, or refuse a problem in one direction only) and the target (arch and its shared-memory limit); every backend runs
+the Program it gets (cuflash.backends.program.run_program). ``explain`` says which variant runs and why the earlier
+ones do not.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ SOURCE = KERNELS / "tensor_ops.cu"
 NAMES = ["mma_kernel<__half>", "mma_kernel<__nv_bfloat16>", "ldmatrix_bad_kernel", "cp_async_kernel",
          "cp_async_bad_kernel", "ldmatrix_mma_kernel<__half>", "ldmatrix_mma_kernel<__nv_bfloat16>",
          "cp_async_bytes_kernel<16>", "cp_async_bytes_kernel<16, true>", "pack_kernel<__half>",
-         "pack_kernel<__nv_bfloat16>", "smem_address_kernel"] + [
+         "pack_kernel<__nv_bfloat16>", "smem_address_kernel", "atomic_add2_kernel<0>", "atomic_add2_kernel<1>"] + [
     f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
 
 
@@ -198,3 +198,24 @@ def test_smem_address_is_the_byte_offset_from_an_aligned_shared_base():
     launch("smem_address_kernel", 32, smem=16 * 32, out0=out, out1=base)
     np.testing.assert_array_equal(out, 16 * np.arange(32))
     assert (base == 0).all(), "the shared base is 1024-byte aligned in the shared window (swizzle atoms rely on it)"
+
+
+def test_atomic_add2_adds_both_elements_of_the_pair():
+    """red.global.add.v2.f32's twin: 64 threads into 4 pairs, each element its own atomic add (mixing with the
+    scalar atomic_add on the pair's first element); 8 bytes read and written per pair add, 4 per scalar one."""
+    n, threads = 4, 64
+    x = np.arange(2 * threads, dtype=np.float32)  # small integers: every order of the adds gives the same sum
+    out = np.zeros(2 * n, dtype=np.float32)
+    rec = launch("atomic_add2_kernel<0>", threads, in0=x, out0=out, n=n)
+    expected = x.reshape(threads // n, n, 2).sum(axis=0).reshape(-1)
+    expected[0::2] += threads // n
+    np.testing.assert_array_equal(out, expected)
+    assert rec.global_bytes_written == threads * (8 + 4)
+    assert rec.global_bytes_read == threads * (8 + 8 + 4)  # x's pair, then the two reductions' reads
+
+
+def test_atomic_add2_needs_an_aligned_pair():
+    out = np.zeros(16, dtype=np.float32)
+    with pytest.raises(sim.KernelError, match="misaligned"):
+        launch("atomic_add2_kernel<1>", 4, in0=np.zeros(8, np.float32), out0=out, n=4)
+

@@ -417,6 +417,7 @@ __forceinline__ void check_global(const BlockView* block, const void* p, unsigne
 }
 
 CUFLASH_SIM_API void atomic_add_f32(float* p, float v);
+CUFLASH_SIM_API void atomic_add_f32x2(float* p, float a, float b);
 
 // The 32-bit shared-window address of a pointer into the block's dynamic shared memory: its byte
 // offset from the shared base, which the runtime aligns to 1024 bytes as a GPU's shared window is.
@@ -736,6 +737,10 @@ __forceinline__ void store(T* p, T v) {
 // Float32 reduction (red.global.add.f32): checked, counted as 4 bytes read + 4 written,
 // performed atomically (blocks run on several workers at once).
 __forceinline__ void atomic_add(float* p, float v) { sim::atomic_add_f32(p, v); }
+// red.global.add.v2.f32: p 8-byte aligned (checked), 8 bytes read + 8 written, each element added atomically.
+template <int kUnused = 0> __forceinline__ void atomic_add2(float* p, float a, float b) {
+  sim::atomic_add_f32x2(p, a, b);
+}
 
 __forceinline__ unsigned dynamic_smem_size() { return sim::current_thread()->block->launch->smem_bytes; }
 

@@ -732,6 +732,16 @@ void global_access_failed(const void* address, unsigned bytes, bool is_write, co
                       bytes, a, where.c_str()));
 }
 
+// One float32 atomically added to a word (a compare-and-swap loop: blocks run on several workers at once).
+static void add_to_word(float* p, float v) {
+  uint32_t* word = reinterpret_cast<uint32_t*>(p);
+  uint32_t expected = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint32_t desired = bit_cast<uint32_t>(bit_cast<float>(expected) + v);
+    if (__atomic_compare_exchange_n(word, &expected, desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
+  }
+}
+
 void atomic_add_f32(float* p, float v) {
   Fiber* f = current_fiber();
   BlockView* block = f->view->block;
@@ -741,12 +751,22 @@ void atomic_add_f32(float* p, float v) {
 #if CUFLASH_SIM_RACE
   race_atomic(f, reinterpret_cast<uintptr_t>(p), 4);
 #endif
-  uint32_t* word = reinterpret_cast<uint32_t*>(p);
-  uint32_t expected = __atomic_load_n(word, __ATOMIC_RELAXED);
-  for (;;) {
-    const uint32_t desired = bit_cast<uint32_t>(bit_cast<float>(expected) + v);
-    if (__atomic_compare_exchange_n(word, &expected, desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
-  }
+  add_to_word(p, v);
+}
+
+// red.global.add.v2.f32: the pair's 8 bytes checked as one access (alignment and bounds), each element added on its
+// own, as the ISA defines a vector red.
+void atomic_add_f32x2(float* p, float a, float b) {
+  Fiber* f = current_fiber();
+  BlockView* block = f->view->block;
+  check_global(block, p, 8, true);
+  block->bytes_read += 8;
+  block->bytes_written += 8;
+#if CUFLASH_SIM_RACE
+  race_atomic(f, reinterpret_cast<uintptr_t>(p), 8);
+#endif
+  add_to_word(p, a);
+  add_to_word(p + 1, b);
 }
 
 void sync_threads(const Site& site) {

@@ -7,11 +7,12 @@ producer's copy in ``fa3_forward_traits.cuh``.
 Program: one launch, ``fa3_forward_kernel`` over (Q blocks, nheads, batch), 1 producer + block_m / 64 consumer
 warpgroups; writes out and lse.
 
-In the catalog as fa2's first variant, ``hopper``, forward only: on a sm_90 target (a device, or the simulator under
-``sim.targeting("sm_90")``) fa2's forward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims
-1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the
-mma.sync kernels (fa2_tc), as does every backward. fa2_tc's backward takes this forward's out and lse as they are
-(lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
+In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its backward is fa3_backward.py): on a
+sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it for the problems
+``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens;
+``refusal`` says why any other problem stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or
+fa2_tc's) takes this forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the
+same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
 runs on the sm_90 devices it is for (same major.minor); the report and the census compile it so on sm_90 too.
@@ -152,7 +153,7 @@ _TILES = tuple(dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in 
 
 
 def instances(target: Target | None = None) -> list[KernelInstance]:
-    """The instances the plans for ``target`` may launch (none off sm_90); every one without a target."""
+    """The forward's instances the plans for ``target`` may launch (none off sm_90); every one without a target."""
     if target is not None and target.arch not in ARCHS:
         return []
     return [traits.instance(dtype) for dtype in DTYPES for traits in _TILES]
@@ -166,24 +167,6 @@ def traits_of(instance: KernelInstance) -> ForwardTraits:
     if found is None:
         raise KeyError(f"{instance} is not a Hopper forward kernel")
     return found
-
-
-def dynamic_smem_bytes(instance: KernelInstance) -> int:
-    return traits_of(instance).smem_bytes
-
-
-def threads(instance: KernelInstance) -> int:
-    return traits_of(instance).threads
-
-
-def warpgroups(instance: KernelInstance) -> dict[str, int]:
-    """Warpgroups per role (the compile report's registers per role after setmaxnreg): the producer gives registers
-    back (setmaxnreg.dec), the consumers take them (setmaxnreg.inc)."""
-    return {"producer": 1, "consumer": traits_of(instance).consumers}
-
-
-def backward_program(problem: Problem, target: Target) -> Program:
-    raise ValueError("the Hopper backward does not exist yet: fa2's backward runs on fa2_tc (catalog)")
 
 
 def forward_program(problem: Problem, target: Target) -> Program:

@@ -9,10 +9,10 @@ kernel ``fa3_backward_kernel`` over (K/V blocks, nheads_k, batch) with 1 produce
 warpgroups, and fa2's convert kernel (dq = scale * the sum of the dq_accum slices), with fa2's dq_accum scratch, grid
 and slice rules (atomic mode: one slice; deterministic: a block per slice over every num_dq_splits-th K/V block).
 
-Not in the catalog yet (issue 31, item 3, first steps): no plan picks it; ``backward_program`` builds its Program
-for the problems ``supports`` accepts, and tests/test_fa3_backward.py runs it on the simulator targeting sm_90. It
-serves 16-bit inputs at head dims 1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens, dQ by atomics or
-in deterministic mode (fa2's slices); everything else stays on the mma.sync backward (fa2_tc).
+In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
+fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), no
+mask or causal, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+everything else stays on the mma.sync backward (fa2_tc).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class BackwardTraits(WarpgroupTraits):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block_m % 64 or not 64 <= self.block_m <= 256:
-            raise ValueError(f"{self}: block_m a multiple of 64 up to 256 (dS^T panels, wgmma N)")
+        if self.block_m != 64:
+            raise ValueError(f"{self}: block_m 64 (dQ's wgmma M, one 64-column dS^T panel)")
 
     @property
     def smem_bytes(self) -> int:
@@ -57,35 +57,64 @@ class BackwardTraits(WarpgroupTraits):
 
 # The tiles (Q block x K/V block): 64 x 128 with two consumers at both head dims (FA3's d128 causal tile). What keeps
 # FA3's d128 80 x 128 out for now: the kernel's dS^T tile holds BlockM columns as whole 64-column swizzled panels (80
-# would take 128, padded), its traits ask BlockM % 64; and the registers: S^T and dP^T (40 floats each at N = 80),
-# dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250 live beside the addresses,
-# where two consumers get 232 after a 40-register producer (FA3's TMA producer keeps 24, its consumers 240).
+# would take 128, padded), a Q block is dQ's wgmma M (the traits ask BlockM = 64); and the registers: S^T and dP^T
+# (40 floats each at N = 80), dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250
+# live beside the addresses, where two consumers get 232 after a 40-register producer (FA3's TMA producer keeps 24,
+# its consumers 240).
 BACKWARD_CHOICES = {
     64: BackwardTraits(64, block_m=64, block_n=128),
     128: BackwardTraits(128, block_m=64, block_n=128),
 }
 
 
+def refusal(problem: Problem, target: Target) -> str | None:
+    """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
+    one head dim 1..128 for q, k and v, no mask but causal (window (-1, -1) or (-1, 0)), and no other option; dQ by
+    atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
+    differ."""
+    if target.arch not in ARCHS:
+        return f"wgmma needs sm_90, not {target.arch}"
+    if problem.dtype not in DTYPES:
+        return f"takes {'/'.join(DTYPES)}, not {problem.dtype}"
+    if not 1 <= problem.headdim <= max(BACKWARD_CHOICES):
+        return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {problem.headdim}"
+    if problem.options:
+        return f"no {', '.join(sorted(problem.options))} yet"
+    if not problem.mask.without_window:
+        return "no sliding window yet (causal or no mask only)"
+    return None
+
+
 def supports(problem: Problem, target: Target) -> bool:
-    """Whether this kernel computes ``problem``'s backward on ``target``: sm_90, 16-bit, one head dim 1..128 for q, k
-    and v, no mask or causal, no other option; dQ by atomics or deterministic (fa2's slices)."""
-    mask = problem.mask
-    return (target.arch in ARCHS and problem.dtype in DTYPES and 1 <= problem.headdim <= max(BACKWARD_CHOICES)
-            and not problem.options and mask.without_window)
+    """Whether this kernel computes ``problem``'s backward on ``target`` (``refusal`` says why not)."""
+    return refusal(problem, target) is None
 
 
-def backward_traits(problem: Problem, target: Target) -> BackwardTraits:
-    if not supports(problem, target):
-        raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}")
-    traits = BACKWARD_CHOICES[compiled_head_dim(problem.headdim)]
+def backward_traits(headdim: int, target: Target) -> BackwardTraits:
+    """The tile for ``headdim`` (1..128: the next compiled head dim's), as fa2_tc.backward_traits."""
+    traits = BACKWARD_CHOICES[compiled_head_dim(headdim)]
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
 
 def instances() -> list[KernelInstance]:
+    """Every instance of the backward program: the main kernels, fa2's pre-pass and convert kernels."""
     return [i for dtype in DTYPES
             for i in fa2.backward_program_instances(list(BACKWARD_CHOICES.values()), dtype)]
 
 
+def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
+    why = refusal(problem, target)
+    if why is not None:
+        raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
+    return backward_traits(problem.headdim, target)
+
+
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program_for(problem, backward_traits(problem, target), target)
+    return fa2.backward_program_for(problem, _checked_traits(problem, target), target)
+
+
+def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
+    """fa2's traffic for the same tiles (pre-pass, main kernel, convert): K/V once per block, Q, dO, lse, D once per
+    visited (head, Q block), dq_accum's adds once per element per visited K/V block."""
+    return fa2.backward_traffic_for(problem, _checked_traits(problem, target), target)
