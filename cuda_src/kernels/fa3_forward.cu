@@ -1,24 +1,26 @@
 // Warp-specialized FlashAttention forward for Hopper (sm_90a): wgmma from swizzled shared memory, a producer
 // warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
 //
-// What it does: out = softmax(scale * Q K^T [causal]) V and lse = logsumexp of the scaled scores, per (batch,
-// query head), for __half and __nv_bfloat16, head dims 1..128 (q, k and v alike) on the next compiled one (64 or
-// 128: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens.
-// Not (yet): head dims above 128 or v's own, windows, softcap/ALiBi, varlen, paged or split KV, dropout: those stay
-// on the mma.sync kernels (fa2_tc_forward.cu).
+// What it does: out = softmax(hook(scale * Q K^T) [masked]) V and lse = logsumexp of the scores, per (batch, query
+// head), for __half and __nv_bfloat16, head dims 1..256 (q, k and v alike) on the next compiled one (64, 128 or
+// 256: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens;
+// masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
+// the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
+// Not (yet): v's own head dim, varlen, paged or split KV, dropout, flex mods: those stay on the mma.sync kernels
+// (fa2_tc_forward.cu).
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
 //           kv head h / (nheads / nheads_k), block_info.cuh).
 //   block = 1 + kConsumers warpgroups of 128 threads (fa3_forward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to kProducerRegisters): copies Q once and, per visible K/V block
-//       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
+//       (last to first, as mask.cuh's kv_blocks gives them: n_range, the one range producer and consumers walk), K and V into the next stage of a ring of kStages,
 //       with 16-byte global loads into the 128-byte-swizzled layout wgmma reads (fa3::produce_tile: zero rows past
 //       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
 //       a stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
-//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); mask (blocks crossing the
-//       causal diagonal or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
+//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); the score hook (Hooked
+//       instances); mask (blocks crossing an edge of the band or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
 //       row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA); P rounded to 16 bits in registers
 //       as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from the same layout as K, BlockN / 16 k16
 //       steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
@@ -36,7 +38,7 @@
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
-//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B). Registers per consumer
+//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B; d256 128 x 80 224 KB + 72 B). Registers per consumer
 //   thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4 words.
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
@@ -50,7 +52,10 @@
 
 namespace cuflash {
 
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
+// Hooked: the instance applies mask.cuh's ScoreHook (softcap, ALiBi) to every score. A template flag, not a runtime
+// test: the test cost the plain step 2 to 5 instructions (loop census; d128 128 x 176 past its bound of 1.15x
+// FA3's figure), so only problems with softcap or ALiBi run the hooked instances.
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false>
 __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
@@ -58,8 +63,11 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   using KVTile = typename Tr::KVTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
-  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
-  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0) __trap();
+  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries. An instance
+  // without the hook launched with softcap or ALiBi would silently drop them.
+  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
+      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)))
+    __trap();
 
   const int m_block = blockIdx.x;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
@@ -144,12 +152,15 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   if (!n_range.empty()) {
     const float scale_log2 = p.softmax_scale_log2;
     const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
-    // S of K/V block n_block in s: the element-wise mask where the tile needs it, then the online softmax (s
+    const ScoreHook hook = Hooked ? ScoreHook::of(p, info) : ScoreHook{p, info, 0.f};
+    // S of K/V block n_block in s: the score hook where softcap or ALiBi is on, the element-wise mask where the
+    // tile needs it, then the online softmax (s
     // becomes P in float32); returns O's correction per half (applied by the caller once no P V is in flight).
     float s[Tr::kAccS];
     unsigned p_frag[BlockN / 16][4];
     auto softmax = [&](int n_block, float (&correction)[2]) {
       const int key0 = n_block * BlockN;
+      if constexpr (Hooked) fa3::hook_scores(s, hook, row0 + first_row, key0 + fa3::acc_first_col(lane));
       if (!unmasked.contains(n_block))
         fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
                          key0 + fa3::acc_first_col(lane));

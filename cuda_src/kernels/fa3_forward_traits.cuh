@@ -216,6 +216,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mas
   if (edges.end) mask_edge<Edge::kEnd>(s, lane);
 }
 
+// The score hook (mask.cuh's ScoreHook: softcap, ALiBi) on a warpgroup's S accumulator, before the mask: each score
+// x = q.k becomes the hook's score / scale at its (row, key). Only the hooked instances run it.
+template <class Hook, int N>
+__device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int first_row, int first_key) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) s[i] = hook(s[i], first_row + acc_row_step(i), first_key + acc_col_step(i));
+}
+
 // Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
 // the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
 // 128 arrive). Up to 3 consumers: ids 1..6.
