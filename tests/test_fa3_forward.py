@@ -17,6 +17,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -55,14 +56,14 @@ def _run(q, k, v, causal):
 
 
 def _cases():
-    """Every head dim, causal or not, every seqlen pair (d256, the largest tiles: every other one), the dtype
-    alternating case by case and the heads in rotation."""
+    """Every head dim, causal or not, every seqlen pair (d192 and d256, the largest tiles: every other one), the
+    dtype alternating case by case and the heads in rotation."""
     cases = []
     for d in fa3.HEAD_DIMS:
         n = d // 64
         for causal in (False, True):
             for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
-                if d == 256 and (i + causal) % 2:
+                if d > 128 and (i + causal) % 2:
                     continue
                 dtype = fa3.DTYPES[n % 2]
                 n += 1
@@ -142,8 +143,8 @@ def test_no_bank_conflicts():
 
 
 # Windows (block skipping on both sides of the band: the traffic formula visits only the band's K/V blocks), softcap
-# and ALiBi (the hooked instances), head dims 129..256 (the d256 tile), through cuflash.attention on the simulator
-# targeting sm_90: ragged blocks, seqlen_q != seqlen_k both ways, MHA/GQA/MQA, rows (and whole Q blocks) that see
+# and ALiBi (the hooked instances), head dims 129..256 (the d192 and d256 tiles), through cuflash.attention on the
+# simulator targeting sm_90: ragged blocks, seqlen_q != seqlen_k both ways, MHA/GQA/MQA, rows (and whole Q blocks) that see
 # no key, both slope layouts, both dtypes in rotation.
 OPTION_CASES = {
     "window-rows-without-key": ((2, 300, 129, 4, 2, 64), "float16", dict(window_size=(3, 2))),
@@ -157,6 +158,7 @@ OPTION_CASES = {
     "d256-window": ((1, 200, 300, 2, 1, 256), "float16", dict(window_size=(40, 24))),
     "d192-softcap-alibi": ((1, 130, 77, 2, 2, 192), "bfloat16", dict(softcap=6.0, alibi=(2,))),
     "d160-causal": ((2, 77, 200, 4, 2, 160), "bfloat16", dict(causal=True)),
+    "d200-alibi-window": ((1, 200, 130, 3, 1, 200), "float16", dict(alibi=(1, 3), window_size=(50, 10))),
 }
 
 
@@ -208,6 +210,20 @@ def test_windows_softcap_alibi_and_large_head_dims_match_reference(case):
         assert _launch_traffic(records) == [tuple(fa3.forward_traffic(_options_problem(q, k, options), SM90))]
 
 
+def test_plain_instance_traps_on_softcap():
+    """An instance without the hook would drop softcap (or ALiBi) silently: launched with one it traps."""
+    q, k, v, _ = _inputs((1, 70, 90, 2, 2, 64), "float16", seed=37)
+    plain = _problem(q, k, False)
+    capped = dataclasses.replace(plain, softcap=3.0)
+    backend = SimulatorBackend()
+    arrays = {"q": q, "k": k, "v": v, "out": backend.empty(q.shape, q.dtype),
+              "lse": backend.empty((1, 2, 70), np.float32)}
+    with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_forward_kernel"):
+        run_program(backend, fa3.forward_program(plain, SM90), capped, 0.125, arrays)
+    with sim.targeting("sm_90"):
+        run_program(backend, fa3.forward_program(capped, SM90), capped, 0.125, arrays)
+
+
 def _new_instances_under_asan():
     results = []
     for case in ("d256-window", "window-softcap-alibi-causal"):
@@ -248,10 +264,12 @@ def test_serves_only_its_problems():
     assert not fa3.supports(problem(), target("sm_80"))
     with pytest.raises(ValueError):
         fa3.forward_program(problem(headdim=257), SM90)
-    # The tiles: windows take the masked one, softcap and ALiBi its hooked instance, head dims 129..256 the d256 one.
+    # The tiles: windows take the masked one, softcap and ALiBi its hooked instance, head dims 129..192 the d192
+    # one, 193..256 the d256 one.
     assert fa3.forward_traits(problem(mask=Mask(8, 3)), SM90) == fa3.FORWARD_CHOICES[128][0]
     assert fa3.forward_traits(problem(softcap=5.0), SM90) == fa3.HOOKED_CHOICES[128]
-    assert fa3.forward_traits(problem(headdim=130), SM90).head_dim == 256
+    assert fa3.forward_traits(problem(headdim=129), SM90).head_dim == 192
+    assert fa3.forward_traits(problem(headdim=193), SM90).head_dim == 256
 
 
 # What ptxas gives every instance (NVRTC 13.5, sm_90a): at most the launch count of __launch_bounds__(threads, 1), no

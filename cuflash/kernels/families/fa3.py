@@ -9,9 +9,9 @@ warpgroups; writes out and lse.
 
 In the catalog as fa2's first variant, ``hopper``, forward only: on a sm_90 target (a device, or the simulator under
 ``sim.targeting("sm_90")``) fa2's forward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims
-1..256 (on 64, 128 or 256), any mask (none, causal, sliding windows), softcap and ALiBi (the hooked instances),
-GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the
-mma.sync kernels (fa2_tc), as does every backward. fa2_tc's backward takes this forward's out and lse as they are
+1..256 (on 64, 128, 192 or 256), any mask (none, causal, sliding windows), softcap and ALiBi (the hooked instances),
+GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the mma.sync kernels (fa2_tc), as does every
+backward. fa2_tc's backward takes this forward's out and lse as they are
 (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
@@ -106,18 +106,22 @@ class ForwardTraits(WarpgroupTraits):
 
 # The tiles, (masked, no mask) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and local, 128 x 176
 # without a mask (208 KB of shared memory with two stages), two consumers; d64 192 x 128 causal, three consumers;
-# d256 128 x 80 both ways (two consumers, 224 KB: O alone is 128 floats a thread).
+# d256 128 x 80 both ways (two consumers, 224 KB: O alone is 128 floats a thread); d192 128 x 112 (FA3's 128 x 128
+# needs 240 KB with two stages, past the 227 KB a block may have: 112 is the widest that fits, 216 KB).
 # FA3's d64 192 x 192 without a mask holds S (96 floats), P (48) and O (32) per thread where three consumers get 160
 # registers: NVRTC 13.5 spills 400 bytes and serializes the wgmma (C7512), so d64 takes 192 x 128 both ways.
 FORWARD_CHOICES = {
     64: (ForwardTraits(64, block_m=192, block_n=128), ForwardTraits(64, block_m=192, block_n=128)),
     128: (ForwardTraits(128, block_m=128, block_n=128), ForwardTraits(128, block_m=128, block_n=176)),
+    192: (ForwardTraits(192, block_m=128, block_n=112), ForwardTraits(192, block_m=128, block_n=112)),
     256: (ForwardTraits(256, block_m=128, block_n=80), ForwardTraits(256, block_m=128, block_n=80)),
 }
 HEAD_DIMS = tuple(FORWARD_CHOICES)
 # Problems with softcap or ALiBi run the hooked instance of the masked tile, masked or not: one more instance per
 # head dim and dtype, not two (each costs NVRTC seconds), and the narrower tile leaves the hook's registers room.
+# d64 takes two consumers (128 x 128, 232 registers each): at three (160) the hook's step spilled 68 bytes.
 HOOKED_CHOICES = {d: replace(masked, hooked=True) for d, (masked, _) in FORWARD_CHOICES.items()}
+HOOKED_CHOICES[64] = ForwardTraits(64, block_m=128, block_n=128, hooked=True)
 
 
 def compiled_head_dim(headdim: int) -> int:
