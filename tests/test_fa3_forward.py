@@ -2,8 +2,11 @@
 simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 * Against the float64 reference with FlashAttention's rule (test_fa2._check_forward): float16 and bfloat16, head
-  dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128, 300/129:
-  rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+  dims 64, 128, 192 and 256, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128,
+  300/129: rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+* Sliding windows (both sides of the band skipped: exact traffic; rows and whole Q blocks without a key), softcap
+  and ALiBi (the hooked instances), head dims 129..256, through cuflash.attention; the plain instance traps when
+  launched with softcap; every instance these added in race mode and under AddressSanitizer.
 * Race mode clean on one case per tile (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
   of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
   seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
@@ -17,6 +20,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -144,8 +148,8 @@ def test_no_bank_conflicts():
 
 # Windows (block skipping on both sides of the band: the traffic formula visits only the band's K/V blocks), softcap
 # and ALiBi (the hooked instances), head dims 129..256 (the d192 and d256 tiles), through cuflash.attention on the
-# simulator targeting sm_90: ragged blocks, seqlen_q != seqlen_k both ways, MHA/GQA/MQA, rows (and whole Q blocks) that see
-# no key, both slope layouts, both dtypes in rotation.
+# simulator targeting sm_90: ragged blocks, seqlen_q != seqlen_k both ways, MHA/GQA/MQA, rows (and whole Q blocks)
+# that see no key, both slope layouts, both dtypes in rotation.
 OPTION_CASES = {
     "window-rows-without-key": ((2, 300, 129, 4, 2, 64), "float16", dict(window_size=(3, 2))),
     "window-causal": ((1, 77, 200, 3, 1, 128), "bfloat16", dict(window_size=(21, -1), causal=True)),
@@ -224,28 +228,35 @@ def test_plain_instance_traps_on_softcap():
         run_program(backend, fa3.forward_program(capped, SM90), capped, 0.125, arrays)
 
 
-def _new_instances_under_asan():
+# One case per instance these options added: d192 and d256 plain, the hooked d64 (128 x 128), d128, d192 and d256.
+NEW_INSTANCE_CASES = ("d160-causal", "d256-window", "alibi-per-batch", "window-softcap-alibi-causal",
+                      "d192-softcap-alibi", "d200-alibi-window")
+
+
+def _new_instance_runs(mode=None):
+    """Each NEW_INSTANCE_CASES case at 100 x 170 (two or three K/V blocks through the ring, ragged ones)."""
     results = []
-    for case in ("d256-window", "window-softcap-alibi-causal"):
+    for case in NEW_INSTANCE_CASES:
         shape, dtype, options = OPTION_CASES[case]
-        q, k, v, _ = _inputs((1, 130, 170, *shape[3:]), dtype, seed=35)
-        options = _options(options, seed=35)
-        results.append((q, k, v, options, *_attention(q, k, v, options)[:2]))
+        q, k, v, _ = _inputs((shape[0], 100, 170, *shape[3:]), dtype, seed=36)
+        options = _options(options, seed=36)
+        with sim.checking(mode) if mode else contextlib.nullcontext():
+            out, lse, records = _attention(q, k, v, options)
+        results.append((q, k, v, options, out, lse, records.launches[0].kernel))
     return results
 
 
-def test_d256_and_hooked_instances_race_free_and_clean_under_asan():
-    """The d256 tile (three K/V blocks of 80 through the ring, a ragged one) and a hooked instance in race mode, then
-    both under AddressSanitizer (shared memory allocated with exactly the planned bytes)."""
-    for case in ("d256-window", "window-softcap-alibi-causal"):
-        shape, dtype, options = OPTION_CASES[case]
-        q, k, v, _ = _inputs((1, 130, 170, *shape[3:]), dtype, seed=36)
-        options = _options(options, seed=36)
-        with sim.checking("race"):
-            out, lse, _ = _attention(q, k, v, options)
-        _check_options(q, k, v, out, lse, options)
-    for q, k, v, options, out, lse in sim.run_in_asan_subprocess(_new_instances_under_asan, timeout=600):
-        _check_options(q, k, v, out, lse, options)
+def test_new_instances_race_free_and_clean_under_asan():
+    """The instances the options added in race mode (mbarrier and named-barrier edges, wgmma in flight, async-proxy
+    reads), then under AddressSanitizer (shared memory allocated with exactly the planned bytes)."""
+    added = (fa3.FORWARD_CHOICES[192][0], fa3.FORWARD_CHOICES[256][0],
+             *(fa3.HOOKED_CHOICES[d] for d in (64, 128, 192, 256)))
+    for runs in (_new_instance_runs("race"), sim.run_in_asan_subprocess(_new_instance_runs, timeout=600)):
+        launched = set()
+        for q, k, v, options, out, lse, kernel in runs:
+            _check_options(q, k, v, out, lse, options)
+            launched.add(kernel.split(",", 1)[1])  # the tile, whatever the dtype
+        assert launched == {t.instance("float16").name_expr.split(",", 1)[1] for t in added}
 
 
 def test_serves_only_its_problems():
