@@ -39,6 +39,7 @@ def _kernels(program):
 
 
 def test_sm90_runs_the_hopper_kernels_where_they_serve():
+    # Both directions on the Hopper kernels.
     for problem in (_problem(), _problem(mask=Mask.causal(), dtype="float16", headdim=64),
                     _problem(deterministic=True, headdim=40)):
         assert plans.variant_for("fa2", problem, SM90).module is hopper
@@ -48,12 +49,21 @@ def test_sm90_runs_the_hopper_kernels_where_they_serve():
             "cuflash::fa2_dout_dot_out_kernel", "cuflash::fa3_backward_kernel", "cuflash::fa2_convert_dq_kernel"]
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM80, direction).module is fa2_tc
-    for other in (_problem(headdim=160), _problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0)),
-                  _problem(dropout_p=0.1)):
+    # The forward on Hopper, the backward on mma.sync: what only the forward serves (head dims above 128, softcap,
+    # ALiBi, windows).
+    for problem in (_problem(headdim=160), _problem(softcap=5.0),
+                    _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
+        assert plans.variant_for("fa2", problem, SM90).module is hopper
+        assert _kernels(plans.forward_program("fa2", problem, SM90)) == ["cuflash::fa3_forward_kernel"]
+        assert plans.variant_for("fa2", problem, SM90, "backward").module is fa2_tc, problem
+        assert "cuflash::fa2_tc_backward_kernel" in _kernels(plans.backward_program("fa2", problem, SM90))
+        assert plans.variant_for("fa2", problem, SM80).module is fa2_tc
+    # Both on mma.sync.
+    for other in (_problem(headdim_v=64), _problem(softcap=5.0, dropout_p=0.1), _problem(dropout_p=0.1)):
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", other, SM90, direction).module is fa2_tc, (other, direction)
-        assert "cuflash::fa2_tc_backward_kernel" in _kernels(plans.backward_program("fa2", other, SM90))
-    assert plans.variant_for("fa2", _problem(dtype="float32"), SM90, "backward").name == "simt"
+    for direction in ("forward", "backward"):
+        assert plans.variant_for("fa2", _problem(dtype="float32"), SM90, direction).name == "simt"
 
 
 def test_the_hopper_backward_program_is_in_the_catalog():
@@ -81,14 +91,23 @@ def test_the_plan_says_which_kernel_runs_and_why():
     said = plans.explain("fa2", _problem(), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")
     assert "fa3_backward_kernel<__nv_bfloat16, 128, 64, 128" in said
+    # The forward serves softcap and ALiBi (the hooked instance); the backward does not yet.
+    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90)
+    assert said.startswith("fa2 forward on sm_90: hopper (") and "128, 128, 128, 2, true>" in said
+    said = plans.explain("fa2", _problem(softcap=5.0), SM90, "backward").splitlines()
+    assert said[0].startswith("fa2 backward on sm_90: tensor_core") and said[1] == "  not hopper: no softcap yet"
+    said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, "backward")
+    assert "  not hopper: no sliding window yet (causal or no mask only)" in said.splitlines()
+    assert "head dims 1..128 only, not 160" in plans.explain("fa2", _problem(headdim=160), SM90, "backward")
     for direction in ("forward", "backward"):
-        said = plans.explain("fa2", _problem(softcap=5.0), SM90, direction).splitlines()
-        assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == "  not hopper: no softcap"
+        said = plans.explain("fa2", _problem(softcap=5.0, dropout_p=0.1), SM90, direction).splitlines()
+        assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == "  not hopper: no dropout"
         said = plans.explain("fa2", _problem(), SM80, direction).splitlines()
         assert said[1] == "  not hopper: wgmma needs sm_90, not sm_80"
-        assert "head dims 1..128 only, not 160" in plans.explain("fa2", _problem(headdim=160), SM90, direction)
-        said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, direction)
-        assert "  not hopper: no sliding window yet (causal or no mask only)" in said.splitlines()
+        assert "not hopper: no headdim_v" in plans.explain("fa2", _problem(headdim_v=64), SM90, direction)
+    # One list of the options the forward serves: the catalog's, which fa3.refusal reads.
+    (variant,) = [v for v in catalog.variants("fa2") if v.name == "hopper"]
+    assert variant.options == fa3.SERVED_OPTIONS == {"softcap", "alibi"}
 
 
 # The grid through the public API, rotated: each dtype, both compiled head dims and ones between them (40, 100: the
