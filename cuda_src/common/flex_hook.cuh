@@ -12,7 +12,8 @@
 // A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends
 // with l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks.
 // Scores past the sequence (rows >= seqlen_q, keys >= seqlen_k, which a tile holds at its edges) are hidden here
-// before any mod runs, so no mod reads a side array at an index the caller never asked for. The kernels still apply
+// before any mod runs, so no mod reads a side array at an index the caller never asked for; the forward kernels take
+// the hook per tile (on_tile), and only tiles crossing the sequence's end test it per score. The kernels still apply
 // their MaskPolicy (no window, no causal: the API passes none with mods), so that test costs as before.
 //
 // Side arrays: the score_mod reads p.flex_sides.arrays[0 .. ScoreMod::kSides), the mask_mod the next
@@ -102,25 +103,68 @@ struct FlexHook {
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
-  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
-    float unused;
-    return (*this)(qk, row, key, unused);
+  // Which tests a tile's scores take, fixed at compile time per tile (on_tile): whether a score may lie past the
+  // sequence (kBounds: edge tiles only), and whether mask_mod runs on every score (kMaskAll: partial tiles), on none
+  // (kMaskNone: full tiles, or no mask_mod) or as check_mask says (kMaskPerTile: edge tiles, the rare case).
+  enum MaskTest { kMaskNone, kMaskAll, kMaskPerTile };
+  template <bool Bounds, int Mask>
+  struct TileScores {
+    const FlexHook& hook;
+    __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+      float unused;
+      return hook.template score<Bounds, Mask>(qk, row, key, unused);
+    }
+    __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+      return hook.template score<Bounds, Mask>(qk, row, key, slope_of_score);
+    }
+    __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
+      hook.side_grads(g, qk, row, key);
+    }
+  };
+
+  // Runs f(tile_scores) for the visited tile of tile_rows x tile_keys scores from (row0, key0) (block-uniform):
+  // a tile inside seqlen_q x seqlen_k gets a form without the per-score sequence-bound test (which otherwise costs
+  // every score two compares and a branch: about 300 instructions per step of the d64 tensor-core forward), and a
+  // full one without the mask_mod; only tiles crossing the sequence's end test both per score. Each form is its own
+  // copy of the mods' code, so the loop census walks the interior one.
+  template <class F>
+  __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
+    const FlexHook tile = for_tile(full);
+    if (row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k) {
+      f(TileScores<true, kMaskPerTile>{tile});
+    } else if (!kMasked || full) {
+      f(TileScores<false, kMaskNone>{tile});
+    } else {
+      f(TileScores<false, kMaskAll>{tile});
+    }
   }
 
-  // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`.
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    float unused;
+    return score<true, kMaskPerTile>(qk, row, key, unused);
+  }
+
+  // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`: every test (the
+  // kernels that call the hook per score without on_tile).
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    return score<true, kMaskPerTile>(qk, row, key, slope_of_score);
+  }
+
+  // The same with the tests Bounds and Mask (MaskTest) say the score needs.
+  template <bool Bounds, int Mask>
+  __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
     slope_of_score = 0.f;
-    if (row >= p.seqlen_q || key >= p.seqlen_k) return neg_inf();
-    if constexpr (kMasked) {
+    if (Bounds && (row >= p.seqlen_q || key >= p.seqlen_k)) return neg_inf();
+    if constexpr (kMasked && Mask != kMaskNone) {
       // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
       // MaskMod::kSides arrays are read, all inside p.flex_sides).
       const Sides& mask_sides = *reinterpret_cast<const Sides*>(&p.flex_sides.arrays[ScoreMod::kSides]);
-      if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
+      if ((Mask == kMaskAll || check_mask) && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
     }
     if constexpr (kScoreModded) {
-      const float score = qk * p.softmax_scale;
-      if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(score, batch, head, row, key, p.flex_sides);
-      return ScoreMod::score(score, batch, head, row, key, p.flex_sides) * inverse_scale;
+      const float scaled = qk * p.softmax_scale;
+      if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(scaled, batch, head, row, key, p.flex_sides);
+      return ScoreMod::score(scaled, batch, head, row, key, p.flex_sides) * inverse_scale;
     } else {
       slope_of_score = 1.f;
       return qk;
