@@ -19,7 +19,7 @@
 // Side arrays: the score_mod reads p.flex_sides.arrays[0 .. ScoreMod::kSides), the mask_mod the next
 // MaskMod::kSides (each mod indexes its own from 0: the mask_mod sees a Sides starting at its first array).
 // Gradients to them (ScoreMod::kHasSideGrads): side_grads(g, x, row, key) with g = d loss / d score' =
-// P (dP - D), added atomically into p.flex_side_grads (float32).
+// P (dP - D), added atomically into p.flex_side_grads (float32), or deterministically into per-warp slices.
 #pragma once
 
 #include "common/flex_mod.cuh"
@@ -171,10 +171,31 @@ struct FlexHook {
     }
   }
 
-  // Adds g * d score' / d side into the side gradients (only for scores the mask keeps: g is 0 elsewhere).
+  // Adds g * d score' / d side into the side gradients (nothing where g is 0: the scores the mask hides). Called by
+  // every lane of the warp together (the kernels call it per score, outside any per-lane test). Deterministic
+  // (SideGrads::per_warp_slices): into this warp's own slices, the lanes with a gradient one after another in lane
+  // order (__syncwarp orders their adds), so each slice's sums run in one order whatever the schedule.
   __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
-    if constexpr (kHasSideGrads)
-      ScoreMod::side_grads(g, qk * p.softmax_scale, batch, head, row, key, p.flex_sides, p.flex_side_grads);
+    if constexpr (kHasSideGrads) {
+      const float scaled = qk * p.softmax_scale;
+      const SideGrads& grads = p.flex_side_grads;
+      if (!grads.per_warp_slices) {
+        if (g != 0.f) ScoreMod::side_grads(g, scaled, batch, head, row, key, p.flex_sides, grads);
+        return;
+      }
+      const long long warp = ((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x +
+                              blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+      SideGrads mine = grads;
+#pragma unroll
+      for (int s = 0; s < kMaxSides; ++s)
+        if (mine.arrays[s] != nullptr) mine.arrays[s] += warp * grads.slice_elements[s];
+      const int lane = threadIdx.x % 32;
+      for (unsigned pending = __ballot_sync(0xffffffffu, g != 0.f); pending != 0u; pending &= pending - 1u) {
+        if (lane == __ffs(static_cast<int>(pending)) - 1)
+          ScoreMod::side_grads(g, scaled, batch, head, row, key, p.flex_sides, mine);
+        __syncwarp();
+      }
+    }
   }
 };
 
