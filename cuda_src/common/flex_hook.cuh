@@ -59,6 +59,19 @@ struct TileListVisits {
   }
 };
 
+// One tile's form of a FlexHook (FlexHook::on_tile): its scores with or without the sequence-bound test (Bounds).
+template <class Hook, bool Bounds>
+struct FlexTileScores {
+  Hook hook;
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    float unused;
+    return hook.template score<Bounds>(qk, row, key, unused);
+  }
+  __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    return hook.template score<Bounds>(qk, row, key, slope_of_score);
+  }
+};
+
 // BlockSparse: the call has a block mask (p.flex_tiles): the loops visit its listed tiles only, and the mask_mod
 // runs on partial ones only.
 template <class ScoreMod, class MaskMod, bool BlockSparse = false>
@@ -103,63 +116,44 @@ struct FlexHook {
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
-  // Which tests a tile's scores take, fixed at compile time per tile (on_tile): whether a score may lie past the
-  // sequence (kBounds: edge tiles only), and whether mask_mod runs on every score (kMaskAll: partial tiles), on none
-  // (kMaskNone: full tiles, or no mask_mod) or as check_mask says (kMaskPerTile: edge tiles, the rare case).
-  enum MaskTest { kMaskNone, kMaskAll, kMaskPerTile };
-  template <bool Bounds, int Mask>
-  struct TileScores {
-    const FlexHook& hook;
-    __device__ __forceinline__ float operator()(float qk, int row, int key) const {
-      float unused;
-      return hook.template score<Bounds, Mask>(qk, row, key, unused);
-    }
-    __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
-      return hook.template score<Bounds, Mask>(qk, row, key, slope_of_score);
-    }
-    __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
-      hook.side_grads(g, qk, row, key);
-    }
-  };
-
   // Runs f(tile_scores) for the visited tile of tile_rows x tile_keys scores from (row0, key0) (block-uniform):
-  // a tile inside seqlen_q x seqlen_k gets a form without the per-score sequence-bound test (which otherwise costs
-  // every score two compares and a branch: about 300 instructions per step of the d64 tensor-core forward), and a
-  // full one without the mask_mod; only tiles crossing the sequence's end test both per score. Each form is its own
-  // copy of the mods' code, so the loop census walks the interior one.
+  // without a mask_mod, a tile inside seqlen_q x seqlen_k gets a form without the per-score sequence-bound test
+  // (which costs every score two compares and a branch: about 400 instructions per step of the d64 tensor-core
+  // forward with a softcap mod), and only tiles crossing the sequence's end test it; each form is its own copy of the
+  // score_mod's code, and the loop census walks the interior one. With a mask_mod, one form tests both per score
+  // (check_mask skips the mask_mod on the block mask's full tiles): with a second form for interior full tiles, ptxas
+  // spilled the block-sparse forward with a side-reading score_mod and mask_mod (16 to 44 bytes at d64 / d128 on
+  // sm_80; none with one form).
   template <class F>
   __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
     const FlexHook tile = for_tile(full);
-    if (row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k) {
-      f(TileScores<true, kMaskPerTile>{tile});
-    } else if (!kMasked || full) {
-      f(TileScores<false, kMaskNone>{tile});
-    } else {
-      f(TileScores<false, kMaskAll>{tile});
-    }
+    if (kMasked || row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k)
+      f(FlexTileScores<FlexHook, true>{tile});
+    else
+      f(FlexTileScores<FlexHook, false>{tile});
   }
 
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
     float unused;
-    return score<true, kMaskPerTile>(qk, row, key, unused);
+    return score<true>(qk, row, key, unused);
   }
 
   // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`: every test (the
   // kernels that call the hook per score without on_tile).
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
-    return score<true, kMaskPerTile>(qk, row, key, slope_of_score);
+    return score<true>(qk, row, key, slope_of_score);
   }
 
-  // The same with the tests Bounds and Mask (MaskTest) say the score needs.
-  template <bool Bounds, int Mask>
+  // The same, with the sequence-bound test where Bounds (on_tile: tiles crossing the sequence's end).
+  template <bool Bounds>
   __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
     slope_of_score = 0.f;
     if (Bounds && (row >= p.seqlen_q || key >= p.seqlen_k)) return neg_inf();
-    if constexpr (kMasked && Mask != kMaskNone) {
+    if constexpr (kMasked) {
       // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
       // MaskMod::kSides arrays are read, all inside p.flex_sides).
       const Sides& mask_sides = *reinterpret_cast<const Sides*>(&p.flex_sides.arrays[ScoreMod::kSides]);
-      if ((Mask == kMaskAll || check_mask) && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
+      if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
     }
     if constexpr (kScoreModded) {
       const float scaled = qk * p.softmax_scale;

@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       fa2::mma_nt<TM, TN>(s, q_tile + (warp_row0 + lane_row) * Tr::kRowStride, kLaneRows * Tr::kRowStride,
                           k_tile + lane_col * Tr::kRowStride, kLaneCols * Tr::kRowStride, k_extent);
 
-      // FlexHook: mask_mod on partial tiles only, the sequence bounds on edge tiles only (flex_hook.cuh's on_tile).
+      // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
         score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN, [&](const auto& tile_hook) {
 #pragma unroll

@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
       // branches and the key index per score) in every tile of plain attention.
-      // FlexHook: mask_mod on partial tiles only, the sequence bounds on edge tiles only (flex_hook.cuh's on_tile).
+      // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
         score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN, [&](const auto& tile_hook) {
           fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,

@@ -1,8 +1,8 @@
 """How often the kernels run a mask_mod under a block mask, counted on the simulator (issue 29 item 2).
 
 With a block mask the kernels visit its listed tiles only, and run the mask_mod on partial tiles only: a full tile's
-scores are all visible (FlexAttention's full blocks), so its step takes the form of the hook without the mask_mod
-(flex_hook.cuh's on_tile in the forwards; the backwards' runtime test). The count: a mask_mod that reads one int32 of
+scores are all visible (FlexAttention's full blocks), so its hook skips the mask_mod (flex_hook.cuh's check_mask, one
+block-uniform flag per visited tile, forward and backward). The count: a mask_mod that reads one int32 of
 a side table per evaluation against one that reads nothing, over the same block mask. The simulator counts every
 global load (LaunchRecord.global_bytes_read), so the difference is 4 bytes per evaluation, exactly: each score of a
 partial tile within seqlen_q x seqlen_k, once per query head (the backward's lists are per kv head, visited by each of
