@@ -39,8 +39,12 @@ struct Sides {
 };
 // Gradients to float side arrays (score mods traced with side_grads): one float32 array per side, contiguous
 // and row-major in the side's shape, that side_grads adds into atomically (null for sides without one).
+// Deterministic (per_warp_slices 1): each array holds one slice of slice_elements (the side's size) per warp of
+// the grid, which only that warp adds into, one lane at a time (flex_hook.cuh); the caller sums the slices in order.
 struct SideGrads {
   float* arrays[kMaxSides];
+  long long slice_elements[kMaxSides];
+  int per_warp_slices;
 };
 // A block mask seen through a kernel's tiles (cuflash.flex.BlockMask.tile_lists): per (batch, head, row tile) the
 // column tiles its loop visits, in increasing order, and whether each is full (every score visible: no mask_mod).

@@ -12,13 +12,14 @@
 // A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends
 // with l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks.
 // Scores past the sequence (rows >= seqlen_q, keys >= seqlen_k, which a tile holds at its edges) are hidden here
-// before any mod runs, so no mod reads a side array at an index the caller never asked for. The kernels still apply
+// before any mod runs, so no mod reads a side array at an index the caller never asked for; the forward kernels take
+// the hook per tile (on_tile), and only tiles crossing the sequence's end test it per score. The kernels still apply
 // their MaskPolicy (no window, no causal: the API passes none with mods), so that test costs as before.
 //
 // Side arrays: the score_mod reads p.flex_sides.arrays[0 .. ScoreMod::kSides), the mask_mod the next
 // MaskMod::kSides (each mod indexes its own from 0: the mask_mod sees a Sides starting at its first array).
 // Gradients to them (ScoreMod::kHasSideGrads): side_grads(g, x, row, key) with g = d loss / d score' =
-// P (dP - D), added atomically into p.flex_side_grads (float32).
+// P (dP - D), added atomically into p.flex_side_grads (float32), or deterministically into per-warp slices.
 #pragma once
 
 #include "common/flex_mod.cuh"
@@ -55,6 +56,19 @@ struct TileListVisits {
     const long long at = batch * lists.batch_stride + head * lists.head_stride + row_tile;
     return TileListVisits{lists.indices + at * lists.columns, lists.full + at * lists.columns, 0,
                           arch::load(lists.counts + at)};
+  }
+};
+
+// One tile's form of a FlexHook (FlexHook::on_tile): its scores with or without the sequence-bound test (Bounds).
+template <class Hook, bool Bounds>
+struct FlexTileScores {
+  Hook hook;
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    float unused;
+    return hook.template score<Bounds>(qk, row, key, unused);
+  }
+  __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    return hook.template score<Bounds>(qk, row, key, slope_of_score);
   }
 };
 
@@ -104,15 +118,39 @@ struct FlexHook {
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
-  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
-    float unused;
-    return (*this)(qk, row, key, unused);
+  // Runs f(tile_scores) for the visited tile of tile_rows x tile_keys scores from (row0, key0) (block-uniform):
+  // without a mask_mod, a tile inside seqlen_q x seqlen_k gets a form without the per-score sequence-bound test
+  // (which costs every score two compares and a branch: about 400 instructions per step of the d64 tensor-core
+  // forward with a softcap mod), and only tiles crossing the sequence's end test it; each form is its own copy of the
+  // score_mod's code, and the loop census walks the interior one. With a mask_mod, one form tests both per score
+  // (check_mask skips the mask_mod on the block mask's full tiles): with a second form for interior full tiles, ptxas
+  // spilled the block-sparse forward with a side-reading score_mod and mask_mod (16 to 44 bytes at d64 / d128 on
+  // sm_80; none with one form).
+  template <class F>
+  __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
+    const FlexHook tile = for_tile(full);
+    if (kMasked || row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k)
+      f(FlexTileScores<FlexHook, true>{tile});
+    else
+      f(FlexTileScores<FlexHook, false>{tile});
   }
 
-  // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`.
+  __device__ __forceinline__ float operator()(float qk, int row, int key) const {
+    float unused;
+    return score<true>(qk, row, key, unused);
+  }
+
+  // score' / scale for x = q.k of (row, key), and d score' / d (scale x) in `slope_of_score`: every test (the
+  // kernels that call the hook per score without on_tile).
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
+    return score<true>(qk, row, key, slope_of_score);
+  }
+
+  // The same, with the sequence-bound test where Bounds (on_tile: tiles crossing the sequence's end).
+  template <bool Bounds>
+  __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
     slope_of_score = 0.f;
-    if (row >= p.seqlen_q || key >= p.seqlen_k) return neg_inf();
+    if (Bounds && (row >= p.seqlen_q || key >= p.seqlen_k)) return neg_inf();
     if constexpr (kMasked) {
       // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
       // MaskMod::kSides arrays are read, all inside p.flex_sides).
@@ -120,19 +158,40 @@ struct FlexHook {
       if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
     }
     if constexpr (kScoreModded) {
-      const float score = qk * p.softmax_scale;
-      if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(score, batch, head, row, key, p.flex_sides);
-      return ScoreMod::score(score, batch, head, row, key, p.flex_sides) * inverse_scale;
+      const float scaled = qk * p.softmax_scale;
+      if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(scaled, batch, head, row, key, p.flex_sides);
+      return ScoreMod::score(scaled, batch, head, row, key, p.flex_sides) * inverse_scale;
     } else {
       slope_of_score = 1.f;
       return qk;
     }
   }
 
-  // Adds g * d score' / d side into the side gradients (only for scores the mask keeps: g is 0 elsewhere).
+  // Adds g * d score' / d side into the side gradients (nothing where g is 0: the scores the mask hides). Called by
+  // every lane of the warp together (the kernels call it per score, outside any per-lane test). Deterministic
+  // (SideGrads::per_warp_slices): into this warp's own slices, the lanes with a gradient one after another in lane
+  // order (__syncwarp orders their adds), so each slice's sums run in one order whatever the schedule.
   __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
-    if constexpr (kHasSideGrads)
-      ScoreMod::side_grads(g, qk * p.softmax_scale, batch, head, row, key, p.flex_sides, p.flex_side_grads);
+    if constexpr (kHasSideGrads) {
+      const float scaled = qk * p.softmax_scale;
+      const SideGrads& grads = p.flex_side_grads;
+      if (!grads.per_warp_slices) {
+        if (g != 0.f) ScoreMod::side_grads(g, scaled, batch, head, row, key, p.flex_sides, grads);
+        return;
+      }
+      const long long warp = ((static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x +
+                              blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+      SideGrads mine = grads;
+#pragma unroll
+      for (int s = 0; s < kMaxSides; ++s)
+        if (mine.arrays[s] != nullptr) mine.arrays[s] += warp * grads.slice_elements[s];
+      const int lane = threadIdx.x % 32;
+      for (unsigned pending = __ballot_sync(0xffffffffu, g != 0.f); pending != 0u; pending &= pending - 1u) {
+        if (lane == __ffs(static_cast<int>(pending)) - 1)
+          ScoreMod::side_grads(g, scaled, batch, head, row, key, p.flex_sides, mine);
+        __syncwarp();
+      }
+    }
   }
 };
 

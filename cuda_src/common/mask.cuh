@@ -255,6 +255,13 @@ struct ScoreHook {
   }
   // The hook for one visited tile (FlexHook skips its mask_mod on full tiles).
   __device__ __forceinline__ ScoreHook for_tile(bool) const { return *this; }
+  // Runs f(hook) with the hook for the visited tile of tile_rows x tile_keys scores from (row0, key0): this one
+  // (FlexHook passes a form without the tests the tile does not need: the sequence bounds, the mask_mod).
+  template <class F>
+  __device__ __forceinline__ void on_tile(bool /*full*/, int /*row0*/, int /*tile_rows*/, int /*key0*/,
+                                          int /*tile_keys*/, F&& f) const {
+    f(*this);
+  }
 };
 
 // What fa1 and standard attention call where fa2 calls ScoreHook: the identity (the Python plans refuse softcap and

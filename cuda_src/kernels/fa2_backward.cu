@@ -290,9 +290,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_backward_kernel(const Atten
               const float kept = dropout.factor(row0 + r, key0 + c);  // dropout.cuh; 1 without dropout
               p_tile[r * Tr::kPStride + c] = prob * kept;
               ds_tile[r * Tr::kPStride + c] = prob * (dp[i][j] * kept - dot) * dscore;
-              // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D) (mods run without dropout).
+              // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D) (mods run without dropout;
+              // by every lane: the hook skips P = 0).
               if constexpr (Hook::kHasSideGrads)
-                if (prob != 0.f) tile_hook.side_grads(prob * (dp[i][j] - dot), s[i][j], row0 + r, key0 + c);
+                tile_hook.side_grads(prob * (dp[i][j] - dot), s[i][j], row0 + r, key0 + c);
             }
           }
         }

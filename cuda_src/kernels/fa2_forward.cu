@@ -177,7 +177,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
     for (int visit = visits.end - 1; visit >= visits.begin; --visit) {
       const int n_block = visits.tile(visit);
-      const Hook tile_hook = score_hook.for_tile(visits.full(visit));
       const int key0 = n_block * BlockN;
       const int block_keys = min(BlockN, mask.seqlen_k - key0);
       __syncthreads();  // every warp is done with the previous K_j, V_j (and Q is complete)
@@ -196,12 +195,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
       fa2::mma_nt<TM, TN>(s, q_tile + (warp_row0 + lane_row) * Tr::kRowStride, kLaneRows * Tr::kRowStride,
                           k_tile + lane_col * Tr::kRowStride, kLaneCols * Tr::kRowStride, k_extent);
 
+      // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
+        score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN, [&](const auto& tile_hook) {
 #pragma unroll
-        for (int i = 0; i < TM; ++i)
+          for (int i = 0; i < TM; ++i)
 #pragma unroll
-          for (int j = 0; j < TN; ++j)
-            s[i][j] = tile_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+            for (int j = 0; j < TN; ++j)
+              s[i][j] = tile_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
+        });
       }
       if (mask.tile_needs_mask(row0, block_rows, key0, BlockN)) {
 #pragma unroll

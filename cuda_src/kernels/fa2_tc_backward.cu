@@ -439,9 +439,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
                     prob[e] *= kept;
                   } else {
                     grad[e] = (prob[e] * dscore) * (dp.c[i][j][2 * half + e] - dot);
-                    // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D).
+                    // Gradients to a score_mod's side arrays: d loss / d score' = P (dP - D) (by every lane: the
+                    // hook skips P = 0).
                     if constexpr (Hook::kHasSideGrads)
-                      if (hooked && prob[e] != 0.f)
+                      if (hooked)
                         score_hook.side_grads(prob[e] * (dp.c[i][j][2 * half + e] - dot), s.c[i][j][2 * half + e],
                                               row0 + r, key0 + c + e);
                   }

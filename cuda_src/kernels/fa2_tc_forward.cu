@@ -238,10 +238,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // Score hook, then the element-wise mask where the tile crosses an edge of the band or the end of the keys.
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
       // branches and the key index per score) in every tile of plain attention.
+      // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
-        const Hook tile_hook = score_hook.for_tile(visits.full(visit));  // FlexHook: mask_mod on partial tiles only
-        fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
-                              [&](float& x, int row, int key) { x = tile_hook(x, row, key); });
+        score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN, [&](const auto& tile_hook) {
+          fa2tc::for_each_score(s, row0 + warp_row0, key0, lane,
+                                [&](float& x, int row, int key) { x = tile_hook(x, row, key); });
+        });
       }
       if (!unmasked.contains(n_block)) {
         fa2tc::mask_tile(s, mask, mask.tile_edges(row0, min(BlockM, mask.seqlen_q - row0), key0, BlockN),

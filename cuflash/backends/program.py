@@ -90,15 +90,18 @@ class PreparedProgram:
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
-            side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
+            side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None,
+            side_grad_slices: int = 0) -> list[Any]:
         """Launch on ``arrays`` (the ``inputs`` by name, with the strides given when prepared); returns the scratch
         buffers it allocated, in the program's order. ``sides``: the side arrays of a flex program's mods
         (AttentionParams.flex_sides, in order), ``side_grads``: their float32 gradient buffers (None where a side
         has none); ``tiles``: a block mask's tile lists by AttentionParams.flex_tiles member ("kv", "q"), each
         (counts, indices, full, batch_stride, head_stride) with int32 device arrays. All become launch buffers too
-        (the simulator checks every access against those)."""
+        (the simulator checks every access against those). ``side_grad_slices`` > 0: each side gradient buffer holds
+        that many slices of its side's size, one per warp of the main kernel's grid (deterministic side gradients,
+        flex_hook.cuh; SideGrads.per_warp_slices)."""
         scratch, addresses = self._allocate_scratch(backend)
-        self._launch(backend, arrays, scratch, addresses, sides, side_grads, tiles)
+        self._launch(backend, arrays, scratch, addresses, sides, side_grads, tiles, side_grad_slices)
         return scratch
 
     def launch(self, backend: ArrayBackend, arrays: Mapping[str, Any]) -> None:
@@ -129,7 +132,7 @@ class PreparedProgram:
 
     def _launch(self, backend: ArrayBackend, arrays: Mapping[str, Any], scratch: list[Any],
                 scratch_addresses: list[int], sides: Sequence[Any] = (), side_grads: Sequence[Any] = (),
-                tiles: Mapping[str, Any] | None = None) -> None:
+                tiles: Mapping[str, Any] | None = None, side_grad_slices: int = 0) -> None:
         # map over C-level callables: no comprehension frame per call.
         buffers = list(map(arrays.__getitem__, self.inputs))
         address = backend.address
@@ -140,6 +143,10 @@ class PreparedProgram:
                 (address(s), tuple(s.shape), tuple(int(n) // s.dtype.itemsize for n in s.strides)) for s in sides)
             grads = np.zeros((), SIDE_GRADS_DTYPE)
             grads["arrays"][: len(side_grads)] = [0 if g is None else address(g) for g in side_grads]
+            if side_grad_slices:
+                grads["slice_elements"][: len(side_grads)] = [0 if g is None else g.size // side_grad_slices
+                                                              for g in side_grads]
+                grads["per_warp_slices"] = 1
             params["flex_side_grads"] = grads
             buffers += [*sides, *(g for g in side_grads if g is not None)]
         for member, (counts, indices, full, batch_stride, head_stride) in (tiles or {}).items():

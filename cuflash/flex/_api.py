@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 from typing import Any
 
 import numpy as np
@@ -185,10 +186,22 @@ class _Call:
         upload = self.backend.upload
         return {member: (upload(counts), upload(indices), upload(full), batch_stride, head_stride)}
 
-    def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = ()) -> dict[str, Any]:
+    def side_grad_slices(self) -> int:
+        """Deterministic side gradients: the warps of the backward's main kernel, one float32 slice of each side
+        gradient apiece (flex_hook.cuh's side_grads). Deterministic, that grid is (num_dq_splits, nheads_k, batch)
+        with num_dq_splits at most enough blocks to fill the SMs (fa2.num_dq_splits_for), so the slices number at
+        most (batch nheads_k + SMs) x warps per block: bounded by the device, not by the sequence lengths."""
+        hooked = [plan for plan in self.program(True).launches if "FlexHook<" in plan.kernel.name_expr]
+        if len(hooked) != 1:
+            raise AssertionError(f"expected one main backward kernel with the mods, got {len(hooked)}")
+        (plan,) = hooked
+        return math.prod(plan.grid) * (math.prod(plan.block) // 32)
+
+    def run(self, arrays: dict[str, Any], backward: bool = False, side_grads: tuple = (),
+            side_grad_slices: int = 0) -> dict[str, Any]:
         prepared = PreparedProgram(self.program(backward), self.problem, self.scale, arrays)
         scratch = prepared.run(self.backend, arrays, sides=self.sides, side_grads=side_grads,
-                               tiles=self.tiles(backward))
+                               tiles=self.tiles(backward), side_grad_slices=side_grad_slices)
         return dict(zip(prepared.scratch_names, scratch))
 
 
@@ -244,7 +257,9 @@ def flex_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
     return_aux_grads: also return the gradients to the float arrays score_mod captures, as a tuple with one entry
     per captured array of score_mod (float32 arrays of their shapes; None for integer and bool arrays): a Python
     score_mod is traced with side_grads=True, a FlexMod must have been. They are accumulated with float32 atomic
-    adds, so they are not bitwise reproducible: deterministic=True refuses them (dq, dk, dv alone are)."""
+    adds, in no fixed order; with deterministic=True each warp of the backward adds into a float32 slice of its own,
+    one lane at a time, and the slices are summed in order afterwards: bitwise reproducible, at (batch nheads_k +
+    SMs) x warps slices of each array's size at most (Call.side_grad_slices), whatever the sequence lengths."""
     placement = Placement(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse))
     dout, q, k, v, out = contiguous_last_dim(placement.arrays[:5])
     lse = placement.arrays[5]
@@ -264,26 +279,27 @@ def flex_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
         if not grad_sides and any(s.dtype in ("float32", "float16", "bfloat16") for s in mod.sides):
             raise ValueError(f"return_aux_grads: score_mod {mod.name} was traced without side_grads "
                              "(cuflash.flex.trace_score_mod(fn, side_grads=True))")
-        if problem.deterministic and grad_sides:
-            raise ValueError("deterministic=True with return_aux_grads: the gradients to captured arrays are "
-                             "accumulated with float32 atomics, in no fixed order; pass deterministic=False")
     if not lse.flags.c_contiguous:
         lse = ascontiguous(lse)
     with backend.device():
         dq = backend.empty(q.shape, q.dtype)
         dk = backend.empty(k.shape, k.dtype)
         dv = backend.empty(v.shape, v.dtype)
-        side_grads = tuple(backend.zeros(spec.shape) if i in grad_sides and return_aux_grads else None
+        slices = call.side_grad_slices() if problem.deterministic and grad_sides and return_aux_grads else 0
+        side_grads = tuple(backend.zeros(((slices,) if slices else ()) + spec.shape)
+                           if i in grad_sides and return_aux_grads else None
                            for i, spec in enumerate(mod.sides)) if mod is not None else ()
         if problem.seqlen_k == 0 or problem.seqlen_q == 0:
             for grad in (dq, dk, dv):
                 grad[...] = 0
         elif dq.size:
             call.run({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv},
-                     backward=True, side_grads=side_grads)
+                     backward=True, side_grads=side_grads, side_grad_slices=slices)
         elif dk.size:
             dk[...] = 0
             dv[...] = 0
+        if slices:  # the warps' slices summed in slice order (a fixed order: no atomics)
+            side_grads = tuple(g if g is None else g.sum(axis=0) for g in side_grads)
     if not return_aux_grads:
         return placement.results(dq, dk, dv)
     present = [g for g in side_grads if g is not None]

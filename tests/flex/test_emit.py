@@ -20,6 +20,7 @@ import pytest
 
 import cuflash.sim as sim
 from cuflash import flex
+from cuflash.kernels.params import SIDE_GRADS_DTYPE
 from cuflash.kernels.program import KernelInstance
 
 B, H, S, L = 2, 3, 8, 8
@@ -194,7 +195,7 @@ SCORES, IDX = _grid()
 N = len(IDX)
 ARGS_DTYPE = np.dtype([("scores", np.uint64), ("idx", np.uint64), ("out", np.uint64), ("dout", np.uint64),
                        ("n", np.int32), ("pad", np.int32), ("sides", flex.SIDES_DTYPE),
-                       ("grads", np.uint64, flex.MAX_SIDES)])
+                       ("grads", SIDE_GRADS_DTYPE)])
 
 KERNELS = """
 namespace flextest {
@@ -291,7 +292,7 @@ def _run(built, key, grads=None, g=None):
     if grads is not None:
         out[:] = g
         for side, buffer in grads.items():
-            args["grads"][side] = buffer.ctypes.data
+            args["grads"]["arrays"][side] = buffer.ctypes.data
             buffers.append(buffer)
         key = ("grads", key)
     sim.launch(instances[key], (N + 127) // 128, 128, 0, args[()], buffers)
