@@ -24,6 +24,7 @@ from ..kernels.program import KernelInstance, LaunchPlan
 class CupyBackend:
     name = "cupy"
     synchronous = False  # launches are queued on the current stream
+    tensor_maps_by_driver = True  # TMA tensor maps: cuTensorMapEncodeTiled
 
     def __init__(self, device_id: int):
         import cupy

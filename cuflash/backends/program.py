@@ -14,8 +14,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..kernels.params import SIDE_GRADS_DTYPE, STRIDED_TENSORS, PointerSlots, pack_params, sides_struct
-from ..kernels.program import LaunchPlan, Problem, Program
+from ..kernels import tensor_map
+from ..kernels.params import (PARAMS_DTYPE, SIDE_GRADS_DTYPE, STRIDED_TENSORS, TMA_TENSORS, PointerSlots, pack_params,
+                              sides_struct)
+from ..kernels.program import LaunchPlan, Problem, Program, TmaBox
 
 # The most float32 scratch bytes a prepared program keeps between launches for reuse (PreparedProgram.launch): a
 # decode step's split-KV partials (out_accum: splits x heads x headdim floats, a few hundred KB), whose allocation
@@ -50,6 +52,9 @@ class ArrayBackend(Protocol):
 
     def address(self, array: Any) -> int: ...
 
+    # Whether this backend's kernels take tensor maps the CUDA driver encodes (a GPU), or the simulator twin's.
+    tensor_maps_by_driver: bool
+
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[Any]) -> None: ...
 
 
@@ -59,6 +64,63 @@ def element_strides(array: Any) -> tuple[int, int, int]:
     itemsize = array.dtype.itemsize
     strides = tuple(int(s) // itemsize for s in array.strides[:-1])
     return strides if len(strides) == 3 else (0, *strides)  # type: ignore[return-value]
+
+
+_TMA_ELEMENT_TYPES = {"float16": tensor_map.FLOAT16, "bfloat16": tensor_map.BFLOAT16}
+
+
+class TmaMaps:
+    """The tensor maps of a program's TMA copies (Program.tma_boxes) for one problem and the strides of its arrays,
+    laid into AttentionParams.tma per call: a map holds its tensor's address, so only that changes between calls.
+
+    Each map is 4-D, innermost first: (head dim, rows, heads, batch) with the arrays' byte strides, the box (cols,
+    rows, 1, 1), the 128-byte swizzle; elements outside the tensor are zero-filled (rows past the sequence, columns
+    past the head dim). Everything but the address is checked (tensor_map.check_tiled) once, here; where TMA cannot
+    take the arrays (strides not whole 16 bytes, such as head dims not a multiple of 8, or 0 for a broadcast batch)
+    ``usable`` is False, and where a call's address is not 16-byte aligned that call goes without: the kernels
+    then copy with loads (AttentionParams.tma_loads 0).
+    Per call: the simulator twin's bytes with the address patched in (it sits at a fixed place); a GPU's maps by
+    the driver (its encoding is opaque)."""
+
+    def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]]):
+        self.tensors = tuple(box.tensor for box in boxes)
+        if set(self.tensors) != set(TMA_TENSORS) or len(self.tensors) != len(TMA_TENSORS):
+            raise ValueError(f"a program's tma_boxes name each of {TMA_TENSORS} once, not {self.tensors}")
+        order = {name: i for i, name in enumerate(self.tensors)}
+        self._encodings = []  # per tensor in TMA_TENSORS' order: the driver's arguments, address 0
+        self.usable = problem.dtype in _TMA_ELEMENT_TYPES
+        for name in TMA_TENSORS:
+            box = boxes[order[name]]
+            query_side = name == "q"
+            width = problem.headdim_v if name == "v" else problem.headdim
+            dims = (width, problem.seqlen_q if query_side else problem.seqlen_k,
+                    problem.nheads if query_side else problem.nheads_k, problem.batch)
+            batch_stride, row_stride, head_stride = strides.get(name, (0, 0, 0))
+            args = (_TMA_ELEMENT_TYPES.get(problem.dtype, tensor_map.FLOAT16), 4, 0, dims,
+                    [2 * row_stride, 2 * head_stride, 2 * batch_stride], (box.cols, box.rows, 1, 1), (1, 1, 1, 1))
+            try:
+                tensor_map.check_tiled(*args, swizzle=tensor_map.SWIZZLE_128B)
+            except ValueError:
+                self.usable = False
+            self._encodings.append(args)
+        if self.usable:
+            self._twins = [bytearray(tensor_map.encode_tiled(*args, swizzle=tensor_map.SWIZZLE_128B))
+                           for args in self._encodings]
+
+    def words(self, addresses: Sequence[int], by_driver: bool) -> np.ndarray | None:
+        """AttentionParams.tma for the tensors at ``addresses`` (TMA_TENSORS' order), or None where a base address
+        is not 16-byte aligned (the only requirement left to check)."""
+        if not self.usable or any(a % 16 for a in addresses):
+            return None
+        if by_driver:
+            maps = [tensor_map.encode_with_driver(args[0], args[1], address, *args[3:], swizzle=tensor_map.SWIZZLE_128B)
+                    for args, address in zip(self._encodings, addresses)]
+        else:
+            maps = []
+            for twin, address in zip(self._twins, addresses):
+                tensor_map.TWIN_ADDRESS.pack_into(twin, tensor_map.TWIN_ADDRESS_OFFSET, address)
+                maps.append(bytes(twin))
+        return np.frombuffer(b"".join(maps), PARAMS_DTYPE["tma"])[0]
 
 
 class PreparedProgram:
@@ -88,6 +150,9 @@ class PreparedProgram:
         # so concurrent calls never share one, and the list holds at most as many sets as calls ever ran at once.
         self._spare_scratch: list[tuple[list[Any], list[int], list[Callable[[], None]]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
+        # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
+        self._tma = TmaMaps(program.tma_boxes, problem, strides) if program.tma_boxes else None
+        self._tma_inputs = tuple(self.inputs.index(name) for name in TMA_TENSORS) if self._tma else ()
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
             side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
@@ -133,7 +198,13 @@ class PreparedProgram:
         # map over C-level callables: no comprehension frame per call.
         buffers = list(map(arrays.__getitem__, self.inputs))
         address = backend.address
-        params = self._slots.pack(self._packed, [*map(address, buffers), *scratch_addresses])
+        input_addresses = [*map(address, buffers)]
+        params = self._slots.pack(self._packed, [*input_addresses, *scratch_addresses])
+        if self._tma is not None:
+            maps = self._tma.words([input_addresses[i] for i in self._tma_inputs], backend.tensor_maps_by_driver)
+            if maps is not None:
+                params["tma_loads"] = 1
+                params["tma"] = maps
         buffers += scratch
         if sides or side_grads:
             params["flex_sides"] = sides_struct(
