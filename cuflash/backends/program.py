@@ -10,13 +10,14 @@ runs on a GPU.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from ..kernels import tensor_map
-from ..kernels.params import (PARAMS_DTYPE, SIDE_GRADS_DTYPE, STRIDED_TENSORS, TMA_TENSORS, PointerSlots, pack_params,
-                              sides_struct)
+from ..kernels.params import (SIDE_GRADS_DTYPE, STRIDED_TENSORS, TMA_BLOCK_OFFSET, TMA_MAPS_AT, TMA_TENSORS,
+                              PointerSlots, pack_params, sides_struct)
 from ..kernels.program import LaunchPlan, Problem, Program, TmaBox
 
 # The most float32 scratch bytes a prepared program keeps between launches for reuse (PreparedProgram.launch): a
@@ -103,24 +104,42 @@ class TmaMaps:
             except ValueError:
                 self.usable = False
             self._encodings.append(args)
+        self._last: tuple[Any, tuple[int, bytes] | None] = (None, None)  # the last call's addresses and block
+        # The TMA block (params.TMA_BLOCK_OFFSET on): tma_loads = 1, then the maps, the twins' addresses still 0.
+        self._block = bytearray(TMA_MAPS_AT + len(TMA_TENSORS) * tensor_map.TENSOR_MAP_BYTES)
+        self._block[:4] = (1).to_bytes(4, "little")
         if self.usable:
-            self._twins = [bytearray(tensor_map.encode_tiled(*args, swizzle=tensor_map.SWIZZLE_128B))
-                           for args in self._encodings]
+            for i, args in enumerate(self._encodings):
+                at = TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES
+                self._block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_tiled(
+                    *args, swizzle=tensor_map.SWIZZLE_128B)
 
-    def words(self, addresses: Sequence[int], by_driver: bool) -> np.ndarray | None:
-        """AttentionParams.tma for the tensors at ``addresses`` (TMA_TENSORS' order), or None where a base address
-        is not 16-byte aligned (the only requirement left to check)."""
-        if not self.usable or any(a % 16 for a in addresses):
+    def block(self, addresses: Sequence[int], by_driver: bool) -> tuple[int, bytes] | None:
+        """The TMA block of AttentionParams (PointerSlots.pack's tail) for the tensors at ``addresses``
+        (TMA_TENSORS' order), or None where a base address is not 16-byte aligned (the only requirement left)."""
+        last_addresses, last_block = self._last
+        if addresses == last_addresses:  # the same arrays as the last call (a training loop's buffers)
+            return last_block
+        q, k, v = addresses
+        if not self.usable or (q | k | v) & 15:
             return None
+        block = bytearray(self._block)  # a copy: concurrent calls may share this object
         if by_driver:
-            maps = [tensor_map.encode_with_driver(args[0], args[1], address, *args[3:], swizzle=tensor_map.SWIZZLE_128B)
-                    for args, address in zip(self._encodings, addresses)]
+            for i, (args, address) in enumerate(zip(self._encodings, addresses)):
+                at = TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES
+                block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_with_driver(
+                    args[0], args[1], address, *args[3:], swizzle=tensor_map.SWIZZLE_128B)
         else:
-            maps = []
-            for twin, address in zip(self._twins, addresses):
-                tensor_map.TWIN_ADDRESS.pack_into(twin, tensor_map.TWIN_ADDRESS_OFFSET, address)
-                maps.append(bytes(twin))
-        return np.frombuffer(b"".join(maps), PARAMS_DTYPE["tma"])[0]
+            pack_address, (at_q, at_k, at_v) = tensor_map.TWIN_ADDRESS.pack_into, _TWIN_ADDRESS_AT
+            pack_address(block, at_q, q), pack_address(block, at_k, k), pack_address(block, at_v, v)
+        made = TMA_BLOCK_OFFSET, bytes(block)
+        self._last = addresses, made  # one assignment: a concurrent call sees an old pair or a new one
+        return made
+
+
+# Where the twins' address words sit in the TMA block (struct's pad bytes would write zeros: one word at a time).
+_TWIN_ADDRESS_AT = tuple(TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES + tensor_map.TWIN_ADDRESS_OFFSET
+                         for i in range(len(TMA_TENSORS)))
 
 
 class PreparedProgram:
@@ -152,7 +171,7 @@ class PreparedProgram:
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
         # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
         self._tma = TmaMaps(program.tma_boxes, problem, strides) if program.tma_boxes else None
-        self._tma_inputs = tuple(self.inputs.index(name) for name in TMA_TENSORS) if self._tma else ()
+        self._tma_inputs = operator.itemgetter(*(self.inputs.index(name) for name in TMA_TENSORS)) if self._tma else None
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
             side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
@@ -199,12 +218,9 @@ class PreparedProgram:
         buffers = list(map(arrays.__getitem__, self.inputs))
         address = backend.address
         input_addresses = [*map(address, buffers)]
-        params = self._slots.pack(self._packed, [*input_addresses, *scratch_addresses])
-        if self._tma is not None:
-            maps = self._tma.words([input_addresses[i] for i in self._tma_inputs], backend.tensor_maps_by_driver)
-            if maps is not None:
-                params["tma_loads"] = 1
-                params["tma"] = maps
+        tail = None if self._tma is None else self._tma.block(
+            self._tma_inputs(input_addresses), backend.tensor_maps_by_driver)
+        params = self._slots.pack(self._packed, [*input_addresses, *scratch_addresses], tail)
         buffers += scratch
         if sides or side_grads:
             params["flex_sides"] = sides_struct(

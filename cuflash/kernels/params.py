@@ -199,6 +199,14 @@ if sorted(PARAMS_DTYPE.fields[name][1] for name in POINTER_FIELDS) != [8 * i for
     raise ValueError(f"{HEADER.name}: AttentionParams' pointers are no longer one block at its start (PointerSlots)")
 
 
+# The TMA block at the end of AttentionParams, as one run of bytes a call lays over the packed ones: tma_loads, the
+# padding up to the maps, the maps (q, k, v).
+TMA_BLOCK_OFFSET = PARAMS_DTYPE.fields["tma_loads"][1]
+TMA_MAPS_AT = PARAMS_DTYPE.fields["tma"][1] - TMA_BLOCK_OFFSET  # in the block
+if PARAMS_DTYPE.itemsize != TMA_BLOCK_OFFSET + TMA_MAPS_AT + _TMA_DTYPE.itemsize:
+    raise ValueError(f"{HEADER.name}: tma_loads and tma are no longer the last members of AttentionParams")
+
+
 class PointerSlots:
     """Where the addresses of a fixed tuple of pointer fields go: a prepared program packs every other field once, its
     pointers null, and lays each call's addresses into a copy."""
@@ -220,12 +228,14 @@ class PointerSlots:
         if self._order == list(range(len(names))):
             self._order = None  # names already in word order
 
-    def pack(self, packed: bytes, addresses: list[int]) -> np.void:
+    def pack(self, packed: bytes, addresses: list[int], tail: tuple[int, bytes] | None = None) -> np.void:
         """``packed`` (PARAMS_DTYPE's bytes, these pointers null) with ``addresses`` (in the order of ``names``) in
-        their fields."""
+        their fields, and ``tail`` = (offset, bytes) laid over the rest (the TMA block: TMA_BLOCK_OFFSET)."""
         buffer = bytearray(packed)
         order = self._order
         self._struct.pack_into(buffer, 0, *(addresses if order is None else map(addresses.__getitem__, order)))
+        if tail is not None:
+            buffer[tail[0]: tail[0] + len(tail[1])] = tail[1]
         return np.frombuffer(buffer, PARAMS_DTYPE)[0]
 
 
