@@ -13,6 +13,10 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Every tile under AddressSanitizer (one case each); no shared-memory bank conflicts (profile mode).
 * Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).
+* The producer's copies: TMA wherever the host could make the tensor maps (every call above says which path it
+  took), the load path otherwise (head dims not a multiple of 8, a base not 16-byte aligned: same results and
+  traffic); planted bugs: a wrong expect_tx byte count deadlocks naming the barrier, a consumer that does not wait
+  on its full barrier races the TMA write (race mode). The profile counts the TMA loads' shared writes.
 """
 
 from __future__ import annotations
