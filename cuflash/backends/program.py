@@ -71,8 +71,9 @@ _TMA_ELEMENT_TYPES = {"float16": tensor_map.FLOAT16, "bfloat16": tensor_map.BFLO
 
 
 class TmaMaps:
-    """The tensor maps of a program's TMA copies (Program.tma_boxes) for one problem and the strides of its arrays,
-    laid into AttentionParams.tma per call: a map holds its tensor's address, so only that changes between calls.
+    """The tensor maps of a program's TMA copies (Program.tma_boxes: a box per tensor, of AttentionParams.tma's
+    members) for one problem and the strides of its arrays, laid into AttentionParams' TMA block per call: a map holds
+    its tensor's address, so only that changes between calls.
 
     Each map is 4-D, innermost first: (head dim, rows, heads, batch) with the arrays' byte strides, the box (cols,
     rows, 1, 1), the 128-byte swizzle; elements outside the tensor are zero-filled (rows past the sequence, columns
@@ -84,19 +85,18 @@ class TmaMaps:
     the driver (its encoding is opaque)."""
 
     def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]]):
-        self.tensors = tuple(box.tensor for box in boxes)
-        if set(self.tensors) != set(TMA_TENSORS) or len(self.tensors) != len(TMA_TENSORS):
-            raise ValueError(f"a program's tma_boxes name each of {TMA_TENSORS} once, not {self.tensors}")
-        order = {name: i for i, name in enumerate(self.tensors)}
-        self._encodings = []  # per tensor in TMA_TENSORS' order: the driver's arguments, address 0
+        self.tensors = tuple(box.tensor for box in boxes)  # the inputs whose addresses block() takes, in this order
+        if len(set(self.tensors)) != len(self.tensors):
+            raise ValueError(f"a program's tma_boxes name a tensor twice: {self.tensors}")
+        self._encodings = []  # per box: the driver's arguments, address 0
+        self._at = []  # per box: its map's place in the block
         self.usable = problem.dtype in _TMA_ELEMENT_TYPES
-        for name in TMA_TENSORS:
-            box = boxes[order[name]]
-            query_side = name == "q"
-            width = problem.headdim_v if name == "v" else problem.headdim
+        for box in boxes:
+            query_side = box.tensor in ("q", "dout")
+            width = problem.headdim_v if box.tensor in ("v", "dout") else problem.headdim
             dims = (width, problem.seqlen_q if query_side else problem.seqlen_k,
                     problem.nheads if query_side else problem.nheads_k, problem.batch)
-            batch_stride, row_stride, head_stride = strides.get(name, (0, 0, 0))
+            batch_stride, row_stride, head_stride = strides.get(box.tensor, (0, 0, 0))
             args = (_TMA_ELEMENT_TYPES.get(problem.dtype, tensor_map.FLOAT16), 4, 0, dims,
                     [2 * row_stride, 2 * head_stride, 2 * batch_stride], (box.cols, box.rows, 1, 1), (1, 1, 1, 1))
             try:
@@ -104,42 +104,37 @@ class TmaMaps:
             except ValueError:
                 self.usable = False
             self._encodings.append(args)
+            self._at.append(TMA_MAPS_AT + TMA_TENSORS.index(box.tensor) * tensor_map.TENSOR_MAP_BYTES)
         self._last: tuple[Any, tuple[int, bytes] | None] = (None, None)  # the last call's addresses and block
         # The TMA block (params.TMA_BLOCK_OFFSET on): tma_loads = 1, then the maps, the twins' addresses still 0.
         self._block = bytearray(TMA_MAPS_AT + len(TMA_TENSORS) * tensor_map.TENSOR_MAP_BYTES)
         self._block[:4] = (1).to_bytes(4, "little")
         if self.usable:
-            for i, args in enumerate(self._encodings):
-                at = TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES
+            for args, at in zip(self._encodings, self._at):
                 self._block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_tiled(
                     *args, swizzle=tensor_map.SWIZZLE_128B)
+        self._twin_address_at = tuple(at + tensor_map.TWIN_ADDRESS_OFFSET for at in self._at)
 
-    def block(self, addresses: Sequence[int], by_driver: bool) -> tuple[int, bytes] | None:
-        """The TMA block of AttentionParams (PointerSlots.pack's tail) for the tensors at ``addresses``
-        (TMA_TENSORS' order), or None where a base address is not 16-byte aligned (the only requirement left)."""
+    def block(self, addresses: tuple[int, ...], by_driver: bool) -> tuple[int, bytes] | None:
+        """The TMA block of AttentionParams (PointerSlots.pack's tail) for the tensors at ``addresses`` (in the
+        order of ``tensors``), or None where a base address is not 16-byte aligned (the only requirement left)."""
         last_addresses, last_block = self._last
         if addresses == last_addresses:  # the same arrays as the last call (a training loop's buffers)
             return last_block
-        q, k, v = addresses
-        if not self.usable or (q | k | v) & 15:
+        if not self.usable or any(a & 15 for a in addresses):
             return None
         block = bytearray(self._block)  # a copy: concurrent calls may share this object
         if by_driver:
-            for i, (args, address) in enumerate(zip(self._encodings, addresses)):
-                at = TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES
+            for args, at, address in zip(self._encodings, self._at, addresses):
                 block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_with_driver(
                     args[0], args[1], address, *args[3:], swizzle=tensor_map.SWIZZLE_128B)
         else:
-            pack_address, (at_q, at_k, at_v) = tensor_map.TWIN_ADDRESS.pack_into, _TWIN_ADDRESS_AT
-            pack_address(block, at_q, q), pack_address(block, at_k, k), pack_address(block, at_v, v)
+            pack_address = tensor_map.TWIN_ADDRESS.pack_into
+            for at, address in zip(self._twin_address_at, addresses):
+                pack_address(block, at, address)
         made = TMA_BLOCK_OFFSET, bytes(block)
         self._last = addresses, made  # one assignment: a concurrent call sees an old pair or a new one
         return made
-
-
-# Where the twins' address words sit in the TMA block (struct's pad bytes would write zeros: one word at a time).
-_TWIN_ADDRESS_AT = tuple(TMA_MAPS_AT + i * tensor_map.TENSOR_MAP_BYTES + tensor_map.TWIN_ADDRESS_OFFSET
-                         for i in range(len(TMA_TENSORS)))
 
 
 class PreparedProgram:
@@ -171,7 +166,11 @@ class PreparedProgram:
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
         # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
         self._tma = TmaMaps(program.tma_boxes, problem, strides) if program.tma_boxes else None
-        self._tma_inputs = operator.itemgetter(*(self.inputs.index(name) for name in TMA_TENSORS)) if self._tma else None
+        self._tma_inputs = None
+        if self._tma is not None:
+            getter = operator.itemgetter(*(self.inputs.index(name) for name in self._tma.tensors))
+            # itemgetter of one index gives the item, of several a tuple: block() takes a tuple.
+            self._tma_inputs = getter if len(self._tma.tensors) > 1 else (lambda found: (getter(found),))
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
             side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None) -> list[Any]:
