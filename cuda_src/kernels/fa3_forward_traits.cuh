@@ -166,10 +166,11 @@ __device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch
 
 // The map of tensor `member` (AttentionParams.tma's q, k or v) as the TMA takes it: its address in param space (the
 // params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the address
-// makes the whole params escape: NVRTC 13.5 then reads their fields with LDC where they are used. The forward
-// does not mind (its consumer loop 663 -> 664 instructions at d128 x 176); the backward's epilogue does (its SASS
-// 3616 -> 6952 instructions with the same change, IMAD-heavy address arithmetic re-done per store): a kernel like
-// it wants its maps as a __grid_constant__ parameter of their own.
+// makes the whole params escape, and NVRTC 13.5 may then read fields with LDC and redo arithmetic on them where
+// they are used. The forward barely changes (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC
+// 18 -> 24, consumer loop 663 -> 664); the backward's epilogue did (3616 -> 6952 instructions with the same change,
+// IMAD-heavy address arithmetic per store): a kernel like it wants its maps as a __grid_constant__ parameter of
+// their own.
 __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long long (&member)[16]) {
   static_assert(sizeof(member) == sizeof(arch::TensorMap) && alignof(TmaMaps) == alignof(arch::TensorMap),
                 "AttentionParams' maps are arch::TensorMap's bytes");
