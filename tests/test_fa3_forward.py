@@ -283,3 +283,34 @@ def test_an_address_tma_cannot_take_runs_on_the_load_path():
     aligned_out, aligned_lse, aligned_records = _run(q, k, v, True)
     assert np.array_equal(out.view(np.uint16), aligned_out.view(np.uint16))
     assert _launch_traffic(records) == _launch_traffic(aligned_records)
+
+
+def test_tensor_maps_made_per_call_from_the_signature():
+    """PreparedProgram's TmaMaps: everything but the addresses checked and encoded once per signature; a call lays
+    the TMA block (tma_loads, then q's, k's and v's maps) over the params with each twin's address patched in; the
+    same addresses again give the same block without re-encoding; arrays TMA cannot take give none."""
+    from cuflash.backends.program import TmaMaps, element_strides
+    from cuflash.kernels import params, tensor_map
+
+    q, k, v, _ = _inputs((2, 77, 200, 4, 2, 64), "float16", seed=37)
+    problem = _problem(q, k, False)
+    boxes = fa3.forward_program(problem, SM90).tma_boxes
+    strides = {name: element_strides(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    maps = TmaMaps(boxes, problem, strides)
+    assert maps.usable and maps.tensors == ("q", "k", "v")
+    addresses = (0x10000, 0x20010, 0x30020)
+    offset, block = maps.block(addresses, by_driver=False)
+    assert offset == params.PARAMS_DTYPE.fields["tma_loads"][1]
+    packed = np.frombuffer(bytes(offset) + block, params.PARAMS_DTYPE)[0]
+    assert packed["tma_loads"] == 1
+    for (name, array), address, rows in zip((("q", q), ("k", k), ("v", v)), addresses, (192, 128, 128)):
+        batch_stride, row_stride, head_stride = strides[name]
+        # (head dim, rows, heads, batch), innermost first; byte strides of rows, heads, batches; box 64 x rows.
+        want = tensor_map.encode_tiled(tensor_map.FLOAT16, 4, address, [64, array.shape[1], array.shape[2], 2],
+                                       [2 * row_stride, 2 * head_stride, 2 * batch_stride], [64, rows, 1, 1],
+                                       swizzle=tensor_map.SWIZZLE_128B)
+        assert packed["tma"][name].tobytes() == want, name
+    assert maps.block(addresses, by_driver=False)[1] is block  # the same arrays: the block made last time
+    assert maps.block((0x10008, *addresses[1:]), by_driver=False) is None  # a base TMA cannot take
+    odd = dict(strides, k=(strides["k"][0], strides["k"][1] + 4, strides["k"][2]))  # k's rows 8 bytes off 16
+    assert not TmaMaps(boxes, problem, odd).usable
