@@ -2,8 +2,11 @@
 simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 * Against the float64 reference with FlashAttention's rule (test_fa2._check_forward): float16 and bfloat16, head
-  dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128, 300/129:
-  rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+  dims 64, 128, 192 and 256, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128,
+  300/129: rows without a key under causal, a K/V block of one key), MHA, GQA and MQA in rotation.
+* Sliding windows (both sides of the band skipped: exact traffic; rows and whole Q blocks without a key), softcap
+  and ALiBi (the hooked instances), head dims 129..256, through cuflash.attention; the plain instance traps when
+  launched with softcap; every instance these added in race mode and under AddressSanitizer.
 * Race mode clean on one case per tile (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads
   of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
   seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
@@ -21,6 +24,7 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -28,6 +32,8 @@ import re
 import numpy as np
 import pytest
 
+import cuflash
+from cuflash import _tolerance as tol
 from cuflash import sim
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
@@ -37,6 +43,7 @@ from cuflash.kernels.families import fa3
 from cuflash.kernels.program import KernelInstance, Problem
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
+from cuflash.testing import rows_without_key
 from test_fa2 import _check_forward, _inputs, _launch_traffic, _problem
 
 SM90 = target("sm_90")
@@ -77,16 +84,22 @@ def _run(q, k, v, causal, tma=True, kernel=None):
 
 
 def _cases():
+    """Every head dim, causal or not, every seqlen pair (d192 and d256, the largest tiles: every other one), the
+    dtype alternating case by case and the heads in rotation."""
     cases = []
     for d in fa3.HEAD_DIMS:
-        for dtype in fa3.DTYPES:
-            for causal in (False, True):
-                for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
-                    nheads, nheads_k = HEADS[(i + causal) % len(HEADS)]
-                    shape = (1 if i % 2 else 2, seqlen_q, seqlen_k, nheads, nheads_k, d)
-                    cases.append(pytest.param(shape, dtype, causal,
-                                              id=f"d{d}-{dtype}-{'causal' if causal else 'full'}-{seqlen_q}x{seqlen_k}"
-                                                 f"-h{nheads}k{nheads_k}"))
+        n = d // 64
+        for causal in (False, True):
+            for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
+                if d > 128 and (i + causal) % 2:
+                    continue
+                dtype = fa3.DTYPES[n % 2]
+                n += 1
+                nheads, nheads_k = HEADS[(i + causal) % len(HEADS)]
+                shape = (1 if i % 2 else 2, seqlen_q, seqlen_k, nheads, nheads_k, d)
+                cases.append(pytest.param(shape, dtype, causal,
+                                          id=f"d{d}-{dtype}-{'causal' if causal else 'full'}-{seqlen_q}x{seqlen_k}"
+                                             f"-h{nheads}k{nheads_k}"))
     return cases
 
 
@@ -171,6 +184,119 @@ def test_no_bank_conflicts():
             assert tma_site.instructions == 2 * tiles * (traits.head_dim // 64), tma_site
 
 
+# Windows (block skipping on both sides of the band: the traffic formula visits only the band's K/V blocks), softcap
+# and ALiBi (the hooked instances), head dims 129..256 (the d192 and d256 tiles), through cuflash.attention on the
+# simulator targeting sm_90: ragged blocks, seqlen_q != seqlen_k both ways, MHA/GQA/MQA, rows (and whole Q blocks)
+# that see no key, both slope layouts, both dtypes in rotation.
+OPTION_CASES = {
+    "window-rows-without-key": ((2, 300, 129, 4, 2, 64), "float16", dict(window_size=(3, 2))),
+    "window-causal": ((1, 77, 200, 3, 1, 128), "bfloat16", dict(window_size=(21, -1), causal=True)),
+    "window-left-only": ((1, 70, 700, 2, 2, 100), "float16", dict(window_size=(0, -1))),
+    "window-right-only": ((2, 200, 300, 4, 2, 128), "bfloat16", dict(window_size=(-1, 9))),
+    "softcap": ((1, 77, 200, 4, 2, 128), "float16", dict(softcap=2.5)),
+    "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3))),
+    "window-softcap-alibi-causal": ((1, 300, 129, 4, 2, 120), "bfloat16",
+                                    dict(window_size=(30, 5), causal=True, softcap=4.0, alibi=(4,))),
+    "d256-window": ((1, 200, 300, 2, 1, 256), "float16", dict(window_size=(40, 24))),
+    "d192-softcap-alibi": ((1, 130, 77, 2, 2, 192), "bfloat16", dict(softcap=6.0, alibi=(2,))),
+    "d160-causal": ((2, 77, 200, 4, 2, 160), "bfloat16", dict(causal=True)),
+    "d200-alibi-window": ((1, 200, 130, 3, 1, 200), "float16", dict(alibi=(1, 3), window_size=(50, 10))),
+}
+
+
+def _options(options, seed):
+    options = dict(options)
+    slopes_shape = options.pop("alibi", None)
+    if slopes_shape is not None:
+        options["alibi_slopes"] = np.random.default_rng(seed).uniform(0.02, 0.6, slopes_shape).astype(np.float32)
+    return options
+
+
+def _attention(q, k, v, options):
+    """cuflash.attention's forward on the simulator targeting sm_90: one launch, the Hopper kernel's."""
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    (launch,) = records.launches
+    assert launch.kernel.startswith("cuflash::fa3_forward_kernel<"), launch.kernel
+    hooked = "softcap" in options or "alibi_slopes" in options
+    assert launch.kernel.endswith(", true>") == hooked, launch.kernel
+    return out, lse, records
+
+
+def _check_options(q, k, v, out, lse, options):
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(q.shape[1], k.shape[1], options.get("causal", False), options.get("window_size", (-1, -1)))
+    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    return empty
+
+
+def _options_problem(q, k, options):
+    window = options.get("window_size", (-1, -1))
+    return Problem(dtype=np.dtype(q.dtype).name, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                   nheads=q.shape[2], nheads_k=k.shape[2], headdim=q.shape[3],
+                   mask=Mask.of(options.get("causal", False), window))
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_windows_softcap_alibi_and_large_head_dims_match_reference(case):
+    shape, dtype, options = OPTION_CASES[case]
+    q, k, v, _ = _inputs(shape, dtype, seed=len(case))
+    options = _options(options, seed=len(case))
+    out, lse, records = _attention(q, k, v, options)
+    empty = _check_options(q, k, v, out, lse, options)
+    if case == "window-rows-without-key":
+        assert empty.sum() > 128  # a whole Q block (64 rows a consumer) sees no key, and rows of a mixed one
+    if "softcap" not in options and "alibi_slopes" not in options:
+        assert _launch_traffic(records) == [tuple(fa3.forward_traffic(_options_problem(q, k, options), SM90))]
+
+
+def test_plain_instance_traps_on_softcap():
+    """An instance without the hook would drop softcap (or ALiBi) silently: launched with one it traps."""
+    q, k, v, _ = _inputs((1, 70, 90, 2, 2, 64), "float16", seed=37)
+    plain = _problem(q, k, False)
+    capped = dataclasses.replace(plain, softcap=3.0)
+    backend = SimulatorBackend()
+    arrays = {"q": q, "k": k, "v": v, "out": backend.empty(q.shape, q.dtype),
+              "lse": backend.empty((1, 2, 70), np.float32)}
+    with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_forward_kernel"):
+        run_program(backend, fa3.forward_program(plain, SM90), capped, 0.125, arrays)
+    with sim.targeting("sm_90"):
+        run_program(backend, fa3.forward_program(capped, SM90), capped, 0.125, arrays)
+
+
+# One case per instance these options added: d192 and d256 plain, the hooked d64 (128 x 128), d128, d192 and d256.
+NEW_INSTANCE_CASES = ("d160-causal", "d256-window", "alibi-per-batch", "window-softcap-alibi-causal",
+                      "d192-softcap-alibi", "d200-alibi-window")
+
+
+def _new_instance_runs(mode=None):
+    """Each NEW_INSTANCE_CASES case at 100 x 170 (two or three K/V blocks through the ring, ragged ones)."""
+    results = []
+    for case in NEW_INSTANCE_CASES:
+        shape, dtype, options = OPTION_CASES[case]
+        q, k, v, _ = _inputs((shape[0], 100, 170, *shape[3:]), dtype, seed=36)
+        options = _options(options, seed=36)
+        with sim.checking(mode) if mode else contextlib.nullcontext():
+            out, lse, records = _attention(q, k, v, options)
+        results.append((q, k, v, options, out, lse, records.launches[0].kernel))
+    return results
+
+
+def test_new_instances_race_free_and_clean_under_asan():
+    """The instances the options added in race mode (mbarrier and named-barrier edges, wgmma in flight, async-proxy
+    reads), then under AddressSanitizer (shared memory allocated with exactly the planned bytes)."""
+    added = (fa3.FORWARD_CHOICES[192][0], fa3.FORWARD_CHOICES[256][0],
+             *(fa3.HOOKED_CHOICES[d] for d in (64, 128, 192, 256)))
+    for runs in (_new_instance_runs("race"), sim.run_in_asan_subprocess(_new_instance_runs, timeout=600)):
+        launched = set()
+        for q, k, v, options, out, lse, kernel in runs:
+            _check_options(q, k, v, out, lse, options)
+            launched.add(kernel.split(",", 1)[1])  # the tile, whatever the dtype
+        assert launched == {t.instance("float16").name_expr.split(",", 1)[1] for t in added}
+
+
 def test_serves_only_its_problems():
     def problem(**kw):
         fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
@@ -178,12 +304,21 @@ def test_serves_only_its_problems():
 
     assert fa3.supports(problem(), SM90) and fa3.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
     assert fa3.supports(problem(headdim=64), target("sm_90a")) and fa3.supports(problem(headdim=96), SM90)
-    for other in (problem(headdim=160), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
-                  problem(softcap=5.0), problem(dropout_p=0.1), problem(headdim=128, headdim_v=64)):
+    for served in (problem(headdim=160), problem(headdim=256, mask=Mask(window_left=8, window_right=0)),
+                   problem(softcap=5.0), problem(alibi="heads", mask=Mask.causal())):
+        assert fa3.supports(served, SM90), served
+    for other in (problem(headdim=257), problem(dtype="float32"), problem(dropout_p=0.1),
+                  problem(headdim=128, headdim_v=64), problem(softcap=5.0, dropout_p=0.1)):
         assert not fa3.supports(other, SM90)
     assert not fa3.supports(problem(), target("sm_80"))
     with pytest.raises(ValueError):
-        fa3.forward_program(problem(headdim=160), SM90)
+        fa3.forward_program(problem(headdim=257), SM90)
+    # The tiles: windows take the masked one, softcap and ALiBi its hooked instance, head dims 129..192 the d192
+    # one, 193..256 the d256 one.
+    assert fa3.forward_traits(problem(mask=Mask(8, 3)), SM90) == fa3.FORWARD_CHOICES[128][0]
+    assert fa3.forward_traits(problem(softcap=5.0), SM90) == fa3.HOOKED_CHOICES[128]
+    assert fa3.forward_traits(problem(headdim=129), SM90).head_dim == 192
+    assert fa3.forward_traits(problem(headdim=193), SM90).head_dim == 256
 
 
 # What ptxas gives every instance (NVRTC 13.5, sm_90a): at most the launch count of __launch_bounds__(threads, 1), no
@@ -197,8 +332,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
     for result in compiled:
         assert not isinstance(result, nvrtc.CompileError), str(result)
         name = result.instance.name_expr
-        traits = next(t for choices in fa3.FORWARD_CHOICES.values() for t in choices
-                      if f", {t.head_dim}, {t.block_m}, {t.block_n}," in name)
+        traits = fa3.traits_of(result.instance)
         res = result.resources
         assert res.registers <= _launch_registers(traits.threads), (name, res)
         assert res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)

@@ -36,15 +36,15 @@ def _kernels(program):
 
 
 def test_sm90_forward_runs_the_hopper_kernel_where_it_serves():
-    for problem in (_problem(), _problem(mask=Mask.causal(), dtype="float16", headdim=64)):
+    for problem in (_problem(), _problem(mask=Mask.causal(), dtype="float16", headdim=64), _problem(headdim=160),
+                    _problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
         assert plans.variant_for("fa2", problem, SM90).module is fa3
         assert _kernels(plans.forward_program("fa2", problem, SM90)) == ["cuflash::fa3_forward_kernel"]
         # The backward stays on mma.sync, on every arch.
         assert plans.variant_for("fa2", problem, SM90, "backward").module is fa2_tc
         assert "cuflash::fa2_tc_backward_kernel" in _kernels(plans.backward_program("fa2", problem, SM90))
         assert plans.variant_for("fa2", problem, SM80).module is fa2_tc
-    for other in (_problem(headdim=160), _problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0)),
-                  _problem(dropout_p=0.1)):
+    for other in (_problem(headdim_v=64), _problem(softcap=5.0, dropout_p=0.1), _problem(dropout_p=0.1)):
         assert plans.variant_for("fa2", other, SM90).module is fa2_tc, other
     assert plans.variant_for("fa2", _problem(dtype="float32"), SM90).name == "simt"
 
@@ -54,10 +54,15 @@ def test_the_plan_says_which_kernel_runs_and_why():
     assert said.startswith("fa2 forward on sm_90: hopper (") and "fa3_forward_kernel<__nv_bfloat16, 128, 128, 176" in said
     said = plans.explain("fa2", _problem(), SM90, "backward").splitlines()
     assert said[0].startswith("fa2 backward on sm_90: tensor_core") and said[1] == "  not hopper: no backward kernel"
-    said = plans.explain("fa2", _problem(softcap=5.0), SM90).splitlines()
-    assert said[0].startswith("fa2 forward on sm_90: tensor_core") and said[1] == "  not hopper: no softcap"
+    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90)
+    assert said.startswith("fa2 forward on sm_90: hopper (") and "128, 128, 128, 2, true>" in said
+    said = plans.explain("fa2", _problem(softcap=5.0, dropout_p=0.1), SM90).splitlines()
+    assert said[0].startswith("fa2 forward on sm_90: tensor_core") and said[1] == "  not hopper: no dropout"
     assert plans.explain("fa2", _problem(), SM80).splitlines()[1] == "  not hopper: wgmma needs sm_90, not sm_80"
-    assert "head dims 1..128 only, not 160" in plans.explain("fa2", _problem(headdim=160), SM90)
+    assert "not hopper: no headdim_v" in plans.explain("fa2", _problem(headdim_v=64), SM90)
+    # One list of the options served: the catalog's, which fa3.refusal reads.
+    (hopper,) = [v for v in catalog.variants("fa2") if v.name == "hopper"]
+    assert hopper.options == fa3.SERVED_OPTIONS == {"softcap", "alibi"}
 
 
 @pytest.mark.parametrize("dtype, causal, head_dim", [("bfloat16", False, 128), ("float16", True, 64)])

@@ -1,11 +1,13 @@
 // Warp-specialized FlashAttention forward for Hopper (sm_90a): wgmma from swizzled shared memory, a producer
 // warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
 //
-// What it does: out = softmax(scale * Q K^T [causal]) V and lse = logsumexp of the scaled scores, per (batch,
-// query head), for __half and __nv_bfloat16, head dims 1..128 (q, k and v alike) on the next compiled one (64 or
-// 128: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens.
-// Not (yet): head dims above 128 or v's own, windows, softcap/ALiBi, varlen, paged or split KV, dropout: those stay
-// on the mma.sync kernels (fa2_tc_forward.cu).
+// What it does: out = softmax(hook(scale * Q K^T) [masked]) V and lse = logsumexp of the scores, per (batch, query
+// head), for __half and __nv_bfloat16, head dims 1..256 (q, k and v alike) on the next compiled one (64, 128, 192
+// or 256: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens;
+// masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
+// the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
+// Not (yet): v's own head dim, varlen, paged or split KV, dropout, flex mods: those stay on the mma.sync kernels
+// (fa2_tc_forward.cu).
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
@@ -21,11 +23,11 @@
 //       (fa3::produce_tile: the same zero fill, fence.proxy.async, one arrival per thread). Before refilling a
 //       stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
-//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); mask (blocks crossing the
-//       causal diagonal or the keys' end only, mask.cuh); online softmax in registers on the accumulator layout (a
-//       row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one FMA); P rounded to 16 bits in registers
-//       as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from the same layout as K, BlockN / 16 k16
-//       steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
+//       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); the score hook (Hooked
+//       instances); mask (blocks crossing an edge of the band or the keys' end only, mask.cuh); online softmax in
+//       registers on the accumulator layout (a row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one
+//       FMA); P rounded to 16 bits in registers as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from
+//       the same layout as K, BlockN / 16 k16 steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
 //       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
 //         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
 //         then waits for it, releases K (after the first wait) and V (after the second: one arrival per warp on
@@ -40,8 +42,9 @@
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
-//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B). Registers per consumer
-//   thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4 words.
+//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B; d192 128 x 112 216 KB + 72 B;
+//   d256 128 x 80 224 KB + 72 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4
+//   words.
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
 // rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
@@ -55,7 +58,10 @@
 
 namespace cuflash {
 
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
+// Hooked: the instance applies mask.cuh's ScoreHook (softcap, ALiBi) to every score. A template flag, not a runtime
+// test: the test cost the plain step 2 to 5 instructions (loop census; d128 128 x 176 past its bound of 1.15x
+// FA3's figure), so only problems with softcap or ALiBi run the hooked instances.
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false>
 __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
@@ -63,8 +69,11 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   using KVTile = typename Tr::KVTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
-  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries.
-  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0) __trap();
+  // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries. An instance
+  // without the hook launched with softcap or ALiBi would silently drop them.
+  if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
+      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)))
+    __trap();
 
   const int m_block = blockIdx.x;
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
@@ -72,6 +81,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   if (row0 >= info.seqlen_q(p)) return;  // the whole block, before any barrier
   const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
   const MaskPolicy mask = MaskPolicy::of(p, info);
+  // The K/V blocks of the band (both sides skipped under a window): the one range the producer loads and the
+  // consumers compute, made once before the roles split, so the two walk the same blocks in the same order.
   const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
 
   unsigned char* q_tile = smem + Tr::kQOffset;
@@ -170,12 +181,15 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   if (!n_range.empty()) {
     const float scale_log2 = p.softmax_scale_log2;
     const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
-    // S of K/V block n_block in s: the element-wise mask where the tile needs it, then the online softmax (s
+    const ScoreHook hook = Hooked ? ScoreHook::of(p, info) : ScoreHook{p, info, 0.f};
+    // S of K/V block n_block in s: the score hook where softcap or ALiBi is on, the element-wise mask where the
+    // tile needs it, then the online softmax (s
     // becomes P in float32); returns O's correction per half (applied by the caller once no P V is in flight).
     float s[Tr::kAccS];
     unsigned p_frag[BlockN / 16][4];
     auto softmax = [&](int n_block, float (&correction)[2]) {
       const int key0 = n_block * BlockN;
+      if constexpr (Hooked) fa3::hook_scores(s, hook, row0 + first_row, key0 + fa3::acc_first_col(lane));
       if (!unmasked.contains(n_block))
         fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
                          key0 + fa3::acc_first_col(lane));
@@ -185,11 +199,16 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 #pragma unroll
       for (int kk = 0; kk < BlockN / 16; ++kk) fa3::p_fragment<T>(p_frag[kk], s, kk);
     };
+    // The steps' descriptors: each product's step 0 made once, the others moved on from it by compile-time offsets
+    // (fa3::desc_advanced: one add where a descriptor made again costs a handful of instructions; HeadDim / 16 of
+    // them a step for S, 16 at d256).
+    const uint64_t q_desc = QTile::k_major_desc(q_tile, group_row0, 0);
     auto issue_s = [&](int stage) {
+      const uint64_t k_desc = KVTile::k_major_desc(k_tile(stage), 0, 0);
 #pragma unroll
       for (int step = 0; step < HeadDim / 16; ++step)
-        arch::wgmma<T, BlockN>(s, QTile::k_major_desc(q_tile, group_row0, step),
-                               KVTile::k_major_desc(k_tile(stage), 0, step), step > 0);
+        arch::wgmma<T, BlockN>(s, fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(step)),
+                               fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(step)), step > 0);
       arch::wgmma_commit();
     };
 
@@ -215,9 +234,10 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 
     auto issue_pv = [&](int stage, unsigned phase) {
       arch::mbarrier_wait(full_v + stage, phase);
+      const uint64_t v_desc = KVTile::mn_major_desc(v_tile(stage), 0);
 #pragma unroll
       for (int kk = 0; kk < BlockN / 16; ++kk)
-        arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], KVTile::mn_major_desc(v_tile(stage), kk), true);
+        arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], fa3::desc_advanced(v_desc, kk * 16 * 128), true);
       arch::wgmma_commit();
     };
     // The consumers' turns (ping-pong; round robin with three): a consumer issues its wgmma between waiting for its

@@ -252,6 +252,26 @@ __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mas
   if (edges.end) mask_edge<Edge::kEnd>(s, lane);
 }
 
+// The score hook (mask.cuh's ScoreHook: softcap, ALiBi) on a warpgroup's S accumulator, before the mask: each score
+// x = q.k becomes the hook's score / scale at its (row, key). Only the hooked instances run it. Which parts are on
+// (softcap, ALiBi) is block-uniform: tested here once per tile, each of the three cases holding its own copy of the
+// loop with the hook's tests folded; left in the hook, ptxas kept them per score (2 branches a score: the d128
+// 128 x 128 softcap step 1123 instructions against 987 so, loop census). The copies cost compile time: NVRTC took
+// about 24 s for that instance against 11 s with one copy (6.5 s for the plain one), on a loaded 2-core machine.
+template <class Hook, int N>
+__device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int first_row, int first_key) {
+  auto each_score = [&] {
+#pragma unroll
+    for (int i = 0; i < N; ++i) s[i] = hook(s[i], first_row + acc_row_step(i), first_key + acc_col_step(i));
+  };
+  if (hook.softcapped()) {
+    if (hook.slope != 0.f) each_score();
+    else each_score();
+  } else if (hook.slope != 0.f) {
+    each_score();
+  }  // neither: the identity
+}
+
 // Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
 // the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
 // 128 arrive). Up to 3 consumers: ids 1..6.

@@ -80,7 +80,8 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
         # Hopper first: where it serves (sm_90, 16-bit, fa3.refusal says which problems), its wgmma forward runs at
         # FA3's structure; the backward and every other problem stay on mma.sync.
         Variant("fa2", "hopper", "cuflash.kernels.families.fa3", dtypes=("float16", "bfloat16"),
-                directions=("forward",), why="warp-specialized wgmma forward (sm_90a code)"),
+                options=frozenset({"softcap", "alibi"}), directions=("forward",),
+                why="warp-specialized wgmma forward (sm_90a code)"),
         Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16"),
                 options=frozenset(OPTIONS), why="mma.sync tensor cores (sm_80 and newer)"),
         Variant("fa2", "simt", "cuflash.kernels.families.fa2", dtypes=("float32",), options=frozenset(OPTIONS)),

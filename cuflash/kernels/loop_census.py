@@ -582,8 +582,8 @@ def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
     if key not in _censuses:
         work = softcap_work(iteration_work(traits))
         path = census(nvrtc.dump_sass(compiled), work, {})[0]
-        _censuses[key] = (CensusRow(instance.name_expr, arch, f"{traits.block_m}x{traits.block_n}x{traits.warps}",
-                                    work, dataclasses.replace(path, path="softcap")),)
+        _censuses[key] = (CensusRow(instance.name_expr, arch, _tile(traits), work,
+                                    dataclasses.replace(path, path="softcap")),)
     return _censuses[key][0]
 
 

@@ -9,8 +9,9 @@ warpgroups; writes out and lse.
 
 In the catalog as fa2's first variant, ``hopper``, forward only: on a sm_90 target (a device, or the simulator under
 ``sim.targeting("sm_90")``) fa2's forward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims
-1..128 (on 64 or 128), no mask or causal, GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the
-mma.sync kernels (fa2_tc), as does every backward. fa2_tc's backward takes this forward's out and lse as they are
+1..256 (on 64, 128, 192 or 256), any mask (none, causal, sliding windows), softcap and ALiBi (the hooked instances),
+GQA/MQA, any seqlens; ``refusal`` says why any other problem stays on the mma.sync kernels (fa2_tc), as does every
+backward. fa2_tc's backward takes this forward's out and lse as they are
 (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
@@ -19,9 +20,10 @@ runs on the sm_90 devices it is for (same major.minor); the report and the censu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from .. import catalog
 from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, TmaBox, ceil_div
 from ..targets import Target
 from . import fa2
@@ -82,11 +84,18 @@ class ForwardTraits(WarpgroupTraits):
     KERNEL: ClassVar[str] = "fa3_forward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_m"
+    hooked: bool = False  # the instance applies the score hook (softcap, ALiBi): the kernel's Hooked flag
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
+
+    def instance(self, dtype: str) -> KernelInstance:
+        plain = super().instance(dtype)
+        if not self.hooked:
+            return plain
+        return KernelInstance(plain.source, f"{plain.name_expr[:-1]}, true>")
 
     @property
     def smem_bytes(self) -> int:
@@ -95,15 +104,24 @@ class ForwardTraits(WarpgroupTraits):
         return tiles + 8 * (1 + 4 * self.stages)
 
 
-# The tiles, (causal, non-causal) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and 128 x 176
-# without a mask (208 KB of shared memory with two stages), two consumers; d64 192 x 128 causal, three consumers.
+# The tiles, (masked, no mask) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and local, 128 x 176
+# without a mask (208 KB of shared memory with two stages), two consumers; d64 192 x 128 causal, three consumers;
+# d256 128 x 80 both ways (two consumers, 224 KB: O alone is 128 floats a thread); d192 128 x 112 (FA3's 128 x 128
+# needs 240 KB with two stages, past the 227 KB a block may have: 112 is the widest that fits, 216 KB).
 # FA3's d64 192 x 192 without a mask holds S (96 floats), P (48) and O (32) per thread where three consumers get 160
 # registers: NVRTC 13.5 spills 400 bytes and serializes the wgmma (C7512), so d64 takes 192 x 128 both ways.
 FORWARD_CHOICES = {
     64: (ForwardTraits(64, block_m=192, block_n=128), ForwardTraits(64, block_m=192, block_n=128)),
     128: (ForwardTraits(128, block_m=128, block_n=128), ForwardTraits(128, block_m=128, block_n=176)),
+    192: (ForwardTraits(192, block_m=128, block_n=112), ForwardTraits(192, block_m=128, block_n=112)),
+    256: (ForwardTraits(256, block_m=128, block_n=80), ForwardTraits(256, block_m=128, block_n=80)),
 }
 HEAD_DIMS = tuple(FORWARD_CHOICES)
+# Problems with softcap or ALiBi run the hooked instance of the masked tile, masked or not: one more instance per
+# head dim and dtype, not two (each costs NVRTC seconds), and the narrower tile leaves the hook's registers room.
+# d64 takes two consumers (128 x 128, 232 registers each): at three (160) the hook's step spilled 68 bytes.
+HOOKED_CHOICES = {d: replace(masked, hooked=True) for d, (masked, _) in FORWARD_CHOICES.items()}
+HOOKED_CHOICES[64] = ForwardTraits(64, block_m=128, block_n=128, hooked=True)
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -117,20 +135,23 @@ def compile_arch(arch: str) -> str:
     return {"sm_90": "sm_90a", "compute_90": "compute_90a"}.get(arch, arch)
 
 
+# The options beyond masked attention the kernel serves, as the catalog lists them: the score hook's (mask.cuh's
+# ScoreHook: softcap, ALiBi).
+SERVED_OPTIONS = next(v for v in catalog.variants("fa2") if v.module_name == "cuflash.kernels.families.fa3").options
+
+
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..128 for q, k and v, no mask but causal (window (-1, -1) or (-1, 0)), and no other option."""
-    mask = problem.mask
+    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but softcap and ALiBi; any mask."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
         return f"takes {'/'.join(DTYPES)}, not {problem.dtype}"
     if not 1 <= problem.headdim <= HEAD_DIMS[-1]:
         return f"head dims 1..{HEAD_DIMS[-1]} only, not {problem.headdim}"
-    if problem.options:
-        return f"no {', '.join(sorted(problem.options))} yet"
-    if not mask.without_window:
-        return "no sliding window yet (causal or no mask only)"
+    unserved = problem.options - SERVED_OPTIONS
+    if unserved:
+        return f"no {', '.join(sorted(unserved))} yet"
     return None
 
 
@@ -142,13 +163,18 @@ def supports(problem: Problem, target: Target) -> bool:
 def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     if not supports(problem, target):
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
-    causal_choice, full_choice = FORWARD_CHOICES[compiled_head_dim(problem.headdim)]
-    traits = full_choice if problem.mask.is_full else causal_choice
+    head_dim = compiled_head_dim(problem.headdim)
+    masked_choice, full_choice = FORWARD_CHOICES[head_dim]
+    if problem.options & SERVED_OPTIONS:
+        traits = HOOKED_CHOICES[head_dim]
+    else:
+        traits = full_choice if problem.mask.is_full else masked_choice
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
 
-_TILES = tuple(dict.fromkeys(t for choices in FORWARD_CHOICES.values() for t in choices))  # distinct, in order
+_TILES = tuple(dict.fromkeys([*(t for choices in FORWARD_CHOICES.values() for t in choices),
+                              *HOOKED_CHOICES.values()]))  # distinct, in order
 
 
 def instances(target: Target | None = None) -> list[KernelInstance]:
