@@ -16,6 +16,10 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Every tile under AddressSanitizer (one case each); no shared-memory bank conflicts (profile mode).
 * Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).
+* The producer's copies: TMA wherever the host could make the tensor maps (every call above says which path it
+  took), the load path otherwise (head dims not a multiple of 8, a base not 16-byte aligned: same results and
+  traffic); planted bugs: a wrong expect_tx byte count deadlocks naming the barrier, a consumer that does not wait
+  on its full barrier races the TMA write (race mode). The profile counts the TMA loads' shared writes.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from cuflash import sim
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels import nvrtc
+from cuflash._paths import CUDA_SRC
 from cuflash.kernels.families import fa3
-from cuflash.kernels.program import Problem
+from cuflash.kernels.program import KernelInstance, Problem
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
 from cuflash.testing import rows_without_key
@@ -46,16 +51,35 @@ SEQLENS = ((1, 1), (77, 200), (128, 128), (300, 129), (70, 700))  # the last: 6 
 HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA (nheads, nheads_k)
 
 
-def _run(q, k, v, causal):
-    backend = SimulatorBackend()
+class _CopyPathSpy(SimulatorBackend):
+    """The simulator backend, noting each launch's AttentionParams.tma_loads (1: the producer copies with TMA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tma_loads = []
+
+    def launch(self, plan, params, buffers):
+        self.tma_loads.append(int(params["tma_loads"]))
+        super().launch(plan, params, buffers)
+
+
+def _run(q, k, v, causal, tma=True, kernel=None):
+    """fa3's forward on the simulator; tma: whether the call must run on the TMA path (else on the load path);
+    kernel: another build of the kernel (a planted bug) in place of the program's."""
+    backend = _CopyPathSpy()
     problem = _problem(q, k, causal)
     out = backend.empty(q.shape, q.dtype)
     lse = backend.empty((problem.batch, problem.nheads, problem.seqlen_q), np.float32)
     program = fa3.forward_program(problem, SM90)
+    if kernel is not None:
+        program = dataclasses.replace(program, launches=tuple(
+            dataclasses.replace(plan, kernel=KernelInstance(kernel, plan.kernel.name_expr))
+            for plan in program.launches))
     with sim.targeting("sm_90"), sim.record() as records:
         run_program(backend, program, problem, 1.0 / math.sqrt(problem.headdim),
                     {"q": q, "k": k, "v": v, "out": out, "lse": lse})
     assert [r.kernel.split("<")[0] for r in records.launches] == ["cuflash::fa3_forward_kernel"]
+    assert backend.tma_loads == [int(tma)]
     return out, lse, records
 
 
@@ -86,15 +110,18 @@ def test_forward_matches_reference(shape, dtype, causal):
     _check_forward(q, k, v, out, lse, causal, None)
 
 
-# Head dims between the compiled ones run on the next (64 or 128), the columns past them zero-filled: whole chunks
-# (40), a chunk the head dim cuts (100, 127: element loads and stores), a single column.
+# Head dims between the compiled ones run on the next (64 or 128), the columns past them zero-filled: by the tensor
+# map (40, 104: TMA's out-of-bounds fill), or on the load path where TMA cannot address the rows (a head dim not a
+# multiple of 8: rows of 200 or 254 bytes, not whole 16 bytes): a chunk the head dim cuts (100, 127: element loads
+# and stores), a single column.
 @pytest.mark.parametrize("head_dim, dtype, causal, seqlens", [(40, "float16", True, (77, 200)),
+                                                              (104, "bfloat16", False, (300, 129)),
                                                               (100, "bfloat16", False, (300, 129)),
                                                               (127, "bfloat16", True, (70, 700)),
                                                               (1, "float16", False, (128, 128))])
 def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
     q, k, v, _ = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=33)
-    out, lse, records = _run(q, k, v, causal)
+    out, lse, records = _run(q, k, v, causal, tma=head_dim % 8 == 0)
     _check_forward(q, k, v, out, lse, causal, None)
     assert _launch_traffic(records) == [tuple(fa3.forward_traffic(_problem(q, k, causal), SM90))]
 
@@ -133,17 +160,28 @@ def test_every_tile_clean_under_asan():
 
 
 def test_no_bank_conflicts():
-    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the epilogue's 4-byte pairs (8 rows, each
-    at its own chunk position) and 16-byte reads, at their ideal wavefront counts on both head dims' tiles. (The
-    profile does not count wgmma's operand reads.)"""
-    for head_dim, causal in ((64, True), (128, False)):
+    """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) or, on the load path,
+    its 16-byte stores (8 lanes a line), the epilogue's 4-byte pairs (8 rows, each at its own chunk position) and
+    16-byte reads, at their ideal wavefront counts on both head dims' tiles. (The profile does not count wgmma's
+    operand reads.)"""
+    for head_dim, causal in ((64, True), (128, False), (60, True)):
+        tma = head_dim % 8 == 0
         q, k, v, _ = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=23)
         with sim.checking("profile"):
-            _, _, records = _run(q, k, v, causal)
+            _, _, records = _run(q, k, v, causal, tma=tma)
         (launch,) = records.launches
-        assert {site.kind for site in launch.shared_access_sites} == {"store", "load"}
+        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.load"} if tma
+                                                                      else {"store", "load"})
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)
+        if tma:  # every copy counted: Q once and K and V per visible K/V block, per (head, Q block)
+            traits = fa3.forward_traits(_problem(q, k, causal), SM90)
+            policy = _problem(q, k, causal).mask_policy
+            blocks = [policy.kv_blocks(traits.block_n, row0, min(row0 + traits.block_m, 200))
+                      for row0 in range(0, 200, traits.block_m)]
+            tiles = sum(1 + 2 * (b.end - b.begin) for b in blocks if b.end > b.begin)  # per head
+            (tma_site,) = [site for site in launch.shared_access_sites if site.kind == "tma.load"]
+            assert tma_site.instructions == 2 * tiles * (traits.head_dim // 64), tma_site
 
 
 # Windows (block skipping on both sides of the band: the traffic formula visits only the band's K/V blocks), softcap
@@ -320,3 +358,93 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
                            r"HGMMA\.64x\d+x16[^;]*\.tnspB, R\d+, gsb0 ;.*?"
                            r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1 ;.*?WARPGROUP\.DEPBAR\.LE gsb0, 0x0 ;", sass, re.S)
         assert len(steps) == 1, name
+
+
+# ---- the producer's TMA copies ---------------------------------------------------------------------------------
+
+
+def _planted(tmp_path, old, new):
+    """fa3_forward.cu with `old` replaced by `new` (a planted bug), as a kernel source of its own."""
+    text = (CUDA_SRC / fa3.SOURCE).read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / "fa3_forward_planted.cu"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+# d64's tile (192 x 128, 2 stages): Q's 24 KB, then K's and V's 2 x 16 KB, then the mbarriers: q_full, full_k[2] ...
+_D64_FULL_K = 192 * 64 * 2 + 4 * 128 * 64 * 2 + 8
+
+
+def test_planted_wrong_expect_tx_deadlocks_naming_the_barrier(tmp_path):
+    """The producer expects 16 bytes more for K than its copies bring: full_k's phase never completes, and the
+    consumers' wait on it is reported as a deadlock naming the barrier, its phase and the missing bytes."""
+    kernel = _planted(tmp_path, "        arch::mbarrier_wait(empty_k + stage, previous_round);\n"
+                                "        fa3::produce_tile_tma<KVTile>",
+                      "        arch::mbarrier_wait(empty_k + stage, previous_round);\n"
+                      "        arch::mbarrier_expect_tx(full_k + stage, 16);  // planted\n"
+                      "        fa3::produce_tile_tma<KVTile>")
+    q, k, v, _ = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=35)
+    with pytest.raises(sim.KernelError, match=rf"(?s)deadlock: .*fa3_forward_planted\.cu:\d+.* for parity 0 of the "
+                                              rf"mbarrier at shared byte offset {_D64_FULL_K} .*tx-count of 16 bytes"):
+        _run(q, k, v, False, kernel=kernel)
+
+
+def test_planted_read_before_the_wait_is_a_race(tmp_path):
+    """The consumers issue S = Q K^T on the first K/V block without waiting on its full barrier: their wgmma reads
+    the K tile (shared byte 24576 on) that the producer's TMA load writes, unordered with it (no wait observed the
+    phase that load completes): a race-mode error."""
+    kernel = _planted(tmp_path, "    arch::mbarrier_wait(full_k, 0);\n    arch::wgmma_fence();\n    issue_s(0);",
+                      "    arch::wgmma_fence();  // planted: no wait on full_k\n    issue_s(0);")
+    q, k, v, _ = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=35)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"data race on shared memory byte offset 24576: "
+                                                                    r".*thread \(0,0,0\) wrote it with no "
+                                                                    r"__syncthreads\(\) in between, nor an mbarrier"):
+        _run(q, k, v, False, kernel=kernel)
+
+
+def test_an_address_tma_cannot_take_runs_on_the_load_path():
+    """A tensor map needs a 16-byte aligned base: q 8 bytes past one runs that call on the load path (the maps are
+    made per call), with the same results and traffic as an aligned call on the TMA path."""
+    q, k, v, _ = _inputs((1, 77, 200, 4, 2, 64), "bfloat16", seed=36)
+    raw = np.empty(q.size + 8, q.dtype)
+    skew = (-raw.ctypes.data // 2 + 4) % 8  # q's base 8 bytes past a 16-byte boundary
+    shifted = raw[skew: skew + q.size].reshape(q.shape)
+    shifted[...] = q
+    assert shifted.ctypes.data % 16 == 8
+    out, lse, records = _run(shifted, k, v, True, tma=False)
+    _check_forward(q, k, v, out, lse, True, None)
+    aligned_out, aligned_lse, aligned_records = _run(q, k, v, True)
+    assert np.array_equal(out.view(np.uint16), aligned_out.view(np.uint16))
+    assert _launch_traffic(records) == _launch_traffic(aligned_records)
+
+
+def test_tensor_maps_made_per_call_from_the_signature():
+    """PreparedProgram's TmaMaps: everything but the addresses checked and encoded once per signature; a call lays
+    the TMA block (tma_loads, then q's, k's and v's maps) over the params with each twin's address patched in; the
+    same addresses again give the same block without re-encoding; arrays TMA cannot take give none."""
+    from cuflash.backends.program import TmaMaps, element_strides
+    from cuflash.kernels import params, tensor_map
+
+    q, k, v, _ = _inputs((2, 77, 200, 4, 2, 64), "float16", seed=37)
+    problem = _problem(q, k, False)
+    boxes = fa3.forward_program(problem, SM90).tma_boxes
+    strides = {name: element_strides(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    maps = TmaMaps(boxes, problem, strides)
+    assert maps.usable and maps.tensors == ("q", "k", "v")
+    addresses = (0x10000, 0x20010, 0x30020)
+    offset, block = maps.block(addresses, by_driver=False)
+    assert offset == params.PARAMS_DTYPE.fields["tma_loads"][1]
+    packed = np.frombuffer(bytes(offset) + block, params.PARAMS_DTYPE)[0]
+    assert packed["tma_loads"] == 1
+    for (name, array), address, rows in zip((("q", q), ("k", k), ("v", v)), addresses, (192, 128, 128)):
+        batch_stride, row_stride, head_stride = strides[name]
+        # (head dim, rows, heads, batch), innermost first; byte strides of rows, heads, batches; box 64 x rows.
+        want = tensor_map.encode_tiled(tensor_map.FLOAT16, 4, address, [64, array.shape[1], array.shape[2], 2],
+                                       [2 * row_stride, 2 * head_stride, 2 * batch_stride], [64, rows, 1, 1],
+                                       swizzle=tensor_map.SWIZZLE_128B)
+        assert packed["tma"][name].tobytes() == want, name
+    assert maps.block(addresses, by_driver=False)[1] is block  # the same arrays: the block made last time
+    assert maps.block((0x10008, *addresses[1:]), by_driver=False) is None  # a base TMA cannot take
+    odd = dict(strides, k=(strides["k"][0], strides["k"][1] + 4, strides["k"][2]))  # k's rows 8 bytes off 16
+    assert not TmaMaps(boxes, problem, odd).usable

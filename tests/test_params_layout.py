@@ -72,7 +72,11 @@ def test_the_mirror_is_derived_from_the_header_not_copied():
     assert side_buffers[-1] == "extra_buffer"
     assert fields[fields.index(("num_kv_splits", "int")) + 1] == ("new_scalar", "float")
     # The mods' side arrays (attention_params.cuh's flex structs) come from the header's structs too.
-    assert fields[-2:] == [("flex_tiles.q.columns", "flex::TileLists"), ("flex_shard.origin", "flex::Shard")]
+    tail = fields.index(("flex_tiles.q.columns", "flex::TileLists"))
+    assert fields[tail + 1] == ("flex_shard.origin", "flex::Shard")
+    # Then the TMA block, last: the flag and the tensor maps (64-byte aligned, 16 words each).
+    assert fields[tail + 2] == ("tma_loads", "int") and fields[tail + 3] == ("tma.q[0]", "TmaMaps")
+    assert fields[-1] == ("tma.v[15]", "TmaMaps") and len(fields) == tail + 3 + 48
     grown_sides = text.replace("int shape[kMaxSideDims];", "int shape[kMaxSideDims];\n  int extra;")
     assert ("flex_sides.arrays[0].extra", "flex::Sides") in params.header_fields(grown_sides)[0]
     assert tensors[-1] == params.TensorField("dbias", "Query", "QK", "Out")

@@ -74,6 +74,16 @@ struct Shard {
 };
 }  // namespace flex
 
+// TMA tensor maps of q, k and v for a kernel whose producer copies tiles with cp.async.bulk.tensor (the Hopper
+// forward): each arch::TensorMap's 128 bytes (CUtensorMap, 64-byte aligned), made per call on the host (they hold
+// the tensor's address: cuflash/backends/program.py's TmaMaps, the driver's encoding on a GPU, the simulator
+// twin's on the CPU). Which box each holds is the kernel family's (Program.tma_boxes).
+struct alignas(64) TmaMaps {
+  unsigned long long q[16];
+  unsigned long long k[16];
+  unsigned long long v[16];
+};
+
 struct TensorStrides {
   long long batch;
   long long row;
@@ -225,6 +235,12 @@ struct AttentionParams {
   flex::SideGrads flex_side_grads;
   flex::TileLists flex_tiles;  // with a block mask (FlexHook's BlockSparse), else unused
   flex::Shard flex_shard;      // the shard's global first batch and query head (null: offsets 0)
+
+  // 1: tma holds q's, k's and v's maps and the kernel copies with TMA; 0: the host could not make them (an address
+  // or stride TMA cannot take, or a caller that makes none: the JAX handlers) and the kernel copies with loads.
+  // A kernel takes the params as a __grid_constant__ parameter to pass the maps' addresses (param space).
+  int tma_loads;
+  TmaMaps tma;
 };
 
 }  // namespace cuflash

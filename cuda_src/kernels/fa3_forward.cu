@@ -15,9 +15,13 @@
 //   block = 1 + kConsumers warpgroups of 128 threads (fa3_forward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to kProducerRegisters): copies Q once and, per visible K/V block
 //       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
-//       with 16-byte global loads into the 128-byte-swizzled layout wgmma reads (fa3::produce_tile: zero rows past
-//       the sequence, fence.proxy.async, one arrival per thread on the stage's "full" mbarrier). Before refilling
-//       a stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
+//       in the 128-byte-swizzled layout wgmma reads. With TMA (p.tma_loads: the host made q's, k's and v's tensor
+//       maps, passed in the __grid_constant__ params): one elected thread arrives on the stage's "full" mbarrier
+//       expecting the tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma;
+//       the maps zero-fill rows past the sequence and columns past the head dim); the other producer threads
+//       exit. Else (what TMA cannot address, or a caller without maps) all 128 copy with 16-byte loads
+//       (fa3::produce_tile: the same zero fill, fence.proxy.async, one arrival per thread). Before refilling a
+//       stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
 //       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); the score hook (Hooked
 //       instances); mask (blocks crossing an edge of the band or the keys' end only, mask.cuh); online softmax in
@@ -44,7 +48,8 @@
 //
 // What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
 // rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
-// written once. Rows past the sequence are zero-filled in shared memory, never read. FLOPs: 4 B H Sq Sk d, about
+// written once. Rows past the sequence are zero-filled in shared memory, never read (TMA reads only the box's
+// elements inside the tensor). FLOPs: 4 B H Sq Sk d, about
 // half with causal.
 //
 // Rows that see no key write out = 0 and lse = -inf. Requires softmax_scale > 0.
@@ -57,7 +62,7 @@ namespace cuflash {
 // test: the test cost the plain step 2 to 5 instructions (loop census; d128 128 x 176 past its bound of 1.15x
 // FA3's figure), so only problems with softcap or ALiBi run the hooked instances.
 template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false>
-__global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
   using QTile = typename Tr::QTile;
@@ -90,14 +95,17 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   auto k_tile = [&](int stage) { return smem + Tr::kKOffset + stage * KVTile::kBytes; };
   auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * KVTile::kBytes; };
 
+  const bool tma = p.tma_loads != 0;  // the host made q's, k's and v's tensor maps (fa3_forward_traits.cuh)
   if (threadIdx.x == 0) {
-    arch::mbarrier_init(q_full, fa3::kFullArrivals);
+    const unsigned full_arrivals = fa3::full_arrivals(tma);
+    arch::mbarrier_init(q_full, full_arrivals);
     for (int s = 0; s < Stages; ++s) {
-      arch::mbarrier_init(full_k + s, fa3::kFullArrivals);
-      arch::mbarrier_init(full_v + s, fa3::kFullArrivals);
+      arch::mbarrier_init(full_k + s, full_arrivals);
+      arch::mbarrier_init(full_v + s, full_arrivals);
       arch::mbarrier_init(empty_k + s, Tr::kConsumerWarps);  // one arrival per consumer warp
       arch::mbarrier_init(empty_v + s, Tr::kConsumerWarps);
     }
+    arch::fence_mbarrier_init();  // visible to the async proxy (the TMA's complete_tx) too
   }
   __syncthreads();  // every use of the barriers after their init
 
@@ -109,6 +117,24 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // ---- producer ----
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     if (n_range.empty()) return;
+    if (tma) {
+      // One elected thread issues every copy; the other producer threads have nothing left to do.
+      if (thread >= 32 || !arch::elect_one_sync()) return;
+      fa3::produce_tile_tma<QTile>(q_tile, fa3::tensor_map(p.tma.q), row0, info.head, info.batch, q_full);
+#pragma unroll 1
+      for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+        const int stage = it % Stages;
+        const unsigned previous_round = ((it / Stages) & 1) ^ 1;  // as below
+        const int key0 = n_block * BlockN;
+        arch::mbarrier_wait(empty_k + stage, previous_round);
+        fa3::produce_tile_tma<KVTile>(k_tile(stage), fa3::tensor_map(p.tma.k), key0, info.kv_head, info.batch,
+                                      full_k + stage);
+        arch::mbarrier_wait(empty_v + stage, previous_round);
+        fa3::produce_tile_tma<KVTile>(v_tile(stage), fa3::tensor_map(p.tma.v), key0, info.kv_head, info.batch,
+                                      full_v + stage);
+      }
+      return;
+    }
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
     const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
     fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),

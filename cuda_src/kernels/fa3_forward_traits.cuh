@@ -136,18 +136,54 @@ __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
 }
 
 // ---- the producer ---------------------------------------------------------------------------------------
-// How many arrivals complete a "full" phase: each of the producer's threads arrives once its own stores are
-// fenced for the async proxy. (A TMA producer: one elected thread's arrive_expect_tx, the copy's bytes complete
-// the phase; this constant and produce_tile are all that change.)
+// Two ways to fill a tile, chosen per call by the host (AttentionParams.tma_loads):
+//   TMA (produce_tile_tma): one elected thread arrives on the stage's "full" mbarrier expecting the tile's bytes
+//     and issues one cp.async.bulk.tensor per 64-column panel; the copies' bytes complete the phase. The tensor
+//     maps (4-D: head dim, rows, heads, batch, innermost first; box 64 columns x the tile's rows; 128-byte
+//     swizzle, the layout WgmmaTile describes) zero-fill what lies outside the tensor: rows past the sequence
+//     and columns past the head dim, so the tails need no code here.
+//   Loads (produce_tile): every producer thread copies chunks with ordinary loads and stores, fences them for the
+//     async proxy and arrives. For what TMA cannot address (a tensor map needs a 16-byte aligned base and strides
+//     of whole 16 bytes: head dims not a multiple of 8, odd strides) and callers that make no maps (the JAX
+//     handlers).
+// How many arrivals complete a "full" phase: one per producer thread on the load path, the elected thread's one
+// with TMA.
 constexpr int kFullArrivals = kWarpgroupThreads;
+__device__ __forceinline__ unsigned full_arrivals(bool tma) { return tma ? 1u : unsigned(kFullArrivals); }
 
-// tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block of global rows `row_stride`
-// elements apart, zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite scores the mask
-// hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S).
-// Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector:
-// whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element
-// loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
-// (fence.proxy.async) and arrives on `full`.
+// The tile at rows row0 .. row0 + Tile::kRows - 1 of (head, batch) through `map` (box: 64 columns x Tile::kRows
+// rows), completing Tile::kBytes on `full` (zero-filled elements count: the box is always whole).
+template <class Tile>
+__device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch::TensorMap* map, int row0, int head,
+                                                 int batch, uint64_t* full) {
+  arch::mbarrier_arrive_expect_tx(full, Tile::kBytes);
+#pragma unroll
+  for (int panel = 0; panel < Tile::kCols / kPanelCols; ++panel) {
+    const int coords[4] = {panel * kPanelCols, row0, head, batch};
+    arch::tma_load<4>(tile + panel * Tile::kPanelBytes, map, coords, full);
+  }
+}
+
+// The map of tensor `member` (AttentionParams.tma's q, k or v) as the TMA takes it: its address in param space (the
+// params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the address
+// makes the whole params escape, and NVRTC 13.5 may then read fields with LDC and redo arithmetic on them where
+// they are used. The forward barely changes (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC
+// 18 -> 24, consumer loop 663 -> 664); the backward's epilogue did (3616 -> 6952 instructions with the same change,
+// IMAD-heavy address arithmetic per store): a kernel like it wants its maps as a __grid_constant__ parameter of
+// their own.
+__device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long long (&member)[16]) {
+  static_assert(sizeof(member) == sizeof(arch::TensorMap) && alignof(TmaMaps) == alignof(arch::TensorMap),
+                "AttentionParams' maps are arch::TensorMap's bytes");
+  return reinterpret_cast<const arch::TensorMap*>(&member);
+}
+
+// The load path: tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block of global
+// rows `row_stride` elements apart, zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite
+// scores the mask hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add
+// nothing to S). Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row
+// (coalesced). vector: whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim
+// cuts, element loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will
+// read them (fence.proxy.async) and arrives on `full`.
 template <class Tile, class T>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {

@@ -24,6 +24,7 @@ from ..kernels.program import KernelInstance, LaunchPlan
 class CupyBackend:
     name = "cupy"
     synchronous = False  # launches are queued on the current stream
+    tensor_maps_by_driver = True  # TMA tensor maps: cuTensorMapEncodeTiled
 
     def __init__(self, device_id: int):
         import cupy
@@ -70,7 +71,7 @@ class CupyBackend:
 
 
 def by_value(params: np.void) -> np.ndarray:
-    """AttentionParams as the one kernel argument CuPy passes by value, its itemsize bytes (488) whole: a 0-d
+    """AttentionParams as the one kernel argument CuPy passes by value, its itemsize bytes (1280) whole: a 0-d
     structured NumPy array. Every CuPy >= 9 takes a one-element NumPy array by value (CNumpyArray). A numpy.void
     would go through CuPy's scalar path instead, which CuPy 14.0.x caps below 64 bytes (an AssertionError at every
     launch, and a buffer overrun under python -O); the scalar path takes large structs only from 14.1. The bytes

@@ -10,12 +10,15 @@ runs on a GPU.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..kernels.params import SIDE_GRADS_DTYPE, STRIDED_TENSORS, PointerSlots, pack_params, sides_struct
-from ..kernels.program import LaunchPlan, Problem, Program
+from ..kernels import tensor_map
+from ..kernels.params import (SIDE_GRADS_DTYPE, STRIDED_TENSORS, TMA_BLOCK_OFFSET, TMA_MAPS_AT, TMA_TENSORS,
+                              PointerSlots, pack_params, sides_struct)
+from ..kernels.program import LaunchPlan, Problem, Program, TmaBox
 
 # The most float32 scratch bytes a prepared program keeps between launches for reuse (PreparedProgram.launch): a
 # decode step's split-KV partials (out_accum: splits x heads x headdim floats, a few hundred KB), whose allocation
@@ -50,6 +53,9 @@ class ArrayBackend(Protocol):
 
     def address(self, array: Any) -> int: ...
 
+    # Whether this backend's kernels take tensor maps the CUDA driver encodes (a GPU), or the simulator twin's.
+    tensor_maps_by_driver: bool
+
     def launch(self, plan: LaunchPlan, params: np.void, buffers: Sequence[Any]) -> None: ...
 
 
@@ -59,6 +65,76 @@ def element_strides(array: Any) -> tuple[int, int, int]:
     itemsize = array.dtype.itemsize
     strides = tuple(int(s) // itemsize for s in array.strides[:-1])
     return strides if len(strides) == 3 else (0, *strides)  # type: ignore[return-value]
+
+
+_TMA_ELEMENT_TYPES = {"float16": tensor_map.FLOAT16, "bfloat16": tensor_map.BFLOAT16}
+
+
+class TmaMaps:
+    """The tensor maps of a program's TMA copies (Program.tma_boxes: a box per tensor, of AttentionParams.tma's
+    members) for one problem and the strides of its arrays, laid into AttentionParams' TMA block per call: a map holds
+    its tensor's address, so only that changes between calls.
+
+    Each map is 4-D, innermost first: (head dim, rows, heads, batch) with the arrays' byte strides, the box (cols,
+    rows, 1, 1), the 128-byte swizzle; elements outside the tensor are zero-filled (rows past the sequence, columns
+    past the head dim). Everything but the address is checked (tensor_map.check_tiled) once, here; where TMA cannot
+    take the arrays (strides not whole 16 bytes, such as head dims not a multiple of 8, or 0 for a broadcast batch)
+    ``usable`` is False, and where a call's address is not 16-byte aligned that call goes without: the kernels
+    then copy with loads (AttentionParams.tma_loads 0).
+    Per call: the simulator twin's bytes with the address patched in (it sits at a fixed place); a GPU's maps by
+    the driver (its encoding is opaque)."""
+
+    def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]]):
+        self.tensors = tuple(box.tensor for box in boxes)  # the inputs whose addresses block() takes, in this order
+        if len(set(self.tensors)) != len(self.tensors):
+            raise ValueError(f"a program's tma_boxes name a tensor twice: {self.tensors}")
+        self._encodings = []  # per box: the driver's arguments, address 0
+        self._at = []  # per box: its map's place in the block
+        self.usable = problem.dtype in _TMA_ELEMENT_TYPES
+        for box in boxes:
+            query_side = box.tensor in ("q", "dout")
+            width = problem.headdim_v if box.tensor in ("v", "dout") else problem.headdim
+            dims = (width, problem.seqlen_q if query_side else problem.seqlen_k,
+                    problem.nheads if query_side else problem.nheads_k, problem.batch)
+            batch_stride, row_stride, head_stride = strides.get(box.tensor, (0, 0, 0))
+            args = (_TMA_ELEMENT_TYPES.get(problem.dtype, tensor_map.FLOAT16), 4, 0, dims,
+                    [2 * row_stride, 2 * head_stride, 2 * batch_stride], (box.cols, box.rows, 1, 1), (1, 1, 1, 1))
+            try:
+                tensor_map.check_tiled(*args, swizzle=tensor_map.SWIZZLE_128B)
+            except ValueError:
+                self.usable = False
+            self._encodings.append(args)
+            self._at.append(TMA_MAPS_AT + TMA_TENSORS.index(box.tensor) * tensor_map.TENSOR_MAP_BYTES)
+        self._last: tuple[Any, tuple[int, bytes] | None] = (None, None)  # the last call's addresses and block
+        # The TMA block (params.TMA_BLOCK_OFFSET on): tma_loads = 1, then the maps, the twins' addresses still 0.
+        self._block = bytearray(TMA_MAPS_AT + len(TMA_TENSORS) * tensor_map.TENSOR_MAP_BYTES)
+        self._block[:4] = (1).to_bytes(4, "little")
+        if self.usable:
+            for args, at in zip(self._encodings, self._at):
+                self._block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_tiled(
+                    *args, swizzle=tensor_map.SWIZZLE_128B)
+        self._twin_address_at = tuple(at + tensor_map.TWIN_ADDRESS_OFFSET for at in self._at)
+
+    def block(self, addresses: tuple[int, ...], by_driver: bool) -> tuple[int, bytes] | None:
+        """The TMA block of AttentionParams (PointerSlots.pack's tail) for the tensors at ``addresses`` (in the
+        order of ``tensors``), or None where a base address is not 16-byte aligned (the only requirement left)."""
+        last_addresses, last_block = self._last
+        if addresses == last_addresses:  # the same arrays as the last call (a training loop's buffers)
+            return last_block
+        if not self.usable or any(a & 15 for a in addresses):
+            return None
+        block = bytearray(self._block)  # a copy: concurrent calls may share this object
+        if by_driver:
+            for args, at, address in zip(self._encodings, self._at, addresses):
+                block[at: at + tensor_map.TENSOR_MAP_BYTES] = tensor_map.encode_with_driver(
+                    args[0], args[1], address, *args[3:], swizzle=tensor_map.SWIZZLE_128B)
+        else:
+            pack_address = tensor_map.TWIN_ADDRESS.pack_into
+            for at, address in zip(self._twin_address_at, addresses):
+                pack_address(block, at, address)
+        made = TMA_BLOCK_OFFSET, bytes(block)
+        self._last = addresses, made  # one assignment: a concurrent call sees an old pair or a new one
+        return made
 
 
 class PreparedProgram:
@@ -88,6 +164,13 @@ class PreparedProgram:
         # so concurrent calls never share one, and the list holds at most as many sets as calls ever ran at once.
         self._spare_scratch: list[tuple[list[Any], list[int], list[Callable[[], None]]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
+        # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
+        self._tma = TmaMaps(program.tma_boxes, problem, strides) if program.tma_boxes else None
+        self._tma_inputs = None
+        if self._tma is not None:
+            getter = operator.itemgetter(*(self.inputs.index(name) for name in self._tma.tensors))
+            # itemgetter of one index gives the item, of several a tuple: block() takes a tuple.
+            self._tma_inputs = getter if len(self._tma.tensors) > 1 else (lambda found: (getter(found),))
 
     def run(self, backend: ArrayBackend, arrays: Mapping[str, Any], sides: Sequence[Any] = (),
             side_grads: Sequence[Any] = (), tiles: Mapping[str, Any] | None = None,
@@ -136,7 +219,10 @@ class PreparedProgram:
         # map over C-level callables: no comprehension frame per call.
         buffers = list(map(arrays.__getitem__, self.inputs))
         address = backend.address
-        params = self._slots.pack(self._packed, [*map(address, buffers), *scratch_addresses])
+        input_addresses = [*map(address, buffers)]
+        tail = None if self._tma is None else self._tma.block(
+            self._tma_inputs(input_addresses), backend.tensor_maps_by_driver)
+        params = self._slots.pack(self._packed, [*input_addresses, *scratch_addresses], tail)
         buffers += scratch
         if sides or side_grads:
             params["flex_sides"] = sides_struct(

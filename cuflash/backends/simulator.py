@@ -37,6 +37,7 @@ class SimulatorBackend:
     name = "simulator"
     xp = np  # the array module of the backend's arrays
     synchronous = True  # a launch returns once its kernels have run
+    tensor_maps_by_driver = False  # TMA tensor maps: the simulator twin's encoding (cuflash.kernels.tensor_map)
 
     @property
     def target(self) -> Target:

@@ -84,6 +84,15 @@ def _leaves(dtype: np.dtype, prefix: str, offset: int = 0):
         yield prefix, offset, dtype.itemsize
 
 
+# AttentionParams.tma (TmaMaps): a TMA tensor map (128 bytes, 16 words) for each of these tensors, 64-byte aligned.
+TMA_TENSORS = ("q", "k", "v")
+TENSOR_MAP_WORDS = 16
+_TMA_ALIGN = 64
+_TMA_DTYPE = np.dtype({"names": list(TMA_TENSORS), "formats": [(np.uint64, TENSOR_MAP_WORDS)] * len(TMA_TENSORS),
+                       "offsets": [8 * TENSOR_MAP_WORDS * i for i in range(len(TMA_TENSORS))],
+                       "itemsize": 8 * TENSOR_MAP_WORDS * len(TMA_TENSORS), "aligned": True})
+
+
 def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[TensorField], list[str]]:
     """(leaf fields as (C path, C type) in declaration order, tensor fields, side-buffer fields) of the header.
 
@@ -112,6 +121,9 @@ def header_fields(text: str | None = None) -> tuple[list[tuple[str, str]], list[
             continue
         if statement in expansions:
             fields += expansions[statement]
+            continue
+        if statement == "TmaMaps tma;":  # 64-byte aligned (_params_dtype places it)
+            fields += [(path, "TmaMaps") for path, _, _ in _leaves(_TMA_DTYPE, "tma")]
             continue
         m = re.fullmatch(r"(int|unsigned|float|long long|flex::\w+) (\w+);", statement)
         if m is None or (m.group(1).startswith("flex::") and m.group(1) not in flex_structs):
@@ -143,7 +155,11 @@ MAX_SIDE_DIMS = SIDES_DTYPE["arrays"].base["shape"].shape[0]
 def _params_dtype(fields: list[tuple[str, str]]) -> np.dtype:
     members: list[tuple[str, object]] = []
     for path, ctype in fields:
-        if ctype in _FLEX_STRUCTS:
+        if ctype == "TmaMaps":
+            outer = path.split(".")[0]
+            if members[-1][0] != outer:
+                members.append((outer, _TMA_DTYPE))
+        elif ctype in _FLEX_STRUCTS:
             outer = path.split(".")[0]
             if not members or members[-1][0] != outer:
                 members.append((outer, _FLEX_STRUCTS[ctype]))
@@ -154,8 +170,18 @@ def _params_dtype(fields: list[tuple[str, str]]) -> np.dtype:
             members[-1][1].append((inner, _SCALAR_TYPES[ctype]))
         else:
             members.append((path, _SCALAR_TYPES[ctype]))
-    return np.dtype([(name, np.dtype(t, align=True) if isinstance(t, list) else t) for name, t in members],
-                    align=True)
+    dtypes = [(name, np.dtype(t, align=True) if isinstance(t, list) else np.dtype(t)) for name, t in members]
+    # np.dtype(align=True) aligns each member to at most 8 bytes here; alignas(64) members (TmaMaps) get their
+    # offsets, and the struct its size (a multiple of its alignment), by hand.
+    names, formats, offsets, at, align = [], [], [], 0, 1
+    for name, dtype in dtypes:
+        member_align = _TMA_ALIGN if dtype is _TMA_DTYPE else dtype.alignment
+        at = -(-at // member_align) * member_align
+        names.append(name), formats.append(dtype), offsets.append(at)
+        at += dtype.itemsize
+        align = max(align, member_align)
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-at // align) * align,
+                     "aligned": True})
 
 
 PARAMS_DTYPE = _params_dtype(_FIELDS)
@@ -171,6 +197,14 @@ def field_layout() -> dict[str, tuple[int, int]]:
 _POINTER_WORD = {name: PARAMS_DTYPE.fields[name][1] // 8 for name in POINTER_FIELDS}
 if sorted(PARAMS_DTYPE.fields[name][1] for name in POINTER_FIELDS) != [8 * i for i in range(len(POINTER_FIELDS))]:
     raise ValueError(f"{HEADER.name}: AttentionParams' pointers are no longer one block at its start (PointerSlots)")
+
+
+# The TMA block at the end of AttentionParams, as one run of bytes a call lays over the packed ones: tma_loads, the
+# padding up to the maps, the maps (q, k, v).
+TMA_BLOCK_OFFSET = PARAMS_DTYPE.fields["tma_loads"][1]
+TMA_MAPS_AT = PARAMS_DTYPE.fields["tma"][1] - TMA_BLOCK_OFFSET  # in the block
+if PARAMS_DTYPE.itemsize != TMA_BLOCK_OFFSET + TMA_MAPS_AT + _TMA_DTYPE.itemsize:
+    raise ValueError(f"{HEADER.name}: tma_loads and tma are no longer the last members of AttentionParams")
 
 
 class PointerSlots:
@@ -194,12 +228,14 @@ class PointerSlots:
         if self._order == list(range(len(names))):
             self._order = None  # names already in word order
 
-    def pack(self, packed: bytes, addresses: list[int]) -> np.void:
+    def pack(self, packed: bytes, addresses: list[int], tail: tuple[int, bytes] | None = None) -> np.void:
         """``packed`` (PARAMS_DTYPE's bytes, these pointers null) with ``addresses`` (in the order of ``names``) in
-        their fields."""
+        their fields, and ``tail`` = (offset, bytes) laid over the rest (the TMA block: TMA_BLOCK_OFFSET)."""
         buffer = bytearray(packed)
         order = self._order
         self._struct.pack_into(buffer, 0, *(addresses if order is None else map(addresses.__getitem__, order)))
+        if tail is not None:
+            buffer[tail[0]: tail[0] + len(tail[1])] = tail[1]
         return np.frombuffer(buffer, PARAMS_DTYPE)[0]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .._paths import CUDA_SRC
 from ..mask import Mask, MaskPolicy
-from .params import SIDE_BUFFER_FIELDS
+from .params import SIDE_BUFFER_FIELDS, TMA_TENSORS
 
 ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
@@ -277,8 +277,25 @@ class Scratch:
 
 
 @dataclass(frozen=True)
+class TmaBox:
+    """The box a kernel's TMA copies of one tensor move (AttentionParams.tma's member ``tensor``: q, k or v): ``cols``
+    elements of the head dim (one 128-byte swizzled line of 16-bit elements) by ``rows`` rows, of one head of one
+    batch. The host encodes the tensor's map per call (backends/program.py's TmaMaps)."""
+
+    tensor: str
+    rows: int
+    cols: int = 64
+
+    def __post_init__(self) -> None:
+        if self.tensor not in TMA_TENSORS:
+            raise ValueError(f"TmaBox.tensor must be one of {TMA_TENSORS}, got {self.tensor!r}")
+
+
+@dataclass(frozen=True)
 class Program:
     launches: tuple[LaunchPlan, ...]
     scratch: tuple[Scratch, ...] = field(default=())
     num_dq_splits: int = 1
     num_kv_splits: int = 1  # split-KV forward (attention_params.cuh): splits of each sequence's K/V blocks
+    # The tensor maps the launches' TMA copies read (AttentionParams.tma), one box per tensor; none: no TMA.
+    tma_boxes: tuple[TmaBox, ...] = field(default=())

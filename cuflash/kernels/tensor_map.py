@@ -32,6 +32,11 @@ _TWIN_MAGIC = 0x4D544643  # "CFTM", sim_tma.h's kTensorMapMagic
 # sim_tma.h's TensorMapTwin, field by field (little-endian, no implicit padding).
 _TWIN_LAYOUT = struct.Struct("<I8BIQ5II4Q5B5B38x")
 assert _TWIN_LAYOUT.size == TENSOR_MAP_BYTES
+# Where the twin holds the global address (after the magic, the eight enum bytes and a 32-bit word): a caller that
+# re-encodes only the address patches it there.
+TWIN_ADDRESS = struct.Struct("<Q")
+TWIN_ADDRESS_OFFSET = 16
+assert _TWIN_LAYOUT.format.startswith("<I8BIQ") and struct.calcsize("<I8BI") == TWIN_ADDRESS_OFFSET
 
 
 def check_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequence[int],
@@ -105,8 +110,9 @@ def encode_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequen
     check_tiled(dtype, rank, global_address, global_dims, global_strides, box_dims, element_strides, interleave,
                 swizzle, l2_promotion, oob_fill)
     if device:
-        return _encode_with_driver(dtype, rank, global_address, global_dims, global_strides, box_dims,
-                                   element_strides, interleave, swizzle, l2_promotion, oob_fill)
+        return encode_with_driver(dtype, rank, global_address, global_dims, global_strides, box_dims,
+                                  element_strides, interleave=interleave, swizzle=swizzle,
+                                  l2_promotion=l2_promotion, oob_fill=oob_fill)
     if interleave != INTERLEAVE_NONE:
         raise ValueError("interleave: interleaved layouts are not modeled by the simulator")
     pad = lambda values, fill: list(values) + [fill] * (5 - len(values))  # noqa: E731
@@ -116,9 +122,11 @@ def encode_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequen
                              *pad(element_strides, 1))
 
 
-def _encode_with_driver(dtype, rank, global_address, global_dims, global_strides, box_dims, element_strides,
-                        interleave, swizzle, l2_promotion, oob_fill) -> bytes:
-    """cuTensorMapEncodeTiled through cuda.bindings.driver (thin: the checks above already ran)."""
+def encode_with_driver(dtype, rank, global_address, global_dims, global_strides, box_dims, element_strides, *,
+                       interleave=INTERLEAVE_NONE, swizzle=SWIZZLE_NONE, l2_promotion=L2_PROMOTION_NONE,
+                       oob_fill=OOB_FILL_NONE) -> bytes:
+    """cuTensorMapEncodeTiled through cuda.bindings.driver, unchecked: for callers whose arguments check_tiled
+    already passed (encode_tiled; a prepared program re-encoding its maps per call for a new address)."""
     from cuda.bindings import driver
 
     err, tensor_map = driver.cuTensorMapEncodeTiled(

@@ -400,3 +400,21 @@ def test_refilling_a_stage_without_waiting_for_its_consumers_is_an_error():
                                              r"\d+\): over-arrival: no arrival is pending on the mbarrier at shared "
                                              r"byte offset 0 .*a tx-count of 256 bytes"):
         run_ring(5, bug=1)
+
+
+@pytest.mark.parametrize("swizzle", [0, 128])
+def test_profile_counts_a_copys_shared_side(swizzle):
+    """Profile mode counts a TMA copy's shared side (sim_profile.cpp) as one instruction whose 16-byte units go 8 (128
+    bytes) a phase in box order: a box of 8 rows of 128 bytes is 8 phases, each a line of distinct banks, swizzled
+    or not."""
+    dims, box = [64, 16], [64, 8]
+    base, strides = tensor(dims, np.uint16)
+    with sim.checking("profile"), sim.record() as records:
+        run_load(base, dims, strides, box, [0, 4], swizzle=swizzle)
+        run_store(dims, box, [0, 4], swizzle=swizzle)
+    sites = {site.kind: site for launch in records.launches for site in launch.shared_access_sites
+             if site.kind.startswith("tma.")}
+    assert set(sites) == {"tma.load", "tma.store"}
+    for site in sites.values():
+        assert (site.instructions, site.bytes, site.ideal, site.wavefronts) == (1, 16, 8, 8), site
+        assert "hopper_tma.cu:" in site.site

@@ -398,7 +398,14 @@ CUFLASH_SIM_API void warp_collective(const Site& site, unsigned mask, Collective
 
 // Profile mode (sim_profile.cpp): shared-memory accesses the twins make on a lane's behalf, by
 // source location (plain loads and stores are seen by the instrumentation). A no-op elsewhere.
-enum ProfileKind : unsigned { kProfileLoad = 0, kProfileStore = 1, kProfileLdmatrix = 2, kProfileCpAsync = 3 };
+enum ProfileKind : unsigned {
+  kProfileLoad = 0,
+  kProfileStore = 1,
+  kProfileLdmatrix = 2,
+  kProfileCpAsync = 3,
+  kProfileTmaLoad = 4,   // a TMA load's shared writes (sim_tma.cpp, profile_bulk_shared_access)
+  kProfileTmaStore = 5,  // a TMA store's shared reads
+};
 CUFLASH_SIM_API void profile_shared_access(const Site& site, const void* address, unsigned bytes, unsigned kind);
 
 // Global memory: find the registered buffer holding [p, p + bytes), else fail.

@@ -294,5 +294,8 @@ void profile_warp_synchronized(Worker* w, unsigned warp);  // all lanes of `warp
 void profile_block_end(Worker* w);
 std::string profile_launch_report();
 #endif
+// The shared-memory side of one bulk copy (a TMA load's writes, a TMA store's reads): its 16-byte units at these
+// shared offsets, in the order the box lists them (sim_profile.cpp; a no-op outside profile mode).
+void profile_bulk_shared_access(const Site& site, const std::vector<uint32_t>& unit_offsets, unsigned kind);
 
 }  // namespace cuflash::sim

@@ -16,6 +16,11 @@
 //   - a phase needs as many wavefronts as its most loaded bank holds distinct 32-bit words
 //     (32 banks of 4 bytes; lanes reading the same word share it, a broadcast);
 //   - ideal = the number of phases with an active lane; excess = wavefronts - ideal.
+// A TMA copy (one thread's instruction, the copy engine's access) is counted as the engine moves it: its
+// 16-byte units in box order (the innermost dimension first), 8 units (128 bytes) a phase, each phase as
+// many wavefronts as its most loaded bank holds distinct words. A 128-byte swizzled box row is then 1
+// wavefront; the same row without the swizzle too, but two rows whose units share banks are not. (The ISA
+// does not document the engine's shared-memory phases: this is the model, the ideal a line per wavefront.)
 // Reported per call site: instructions, wavefronts, ideal (cuflash.sim.record's launch records).
 #include <dlfcn.h>
 
@@ -109,6 +114,24 @@ void count(const SiteKey& site, const Instruction& in) {
   }
 }
 
+// Counts a bulk copy's phases straight away (it is one instruction of one thread: nothing to gather).
+void count_bulk(const SiteKey& site, const std::vector<uint32_t>& unit_offsets) {
+  Counts& c = g_profile.totals[site];
+  ++c.instructions;
+  for (size_t first = 0; first < unit_offsets.size(); first += 8) {
+    std::vector<uint32_t> words[32];
+    for (size_t u = first; u < std::min(unit_offsets.size(), first + 8); ++u)
+      for (uint32_t word = unit_offsets[u] / 4; word < unit_offsets[u] / 4 + 4; ++word) {
+        std::vector<uint32_t>& bank = words[word % 32];
+        if (std::find(bank.begin(), bank.end(), word) == bank.end()) bank.push_back(word);
+      }
+    size_t most = 0;
+    for (const std::vector<uint32_t>& bank : words) most = std::max(most, bank.size());
+    c.wavefronts += most;
+    c.ideal += 1;
+  }
+}
+
 void record(Fiber* f, const SiteKey& site, uintptr_t address) {
   Worker* w = f->worker;
   const uintptr_t smem = reinterpret_cast<uintptr_t>(w->view.smem);
@@ -148,7 +171,7 @@ void profile_launch_begin() { g_profile.totals.clear(); }
 // One line per call site: "pc <library>\t<offset hex>" or "src <file>\t<line>", then kind, bytes,
 // instructions, wavefronts, ideal, tab-separated.
 std::string profile_launch_report() {
-  static const char* const kKinds[] = {"load", "store", "ldmatrix", "cp.async"};
+  static const char* const kKinds[] = {"load", "store", "ldmatrix", "cp.async", "tma.load", "tma.store"};
   std::string text;
   char line[4096];
   for (const auto& [site, c] : g_profile.totals) {
@@ -173,6 +196,11 @@ void profile_shared_access(const Site& site, const void* address, unsigned bytes
   Fiber* f = fiber_on_this_stack();
   if (f == nullptr) return;
   record(f, SiteKey{nullptr, site.file, site.line, kind, bytes}, reinterpret_cast<uintptr_t>(address));
+}
+
+void profile_bulk_shared_access(const Site& site, const std::vector<uint32_t>& unit_offsets, unsigned kind) {
+  if (fiber_on_this_stack() == nullptr) return;
+  count_bulk(SiteKey{nullptr, site.file, site.line, kind, 16}, unit_offsets);
 }
 
 }  // namespace cuflash::sim
@@ -226,6 +254,7 @@ CUFLASH_HOOK void __tsan_write_range(void*, unsigned long) {}
 
 namespace cuflash::sim {
 void profile_shared_access(const Site&, const void*, unsigned, unsigned) {}
+void profile_bulk_shared_access(const Site&, const std::vector<uint32_t>&, unsigned) {}
 }  // namespace cuflash::sim
 
 #endif  // CUFLASH_SIM_PROFILE

@@ -125,6 +125,17 @@ unsigned checked_shared_offset(const Site& site, const void* smem, unsigned byte
   return static_cast<unsigned>(at - base);
 }
 
+// The profile's view of a copy (profile_bulk_shared_access): its 16-byte units' shared offsets, in box order.
+void profile_units(const Site& site, unsigned offset, const Box& box, unsigned kind) {
+#if CUFLASH_SIM_PROFILE
+  std::vector<uint32_t> units(box.bytes / 16);
+  for (unsigned u = 0; u < units.size(); ++u) units[u] = unit_offset(offset, u, box.swizzle_bytes);
+  profile_bulk_shared_access(site, units, kind);
+#else
+  (void)site, (void)offset, (void)box, (void)kind;
+#endif
+}
+
 const Buffer* buffer_holding(const Launch* launch, uintptr_t address, unsigned bytes) {
   for (const Buffer& b : launch->buffers)
     if (address >= b.begin && address + bytes <= b.end) return &b;
@@ -260,6 +271,7 @@ void tma_load(const Site& site, void* smem_dst, const void* map, const int* coor
   const Box box = make_box(site, map, coords, rank);
   const unsigned dst_offset = checked_shared_offset(site, smem_dst, box.bytes, "TMA load destination");
   const uint32_t bar_offset = mbarrier_offset_for_tx(site, bar);
+  profile_units(site, dst_offset, box, kProfileTmaLoad);
   TmaLoad load;
   load.issuer = f;
   load.site = site;
@@ -318,6 +330,7 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   store.site = site;
   store.group = f->bulk_groups_committed;
   store.src_offset = checked_shared_offset(site, smem_src, box.bytes, "TMA store source");
+  profile_units(site, store.src_offset, box, kProfileTmaStore);
   store.swizzle_bytes = box.swizzle_bytes;
   store.bytes = box.bytes;
   store.element_bytes = box.map.element_bytes;

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .. import catalog
-from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, ceil_div
+from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, TmaBox, ceil_div
 from ..targets import Target
 from . import fa2
 
@@ -200,7 +200,9 @@ def forward_program(problem: Problem, target: Target) -> Program:
     grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
     launch = LaunchPlan(traits.instance(problem.dtype), fa2.check_grid(grid), (traits.threads, 1, 1),
                         traits.smem_bytes)
-    return Program(launches=(launch,))
+    # Q's box is the Q block, K's and V's the K/V block: 64 columns (one swizzled panel) each.
+    boxes = (TmaBox("q", traits.block_m), TmaBox("k", traits.block_n), TmaBox("v", traits.block_n))
+    return Program(launches=(launch,), tma_boxes=boxes)
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
