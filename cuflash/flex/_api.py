@@ -33,6 +33,9 @@ from ._trace_cache import traced_mod
 from .block_mask import BlockMask, create_block_mask
 
 _ALGORITHM = "fa2"
+# The most bytes deterministic side gradients may take in per-warp float32 slices (Call.side_grad_slices x each
+# captured array's size): a small table's slices are kilobytes, a dense (B, H, L, L) bias's would be terabytes.
+DETERMINISTIC_SIDE_GRAD_BYTES = 1 << 30
 
 
 def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -281,11 +284,19 @@ def flex_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
                              "(cuflash.flex.trace_score_mod(fn, side_grads=True))")
     if not lse.flags.c_contiguous:
         lse = ascontiguous(lse)
+    slices = call.side_grad_slices() if problem.deterministic and grad_sides and return_aux_grads else 0
+    if slices:
+        slice_bytes = 4 * slices * sum(math.prod(mod.sides[i].shape) for i in grad_sides)
+        if slice_bytes > DETERMINISTIC_SIDE_GRAD_BYTES:
+            raise ValueError(
+                f"deterministic=True: the side gradients of score_mod {mod.name} would take {slice_bytes / 2**30:.1f} "
+                f"GiB of float32 slices ({slices} warps x each captured array's size; at most "
+                f"{DETERMINISTIC_SIDE_GRAD_BYTES / 2**30:.0f} GiB); pass deterministic=False (float32 atomics) or "
+                "capture a smaller array (a table indexed by position, not a dense bias)")
     with backend.device():
         dq = backend.empty(q.shape, q.dtype)
         dk = backend.empty(k.shape, k.dtype)
         dv = backend.empty(v.shape, v.dtype)
-        slices = call.side_grad_slices() if problem.deterministic and grad_sides and return_aux_grads else 0
         side_grads = tuple(backend.zeros(((slices,) if slices else ()) + spec.shape)
                            if i in grad_sides and return_aux_grads else None
                            for i, spec in enumerate(mod.sides)) if mod is not None else ()

@@ -77,3 +77,28 @@ def test_deterministic_side_gradients_are_the_same_bits_under_every_schedule(dty
     # The same gradients as the atomic adds' up to their order (and dq, dk, dv the deterministic ones).
     *_, (atomic,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, return_aux_grads=True, **mods)
     np.testing.assert_allclose(dtable, atomic, rtol=1e-4, atol=1e-5)
+
+
+def test_deterministic_side_gradients_refuse_slices_past_the_memory_bound(monkeypatch):
+    # A captured array whose per-warp slices would pass the bound: a clear ValueError naming the option, before any
+    # kernel runs (nothing is launched).
+    from cuflash.flex import _api
+
+    q, k, v, dout = random_inputs((1, 33, 40, 2, 2, 16), "float32", seed=5)
+    import jax.numpy as jnp
+
+    bias = jnp.zeros((2, 33, 40), jnp.float32)
+
+    def dense_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    out, lse = cuflash.flex_attention(q, k, v, return_lse=True, score_mod=dense_bias)
+    monkeypatch.setattr(_api, "DETERMINISTIC_SIDE_GRAD_BYTES", 4 * bias.size)  # fewer than one slice per warp
+    with sim.record() as records, pytest.raises(ValueError, match=r"deterministic=True: the side gradients"):
+        cuflash.flex_attention_backward(dout, q, k, v, out, lse, deterministic=True, return_aux_grads=True,
+                                        score_mod=dense_bias)
+    assert records.launches == []
+    # Atomic side gradients take no slices.
+    *_, (dbias,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, return_aux_grads=True,
+                                                   score_mod=dense_bias)
+    assert dbias.shape == bias.shape
