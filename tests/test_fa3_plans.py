@@ -270,3 +270,29 @@ def test_report_fails_when_the_roles_overcommit_the_sm(monkeypatch, capsys):
     assert "exceed the SM's 65536 registers" in capsys.readouterr().err
     monkeypatch.setattr(report, "build_report", lambda archs, jobs=None: ([row], []))
     assert report.main(["--arch", "sm_90a", "--no-spills"]) == 0
+
+
+@pytest.mark.parametrize("version, serves", [((12, 9), False), ((13, 5), True), (None, True)])
+def test_the_hopper_backward_only_where_its_compiler_keeps_it_in_registers(monkeypatch, version, serves):
+    """NVRTC 12.9's ptxas spills the Hopper backward (13.5's does not): with NVRTC 12 installed its backward stays on
+    mma.sync and its instances are not listed (the report's --no-spills gate); without NVRTC (the simulator's g++
+    alone) it serves."""
+    from cuflash.kernels.families import fa3_backward
+
+    def installed():
+        if version is None:
+            raise nvrtc.NvrtcError("cannot load NVRTC")
+        return version
+
+    monkeypatch.setattr(nvrtc, "nvrtc_version", installed)
+    fa3_backward.toolchain_refusal.cache_clear()
+    try:
+        chosen = plans.variant_for("fa2", _problem(), SM90, "backward").module
+        listed = [i for i in catalog.instances(SM90) if "fa3_backward_kernel" in i.name_expr]
+        assert (chosen is hopper) == serves and bool(listed) == serves
+        assert plans.variant_for("fa2", _problem(), SM90).module is hopper  # the forward either way
+        if not serves:
+            said = plans.explain("fa2", _problem(), SM90, "backward").splitlines()
+            assert said[1] == "  not hopper: spills under NVRTC 12 (ptxas 12.9): needs NVRTC 13"
+    finally:
+        fa3_backward.toolchain_refusal.cache_clear()

@@ -12,14 +12,17 @@ and slice rules (atomic mode: one slice; deterministic: a block per slice over e
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), no
 mask or causal, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
-everything else stays on the mma.sync backward (fa2_tc).
+everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
+(``toolchain_refusal``): ptxas 12.9 spills it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .. import nvrtc
 from ..program import KernelInstance, Problem, Program
 from ..targets import Target
 from . import fa2
@@ -67,6 +70,19 @@ BACKWARD_CHOICES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def toolchain_refusal() -> str | None:
+    """Why the installed NVRTC does not get this kernel (None: it does, or there is none and only the simulator's g++
+    builds it). NVRTC 12's ptxas (12.9) spills it at the consumers' 232 registers (d128: 192 bytes stored, 260
+    loaded; d64: 96 / 144) where NVRTC 13.5's keeps it in registers: with NVRTC 12 the plans keep the backward on
+    mma.sync (fa2_tc), and its instances are not listed (the report's --no-spills gate holds under both)."""
+    try:
+        major, _ = nvrtc.nvrtc_version()
+    except nvrtc.NvrtcError:
+        return None
+    return f"spills under NVRTC {major} (ptxas 12.9): needs NVRTC 13" if major < 13 else None
+
+
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..128 for q, k and v, no mask but causal (window (-1, -1) or (-1, 0)), and no other option; dQ by
@@ -76,6 +92,9 @@ def refusal(problem: Problem, target: Target) -> str | None:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
         return f"takes {'/'.join(DTYPES)}, not {problem.dtype}"
+    toolchain = toolchain_refusal()
+    if toolchain is not None:
+        return toolchain
     if not 1 <= problem.headdim <= max(BACKWARD_CHOICES):
         return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {problem.headdim}"
     if problem.options:

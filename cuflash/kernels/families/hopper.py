@@ -48,11 +48,12 @@ def _backward_instances() -> list[KernelInstance]:
 
 
 def instances(target: Target | None = None) -> list[KernelInstance]:
-    """The Hopper kernels the plans for ``target`` may launch (none off sm_90), forward then backward; every one
-    without a target."""
+    """The Hopper kernels the plans for ``target`` may launch (none off sm_90), forward then backward (none where the
+    installed NVRTC spills it: fa3_backward.toolchain_refusal); every one without a target."""
     if target is not None and target.arch not in ARCHS:
         return []
-    return fa3.instances(target) + _backward_instances()
+    backward = _backward_instances() if fa3_backward.toolchain_refusal() is None else []
+    return fa3.instances(target) + backward
 
 
 def traits_of(instance: KernelInstance) -> WarpgroupTraits:
