@@ -102,6 +102,22 @@ struct ForwardTraits {
   static_assert(OTile::kThreadsM == STile::kThreadsM, "S and O must share the row assignment");
 };
 
+// A score hook's tile form (FlexHook::on_tile's callback) applied to this thread's TM x TN scores: a struct with a
+// call template, not a generic lambda, whose call operator NVRTC 12.9 takes for a host function in a kernel.
+template <int TM, int TN, int LaneRows, int LaneCols>
+struct HookEachScore {
+  float (&s)[TM][TN];
+  int first_row;  // of the thread's scores: row first_row + i * LaneRows, key first_key + j * LaneCols
+  int first_key;
+  template <class TileHook>
+  __device__ __forceinline__ void operator()(const TileHook& tile_hook) const {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) s[i][j] = tile_hook(s[i][j], first_row + i * LaneRows, first_key + j * LaneCols);
+  }
+};
+
 }  // namespace fa2
 
 // __launch_bounds__(threads, 1): shared memory, not registers, bounds the blocks per SM (1 to 3),
@@ -197,13 +213,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
 
       // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
-        score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN, [&](const auto& tile_hook) {
-#pragma unroll
-          for (int i = 0; i < TM; ++i)
-#pragma unroll
-            for (int j = 0; j < TN; ++j)
-              s[i][j] = tile_hook(s[i][j], first_row + i * kLaneRows, key0 + lane_col + j * kLaneCols);
-        });
+        score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN,
+                           fa2::HookEachScore<TM, TN, kLaneRows, kLaneCols>{s, first_row, key0 + lane_col});
       }
       if (mask.tile_needs_mask(row0, block_rows, key0, BlockN)) {
 #pragma unroll

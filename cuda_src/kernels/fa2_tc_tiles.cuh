@@ -427,6 +427,21 @@ __device__ __forceinline__ void for_each_score(Accumulator<MTiles, NTiles>& acc,
         f(acc.c[i][j][e], row0 + acc_row(lane, i, e / 2), key0 + acc_col(lane, j) + e % 2);
 }
 
+// A score hook's tile form (FlexHook::on_tile's callback) applied to every score of a warp's S accumulator: a
+// struct with a call template, not a generic lambda, whose call operator NVRTC 12.9 takes for a host function in a
+// kernel.
+template <int MTiles, int NTiles>
+struct HookEachScore {
+  Accumulator<MTiles, NTiles>& acc;
+  int row0;
+  int key0;
+  int lane;
+  template <class TileHook>
+  __device__ __forceinline__ void operator()(const TileHook& tile_hook) const {
+    for_each_score(acc, row0, key0, lane, [&](float& x, int row, int key) { x = tile_hook(x, row, key); });
+  }
+};
+
 // The element-wise mask of a tile crossing `edges` (mask.cuh) on a warp's S accumulator whose first row is `row0`
 // and first key `key0`: hidden scores become -inf. The lane's scores sit at acc_row(lane, i, half) =
 // acc_row(lane, 0, 0) + acc_row(0, i, half) and acc_col(lane, j) + e = acc_col(lane, 0) + acc_col(0, j) + e, so
