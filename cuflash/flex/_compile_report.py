@@ -20,10 +20,11 @@ import time
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
-import numpy as np
 
+from ..benchmarks import workloads
 from ..kernels import catalog, plans, targets
 from ..kernels.nvrtc import CompileError, compile_many, supported_archs
+from ..kernels.report import archs_to_report
 from ..kernels.program import Problem
 from ._kernels import hooked_program
 from ._mod import FlexMod, trace_mask_mod, trace_score_mod
@@ -33,29 +34,20 @@ _HEADS = 2
 
 
 def _example_mods(seqlen: int) -> dict[str, Callable[[], tuple[FlexMod | None, FlexMod | None]]]:
-    """name -> (score_mod, mask_mod) of the example variants, traced on demand."""
-    documents = jnp.asarray(np.arange(seqlen, dtype=np.int32) // max(1, seqlen // 8))
-    table = jnp.zeros((_HEADS, 2 * seqlen), jnp.float32)
-    prefix = seqlen // 4
+    """name -> (score_mod, mask_mod) of the example variants, traced on demand: tanh softcap, and the benchmarks'
+    flex variants (workloads.flex_mods: document mask, prefix-LM, relative-position bias with its table's gradient)."""
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 30.0 * jnp.tanh(score / 30.0)
 
-    def relative_bias(score, b, h, q_idx, kv_idx):
-        return score + table[h, q_idx - kv_idx + seqlen]
+    def traced(variant: str) -> tuple[FlexMod | None, FlexMod | None]:
+        mods = workloads.flex_mods(variant, seqlen, _HEADS)
+        score, mask = mods.get("score_mod"), mods.get("mask_mod")
+        return (None if score is None else trace_score_mod(score, side_grads=True),
+                None if mask is None else trace_mask_mod(mask))
 
-    def document(b, h, q_idx, kv_idx):
-        return documents[q_idx] == documents[kv_idx]
-
-    def prefix_lm(b, h, q_idx, kv_idx):
-        return (kv_idx < prefix) | (q_idx >= kv_idx)
-
-    return {
-        "softcap": lambda: (trace_score_mod(softcap), None),
-        "relative-bias": lambda: (trace_score_mod(relative_bias, side_grads=True), None),
-        "document": lambda: (None, trace_mask_mod(document)),
-        "prefix-lm": lambda: (None, trace_mask_mod(prefix_lm)),
-    }
+    return {"softcap": lambda: (trace_score_mod(softcap), None),
+            **{variant: (lambda variant=variant: traced(variant)) for variant in workloads.FLEX_VARIANTS}}
 
 
 MODS = tuple(_example_mods(8))
@@ -149,9 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile processes (default 1: parallel compiles share the CPUs and inflate each time)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of the rows")
     args = parser.parse_args(argv)
-    unknown = [a for a in args.arch if int(a.split("_")[1]) not in supported_archs()]
-    if unknown:
-        print(f"error: NVRTC does not know {', '.join(unknown)}", file=sys.stderr)
+    try:
+        archs_to_report(args.arch, supported_archs())
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     rows = compile_report(args.arch, args.dtypes, args.mods, args.directions, args.headdim, args.jobs)

@@ -742,29 +742,28 @@ static void add_to_word(float* p, float v) {
   }
 }
 
-void atomic_add_f32(float* p, float v) {
+// An atomic read-modify-write of `bytes` at p as one access: checked (alignment, bounds), counted both ways, and in
+// race mode an atomic access (ordered with other atomics, a race with plain accesses).
+static void atomic_access(void* p, unsigned bytes) {
   Fiber* f = current_fiber();
   BlockView* block = f->view->block;
-  check_global(block, p, 4, true);
-  block->bytes_read += 4;
-  block->bytes_written += 4;
+  check_global(block, p, bytes, true);
+  block->bytes_read += bytes;
+  block->bytes_written += bytes;
 #if CUFLASH_SIM_RACE
-  race_atomic(f, reinterpret_cast<uintptr_t>(p), 4);
+  race_atomic(f, reinterpret_cast<uintptr_t>(p), bytes);
 #endif
+}
+
+void atomic_add_f32(float* p, float v) {
+  atomic_access(p, 4);
   add_to_word(p, v);
 }
 
 // red.global.add.v2.f32: the pair's 8 bytes checked as one access (alignment and bounds), each element added on its
 // own, as the ISA defines a vector red.
 void atomic_add_f32x2(float* p, float a, float b) {
-  Fiber* f = current_fiber();
-  BlockView* block = f->view->block;
-  check_global(block, p, 8, true);
-  block->bytes_read += 8;
-  block->bytes_written += 8;
-#if CUFLASH_SIM_RACE
-  race_atomic(f, reinterpret_cast<uintptr_t>(p), 8);
-#endif
+  atomic_access(p, 8);
   add_to_word(p, a);
   add_to_word(p + 1, b);
 }
