@@ -43,7 +43,7 @@ SPEED_SETTING = dict(headdims=(64, 128), dtypes=("float16", "bfloat16"),
 # The FA2 sweep's peers, and cuflash's fa2 (its other algorithms are the README's, not the peers' rivals).
 SPEED_SYSTEMS = ("cuflash-fa2", "cupy-standard", "jax-xla", "jax-cudnn", "torch-flash", "torch-cudnn")
 SPEED_OUTPUT_S = 40  # what the speed subprocess needs after its sweep: start-up, writing JSON and plots
-NCU_KERNELS = "regex:fa2_tc_(forward|backward)_kernel"
+NCU_KERNELS = "regex:(fa2_tc|fa3)_(forward|backward)_kernel"  # fa3 on sm_90 16-bit
 HOST_PROFILE_CALLS = 500  # warm decode calls host.py profiles (profile.txt)
 HOST_PROFILE_LINES = 20  # of which the summary shows the first
 NCU_SECTIONS = ("WarpStateStats", "ComputeWorkloadAnalysis")

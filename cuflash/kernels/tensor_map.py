@@ -129,9 +129,13 @@ def encode_with_driver(dtype, rank, global_address, global_dims, global_strides,
     already passed (encode_tiled; a prepared program re-encoding its maps per call for a new address)."""
     from cuda.bindings import driver
 
+    # cuda-bindings converts no Python int into its cuuint32_t/cuuint64_t (TypeError "Cannot convert int to
+    # cuda.bindings.driver.cuuint32_t", seen on the first H200 run): every count goes in wrapped.
+    u32, u64 = driver.cuuint32_t, driver.cuuint64_t
     err, tensor_map = driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType(dtype), rank, global_address, global_dims, global_strides, box_dims,
-        element_strides, driver.CUtensorMapInterleave(interleave), driver.CUtensorMapSwizzle(swizzle),
+        driver.CUtensorMapDataType(dtype), u32(rank), global_address, [u64(d) for d in global_dims],
+        [u64(s) for s in global_strides], [u32(b) for b in box_dims], [u32(e) for e in element_strides],
+        driver.CUtensorMapInterleave(interleave), driver.CUtensorMapSwizzle(swizzle),
         driver.CUtensorMapL2promotion(l2_promotion), driver.CUtensorMapFloatOOBfill(oob_fill))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled: {err!r}")

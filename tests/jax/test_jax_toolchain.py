@@ -111,8 +111,9 @@ def test_the_ptx_fallback_under_jit_and_grad_on_the_gpu():
     device_number = int(_jax_gpu_devices()[0].compute_capability.replace(".", ""))
     if not [a for a in toolchain.installed().supported_archs if 80 <= a < device_number]:
         pytest.skip("no arch of 8.0 or newer older than the device to fall back to")
-    run = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["code"] == f"compute_{max(result['older'])}"

@@ -327,6 +327,22 @@ def test_a_map_not_made_by_encode_tiled_is_an_error():
         sim.launch(inst("load_kernel<1>"), 1, 64, BOX_AT + 64, a[()], [out])
 
 
+def test_the_driver_call_takes_the_arguments_as_encode_tiled_passes_them():
+    """cuda-bindings checks argument types before it looks for the driver: without a GPU the call must get as far
+    as the missing driver library (with one, it returns a map), never stop at a TypeError on our arguments (the
+    first H200 run: Python ints where cuuint32_t/cuuint64_t are required)."""
+    pytest.importorskip("cuda.bindings")
+    try:
+        raw = tm.encode_tiled(**GOOD, device=True)
+    except TypeError as error:
+        pytest.fail(f"cuTensorMapEncodeTiled refused our arguments: {error}")
+    except Exception as error:  # no driver here: cuda-pathfinder's DynamicLibNotFoundError, or a CUDA error
+        assert "TypeError" not in repr(error)
+        assert type(error).__name__ in ("DynamicLibNotFoundError", "RuntimeError"), repr(error)
+    else:
+        assert len(raw) == 128 and raw[:4] != b"CFTM"
+
+
 @pytest.mark.gpu
 def test_encode_tiled_on_a_gpu_calls_the_driver():
     from cuda.bindings import driver
