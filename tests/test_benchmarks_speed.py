@@ -474,3 +474,36 @@ def test_gpu_commands_refuse_without_a_gpu_and_write_nothing(command, tmp_path, 
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "not GPU speed" in lines[0]
     assert "TFLOP" not in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch, dtype, causal, expected", [
+    ("sm_90", "float16", False, "hopper+hopper"),  # the wgmma forward and backward
+    ("sm_90", "bfloat16", True, "hopper+hopper"),  # causal too
+    ("sm_80", "float16", False, "tensor_core+tensor_core"),
+    ("sm_90", "float32", False, "simt+simt"),
+])
+def test_cuflash_figures_name_the_variant_the_plans_pick(arch, dtype, causal, expected, tmp_path):
+    from cuflash.kernels import targets
+
+    workload = Workload.fa2_setting(4096, 128, causal, dtype)
+    target = targets.target(arch)
+    system = peers.Cuflash("fa2")
+    assert system.variant(workload, "forward+backward", target=target) == expected
+    assert system.variant(workload, "forward", target=target) == expected.split("+")[0]
+    assert peers.Cuflash("fa2").variant(Workload(1, 256, 2, 64, False, "float16", flex="document"), "forward",
+                                        target=target) == ""
+
+
+def test_the_variant_travels_through_json_and_csv(tmp_path):
+    class Named(FakeSystem):
+        def variant(self, workload, direction):
+            return f"v-{direction}"
+
+    result = _sweep([Named("cuflash-fa2", fa2_ms, is_cuflash=True)], WORKLOADS[:1])
+    assert {m.variant for m in result.measurements} == {f"v-{d}" for d in DIRECTIONS}
+    speed.write_outputs(result, tmp_path)
+    data = json.loads((tmp_path / "speed.json").read_text())
+    assert [r["variant"] for r in data["measurements"]] == [m.variant for m in result.measurements]
+    assert speed.SweepResult.from_dict(data).as_dict() == data
+    rows = list(csv.DictReader((tmp_path / "speed.csv").open()))
+    assert [r["variant"] for r in rows] == [m.variant for m in result.measurements]

@@ -78,6 +78,11 @@ class System:
     def release(self) -> None:
         """Return cached device memory so the next system starts from the same free memory."""
 
+    def variant(self, workload: Workload, direction: str) -> str:
+        """Which of the system's own kernels time ``direction`` of ``workload`` (cuflash: the plans' variants), or
+        "" where the system does not say."""
+        return ""
+
     def __repr__(self) -> str:
         return f"<system {self.key}>"
 
@@ -115,6 +120,25 @@ class Cuflash(System):
         except Exception as err:
             return str(err)
         return None
+
+    def variant(self, workload, direction, target=None) -> str:
+        """The catalog variant the plans pick on ``target`` (default: device 0's, as cuflash's calls get it) for
+        each direction the timed call runs, "+"-joined for forward+backward: "hopper" (wgmma) or "tensor-core"
+        (mma.sync) on sm_90, so a figure names the kernels behind it. Flex workloads: "" (their plans are flex's)."""
+        if workload.flex is not None:
+            return ""
+        from cuflash.kernels import plans
+        from cuflash.kernels.program import Problem
+        from cuflash.mask import Mask
+
+        if target is None:
+            from cuflash._placement import _cupy_backend
+
+            target = _cupy_backend(0).target
+        problem = Problem(workload.dtype, workload.batch, workload.seqlen, workload.seqlen, workload.nheads,
+                          workload.nheads, workload.headdim, mask=Mask.causal(workload.causal))
+        names = [plans.variant_for(self.algorithm, problem, target, d).name for d in direction.split("+")]
+        return "+".join(names)
 
     def compute(self, q, k, v, dout, causal, flex: str | None = None):
         import cuflash

@@ -42,6 +42,7 @@ class Measurement:
     workload: Workload
     direction: str
     sample: Sample
+    variant: str = ""  # System.variant: the system's kernels behind the figure, where it says
 
     @property
     def milliseconds(self) -> float:
@@ -59,14 +60,14 @@ class Measurement:
         return {"system": self.system, "direction": self.direction, **self.workload.as_dict(),
                 "milliseconds": self.milliseconds, "tflops": self.tflops, "host_microseconds": self.host_us,
                 "runs_ms": list(self.sample.milliseconds), "runs_host_us": list(self.sample.host_microseconds),
-                "uncovered_runs": self.sample.uncovered}
+                "uncovered_runs": self.sample.uncovered, "variant": self.variant}
 
     @classmethod
     def from_record(cls, r: dict) -> Measurement:
         workload = Workload(**{k: r[k] for k in ("batch", "seqlen", "nheads", "headdim", "causal", "dtype")},
                             flex=r.get("flex"))
         sample = Sample(tuple(r["runs_ms"]), tuple(r.get("runs_host_us", ())), r.get("uncovered_runs", 0))
-        return cls(r["system"], workload, r["direction"], sample)
+        return cls(r["system"], workload, r["direction"], sample, r.get("variant", ""))
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,8 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
                     if direction not in prepared.calls:
                         continue
                     sample = measure(prepared.calls[direction], prepared.timer, warmup=warmup, repeats=repeats)
-                    result.measurements.append(Measurement(system.key, workload, direction, sample))
+                    result.measurements.append(Measurement(system.key, workload, direction, sample,
+                                                           system.variant(workload, direction)))
             except Exception as err:  # out of memory, an unsupported shape: say so and go on
                 result.skipped.append(Skip(system.key, workload.label(), f"{type(err).__name__}: {err}".splitlines()[0]))
             finally:
@@ -312,7 +314,7 @@ def format_table(result: SweepResult) -> str:
 
 
 CSV_FIELDS = ("system", "direction", "batch", "seqlen", "nheads", "headdim", "causal", "dtype", "flex", "milliseconds",
-              "tflops", "host_microseconds", "uncovered_runs")
+              "tflops", "host_microseconds", "uncovered_runs", "variant")
 
 
 def write_outputs(result: SweepResult, out_dir: Path, stem: str = "speed") -> list[Path]:
