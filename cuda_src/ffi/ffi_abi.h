@@ -58,6 +58,9 @@ void cuflash_ffi_sim_record(int enabled);
 int cuflash_ffi_sim_recorded_count(void);
 /* Copies record `index` into *record: 1 on success, 0 when index is out of range. */
 int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record);
+/* Record `index`'s bank-conflict report from a profile-mode simulator ("" otherwise, or out of range); valid until
+   recording starts again. */
+const char* cuflash_ffi_sim_recorded_profile(int index);
 
 /* CUDA registry: (kernel name expression, the device's "sm_XY") -> the module image NVRTC built for
    that device (its CUBIN, or NUL-terminated PTX for a GPU newer than NVRTC) and the lowered (mangled)
