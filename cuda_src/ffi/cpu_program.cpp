@@ -342,6 +342,19 @@ const char* cuflash_ffi_sim_recorded_profile(int index) {
   return log.profiles[static_cast<std::size_t>(index)].c_str();
 }
 
+long long cuflash_ffi_tiled_argument_word(const char* name) {
+  using cuflash::ffi_handlers::TiledArguments;
+  const std::string_view wanted(name);
+#define CUFLASH_TILED_ARGUMENT(field) \
+  if (wanted == #field) return static_cast<long long>(offsetof(TiledArguments, field) / sizeof(int64_t));
+  CUFLASH_TILED_ARGUMENT(data_type) CUFLASH_TILED_ARGUMENT(rank) CUFLASH_TILED_ARGUMENT(global_dims)
+  CUFLASH_TILED_ARGUMENT(global_strides) CUFLASH_TILED_ARGUMENT(box_dims) CUFLASH_TILED_ARGUMENT(element_strides)
+  CUFLASH_TILED_ARGUMENT(interleave) CUFLASH_TILED_ARGUMENT(swizzle) CUFLASH_TILED_ARGUMENT(l2_promotion)
+  CUFLASH_TILED_ARGUMENT(oob_fill)
+#undef CUFLASH_TILED_ARGUMENT
+  return -1;
+}
+
 unsigned long long cuflash_ffi_params_size(void) { return sizeof(cuflash::AttentionParams); }
 
 long long cuflash_ffi_pointer_field_offset(const char* name) {

@@ -85,6 +85,12 @@ const char* cuflash_ffi_version(void);
    "" when usable, else why not. Never needs a GPU to answer. */
 const char* cuflash_ffi_cuda_driver_status(void);
 
+/* Where the TMA attribute's words of one map (program_call.h's TiledArguments) hold cuTensorMapEncodeTiled's
+   argument `name` ("data_type", "rank", "global_dims", "global_strides", "box_dims", "element_strides",
+   "interleave", "swizzle", "l2_promotion", "oob_fill"): its first word's index, -1 if unknown; so a test can
+   compare with cuflash/kernels/tensor_map.py's tiled_argument_words. */
+long long cuflash_ffi_tiled_argument_word(const char* name);
+
 /* sizeof(cuflash::AttentionParams) and offsetof of a pointer field (-1 if unknown),
    as the handlers see them, so a test can compare with cuflash/kernels/params.py. */
 unsigned long long cuflash_ffi_params_size(void);

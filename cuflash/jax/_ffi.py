@@ -326,3 +326,9 @@ def params_size() -> int:
 
 def pointer_field_offset(name: str) -> int:
     return int(library().lib.cuflash_ffi_pointer_field_offset(name.encode()))
+
+
+def tiled_argument_word(name: str) -> int:
+    """The index of cuTensorMapEncodeTiled's argument ``name`` in one map's tma_arguments words, as the handlers
+    read them (program_call.h's TiledArguments); -1 if unknown."""
+    return int(library().lib.cuflash_ffi_tiled_argument_word(name.encode()))

@@ -95,6 +95,29 @@ def test_the_maps_are_the_numpy_paths():
                 assert attributes["tma_tensors"] == "" and attributes["tma_arguments"].size == 0
 
 
+def test_the_handlers_read_the_argument_words_where_python_lays_them():
+    """tensor_map.tiled_argument_words and program_call.h's TiledArguments (what the CUDA handler passes the driver)
+    agree word by word: each argument, given a distinct value, is found where the handlers read it."""
+    from cuflash.kernels import tensor_map
+
+    words = tensor_map.tiled_argument_words(9, 4, [101, 102, 103, 104], [201, 202, 203], [31, 32, 33, 34],
+                                            [5, 6, 7, 8], interleave=41, swizzle=42, l2_promotion=43, oob_fill=44)
+    assert len(words) == tensor_map.TILED_ARGUMENT_WORDS
+    expected = {"data_type": [9], "rank": [4], "global_dims": [101, 102, 103, 104, 1],
+                "global_strides": [201, 202, 203, 0], "box_dims": [31, 32, 33, 34, 1],
+                "element_strides": [5, 6, 7, 8, 1], "interleave": [41], "swizzle": [42], "l2_promotion": [43],
+                "oob_fill": [44]}
+    found = {}
+    for name, values in expected.items():
+        at = _ffi.tiled_argument_word(name)
+        assert at >= 0, name
+        found[name] = words[at: at + len(values)]
+    assert found == expected
+    assert sorted(_ffi.tiled_argument_word(name) for name in expected) == \
+        [0, 1, 2, 7, 11, 16, 21, 22, 23, 24]  # every word read once, in order
+    assert _ffi.tiled_argument_word("nonsense") == -1
+
+
 def test_vmap_and_grad_keep_the_maps_and_the_bits():
     """vmap over q (shared k and v: folded into the query heads) and grad lower with the maps and give the NumPy
     path's bits: each mapped element's forward, and the backward of the NumPy forward's out and lse."""
