@@ -237,7 +237,8 @@ struct AttentionParams {
   flex::Shard flex_shard;      // the shard's global first batch and query head (null: offsets 0)
 
   // 1: tma holds q's, k's and v's maps and the kernel copies with TMA; 0: the host could not make them (an address
-  // or stride TMA cannot take, or a caller that makes none: the JAX handlers) and the kernel copies with loads.
+  // or stride TMA cannot take; the JAX handlers decide as the CuPy path, ffi/program_call.h) and the kernel copies
+  // with loads.
   // A kernel takes the params as a __grid_constant__ parameter to pass the maps' addresses (param space).
   int tma_loads;
   TmaMaps tma;

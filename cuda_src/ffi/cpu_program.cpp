@@ -24,8 +24,9 @@
 // Buffers the program does not zero are filled with 0xFF bytes (NaN in float32,
 // float16 and bfloat16) before the first launch, as the NumPy simulator backend
 // does, so an element no kernel writes shows up as NaN instead of stale memory.
-// While Python records (cuflash.jax._ffi.record_launches), each launch's shape and
-// the global traffic the simulator counted are logged, like cuflash.sim.record().
+// While Python records (cuflash.jax._ffi.record_launches), each launch's shape, the
+// global traffic the simulator counted and, in profile mode, its bank-conflict report
+// (TMA loads among the sites) are logged, like cuflash.sim.record().
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -131,14 +132,19 @@ struct LaunchLog {
   std::mutex mutex;
   bool enabled = false;
   std::vector<cuflash_ffi_launch_record> records;
+  std::vector<std::string> profiles;  // per record: the simulator's bank-conflict report (profile mode), else ""
 };
+
+// What cuflash.sim's launch gives a profile-mode library for its bank-conflict report (sim/_launch.py's
+// _PROFILE_REPORT_BYTES); other modes write nothing there. Allocated per launch, untouched unless written.
+constexpr std::size_t kProfileReportBytes = 1u << 22;
 
 LaunchLog& Log() {
   static LaunchLog log;
   return log;
 }
 
-void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& request) {
+void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& request, const char* profile) {
   LaunchLog& log = Log();
   std::lock_guard<std::mutex> lock(log.mutex);
   if (!log.enabled) return;
@@ -153,14 +159,17 @@ void RecordLaunch(const KernelLaunch& launch, const cuflash_sim_launch_request& 
   record.bytes_read = request.bytes_read;
   record.bytes_written = request.bytes_written;
   log.records.push_back(record);
+  log.profiles.emplace_back(profile);
 }
 
 ffi::ErrorOr<std::unique_ptr<CpuProgramState>> CpuProgramInstantiate(
     ffi::Span<const uint8_t> params, std::string_view bindings, ffi::Span<const uint8_t> zero_init,
     std::string_view kernels, ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-    ffi::Span<const int32_t> smem, std::string_view version) {
+    ffi::Span<const int32_t> smem, std::string_view version, std::string_view tma_tensors,
+    ffi::Span<const int64_t> tma_arguments, int64_t tma_twin_address_at, int64_t tma_address_alignment) {
   auto state = std::make_unique<CpuProgramState>();
   if (ffi::Error error = DecodeProgramPlan(params, bindings, zero_init, kernels, grid, block, smem, version,
+                                           {tma_tensors, tma_arguments, tma_twin_address_at, tma_address_alignment},
                                            &state->plan);
       error.failure())
     return ffi::Unexpected<ffi::Error>(std::move(error));
@@ -192,6 +201,7 @@ ffi::Error CpuProgramExecute(CpuProgramState* state, ffi::RemainingArgs args, ff
   const ProgramPlan& plan = state->plan;
   ProgramCall call;
   if (ffi::Error error = BindProgramBuffers(plan, args, rets, &call); error.failure()) return error;
+  if (ffi::Error error = PatchTwinTmaMaps(plan, &call); error.failure()) return error;
 
   // Resolved before touching any buffer, so a kernel gone missing since instantiation fails cleanly.
   std::vector<SimLaunchEntry> entries;
@@ -224,12 +234,16 @@ ffi::Error CpuProgramExecute(CpuProgramState* state, ffi::RemainingArgs args, ff
     request.buffer_bytes = sizes.data();
     request.buffer_writable = writable.data();
     request.num_workers = SimWorkers();
+    std::unique_ptr<char[]> profile(new char[kProfileReportBytes]);
+    profile[0] = '\0';
+    request.profile_out = profile.get();
+    request.profile_out_bytes = kProfileReportBytes;
     if (entries[i](launch.name.c_str(), &request) != 0) {
       request.error[sizeof request.error - 1] = '\0';
       return ffi::Error::Internal("cuflash CPU handler: kernel " + launch.name + " failed in the simulator: " +
                                   request.error);
     }
-    RecordLaunch(launch, request);
+    RecordLaunch(launch, request, profile.get());
   }
   return ffi::Error::Success();
 }
@@ -300,7 +314,10 @@ int cuflash_ffi_sim_kernel_registered(const char* name_expr) {
 void cuflash_ffi_sim_record(int enabled) {
   cuflash::ffi_handlers::LaunchLog& log = cuflash::ffi_handlers::Log();
   std::lock_guard<std::mutex> lock(log.mutex);
-  if (enabled) log.records.clear();
+  if (enabled) {
+    log.records.clear();
+    log.profiles.clear();
+  }
   log.enabled = enabled != 0;
 }
 
@@ -316,6 +333,26 @@ int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record) {
   if (index < 0 || static_cast<std::size_t>(index) >= log.records.size()) return 0;
   *record = log.records[static_cast<std::size_t>(index)];
   return 1;
+}
+
+const char* cuflash_ffi_sim_recorded_profile(int index) {
+  cuflash::ffi_handlers::LaunchLog& log = cuflash::ffi_handlers::Log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  if (index < 0 || static_cast<std::size_t>(index) >= log.profiles.size()) return "";
+  return log.profiles[static_cast<std::size_t>(index)].c_str();
+}
+
+long long cuflash_ffi_tiled_argument_word(const char* name) {
+  using cuflash::ffi_handlers::TiledArguments;
+  const std::string_view wanted(name);
+#define CUFLASH_TILED_ARGUMENT(field) \
+  if (wanted == #field) return static_cast<long long>(offsetof(TiledArguments, field) / sizeof(int64_t));
+  CUFLASH_TILED_ARGUMENT(data_type) CUFLASH_TILED_ARGUMENT(rank) CUFLASH_TILED_ARGUMENT(global_dims)
+  CUFLASH_TILED_ARGUMENT(global_strides) CUFLASH_TILED_ARGUMENT(box_dims) CUFLASH_TILED_ARGUMENT(element_strides)
+  CUFLASH_TILED_ARGUMENT(interleave) CUFLASH_TILED_ARGUMENT(swizzle) CUFLASH_TILED_ARGUMENT(l2_promotion)
+  CUFLASH_TILED_ARGUMENT(oob_fill)
+#undef CUFLASH_TILED_ARGUMENT
+  return -1;
 }
 
 unsigned long long cuflash_ffi_params_size(void) { return sizeof(cuflash::AttentionParams); }

@@ -19,8 +19,10 @@
 //                requires that above 48 KB). The functions go into a CudaProgramState.
 //   execute      per run, possibly under capture: binds and checks the buffers (host
 //                arithmetic), looks up the state's functions for the stream's context,
-//                clears the results the program accumulates into (cuMemsetD8Async) and
-//                cuLaunchKernel's each launch, all on XLA's stream. No allocation, no
+//                encodes the TMA tensor maps of q, k and v (cuTensorMapEncodeTiled: host
+//                only, program_call.h's TMA attributes), clears the results the program
+//                accumulates into (cuMemsetD8Async) and cuLaunchKernel's each launch,
+//                all on XLA's stream. No device allocation, no
 //                synchronization, no module loading, no attribute change: XLA's stream
 //                orders the launches after the producers of the operands and before the
 //                consumers of the results, and scratch buffers are extra results of the
@@ -41,6 +43,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,6 +77,7 @@ struct Driver {
   PFN_cuFuncSetAttribute_v9000 FuncSetAttribute = nullptr;
   PFN_cuMemsetD8Async_v3020 MemsetD8Async = nullptr;
   PFN_cuLaunchKernel_v4000 LaunchKernel = nullptr;
+  PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncodeTiled = nullptr;
   std::string status;  // "" once every entry point is loaded
 };
 
@@ -120,6 +124,7 @@ const Driver& LoadDriver() {
     load("cuFuncSetAttribute", 9000, d.FuncSetAttribute);
     load("cuMemsetD8Async", 3020, d.MemsetD8Async);
     load("cuLaunchKernel", 4000, d.LaunchKernel);
+    load("cuTensorMapEncodeTiled", 12000, d.TensorMapEncodeTiled);
     // XLA has initialised the driver before any handler runs; calling cuInit again is a no-op
     // then, and makes the status below meaningful when asked for outside XLA.
     if (d.status.empty()) {
@@ -343,12 +348,14 @@ ffi::Error PrepareActivePrimaryContexts(const Driver& driver, CudaProgramState* 
 ffi::ErrorOr<std::unique_ptr<CudaProgramState>> CudaProgramInstantiate(
     ffi::Span<const uint8_t> params, std::string_view bindings, ffi::Span<const uint8_t> zero_init,
     std::string_view kernels, ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-    ffi::Span<const int32_t> smem, std::string_view version) {
+    ffi::Span<const int32_t> smem, std::string_view version, std::string_view tma_tensors,
+    ffi::Span<const int64_t> tma_arguments, int64_t tma_twin_address_at, int64_t tma_address_alignment) {
   const Driver& driver = LoadDriver();
   if (!driver.status.empty())
     return ffi::Unexpected<ffi::Error>(ffi::Error::Internal("cuflash CUDA handler: " + driver.status));
   auto state = std::make_unique<CudaProgramState>();
   if (ffi::Error error = DecodeProgramPlan(params, bindings, zero_init, kernels, grid, block, smem, version,
+                                           {tma_tensors, tma_arguments, tma_twin_address_at, tma_address_alignment},
                                            &state->plan);
       error.failure())
     return ffi::Unexpected<ffi::Error>(std::move(error));
@@ -383,6 +390,38 @@ ffi::Error FunctionsFor(const Driver& driver, CudaProgramState* state, CUcontext
   return ffi::Error::Success();
 }
 
+// The call's TMA tensor maps, each encoded by the driver for its tensor's address (the encoding is opaque, so the
+// whole map is written; host arithmetic only, no stream: as legal under capture as the rest of params). An address
+// TMA cannot take leaves tma_loads 0 (the kernels copy with loads); a map the driver refuses, whose arguments
+// check_tiled passed when the call was lowered, is an error, as on the CuPy path (tensor_map.encode_with_driver).
+ffi::Error EncodeTmaMaps(const Driver& driver, const ProgramPlan& plan, ProgramCall* call) {
+  std::vector<uint64_t> addresses;
+  bool usable = false;
+  if (ffi::Error error = TmaMapAddresses(plan, call, &addresses, &usable); error.failure() || !usable) return error;
+  for (std::size_t i = 0; i < plan.tma_maps.size(); ++i) {
+    const TiledArguments& a = plan.tma_maps[i].arguments;
+    cuuint64_t dims[5], strides[4];
+    cuuint32_t box[5], element_strides[5];
+    for (int d = 0; d < 5; ++d) {
+      dims[d] = static_cast<cuuint64_t>(a.global_dims[d]);
+      box[d] = static_cast<cuuint32_t>(a.box_dims[d]);
+      element_strides[d] = static_cast<cuuint32_t>(a.element_strides[d]);
+      if (d < 4) strides[d] = static_cast<cuuint64_t>(a.global_strides[d]);
+    }
+    CUtensorMap map;
+    if (CUresult r = driver.TensorMapEncodeTiled(
+            &map, static_cast<CUtensorMapDataType>(a.data_type), static_cast<cuuint32_t>(a.rank),
+            reinterpret_cast<void*>(static_cast<std::uintptr_t>(addresses[i])), dims, strides, box, element_strides,
+            static_cast<CUtensorMapInterleave>(a.interleave), static_cast<CUtensorMapSwizzle>(a.swizzle),
+            static_cast<CUtensorMapL2promotion>(a.l2_promotion), static_cast<CUtensorMapFloatOOBfill>(a.oob_fill));
+        r != CUDA_SUCCESS)
+      return CudaError(driver, r, std::string("cuTensorMapEncodeTiled of ") + plan.tma_maps[i].tensor->name + "'s map");
+    static_assert(sizeof(CUtensorMap) == sizeof(TmaMaps::q), "AttentionParams.tma holds CUtensorMaps");
+    std::memcpy(reinterpret_cast<unsigned char*>(&call->params) + plan.tma_maps[i].map_at, &map, sizeof map);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaProgramExecute(CUstream stream, CudaProgramState* state, ffi::RemainingArgs args,
                               ffi::RemainingRets rets) {
   const Driver& driver = LoadDriver();
@@ -391,6 +430,7 @@ ffi::Error CudaProgramExecute(CUstream stream, CudaProgramState* state, ffi::Rem
 
   ProgramCall call;
   if (ffi::Error error = BindProgramBuffers(plan, args, rets, &call); error.failure()) return error;
+  if (ffi::Error error = EncodeTmaMaps(driver, plan, &call); error.failure()) return error;
 
   CUcontext context;
   if (CUresult r = driver.StreamGetCtx(stream, &context); r != CUDA_SUCCESS)

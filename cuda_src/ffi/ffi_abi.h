@@ -58,6 +58,9 @@ void cuflash_ffi_sim_record(int enabled);
 int cuflash_ffi_sim_recorded_count(void);
 /* Copies record `index` into *record: 1 on success, 0 when index is out of range. */
 int cuflash_ffi_sim_recorded(int index, cuflash_ffi_launch_record* record);
+/* Record `index`'s bank-conflict report from a profile-mode simulator ("" otherwise, or out of range); valid until
+   recording starts again. */
+const char* cuflash_ffi_sim_recorded_profile(int index);
 
 /* CUDA registry: (kernel name expression, the device's "sm_XY") -> the module image NVRTC built for
    that device (its CUBIN, or NUL-terminated PTX for a GPU newer than NVRTC) and the lowered (mangled)
@@ -81,6 +84,12 @@ const char* cuflash_ffi_version(void);
 /* Loads the CUDA driver (libcuda.so.1) and its entry points if not done yet:
    "" when usable, else why not. Never needs a GPU to answer. */
 const char* cuflash_ffi_cuda_driver_status(void);
+
+/* Where the TMA attribute's words of one map (program_call.h's TiledArguments) hold cuTensorMapEncodeTiled's
+   argument `name` ("data_type", "rank", "global_dims", "global_strides", "box_dims", "element_strides",
+   "interleave", "swizzle", "l2_promotion", "oob_fill"): its first word's index, -1 if unknown; so a test can
+   compare with cuflash/kernels/tensor_map.py's tiled_argument_words. */
+long long cuflash_ffi_tiled_argument_word(const char* name);
 
 /* sizeof(cuflash::AttentionParams) and offsetof of a pointer field (-1 if unknown),
    as the handlers see them, so a test can compare with cuflash/kernels/params.py. */

@@ -14,6 +14,15 @@
 //   kernels    "name;name;..."               the kernel of each launch, by C++ name expression
 //   grid, block  i32[3 * launches]           launch dimensions (x, y, z)
 //   smem       i32[launches]                 dynamic shared memory bytes of each launch
+//   tma_tensors            "q,k,v" or ""     the bound tensor of each TMA tensor map (AttentionParams.tma's member
+//                                           of the same name); "": none, params' tma_loads is 0
+//   tma_arguments          i64[25 * maps]    per map, cuTensorMapEncodeTiled's arguments but the address
+//                                           (cuflash/kernels/tensor_map.py, tiled_argument_words: TiledArguments)
+//   tma_twin_address_at    i64               where the simulator twin's map holds its address
+//   tma_address_alignment  i64               what a tensor's address needs for TMA (else that call: tma_loads 0)
+// With maps, params carries tma_loads = 1 and the twins' encodings with address 0 (backends/program.py's TmaMaps,
+// the CuPy / NumPy path's own decision and encoding); per call the CPU handler patches each tensor's address into
+// its twin (PatchTwinTmaMaps), the CUDA handler has the driver encode each map anew.
 // Kernels are resolved by name at run time from a registry Python fills while
 // lowering, so an executable from JAX's persistent cache finds them in another process.
 #pragma once
@@ -121,6 +130,24 @@ struct KernelLaunch {
   unsigned dynamic_smem_bytes;
 };
 
+// cuTensorMapEncodeTiled's arguments but the address, as Python lays them (tensor_map.tiled_argument_words): the
+// driver's order, the per-dimension lists padded to rank 5.
+struct TiledArguments {
+  static constexpr std::size_t kWords = 25;
+  int64_t data_type, rank;
+  int64_t global_dims[5], global_strides[4], box_dims[5], element_strides[5];
+  int64_t interleave, swizzle, l2_promotion, oob_fill;
+};
+static_assert(sizeof(TiledArguments) == TiledArguments::kWords * sizeof(int64_t), "one int64 word per argument");
+
+// One TMA tensor map a call fills per execution.
+struct TmaMapPlan {
+  const PointerField* tensor;  // the bound tensor it describes
+  std::size_t binding;         // that tensor's index among the call's buffers
+  std::size_t map_at;          // the map's offset in AttentionParams
+  TiledArguments arguments;
+};
+
 // What a call's attributes say, decoded and checked once per compiled call (the handlers' instantiate stage):
 // params with every pointer field null, the field each operand and result binds, and the launches.
 struct ProgramPlan {
@@ -130,7 +157,28 @@ struct ProgramPlan {
   std::vector<KernelLaunch> launches;
   bool packed = false;  // varlen: cu_seqlens_q is bound (TensorLayout)
   bool paged = false;   // paged KV cache: block_table is bound and page_size > 0 (TensorLayout)
+  std::vector<TmaMapPlan> tma_maps;   // none: params' tma_loads is 0
+  std::size_t tma_twin_address_at = 0;
+  uint64_t tma_address_alignment = 16;
 };
+
+// The TMA attributes, as the instantiate stages bind them.
+struct TmaAttributes {
+  std::string_view tensors;
+  ffi::Span<const int64_t> arguments;
+  int64_t twin_address_at;
+  int64_t address_alignment;
+};
+
+// Where AttentionParams.tma holds the map of tensor `name` (q, k or v); false for any other name.
+inline bool TmaMapOffset(std::string_view name, std::size_t* offset) {
+  const std::size_t tma = offsetof(AttentionParams, tma);
+  if (name == "q") *offset = tma + offsetof(TmaMaps, q);
+  else if (name == "k") *offset = tma + offsetof(TmaMaps, k);
+  else if (name == "v") *offset = tma + offsetof(TmaMaps, v);
+  else return false;
+  return true;
+}
 
 // One execution of a plan (the execute stage): its buffers, checked, and params carrying their addresses.
 struct ProgramCall {
@@ -268,10 +316,13 @@ inline bool ResolveKernel(const std::string& name, const std::string& target) {
 
 // The instantiate stage's half: everything the attributes alone determine. Operands and results are not known
 // here (XLA's CPU runtime instantiates with attributes only), so their count and types are checked per call.
+inline ffi::Error DecodeTmaMaps(const TmaAttributes& tma, ProgramPlan* plan);
+
 inline ffi::Error DecodeProgramPlan(ffi::Span<const uint8_t> params, std::string_view bindings,
                                     ffi::Span<const uint8_t> zero_init, std::string_view kernels,
                                     ffi::Span<const int32_t> grid, ffi::Span<const int32_t> block,
-                                    ffi::Span<const int32_t> smem, std::string_view version, ProgramPlan* plan) {
+                                    ffi::Span<const int32_t> smem, std::string_view version,
+                                    const TmaAttributes& tma, ProgramPlan* plan) {
   if (version != CUFLASH_VERSION)
     return Invalid("this call was lowered by cuflash " + std::string(version) + ", but the handler library is " +
                    CUFLASH_VERSION + " (an exported executable runs with the cuflash version that exported it)");
@@ -328,6 +379,88 @@ inline ffi::Error DecodeProgramPlan(ffi::Span<const uint8_t> params, std::string
     launch.dynamic_smem_bytes = static_cast<unsigned>(smem[i]);
     plan->launches.push_back(std::move(launch));
   }
+  return DecodeTmaMaps(tma, plan);
+}
+
+// The maps the attributes describe, each tied to its bound tensor; params' tma_loads must say whether there are any.
+inline ffi::Error DecodeTmaMaps(const TmaAttributes& tma, ProgramPlan* plan) {
+  plan->tma_maps.clear();
+  for (std::string_view name : Split(tma.tensors, ',')) {
+    TmaMapPlan map{};
+    if (!TmaMapOffset(name, &map.map_at))
+      return Invalid("tma_tensors names " + std::string(name) + ", which has no map in AttentionParams.tma");
+    for (std::size_t i = 0; i < plan->bindings.size(); ++i)
+      if (name == plan->bindings[i]->name) {
+        map.tensor = plan->bindings[i];
+        map.binding = i;
+      }
+    if (map.tensor == nullptr) return Invalid("tma_tensors names " + std::string(name) + ", which is not bound");
+    for (const TmaMapPlan& other : plan->tma_maps)
+      if (other.tensor == map.tensor) return Invalid("tma_tensors names " + std::string(name) + " twice");
+    plan->tma_maps.push_back(map);
+  }
+  const std::size_t words = TiledArguments::kWords;
+  if (tma.arguments.size() != words * plan->tma_maps.size())
+    return Invalid("tma_arguments has " + std::to_string(tma.arguments.size()) + " words for " +
+                   std::to_string(plan->tma_maps.size()) + " maps of " + std::to_string(words));
+  for (std::size_t i = 0; i < plan->tma_maps.size(); ++i) {
+    TiledArguments& arguments = plan->tma_maps[i].arguments;
+    std::memcpy(&arguments, tma.arguments.begin() + i * words, sizeof arguments);
+    if (arguments.rank < 1 || arguments.rank > 5)
+      return Invalid("tma_arguments: map " + std::to_string(i) + " has rank " + std::to_string(arguments.rank));
+  }
+  if (tma.twin_address_at < 0 || tma.twin_address_at + sizeof(uint64_t) > sizeof(TmaMaps::q))
+    return Invalid("tma_twin_address_at " + std::to_string(tma.twin_address_at) + " is not inside a map");
+  if (tma.address_alignment <= 0 || (tma.address_alignment & (tma.address_alignment - 1)))
+    return Invalid("tma_address_alignment " + std::to_string(tma.address_alignment) + " is not a power of 2");
+  plan->tma_twin_address_at = static_cast<std::size_t>(tma.twin_address_at);
+  plan->tma_address_alignment = static_cast<uint64_t>(tma.address_alignment);
+  if ((plan->params.tma_loads != 0) != !plan->tma_maps.empty())
+    return Invalid("params' tma_loads is " + std::to_string(plan->params.tma_loads) + " but tma_tensors names " +
+                   std::to_string(plan->tma_maps.size()) + " maps");
+  return ffi::Error::Success();
+}
+
+// The bytes a map of elements of `element_bytes` (the bound tensor's) reaches from its address: (dim - 1) * stride
+// summed over the outer dimensions, plus the innermost row.
+inline unsigned long long TmaMapReach(const TiledArguments& a, std::size_t element_bytes) {
+  unsigned long long reach = static_cast<unsigned long long>(a.global_dims[0]) * element_bytes;
+  for (int d = 1; d < a.rank; ++d)
+    reach += static_cast<unsigned long long>(a.global_dims[d] - 1) *
+             static_cast<unsigned long long>(a.global_strides[d - 1]);
+  return reach;
+}
+
+// The address of each map's tensor in this call (into addresses, in tma_maps' order), checked to lie inside the
+// bound buffer. *usable is false (and call->params.tma_loads set 0: the kernels copy with loads) where the plan has no
+// maps or an address is not aligned as TMA needs: TmaMaps.block's rule, the only one left per call.
+inline ffi::Error TmaMapAddresses(const ProgramPlan& plan, ProgramCall* call, std::vector<uint64_t>* addresses,
+                                  bool* usable) {
+  addresses->clear();
+  *usable = !plan.tma_maps.empty();
+  for (const TmaMapPlan& map : plan.tma_maps) {
+    const BoundBuffer& buffer = call->buffers[map.binding];
+    const unsigned long long reach = TmaMapReach(map.arguments, buffer.element_bytes);
+    if (reach > buffer.bytes)
+      return Invalid(std::string("the TMA map of ") + map.tensor->name + " reaches " + std::to_string(reach) +
+                     " bytes, but its buffer has " +
+                     std::to_string(buffer.bytes));
+    const uint64_t address = reinterpret_cast<std::uintptr_t>(buffer.data);
+    if (address % plan.tma_address_alignment) *usable = false;
+    addresses->push_back(address);
+  }
+  if (!*usable) call->params.tma_loads = 0;
+  return ffi::Error::Success();
+}
+
+// The CPU handler's maps: the twins' encodings params already holds, each tensor's address patched in.
+inline ffi::Error PatchTwinTmaMaps(const ProgramPlan& plan, ProgramCall* call) {
+  std::vector<uint64_t> addresses;
+  bool usable = false;
+  if (ffi::Error error = TmaMapAddresses(plan, call, &addresses, &usable); error.failure() || !usable) return error;
+  for (std::size_t i = 0; i < plan.tma_maps.size(); ++i)
+    std::memcpy(reinterpret_cast<unsigned char*>(&call->params) + plan.tma_maps[i].map_at + plan.tma_twin_address_at,
+                &addresses[i], sizeof(uint64_t));
   return ffi::Error::Success();
 }
 
@@ -427,6 +560,10 @@ inline ffi::Error BindProgramBuffers(const ProgramPlan& plan, ffi::RemainingArgs
       .Attr<xla::ffi::Span<const int32_t>>("grid")                 \
       .Attr<xla::ffi::Span<const int32_t>>("block")                \
       .Attr<xla::ffi::Span<const int32_t>>("smem")                 \
-      .Attr<std::string_view>("version")
+      .Attr<std::string_view>("version")                            \
+      .Attr<std::string_view>("tma_tensors")                        \
+      .Attr<xla::ffi::Span<const int64_t>>("tma_arguments")         \
+      .Attr<int64_t>("tma_twin_address_at")                         \
+      .Attr<int64_t>("tma_address_alignment")
 
 }  // namespace cuflash::ffi_handlers

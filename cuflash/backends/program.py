@@ -82,7 +82,10 @@ class TmaMaps:
     ``usable`` is False, and where a call's address is not 16-byte aligned that call goes without: the kernels
     then copy with loads (AttentionParams.tma_loads 0).
     Per call: the simulator twin's bytes with the address patched in (it sits at a fixed place); a GPU's maps by
-    the driver (its encoding is opaque)."""
+    the driver (its encoding is opaque). The JAX handlers do the same per call in C++ from what ``template`` and
+    ``argument_words`` give at trace time (cuflash/jax/_primitives.py, cuda_src/ffi/program_call.h)."""
+
+    address_alignment = tensor_map.address_alignment(tensor_map.INTERLEAVE_NONE)
 
     def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]]):
         self.tensors = tuple(box.tensor for box in boxes)  # the inputs whose addresses block() takes, in this order
@@ -121,7 +124,7 @@ class TmaMaps:
         last_addresses, last_block = self._last
         if addresses == last_addresses:  # the same arrays as the last call (a training loop's buffers)
             return last_block
-        if not self.usable or any(a & 15 for a in addresses):
+        if not self.usable or any(a % self.address_alignment for a in addresses):
             return None
         block = bytearray(self._block)  # a copy: concurrent calls may share this object
         if by_driver:
@@ -135,6 +138,20 @@ class TmaMaps:
         made = TMA_BLOCK_OFFSET, bytes(block)
         self._last = addresses, made  # one assignment: a concurrent call sees an old pair or a new one
         return made
+
+
+    def template(self) -> tuple[int, bytes] | None:
+        """The TMA block with every address 0 (tma_loads 1, the twins' encodings), for a caller that patches the
+        addresses in itself (twin: at TWIN_ADDRESS_OFFSET in each map; a GPU's: re-encoded by the driver); None
+        where TMA cannot take the arrays (``usable``)."""
+        return (TMA_BLOCK_OFFSET, bytes(self._block)) if self.usable else None
+
+    def argument_words(self) -> list[int]:
+        """Per map, in the order of ``tensors``, cuTensorMapEncodeTiled's arguments but the address
+        (tensor_map.tiled_argument_words): what a caller encoding the maps with the driver itself takes."""
+        return [word for args in self._encodings
+                for word in tensor_map.tiled_argument_words(args[0], args[1], *args[3:],
+                                                            swizzle=tensor_map.SWIZZLE_128B)]
 
 
 class PreparedProgram:

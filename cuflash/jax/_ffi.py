@@ -287,12 +287,14 @@ def cuda_driver_status() -> str:
 
 @contextlib.contextmanager
 def record_launches() -> Iterator[list]:
-    """Collect the simulated launches the CPU handler runs inside the block, as cuflash.sim.LaunchRecord.
+    """Collect the simulated launches the CPU handler runs inside the block, as cuflash.sim.LaunchRecord (in
+    profile mode with their shared_access_sites, as cuflash.sim.record gives them).
 
     The list fills when the block exits (JAX dispatches asynchronously: block on results inside it).
     Not reentrant: one recording at a time per process.
     """
     from ..sim import LaunchRecord
+    from ..sim._launch import _parse_profile
 
     lib, ffi = library().lib, library().ffi
     records: list = []
@@ -304,6 +306,7 @@ def record_launches() -> Iterator[list]:
         entry = ffi.new("cuflash_ffi_launch_record*")
         for index in range(lib.cuflash_ffi_sim_recorded_count()):
             if lib.cuflash_ffi_sim_recorded(index, entry):
+                profile = ffi.string(lib.cuflash_ffi_sim_recorded_profile(index)).decode()
                 records.append(
                     LaunchRecord(
                         kernel=ffi.string(entry.kernel).decode(),
@@ -312,6 +315,7 @@ def record_launches() -> Iterator[list]:
                         dynamic_smem_bytes=int(entry.dynamic_smem_bytes),
                         global_bytes_read=int(entry.bytes_read),
                         global_bytes_written=int(entry.bytes_written),
+                        shared_access_sites=_parse_profile(profile) if profile else (),
                     )
                 )
 
@@ -322,3 +326,9 @@ def params_size() -> int:
 
 def pointer_field_offset(name: str) -> int:
     return int(library().lib.cuflash_ffi_pointer_field_offset(name.encode()))
+
+
+def tiled_argument_word(name: str) -> int:
+    """The index of cuTensorMapEncodeTiled's argument ``name`` in one map's tma_arguments words, as the handlers
+    read them (program_call.h's TiledArguments); -1 if unknown."""
+    return int(library().lib.cuflash_ffi_tiled_argument_word(name.encode()))

@@ -37,7 +37,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from .. import _validation as V
-from ..kernels import plans, targets
+from ..kernels import plans, targets, tensor_map
 from ..kernels.targets import Target
 from ..kernels.program import KernelInstance
 from ..kernels.params import QUERY_SIDE_TENSORS, TENSOR_FIELDS, VALUE_WIDTH_TENSORS, pack_params
@@ -168,12 +168,19 @@ def custom_call_attributes(
     )
     if config.flex is not None:  # the descriptors of the flex operands (their addresses stay null: bound per run)
         config.flex.pack(params, dict(zip(operands, operand_shapes)))
+    params = bytearray(params.tobytes())
+    tma = tma_attributes(program, problem, strides_of=lambda name: contiguous_strides(
+        tensor_shape(name, problem, config.cache_shape)))
+    tma_block = tma.pop("tma_block")
+    if tma_block is not None:  # tma_loads 1 and the maps with their addresses 0: the handlers patch them per call
+        at, block = tma_block
+        params[at: at + len(block)] = block
     bindings = list(operands) + list(results) + [scratch.name for scratch in program.scratch]
     # flex side gradients are accumulated with atomic adds: XLA's buffer starts cleared
     zero_init = [int(name.startswith("flex_side_grad")) for name in results] + \
         [int(scratch.zero_init) for scratch in program.scratch]
     return dict(
-        params=np.frombuffer(params.tobytes(), dtype=np.uint8).copy(),
+        params=np.frombuffer(bytes(params), dtype=np.uint8).copy(),
         bindings=",".join(bindings),
         zero_init=np.asarray(zero_init, dtype=np.uint8),
         kernels=";".join(plan.kernel.name_expr for plan in launches),
@@ -181,6 +188,32 @@ def custom_call_attributes(
         block=np.asarray([d for plan in launches for d in plan.block], dtype=np.int32),
         smem=np.asarray([plan.dynamic_smem_bytes for plan in launches], dtype=np.int32),
         version=_ffi.call_abi(),  # the handler refuses a call lowered by another cuflash version or layout
+        **tma,
+    )
+
+
+def tma_attributes(program: Program, problem: Problem, strides_of) -> dict[str, object]:
+    """The TMA part of a custom call: the tensor maps of the program's TMA copies (Program.tma_boxes), decided and
+    encoded by the CuPy / NumPy path's own TmaMaps (the same arrays TMA cannot take there fall back here) for the
+    contiguous arrays a call binds (``strides_of(name)``: element strides), everything but the addresses.
+
+    ``tma_block``: (offset, bytes) to lay over the params (tma_loads 1, the maps' twin encodings with address 0),
+    None with no maps (tma_loads stays 0: the kernels copy with loads). The attributes: ``tma_tensors`` the bound
+    tensor of each map ("q,k,v"), ``tma_arguments`` cuTensorMapEncodeTiled's arguments but the address per map
+    (tensor_map.tiled_argument_words: the CUDA handler encodes with the driver per call), ``tma_twin_address_at``
+    where a twin map holds its address (the CPU handler patches it in), ``tma_address_alignment`` what an address
+    needs (a call whose tensor is not so aligned runs with tma_loads 0, as TmaMaps.block)."""
+    from ..backends.program import TmaMaps
+
+    maps = TmaMaps(program.tma_boxes, problem, {box.tensor: strides_of(box.tensor) for box in program.tma_boxes}) \
+        if program.tma_boxes else None
+    block = maps.template() if maps is not None else None
+    return dict(
+        tma_block=block,
+        tma_tensors=",".join(maps.tensors) if block is not None else "",
+        tma_arguments=np.asarray(maps.argument_words() if block is not None else [], dtype=np.int64),
+        tma_twin_address_at=np.int64(tensor_map.TWIN_ADDRESS_OFFSET),
+        tma_address_alignment=np.int64(TmaMaps.address_alignment),
     )
 
 

@@ -38,6 +38,28 @@ TWIN_ADDRESS = struct.Struct("<Q")
 TWIN_ADDRESS_OFFSET = 16
 assert _TWIN_LAYOUT.format.startswith("<I8BIQ") and struct.calcsize("<I8BI") == TWIN_ADDRESS_OFFSET
 
+# cuTensorMapEncodeTiled's arguments but the address, in the driver's order, as int64 words with the per-dimension
+# lists padded to rank 5 (dims and box with 1, strides with 0, element strides with 1): what a caller that encodes
+# maps elsewhere (the JAX CUDA handler, cuda_src/ffi/program_call.h's TiledArguments) takes, word by word.
+TILED_ARGUMENT_WORDS = 25  # dtype, rank, 5 dims, 4 strides, 5 box dims, 5 element strides, 4 enums
+
+
+def address_alignment(interleave: int = INTERLEAVE_NONE) -> int:
+    """The alignment cuTensorMapEncodeTiled requires of globalAddress."""
+    return 32 if interleave == INTERLEAVE_32B else 16
+
+
+def tiled_argument_words(dtype: int, rank: int, global_dims: Sequence[int], global_strides: Sequence[int],
+                         box_dims: Sequence[int], element_strides: Sequence[int], *, interleave: int = INTERLEAVE_NONE,
+                         swizzle: int = SWIZZLE_NONE, l2_promotion: int = L2_PROMOTION_NONE,
+                         oob_fill: int = OOB_FILL_NONE) -> list[int]:
+    """TILED_ARGUMENT_WORDS words: the arguments of one map (check_tiled's, the address left out)."""
+    pad = lambda values, fill, n: [int(v) for v in values] + [fill] * (n - len(values))  # noqa: E731
+    words = [dtype, rank, *pad(global_dims, 1, 5), *pad(global_strides, 0, 4), *pad(box_dims, 1, 5),
+             *pad(element_strides, 1, 5), interleave, swizzle, l2_promotion, oob_fill]
+    assert len(words) == TILED_ARGUMENT_WORDS
+    return words
+
 
 def check_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequence[int],
                 global_strides: Sequence[int], box_dims: Sequence[int], element_strides: Sequence[int],
@@ -62,7 +84,7 @@ def check_tiled(dtype: int, rank: int, global_address: int, global_dims: Sequenc
                                ("boxDim", box_dims, rank), ("elementStrides", element_strides, rank)):
         if len(values) != want:
             raise ValueError(f"{name} has {len(values)} entries; a rank-{rank} map takes {want}")
-    align = 32 if interleave == INTERLEAVE_32B else 16
+    align = address_alignment(interleave)
     if global_address % align:
         raise ValueError(f"globalAddress 0x{global_address:x}: must be {align}-byte aligned"
                          + (" with 32B interleave" if align == 32 else ""))

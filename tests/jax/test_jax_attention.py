@@ -523,21 +523,3 @@ def test_packed_twins_equal_the_numpy_packed_calls():
     assert np.array_equal(np.asarray(cfj.attention_kvpacked(q, kv, causal=True)), want_out)
     with pytest.raises(ValueError, match=r"kv must have shape \(batch, seqlen_k, 2, nheads_k, headdim\)"):
         cfj.attention_kvpacked(q, qkv)
-
-
-def test_hopper_forward_without_tensor_maps_runs_its_load_path():
-    """On a sm_90 target fa2's forward runs the Hopper kernel. The JAX handlers make no TMA tensor maps
-    (AttentionParams.tma_loads stays 0): its producer copies with loads, bitwise what the NumPy path's TMA copies
-    give (the same tiles in shared memory)."""
-    from cuflash import sim
-    from cuflash.jax._ffi import record_launches
-
-    q, k, v, _ = inputs(17, 1, 70, 150, 4, 2, 64, "float16")
-    with sim.targeting("sm_90"):
-        with record_launches() as jax_launches:
-            out = jax.block_until_ready(jax.jit(lambda q, k, v: cfj.attention(q, k, v, causal=True))(q, k, v))
-        with sim.record() as numpy_launches:
-            out_np = cuflash.attention(q, k, v, causal=True)
-    assert [r.kernel.split("<")[0] for r in jax_launches] == ["cuflash::fa3_forward_kernel"]
-    assert jax_launches == numpy_launches.launches  # same kernel, shapes and counted bytes
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), out_np.view(np.uint16))
