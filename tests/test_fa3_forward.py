@@ -379,11 +379,9 @@ _D64_FULL_K = 192 * 64 * 2 + 4 * 128 * 64 * 2 + 8
 def test_planted_wrong_expect_tx_deadlocks_naming_the_barrier(tmp_path):
     """The producer expects 16 bytes more for K than its copies bring: full_k's phase never completes, and the
     consumers' wait on it is reported as a deadlock naming the barrier, its phase and the missing bytes."""
-    kernel = _planted(tmp_path, "        arch::mbarrier_wait(empty_k + stage, previous_round);\n"
-                                "        fa3::produce_tile_tma<KVTile>",
-                      "        arch::mbarrier_wait(empty_k + stage, previous_round);\n"
-                      "        arch::mbarrier_expect_tx(full_k + stage, 16);  // planted\n"
-                      "        fa3::produce_tile_tma<KVTile>")
+    kernel = _planted(tmp_path, "        if (leader)\n          fa3::produce_tile_tma<KVTile>(k_tile(stage)",
+                      "        if (leader) arch::mbarrier_expect_tx(full_k + stage, 16);  // planted\n"
+                      "        if (leader)\n          fa3::produce_tile_tma<KVTile>(k_tile(stage)")
     q, k, v, _ = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=35)
     with pytest.raises(sim.KernelError, match=rf"(?s)deadlock: .*fa3_forward_planted\.cu:\d+.* for parity 0 of the "
                                               rf"mbarrier at shared byte offset {_D64_FULL_K} .*tx-count of 16 bytes"):
@@ -423,14 +421,15 @@ def test_tensor_maps_made_per_call_from_the_signature():
     """PreparedProgram's TmaMaps: everything but the addresses checked and encoded once per signature; a call lays
     the TMA block (tma_loads, then q's, k's and v's maps) over the params with each twin's address patched in; the
     same addresses again give the same block without re-encoding; arrays TMA cannot take give none."""
-    from cuflash.backends.program import TmaMaps, element_strides
+    from cuflash.backends.program import TmaMaps, element_strides, row_extents
     from cuflash.kernels import params, tensor_map
 
     q, k, v, _ = _inputs((2, 77, 200, 4, 2, 64), "float16", seed=37)
     problem = _problem(q, k, False)
     boxes = fa3.forward_program(problem, SM90).tma_boxes
     strides = {name: element_strides(x) for name, x in (("q", q), ("k", k), ("v", v))}
-    maps = TmaMaps(boxes, problem, strides)
+    extents = {name: row_extents(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    maps = TmaMaps(boxes, problem, strides, extents)
     assert maps.usable and maps.tensors == ("q", "k", "v")
     addresses = (0x10000, 0x20010, 0x30020)
     offset, block = maps.block(addresses, by_driver=False)
@@ -447,4 +446,4 @@ def test_tensor_maps_made_per_call_from_the_signature():
     assert maps.block(addresses, by_driver=False)[1] is block  # the same arrays: the block made last time
     assert maps.block((0x10008, *addresses[1:]), by_driver=False) is None  # a base TMA cannot take
     odd = dict(strides, k=(strides["k"][0], strides["k"][1] + 4, strides["k"][2]))  # k's rows 8 bytes off 16
-    assert not TmaMaps(boxes, problem, odd).usable
+    assert not TmaMaps(boxes, problem, odd, extents).usable

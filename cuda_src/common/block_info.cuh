@@ -26,6 +26,17 @@
 
 namespace cuflash {
 
+// Where key row j of a paged sequence lives: page `page` of the cache (its block_table entry), row `row` in it.
+struct PageSlot {
+  int page;
+  int row;
+  __device__ __forceinline__ static PageSlot of(const int* pages, int page_size, int j) {
+    const unsigned index = static_cast<unsigned>(j) / static_cast<unsigned>(page_size);  // rows are >= 0
+    const unsigned in_page = static_cast<unsigned>(j) - index * static_cast<unsigned>(page_size);
+    return PageSlot{arch::load(pages + index), static_cast<int>(in_page)};
+  }
+};
+
 // Rows first_row, first_row + 1, ... of one head of a key-side tensor. Contiguous: head_base + j row_stride.
 // Paged KV cache: row j lives at row j % page_size of page pages[j / page_size], pages page_stride apart
 // (the cache's batch stride). The page lookup is one int load per row; the contiguous path is the old
@@ -44,12 +55,10 @@ struct KeyRows {
     if (pages == nullptr) return head_base + static_cast<long long>(j) * row_stride;
     return paged_row(j);
   }
-  // Row j of a paged sequence: one block_table entry and a division by the page size.
+  // Row j of a paged sequence: one block_table entry and a division by the page size (PageSlot).
   __device__ __forceinline__ T* paged_row(int j) const {
-    const unsigned page = static_cast<unsigned>(j) / static_cast<unsigned>(page_size);  // rows are >= 0
-    const unsigned in_page = static_cast<unsigned>(j) - page * static_cast<unsigned>(page_size);
-    return head_base + static_cast<long long>(arch::load(pages + page)) * page_stride +
-           static_cast<long long>(in_page) * row_stride;
+    const PageSlot slot = PageSlot::of(pages, page_size, j);
+    return head_base + static_cast<long long>(slot.page) * page_stride + static_cast<long long>(slot.row) * row_stride;
   }
   // Whether every row starts 16-byte aligned (the tensor-core loads then use 16-byte cp.async).
   __device__ __forceinline__ bool rows_16b_aligned() const {
@@ -153,6 +162,27 @@ struct BlockInfo {
     return key_rows<const T>(p, p.v, p.v_stride, first_row);
   }
 
+  // TMA coordinates {row, batch} of row `row` of this sequence in a tensor map spanning the whole array (the Hopper
+  // forward's, fa3_forward_traits.cuh): (rows, batch) of a fixed-length array, (total rows, 1) of a packed varlen one
+  // (its sequences one after the other: a box may run into the next one's rows), and for keys a contiguous KV cache's
+  // (rows, cache batch) from the cache row of key 0 (cache_batch_idx, cache_leftpad) or a paged cache's (page_size,
+  // pages): {row in the page, page}, the block_table entry of the row's page.
+  __device__ __forceinline__ int2 q_tma_coords(const AttentionParams& p, int row) const {
+    return varlen(p) ? make_int2(q_start(p) + row, 0) : make_int2(row, batch);
+  }
+  __device__ __forceinline__ int2 key_tma_coords(const AttentionParams& p, int row) const {
+    if (p.block_table != nullptr) {
+      const PageSlot slot = PageSlot::of(pages(p), p.page_size, row);
+      return make_int2(slot.row, slot.page);
+    }
+    return make_int2(k_start(p) + first_key_row(p) + row, varlen(p) ? 0 : cache_batch(p));
+  }
+  // Whether the rows past this sequence's keys are other data where a map reaches them (packed varlen sequences, a
+  // KV cache's rows past its used count) rather than outside the array (zero-filled by the map).
+  __device__ __forceinline__ static bool keys_end_inside_array(const AttentionParams& p) {
+    return varlen(p) || p.seqused_k != nullptr;
+  }
+
   // Float32 per-row statistics (lse, dout_dot_out, row_max, row_sum): (batch, nheads, seqlen_q), or
   // (nheads, total_q) for varlen (FlashAttention-2's layout).
   __device__ __forceinline__ long long row_stats_offset(const AttentionParams& p) const {
@@ -232,6 +262,10 @@ struct BlockInfo {
   __device__ __forceinline__ int first_key_row(const AttentionParams& p) const {
     return p.cache_leftpad != nullptr ? cu_seqlen(p.cache_leftpad, batch) : 0;
   }
+  // A paged cache's pages of this sequence: its row of block_table.
+  __device__ __forceinline__ const int* pages(const AttentionParams& p) const {
+    return reinterpret_cast<const int*>(p.block_table) + batch * p.block_table_stride;
+  }
   template <class T, class Void>
   __device__ __forceinline__ KeyRows<T> key_rows(const AttentionParams& p, Void* base, const TensorStrides& s,
                                                  int first_row) const {
@@ -240,8 +274,7 @@ struct BlockInfo {
                      static_cast<long long>(k_start(p) + first_key_row(p)) * s.row + kv_head * s.head;
       return KeyRows<T>{head_base, s.row, 0, nullptr, 0, first_row};
     }
-    const int* pages = reinterpret_cast<const int*>(p.block_table) + batch * p.block_table_stride;
-    return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages, p.page_size, first_row};
+    return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages(p), p.page_size, first_row};
   }
   template <class T, class Void>
   __device__ __forceinline__ T* at(Void* base, const TensorStrides& s, int row, int head_index) const {

@@ -6,22 +6,32 @@
 // or 256: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens;
 // masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
 // the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
-// Not (yet): v's own head dim, varlen, paged or split KV, dropout, flex mods: those stay on the mma.sync kernels
+// Varlen batches, KV caches (contiguous, with cache_batch_idx and cache_leftpad, or paged) and split-KV: where the
+// rows are and which keys a block takes are block_info.cuh's and mask.cuh's rules, runtime fields (the K/V loop
+// does not change). Not (yet): v's own head dim, dropout, sinks, flex mods: those stay on the mma.sync kernels
 // (fa2_tc_forward.cu).
 //
 // How it partitions work
-//   grid  = (ceil(seqlen_q / BlockM), nheads, batch): one thread block per Q block of one head (query head h reads
-//           kv head h / (nheads / nheads_k), block_info.cuh).
+//   grid  = (ceil(seqlen_q / BlockM) x num_kv_splits, nheads, batch): one thread block per Q block of one head
+//           (query head h reads kv head h / (nheads / nheads_k), block_info.cuh), and with split-KV per split of
+//           its K/V blocks (mask.cuh's split_kv_blocks). Varlen: the grid spans the longest sequence; a block past
+//           its own sequence's rows returns at once.
 //   block = 1 + kConsumers warpgroups of 128 threads (fa3_forward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to kProducerRegisters): copies Q once and, per visible K/V block
 //       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
 //       in the 128-byte-swizzled layout wgmma reads. With TMA (p.tma_loads: the host made q's, k's and v's tensor
 //       maps, passed in the __grid_constant__ params): one elected thread arrives on the stage's "full" mbarrier
 //       expecting the tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma;
-//       the maps zero-fill rows past the sequence and columns past the head dim); the other producer threads
-//       exit. Else (what TMA cannot address, or a caller without maps) all 128 copy with 16-byte loads
-//       (fa3::produce_tile: the same zero fill, fence.proxy.async, one arrival per thread). Before refilling a
-//       stage's K (V) it waits on the stage's "empty" mbarrier for K (V).
+//       the maps span the whole arrays and zero-fill rows past them and columns past the head dim; block_info.cuh
+//       gives each box's coordinates: a packed varlen sequence's rows, a KV cache's, a paged cache's page). Where
+//       the rows past a sequence's keys are other data (varlen, a KV cache's unused rows), the ragged last K/V
+//       block is copied by the elected thread's warp with loads instead (zero-filled: P's zeros would not keep a
+//       NaN there out of P V; one arrival after __syncwarp), so that warp stays; the others exit. Else (what TMA
+//       cannot address: a paged cache whose pages do not hold whole K/V blocks, unaligned arrays; or a caller
+//       without maps) all 128 copy with 16-byte loads (fa3::produce_tile: the same zero fill, K/V rows through
+//       block_info.cuh's KeyRows, fence.proxy.async, one arrival per thread). Packed varlen Q boxes read the next
+//       sequence's rows too: those rows are computed and never written. Before refilling a stage's K (V) it
+//       waits on the stage's "empty" mbarrier for K (V).
 //     warpgroups 1.. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), each owning 64 query rows:
 //       S = Q K^T by wgmma SS (both K-major, HeadDim / 16 k16 steps of m64nBlockNk16); the score hook (Hooked
 //       instances); mask (blocks crossing an edge of the band or the keys' end only, mask.cuh); online softmax in
@@ -38,7 +48,8 @@
 //         softmax runs while another's products do.
 //   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
 //   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
-//   log l from one lane per row.
+//   log l from one lane per row. Split-KV: O / l and lse in float32 from the accumulators into out_accum and
+//   lse_accum, which fa2_split_kv_combine.cu merges.
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
@@ -75,15 +86,18 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)))
     __trap();
 
-  const int m_block = blockIdx.x;
+  const int m_block = blockIdx.x / p.num_kv_splits;  // split-KV: the split is blockIdx.x % p.num_kv_splits
   const BlockInfo info = BlockInfo::of(p, blockIdx.z, blockIdx.y);
   const int row0 = m_block * BlockM;
-  if (row0 >= info.seqlen_q(p)) return;  // the whole block, before any barrier
+  if (row0 >= info.seqlen_q(p)) return;  // the whole block (past its sequence for varlen), before any barrier
   const int block_rows = min(BlockM, info.seqlen_q(p) - row0);
   const MaskPolicy mask = MaskPolicy::of(p, info);
-  // The K/V blocks of the band (both sides skipped under a window): the one range the producer loads and the
-  // consumers compute, made once before the roles split, so the two walk the same blocks in the same order.
-  const IndexRange n_range = mask.kv_blocks<BlockN>(row0, row0 + block_rows);
+  // The K/V blocks of the band (both sides skipped under a window), of this block's split with split-KV: the one
+  // range the producer loads and the consumers compute, made once before the roles split, so the two walk the same
+  // blocks in the same order.
+  const IndexRange n_range = split_kv_blocks<BlockN>(mask.kv_blocks<BlockN>(row0, row0 + block_rows),
+                                                     info.seqlen_k(p), blockIdx.x % p.num_kv_splits,
+                                                     p.num_kv_splits);
 
   unsigned char* q_tile = smem + Tr::kQOffset;
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
@@ -117,32 +131,52 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // ---- producer ----
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     if (n_range.empty()) return;
+    const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
     if (tma) {
-      // One elected thread issues every copy; the other producer threads have nothing left to do.
-      if (thread >= 32 || !arch::elect_one_sync()) return;
-      fa3::produce_tile_tma<QTile>(q_tile, fa3::tensor_map(p.tma.q), row0, info.head, info.batch, q_full);
+      // Warp 0 goes on: its elected lane issues every TMA copy; its 32 lanes copy a ragged K/V block with loads
+      // where the map would read other data past the keys (packed varlen sequences, a KV cache's unused rows: keys
+      // the mask hides, but V rows that P's zeros would not keep out of P V were they NaN or inf). Such a block is
+      // the sequence's last, so the first the producer fills. The other producer warps have nothing to do.
+      if (thread >= 32) return;
+      const bool leader = arch::elect_one_sync();
+      if (leader)
+        fa3::produce_tile_tma<QTile>(q_tile, fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), info.head, q_full);
+      const bool ragged_by_loads = BlockInfo::keys_end_inside_array(p);
+      const int seqlen_k = info.seqlen_k(p);
 #pragma unroll 1
       for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
         const int stage = it % Stages;
         const unsigned previous_round = ((it / Stages) & 1) ^ 1;  // as below
         const int key0 = n_block * BlockN;
+        const int keys = min(BlockN, seqlen_k - key0);
         arch::mbarrier_wait(empty_k + stage, previous_round);
-        fa3::produce_tile_tma<KVTile>(k_tile(stage), fa3::tensor_map(p.tma.k), key0, info.kv_head, info.batch,
-                                      full_k + stage);
+        if (ragged_by_loads && keys < BlockN) {
+          const KeyRows<const T> k_rows = info.k_rows<T>(p, key0);
+          fa3::produce_tile<KVTile, 32>(k_tile(stage), fa3::KeyRowsAt<T>{k_rows}, keys, d, k_rows.rows_16b_aligned(),
+                                        thread, full_k + stage);
+          arch::mbarrier_wait(empty_v + stage, previous_round);
+          const KeyRows<const T> v_rows = info.v_rows<T>(p, key0);
+          fa3::produce_tile<KVTile, 32>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, d, v_rows.rows_16b_aligned(),
+                                        thread, full_v + stage);
+          continue;
+        }
+        if (leader)
+          fa3::produce_tile_tma<KVTile>(k_tile(stage), fa3::tensor_map(p.tma.k), info.key_tma_coords(p, key0),
+                                        info.kv_head, full_k + stage);
         arch::mbarrier_wait(empty_v + stage, previous_round);
-        fa3::produce_tile_tma<KVTile>(v_tile(stage), fa3::tensor_map(p.tma.v), key0, info.kv_head, info.batch,
-                                      full_v + stage);
+        if (leader)
+          fa3::produce_tile_tma<KVTile>(v_tile(stage), fa3::tensor_map(p.tma.v), info.key_tma_coords(p, key0),
+                                        info.kv_head, full_v + stage);
       }
       return;
     }
     const T* q = info.q<T>(p) + row0 * p.q_stride.row;
-    const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
     fa3::produce_tile<QTile>(q_tile, q, p.q_stride.row, block_rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
                              thread, q_full);
-    const T* k = info.k<T>(p);
-    const T* v = info.v<T>(p);
-    const bool k_vector = fa3::rows_16b_aligned(k, p.k_stride.row);
-    const bool v_vector = fa3::rows_16b_aligned(v, p.v_stride.row);
+    // K and V rows through BlockInfo's KeyRows: contiguous (a KV cache's rows from its cache_batch_idx and
+    // cache_leftpad) or a paged cache's, looked up per row.
+    const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
+    const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     const int seqlen_k = info.seqlen_k(p);
 #pragma unroll 1
     for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
@@ -153,10 +187,10 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       const int key0 = n_block * BlockN;
       const int keys = min(BlockN, seqlen_k - key0);
       arch::mbarrier_wait(empty_k + stage, previous_round);
-      fa3::produce_tile<KVTile>(k_tile(stage), k + key0 * p.k_stride.row, p.k_stride.row, keys, d, k_vector, thread,
+      fa3::produce_tile<KVTile>(k_tile(stage), fa3::KeyRowsAt<T>{info.k_rows<T>(p, key0)}, keys, d, k_vector, thread,
                                 full_k + stage);
       arch::mbarrier_wait(empty_v + stage, previous_round);
-      fa3::produce_tile<KVTile>(v_tile(stage), v + key0 * p.v_stride.row, p.v_stride.row, keys, d, v_vector, thread,
+      fa3::produce_tile<KVTile>(v_tile(stage), fa3::KeyRowsAt<T>{info.v_rows<T>(p, key0)}, keys, d, v_vector, thread,
                                 full_v + stage);
     }
     return;
@@ -290,6 +324,34 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     release(empty_v + stage);
   }
 
+  // lse of this thread's row `half` with row sum l: m * scale + log l (natural log), -inf where it saw no key.
+  auto row_lse = [&](int half, float l) { return l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf(); };
+  if (p.num_kv_splits > 1) {
+    // Split-KV: this split's O / l and lse in float32 straight from the accumulators into out_accum and lse_accum
+    // (fa2_split_kv_combine.cu merges the splits and rounds to T), 0 and -inf where the split saw no key of a row.
+    // A runtime test outside the K/V loop (as fa2_tc_forward.cu's): the plain instances' step does not change.
+    const int split = blockIdx.x % p.num_kv_splits;
+    const long long part_row_stride = BlockInfo::dense_out_row_stride(p);
+    float* out_part = info.out_accum_split(p, split) + row0 * part_row_stride;
+    float* lse_part = info.lse_accum_split(p, split) + row0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = fa3::quad_sum(row_sum[half]);  // a quad shuffle: every lane, before the row test
+      const int row = first_row + 8 * half;
+      if (row >= block_rows) continue;
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int j = 0; j < HeadDim / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = fa3::acc_first_col(lane) + 8 * j + e;
+          if (col < p.headdim) arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
+        }
+      if (lane % 4 == 0) arch::store(lse_part + row, row_lse(half, l));
+    }
+    return;
+  }
+
   // Epilogue: O / l into this consumer's 64 rows of the Q buffer, then 16-byte stores. The named barrier first
   // orders the stores after every read of those rows by this warpgroup's wgmma (their reads land at one waiting
   // thread), then publishes the staged rows to the warpgroup's 128 threads.
@@ -309,7 +371,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
           arch::pack_float2<T>(acc_o[i] * inv_l, acc_o[i + 1] * inv_l);
     }
     if (lane % 4 == 0 && row < block_rows)
-      arch::store(lse + row0 + row, l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf());
+      arch::store(lse + row0 + row, row_lse(half, l));
   }
   arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
   const bool vector = fa3::rows_16b_aligned(out, p.out_stride.row);

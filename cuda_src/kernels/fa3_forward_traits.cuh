@@ -151,15 +151,16 @@ __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
 constexpr int kFullArrivals = kWarpgroupThreads;
 __device__ __forceinline__ unsigned full_arrivals(bool tma) { return tma ? 1u : unsigned(kFullArrivals); }
 
-// The tile at rows row0 .. row0 + Tile::kRows - 1 of (head, batch) through `map` (box: 64 columns x Tile::kRows
-// rows), completing Tile::kBytes on `full` (zero-filled elements count: the box is always whole).
+// The tile at rows at.x .. at.x + Tile::kRows - 1 of (head, at.y) through `map` (box: 64 columns x Tile::kRows
+// rows; `at` from BlockInfo's q_tma_coords / key_tma_coords: the row and the batch, or a paged cache's row in the
+// page and the page), completing Tile::kBytes on `full` (zero-filled elements count: the box is always whole).
 template <class Tile>
-__device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch::TensorMap* map, int row0, int head,
-                                                 int batch, uint64_t* full) {
+__device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch::TensorMap* map, int2 at, int head,
+                                                 uint64_t* full) {
   arch::mbarrier_arrive_expect_tx(full, Tile::kBytes);
 #pragma unroll
   for (int panel = 0; panel < Tile::kCols / kPanelCols; ++panel) {
-    const int coords[4] = {panel * kPanelCols, row0, head, batch};
+    const int coords[4] = {panel * kPanelCols, at.x, head, at.y};
     arch::tma_load<4>(tile + panel * Tile::kPanelBytes, map, coords, full);
   }
 }
@@ -177,25 +178,29 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
   return reinterpret_cast<const arch::TensorMap*>(&member);
 }
 
-// The load path: tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block of global
-// rows `row_stride` elements apart, zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite
-// scores the mask hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add
-// nothing to S). Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row
-// (coalesced). vector: whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim
-// cuts, element loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will
-// read them (fence.proxy.async) and arrives on `full`.
-template <class Tile, class T>
-__device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
-                                             int cols, bool vector, int thread, uint64_t* full) {
+// The load path: tile = rows [0, valid_rows) x columns [0, cols) of a (Tile::kRows x Tile::kCols) block whose row r
+// starts at row_at(r) (a pointer and a stride, or BlockInfo's KeyRows: a KV cache's rows, a paged cache's page
+// lookup), zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite scores the mask hides,
+// and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S). Exactly
+// the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector: whole
+// chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element loads. Then
+// each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
+// (fence.proxy.async) and arrives on `full`; Threads = 32 (one warp: the TMA producer's, copying a ragged block the
+// map cannot zero-fill) arrives once, from lane 0, after the warp's stores (__syncwarp), as one TMA copy would.
+template <class Tile, int Threads = kWarpgroupThreads, class RowAt>
+__device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, int valid_rows, int cols, bool vector,
+                                             int thread, uint64_t* full) {
+  using T = typename RowAt::Element;
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
+  static_assert(Threads == kWarpgroupThreads || Threads == 32, "the producer warpgroup or one warp of it");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
 #pragma unroll 1
-  for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
+  for (int c = thread; c < kChunks; c += Threads) {
     const int row = c / Tile::kChunksPerRow;
     const int chunk = c % Tile::kChunksPerRow;
     const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
     uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    const T* from = src + row * row_stride + chunk * kChunkElems;
+    const T* from = valid > 0 ? row_at(row) + chunk * kChunkElems : nullptr;
     if (vector && valid == kChunkElems) {
       packed = arch::load(reinterpret_cast<const uint4*>(from));
     } else if (valid > 0) {
@@ -212,8 +217,35 @@ __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, 
     *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
   }
   arch::fence_proxy_async();
-  arch::mbarrier_arrive(full);
+  if constexpr (Threads == 32) {
+    __syncwarp();
+    if (thread == 0) arch::mbarrier_arrive(full);
+  } else {
+    arch::mbarrier_arrive(full);
+  }
 }
+
+// Row r of a strided block (row_at of produce_tile).
+template <class T>
+struct StridedRows {
+  using Element = T;
+  const T* base;
+  long long row_stride;
+  __device__ __forceinline__ const T* operator()(int r) const { return base + r * row_stride; }
+};
+// The load path over a strided block: rows `row_stride` elements apart from src (the backward's Q, K, V, dO tiles).
+template <class Tile, class T>
+__device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
+                                             int cols, bool vector, int thread, uint64_t* full) {
+  produce_tile<Tile>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
+}
+// Row r of key rows (BlockInfo's KeyRows: contiguous or paged).
+template <class T>
+struct KeyRowsAt {
+  using Element = T;
+  KeyRows<const T> rows;
+  __device__ __forceinline__ const T* operator()(int r) const { return rows.row(r); }
+};
 
 template <class T>
 __device__ __forceinline__ bool rows_16b_aligned(const T* base, long long row_stride) {

@@ -67,6 +67,14 @@ def element_strides(array: Any) -> tuple[int, int, int]:
     return strides if len(strides) == 3 else (0, *strides)  # type: ignore[return-value]
 
 
+def row_extents(array: Any) -> tuple[int, int]:
+    """(batches, rows) of a (batch, seqlen, heads, headdim) array, or (1, total) of a packed varlen (total, heads,
+    headdim) one: what a tensor map over the whole array spans (a KV cache's: its cache batch and capacity, or a paged
+    one's pages and page size)."""
+    shape = tuple(array.shape)
+    return (shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])
+
+
 _TMA_ELEMENT_TYPES = {"float16": tensor_map.FLOAT16, "bfloat16": tensor_map.BFLOAT16}
 
 
@@ -75,9 +83,11 @@ class TmaMaps:
     members) for one problem and the strides of its arrays, laid into AttentionParams' TMA block per call: a map holds
     its tensor's address, so only that changes between calls.
 
-    Each map is 4-D, innermost first: (head dim, rows, heads, batch) with the arrays' byte strides, the box (cols,
-    rows, 1, 1), the 128-byte swizzle; elements outside the tensor are zero-filled (rows past the sequence, columns
-    past the head dim). Everything but the address is checked (tensor_map.check_tiled) once, here; where TMA cannot
+    Each map is 4-D, innermost first: (head dim, rows, heads, batch) of the whole array (``extents``: row_extents of
+    each) with the arrays' byte strides, the box (cols, rows, 1, 1), the 128-byte swizzle; elements outside the
+    tensor are zero-filled (rows past a fixed-length sequence, columns past the head dim). A packed varlen array is
+    one batch of all its rows (the kernel finds a sequence's rows by cu_seqlens, block_info.cuh's q_tma_coords), a
+    KV cache the whole cache (key_tma_coords). Everything but the address is checked (tensor_map.check_tiled) once, here; where TMA cannot
     take the arrays (strides not whole 16 bytes, such as head dims not a multiple of 8, or 0 for a broadcast batch)
     ``usable`` is False, and where a call's address is not 16-byte aligned that call goes without: the kernels
     then copy with loads (AttentionParams.tma_loads 0).
@@ -87,7 +97,8 @@ class TmaMaps:
 
     address_alignment = tensor_map.address_alignment(tensor_map.INTERLEAVE_NONE)
 
-    def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]]):
+    def __init__(self, boxes: Sequence[TmaBox], problem: Problem, strides: Mapping[str, tuple[int, int, int]],
+                 extents: Mapping[str, tuple[int, int]]):
         self.tensors = tuple(box.tensor for box in boxes)  # the inputs whose addresses block() takes, in this order
         if len(set(self.tensors)) != len(self.tensors):
             raise ValueError(f"a program's tma_boxes name a tensor twice: {self.tensors}")
@@ -97,9 +108,11 @@ class TmaMaps:
         for box in boxes:
             query_side = box.tensor in ("q", "dout")
             width = problem.headdim_v if box.tensor in ("v", "dout") else problem.headdim
-            dims = (width, problem.seqlen_q if query_side else problem.seqlen_k,
-                    problem.nheads if query_side else problem.nheads_k, problem.batch)
+            batches, rows = extents.get(box.tensor, (0, 0))
+            dims = (width, rows, problem.nheads if query_side else problem.nheads_k, batches)
             batch_stride, row_stride, head_stride = strides.get(box.tensor, (0, 0, 0))
+            if batches == 1 and batch_stride == 0:  # a packed varlen array: one batch, whose stride is never taken
+                batch_stride = row_stride * max(rows, 1)
             args = (_TMA_ELEMENT_TYPES.get(problem.dtype, tensor_map.FLOAT16), 4, 0, dims,
                     [2 * row_stride, 2 * head_stride, 2 * batch_stride], (box.cols, box.rows, 1, 1), (1, 1, 1, 1))
             try:
@@ -182,7 +195,10 @@ class PreparedProgram:
         self._spare_scratch: list[tuple[list[Any], list[int], list[Callable[[], None]]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
         # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
-        self._tma = TmaMaps(program.tma_boxes, problem, strides) if program.tma_boxes else None
+        self._tma = None
+        if program.tma_boxes:
+            extents = {box.tensor: row_extents(arrays[box.tensor]) for box in program.tma_boxes}
+            self._tma = TmaMaps(program.tma_boxes, problem, strides, extents)
         self._tma_inputs = None
         if self._tma is not None:
             getter = operator.itemgetter(*(self.inputs.index(name) for name in self._tma.tensors))

@@ -5,13 +5,16 @@ which is the FA2 forward's for the same tiles: ``fa2.forward_traffic_of_tiles``)
 producer's copy in ``fa3_forward_traits.cuh``.
 
 Program: one launch, ``fa3_forward_kernel`` over (Q blocks, nheads, batch), 1 producer + block_m / 64 consumer
-warpgroups; writes out and lse.
+warpgroups; writes out and lse. With split-KV (a KV cache's num_splits) grid.x holds the splits too and fa2's
+combine kernel follows (fa2.forward_program_of_tiles: the same program shape and scratch as fa2's). TMA boxes for q,
+k and v unless a paged cache's pages do not hold whole K/V blocks (then the load path, a page lookup per row).
 
 In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its backward is fa3_backward.py, with
 its own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it
 for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none,
-causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens; ``refusal`` says why any
-other problem stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this
+causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
+(contiguous, indexed, paged) and split-KV; ``refusal`` says why any other problem (dropout, sinks, v's own head dim,
+flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this
 forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams
 fields).
 
@@ -21,11 +24,12 @@ runs on the sm_90 devices it is for (same major.minor); the report and the censu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .. import catalog
-from ..program import CXX_ELEMENT_TYPES, KernelInstance, LaunchPlan, Problem, Program, TmaBox, ceil_div
+from ..program import CXX_ELEMENT_TYPES, KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
 
@@ -137,13 +141,18 @@ def compile_arch(arch: str) -> str:
 
 
 # The options beyond masked attention the forward serves, as the catalog's hopper variant lists them: the score
-# hook's (mask.cuh's ScoreHook: softcap, ALiBi). The backward's own rule (fa3_backward.refusal) refuses them.
+# hook's (mask.cuh's ScoreHook: softcap, ALiBi), run by the hooked instances, and where the rows are (varlen, KV
+# caches contiguous and paged: block_info.cuh) and which keys a block takes (split-KV: mask.cuh's split_kv_blocks,
+# then fa2's combine kernel), runtime fields of every instance. The backward's own rule (fa3_backward.refusal)
+# refuses them all.
 SERVED_OPTIONS = next(v for v in catalog.variants("fa2") if v.module_name == "cuflash.kernels.families.hopper").options
+HOOK_OPTIONS = frozenset({"softcap", "alibi"})
 
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but softcap and ALiBi; any mask."""
+    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but SERVED_OPTIONS (dropout, sinks,
+    v's own head dim and flex mods stay on mma.sync); any mask."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
@@ -166,8 +175,12 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
     head_dim = compiled_head_dim(problem.headdim)
     masked_choice, full_choice = FORWARD_CHOICES[head_dim]
-    if problem.options & SERVED_OPTIONS:
+    if problem.options & HOOK_OPTIONS:
         traits = HOOKED_CHOICES[head_dim]
+    elif problem.page_size:
+        # A paged cache's blocks go by TMA where each lies in one page (forward_program): the masked tile's 128 keys
+        # divide the usual page sizes (FA2's 256 among them) where the unmasked 176 divides none.
+        traits = masked_choice
     else:
         traits = full_choice if problem.mask.is_full else masked_choice
     assert traits.smem_bytes <= target.smem_per_block_bytes
@@ -196,13 +209,17 @@ def traits_of(instance: KernelInstance) -> ForwardTraits:
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
+    """One launch over (Q blocks x splits, nheads, batch); with split-KV (a KV cache's num_splits, fa2's count) the
+    split forward and fa2's combine kernel, with their float32 scratch (fa2.forward_program_of_tiles)."""
     traits = forward_traits(problem, target)
-    grid = (ceil_div(problem.seqlen_q, traits.block_m), problem.nheads, problem.batch)
-    launch = LaunchPlan(traits.instance(problem.dtype), fa2.check_grid(grid), (traits.threads, 1, 1),
-                        traits.smem_bytes)
+    program = fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
+    if problem.page_size % traits.block_n:
+        # A K/V block would straddle pages, which one box cannot read: q, k and v on the load path (one page lookup
+        # per row).
+        return program
     # Q's box is the Q block, K's and V's the K/V block: 64 columns (one swizzled panel) each.
     boxes = (TmaBox("q", traits.block_m), TmaBox("k", traits.block_n), TmaBox("v", traits.block_n))
-    return Program(launches=(launch,), tma_boxes=boxes)
+    return dataclasses.replace(program, tma_boxes=boxes)
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
