@@ -70,8 +70,8 @@ def element_strides(array: Any) -> tuple[int, int, int]:
 def row_extents(array: Any) -> tuple[int, int]:
     """(batches, rows) of a (batch, seqlen, heads, headdim) array, or (1, total) of a packed varlen (total, heads,
     headdim) one: what a tensor map over the whole array spans (a KV cache's: its cache batch and capacity, or a paged
-    one's pages and page size)."""
-    shape = tuple(array.shape)
+    one's pages and page size). ``array``: an array, or its shape (the JAX lowering has shapes only)."""
+    shape = tuple(getattr(array, "shape", array))
     return (shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])
 
 

@@ -169,8 +169,7 @@ def custom_call_attributes(
     if config.flex is not None:  # the descriptors of the flex operands (their addresses stay null: bound per run)
         config.flex.pack(params, dict(zip(operands, operand_shapes)))
     params = bytearray(params.tobytes())
-    tma = tma_attributes(program, problem, strides_of=lambda name: contiguous_strides(
-        tensor_shape(name, problem, config.cache_shape)))
+    tma = tma_attributes(program, problem, shape_of=lambda name: tensor_shape(name, problem, config.cache_shape))
     tma_block = tma.pop("tma_block")
     if tma_block is not None:  # tma_loads 1 and the maps with their addresses 0: the handlers patch them per call
         at, block = tma_block
@@ -192,10 +191,10 @@ def custom_call_attributes(
     )
 
 
-def tma_attributes(program: Program, problem: Problem, strides_of) -> dict[str, object]:
+def tma_attributes(program: Program, problem: Problem, shape_of) -> dict[str, object]:
     """The TMA part of a custom call: the tensor maps of the program's TMA copies (Program.tma_boxes), decided and
     encoded by the CuPy / NumPy path's own TmaMaps (the same arrays TMA cannot take there fall back here) for the
-    contiguous arrays a call binds (``strides_of(name)``: element strides), everything but the addresses.
+    contiguous arrays a call binds (``shape_of(name)``: each bound tensor's shape), everything but the addresses.
 
     ``tma_block``: (offset, bytes) to lay over the params (tma_loads 1, the maps' twin encodings with address 0),
     None with no maps (tma_loads stays 0: the kernels copy with loads). The attributes: ``tma_tensors`` the bound
@@ -203,10 +202,12 @@ def tma_attributes(program: Program, problem: Problem, strides_of) -> dict[str, 
     (tensor_map.tiled_argument_words: the CUDA handler encodes with the driver per call), ``tma_twin_address_at``
     where a twin map holds its address (the CPU handler patches it in), ``tma_address_alignment`` what an address
     needs (a call whose tensor is not so aligned runs with tma_loads 0, as TmaMaps.block)."""
-    from ..backends.program import TmaMaps
+    from ..backends.program import TmaMaps, row_extents
 
-    maps = TmaMaps(program.tma_boxes, problem, {box.tensor: strides_of(box.tensor) for box in program.tma_boxes}) \
-        if program.tma_boxes else None
+
+    tensors = [box.tensor for box in program.tma_boxes]
+    maps = TmaMaps(program.tma_boxes, problem, {t: contiguous_strides(shape_of(t)) for t in tensors},
+                   {t: row_extents(shape_of(t)) for t in tensors}) if tensors else None
     block = maps.template() if maps is not None else None
     return dict(
         tma_block=block,

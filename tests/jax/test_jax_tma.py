@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 from cuflash import sim  # noqa: E402
-from cuflash.backends.program import TmaMaps  # noqa: E402
+from cuflash.backends.program import TmaMaps, row_extents  # noqa: E402
 from cuflash.jax import _ffi, _primitives  # noqa: E402
 from cuflash.jax._ffi import record_launches  # noqa: E402
 from cuflash.kernels.params import PARAMS_DTYPE  # noqa: E402
@@ -81,9 +81,10 @@ def test_the_maps_are_the_numpy_paths():
             program = _primitives.program_for("forward", config)
             attributes = _primitives.custom_call_attributes("forward", config, program, program.launches)
             params = np.frombuffer(attributes["params"].tobytes(), PARAMS_DTYPE)[0]
-            strides = {name: _primitives.contiguous_strides(_primitives.tensor_shape(name, problem))
-                       for name in ("q", "k", "v")}
-            maps = TmaMaps(program.tma_boxes, problem, strides)
+            shapes = {name: _primitives.tensor_shape(name, problem) for name in ("q", "k", "v")}
+            maps = TmaMaps(program.tma_boxes, problem,
+                           {name: _primitives.contiguous_strides(shape) for name, shape in shapes.items()},
+                           {name: row_extents(shape) for name, shape in shapes.items()})
             assert maps.usable == (head_dim % 8 == 0)
             assert params["tma_loads"] == int(maps.usable)
             if maps.usable:
@@ -217,3 +218,52 @@ def test_gpu_forward_with_driver_encoded_maps_is_the_cupy_paths():
         out_cp, lse_cp = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=True, return_lse=True)
         np.testing.assert_array_equal(np.asarray(out).view(np.uint16), cupy.asnumpy(out_cp).view(np.uint16))
         np.testing.assert_array_equal(np.asarray(lse), cupy.asnumpy(lse_cp))
+
+
+@pytest.mark.parametrize("case", ["varlen", "paged-128", "paged-48", "contiguous-cache"])
+def test_varlen_and_kv_cache_calls_take_the_numpy_paths_copies(case):
+    """The Hopper forward's varlen and KV-cache calls through JAX: maps over the whole packed array, cache or page
+    pool (TmaMaps' extents from the traced shapes), the same launch (TMA loads counted alike; a page of 48 keys, which
+    no 128-key tile divides, has no maps on either path) and the NumPy path's bits."""
+    rng = np.random.default_rng(5)
+    h, hk, d = 4, 2, 64
+    with sim.targeting("sm_90"), sim.checking("profile"):
+        if case == "varlen":
+            lengths_q, lengths_k = [5, 0, 70, 1], [33, 9, 150, 2]
+            cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+            cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+            q = rng.standard_normal((cu_q[-1], h, d)).astype(np.float16)
+            k, v = (rng.standard_normal((cu_k[-1], hk, d)).astype(np.float16) for _ in range(2))
+            sizes = dict(max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), causal=True, return_lse=True)
+            call_np = lambda: cuflash.attention_varlen(q, k, v, cu_q, cu_k, **sizes)  # noqa: E731
+            call_jax = jax.jit(lambda q, k, v: cfj.attention_varlen(q, k, v, cu_q, cu_k, **sizes))
+            args = (q, k, v)
+            expect_tma = True
+        else:
+            page = {"paged-128": 128, "paged-48": 48, "contiguous-cache": None}[case]
+            batch, capacity = 2, 384
+            q = rng.standard_normal((batch, 3, h, d)).astype(np.float16)
+            if page is None:
+                shape, table = (batch, capacity, hk, d), None
+            else:
+                per = capacity // page
+                table = rng.permutation(batch * per + 1)[:batch * per].reshape(batch, per).astype(np.int32)
+                shape = (batch * per + 1, page, hk, d)
+            k_cache, v_cache = (rng.standard_normal(shape).astype(np.float16) for _ in range(2))
+            lengths = np.array([200, 0], np.int32)
+            call_np = lambda: cuflash.attention_with_kvcache(  # noqa: E731
+                q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, return_lse=True)
+            call_jax = jax.jit(lambda q, kc, vc: cfj.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=lengths, block_table=table, return_lse=True))
+            args = (q, k_cache, v_cache)
+            expect_tma = page != 48
+        with record_launches() as jax_launches:
+            out, lse = jax.block_until_ready(call_jax(*args))[:2]  # a cache call also gives the caches
+        with sim.record() as numpy_launches:
+            out_np, lse_np = call_np()
+    forwards = [launch for launch in jax_launches if launch.kernel.startswith("cuflash::fa3_forward_kernel")]
+    assert forwards, [launch.kernel for launch in jax_launches]
+    assert jax_launches == numpy_launches.launches
+    assert all((tma_loads(launch) > 0) == expect_tma for launch in forwards)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), out_np.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse), lse_np)
