@@ -1,5 +1,6 @@
-// Twins of the TMA's tiled tensor copies (PTX ISA: cp.async.bulk.tensor, cp.async.bulk.commit_group,
-// cp.async.bulk.wait_group.read; the tensor map of cuTensorMapEncodeTiled).
+// Twins of the TMA's tiled tensor copies and of the bulk reduce-add (PTX ISA: cp.async.bulk.tensor,
+// cp.reduce.async.bulk, cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read}; the tensor map of
+// cuTensorMapEncodeTiled).
 //
 // Loads (global -> shared, completing on an mbarrier)
 //   One thread issues a copy of the box at the given coordinates. The box has ceil(box_dim[i] /
@@ -26,7 +27,16 @@
 //   to it needs its writer's fence.proxy.async before the TMA store's issue) and may not be written before
 //   the covering wait_group.read. The store (source read and global write together) lands in normal mode at
 //   a seeded moment up to that wait, in race mode at it (a write to the source in between is an error); a
-//   store never waited for lands when its thread exits.
+//   store never waited for lands when its thread exits. wait_group without .read (the writes complete) lands
+//   the same groups: here a store's global write is part of its landing.
+//
+// Bulk reduce-add (shared -> global, the same bulk async-groups)
+//   cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], bytes: one thread adds bytes / 4
+//   contiguous float32 of shared memory into as many of global memory, each element atomically (other threads'
+//   and blocks' atomics to them are not races). A TmaStore of op kAddF32 (no tensor map, no swizzle): its source
+//   rules, landing moments and waits are the store's. Strict: bytes a positive multiple of 16, both addresses
+//   16-byte aligned (the ISA's rules), the source inside the block's shared memory, the destination inside a
+//   writable buffer of the launch.
 //
 // Strict checks, errors naming the site: a map not made by encode_tiled (the twin's magic), a map address
 // not 64-byte aligned (the ISA), a coordinate count other than the map's rank, interleaved maps (not
@@ -112,16 +122,17 @@ unsigned unit_offset(unsigned dst_offset, unsigned unit, unsigned swizzle_bytes)
   return swizzled_shared_address(dst_offset + 16 * unit, swizzle_bytes);
 }
 
-unsigned checked_shared_offset(const Site& site, const void* smem, unsigned bytes, const char* what) {
+unsigned checked_shared_offset(const Site& site, const void* smem, unsigned bytes, const char* what,
+                               uintptr_t alignment = kSharedTensorAlignment, const char* rule = "tensor copies") {
   Worker* w = current_fiber()->worker;
   const uintptr_t at = reinterpret_cast<uintptr_t>(smem);
   const uintptr_t base = reinterpret_cast<uintptr_t>(w->view.smem);
   if (at < base || at + bytes > base + w->launch->view.smem_bytes)
     fail_current(format("%s: the %s (%u bytes at 0x%" PRIxPTR ") is not inside the block's dynamic shared memory",
                         describe_site(site).c_str(), what, bytes, at));
-  if ((at - base) % kSharedTensorAlignment != 0)
-    fail_current(format("%s: the %s at shared byte offset %" PRIuPTR " is not 128-byte aligned (the ISA's rule for "
-                        "tensor copies)", describe_site(site).c_str(), what, at - base));
+  if ((at - base) % alignment != 0)
+    fail_current(format("%s: the %s at shared byte offset %" PRIuPTR " is not %u-byte aligned (the ISA's rule for "
+                        "%s)", describe_site(site).c_str(), what, at - base, static_cast<unsigned>(alignment), rule));
   return static_cast<unsigned>(at - base);
 }
 
@@ -164,10 +175,25 @@ void fail_block(Worker* w, bool on_fiber, const std::string& message) {
   w->failed = true;
 }
 
-// The store's source read (checked at issue) and global write, at once. Race mode: on the issuer's fiber.
+// The store's source read (checked at issue) and global write (a reduce-add: atomic adds), at once. Race mode: on
+// the issuer's fiber.
 void apply_store(Worker* w, const TmaStore& store) {
   for (const TmaStore::Element& e : store.elements) {
     const unsigned at = swizzled_shared_address(store.src_offset + e.shared, store.swizzle_bytes);
+#if CUFLASH_SIM_RACE
+    // The source read at the landing, as the issuer's: a write by another thread that is not ordered after the
+    // covering wait (which lands it) is a race with it, as one before the wait is (race_tma_check_write).
+    race_access(reinterpret_cast<uintptr_t>(smem_at(w, at)), store.element_bytes, false);
+#endif
+    if (store.op == TmaStore::Op::kAddF32) {
+      float v;
+      memcpy(&v, smem_at(w, at), 4);
+      add_f32_to_word(reinterpret_cast<float*>(e.global), v);
+#if CUFLASH_SIM_RACE
+      race_atomic(current_fiber(), e.global, 4);
+#endif
+      continue;
+    }
     memcpy(reinterpret_cast<void*>(e.global), smem_at(w, at), store.element_bytes);
 #if CUFLASH_SIM_RACE
     race_access(e.global, store.element_bytes, true);
@@ -257,9 +283,10 @@ void race_tma_check_write(Fiber* f, uintptr_t address, unsigned bytes) {
       for (unsigned u = 0; u < store.bytes / 16; ++u) {
         const uintptr_t lo = base + unit_offset(store.src_offset, u, store.swizzle_bytes);
         if (address < lo + 16 && address + bytes > lo)
-          fail_current(format("writes shared byte offset %" PRIuPTR ", the source of a TMA store that %s issued at %s "
-                              "and has not waited for with a covering cp.async.bulk.wait_group.read (the store may "
-                              "still be reading it)", (address > lo ? address : lo) - base,
+          fail_current(format("writes shared byte offset %" PRIuPTR ", the source of a %s that %s issued at %s "
+                              "and has not waited for with a covering cp.async.bulk.wait_group.read (it may still "
+                              "be reading it)", (address > lo ? address : lo) - base,
+                              store.op == TmaStore::Op::kAddF32 ? "bulk reduce-add" : "TMA store",
                               describe_thread(w, issuer.index).c_str(), describe_site(store.site).c_str()));
       }
 }
@@ -327,6 +354,7 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   Worker* w = f->worker;
   const Box box = make_box(site, map, coords, rank);
   TmaStore store;
+  store.op = TmaStore::Op::kCopy;
   store.site = site;
   store.group = f->bulk_groups_committed;
   store.src_offset = checked_shared_offset(site, smem_src, box.bytes, "TMA store source");
@@ -353,6 +381,45 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
     const unsigned at = unit_offset(store.src_offset, u, store.swizzle_bytes);
     race_async_proxy_read(reinterpret_cast<uintptr_t>(smem_at(w, at)), 16);
   }
+#endif
+  w->tma_store_source_bytes += store.bytes;
+  f->tma_stores.push_back(std::move(store));
+}
+
+void bulk_reduce_add_f32(const Site& site, float* gmem_dst, const void* smem_src, unsigned bytes) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  const uintptr_t dst = reinterpret_cast<uintptr_t>(gmem_dst);
+  if (bytes == 0 || bytes % 16 != 0)
+    fail_current(format("%s: the bulk reduce-add's size, %u bytes, is not a positive multiple of 16 (the ISA's rule)",
+                        describe_site(site).c_str(), bytes));
+  if (dst % 16 != 0)
+    fail_current(format("%s: the bulk reduce-add's global destination 0x%" PRIxPTR " is not 16-byte aligned (the "
+                        "ISA's rule)", describe_site(site).c_str(), dst));
+  TmaStore store;
+  store.op = TmaStore::Op::kAddF32;
+  store.site = site;
+  store.group = f->bulk_groups_committed;
+  store.src_offset = checked_shared_offset(site, smem_src, bytes, "bulk reduce-add source", 16, "bulk copies");
+  store.swizzle_bytes = 0;
+  store.bytes = bytes;
+  store.element_bytes = 4;
+  const Buffer* b = buffer_holding(w->launch, dst, bytes);
+  if (b == nullptr)
+    global_access_failed(gmem_dst, bytes, true, "out of bounds (bulk reduce-add destination)");
+  if (!b->writable)
+    global_access_failed(gmem_dst, bytes, true, "to a read-only buffer (bulk reduce-add destination)");
+#if CUFLASH_SIM_PROFILE
+  std::vector<uint32_t> units(bytes / 16);
+  for (unsigned u = 0; u < units.size(); ++u) units[u] = store.src_offset + 16 * u;
+  profile_bulk_shared_access(site, units, kProfileTmaStore);  // the async proxy's shared reads, as a store's
+#endif
+  for (unsigned e = 0; e < bytes / 4; ++e) store.elements.push_back(TmaStore::Element{4 * e, dst + 4 * e});
+  w->view.bytes_read += bytes;
+  w->view.bytes_written += bytes;
+#if CUFLASH_SIM_RACE
+  // The async proxy reads the source from the issue on: ordinary stores to it must be fenced before now.
+  race_async_proxy_read(reinterpret_cast<uintptr_t>(smem_at(w, store.src_offset)), bytes);
 #endif
   w->tma_store_source_bytes += store.bytes;
   f->tma_stores.push_back(std::move(store));
