@@ -183,14 +183,15 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // nothing to S). Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row
 // (coalesced). vector: whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim
 // cuts, element loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will
-// read them (fence.proxy.async) and arrives on `full`.
-template <class Tile, class T>
+// read them (fence.proxy.async) and arrives on `full`. kThreads: the copying threads (thread 0 .. kThreads - 1; the
+// backward keeps one producer warp for its dQ writes).
+template <class Tile, class T, int kThreads = kWarpgroupThreads>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
 #pragma unroll 1
-  for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
+  for (int c = thread; c < kChunks; c += kThreads) {
     const int row = c / Tile::kChunksPerRow;
     const int chunk = c % Tile::kChunksPerRow;
     const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
