@@ -841,10 +841,9 @@ template <int kPending> __forceinline__ void tma_store_wait_read(CUFLASH_SIM_SIT
   static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group.read takes an immediate");
   sim::tma_store_wait_read(CUFLASH_SIM_SITE("cp.async.bulk.wait_group.read"), kPending);
 }
-// The twin lands a store's global write with its source read: the groups .read covers are complete as well.
 template <int kPending> __forceinline__ void tma_store_wait(CUFLASH_SIM_SITE_PARAMS) {
   static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group takes an immediate");
-  sim::tma_store_wait_read(CUFLASH_SIM_SITE("cp.async.bulk.wait_group"), kPending);
+  sim::tma_store_wait(CUFLASH_SIM_SITE("cp.async.bulk.wait_group"), kPending);
 }
 __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, unsigned bytes,
                                          CUFLASH_SIM_SITE_PARAMS) {

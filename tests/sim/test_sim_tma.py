@@ -425,6 +425,22 @@ def test_bulk_reduce_add_lands_between_issue_and_wait():
         np.testing.assert_array_equal(got, want)
 
 
+def test_reduces_to_one_element_land_in_order_only_after_wait_group():
+    """After wait_group.read a reduce has read its source, but its adds may still be in flight: a second reduce to the
+    same floats may land first. 1e8 + (-1e8) + 1 = 1 in issue order, (1e8 + 1) - 1e8 = 0 the other way (float32)."""
+    def run(mode, seed):
+        image = np.array([-1e8] * 4 + [1.0] * 4, np.float32)
+        out = np.full(8, 1e8, np.float32)
+        a = np.zeros((), ARGS_DTYPE)
+        a["out"], a["image"], a["box_bytes"], a["mode"] = out.ctypes.data, image.ctypes.data, 16, mode
+        with sim.checking("normal"), sim.copy_landing(seed):  # race mode lands in issue order
+            sim.launch(inst("reduce_kernel"), 1, 64, BOX_AT + 128, a[()], [out, image])
+        return float(out[0])
+
+    assert {run(6, seed) for seed in range(8)} == {0.0, 1.0}  # wait_group.read between them: either order
+    assert {run(7, seed) for seed in range(8)} == {1.0}        # wait_group between them: issue order
+
+
 @pytest.mark.parametrize("bug, message", [
     (1, r"async-proxy read of shared byte offset \d+ \(a wgmma or TMA operand\) without a fence.proxy.async"),
     (2, r"writes shared byte offset 1024, the source of a bulk reduce-add that thread \(0,0,0\) issued at "

@@ -81,6 +81,10 @@ struct TmaStore {
   unsigned bytes;
   unsigned element_bytes;
   std::vector<Element> elements;
+  // kAddF32 after a covering wait_group.read: the source values read then (the shared bytes may be overwritten),
+  // the adds still to land (at a seeded moment, or at the covering wait_group / the thread's exit).
+  bool source_read = false;
+  std::vector<float> values;
 };
 
 struct FiberWgmma {
@@ -196,6 +200,7 @@ struct Worker {
   size_t wgmma_operand_bytes;          // race mode: shared bytes a wgmma in flight reads
   std::vector<TmaLoad> tma_loads;      // TMA loads of the block not landed yet, in issue order (sim_tma.cpp)
   size_t tma_store_source_bytes;       // shared bytes TMA stores of the block may still read
+  size_t tma_stores_in_flight;         // TMA stores and bulk reduce-adds of the block not yet landed
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
   bool vector_clocks;  // the block has released through an mbarrier or named barrier (sim_race.cpp)

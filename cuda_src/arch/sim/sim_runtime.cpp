@@ -556,7 +556,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     if (w->wgmma_in_flight != 0) wgmma_land_some(w);
 #if !CUFLASH_SIM_RACE
     if (!w->tma_loads.empty()) tma_land_loads(w, LoadsToLand::kSome, 0, false);
-    if (w->tma_store_source_bytes != 0) tma_land_some_stores(w);
+    if (w->tma_stores_in_flight != 0) tma_land_some_stores(w);
     if (w->failed) break;
 #endif
     switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);

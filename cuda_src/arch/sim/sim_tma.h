@@ -52,5 +52,6 @@ CUFLASH_SIM_API void tma_store(const Site& site, const void* map, const void* sm
 CUFLASH_SIM_API void bulk_reduce_add_f32(const Site& site, float* gmem_dst, const void* smem_src, unsigned bytes);
 CUFLASH_SIM_API void tma_store_commit(const Site& site);
 CUFLASH_SIM_API void tma_store_wait_read(const Site& site, unsigned newest_groups_left_pending);
+CUFLASH_SIM_API void tma_store_wait(const Site& site, unsigned newest_groups_left_pending);
 
 }  // namespace cuflash::sim
