@@ -1,8 +1,8 @@
 """The arch layer's TMA wrappers (cuda_src/arch/arch.cuh) compiled by NVRTC.
 
 * tma_load<rank> compiles to UTMALDG.<rank>D after the mbarrier's expect-tx arrival (SYNCS.ARRIVE.TRANS64);
-  tma_store<rank> to UTMASTG.<rank>D, tma_store_commit to UTMACMDFLUSH and tma_store_wait_read<0> to
-  DEPBAR.LE SB0, 0x0; the waits on the mbarrier are SYNCS.PHASECHK.TRANS64.TRYWAIT.
+  tma_store<rank> to UTMASTG.<rank>D, bulk_reduce_add_f32 to UBLKRED, tma_store_commit to UTMACMDFLUSH and
+  tma_store_wait_read<0> to DEPBAR.LE SB0, 0x0; the waits on the mbarrier are SYNCS.PHASECHK.TRANS64.TRYWAIT.
 * cp.async.bulk.tensor is an sm_90 instruction (not one of sm_90a's architecture-specific features): the
   wrappers compile for sm_90 and sm_90a, and a use for sm_80 is a compile-time error.
 * The kernels are tests/sim/kernels/hopper_tma.cu's, which tests/sim/test_sim_tma.py runs on the simulator.
@@ -28,6 +28,9 @@ SASS_CASES = [
     ("store_kernel<3>", "sm_90a", [r"\bUTMASTG\.3D \[UR\d+\], \[UR\d+\]", r"\bUTMACMDFLUSH\b",
                                    r"\bDEPBAR\.LE SB0, 0x0\b"]),
     ("store_kernel<2>", "sm_90a", [r"\bUTMASTG\.2D \[UR\d+\], \[UR\d+\]"]),
+    # bulk_reduce_add_f32: cp.reduce.async.bulk .add.f32 is the TMA unit's bulk reduce (UBLKRED), no per-thread RED;
+    # tma_store_wait<0> (wait_group without .read) is a scoreboard wait as well.
+    ("reduce_kernel", "sm_90a", [r"\bUBLKRED\b", r"\bUTMACMDFLUSH\b", r"\bDEPBAR\.LE SB0, 0x0\b"]),
     ("tma_wgmma_kernel", "sm_90a", [r"(?s)UTMALDG\.2D .*UTMALDG\.2D .*SYNCS\.PHASECHK\.TRANS64\.TRYWAIT .*HGMMA"]),
 ]
 

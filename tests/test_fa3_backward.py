@@ -123,7 +123,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         assert re.search(rf"\bHGMMA\.64x64x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
         (consumer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)\b", sass)}
         (producer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)\b", sass)}
-        assert producer <= 40 and 128 * (producer + traits.consumers * consumer) <= 65536, name
+        assert producer <= 48 and 128 * (producer + traits.consumers * consumer) <= 65536, name
         assert "C7519" not in result.log and "C7517" not in result.log and "C7512" not in result.log, result.log
 
 
@@ -144,12 +144,13 @@ def test_serves_only_its_problems():
 
 
 # The consumers' steady-state step (loop_census's cheapest walk of the Q-block loop that issues a step's work), per
-# consumer warp, NVRTC 13.5 for sm_90a: d128 462 instructions for 32 HGMMA (S^T 8, dP^T 8, dV 4, dK 4, dQ 8) and 16
-# dQ adds (vector REDs of two floats); d64, where the consumers take turns at dQ, 414 for 24 HGMMA and 16 adds, 337
-# for 16 and none. Before the step's integer work was cut (dQ^T = K^T dS^T, 32 scalar REDs, a division per step):
-# d128 596, d64 540 and 416. tests/test_loop_census.py holds d128 to 1.15x FA3's figure. Bounds a little above
-# today's counts, so a regression shows.
-STEP_INSTRUCTIONS = {64: ((24, 16, 425), (16, 0, 345)), 128: ((32, 16, 470),)}
+# consumer warp, NVRTC 13.5 for sm_90a: d128 453 instructions for 32 HGMMA (S^T 8, dP^T 8, dV 4, dK 4, dQ 8) and no
+# global writes (dQ stored to shared memory, 16 8-byte stores, for the dQ writer's bulk reduces); d64, where the
+# consumers take turns at dQ, 408 for 24 HGMMA, 340 for 16. With 16 vector REDs of dQ per thread in the step: d128
+# 462, d64 414 and 337; before the step's integer work was cut (dQ^T = K^T dS^T, 32 scalar REDs, a division per
+# step): d128 596, d64 540 and 416. tests/test_loop_census.py holds d128 to 1.15x FA3's figure. Bounds a little above
+# today's counts, so a regression shows; no global write in the step (a RED back in the consumers fails the walk).
+STEP_INSTRUCTIONS = {64: ((24, 0, 418), (16, 0, 348)), 128: ((32, 0, 462),)}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -208,15 +209,17 @@ def test_every_tile_clean_under_asan():
 
 
 def test_no_bank_conflicts():
-    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the row statistics, and the consumers' dS^T
-    stores (4-byte pairs, 8 rows each at its own chunk position) and row-statistic reads, at their ideal wavefront
-    counts on both head dims' tiles. (The profile does not count wgmma's operand reads.)"""
+    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the row statistics, the consumers' dS^T
+    stores (4-byte pairs, 8 rows each at its own chunk position), dQ stores (8-byte pairs, rows kDqPitch = d + 8
+    floats apart) and row-statistic reads, and the dQ writer's bulk reads, at their ideal wavefront counts on both
+    head dims' tiles. (The profile does not count wgmma's operand reads.)"""
     for head_dim, causal in ((64, True), (128, False)):
         q, k, v, dout = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=45)
         out, lse = _forward(q, k, v, causal)
         with sim.checking("profile"), sim.record() as records:
             _backward(q, k, v, dout, out, lse, causal)
         (launch,) = [r for r in records.launches if r.kernel.startswith("cuflash::fa3_backward_kernel")]
-        assert {site.kind for site in launch.shared_access_sites} == {"store", "load"}
+        # tma.store: the dQ writer's bulk reduce-adds reading the dQ tile's rows (16-byte units in order).
+        assert {site.kind for site in launch.shared_access_sites} == {"store", "load", "tma.store"}
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)

@@ -273,7 +273,8 @@ def test_report_rows_of_the_hopper_instances():
                 continue
             assert data["hgmma"] is True and data["hmma"] is False
             producer, consumer = roles["producer"]["registers"], roles["consumer"]["registers"]
-            assert producer <= 40 < data["registers"] < consumer
+            # The forward's producer keeps 40, the backward's 48 (its dQ writer warp: fa3_backward_traits.cuh).
+            assert producer <= 48 < data["registers"] < consumer
             assert 128 * (producer + traits.consumers * consumer) <= 65536 and not row.exceeds_sm_registers
 
 

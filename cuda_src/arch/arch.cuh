@@ -23,6 +23,7 @@
 //   - Hopper (sm_90a):   wgmma<T, N> / wgmma_rs<T, N>, wgmma_fence / commit / wait<n>, wgmma_desc<swizzle>
 //                        (wgmma.mma_async m64nNk16 and its fences), setmaxnreg_inc / _dec<n>
 //   - Hopper TMA:        TensorMap, tma_load<rank> / tma_load_2d, tma_store<rank> / tma_store_2d,
+//                        bulk_reduce_add_f32 (cp.reduce.async.bulk .add.f32), tma_store_wait<n>,
 //                        tma_store_commit, tma_store_wait_read<n> (cp.async.bulk.tensor, bulk groups)
 #pragma once
 
@@ -710,8 +711,14 @@ template <int N> __forceinline__ void setmaxnreg_dec(CUFLASH_SIM_SITE_PARAMS) {
 //   tma_store_commit(): cp.async.bulk.commit_group (this thread's stores since the last commit form a group).
 //   tma_store_wait_read<N>(): cp.async.bulk.wait_group.read N: all but the newest N groups have read their
 //       source, which may be overwritten from then on (their global writes may still be in flight).
-// Shared-memory writes a TMA store reads need fence_proxy_async() first (the async proxy reads them). The
-// simulator's twins are in sim/sim_tma.h and sim/sim_tma.cpp (the README's section "TMA").
+//   tma_store_wait<N>(): cp.async.bulk.wait_group N: all but the newest N groups are complete, their global writes
+//       (adds) done: two bulk reduce-adds to the same elements land in program order only with this between them.
+//   bulk_reduce_add_f32(gmem_dst, smem_src, bytes): bytes / 4 contiguous float32 of shared memory added to as many
+//       of global memory, each element atomically, in the thread's bulk async-group (committed and waited for as
+//       the stores above): cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 (SASS UBLKRED). bytes a
+//       positive multiple of 16, both addresses 16-byte aligned.
+// Shared-memory writes a TMA store or bulk reduce-add reads need fence_proxy_async() first (the async proxy reads
+// them). The simulator's twins are in sim/sim_tma.h and sim/sim_tma.cpp (the README's section "TMA").
 
 // CUtensorMap's size and alignment; the contents are the driver's (GPU) or the simulator twin's encoding.
 struct alignas(64) TensorMap {
@@ -788,6 +795,17 @@ template <int kPending> __device__ __forceinline__ void tma_store_wait_read() {
   static_assert(CUFLASH_TMA_TARGET || kPending < 0, "TMA (cp.async.bulk) needs sm_90 or later");
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
+template <int kPending> __device__ __forceinline__ void tma_store_wait() {
+  static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group takes an immediate");
+  static_assert(CUFLASH_TMA_TARGET || kPending < 0, "TMA (cp.async.bulk) needs sm_90 or later");
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+template <int kUnused = 0>
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, unsigned bytes) {
+  static_assert(CUFLASH_TMA_TARGET || kUnused != 0, "cp.reduce.async.bulk needs sm_90 or later");
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(gmem_dst), "r"(smem_address(smem_src)), "r"(bytes) : "memory");
+}
 // Templates too (kUnused makes the rank dependent), so an sm_80 kernel never instantiates the sm_90 forms.
 template <int kUnused = 0>
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const TensorMap* map, int c0, int c1, uint64_t* bar) {
@@ -822,6 +840,14 @@ __forceinline__ void tma_store_commit(CUFLASH_SIM_SITE_PARAMS) {
 template <int kPending> __forceinline__ void tma_store_wait_read(CUFLASH_SIM_SITE_PARAMS) {
   static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group.read takes an immediate");
   sim::tma_store_wait_read(CUFLASH_SIM_SITE("cp.async.bulk.wait_group.read"), kPending);
+}
+template <int kPending> __forceinline__ void tma_store_wait(CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kPending >= 0 && kPending < 64, "cp.async.bulk.wait_group takes an immediate");
+  sim::tma_store_wait(CUFLASH_SIM_SITE("cp.async.bulk.wait_group"), kPending);
+}
+__forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, unsigned bytes,
+                                         CUFLASH_SIM_SITE_PARAMS) {
+  sim::bulk_reduce_add_f32(CUFLASH_SIM_SITE("cp.reduce.async.bulk (bulk reduce-add)"), gmem_dst, smem_src, bytes);
 }
 __forceinline__ void tma_load_2d(void* smem_dst, const TensorMap* map, int c0, int c1, uint64_t* bar,
                                  CUFLASH_SIM_SITE_PARAMS) {

@@ -2,21 +2,30 @@
 // stages guarded by mbarriers, consumer warpgroups computing the five products with wgmma, dK and dV in registers,
 // dQ accumulated in float32). The main kernel of a three-launch program (fa3_backward.py): fa2's pre-pass
 // (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
-// dq_accum slices) after it, with fa2's dq_accum scratch and slice rules (fa2.py's backward_program_for).
+// dq_accum slices) after it, with fa2's dq_accum scratch, layout and slice rules (fa2.py's backward_program_for).
 //
 // fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages>: grid = (X, nheads_k, batch); block x takes the K/V blocks
 // x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each, dq_accum's one slice
-// added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by the
-// one thread owning it, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
+// added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by one
+// bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
 // group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
 // q_blocks).
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
-//     warpgroup 0, the producer (setmaxnreg down to 40): copies K and V once per K/V block, after the consumers'
-//       arrivals on "kv_empty" for the previous one (16-byte loads into the 128-byte
-//       swizzled panels wgmma reads, fa3::produce_tile), then per step Q_i and dO_i, and lse_i log2(e) and D_i
-//       (rows past the sequence: +inf and 0, so P = 0 there) into the next stage of a ring of kStages, each thread
-//       arriving on the stage's "full" mbarrier after fence.proxy.async; it waits on the stage's "empty" mbarrier
-//       (one arrival per consumer warp) before refilling it.
+//     warpgroup 0, the producer (setmaxnreg down to 48), warps 0 .. 2 and warp 3 walking the same steps:
+//       warps 0 .. 2 (kCopyThreads) copy K and V once per K/V block, after the consumers' arrivals on "kv_empty"
+//       for the previous one (16-byte loads into the 128-byte swizzled panels wgmma reads, fa3::produce_tile),
+//       then per step Q_i and dO_i, and lse_i log2(e) and D_i (rows past the sequence: +inf and 0, so P = 0 there)
+//       into the next stage of a ring of kStages, each thread arriving on the stage's "full" mbarrier after
+//       fence.proxy.async; they wait on the stage's "empty" mbarrier (one arrival per consumer warp) before
+//       refilling it.
+//       warp 3, the dQ writer: per step, once every consumer warp has arrived on "dq_full" of the step's float32
+//       dQ buffer (two, alternating), adds each valid row of it (d floats) into dq_accum's row with one bulk
+//       reduce-add (cp.reduce.async.bulk .add.f32, the lanes taking rows in turn), waits for the reads
+//       (wait_group.read) and hands the buffer back on "dq_empty"; before the next K/V block's reduces it waits for
+//       its adds to complete (wait_group), so no two adds to one element are ever in flight together. Rows not
+//       16-byte aligned (d not a multiple of 4): element adds (red.global.add.f32) from the buffer instead. A
+//       reduce per row (64 a step, 512 bytes each at d128) rather than FA3's one per tile (its dq_accum laid out
+//       in the accumulators' order): dq_accum keeps fa2's row layout, and fa2's convert kernel its one home.
 //     warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), consumer c owning keys
 //       64 c .. 64 c + 63 of the block, so that the M of every product it issues is its 64 keys (S and dP computed
 //       transposed, as FA3's "swapped" form) and dK, dV live in its registers whole:
@@ -33,10 +42,11 @@
 //                                               read MN-major as A), N 64 head-dim columns (K read MN-major as B),
 //                                               the reduction all BlockN keys; head-dim tile t is the step's work of
 //                                               consumer (t + Q block + head) % kConsumers (d128: one each; d64:
-//                                               they take turns, and a dq element is always added by the same
-//                                               thread); added to dq_accum with red.global.add.v2.f32 (fa2's atomic
-//                                               mode; two adjacent columns per instruction, 16 a thread), once per
-//                                               element per K/V block
+//                                               they take turns); the accumulators stored (8-byte pairs, 16 a
+//                                               thread, bank-conflict free: rows kDqPitch = D + 8 floats apart) into
+//                                               the step's dQ buffer once "dq_empty" says the writer has read its
+//                                               previous use, fenced for the async proxy, then one arrival per warp
+//                                               on "dq_full": no global atomics in the consumers
 //       Why RS for dV and dK and SS for dQ: P^T and dS^T come out of S^T's and dP^T's accumulators with the keys as
 //       rows, exactly the A operand (M = keys) of dV and dK, so they never touch shared memory; dQ reduces over the
 //       keys that two consumers hold, and its operand dS must be read with the keys as its K dimension, which only
@@ -45,19 +55,22 @@
 //       Earlier forms: each consumer multiplying its own 64 keys into dQ (dS_c K_c, no barrier across consumers):
 //       twice the atomics; dQ^T = K^T dS^T (M = the head dim): its accumulator pairs are two queries, a row apart in
 //       dq_accum, so 32 scalar REDs at 16 addresses a step where dQ's pairs are adjacent columns (loop census: the
-//       d128 step 596 instructions then, 462 now).
+//       d128 step 596 instructions then); dQ's pairs added by the consumers themselves (red.global.add.v2.f32, 16
+//       a thread a step: the d128 step 462 instructions, 453 with the shared stores and the dQ writer).
 //       The step's bookkeeping moves on without dividing (the next Q block, or the next head: dq_accum's rows and
 //       whose turn each dQ tile is), and the stage's descriptors are stage 0's moved on by one add.
 //   Epilogue (per consumer): dK_c * scale and dV_c rounded to T, stored from the accumulators (pairs of elements;
 //   keys past the sequence and columns past the head dim not written).
 //
 // Shared memory (16-bit tiles in 64-column panels, fa3_forward_traits.cuh): K, V [BlockN][D]; Q, dO [Stages][BlockM]
-// [D]; dS^T [BlockN][BlockM]; float32 lse, D [Stages][BlockM]; 2 + 2 Stages mbarriers:
-//   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 Stages BlockM + 8 (2 + 2 Stages) bytes
-//   (d128 64 x 128, 2 stages: 144 KB + 1 KB + 48 B; d64 80 KB + 1 KB + 48 B).
+// [D]; dS^T [BlockN][BlockM]; float32 dQ [2][BlockM][D + 8]; float32 lse, D [Stages][BlockM]; 2 + 2 Stages + 4
+// mbarriers:
+//   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 BlockM (D + 8) + 8 Stages BlockM + 8 (6 + 2 Stages) bytes
+//   (d128 64 x 128, 2 stages: 144 KB + 68 KB + 1 KB + 80 B = 213 KB; d64 80 KB + 36 KB + 1 KB + 80 B).
 //
-// What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and
-// rows x d float32 atomic adds into dq_accum; dK_j, dV_j written once. FLOPs: 5 products of
+// What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and rows
+// bulk reduce-adds of d float32 into dq_accum (rows x d adds, done by the L2, none by the consumers' threads);
+// dK_j, dV_j written once. FLOPs: 5 products of
 // 2 BlockM BlockN D each per visited pair.
 //
 // Requires softmax_scale > 0; rows that saw no key (lse = -inf) are taken as lse = +inf: P = 0.
@@ -104,13 +117,20 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   uint64_t* kv_empty = barriers + 1;
   uint64_t* full = barriers + 2;
   uint64_t* empty = full + Stages;
+  uint64_t* dq_full = empty + Stages;             // [kDqBuffers]: every consumer warp's part of the tile stored
+  uint64_t* dq_empty = dq_full + Tr::kDqBuffers;  // [kDqBuffers]: the dQ writer has read the tile
+  auto dq_tile = [&](int buffer) { return reinterpret_cast<float*>(smem + Tr::kDqOffset + buffer * Tr::kDqTileBytes); };
 
   if (threadIdx.x == 0) {
-    arch::mbarrier_init(kv_full, 2 * fa3::kFullArrivals);  // K's and V's copies
-    arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);     // every consumer warp done with a K/V block
+    arch::mbarrier_init(kv_full, 2 * Tr::kCopyThreads);  // K's and V's copies
+    arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);   // every consumer warp done with a K/V block
     for (int s = 0; s < Stages; ++s) {
-      arch::mbarrier_init(full + s, 2 * fa3::kFullArrivals);  // Q's and dO's copies (the row statistics before Q's)
+      arch::mbarrier_init(full + s, 2 * Tr::kCopyThreads);  // Q's and dO's copies (the row statistics before Q's)
       arch::mbarrier_init(empty + s, Tr::kConsumerWarps);
+    }
+    for (int b = 0; b < Tr::kDqBuffers; ++b) {
+      arch::mbarrier_init(dq_full + b, Tr::kConsumerWarps);
+      arch::mbarrier_init(dq_empty + b, 1);  // lane 0 of the dQ writer, after its warp's reads
     }
   }
   __syncthreads();
@@ -122,6 +142,18 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   if (warpgroup == 0) {
     // ---- producer ----
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
+    // Warps 0 .. 2 copy (kCopyThreads); warp 3 is the dQ writer. Both walk the same steps (one loop: with a loop
+    // each, ptxas kept the loop bounds in local memory across the setmaxnreg regions).
+    // The dQ writer, per step, once the consumers' dQ tile is in its buffer: each valid row (d floats, 16-byte
+    // aligned when d is a multiple of 4 and dq_accum is) added into dq_accum's row by one bulk reduce-add, the
+    // lanes taking rows in turn; each lane's group waited for its reads, then the buffer handed back. Where the rows
+    // are not 16-byte aligned, element adds (red.global.add.f32) from the tile instead. The reduces of one K/V block
+    // touch distinct rows (one (head, Q block) a step); before the next K/V block's, the lanes wait for their adds
+    // to complete (wait_group without .read): two adds to one element are never in flight together, each element is
+    // added to in program order (deterministic mode: bitwise reruns).
+    const bool dq_writer = thread >= Tr::kCopyThreads;
+    const int writer_lane = thread - Tr::kCopyThreads;
+    const bool bulk = d % 4 == 0 && (reinterpret_cast<unsigned long long>(p.dq_accum) & 15) == 0;
     int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
 #pragma unroll 1
     for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
@@ -131,20 +163,43 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       const int m_blocks = max(m_range.end - m_range.begin, 0);
       const int steps = group * m_blocks;  // (query head, Q block), heads outer
       if (steps == 0) continue;
-      arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
-      const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
-      const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-      fa3::produce_tile<KVTile>(k_tile, k, p.k_stride.row, block_keys, d, fa3::rows_16b_aligned(k, p.k_stride.row),
-                                thread, kv_full);
-      fa3::produce_tile<KVTile>(v_tile, v, p.v_stride.row, block_keys, d, fa3::rows_16b_aligned(v, p.v_stride.row),
-                                thread, kv_full);
+      if (!dq_writer) {
+        arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
+        const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+        const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+        fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(k_tile, k, p.k_stride.row, block_keys, d,
+                                                       fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
+        fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(v_tile, v, p.v_stride.row, block_keys, d,
+                                                       fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
+      }
 #pragma unroll 1
       for (int step = 0; step < steps; ++step, ++ring) {
-        const int stage = ring % Stages;
         const int head = kv_info.head + step / m_blocks;
         const int row0 = (m_range.begin + step % m_blocks) * BlockM;
         const int rows = min(BlockM, seqlen_q - row0);
         const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
+        if (dq_writer) {
+          const int buffer = ring % Tr::kDqBuffers;
+          const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+          float* dq = info.dq_accum(p, slice) + row0 * dq_row_stride;
+          const float* tile = dq_tile(buffer);
+          arch::mbarrier_wait(dq_full + buffer, (ring / Tr::kDqBuffers) & 1);
+          if (bulk) {
+#pragma unroll 1
+            for (int r = writer_lane; r < rows; r += 32)
+              arch::bulk_reduce_add_f32(dq + r * dq_row_stride, tile + r * Tr::kDqPitch, static_cast<unsigned>(4 * d));
+            arch::tma_store_commit();
+            arch::tma_store_wait_read<0>();
+          } else {
+#pragma unroll 1
+            for (int e = writer_lane; e < rows * d; e += 32)
+              arch::atomic_add(dq + (e / d) * dq_row_stride + e % d, tile[(e / d) * Tr::kDqPitch + e % d]);
+          }
+          __syncwarp();
+          if (writer_lane == 0) arch::mbarrier_arrive(dq_empty + buffer);
+          continue;
+        }
+        const int stage = ring % Stages;
         arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
         if (thread < BlockM) {
           float lse = pos_inf(), dot = 0.f;
@@ -159,11 +214,13 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         }
         const T* q = info.q<T>(p) + row0 * p.q_stride.row;
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
-        fa3::produce_tile<QTile>(q_tile(stage), q, p.q_stride.row, rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
-                                 thread, full + stage);
-        fa3::produce_tile<QTile>(do_tile(stage), dout, p.dout_stride.row, rows, d,
-                                 fa3::rows_16b_aligned(dout, p.dout_stride.row), thread, full + stage);
+        fa3::produce_tile<QTile, T, Tr::kCopyThreads>(q_tile(stage), q, p.q_stride.row, rows, d,
+                                                      fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
+        fa3::produce_tile<QTile, T, Tr::kCopyThreads>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+                                                      fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
+                                                      full + stage);
       }
+      if (dq_writer && bulk) arch::tma_store_wait<0>();
       ++kv_round;
     }
     return;
@@ -201,7 +258,6 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 
     if (steps > 0) {
       const float scale_log2 = p.softmax_scale_log2;
-      const long long dq_row_stride = BlockInfo::dense_row_stride(p);
       // Descriptors made once per K/V block (K_c, V_c; this consumer's dS^T; K_c MN-major for dQ; Q and dO of stage
       // 0, K- and MN-major), each stage's and each product's steps moved on from them by desc_advanced (stage: one
       // add; k16 steps: compile-time offsets).
@@ -213,16 +269,12 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), 0, 0);
       const uint64_t q_mn_desc0 = QTile::mn_major_desc(q_tile(0), 0);
       const uint64_t do_mn_desc0 = QTile::mn_major_desc(do_tile(0), 0);
-      // The step's (head, Q block) and its dq_accum rows, moved on step by step (no division by m_blocks, no
-      // address rebuilt per step): Q blocks inner, heads outer, as the producer's. dq_rows: row row0 of this head
-      // in the block's slice; dq_lane_offset: this thread's first element from it (query acc_first_row, head-dim
-      // column first_col of the tile). Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work:
-      // this consumer's are the tiles t with t % kConsumers == dq_mine.
+      // The step's (head, Q block), moved on step by step (no division by m_blocks): Q blocks inner, heads outer, as
+      // the producer's. Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work: this consumer's
+      // are the tiles t with t % kConsumers == dq_mine. dq_lane: this thread's first element of a dQ buffer (query
+      // acc_first_row, column first_col).
       int head = kv_info.head, m_block = m_range.begin;
-      const long long dq_block_stride = BlockM * dq_row_stride;
-      float* dq_rows = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) + m_block * dq_block_stride;
-      const int dq_lane_offset = fa3::acc_first_row(warp, lane) * static_cast<int>(dq_row_stride) + first_col;
-      const int dq_pair_stride = 8 * static_cast<int>(dq_row_stride);  // query acc_first_row + 8: the row's other half
+      const int dq_lane = fa3::acc_first_row(warp, lane) * Tr::kDqPitch + first_col;
       auto tiles_of_this_consumer = [&] {
         return (consumer + Tr::kConsumers - (m_block + head) % Tr::kConsumers) % Tr::kConsumers;
       };
@@ -310,10 +362,13 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         // dQ_i += dS K over all BlockN keys (FA3's form: M = the Q block's 64 queries, the reduction every key of
         // the block, both consumers' rows of dS^T), one 64-column tile of the head dim per wgmma N: tile t is this
         // step's work of consumer (t + Q block + head) % kConsumers (d128, two consumers: one tile each; d64: the
-        // consumers take turns), added into dq_accum (rows of this head, unscaled: convert applies the scale). dS is
-        // read from the dS^T tile as an MN-major A (the queries contiguous), K as an MN-major B (the head dim).
-        float* dq_lane = dq_rows + dq_lane_offset;
-        const bool whole = rows == BlockM && d == HeadDim;
+        // consumers take turns). dS is read from the dS^T tile as an MN-major A (the queries contiguous), K as an
+        // MN-major B (the head dim). The accumulators go to the step's float32 dQ buffer (unscaled: convert applies
+        // the scale) once the dQ writer has read its previous use; every consumer warp then hands the buffer over
+        // (its stores fenced for the writer's bulk reduce, which reads through the async proxy).
+        const int dq_buffer = ring % Tr::kDqBuffers;
+        arch::mbarrier_wait(dq_empty + dq_buffer, ((ring / Tr::kDqBuffers) & 1) ^ 1);
+        float* dq_out = dq_tile(dq_buffer) + dq_lane;
 #pragma unroll
         for (int t = 0; t < Tr::kDqTiles; ++t) {
           if (t % Tr::kConsumers != dq_mine) continue;
@@ -326,33 +381,22 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
                 fa3::desc_advanced(k_mn_desc, t * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
           arch::wgmma_commit();
           arch::wgmma_wait<0>(dq);
-          // Register i: query acc_first_row + acc_row_step(i), head-dim column 64 t + first_col + acc_col_step(i) =
-          // 8 (i / 4) + i % 2: registers i, i + 1 (i even) are adjacent columns, one vector red (8-byte aligned: the
-          // head dims of a whole tile are even), at compile-time offsets from its row's pointer (RED's immediate).
-          float* dq_upper = dq_lane + 64 * t;
-          float* dq_lower = dq_upper + dq_pair_stride;  // 8 queries on
-          auto dq_at = [&](int i) { return ((i / 2) % 2 ? dq_lower : dq_upper) + fa3::acc_col_step(i); };
-          if (whole) {
+          // Register i: query acc_first_row + acc_row_step(i), head-dim column 64 t + first_col + acc_col_step(i):
+          // registers i, i + 1 (i even) are adjacent columns, one 8-byte store (bank-conflict free: kDqPitch).
 #pragma unroll
-            for (int i = 0; i < fa3::kPanelCols / 2; i += 2) arch::atomic_add2(dq_at(i), dq[i], dq[i + 1]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < fa3::kPanelCols / 2; ++i)
-              if (fa3::acc_first_row(warp, lane) + fa3::acc_row_step(i) < rows &&
-                  64 * t + first_col + fa3::acc_col_step(i) < d)
-                arch::atomic_add(dq_at(i), dq[i]);
-          }
+          for (int i = 0; i < fa3::kPanelCols / 2; i += 2)
+            *reinterpret_cast<float2*>(dq_out + ((i / 2) % 2 ? 8 * Tr::kDqPitch : 0) + 64 * t +
+                                       fa3::acc_col_step(i)) = make_float2(dq[i], dq[i + 1]);
         }
+        arch::fence_proxy_async();
+        release(dq_full + dq_buffer);
 
-        // The next step: the next Q block of this head, or the first of the next head (dq_accum's next head is
-        // headdim floats on in a row).
+        // The next step: the next Q block of this head, or the first of the next head.
         if (++m_block < m_range.end) {
-          dq_rows += dq_block_stride;
           dq_mine = (dq_mine + Tr::kConsumers - 1) % Tr::kConsumers;
         } else {
           m_block = m_range.begin;
           ++head;
-          dq_rows += d - (m_blocks - 1) * dq_block_stride;
           dq_mine = tiles_of_this_consumer();
         }
       }

@@ -18,9 +18,10 @@ struct BackwardTraits {
   static constexpr int kConsumers = BlockN / 64;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumers * 4;
-  // setmaxnreg: as the forward (ForwardTraits): the producer keeps 40 (its copy loop and the row statistics), the
-  // consumers share the rest, at most 240.
-  static constexpr int kProducerRegisters = 40;
+  // setmaxnreg: the producer keeps 48 (its copy loop, the row statistics and the dQ writer's loop: at 40 ptxas kept
+  // the K/V loop's counter in local memory at d128, NVRTC 13.5), the consumers share the rest, at most 240: still
+  // 232 each for two ((512 - 48) / 2, as (512 - 40) / 2 rounds down to 8).
+  static constexpr int kProducerRegisters = 48;
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
   static constexpr int kAccD = HeadDim / 2;    // dK and dV
@@ -29,22 +30,33 @@ struct BackwardTraits {
   using KVTile = WgmmaTile<BlockN, HeadDim>;
   using QTile = WgmmaTile<BlockM, HeadDim>;   // Q and dO
   using DsTile = WgmmaTile<BlockN, BlockM>;   // dS^T [keys][queries], each consumer's 64 keys stored by it
+  // The producer warpgroup: warps 0 .. 2 copy the tiles (kCopyThreads, one arrival each on a "full" barrier), warp
+  // 3 is the dQ writer (bulk reduce-adds of the consumers' float32 dQ tiles into dq_accum).
+  static constexpr int kCopyThreads = kWarpgroupThreads - 32;
+  // The float32 dQ tile [BlockM][kDqPitch] of a step (kDqBuffers of them): rows of HeadDim floats 8 apart in banks
+  // (pitch HeadDim + 8), so a warp's 8-byte accumulator stores (4 pairs x 8 rows, 16 lanes a phase) hit 32
+  // distinct banks; each row a 16-byte aligned run for one bulk reduce-add.
+  static constexpr int kDqPitch = HeadDim + 8;
+  static constexpr int kDqTileBytes = BlockM * kDqPitch * 4;
+  static constexpr int kDqBuffers = 2;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KVTile::kBytes;
   static constexpr int kQOffset = kVOffset + KVTile::kBytes;            // [Stages]
   static constexpr int kDoOffset = kQOffset + Stages * QTile::kBytes;   // [Stages]
   static constexpr int kDsOffset = kDoOffset + Stages * QTile::kBytes;
+  static constexpr int kDqOffset = kDsOffset + DsTile::kBytes;          // [kDqBuffers]
   // Per stage, float32 lse log2(e) and D of the Q block's rows (rows past the sequence: +inf and 0).
-  static constexpr int kStatsOffset = kDsOffset + DsTile::kBytes;
+  static constexpr int kStatsOffset = kDqOffset + kDqBuffers * kDqTileBytes;
   static constexpr int kBarrierOffset = kStatsOffset + Stages * 2 * BlockM * 4;
-  // kv_full, kv_empty, full[Stages], empty[Stages].
-  static constexpr int kBarriers = 2 + 2 * Stages;
+  // kv_full, kv_empty, full[Stages], empty[Stages], dq_full[kDqBuffers], dq_empty[kDqBuffers].
+  static constexpr int kBarriers = 2 + 2 * Stages + 2 * kDqBuffers;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels");
   static_assert(BlockN % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 keys");
   static_assert(BlockM == 64, "a Q block is dQ's wgmma M (64 queries) and one 64-column dS^T panel");
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
+  static_assert(kDqOffset % 16 == 0 && (kDqPitch * 4) % 16 == 0, "dQ rows are 16-byte aligned bulk sources");
 };
 
 }  // namespace fa3

@@ -185,14 +185,16 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector: whole
 // chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element loads. Then
 // each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
-// (fence.proxy.async) and arrives on `full`; Threads = 32 (one warp: the TMA producer's, copying a ragged block the
-// map cannot zero-fill) arrives once, from lane 0, after the warp's stores (__syncwarp), as one TMA copy would.
+// (fence.proxy.async) and arrives on `full`. Threads: the copying threads (thread 0 .. Threads - 1): the producer
+// warpgroup; 96, the backward's (its fourth warp writes dQ), each arriving; or 32 (one warp: the forward's TMA
+// producer, copying a ragged block the map cannot zero-fill), which arrives once, from lane 0, after the warp's
+// stores (__syncwarp), as one TMA copy would.
 template <class Tile, int Threads = kWarpgroupThreads, class RowAt>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, int valid_rows, int cols, bool vector,
                                              int thread, uint64_t* full) {
   using T = typename RowAt::Element;
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
-  static_assert(Threads == kWarpgroupThreads || Threads == 32, "the producer warpgroup or one warp of it");
+  static_assert(Threads % 32 == 0 && Threads <= kWarpgroupThreads, "whole warps of the producer warpgroup");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
 #pragma unroll 1
   for (int c = thread; c < kChunks; c += Threads) {
@@ -234,10 +236,10 @@ struct StridedRows {
   __device__ __forceinline__ const T* operator()(int r) const { return base + r * row_stride; }
 };
 // The load path over a strided block: rows `row_stride` elements apart from src (the backward's Q, K, V, dO tiles).
-template <class Tile, class T>
+template <class Tile, class T, int Threads = kWarpgroupThreads>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {
-  produce_tile<Tile>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
+  produce_tile<Tile, Threads>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
 }
 // Row r of key rows (BlockInfo's KeyRows: contiguous or paged).
 template <class T>

@@ -410,15 +410,15 @@ def iteration_work(traits) -> IterationWork:
         # One consumer warpgroup's (head, Q block) step that issues dQ (at d64 the consumers take turns at it: the
         # step of the one whose turn it is), per warp: S^T and dP^T as d / 16 wgmma of 64 x block_m x 16 each,
         # and dV and dK as block_m / 16 of 64 x d x 16 each, dQ as block_n / 16 of 64 x 64 x 16 per head-dim tile
-        # of 64 it owns (M: the block_m = 64 queries); its dQ adds, one vector RED per pair of adjacent accumulators
-        # (16 per tile); no copies (the producer's); an exponential per score (64 keys x block_m over 128 threads).
-        # FLOPs: a warp's share (1/4) of each.
+        # of 64 it owns (M: the block_m = 64 queries); no global writes (dQ goes to shared memory, 16 8-byte stores
+        # per tile, and the producer's dQ writer adds it into dq_accum with bulk reduces); no copies (the
+        # producer's); an exponential per score (64 keys x block_m over 128 threads). FLOPs: a warp's share (1/4)
+        # of each.
         m, n, d, consumers = traits.block_m, traits.block_n, traits.head_dim, traits.consumers
         dq_tiles = -(-(d // 64) // consumers)  # the most head-dim tiles one consumer takes in a step
         hmma = 2 * (d // 16) + 2 * (m // 16) + dq_tiles * (n // 16)
         flops = 2 * 2 * 64 * m * d + 2 * 2 * 64 * d * m + dq_tiles * 2 * m * 64 * n
-        return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * m // 128, global_writes=dq_tiles * 16,
-                             mma_flops=flops // 4)
+        return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * m // 128, global_writes=0, mma_flops=flops // 4)
     if isinstance(traits, fa3.ForwardTraits):
         # One consumer warpgroup's K/V block: S = Q K^T as head_dim / 16 wgmma of 64 x block_n x 16, O += P V as
         # block_n / 16 of 64 x head_dim x 16; no copies (the producer's TMA); one exponential per score a thread

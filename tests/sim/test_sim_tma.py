@@ -32,7 +32,7 @@ def inst(name: str) -> KernelInstance:
 
 
 NAMES = [f"load_kernel<{r}>" for r in range(1, 6)] + ["store_kernel<2>", "store_kernel<3>", "tma_wgmma_kernel",
-                                                        "ring_kernel"]
+                                                        "ring_kernel", "reduce_kernel"]
 
 
 @pytest.fixture(scope="module", params=["normal", "race"])
@@ -387,6 +387,86 @@ def test_global_bytes_outside_the_launchs_buffers_are_errors(mode):
         frozen = base.view()
         frozen.flags.writeable = False  # registered as a read-only buffer
         sim.launch(inst("store_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [frozen, image])
+
+
+# ---- bulk reduce-add (cp.reduce.async.bulk .add.f32) -------------------------------------------------------------
+
+
+def run_reduce(floats=40, *, bug=0, box_offset=0, dst_offset=0, size=None, readonly=False):
+    """reduce_kernel: `floats` float32 (integers, so sums are exact) added by one bulk reduce-add into a float32
+    array at element dst_offset. Returns (result, want)."""
+    rng = np.random.default_rng(3)
+    image = rng.integers(-50, 50, size=floats).astype(np.float32)
+    out = rng.integers(-50, 50, size=floats + 8).astype(np.float32)
+    want = out.copy()
+    want[dst_offset:dst_offset + floats] += (2 if bug == 4 else 1) * image
+    if readonly:
+        out.flags.writeable = False
+    a = np.zeros((), ARGS_DTYPE)
+    a["out"], a["image"] = out.ctypes.data, image.ctypes.data
+    a["coords"][0] = dst_offset
+    a["box_bytes"] = 4 * floats if size is None else size
+    a["box_offset"], a["mode"] = box_offset, bug
+    sim.launch(inst("reduce_kernel"), 1, 64, BOX_AT + 4 * floats + 64, a[()], [out, image])
+    return out, want
+
+
+@pytest.mark.parametrize("variant", [0, 4, 5])  # one issuer; two adding the same source; wait_group without .read
+def test_bulk_reduce_adds_the_source_to_global_memory(mode, variant):
+    got, want = run_reduce(bug=variant)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bulk_reduce_add_lands_between_issue_and_wait():
+    # Normal mode lands it at a seeded moment up to the wait: whichever the seed, the sum is the same.
+    for seed in range(4):
+        with sim.copy_landing(seed):
+            got, want = run_reduce(floats=64)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_reduces_to_one_element_land_in_order_only_after_wait_group():
+    """After wait_group.read a reduce has read its source, but its adds may still be in flight: a second reduce to the
+    same floats may land first. 1e8 + (-1e8) + 1 = 1 in issue order, (1e8 + 1) - 1e8 = 0 the other way (float32)."""
+    def run(mode, seed):
+        image = np.array([-1e8] * 4 + [1.0] * 4, np.float32)
+        out = np.full(8, 1e8, np.float32)
+        a = np.zeros((), ARGS_DTYPE)
+        a["out"], a["image"], a["box_bytes"], a["mode"] = out.ctypes.data, image.ctypes.data, 16, mode
+        with sim.checking("normal"), sim.copy_landing(seed):  # race mode lands in issue order
+            sim.launch(inst("reduce_kernel"), 1, 64, BOX_AT + 128, a[()], [out, image])
+        return float(out[0])
+
+    assert {run(6, seed) for seed in range(8)} == {0.0, 1.0}  # wait_group.read between them: either order
+    assert {run(7, seed) for seed in range(8)} == {1.0}        # wait_group between them: issue order
+
+
+@pytest.mark.parametrize("bug, message", [
+    (1, r"async-proxy read of shared byte offset \d+ \(a wgmma or TMA operand\) without a fence.proxy.async"),
+    (2, r"writes shared byte offset 1024, the source of a bulk reduce-add that thread \(0,0,0\) issued at "
+        r"cp.reduce.async.bulk \(bulk reduce-add\) \(hopper_tma.cu:\d+:\d+\) and has not waited for"),
+    # Thread 32's write is ordered after neither the issuer's wait (which lands the reduce) nor its read: either the
+    # reduce is still pending (the error names its site) or it landed, and the write races with its source read.
+    (3, r"writes shared byte offset 1024, the source of a bulk reduce-add that thread \(0,0,0\) issued at "
+        r"cp.reduce.async.bulk|data race on shared memory byte offset 1024: this thread writes it, thread \(0,0,0\) "
+        r"read it"),
+])
+def test_bulk_reduce_source_rules_are_race_errors(bug, message):
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=message):
+        run_reduce(bug=bug)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"size": 36}, r"the bulk reduce-add's size, 36 bytes, is not a positive multiple of 16"),
+    ({"dst_offset": 1}, r"the bulk reduce-add's global destination 0x[0-9a-f]+ is not 16-byte aligned"),
+    ({"box_offset": 8}, r"the bulk reduce-add source at shared byte offset 1032 is not 16-byte aligned \(the ISA's "
+                        r"rule for bulk copies\)"),
+    ({"readonly": True}, r"to a read-only buffer \(bulk reduce-add destination\)"),
+])
+def test_bulk_reduce_alignment_size_and_destination_rules(mode, change, message):
+    with pytest.raises(sim.KernelError, match=r"hopper_tma.cu:\d+.*" + message if "readonly" not in change
+                       else message):
+        run_reduce(**change)
 
 
 def run_ring(rounds, bug=0):

@@ -63,13 +63,17 @@ struct TmaLoad {
   std::vector<unsigned char> image;
 };
 
-// A TMA store not yet known to have read its source (sim_tma.cpp): each element inside the global tensor,
-// its box offset in shared memory (before the swizzle) and its global address.
+// A bulk async-group operation not yet known to have read its source (sim_tma.cpp): a TMA store
+// (cp.async.bulk.tensor, kCopy) or a bulk reduce-add (cp.reduce.async.bulk .add.f32, kAddF32: each element added
+// atomically to global memory); each element inside the global tensor, its box offset in shared memory (before the
+// swizzle) and its global address.
 struct TmaStore {
   struct Element {
     unsigned shared;
     uintptr_t global;
   };
+  enum class Op : uint8_t { kCopy, kAddF32 };
+  Op op;
   Site site;
   unsigned group;  // the issuing thread's bulk async-group
   unsigned src_offset;
@@ -77,6 +81,10 @@ struct TmaStore {
   unsigned bytes;
   unsigned element_bytes;
   std::vector<Element> elements;
+  // kAddF32 after a covering wait_group.read: the source values read then (the shared bytes may be overwritten),
+  // the adds still to land (at a seeded moment, or at the covering wait_group / the thread's exit).
+  bool source_read = false;
+  std::vector<float> values;
 };
 
 struct FiberWgmma {
@@ -192,6 +200,7 @@ struct Worker {
   size_t wgmma_operand_bytes;          // race mode: shared bytes a wgmma in flight reads
   std::vector<TmaLoad> tma_loads;      // TMA loads of the block not landed yet, in issue order (sim_tma.cpp)
   size_t tma_store_source_bytes;       // shared bytes TMA stores of the block may still read
+  size_t tma_stores_in_flight;         // TMA stores and bulk reduce-adds of the block not yet landed
 #if CUFLASH_SIM_RACE
   uint64_t epoch;  // fresh at every block start and every completed __syncthreads
   bool vector_clocks;  // the block has released through an mbarrier or named barrier (sim_race.cpp)
@@ -241,6 +250,7 @@ enum class LoadsToLand { kAll, kSome, kOnBarrier };
 bool tma_land_loads(Worker* w, LoadsToLand which, uint32_t bar_offset, bool on_fiber);
 void tma_land_some_stores(Worker* w);  // normal mode, at a fiber switch: each store lands with probability 1/2
 void tma_thread_exit(Fiber* f);        // the exiting thread's stores land (on a GPU they complete)
+void add_f32_to_word(float* p, float v);  // one float32 added atomically (sim_runtime.cpp; red.add.f32's twin)
 // sim_mbarrier.cpp for the TMA twin: the offset of the initialized mbarrier at `bar` (else a failure naming
 // the site), and a landing's complete_tx on behalf of the issuer (its release in race mode): an error text or "".
 uint32_t mbarrier_offset_for_tx(const Site& site, uint64_t* bar);

@@ -556,7 +556,7 @@ void run_block(Worker* w, SmemRegion& smem, unsigned long long block_linear) {
     if (w->wgmma_in_flight != 0) wgmma_land_some(w);
 #if !CUFLASH_SIM_RACE
     if (!w->tma_loads.empty()) tma_land_loads(w, LoadsToLand::kSome, 0, false);
-    if (w->tma_store_source_bytes != 0) tma_land_some_stores(w);
+    if (w->tma_stores_in_flight != 0) tma_land_some_stores(w);
     if (w->failed) break;
 #endif
     switch_context(&w->scheduler_sp, &w->scheduler_fake_stack, f.sp, f.stack_lo, f.stack_hi, false);
@@ -733,7 +733,7 @@ void global_access_failed(const void* address, unsigned bytes, bool is_write, co
 }
 
 // One float32 atomically added to a word (a compare-and-swap loop: blocks run on several workers at once).
-static void add_to_word(float* p, float v) {
+void add_f32_to_word(float* p, float v) {
   uint32_t* word = reinterpret_cast<uint32_t*>(p);
   uint32_t expected = __atomic_load_n(word, __ATOMIC_RELAXED);
   for (;;) {
@@ -757,15 +757,15 @@ static void atomic_access(void* p, unsigned bytes) {
 
 void atomic_add_f32(float* p, float v) {
   atomic_access(p, 4);
-  add_to_word(p, v);
+  add_f32_to_word(p, v);
 }
 
 // red.global.add.v2.f32: the pair's 8 bytes checked as one access (alignment and bounds), each element added on its
 // own, as the ISA defines a vector red.
 void atomic_add_f32x2(float* p, float a, float b) {
   atomic_access(p, 8);
-  add_to_word(p, a);
-  add_to_word(p + 1, b);
+  add_f32_to_word(p, a);
+  add_f32_to_word(p + 1, b);
 }
 
 void sync_threads(const Site& site) {

@@ -1,5 +1,6 @@
-// Twins of the TMA's tiled tensor copies (PTX ISA: cp.async.bulk.tensor, cp.async.bulk.commit_group,
-// cp.async.bulk.wait_group.read; the tensor map of cuTensorMapEncodeTiled).
+// Twins of the TMA's tiled tensor copies and of the bulk reduce-add (PTX ISA: cp.async.bulk.tensor,
+// cp.reduce.async.bulk, cp.async.bulk.commit_group, cp.async.bulk.wait_group{.read}; the tensor map of
+// cuTensorMapEncodeTiled).
 //
 // Loads (global -> shared, completing on an mbarrier)
 //   One thread issues a copy of the box at the given coordinates. The box has ceil(box_dim[i] /
@@ -26,13 +27,26 @@
 //   to it needs its writer's fence.proxy.async before the TMA store's issue) and may not be written before
 //   the covering wait_group.read. The store (source read and global write together) lands in normal mode at
 //   a seeded moment up to that wait, in race mode at it (a write to the source in between is an error); a
-//   store never waited for lands when its thread exits.
+//   store never waited for lands when its thread exits. wait_group without .read (the writes complete) lands
+//   the same groups.
+//
+// Bulk reduce-add (shared -> global, the same bulk async-groups)
+//   cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [dst], [src], bytes: one thread adds bytes / 4
+//   contiguous float32 of shared memory into as many of global memory, each element atomically (other threads'
+//   and blocks' atomics to them are not races). A TmaStore of op kAddF32 (no tensor map, no swizzle): its source
+//   rules and landing moments are the store's, but a covering wait_group.read only reads its source (the values
+//   kept): the adds land later, at a seeded moment in normal mode, at the latest at a covering wait_group (without
+//   .read) or the thread's exit, so two reduces to one element with no wait_group between them land in either
+//   order (their float sums differ: a deterministic kernel's reruns do not agree bitwise). Strict: bytes a positive multiple of 16, both addresses
+//   16-byte aligned (the ISA's rules), the source inside the block's shared memory, the destination inside a
+//   writable buffer of the launch.
 //
 // Strict checks, errors naming the site: a map not made by encode_tiled (the twin's magic), a map address
 // not 64-byte aligned (the ISA), a coordinate count other than the map's rank, interleaved maps (not
 // modeled), a shared address not 128-byte aligned (the ISA's rule for tensor copies) or a box outside the
 // block's shared memory, an mbarrier that is not initialized, global bytes outside the launch's buffers (a
 // store: or read-only).
+#include <algorithm>
 #include <cinttypes>
 
 #include "sim_internal.h"
@@ -112,16 +126,17 @@ unsigned unit_offset(unsigned dst_offset, unsigned unit, unsigned swizzle_bytes)
   return swizzled_shared_address(dst_offset + 16 * unit, swizzle_bytes);
 }
 
-unsigned checked_shared_offset(const Site& site, const void* smem, unsigned bytes, const char* what) {
+unsigned checked_shared_offset(const Site& site, const void* smem, unsigned bytes, const char* what,
+                               uintptr_t alignment = kSharedTensorAlignment, const char* rule = "tensor copies") {
   Worker* w = current_fiber()->worker;
   const uintptr_t at = reinterpret_cast<uintptr_t>(smem);
   const uintptr_t base = reinterpret_cast<uintptr_t>(w->view.smem);
   if (at < base || at + bytes > base + w->launch->view.smem_bytes)
     fail_current(format("%s: the %s (%u bytes at 0x%" PRIxPTR ") is not inside the block's dynamic shared memory",
                         describe_site(site).c_str(), what, bytes, at));
-  if ((at - base) % kSharedTensorAlignment != 0)
-    fail_current(format("%s: the %s at shared byte offset %" PRIuPTR " is not 128-byte aligned (the ISA's rule for "
-                        "tensor copies)", describe_site(site).c_str(), what, at - base));
+  if ((at - base) % alignment != 0)
+    fail_current(format("%s: the %s at shared byte offset %" PRIuPTR " is not %u-byte aligned (the ISA's rule for "
+                        "%s)", describe_site(site).c_str(), what, at - base, static_cast<unsigned>(alignment), rule));
   return static_cast<unsigned>(at - base);
 }
 
@@ -164,10 +179,28 @@ void fail_block(Worker* w, bool on_fiber, const std::string& message) {
   w->failed = true;
 }
 
-// The store's source read (checked at issue) and global write, at once. Race mode: on the issuer's fiber.
+// The store's source read (checked at issue) and global write (a reduce-add: atomic adds), at once. Race mode: on
+// the issuer's fiber.
 void apply_store(Worker* w, const TmaStore& store) {
   for (const TmaStore::Element& e : store.elements) {
     const unsigned at = swizzled_shared_address(store.src_offset + e.shared, store.swizzle_bytes);
+#if CUFLASH_SIM_RACE
+    // The source read at the landing, as the issuer's: a write by another thread that is not ordered after the
+    // covering wait (which lands it) is a race with it, as one before the wait is (race_tma_check_write).
+    if (!store.source_read) race_access(reinterpret_cast<uintptr_t>(smem_at(w, at)), store.element_bytes, false);
+#endif
+    if (store.op == TmaStore::Op::kAddF32) {
+      float v;
+      if (store.source_read)
+        v = store.values[&e - store.elements.data()];
+      else
+        memcpy(&v, smem_at(w, at), 4);
+      add_f32_to_word(reinterpret_cast<float*>(e.global), v);
+#if CUFLASH_SIM_RACE
+      race_atomic(current_fiber(), e.global, 4);
+#endif
+      continue;
+    }
     memcpy(reinterpret_cast<void*>(e.global), smem_at(w, at), store.element_bytes);
 #if CUFLASH_SIM_RACE
     race_access(e.global, store.element_bytes, true);
@@ -175,13 +208,56 @@ void apply_store(Worker* w, const TmaStore& store) {
   }
 }
 
-void forget_store_source(Worker* w, const TmaStore& store) { w->tma_store_source_bytes -= store.bytes; }
+// A store that lands: its source (unless read already) and its place in flight.
+void forget_store(Worker* w, const TmaStore& store) {
+  if (!store.source_read) w->tma_store_source_bytes -= store.bytes;
+  --w->tma_stores_in_flight;
+}
+
+// A reduce-add's source read by a covering wait_group.read: the values kept, the shared bytes free.
+void read_reduce_source(Worker* w, TmaStore& store) {
+  store.values.resize(store.elements.size());
+  for (size_t i = 0; i < store.elements.size(); ++i) {
+    const unsigned at = store.src_offset + store.elements[i].shared;
+    memcpy(&store.values[i], smem_at(w, at), 4);
+#if CUFLASH_SIM_RACE
+    race_access(reinterpret_cast<uintptr_t>(smem_at(w, at)), 4, false);
+#endif
+  }
+  store.source_read = true;
+  w->tma_store_source_bytes -= store.bytes;
+}
+
+// Lands the thread's stores of groups below complete_below; with reads_only, a reduce-add only reads its source.
+// Normal mode lands them in issue order or in reverse (a seeded bit): nothing orders two bulk operations in flight.
+void wait_groups(Fiber* f, unsigned complete_below, bool reads_only) {
+  std::vector<TmaStore> landing, kept;
+  for (TmaStore& store : f->tma_stores) {
+    if (store.group < complete_below && reads_only && store.op == TmaStore::Op::kAddF32) {
+      if (!store.source_read) read_reduce_source(f->worker, store);
+      kept.push_back(std::move(store));
+    } else if (store.group < complete_below) {
+      landing.push_back(std::move(store));
+    } else {
+      kept.push_back(std::move(store));
+    }
+  }
+  f->tma_stores = std::move(kept);
+#if !CUFLASH_SIM_RACE
+  if (landing.size() > 1 && coin_flip(f->worker)) std::reverse(landing.begin(), landing.end());
+#endif
+  for (const TmaStore& store : landing) {
+    apply_store(f->worker, store);
+    forget_store(f->worker, store);
+  }
+}
 
 }  // namespace
 
 void tma_block_begin(Worker* w) {
   w->tma_loads.clear();
   w->tma_store_source_bytes = 0;
+  w->tma_stores_in_flight = 0;
 }
 
 bool tma_loads_pending_on(const Worker* w, uint32_t bar_offset) {
@@ -219,9 +295,11 @@ void tma_land_some_stores(Worker* w) {
     for (size_t i = 0; i < f.tma_stores.size(); ++i) {
       if (coin_flip(w)) {
         apply_store(w, f.tma_stores[i]);
-        forget_store_source(w, f.tma_stores[i]);
+        forget_store(w, f.tma_stores[i]);
       } else {
-        f.tma_stores[kept++] = std::move(f.tma_stores[i]);
+        // Not onto itself: a self-move-assigned std::vector is left empty (libstdc++), losing the store's elements.
+        if (kept != i) f.tma_stores[kept] = std::move(f.tma_stores[i]);
+        ++kept;
       }
     }
     f.tma_stores.resize(kept);
@@ -234,7 +312,7 @@ void tma_land_some_stores(Worker* w) {
 void tma_thread_exit(Fiber* f) {
   for (const TmaStore& store : f->tma_stores) {
     apply_store(f->worker, store);
-    forget_store_source(f->worker, store);
+    forget_store(f->worker, store);
   }
   f->tma_stores.clear();
 }
@@ -254,12 +332,13 @@ void race_tma_check_write(Fiber* f, uintptr_t address, unsigned bytes) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(w->view.smem);
   for (const Fiber& issuer : w->fibers)
     for (const TmaStore& store : issuer.tma_stores)
-      for (unsigned u = 0; u < store.bytes / 16; ++u) {
+      for (unsigned u = 0; !store.source_read && u < store.bytes / 16; ++u) {
         const uintptr_t lo = base + unit_offset(store.src_offset, u, store.swizzle_bytes);
         if (address < lo + 16 && address + bytes > lo)
-          fail_current(format("writes shared byte offset %" PRIuPTR ", the source of a TMA store that %s issued at %s "
-                              "and has not waited for with a covering cp.async.bulk.wait_group.read (the store may "
-                              "still be reading it)", (address > lo ? address : lo) - base,
+          fail_current(format("writes shared byte offset %" PRIuPTR ", the source of a %s that %s issued at %s "
+                              "and has not waited for with a covering cp.async.bulk.wait_group.read (it may still "
+                              "be reading it)", (address > lo ? address : lo) - base,
+                              store.op == TmaStore::Op::kAddF32 ? "bulk reduce-add" : "TMA store",
                               describe_thread(w, issuer.index).c_str(), describe_site(store.site).c_str()));
       }
 }
@@ -327,6 +406,7 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   Worker* w = f->worker;
   const Box box = make_box(site, map, coords, rank);
   TmaStore store;
+  store.op = TmaStore::Op::kCopy;
   store.site = site;
   store.group = f->bulk_groups_committed;
   store.src_offset = checked_shared_offset(site, smem_src, box.bytes, "TMA store source");
@@ -355,6 +435,47 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   }
 #endif
   w->tma_store_source_bytes += store.bytes;
+  ++w->tma_stores_in_flight;
+  f->tma_stores.push_back(std::move(store));
+}
+
+void bulk_reduce_add_f32(const Site& site, float* gmem_dst, const void* smem_src, unsigned bytes) {
+  Fiber* f = current_fiber();
+  Worker* w = f->worker;
+  const uintptr_t dst = reinterpret_cast<uintptr_t>(gmem_dst);
+  if (bytes == 0 || bytes % 16 != 0)
+    fail_current(format("%s: the bulk reduce-add's size, %u bytes, is not a positive multiple of 16 (the ISA's rule)",
+                        describe_site(site).c_str(), bytes));
+  if (dst % 16 != 0)
+    fail_current(format("%s: the bulk reduce-add's global destination 0x%" PRIxPTR " is not 16-byte aligned (the "
+                        "ISA's rule)", describe_site(site).c_str(), dst));
+  TmaStore store;
+  store.op = TmaStore::Op::kAddF32;
+  store.site = site;
+  store.group = f->bulk_groups_committed;
+  store.src_offset = checked_shared_offset(site, smem_src, bytes, "bulk reduce-add source", 16, "bulk copies");
+  store.swizzle_bytes = 0;
+  store.bytes = bytes;
+  store.element_bytes = 4;
+  const Buffer* b = buffer_holding(w->launch, dst, bytes);
+  if (b == nullptr)
+    global_access_failed(gmem_dst, bytes, true, "out of bounds (bulk reduce-add destination)");
+  if (!b->writable)
+    global_access_failed(gmem_dst, bytes, true, "to a read-only buffer (bulk reduce-add destination)");
+#if CUFLASH_SIM_PROFILE
+  std::vector<uint32_t> units(bytes / 16);
+  for (unsigned u = 0; u < units.size(); ++u) units[u] = store.src_offset + 16 * u;
+  profile_bulk_shared_access(site, units, kProfileTmaStore);  // the async proxy's shared reads, as a store's
+#endif
+  for (unsigned e = 0; e < bytes / 4; ++e) store.elements.push_back(TmaStore::Element{4 * e, dst + 4 * e});
+  w->view.bytes_read += bytes;
+  w->view.bytes_written += bytes;
+#if CUFLASH_SIM_RACE
+  // The async proxy reads the source from the issue on: ordinary stores to it must be fenced before now.
+  race_async_proxy_read(reinterpret_cast<uintptr_t>(smem_at(w, store.src_offset)), bytes);
+#endif
+  w->tma_store_source_bytes += store.bytes;
+  ++w->tma_stores_in_flight;
   f->tma_stores.push_back(std::move(store));
 }
 
@@ -363,17 +484,13 @@ void tma_store_commit(const Site&) { ++current_fiber()->bulk_groups_committed; }
 void tma_store_wait_read(const Site&, unsigned newest_groups_left_pending) {
   Fiber* f = current_fiber();
   if (f->bulk_groups_committed < newest_groups_left_pending) return;
-  const unsigned complete_below = f->bulk_groups_committed - newest_groups_left_pending;
-  size_t kept = 0;
-  for (size_t i = 0; i < f->tma_stores.size(); ++i) {
-    if (f->tma_stores[i].group < complete_below) {
-      apply_store(f->worker, f->tma_stores[i]);
-      forget_store_source(f->worker, f->tma_stores[i]);
-    } else {
-      f->tma_stores[kept++] = std::move(f->tma_stores[i]);
-    }
-  }
-  f->tma_stores.resize(kept);
+  wait_groups(f, f->bulk_groups_committed - newest_groups_left_pending, true);
+}
+
+void tma_store_wait(const Site&, unsigned newest_groups_left_pending) {
+  Fiber* f = current_fiber();
+  if (f->bulk_groups_committed < newest_groups_left_pending) return;
+  wait_groups(f, f->bulk_groups_committed - newest_groups_left_pending, false);
 }
 
 }  // namespace cuflash::sim

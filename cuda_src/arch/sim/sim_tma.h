@@ -2,7 +2,8 @@
 // names kernels see; the runtime side is sim_tma.cpp):
 //   cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes  -> tma_load
 //   cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group                         -> tma_store
-//   cp.async.bulk.commit_group / cp.async.bulk.wait_group.read N                       -> tma_store_commit / _wait_read
+//   cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32                         -> bulk_reduce_add_f32
+//   cp.async.bulk.commit_group / cp.async.bulk.wait_group{.read} N                     -> tma_store_commit / _wait_read
 // and the simulator's encoding of a tensor map (CUtensorMap's 128 bytes; on a GPU the driver's opaque
 // encoding made by cuTensorMapEncodeTiled, here this one, made by cuflash.kernels.tensor_map.encode_tiled
 // after the same argument checks).
@@ -47,7 +48,10 @@ CUFLASH_SIM_API void tma_load(const Site& site, void* smem_dst, const void* map,
                               uint64_t* bar);
 CUFLASH_SIM_API void tma_store(const Site& site, const void* map, const void* smem_src, const int* coords,
                                unsigned rank);
+// bytes / 4 float32 at smem_src added to as many at gmem_dst, in the thread's current bulk async-group.
+CUFLASH_SIM_API void bulk_reduce_add_f32(const Site& site, float* gmem_dst, const void* smem_src, unsigned bytes);
 CUFLASH_SIM_API void tma_store_commit(const Site& site);
 CUFLASH_SIM_API void tma_store_wait_read(const Site& site, unsigned newest_groups_left_pending);
+CUFLASH_SIM_API void tma_store_wait(const Site& site, unsigned newest_groups_left_pending);
 
 }  // namespace cuflash::sim

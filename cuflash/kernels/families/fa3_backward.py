@@ -30,6 +30,7 @@ from .fa3 import ARCHS, DTYPES, WarpgroupTraits, compiled_head_dim
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
+_DQ_BUFFERS = 2  # fa3::BackwardTraits::kDqBuffers
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,12 @@ class BackwardTraits(WarpgroupTraits):
 
     @property
     def smem_bytes(self) -> int:
-        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [consumers][64][block_m]; float32 lse, D
-        # [stages][block_m]; 2 + 2 stages mbarriers.
+        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [consumers][64][block_m]; float32 dQ
+        # [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch); float32 lse, D [stages][block_m]; 2 + 2 stages + 4
+        # mbarriers.
         d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
-        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m)
-        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s)
+        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m) + 4 * _DQ_BUFFERS * m * (d + 8)
+        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * _DQ_BUFFERS)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)

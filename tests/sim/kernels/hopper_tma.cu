@@ -88,6 +88,49 @@ __global__ void __launch_bounds__(64) store_kernel(const __grid_constant__ Args 
   }
 }
 
+// The block writes a.image (box_bytes / 4 float32) into shared memory at kBoxAt + box_offset, then thread 0 adds it
+// to the floats at a.out + a.coords[0] with one bulk reduce-add, commits and waits for the read. Planted bugs
+// (a.mode):
+//   1 no fence.proxy.async between the ordinary stores and the reduce (which reads through the async proxy)
+//   2 the issuing thread overwrites the source before cp.async.bulk.wait_group.read
+//   3 thread 32 overwrites the source after a __syncthreads that follows the issue, before the issuer's wait
+// and clean variants: 4 threads 0 and 32 both add the source (atomic adds: no race), 5 the wait is
+// cp.async.bulk.wait_group (the adds complete) instead of .read; 6 and 7 (below) order two reduces to one place. Misaligned box_offset, coords[0] or box_bytes are
+// the alignment and size rules' planted bugs.
+__global__ void __launch_bounds__(64) reduce_kernel(const __grid_constant__ Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);
+  float* src = reinterpret_cast<float*>(smem + kBoxAt + a.box_offset);
+  const float* image = reinterpret_cast<const float*>(a.image);
+  float* dst = reinterpret_cast<float*>(a.out) + a.coords[0];
+  const int t = threadIdx.x;
+  const int floats = a.box_bytes / 4 + (a.mode >= 6 ? 4 : 0);  // 6, 7: the second reduce's 4 floats too
+  for (int i = t; i < floats; i += blockDim.x) src[i] = load(image + i);
+  if (a.mode != 1) cuflash::arch::fence_proxy_async();
+  __syncthreads();
+  if (t == 0 || (a.mode == 4 && t == 32)) {
+    cuflash::arch::bulk_reduce_add_f32(dst, src, static_cast<unsigned>(a.box_bytes));
+    cuflash::arch::tma_store_commit();
+    if (a.mode == 2) src[0] = 0.f;
+  }
+  if (a.mode == 3) {
+    __syncthreads();
+    if (t == 32) src[0] = 0.f;
+  }
+  if (t == 0 || (a.mode == 4 && t == 32)) {
+    if (a.mode == 5 || a.mode == 7)
+      cuflash::arch::tma_store_wait<0>();
+    else
+      cuflash::arch::tma_store_wait_read<0>();
+  }
+  // 6, 7: thread 0 then adds the source's second 16 bytes to the same 4 floats, after wait_group.read (6: the two
+  // reduces may land in either order) or wait_group (7: the first has landed).
+  if (t == 0 && (a.mode == 6 || a.mode == 7)) {
+    cuflash::arch::bulk_reduce_add_f32(dst, src + 4, 16u);
+    cuflash::arch::tma_store_commit();
+    cuflash::arch::tma_store_wait<0>();
+  }
+}
+
 // A two-stage ring: lane 0 of warp 0 loads a.coords[0] boxes of 16 x 8 16-bit elements (box i at row 8 i) into
 // alternating stages, each completing on its stage's "full" mbarrier; warp 1 waits on it, copies the stage to
 // a.out (box i at element 128 i) and arrives on the stage's "empty" mbarrier (32 arrivals), which the producer
