@@ -12,11 +12,19 @@
 // q_blocks).
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to 40): copies K and V once per K/V block, after the consumers'
-//       arrivals on "kv_empty" for the previous one (16-byte loads into the 128-byte
-//       swizzled panels wgmma reads, fa3::produce_tile), then per step Q_i and dO_i, and lse_i log2(e) and D_i
-//       (rows past the sequence: +inf and 0, so P = 0 there) into the next stage of a ring of kStages, each thread
-//       arriving on the stage's "full" mbarrier after fence.proxy.async; it waits on the stage's "empty" mbarrier
-//       (one arrival per consumer warp) before refilling it.
+//       arrivals on "kv_empty" for the previous one, then per step Q_i and dO_i, and lse_i log2(e) and D_i (rows
+//       past the sequence: +inf and 0, so P = 0 there) into the next stage of a ring of kStages; it waits on the
+//       stage's "empty" mbarrier (one arrival per consumer warp) before refilling it. Two ways, chosen per call by
+//       the host (p.tma_loads, as the forward's):
+//       TMA (the host made q's, k's, v's and dout's tensor maps, in the __grid_constant__ params): warp 0 alone;
+//         one elected lane arrives on "kv_full" / the stage's "full" expecting each tile's bytes and issues one
+//         cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma; the maps zero-fill rows past the
+//         sequence and columns past the head dim); its 32 lanes load the step's row statistics (2 rows each, before
+//         the wait for the stage, so their latency hides behind it) and store them, __syncwarp ordering the stores
+//         before the elected lane's arrival. Warps 1-3 exit.
+//       Loads (what TMA cannot address, callers without maps): all 128 threads copy with 16-byte loads into the
+//         128-byte swizzled panels wgmma reads (fa3::produce_tile), the first 64 the row statistics, each thread
+//         arriving on the barrier after fence.proxy.async.
 //     warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), consumer c owning keys
 //       64 c .. 64 c + 63 of the block, so that the M of every product it issues is its 64 keys (S and dP computed
 //       transposed, as FA3's "swapped" form) and dK, dV live in its registers whole:
@@ -67,7 +75,7 @@
 namespace cuflash {
 
 template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
-__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
   using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages>;
   using QTile = typename Tr::QTile;
@@ -105,13 +113,16 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   uint64_t* full = barriers + 2;
   uint64_t* empty = full + Stages;
 
+  const bool tma = p.tma_loads != 0;  // the host made q's, k's, v's and dout's tensor maps (fa3_forward_traits.cuh)
   if (threadIdx.x == 0) {
-    arch::mbarrier_init(kv_full, 2 * fa3::kFullArrivals);  // K's and V's copies
-    arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);     // every consumer warp done with a K/V block
+    const unsigned copies_arrivals = 2 * fa3::full_arrivals(tma);  // two copies per phase
+    arch::mbarrier_init(kv_full, copies_arrivals);      // K's and V's copies
+    arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);  // every consumer warp done with a K/V block
     for (int s = 0; s < Stages; ++s) {
-      arch::mbarrier_init(full + s, 2 * fa3::kFullArrivals);  // Q's and dO's copies (the row statistics before Q's)
+      arch::mbarrier_init(full + s, copies_arrivals);  // Q's and dO's copies (the row statistics before Q's)
       arch::mbarrier_init(empty + s, Tr::kConsumerWarps);
     }
+    arch::fence_mbarrier_init();  // visible to the async proxy (the TMA's complete_tx) too
   }
   __syncthreads();
 
@@ -121,8 +132,64 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 
   if (warpgroup == 0) {
     // ---- producer ----
+    // Row row0 + r's lse log2(e) and D (rows past the sequence: +inf and 0, so P = 0 there; a row that saw no key,
+    // lse -inf: +inf likewise).
+    auto row_statistics = [&](const BlockInfo& info, int row0, int r, float& lse, float& dot) {
+      lse = pos_inf();
+      dot = 0.f;
+      if (row0 + r < seqlen_q) {
+        const long long at = info.row_stats_offset(p) + row0 + r;
+        const float stored = arch::load(p.lse + at);
+        lse = stored == neg_inf() ? pos_inf() : stored * kLog2e;
+        dot = arch::load(p.dout_dot_out + at);
+      }
+    };
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
+    if (tma) {
+      // Warp 0 alone: its lanes load the row statistics (2 rows each), one elected lane issues every copy after
+      // the warp's stores (__syncwarp orders them before its arrival). Warps 1-3 have nothing to do.
+      if (thread >= 32) return;
+      const bool issuer = arch::elect_one_sync();
+#pragma unroll 1
+      for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
+        const int key0 = n_block * BlockN;
+        const IndexRange m_range = mask.q_blocks<BlockM>(key0, min(key0 + BlockN, seqlen_k));
+        const int m_blocks = max(m_range.end - m_range.begin, 0);
+        const int steps = group * m_blocks;  // (query head, Q block), heads outer
+        if (steps == 0) continue;
+        arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
+        if (issuer) {
+          fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), key0, kv_head, batch, kv_full);
+          fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), key0, kv_head, batch, kv_full);
+        }
+#pragma unroll 1
+        for (int step = 0; step < steps; ++step, ++ring) {
+          const int stage = ring % Stages;
+          const int head = kv_info.head + step / m_blocks;
+          const int row0 = (m_range.begin + step % m_blocks) * BlockM;
+          // The statistics loaded before the wait for the stage: their latency hides behind it.
+          float lse[BlockM / 32], dot[BlockM / 32];
+#pragma unroll
+          for (int r = 0; r < BlockM / 32; ++r)
+            row_statistics(BlockInfo::of_group_head(batch, kv_head, head), row0, thread + 32 * r, lse[r], dot[r]);
+          arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
+#pragma unroll
+          for (int r = 0; r < BlockM / 32; ++r) {
+            lse_rows(stage)[thread + 32 * r] = lse[r];
+            dot_rows(stage)[thread + 32 * r] = dot[r];
+          }
+          __syncwarp();
+          if (issuer) {
+            fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), row0, head, batch, full + stage);
+            fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), row0, head, batch,
+                                         full + stage);
+          }
+        }
+        ++kv_round;
+      }
+      return;
+    }
 #pragma unroll 1
     for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
       const int key0 = n_block * BlockN;
@@ -146,17 +213,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         const int rows = min(BlockM, seqlen_q - row0);
         const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
         arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
-        if (thread < BlockM) {
-          float lse = pos_inf(), dot = 0.f;
-          if (thread < rows) {
-            const long long at = info.row_stats_offset(p) + row0 + thread;
-            lse = arch::load(p.lse + at);
-            lse = lse == neg_inf() ? pos_inf() : lse * kLog2e;
-            dot = arch::load(p.dout_dot_out + at);
-          }
-          lse_rows(stage)[thread] = lse;
-          dot_rows(stage)[thread] = dot;
-        }
+        if (thread < BlockM) row_statistics(info, row0, thread, lse_rows(stage)[thread], dot_rows(stage)[thread]);
         const T* q = info.q<T>(p) + row0 * p.q_stride.row;
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
         fa3::produce_tile<QTile>(q_tile(stage), q, p.q_stride.row, rows, d, fa3::rows_16b_aligned(q, p.q_stride.row),
@@ -363,17 +420,21 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     }
 
     // Epilogue: dK * scale and dV, element by element (keys past the sequence, columns past the head dim skipped).
+    // The params' fields read once, into registers: the producer takes the maps' addresses in param space, so a
+    // store through a generic pointer may, as the compiler sees it, write the params, and a field read after one
+    // is read again (the epilogue's strides per store: twice the kernel's code, IMAD-heavy).
     const float softmax_scale = p.softmax_scale;
-    T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
-    T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
+    const long long dk_row_stride = p.dk_stride.row, dv_row_stride = p.dv_stride.row;
+    T* dk = kv_info.dk<T>(p) + key0 * dk_row_stride;
+    T* dv = kv_info.dv<T>(p) + key0 * dv_row_stride;
 #pragma unroll
     for (int i = 0; i < Tr::kAccD; ++i) {
       const int key = first_key + fa3::acc_row_step(i);
       const int col = first_col + fa3::acc_col_step(i);
       if (key < block_keys && col < d) {
-        arch::store(reinterpret_cast<unsigned short*>(dk + key * p.dk_stride.row + col),
+        arch::store(reinterpret_cast<unsigned short*>(dk + key * dk_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));
-        arch::store(reinterpret_cast<unsigned short*>(dv + key * p.dv_stride.row + col),
+        arch::store(reinterpret_cast<unsigned short*>(dv + key * dv_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i], 0.f) & 0xffffu));
       }
     }

@@ -164,13 +164,14 @@ __device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch
   }
 }
 
-// The map of tensor `member` (AttentionParams.tma's q, k or v) as the TMA takes it: its address in param space (the
-// params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the address
-// makes the whole params escape, and NVRTC 13.5 may then read fields with LDC and redo arithmetic on them where
-// they are used. The forward barely changes (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC
-// 18 -> 24, consumer loop 663 -> 664); the backward's epilogue did (3616 -> 6952 instructions with the same change,
-// IMAD-heavy address arithmetic per store): a kernel like it wants its maps as a __grid_constant__ parameter of
-// their own.
+// The map of tensor `member` (AttentionParams.tma's q, k, v or dout) as the TMA takes it: its address in param space
+// (the params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the
+// address makes the whole params escape: to the compiler a store through a generic pointer may then write them, so
+// a field read after such a store is read again (LDC) and the arithmetic on it redone. The forward barely changes
+// (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC 18 -> 24, consumer loop 663 -> 664); the
+// backward's epilogue, reading dK's and dV's row strides from the params at every one of its 2-byte stores, doubled
+// (3400 -> 6976 instructions, IMAD 319 -> 1975): a kernel reads the fields it uses after global stores into locals
+// first (the backward then: 3600, the TMA producer included).
 __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long long (&member)[16]) {
   static_assert(sizeof(member) == sizeof(arch::TensorMap) && alignof(TmaMaps) == alignof(arch::TensorMap),
                 "AttentionParams' maps are arch::TensorMap's bytes");
