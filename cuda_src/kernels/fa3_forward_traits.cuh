@@ -99,8 +99,8 @@ struct ForwardTraits {
   // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
   // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
   // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
-  // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
-  // each, FA3's split there; a TMA producer needs 24).
+  // kLoadsInFlight (2) 16-byte chunks, its pointers and its loop counters: 40 with two consumers (232 each), 32
+  // with three (160 each, FA3's split there; a TMA producer needs 24).
   static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
@@ -183,34 +183,51 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // scores the mask hides, and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add
 // nothing to S). Exactly the valid elements are read. Consecutive threads take consecutive chunks of a row
 // (coalesced). vector: whole chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim
-// cuts, element loads. Then each thread orders its generic-proxy stores before the wgmma (async proxy) that will
-// read them (fence.proxy.async) and arrives on `full`.
+// cuts, element loads. Each thread issues kLoadsInFlight chunks' loads before their stores: with one load per
+// iteration the copy waited a global latency per 16-byte chunk (2 KB in flight per SM). Then each thread orders
+// its generic-proxy stores before the wgmma (async proxy) that will read them (fence.proxy.async) and arrives on
+// `full`.
+constexpr int kLoadsInFlight = 2;
 template <class Tile, class T>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+  constexpr int kRound = kLoadsInFlight * kWarpgroupThreads;  // chunks the warpgroup copies per iteration
+  constexpr bool kWholeRounds = kChunks % kRound == 0;         // else the last round's chunks past kChunks skipped
 #pragma unroll 1
-  for (int c = thread; c < kChunks; c += kWarpgroupThreads) {
-    const int row = c / Tile::kChunksPerRow;
-    const int chunk = c % Tile::kChunksPerRow;
-    const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
-    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    const T* from = src + row * row_stride + chunk * kChunkElems;
-    if (vector && valid == kChunkElems) {
-      packed = arch::load(reinterpret_cast<const uint4*>(from));
-    } else if (valid > 0) {
-      const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
-      unsigned w[4];
+  for (int first = thread; first < kChunks; first += kRound) {
+    uint4 packed[kLoadsInFlight];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
-        const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
-        w[i] = lo | (hi << 16);
+    for (int n = 0; n < kLoadsInFlight; ++n) {
+      const int c = first + n * kWarpgroupThreads;
+      if (!kWholeRounds && c >= kChunks) break;
+      const int row = c / Tile::kChunksPerRow;
+      const int chunk = c % Tile::kChunksPerRow;
+      const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
+      packed[n] = make_uint4(0u, 0u, 0u, 0u);
+      const T* from = src + row * row_stride + chunk * kChunkElems;
+      if (vector && valid == kChunkElems) {
+        packed[n] = arch::load(reinterpret_cast<const uint4*>(from));
+      } else if (valid > 0) {
+        const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
+          const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
+          w[i] = lo | (hi << 16);
+        }
+        packed[n] = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      packed = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
+#pragma unroll
+    for (int n = 0; n < kLoadsInFlight; ++n) {
+      const int c = first + n * kWarpgroupThreads;
+      if (!kWholeRounds && c >= kChunks) break;
+      *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(c / Tile::kChunksPerRow, c % Tile::kChunksPerRow)) =
+          packed[n];
+    }
   }
   arch::fence_proxy_async();
   arch::mbarrier_arrive(full);
