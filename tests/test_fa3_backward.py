@@ -7,6 +7,10 @@ on the simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * Race mode clean on one case per head dim (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads of
   the producer's and the consumers' stores).
 * Compiled for sm_90a: HGMMA of the planned shapes, setmaxnreg, no spills, no wgmma serialized by ptxas.
+* The producer's copies: TMA wherever the host could make the tensor maps (every call says which path it took: head
+  dims whose rows are not whole 16 bytes take the load path), the same bits as the load path (forced, or by an
+  address TMA cannot take); the profile counts the TMA loads; planted bugs: a wrong expect_tx byte count deadlocks
+  naming the barrier, an arrival not ordered after the row statistics' stores races (race mode).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import numpy as np
 import pytest
 
 from cuflash import sim
+from cuflash._paths import CUDA_SRC
 from cuflash.backends.program import run_program
 from cuflash.reference import attention_reference
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels import nvrtc
 from cuflash.kernels.families import fa3, fa3_backward
+from cuflash.kernels.program import KernelInstance
 from cuflash.kernels.targets import target
 from test_fa2 import _check_backward, _inputs, _problem
 
@@ -43,16 +49,44 @@ def _forward(q, k, v, causal):
     return out, lse
 
 
-def _backward(q, k, v, dout, out, lse, causal, deterministic=False, on=SM90):
-    backend = SimulatorBackend()
+class _CopyPath(SimulatorBackend):
+    """The simulator backend, noting the main kernel's AttentionParams.tma_loads (1: its producer copies with TMA);
+    loads_only: every launch told to copy with loads (tma_loads 0), as a caller without maps."""
+
+    def __init__(self, loads_only=False):
+        super().__init__()
+        self.loads_only = loads_only
+        self.tma_loads = []
+
+    def launch(self, plan, params, buffers):
+        if "fa3_backward_kernel" in plan.kernel.name_expr:
+            if self.loads_only:
+                params["tma_loads"] = 0  # this call's params (a view of its own packed bytes)
+            self.tma_loads.append(int(params["tma_loads"]))
+        super().launch(plan, params, buffers)
+
+
+def _backward(q, k, v, dout, out, lse, causal, deterministic=False, on=SM90, tma=True, loads_only=False,
+              kernel=None, records_out=None):
+    """fa3's backward on the simulator; tma: whether the main kernel must run on the TMA path (else on the load
+    path); loads_only: the load path forced (tma_loads 0 where the maps were made); kernel: another build of the main
+    kernel (a planted bug); records_out: a list that gets the launches' records."""
+    backend = _CopyPath(loads_only)
     problem = _problem(q, k, causal, deterministic)
     grads = {name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **grads}
     program = fa3_backward.backward_program(problem, on)
+    if kernel is not None:
+        program = dataclasses.replace(program, launches=tuple(
+            dataclasses.replace(plan, kernel=KernelInstance(kernel, plan.kernel.name_expr))
+            if "fa3_backward_kernel" in plan.kernel.name_expr else plan for plan in program.launches))
     with sim.targeting("sm_90"), sim.record() as records:
         run_program(backend, program, problem, 1.0 / math.sqrt(problem.headdim), arrays)
     assert [r.kernel.split("<")[0] for r in records.launches] == [
         "cuflash::fa2_dout_dot_out_kernel", "cuflash::fa3_backward_kernel", "cuflash::fa2_convert_dq_kernel"]
+    assert backend.tma_loads == [int(tma and not loads_only)]
+    if records_out is not None:
+        records_out.append(records)
     return grads["dq"], grads["dk"], grads["dv"]
 
 
@@ -86,17 +120,21 @@ def test_backward_matches_reference(shape, dtype, causal):
 def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
     q, k, v, dout = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=43)
     out, lse = _forward(q, k, v, causal)
-    _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
+    # TMA where the rows are whole 16 bytes (40: its map's columns past 40 zero-filled); else the load path.
+    grads = _backward(q, k, v, dout, out, lse, causal, tma=head_dim % 8 == 0)
+    _check_backward(dout, q, k, v, grads, causal, None)
 
 
-@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", True), (128, "bfloat16", False)])
-def test_race_free(head_dim, dtype, causal):
+@pytest.mark.parametrize("head_dim, dtype, causal, loads_only", [(64, "float16", True, False),
+                                                                (128, "bfloat16", False, True)])
+def test_race_free(head_dim, dtype, causal, loads_only):
     """Ragged Q and K/V blocks with GQA: 2 K/V blocks of each kv head, 2 heads x 4 Q blocks through the 2-stage ring
-    (every stage refilled), both consumers; rows without a key where causal."""
+    (every stage refilled), both consumers; rows without a key where causal. d64 with TMA, d128 on the load path
+    (the deterministic test below runs both head dims with TMA in race mode)."""
     q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=42)
     out, lse = _forward(q, k, v, causal)
     with sim.checking("race"):
-        grads = _backward(q, k, v, dout, out, lse, causal)
+        grads = _backward(q, k, v, dout, out, lse, causal, loads_only=loads_only)
     _check_backward(dout, q, k, v, grads, causal, None)
 
 
@@ -209,17 +247,99 @@ def test_every_tile_clean_under_asan():
 
 
 def test_no_bank_conflicts():
-    """The producer's 16-byte stores (8 lanes a 128-byte swizzled line), the row statistics, the consumers' dS^T
-    stores (4-byte pairs, 8 rows each at its own chunk position), dQ stores (8-byte pairs, rows kDqPitch = d + 8
-    floats apart) and row-statistic reads, and the dQ writer's bulk reads, at their ideal wavefront counts on both
-    head dims' tiles. (The profile does not count wgmma's operand reads.)"""
-    for head_dim, causal in ((64, True), (128, False)):
+    """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) and row statistics or,
+    on the load path (d60: rows of 120 bytes, no map), its 16-byte stores (8 lanes a 128-byte swizzled line); the
+    consumers' dS^T stores (4-byte pairs, 8 rows each at its own chunk position), dQ stores (8-byte pairs, rows
+    kDqPitch = d + 8 floats apart) and row-statistic reads, and the dQ writer's bulk reads, at their ideal wavefront
+    counts on both head dims' tiles. (The profile does not count wgmma's operand reads.) Every TMA copy counted: K
+    and V once per K/V block, Q and dO per (head, Q block) it visits."""
+    for head_dim, causal in ((64, True), (128, False), (60, True)):
+        tma = head_dim % 8 == 0
         q, k, v, dout = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=45)
         out, lse = _forward(q, k, v, causal)
         with sim.checking("profile"), sim.record() as records:
-            _backward(q, k, v, dout, out, lse, causal)
+            _backward(q, k, v, dout, out, lse, causal, tma=tma)
         (launch,) = [r for r in records.launches if r.kernel.startswith("cuflash::fa3_backward_kernel")]
         # tma.store: the dQ writer's bulk reduce-adds reading the dQ tile's rows (16-byte units in order).
-        assert {site.kind for site in launch.shared_access_sites} == {"store", "load", "tma.store"}
+        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.store", "tma.load"} if tma
+                                                                      else {"store", "load", "tma.store"})
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)
+        if tma:
+            problem = _problem(q, k, causal)
+            traits = fa3_backward.backward_traits(head_dim, SM90)
+            steps = [problem.mask_policy.q_blocks(traits.block_m, key0, min(key0 + traits.block_n, 300))
+                     for key0 in range(0, 300, traits.block_n)]
+            tiles = sum(2 + 2 * (m.end - m.begin) for m in steps if m.end > m.begin)  # per head (MHA)
+            (tma_site,) = [site for site in launch.shared_access_sites if site.kind == "tma.load"]
+            assert tma_site.instructions == 2 * tiles * (traits.head_dim // 64), tma_site
+
+
+# ---- the producer's copies: TMA, or loads where TMA cannot address the arrays --------------------------------
+
+
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", False), (128, "bfloat16", True)])
+def test_tma_and_load_paths_give_the_same_bits(head_dim, dtype, causal):
+    """The same tiles in shared memory whichever way they came (TMA's zero fill past the rows and the head dim, the
+    load path's explicit zeros): dq, dk and dv bit for bit in deterministic mode (ragged blocks, GQA, 2 slices),
+    the load path forced by tma_loads 0 as a caller without maps, and by a dout 8 bytes off a 16-byte boundary (the
+    maps are made per call: that call goes without)."""
+    q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=47)
+    out, lse = _forward(q, k, v, causal)
+    two_sms = dataclasses.replace(SM90, sm_count=4)
+    with_tma = _backward(q, k, v, dout, out, lse, causal, True, two_sms)
+    _check_backward(dout, q, k, v, with_tma, causal, None)
+    raw = np.empty(dout.size + 8, dout.dtype)
+    skew = (-raw.ctypes.data // 2 + 4) % 8  # dout's base 8 bytes past a 16-byte boundary
+    shifted = raw[skew: skew + dout.size].reshape(dout.shape)
+    shifted[...] = dout
+    assert shifted.ctypes.data % 16 == 8
+    for loads in (_backward(q, k, v, dout, out, lse, causal, True, two_sms, loads_only=True),
+                  _backward(q, k, v, shifted, out, lse, causal, True, two_sms, tma=False)):
+        for a, b in zip(with_tma, loads):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def _planted(tmp_path, old, new):
+    """fa3_backward.cu with `old` replaced by `new` (a planted bug), as a kernel source of its own."""
+    text = (CUDA_SRC / fa3_backward.SOURCE).read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / "fa3_backward_planted.cu"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+# d64's tile (64 x 128, 2 stages): K's and V's 16 KB each, Q's and dO's 2 x 8 KB each, dS^T's 16 KB, the row
+# statistics' 1 KB, then the mbarriers: kv_full, kv_empty, full[2] ...
+_D64_FULL_0 = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 8
+_TMA_ISSUE = "          if (issuer) {\n            fa3::produce_tile_tma<QTile>"
+
+
+def test_planted_wrong_expect_tx_deadlocks_naming_the_barrier(tmp_path):
+    """The producer expects 16 bytes more for a stage than Q's and dO's copies bring: its full phase never
+    completes, and the consumers' wait on it is reported as a deadlock naming the barrier, its phase and the
+    missing bytes."""
+    kernel = _planted(tmp_path, _TMA_ISSUE, "          if (issuer) {\n"
+                                            "            arch::mbarrier_expect_tx(full + stage, 16);  // planted\n"
+                                            "            fa3::produce_tile_tma<QTile>")
+    q, k, v, dout = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=48)
+    out, lse = _forward(q, k, v, False)
+    with pytest.raises(sim.KernelError, match=rf"(?s)deadlock: .*fa3_backward_planted\.cu:\d+.* for parity 0 of the "
+                                              rf"mbarrier at shared byte offset {_D64_FULL_0} .*tx-count of 16 bytes"):
+        _backward(q, k, v, dout, out, lse, False, kernel=kernel)
+
+
+def test_planted_arrival_before_the_statistics_is_a_race(tmp_path):
+    """The issuing lane arrives (and copies) without the warp's __syncwarp after the row statistics' stores: the
+    consumers' reads of another lane's lse or D are then unordered with its store, a race-mode error in the
+    statistics' bytes (without race mode the same build runs and is right: the check finds what results miss)."""
+    kernel = _planted(tmp_path, "          __syncwarp();\n" + _TMA_ISSUE, _TMA_ISSUE)
+    q, k, v, dout = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=48)
+    out, lse = _forward(q, k, v, False)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=r"data race on shared memory byte offset (\d+): "
+                                                                    r"this thread reads it, thread \(\d+,0,0\) "
+                                                                    r"wrote it") as raised:
+        _backward(q, k, v, dout, out, lse, False, kernel=kernel)
+    offset = int(re.search(r"byte offset (\d+)", str(raised.value)).group(1))
+    statistics = _D64_FULL_0 - 2 * 8 - 2 * 2 * 64 * 4
+    assert statistics <= offset < statistics + 2 * 2 * 64 * 4, str(raised.value)

@@ -201,6 +201,9 @@ OPTION_CASES = {
     "d192-softcap-alibi": ((1, 130, 77, 2, 2, 192), "bfloat16", dict(softcap=6.0, alibi=(2,))),
     "d160-causal": ((2, 77, 200, 4, 2, 160), "bfloat16", dict(causal=True)),
     "d200-alibi-window": ((1, 200, 130, 3, 1, 200), "float16", dict(alibi=(1, 3), window_size=(50, 10))),
+    # Rows of 340 bytes: the load path, whose K/V tile (112 x 192: 2688 chunks) ends in half a round of
+    # fa3::kLoadsInFlight chunks per thread.
+    "d170-causal-load-path": ((1, 77, 250, 2, 1, 170), "float16", dict(causal=True)),
 }
 
 

@@ -76,7 +76,7 @@ def test_the_mirror_is_derived_from_the_header_not_copied():
     assert fields[tail + 1] == ("flex_shard.origin", "flex::Shard")
     # Then the TMA block, last: the flag and the tensor maps (64-byte aligned, 16 words each).
     assert fields[tail + 2] == ("tma_loads", "int") and fields[tail + 3] == ("tma.q[0]", "TmaMaps")
-    assert fields[-1] == ("tma.v[15]", "TmaMaps") and len(fields) == tail + 3 + 48
+    assert fields[-1] == ("tma.dout[15]", "TmaMaps") and len(fields) == tail + 3 + 64
     grown_sides = text.replace("int shape[kMaxSideDims];", "int shape[kMaxSideDims];\n  int extra;")
     assert ("flex_sides.arrays[0].extra", "flex::Sides") in params.header_fields(grown_sides)[0]
     assert tensors[-1] == params.TensorField("dbias", "Query", "QK", "Out")

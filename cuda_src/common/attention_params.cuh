@@ -74,14 +74,16 @@ struct Shard {
 };
 }  // namespace flex
 
-// TMA tensor maps of q, k and v for a kernel whose producer copies tiles with cp.async.bulk.tensor (the Hopper
-// forward): each arch::TensorMap's 128 bytes (CUtensorMap, 64-byte aligned), made per call on the host (they hold
-// the tensor's address: cuflash/backends/program.py's TmaMaps, the driver's encoding on a GPU, the simulator
-// twin's on the CPU). Which box each holds is the kernel family's (Program.tma_boxes).
+// TMA tensor maps of q, k, v and dout for a kernel whose producer copies tiles with cp.async.bulk.tensor (the Hopper
+// forward: q, k, v; the Hopper backward: all four): each arch::TensorMap's 128 bytes (CUtensorMap, 64-byte aligned),
+// made per call on the host (they hold the tensor's address: cuflash/backends/program.py's TmaMaps, the driver's
+// encoding on a GPU, the simulator twin's on the CPU). Which box each holds is the kernel family's
+// (Program.tma_boxes); a map no box names stays zero.
 struct alignas(64) TmaMaps {
   unsigned long long q[16];
   unsigned long long k[16];
   unsigned long long v[16];
+  unsigned long long dout[16];
 };
 
 struct TensorStrides {

@@ -14,7 +14,7 @@
 //   kernels    "name;name;..."               the kernel of each launch, by C++ name expression
 //   grid, block  i32[3 * launches]           launch dimensions (x, y, z)
 //   smem       i32[launches]                 dynamic shared memory bytes of each launch
-//   tma_tensors            "q,k,v" or ""     the bound tensor of each TMA tensor map (AttentionParams.tma's member
+//   tma_tensors            "q,k,v[,dout]"/"" the bound tensor of each TMA tensor map (AttentionParams.tma's member
 //                                           of the same name); "": none, params' tma_loads is 0
 //   tma_arguments          i64[25 * maps]    per map, cuTensorMapEncodeTiled's arguments but the address
 //                                           (cuflash/kernels/tensor_map.py, tiled_argument_words: TiledArguments)
@@ -170,12 +170,13 @@ struct TmaAttributes {
   int64_t address_alignment;
 };
 
-// Where AttentionParams.tma holds the map of tensor `name` (q, k or v); false for any other name.
+// Where AttentionParams.tma holds the map of tensor `name` (q, k, v or dout); false for any other name.
 inline bool TmaMapOffset(std::string_view name, std::size_t* offset) {
   const std::size_t tma = offsetof(AttentionParams, tma);
   if (name == "q") *offset = tma + offsetof(TmaMaps, q);
   else if (name == "k") *offset = tma + offsetof(TmaMaps, k);
   else if (name == "v") *offset = tma + offsetof(TmaMaps, v);
+  else if (name == "dout") *offset = tma + offsetof(TmaMaps, dout);
   else return false;
   return true;
 }

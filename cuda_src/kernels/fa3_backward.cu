@@ -11,13 +11,21 @@
 // group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
 // q_blocks).
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
-//     warpgroup 0, the producer (setmaxnreg down to 48), warps 0 .. 2 and warp 3 walking the same steps:
-//       warps 0 .. 2 (kCopyThreads) copy K and V once per K/V block, after the consumers' arrivals on "kv_empty"
-//       for the previous one (16-byte loads into the 128-byte swizzled panels wgmma reads, fa3::produce_tile),
-//       then per step Q_i and dO_i, and lse_i log2(e) and D_i (rows past the sequence: +inf and 0, so P = 0 there)
-//       into the next stage of a ring of kStages, each thread arriving on the stage's "full" mbarrier after
-//       fence.proxy.async; they wait on the stage's "empty" mbarrier (one arrival per consumer warp) before
-//       refilling it.
+//     warpgroup 0, the producer (setmaxnreg down to 48): warps 0 .. 2 copy, warp 3 writes dQ, all walking the
+//       same steps. K and V are copied once per K/V block, after the consumers' arrivals on "kv_empty" for the
+//       previous one, then per step Q_i and dO_i, and lse_i log2(e) and D_i (rows past the sequence: +inf and 0, so
+//       P = 0 there) into the next stage of a ring of kStages; the copiers wait on the stage's "empty" mbarrier (one
+//       arrival per consumer warp) before refilling it. Two ways, chosen per call by the host (p.tma_loads, as the
+//       forward's):
+//       TMA (the host made q's, k's, v's and dout's tensor maps, in the __grid_constant__ params): warp 0 alone
+//         copies (warps 1 and 2 exit); one elected lane arrives on "kv_full" / the stage's "full" expecting each
+//         tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma; the maps
+//         zero-fill rows past the sequence and columns past the head dim); its 32 lanes load the step's row
+//         statistics (2 rows each, before the wait for the stage, so their latency hides behind it) and store them,
+//         __syncwarp ordering the stores before the elected lane's arrival.
+//       Loads (what TMA cannot address, callers without maps): warps 0 .. 2 (kCopyThreads) copy with 16-byte loads
+//         (two in flight per thread) into the 128-byte swizzled panels wgmma reads (fa3::produce_tile), the first
+//         64 the row statistics, each thread arriving on the barrier after fence.proxy.async.
 //       warp 3, the dQ writer: per step, once every consumer warp has arrived on "dq_full" of the step's float32
 //       dQ buffer (two, alternating), adds each valid row of it (d floats) into dq_accum's row with one bulk
 //       reduce-add (cp.reduce.async.bulk .add.f32, the lanes taking rows in turn), waits for the reads
@@ -80,7 +88,7 @@
 namespace cuflash {
 
 template <class T, int HeadDim, int BlockM, int BlockN, int Stages>
-__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
   using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages>;
   using QTile = typename Tr::QTile;
@@ -121,17 +129,21 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   uint64_t* dq_empty = dq_full + Tr::kDqBuffers;  // [kDqBuffers]: the dQ writer has read the tile
   auto dq_tile = [&](int buffer) { return reinterpret_cast<float*>(smem + Tr::kDqOffset + buffer * Tr::kDqTileBytes); };
 
+  const bool tma = p.tma_loads != 0;  // the host made q's, k's, v's and dout's tensor maps (fa3_forward_traits.cuh)
   if (threadIdx.x == 0) {
-    arch::mbarrier_init(kv_full, 2 * Tr::kCopyThreads);  // K's and V's copies
+    // Arrivals that complete a copy's phase: the elected lane's (TMA), or every copying thread's (loads).
+    const unsigned copy_arrivals = tma ? 1u : unsigned(Tr::kCopyThreads);
+    arch::mbarrier_init(kv_full, 2 * copy_arrivals);     // K's and V's copies
     arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);   // every consumer warp done with a K/V block
     for (int s = 0; s < Stages; ++s) {
-      arch::mbarrier_init(full + s, 2 * Tr::kCopyThreads);  // Q's and dO's copies (the row statistics before Q's)
+      arch::mbarrier_init(full + s, 2 * copy_arrivals);  // Q's and dO's copies (the row statistics before Q's)
       arch::mbarrier_init(empty + s, Tr::kConsumerWarps);
     }
     for (int b = 0; b < Tr::kDqBuffers; ++b) {
       arch::mbarrier_init(dq_full + b, Tr::kConsumerWarps);
       arch::mbarrier_init(dq_empty + b, 1);  // lane 0 of the dQ writer, after its warp's reads
     }
+    arch::fence_mbarrier_init();  // visible to the async proxy (the TMA's complete_tx) too
   }
   __syncthreads();
 
@@ -141,6 +153,18 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 
   if (warpgroup == 0) {
     // ---- producer ----
+    // Row row0 + r's lse log2(e) and D (rows past the sequence: +inf and 0, so P = 0 there; a row that saw no key,
+    // lse -inf: +inf likewise).
+    auto row_statistics = [&](const BlockInfo& info, int row0, int r, float& lse, float& dot) {
+      lse = pos_inf();
+      dot = 0.f;
+      if (row0 + r < seqlen_q) {
+        const long long at = info.row_stats_offset(p) + row0 + r;
+        const float stored = arch::load(p.lse + at);
+        lse = stored == neg_inf() ? pos_inf() : stored * kLog2e;
+        dot = arch::load(p.dout_dot_out + at);
+      }
+    };
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     // Warps 0 .. 2 copy (kCopyThreads); warp 3 is the dQ writer. Both walk the same steps (one loop: with a loop
     // each, ptxas kept the loop bounds in local memory across the setmaxnreg regions).
@@ -155,6 +179,9 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     const int writer_lane = thread - Tr::kCopyThreads;
     const bool bulk = d % 4 == 0 && (reinterpret_cast<unsigned long long>(p.dq_accum) & 15) == 0;
     int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
+    // TMA: warp 0 copies (one elected lane issues, all 32 load the row statistics); warps 1 and 2 have nothing to do.
+    if (tma && thread >= 32 && !dq_writer) return;
+    const bool issuer = tma && thread < 32 && arch::elect_one_sync();
 #pragma unroll 1
     for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
       const int key0 = n_block * BlockN;
@@ -165,12 +192,19 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       if (steps == 0) continue;
       if (!dq_writer) {
         arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
-        const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
-        const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-        fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(k_tile, k, p.k_stride.row, block_keys, d,
-                                                       fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-        fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(v_tile, v, p.v_stride.row, block_keys, d,
-                                                       fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
+        if (tma) {
+          if (issuer) {
+            fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), key0, kv_head, batch, kv_full);
+            fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), key0, kv_head, batch, kv_full);
+          }
+        } else {
+          const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+          const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+          fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(k_tile, k, p.k_stride.row, block_keys, d,
+                                                         fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
+          fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(v_tile, v, p.v_stride.row, block_keys, d,
+                                                         fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
+        }
       }
 #pragma unroll 1
       for (int step = 0; step < steps; ++step, ++ring) {
@@ -200,18 +234,27 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
           continue;
         }
         const int stage = ring % Stages;
-        arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
-        if (thread < BlockM) {
-          float lse = pos_inf(), dot = 0.f;
-          if (thread < rows) {
-            const long long at = info.row_stats_offset(p) + row0 + thread;
-            lse = arch::load(p.lse + at);
-            lse = lse == neg_inf() ? pos_inf() : lse * kLog2e;
-            dot = arch::load(p.dout_dot_out + at);
+        if (tma) {
+          // The statistics loaded before the wait for the stage: their latency hides behind it.
+          float lse[BlockM / 32], dot[BlockM / 32];
+#pragma unroll
+          for (int r = 0; r < BlockM / 32; ++r) row_statistics(info, row0, thread + 32 * r, lse[r], dot[r]);
+          arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
+#pragma unroll
+          for (int r = 0; r < BlockM / 32; ++r) {
+            lse_rows(stage)[thread + 32 * r] = lse[r];
+            dot_rows(stage)[thread + 32 * r] = dot[r];
           }
-          lse_rows(stage)[thread] = lse;
-          dot_rows(stage)[thread] = dot;
+          __syncwarp();
+          if (issuer) {
+            fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), row0, head, batch, full + stage);
+            fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), row0, head, batch,
+                                         full + stage);
+          }
+          continue;
         }
+        arch::mbarrier_wait(empty + stage, ((ring / Stages) & 1) ^ 1);
+        if (thread < BlockM) row_statistics(info, row0, thread, lse_rows(stage)[thread], dot_rows(stage)[thread]);
         const T* q = info.q<T>(p) + row0 * p.q_stride.row;
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
         fa3::produce_tile<QTile, T, Tr::kCopyThreads>(q_tile(stage), q, p.q_stride.row, rows, d,
@@ -407,17 +450,21 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     }
 
     // Epilogue: dK * scale and dV, element by element (keys past the sequence, columns past the head dim skipped).
+    // The params' fields read once, into registers: the producer takes the maps' addresses in param space, so a
+    // store through a generic pointer may, as the compiler sees it, write the params, and a field read after one
+    // is read again (the epilogue's strides per store: twice the kernel's code, IMAD-heavy).
     const float softmax_scale = p.softmax_scale;
-    T* dk = kv_info.dk<T>(p) + key0 * p.dk_stride.row;
-    T* dv = kv_info.dv<T>(p) + key0 * p.dv_stride.row;
+    const long long dk_row_stride = p.dk_stride.row, dv_row_stride = p.dv_stride.row;
+    T* dk = kv_info.dk<T>(p) + key0 * dk_row_stride;
+    T* dv = kv_info.dv<T>(p) + key0 * dv_row_stride;
 #pragma unroll
     for (int i = 0; i < Tr::kAccD; ++i) {
       const int key = first_key + fa3::acc_row_step(i);
       const int col = first_col + fa3::acc_col_step(i);
       if (key < block_keys && col < d) {
-        arch::store(reinterpret_cast<unsigned short*>(dk + key * p.dk_stride.row + col),
+        arch::store(reinterpret_cast<unsigned short*>(dk + key * dk_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));
-        arch::store(reinterpret_cast<unsigned short*>(dv + key * p.dv_stride.row + col),
+        arch::store(reinterpret_cast<unsigned short*>(dv + key * dv_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i], 0.f) & 0xffffu));
       }
     }

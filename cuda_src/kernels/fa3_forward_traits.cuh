@@ -99,8 +99,8 @@ struct ForwardTraits {
   // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
   // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
   // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
-  // a 16-byte chunk, its two pointers and its loop counters: 40 with two consumers (232 each), 32 with three (160
-  // each, FA3's split there; a TMA producer needs 24).
+  // kLoadsInFlight (2) 16-byte chunks, its pointers and its loop counters: 40 with two consumers (232 each), 32
+  // with three (160 each, FA3's split there; a TMA producer needs 24).
   static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
@@ -165,13 +165,14 @@ __device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch
   }
 }
 
-// The map of tensor `member` (AttentionParams.tma's q, k or v) as the TMA takes it: its address in param space (the
-// params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the address
-// makes the whole params escape, and NVRTC 13.5 may then read fields with LDC and redo arithmetic on them where
-// they are used. The forward barely changes (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC
-// 18 -> 24, consumer loop 663 -> 664); the backward's epilogue did (3616 -> 6952 instructions with the same change,
-// IMAD-heavy address arithmetic per store): a kernel like it wants its maps as a __grid_constant__ parameter of
-// their own.
+// The map of tensor `member` (AttentionParams.tma's q, k, v or dout) as the TMA takes it: its address in param space
+// (the params are a __grid_constant__ kernel parameter; without it the address is a local copy's). Taking the
+// address makes the whole params escape: to the compiler a store through a generic pointer may then write them, so
+// a field read after such a store is read again (LDC) and the arithmetic on it redone. The forward barely changes
+// (d128 x 176: SASS 3584 -> 3648 instructions with the TMA path, LDC 18 -> 24, consumer loop 663 -> 664); the
+// backward's epilogue, reading dK's and dV's row strides from the params at every one of its 2-byte stores, doubled
+// (3400 -> 6976 instructions, IMAD 319 -> 1975): a kernel reads the fields it uses after global stores into locals
+// first (the backward then: 3600, the TMA producer included).
 __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long long (&member)[16]) {
   static_assert(sizeof(member) == sizeof(arch::TensorMap) && alignof(TmaMaps) == alignof(arch::TensorMap),
                 "AttentionParams' maps are arch::TensorMap's bytes");
@@ -183,12 +184,15 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // lookup), zero elsewhere: rows past valid_rows (a ragged last block: zero keys give finite scores the mask hides,
 // and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S). Exactly
 // the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector: whole
-// chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element loads. Then
+// chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element loads. Each
+// thread issues kLoadsInFlight chunks' loads before their stores: with one load per iteration the copy waited a
+// global latency per 16-byte chunk (2 KB in flight per SM; four spill in the backward's 40-register producer). Then
 // each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
 // (fence.proxy.async) and arrives on `full`. Threads: the copying threads (thread 0 .. Threads - 1): the producer
 // warpgroup; 96, the backward's (its fourth warp writes dQ), each arriving; or 32 (one warp: the forward's TMA
 // producer, copying a ragged block the map cannot zero-fill), which arrives once, from lane 0, after the warp's
 // stores (__syncwarp), as one TMA copy would.
+constexpr int kLoadsInFlight = 2;
 template <class Tile, int Threads = kWarpgroupThreads, class RowAt>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, int valid_rows, int cols, bool vector,
                                              int thread, uint64_t* full) {
@@ -196,27 +200,41 @@ __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, 
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   static_assert(Threads % 32 == 0 && Threads <= kWarpgroupThreads, "whole warps of the producer warpgroup");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
+  constexpr int kRound = kLoadsInFlight * Threads;       // chunks the copying threads take per iteration
+  constexpr bool kWholeRounds = kChunks % kRound == 0;   // else the last round's chunks past kChunks skipped
 #pragma unroll 1
-  for (int c = thread; c < kChunks; c += Threads) {
-    const int row = c / Tile::kChunksPerRow;
-    const int chunk = c % Tile::kChunksPerRow;
-    const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
-    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    const T* from = valid > 0 ? row_at(row) + chunk * kChunkElems : nullptr;
-    if (vector && valid == kChunkElems) {
-      packed = arch::load(reinterpret_cast<const uint4*>(from));
-    } else if (valid > 0) {
-      const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
-      unsigned w[4];
+  for (int first = thread; first < kChunks; first += kRound) {
+    uint4 packed[kLoadsInFlight];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
-        const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
-        w[i] = lo | (hi << 16);
+    for (int n = 0; n < kLoadsInFlight; ++n) {
+      const int c = first + n * Threads;
+      if (!kWholeRounds && c >= kChunks) break;
+      const int row = c / Tile::kChunksPerRow;
+      const int chunk = c % Tile::kChunksPerRow;
+      const int valid = row < valid_rows ? max(0, min(kChunkElems, cols - chunk * kChunkElems)) : 0;
+      packed[n] = make_uint4(0u, 0u, 0u, 0u);
+      const T* from = valid > 0 ? row_at(row) + chunk * kChunkElems : nullptr;
+      if (vector && valid == kChunkElems) {
+        packed[n] = arch::load(reinterpret_cast<const uint4*>(from));
+      } else if (valid > 0) {
+        const unsigned short* e = reinterpret_cast<const unsigned short*>(from);
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const unsigned lo = 2 * i < valid ? arch::load(e + 2 * i) : 0u;
+          const unsigned hi = 2 * i + 1 < valid ? arch::load(e + 2 * i + 1) : 0u;
+          w[i] = lo | (hi << 16);
+        }
+        packed[n] = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      packed = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(row, chunk)) = packed;
+#pragma unroll
+    for (int n = 0; n < kLoadsInFlight; ++n) {
+      const int c = first + n * Threads;
+      if (!kWholeRounds && c >= kChunks) break;
+      *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(c / Tile::kChunksPerRow, c % Tile::kChunksPerRow)) =
+          packed[n];
+    }
   }
   arch::fence_proxy_async();
   if constexpr (Threads == 32) {

@@ -194,7 +194,7 @@ class PreparedProgram:
         # so concurrent calls never share one, and the list holds at most as many sets as calls ever ran at once.
         self._spare_scratch: list[tuple[list[Any], list[int], list[Callable[[], None]]]] = []
         self._reuses_scratch = 4 * sum(math.prod(shape) for shape, _ in self._scratch) <= SPARE_SCRATCH_BYTES
-        # TMA copies: the maps of q, k and v (their places among the inputs), made per call.
+        # TMA copies: the maps of the tensors the boxes name (their places among the inputs), made per call.
         self._tma = None
         if program.tma_boxes:
             extents = {box.tensor: row_extents(arrays[box.tensor]) for box in program.tma_boxes}

@@ -85,7 +85,7 @@ def _leaves(dtype: np.dtype, prefix: str, offset: int = 0):
 
 
 # AttentionParams.tma (TmaMaps): a TMA tensor map (128 bytes, 16 words) for each of these tensors, 64-byte aligned.
-TMA_TENSORS = ("q", "k", "v")
+TMA_TENSORS = ("q", "k", "v", "dout")
 TENSOR_MAP_WORDS = 16
 _TMA_ALIGN = 64
 _TMA_DTYPE = np.dtype({"names": list(TMA_TENSORS), "formats": [(np.uint64, TENSOR_MAP_WORDS)] * len(TMA_TENSORS),

@@ -278,9 +278,9 @@ class Scratch:
 
 @dataclass(frozen=True)
 class TmaBox:
-    """The box a kernel's TMA copies of one tensor move (AttentionParams.tma's member ``tensor``: q, k or v): ``cols``
-    elements of the head dim (one 128-byte swizzled line of 16-bit elements) by ``rows`` rows, of one head of one
-    batch. The host encodes the tensor's map per call (backends/program.py's TmaMaps)."""
+    """The box a kernel's TMA copies of one tensor move (AttentionParams.tma's member ``tensor``: q, k, v or dout):
+    ``cols`` elements of the head dim (one 128-byte swizzled line of 16-bit elements) by ``rows`` rows, of one head
+    of one batch. The host encodes the tensor's map per call (backends/program.py's TmaMaps)."""
 
     tensor: str
     rows: int

@@ -8,6 +8,8 @@ Program: fa2's three-launch backward (``fa2.backward_program_for``): the pre-pas
 kernel ``fa3_backward_kernel`` over (K/V blocks, nheads_k, batch) with 1 producer + block_n / 64 consumer
 warpgroups, and fa2's convert kernel (dq = scale * the sum of the dq_accum slices), with fa2's dq_accum scratch, grid
 and slice rules (atomic mode: one slice; deterministic: a block per slice over every num_dq_splits-th K/V block).
+The main kernel's producer copies Q, dO, K and V with TMA where the host can make their tensor maps (the program's
+``tma_boxes``; AttentionParams.tma_loads per call), else with 16-byte loads, as the forward's.
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), no
@@ -18,12 +20,13 @@ everything else stays on the mma.sync backward (fa2_tc). Where the installed NVR
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import nvrtc
-from ..program import KernelInstance, Problem, Program
+from ..program import KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
 from .fa3 import ARCHS, DTYPES, WarpgroupTraits, compiled_head_dim
@@ -132,7 +135,13 @@ def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return fa2.backward_program_for(problem, _checked_traits(problem, target), target)
+    traits = _checked_traits(problem, target)
+    program = fa2.backward_program_for(problem, traits, target)
+    # The main kernel's producer copies with TMA where the host can make the maps (AttentionParams.tma_loads): Q's
+    # and dO's box the Q block, K's and V's the K/V block, 64 columns (one swizzled panel) each.
+    boxes = (TmaBox("q", traits.block_m), TmaBox("dout", traits.block_m), TmaBox("k", traits.block_n),
+             TmaBox("v", traits.block_n))
+    return dataclasses.replace(program, tma_boxes=boxes)
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
