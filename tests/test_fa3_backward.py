@@ -311,7 +311,9 @@ def _planted(tmp_path, old, new):
 
 # d64's tile (64 x 128, 2 stages): K's and V's 16 KB each, Q's and dO's 2 x 8 KB each, dS^T's 16 KB, the row
 # statistics' 1 KB, then the mbarriers: kv_full, kv_empty, full[2] ...
-_D64_FULL_0 = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 + 2 * 8
+# fa3_backward_traits.cuh's layout at d64: K, V, Q and dO stages, dS^T, the two float32 dQ buffers (pitch 64 + 8),
+# the row statistics, then kv_full, kv_empty and full[0].
+_D64_FULL_0 = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 128 * 64 * 2 + 2 * 64 * (64 + 8) * 4 + 2 * 2 * 64 * 4 + 2 * 8
 _TMA_ISSUE = "          if (issuer) {\n            fa3::produce_tile_tma<QTile>"
 
 

@@ -24,8 +24,9 @@
 //         statistics (2 rows each, before the wait for the stage, so their latency hides behind it) and store them,
 //         __syncwarp ordering the stores before the elected lane's arrival.
 //       Loads (what TMA cannot address, callers without maps): warps 0 .. 2 (kCopyThreads) copy with 16-byte loads
-//         (two in flight per thread) into the 128-byte swizzled panels wgmma reads (fa3::produce_tile), the first
-//         64 the row statistics, each thread arriving on the barrier after fence.proxy.async.
+//         (one in flight per thread: with two this producer spills) into the 128-byte swizzled panels wgmma reads
+//         (fa3::produce_tile), the first 64 the row statistics, each thread arriving on the barrier after
+//         fence.proxy.async.
 //       warp 3, the dQ writer: per step, once every consumer warp has arrived on "dq_full" of the step's float32
 //       dQ buffer (two, alternating), adds each valid row of it (d floats) into dq_accum's row with one bulk
 //       reduce-add (cp.reduce.async.bulk .add.f32, the lanes taking rows in turn), waits for the reads
@@ -194,15 +195,17 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
         if (tma) {
           if (issuer) {
-            fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), key0, kv_head, batch, kv_full);
-            fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), key0, kv_head, batch, kv_full);
+            fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), kv_info.key_tma_coords(p, key0), kv_head,
+                                          kv_full);
+            fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), kv_info.key_tma_coords(p, key0), kv_head,
+                                          kv_full);
           }
         } else {
           const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
           const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
-          fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(k_tile, k, p.k_stride.row, block_keys, d,
+          fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(k_tile, k, p.k_stride.row, block_keys, d,
                                                          fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-          fa3::produce_tile<KVTile, T, Tr::kCopyThreads>(v_tile, v, p.v_stride.row, block_keys, d,
+          fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(v_tile, v, p.v_stride.row, block_keys, d,
                                                          fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
         }
       }
@@ -247,9 +250,10 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
           }
           __syncwarp();
           if (issuer) {
-            fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), row0, head, batch, full + stage);
-            fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), row0, head, batch,
-                                         full + stage);
+            fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), head,
+                                        full + stage);
+            fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), info.q_tma_coords(p, row0), head,
+                                        full + stage);
           }
           continue;
         }
@@ -257,9 +261,9 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         if (thread < BlockM) row_statistics(info, row0, thread, lse_rows(stage)[thread], dot_rows(stage)[thread]);
         const T* q = info.q<T>(p) + row0 * p.q_stride.row;
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
-        fa3::produce_tile<QTile, T, Tr::kCopyThreads>(q_tile(stage), q, p.q_stride.row, rows, d,
+        fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(q_tile(stage), q, p.q_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
-        fa3::produce_tile<QTile, T, Tr::kCopyThreads>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+        fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(do_tile(stage), dout, p.dout_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
                                                       full + stage);
       }

@@ -185,28 +185,29 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // and zero V rows keep 0 * NaN out of P V) and columns past the head dim (zero in Q and K add nothing to S). Exactly
 // the valid elements are read. Consecutive threads take consecutive chunks of a row (coalesced). vector: whole
 // chunks by 16-byte loads (rows 16-byte aligned); otherwise, and for a chunk the head dim cuts, element loads. Each
-// thread issues kLoadsInFlight chunks' loads before their stores: with one load per iteration the copy waited a
-// global latency per 16-byte chunk (2 KB in flight per SM; four spill in the backward's 40-register producer). Then
+// thread issues Loads chunks' loads before their stores: with one load per iteration the copy waits a global
+// latency per 16-byte chunk (2 KB in flight per SM). The forward takes kLoadsInFlight; the backward 1 (its
+// producer, 48 registers with the dQ writer's loop and the TMA path beside this one, spilled 28 bytes with 2). Then
 // each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
 // (fence.proxy.async) and arrives on `full`. Threads: the copying threads (thread 0 .. Threads - 1): the producer
 // warpgroup; 96, the backward's (its fourth warp writes dQ), each arriving; or 32 (one warp: the forward's TMA
 // producer, copying a ragged block the map cannot zero-fill), which arrives once, from lane 0, after the warp's
 // stores (__syncwarp), as one TMA copy would.
 constexpr int kLoadsInFlight = 2;
-template <class Tile, int Threads = kWarpgroupThreads, class RowAt>
+template <class Tile, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight, class RowAt>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, int valid_rows, int cols, bool vector,
                                              int thread, uint64_t* full) {
   using T = typename RowAt::Element;
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   static_assert(Threads % 32 == 0 && Threads <= kWarpgroupThreads, "whole warps of the producer warpgroup");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
-  constexpr int kRound = kLoadsInFlight * Threads;       // chunks the copying threads take per iteration
+  constexpr int kRound = Loads * Threads;                // chunks the copying threads take per iteration
   constexpr bool kWholeRounds = kChunks % kRound == 0;   // else the last round's chunks past kChunks skipped
 #pragma unroll 1
   for (int first = thread; first < kChunks; first += kRound) {
-    uint4 packed[kLoadsInFlight];
+    uint4 packed[Loads];
 #pragma unroll
-    for (int n = 0; n < kLoadsInFlight; ++n) {
+    for (int n = 0; n < Loads; ++n) {
       const int c = first + n * Threads;
       if (!kWholeRounds && c >= kChunks) break;
       const int row = c / Tile::kChunksPerRow;
@@ -229,7 +230,7 @@ __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, 
       }
     }
 #pragma unroll
-    for (int n = 0; n < kLoadsInFlight; ++n) {
+    for (int n = 0; n < Loads; ++n) {
       const int c = first + n * Threads;
       if (!kWholeRounds && c >= kChunks) break;
       *reinterpret_cast<uint4*>(tile + Tile::chunk_offset(c / Tile::kChunksPerRow, c % Tile::kChunksPerRow)) =
@@ -254,10 +255,10 @@ struct StridedRows {
   __device__ __forceinline__ const T* operator()(int r) const { return base + r * row_stride; }
 };
 // The load path over a strided block: rows `row_stride` elements apart from src (the backward's Q, K, V, dO tiles).
-template <class Tile, class T, int Threads = kWarpgroupThreads>
+template <class Tile, class T, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {
-  produce_tile<Tile, Threads>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
+  produce_tile<Tile, Threads, Loads>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
 }
 // Row r of key rows (BlockInfo's KeyRows: contiguous or paged).
 template <class T>
