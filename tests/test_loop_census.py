@@ -118,7 +118,8 @@ def test_marked_paths_are_the_mask_test_lines():
     (paged,) = lc.MARKED_PATHS["paged"]
     paged_lines = sorted(lc.function_body_lines(*paged))
     block_info = (CUDA_SRC / "common/block_info.cuh").read_text().splitlines()
-    assert "arch::load(pages + page)" in " ".join(block_info[n - 1] for n in paged_lines)
+    # The page lookup (PageSlot::of, one home for where a paged row lives, inlined here) and the row's address.
+    assert "PageSlot::of(pages, page_size, j)" in " ".join(block_info[n - 1] for n in paged_lines)
     assert lc.marked_addresses({0x60: ("/x/cuda_src/common/block_info.cuh", paged_lines[0])})["paged"] == {0x60}
     with pytest.raises(ValueError, match="expected one"):
         lc.function_body_lines("common/mask.cuh", "__device__")
