@@ -122,10 +122,11 @@ def test_execution_follows_a_registry_change_without_instantiating_again():
     assert _ffi.instantiations("cpu") == instantiated
 
 
-def raw_forward(q, k, v, **overrides):
-    """jit of the forward custom call with hand-made attributes, reaching the handler's checks directly."""
-    problem = Problem("float32", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
-    config = _primitives.CallConfig("fa2", problem, 0.5)
+def raw_forward(q, k, v, softmax_scale=0.5, **overrides):
+    """jit of the forward custom call with hand-made attributes, reaching the handler's checks directly (the kernel
+    the plans pick for q's dtype on the current target: under sim.targeting("sm_90") 16-bit q gets the Hopper one)."""
+    problem = Problem(np.dtype(q.dtype).name, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    config = _primitives.CallConfig("fa2", problem, softmax_scale)
     program = _primitives.program_for("forward", config)
     launches = [plan for plan in program.launches if not plan.is_empty]
     _ffi.register_targets()

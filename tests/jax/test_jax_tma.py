@@ -31,6 +31,7 @@ from cuflash.jax._ffi import record_launches  # noqa: E402
 from cuflash.kernels.params import PARAMS_DTYPE  # noqa: E402
 from cuflash.kernels.program import Problem  # noqa: E402
 from cuflash.testing import gpu_count, random_qkv  # noqa: E402
+from test_jax_ffi_stages import raw_forward  # noqa: E402  (the stages' hand-made call, one home)
 
 
 def inputs(seed, b, sq, sk, h, hk, d, dtype="float16"):
@@ -147,17 +148,7 @@ def test_vmap_and_grad_keep_the_maps_and_the_bits():
 
 def raw_hopper_forward(q, k, v, **overrides):
     """jit of the Hopper forward's custom call with hand-made attributes (call under sim.targeting("sm_90"))."""
-    problem = Problem("float16", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
-    config = _primitives.CallConfig("fa2", problem, 0.125)
-    program = _primitives.program_for("forward", config)
-    launches = [plan for plan in program.launches if not plan.is_empty]
-    _ffi.register_targets()
-    _primitives.register_cpu_kernels([plan.kernel for plan in launches])
-    attributes = _primitives.custom_call_attributes("forward", config, program, launches)
-    attributes.update(overrides)
-    results = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((problem.batch, problem.nheads, problem.seqlen_q), np.float32)]
-    return jax.jit(lambda q, k, v: jax.ffi.ffi_call(_ffi.TARGET_NAME, results)(q, k, v, **attributes))
+    return raw_forward(q, k, v, softmax_scale=0.125, **overrides)
 
 
 def test_an_address_tma_cannot_take_runs_the_load_path_and_a_twin_without_its_address_faults():
