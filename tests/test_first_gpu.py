@@ -208,8 +208,8 @@ def test_commands_fit_the_step_limits(monkeypatch, tmp_path):
     assert cmds["ncu"].startswith("ncu not found")
     speed = cmds["speed"]
     assert speed[speed.index("--budget-s") + 1] == str(160 - first_gpu.SPEED_OUTPUT_S)
-    for flag, values in [("--headdims", ["64", "128"]), ("--dtypes", ["float16", "bfloat16"]),
-                         ("--seqlens", ["512", "1024", "2048", "4096", "8192", "16384"]),
+    for flag, values in [("--headdims", ["128"]), ("--dtypes", ["bfloat16", "float16"]),
+                         ("--seqlens", ["4096", "8192", "16384"]),
                          ("--flex", ["document", "prefix-lm", "relative-bias"])]:
         assert speed[speed.index(flag) + 1: speed.index(flag) + 1 + len(values)] == values
     validate = cmds["validate"]
