@@ -112,8 +112,10 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   // This block's K/V blocks: blockIdx.x in atomic mode, every gridDim.x-th in deterministic mode, where the block
   // adds only into its own dq_accum slice (fa2's rule).
   const int slice = p.num_dq_splits > 1 ? blockIdx.x : 0;
-  const int first_n_block = blockIdx.x;
-  const int n_block_step = gridDim.x;
+  // Walked by their first key (key0 = the K/V block's index x BlockN): the loops keep no block index beside it
+  // (with one, ptxas kept it in local memory in the consumers at 224 registers, d128).
+  const int first_key0 = blockIdx.x * BlockN;
+  const int key0_step = gridDim.x * BlockN;
 
   unsigned char* k_tile = smem + Tr::kKOffset;
   unsigned char* v_tile = smem + Tr::kVOffset;
@@ -184,8 +186,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     if (tma && thread >= 32 && !dq_writer) return;
     const bool issuer = tma && thread < 32 && arch::elect_one_sync();
 #pragma unroll 1
-    for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
-      const int key0 = n_block * BlockN;
+    for (int key0 = first_key0; key0 < seqlen_k; key0 += key0_step) {
       const int block_keys = min(BlockN, seqlen_k - key0);
       const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
       const int m_blocks = max(m_range.end - m_range.begin, 0);
@@ -293,8 +294,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 
   int ring = 0, kv_round = 0;  // as the producer's
 #pragma unroll 1
-  for (int n_block = first_n_block; n_block * BlockN < seqlen_k; n_block += n_block_step) {
-    const int key0 = n_block * BlockN;
+  for (int key0 = first_key0; key0 < seqlen_k; key0 += key0_step) {
     const int block_keys = min(BlockN, seqlen_k - key0);
     const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
     const int m_blocks = max(m_range.end - m_range.begin, 0);

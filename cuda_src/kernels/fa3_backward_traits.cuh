@@ -18,11 +18,14 @@ struct BackwardTraits {
   static constexpr int kConsumers = BlockN / 64;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumers * 4;
-  // setmaxnreg: the producer keeps 48 (its copy loop, the row statistics and the dQ writer's loop: at 40 ptxas kept
-  // the K/V loop's counter in local memory at d128, NVRTC 13.5), the consumers share the rest, at most 240: still
-  // 232 each for two ((512 - 48) / 2, as (512 - 40) / 2 rounds down to 8).
-  static constexpr int kProducerRegisters = 48;
+  // setmaxnreg: the producer needs more than 40 (its copy loop, the row statistics and the dQ writer's loop: at 40
+  // ptxas kept the K/V loop's counter in local memory at d128, NVRTC 13.5), the consumers share the rest of the
+  // block's launch allocation: with two, 504 - 56 = 2 x 224 per 128 threads (a producer of 48 leaves the same 224:
+  // (504 - 48) / 2 rounds down to 8).
+  static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads),
+                "setmaxnreg: the roles take more than the block's launch allocation");
   static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
   static constexpr int kAccD = HeadDim / 2;    // dK and dV
   static constexpr int kDqTiles = HeadDim / 64;  // dQ's N tiles of 64 head-dim columns (32 accumulators each)

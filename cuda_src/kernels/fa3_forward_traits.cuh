@@ -77,12 +77,23 @@ __device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes)
   return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
 }
 
-// Registers per consumer thread after setmaxnreg: what the SM's 64 K leave after a producer warpgroup of `producer`,
-// shared by `consumers` warpgroups, in setmaxnreg's multiples of 8, at most 240.
+// Registers per thread a block of `threads` starts with under __launch_bounds__(threads, 1): what ptxas gives a
+// kernel that needs them all (the SM's 64 K shared out in setmaxnreg's multiples of 8; 168 for 384 threads).
+__host__ __device__ constexpr int launch_registers(int threads) {
+  return 65536 / threads / 8 * 8 > 256 ? 256 : 65536 / threads / 8 * 8;
+}
+
+// Registers per consumer thread after setmaxnreg: the block's launch allocation (1 + consumers warpgroups at
+// launch_registers) less a producer warpgroup of `producer`, shared by `consumers` warpgroups, in multiples of 8,
+// at most 240. The block's allocation, not the SM's 64 K: setmaxnreg.inc takes registers only from the CTA's pool
+// of what its warpgroups' dec released, and waits forever for more (a producer of 48 beside two consumers of 232
+// fits 65536 but not 384 x 168 = 64512: the hang the first such backward met on an H200).
 __host__ __device__ constexpr int consumer_registers(int consumers, int producer) {
-  return ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8 > 240
+  return ((launch_registers((1 + consumers) * kWarpgroupThreads) * (1 + consumers) - producer) / consumers) / 8 * 8 >
+                 240
              ? 240
-             : ((65536 / kWarpgroupThreads - producer) / consumers) / 8 * 8;
+             : ((launch_registers((1 + consumers) * kWarpgroupThreads) * (1 + consumers) - producer) / consumers) /
+                   8 * 8;
 }
 
 // The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
@@ -97,12 +108,15 @@ struct ForwardTraits {
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumers * 4;
   // Registers per thread after setmaxnreg. At launch (__launch_bounds__(kThreads, 1)) every warpgroup has
-  // floor(65536 / kThreads / 8) * 8; the producer gives back what its copy loop does not need and the consumers
-  // take it: kProducerRegisters * 128 + kConsumers * kConsumerRegisters * 128 <= 65536. The producer's copy keeps
+  // launch_registers(kThreads); the producer gives back what its copy loop does not need and the consumers take
+  // it: kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads) (per
+  // 128 threads; 504 with two consumers, 512 with three). The producer's copy keeps
   // kLoadsInFlight (2) 16-byte chunks, its pointers and its loop counters: 40 with two consumers (232 each), 32
   // with three (160 each, FA3's split there; a TMA producer needs 24).
   static constexpr int kProducerRegisters = kConsumers == 3 ? 32 : 40;
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads),
+                "setmaxnreg: the roles take more than the block's launch allocation");
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
   static constexpr int kAccO = HeadDim / 2;
 

@@ -12,7 +12,7 @@ allow (cuflash/kernels/targets.py). An instance compiles for what the catalog sa
 Warp-specialized kernels add their roles: warpgroups (the family's) and registers per thread
 after setmaxnreg (the SASS's). Exits 1 if an instance fails to compile or a plan asks for
 more shared memory than a block of its arch may have (it could never launch there), or its
-roles more registers than an SM has; with --no-spills if an instance spills, and with
+roles more registers than the block was launched with (roles_exceed_launch_allocation); with --no-spills if an instance spills, and with
 --no-perf-loss if ptxas says an instance's code runs slower than written (its C75xx advisories:
 wgmma serialized, waits or warpgroup.arrive injected, setmaxnreg ignored), which no spill count
 shows and which cost a Hopper kernel its overlap.
@@ -56,6 +56,16 @@ JSON_KEYS = (
 DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
 
 
+def roles_exceed_launch_allocation(roles: dict, launch_registers: int, threads: int) -> bool:
+    """Whether warp-specialized ``roles`` ({role: {"warpgroups", "registers"}}, registers per thread after setmaxnreg)
+    take more registers than a block of ``threads`` launched at ``launch_registers`` each (ptxas's count) holds.
+    setmaxnreg.inc draws only on the CTA's pool of what its warpgroups' dec released (the PTX ISA), never on the
+    SM's registers the launch left over: such a block's inc waits forever (a 48-register producer beside two
+    232-register consumers fits the SM's 65536 but not 384 x 168 = 64512, and hung on an H200)."""
+    return sum(128 * role["warpgroups"] * role["registers"] for role in roles.values()
+               if role["registers"] is not None) > launch_registers * threads
+
+
 @dataclass(frozen=True)
 class ReportRow:
     compiled: CompiledKernel
@@ -66,11 +76,10 @@ class ReportRow:
     roles: dict | None = None  # {role: {"warpgroups": n, "registers": after setmaxnreg}} (warp-specialized)
 
     @property
-    def exceeds_sm_registers(self) -> bool:
-        """Whether the roles' registers after setmaxnreg exceed the SM's (setmaxnreg.inc would wait forever)."""
-        return bool(self.roles) and sum(
-            128 * role["warpgroups"] * role["registers"] for role in self.roles.values()
-            if role["registers"] is not None) > self.target.registers_per_sm
+    def exceeds_launch_registers(self) -> bool:
+        """Whether the roles' registers after setmaxnreg exceed the block's at launch (roles_exceed_launch_allocation)."""
+        return bool(self.roles) and (self.threads is None or roles_exceed_launch_allocation(
+            self.roles, self.compiled.resources.registers, self.threads))  # no block size: nothing to check against
 
     @property
     def performance_loss_codes(self) -> list[str]:
@@ -285,11 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     # Without a disassembler (hgmma None) the counts are unknown, not wrong.
-    over = [row for row in rows if row.exceeds_sm_registers or (row.roles and row.hgmma is not None and any(
+    over = [row for row in rows if row.exceeds_launch_registers or (row.roles and row.hgmma is not None and any(
         r["registers"] is None for r in row.roles.values()))]
     for row in over:
         print(f"error: {row.compiled.instance.name_expr} ({row.compiled.arch}): its roles after setmaxnreg "
-              f"{row.roles} exceed the SM's {row.target.registers_per_sm} registers or have no single count",
+              f"{row.roles} exceed the block's {row.compiled.resources.registers} x {row.threads} registers at launch "
+              f"or have no single count",
               file=sys.stderr)
     spilling = [row for row in rows if row.compiled.resources.spill_store_bytes
                 or row.compiled.resources.spill_load_bytes] if args.no_spills else []

@@ -433,6 +433,7 @@ def test_setmaxnreg_rebalances_within_the_budget():
     (2, r"warpgroup collective mismatch: this thread reached setmaxnreg.dec .* with setmaxnreg.dec 32 while 32 "
         r"thread\(s\) .* with setmaxnreg.dec 40"),
     (3, r"setmaxnreg.inc 160, but the warpgroup holds 168 registers per thread"),
+    (4, r"(?s)deadlock.*asks for 232 per thread, the block's warpgroups hold \d+ of the 64512 it was launched with"),
 ])
 def test_setmaxnreg_errors(mode, pattern):
     with pytest.raises(sim.KernelError, match=pattern):

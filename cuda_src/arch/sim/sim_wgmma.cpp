@@ -34,10 +34,14 @@
 //   simulator assumes the largest count that fits one block of the kernel's __launch_bounds__ maximum in
 //   the 64K registers of an SM, floor(65536 / max_threads / 8) * 8, at most 256: what ptxas gives a kernel
 //   with __launch_bounds__(max_threads, 1) that needs it (ptxas drops setmaxnreg when it cannot tell the
-//   count at entry, so kernels using it declare such bounds). inc must not lower the count and dec must not raise it (errors); an inc whose
-//   warpgroup would take the block past 65536 registers waits until other warpgroups' dec free enough, as
-//   on a GPU, and a block where none can is a deadlock naming the request. Not checked: the kernel's real
-//   register use (ptxas's business), registers of other blocks on the SM.
+//   count at entry, so kernels using it declare such bounds). inc must not lower the count and dec must not
+//   raise it (errors). The registers an inc takes come from the block's own pool, which holds only what its
+//   warpgroups' dec gave back (the PTX ISA: "a pool of available registers is maintained per-CTA"), never the
+//   SM's registers the launch left unallocated: an inc whose warpgroup would take the block past its launch
+//   allocation (the start count x its threads; 168 x 384 = 64512 for a 384-thread block, not 65536) waits until
+//   other warpgroups' dec free enough, as on a GPU, and a block where none can is a deadlock naming the
+//   request. Not checked: the kernel's real register use (ptxas's business; the compile report checks the roles
+//   against ptxas's launch count), registers of other blocks on the SM.
 #include <cinttypes>
 #include <cstring>
 #include <memory>
@@ -179,6 +183,7 @@ struct Warpgroup {
 struct BlockState {
   Worker* worker = nullptr;
   std::vector<Warpgroup> groups;
+  unsigned register_allocation = 0;  // the block's registers at launch: setmaxnreg's per-CTA pool never exceeds it
   std::vector<uint16_t> operand_reads;  // race mode: per shared byte, how many wgmma in flight read it
 };
 
@@ -350,12 +355,14 @@ unsigned registers_held(unsigned except_group, unsigned except_count) {
 void wgmma_block_begin(Worker* w) {
   t_block.worker = w;
   t_block.groups.clear();
+  t_block.register_allocation = 0;
   const unsigned n = w->launch->threads_per_block;
   if (n % kWarpgroupThreads == 0) {
     t_block.groups.resize(n / kWarpgroupThreads);
     unsigned initial = kRegistersPerSm / w->launch->launch_bound_threads / 8 * 8;
     if (initial > 256) initial = 256;
     for (Warpgroup& g : t_block.groups) g.registers = initial;
+    t_block.register_allocation = initial * n;
   }
   t_block.operand_reads.clear();
   w->wgmma_in_flight = 0;
@@ -395,8 +402,8 @@ std::string describe_warpgroup_wait(const Worker*, const Fiber& f) {
   const Warpgroup& g = t_block.groups[f.index / kWarpgroupThreads];
   if (g.requested != 0)
     return format("waits at %s for registers: its warpgroup asks for %u per thread, the block's warpgroups hold %u "
-                  "of %u",
-                  describe_site(f.wait_site).c_str(), g.requested, registers_held(~0u, 0), kRegistersPerSm);
+                  "of the %u it was launched with",
+                  describe_site(f.wait_site).c_str(), g.requested, registers_held(~0u, 0), t_block.register_allocation);
   return format("waits at %s for the rest of warpgroup %u (%u of 128 threads arrived)", describe_site(f.wait_site).c_str(),
                 f.index / kWarpgroupThreads, g.arrived);
 }
@@ -575,14 +582,15 @@ void setmaxnreg(const Site& site, unsigned count, bool increase) {
     // Freed registers may let waiting warpgroups go on.
     for (size_t i = 0; i < t_block.groups.size(); ++i) {
       Warpgroup& other = t_block.groups[i];
-      if (other.requested == 0 || registers_held(static_cast<unsigned>(i), other.requested) > kRegistersPerSm) continue;
+      if (other.requested == 0 || registers_held(static_cast<unsigned>(i), other.requested) > t_block.register_allocation)
+        continue;
       other.registers = other.requested;
       other.requested = 0;
       wake(other, static_cast<unsigned>(i), f->index);
     }
     return;
   }
-  if (registers_held(group_index, count) <= kRegistersPerSm) {
+  if (registers_held(group_index, count) <= t_block.register_allocation) {
     g.registers = count;
     wake(g, group_index, f->index);
     return;

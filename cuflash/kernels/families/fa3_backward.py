@@ -67,8 +67,8 @@ class BackwardTraits(WarpgroupTraits):
 # FA3's d128 80 x 128 out for now: the kernel's dS^T tile holds BlockM columns as whole 64-column swizzled panels (80
 # would take 128, padded), a Q block is dQ's wgmma M (the traits ask BlockM = 64); and the registers: S^T and dP^T
 # (40 floats each at N = 80), dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250
-# live beside the addresses, where two consumers get 232 after a 40-register producer (FA3's TMA producer keeps 24,
-# its consumers 240).
+# live beside the addresses, where two consumers get 224 after a 56-register producer (the block's 168 x 384
+# registers at launch, all setmaxnreg can hand out; FA3's TMA producer keeps 24, its consumers 240).
 BACKWARD_CHOICES = {
     64: BackwardTraits(64, block_m=64, block_n=128),
     128: BackwardTraits(128, block_m=64, block_n=128),
@@ -78,7 +78,7 @@ BACKWARD_CHOICES = {
 @functools.lru_cache(maxsize=None)
 def toolchain_refusal() -> str | None:
     """Why the installed NVRTC does not get this kernel (None: it does, or there is none and only the simulator's g++
-    builds it). NVRTC 12's ptxas (12.9) spills it at the consumers' 232 registers (d128: 192 bytes stored, 260
+    builds it). NVRTC 12's ptxas (12.9) spilled it at the consumers' 232 registers (d128: 192 bytes stored, 260
     loaded; d64: 96 / 144) where NVRTC 13.5's keeps it in registers: with NVRTC 12 the plans keep the backward on
     mma.sync (fa2_tc), and its instances are not listed (the report's --no-spills gate holds under both)."""
     try:

@@ -97,13 +97,17 @@ __global__ void __launch_bounds__(128) wgmma_desc_kernel(const Args a) {
 
 // Three warpgroups re-balance registers as a producer / two consumers split does (a.mode 0): the producer
 // gives registers back, the consumers take them. 1: the producer does not give any back (the consumers wait
-// forever); 2: warp 1 asks for another count than its warpgroup; 3: an inc that lowers the count.
+// forever); 2: warp 1 asks for another count than its warpgroup; 3: an inc that lowers the count; 4: the
+// producer gives back too little for what the consumers ask (the split fits the SM's 64 K, not the block's
+// 168 x 384: the hang the first wgmma backward with a 48-register producer met on an H200).
 __global__ void __launch_bounds__(384, 1) setmaxnreg_kernel(const Args a) {
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     if (a.mode == 1) return;
     if (a.mode == 2 && threadIdx.x / 32 == 1)
       cuflash::arch::setmaxnreg_dec<32>();
+    else if (a.mode == 4)
+      cuflash::arch::setmaxnreg_dec<48>();  // 48 + 2 x 232 = 512 per 128 threads: the SM's 65536, past the block's 64512
     else
       cuflash::arch::setmaxnreg_dec<40>();
   } else if (a.mode == 3) {
