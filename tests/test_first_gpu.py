@@ -5,6 +5,7 @@ timed-out step)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -243,3 +244,65 @@ def test_validate_step_reads_the_verdicts_validate_gpu_wrote(tmp_path):
     data = first_gpu.step_data("validate", tmp_path, "wrote summary.md")
     assert data == {"steps": steps}
     assert first_gpu._detail("validate", 1, data, "wrote summary.md") == "toolchain: pass; sanitizer: fail"
+
+
+def test_a_hang_seen_by_smoke_skips_every_later_step(tmp_path):
+    """The smoke step names a hung kernel: the steps after it are skipped, not run into their limits."""
+    steps = (Step("toolchain", 10, ""), Step("smoke", 20, ""), Step("tests", 50, ""), Step("host", 20, ""))
+    hung = "cuflash::fa3_backward_kernel<__half, 128, 64, 128, 2> grid (2, 2, 1) block (384, 1, 1)"
+    fake = FakeRun({"toolchain": (4, 0, "sm_90"), "smoke": (17, 3, "smoke: fa2 float16 causal=True shape=(1,) "
+                                                                  f"forward: ok in 9.0 s\nsmoke: HANG: {hung} still "
+                                                                  "running 15 s after its launch\n")})
+    records = first_gpu.run_steps(tmp_path, runner=fake.runner, clock=fake.clock, steps=steps, total_s=110,
+                                  commands_for=lambda out, t: {n: [n] for n in ("toolchain", "smoke", "tests", "host")},
+                                  progress=None)
+    assert [c[0] for c in fake.calls] == ["toolchain", "smoke"]
+    smoke = records[1]
+    assert smoke["status"] == "fail" and smoke["data"]["hang"] == f"{hung} still running 15 s after its launch"
+    assert smoke["detail"].startswith("HANG: cuflash::fa3_backward_kernel") and len(smoke["data"]["ran"]) == 1
+    for later in records[2:]:
+        assert later["status"] == "skipped" and "the smoke step saw a kernel hang" in later["detail"], later
+    # a smoke step that only ran out of time (a cold compile) stops nothing
+    fake = FakeRun({"toolchain": (4, 0, ""), "smoke": (99, 0, "compiling"), "tests": (5, 0, ""), "host": (1, 0, "")})
+    records = first_gpu.run_steps(tmp_path, runner=fake.runner, clock=fake.clock, steps=steps, total_s=110,
+                                  commands_for=lambda out, t: {n: [n] for n in ("toolchain", "smoke", "tests", "host")},
+                                  progress=None)
+    assert [r["status"] for r in records] == ["pass", "timeout", "pass", "pass"]
+
+
+def test_launch_watch_names_a_kernel_still_running_past_its_limit():
+    import threading
+
+    from cuflash.benchmarks.gpu_workloads import LaunchWatch
+
+    hangs, released = [], threading.Event()
+
+    def on_hang(name, seconds):
+        hangs.append((name, seconds))
+        released.set()  # a real hang never returns: os._exit ends the process
+
+    launched = []
+    watch = LaunchWatch(lambda: time.sleep(0.01), limit_s=0.2, on_hang=on_hang, poll_s=0.01)
+    for name in ("forward", "backward"):  # quick kernels: synchronized, never reported
+        watch.run(name, lambda n=name: launched.append(n))
+    assert launched == ["forward", "backward"] and hangs == []
+    watch.synchronize = lambda: released.wait(5)  # a kernel that never finishes until the watchdog fires
+    watch.run("fa3_backward_kernel", lambda: None)
+    assert [name for name, _ in hangs] == ["fa3_backward_kernel"] and hangs[0][1] > 0.2
+    watch.close()
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_runs_each_direction_watched():
+    import subprocess
+    import sys
+
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device")
+    done = subprocess.run([sys.executable, "-m", "cuflash.benchmarks.gpu_workloads", "smoke"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = [line for line in done.stdout.splitlines() if ": ok in " in line]
+    assert [line.split(": ok in ")[0].rsplit(" ", 2)[-2:] for line in ran][-1] == ["deterministic", "backward"]
+    assert len(ran) == 3 and "HANG" not in done.stdout

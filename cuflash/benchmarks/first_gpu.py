@@ -4,16 +4,19 @@ Steps, in this order, each a subprocess with its own time budget (``STEPS``) who
 (pass, fail, timeout, skipped) before the next one runs whatever happened:
 
 1. ``toolchain``: ``python3 -m cuflash.kernels toolchain`` (NVRTC, headers, driver, the code the GPU gets);
-2. ``tests``: the gpu-marked tests, with a JUnit XML parsed into pass/fail/skip counts and the failures' names;
-3. ``validate``: ``validate-gpu`` narrowed to what the other steps do not cover: compute-sanitizer memcheck and
+2. ``smoke``: one small forward and backward of the kernels every later step runs, each launch synchronized and
+   watched (gpu_workloads.LaunchWatch): a kernel that hangs is named, and every later step is skipped, since each
+   would wait on the same kernel until its time ran out (the first run of the wgmma backward lost all of them so);
+3. ``tests``: the gpu-marked tests, with a JUnit XML parsed into pass/fail/skip counts and the failures' names;
+4. ``validate``: ``validate-gpu`` narrowed to what the other steps do not cover: compute-sanitizer memcheck and
    racecheck on one tensor-core forward and backward, and Nsight Compute beside the simulator;
-4. ``speed``: the sweep against every peer found (head dim 128, bfloat16 and float16, causal and not,
+5. ``speed``: the sweep against every peer found (head dim 128, bfloat16 and float16, causal and not,
    seqlen 4k to 16k, forward, backward, forward+backward), and cuflash's flex variants (document mask, prefix-LM,
    relative bias) at the same points, within the step's time: shortest seqlens first, a point expected to overrun
    is skipped and listed (speed.Budget);
-5. ``ncu``: Nsight Compute's tensor-pipe utilization and warp stall reasons (WarpStateStats,
+6. ``ncu``: Nsight Compute's tensor-pipe utilization and warp stall reasons (WarpStateStats,
    ComputeWorkloadAnalysis) of the d128 forward and backward tensor-core kernels;
-6. ``host``: ``python3 -m cuflash.benchmarks host`` (host microseconds per call).
+7. ``host``: ``python3 -m cuflash.benchmarks host`` (host microseconds per call).
 
 A step may use the time earlier steps left unused, never the time reserved for the steps after it
 (``step_timeout``). Then ``write_summary``, a pure function of the recorded steps, writes DIR/summary.md,
@@ -62,13 +65,15 @@ class Step:
 
 STEPS = (
     Step("toolchain", 20, "python3 -m cuflash.kernels toolchain"),
-    Step("tests", 140, "gpu-marked tests"),
-    Step("validate", 100, "validate-gpu: compute-sanitizer memcheck + racecheck (tensor-core forward and backward), "
-                          "Nsight Compute beside the simulator"),
+    Step("smoke", 50, "one small forward and backward (the wgmma kernels on sm_90), every launch watched for a hang"),
+    Step("tests", 130, "gpu-marked tests"),
+    Step("validate", 80, "validate-gpu: compute-sanitizer memcheck + racecheck (tensor-core forward and backward), "
+                         "Nsight Compute beside the simulator"),
     Step("speed", 170, "the speed sweep against every peer found"),
-    Step("ncu", 60, "Nsight Compute: tensor pipe and stall reasons, d128 tensor-core forward and backward"),
-    Step("host", 40, "host microseconds per call"),
+    Step("ncu", 50, "Nsight Compute: tensor pipe and stall reasons, d128 tensor-core forward and backward"),
+    Step("host", 30, "host microseconds per call"),
 )
+HANG_PATTERN = re.compile(r"^smoke: HANG: (.+)$", re.MULTILINE)
 
 
 def step_timeout(steps: tuple[Step, ...], index: int, elapsed_s: float, total_s: float = TOTAL_S) -> float:
@@ -89,7 +94,8 @@ def commands(out: Path, timeout_s: float, python: str = sys.executable) -> dict[
 
     bench = [python, "-m", "cuflash.benchmarks"]
     tests = Path(cuflash.__file__).resolve().parents[1] / "tests"
-    result: dict[str, list[str] | str] = {"toolchain": [python, "-m", "cuflash.kernels", "toolchain"]}
+    result: dict[str, list[str] | str] = {"toolchain": [python, "-m", "cuflash.kernels", "toolchain"],
+                                          "smoke": [python, "-m", "cuflash.benchmarks.gpu_workloads", "smoke"]}
     if tests.is_dir():
         cmd = [python, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
                "--junitxml", str(out / "tests" / "junit.xml"), str(tests)]
@@ -183,6 +189,10 @@ def step_data(name: str, out: Path, text: str) -> dict:
     """What a finished step recorded, from its files (and for the toolchain, its output)."""
     if name == "toolchain":
         return {"lines": text.strip().splitlines()[-20:]}
+    if name == "smoke":
+        hang = HANG_PATTERN.search(text)
+        return {"hang": hang.group(1) if hang else None,
+                "ran": [line for line in text.splitlines() if line.startswith("smoke: ") and ": ok in " in line]}
     if name == "tests":
         junit = out / "tests" / "junit.xml"
         return parse_junit(junit.read_text()) if junit.exists() else {}
@@ -202,6 +212,8 @@ def step_data(name: str, out: Path, text: str) -> dict:
 
 
 def _detail(name: str, rc: int | None, data: dict, text: str) -> str:
+    if name == "smoke" and data.get("hang"):
+        return f"HANG: {data['hang']}"
     if name == "tests" and "passed" in data:
         return (f"{data['passed']} passed, {data['failed']} failed, {data['errors']} errors, "
                 f"{data['skipped']} skipped")
@@ -241,11 +253,16 @@ def run_steps(out: Path, *, runner: Runner = run_subprocess, clock: Callable[[],
     """Run every step in order within ``total_s``, each within step_timeout; one record per step."""
     began = clock()
     records = []
+    hang = None  # a kernel the smoke step saw hang: every later step would wait on it
     for index, step in enumerate(steps):
         timeout = step_timeout(steps, index, clock() - began, total_s)
         cmd = commands_for(out, timeout)[step.name]
         record = {"name": step.name, "what": step.what, "budget_s": step.budget_s, "timeout_s": round(timeout, 1)}
-        if isinstance(cmd, str):
+        if hang is not None:
+            record.update(status="skipped", detail=f"the smoke step saw a kernel hang ({hang}): this step would wait "
+                          f"on it", seconds=0.0, command=None if isinstance(cmd, str) else " ".join(cmd), rc=None,
+                          data={})
+        elif isinstance(cmd, str):
             record.update(status="skipped", detail=cmd, seconds=0.0, command=None, rc=None, data={})
         elif timeout < 5:
             record.update(status="skipped", detail=f"no time left ({timeout:.0f} s)", seconds=0.0,
@@ -268,6 +285,7 @@ def run_steps(out: Path, *, runner: Runner = run_subprocess, clock: Callable[[],
         if progress:
             print(f"first-gpu: {step.name}: {record['status']}: {record['detail']}", file=progress, flush=True)
         records.append(record)
+        hang = hang or record["data"].get("hang")
     return records
 
 
