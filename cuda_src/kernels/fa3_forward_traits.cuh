@@ -301,22 +301,27 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N]
   for (int r = 0; r < 4; ++r) a[r] = arch::pack_float2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
-// The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become -inf. The
-// lane's limits come from mask.cuh (LaneTileMask); each register's offsets are compile-time constants.
-template <Edge E, int N>
-__device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane) {
+// The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become `hidden`
+// (-inf before the softmax; 0 for the backward's P, after it). The lane's limits come from mask.cuh
+// (LaneTileMask); each register's offsets are compile-time constants. KeysAsRows: the accumulator is S^T (the
+// backward's: its rows are keys, its columns queries), so register i lies acc_col_step(i) rows and acc_row_step(i)
+// keys from the lane's first.
+template <Edge E, bool KeysAsRows, int N>
+__device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane, float hidden) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
-    if (!lane.keeps<E>(acc_row_step(i), acc_col_step(i))) s[i] = neg_inf();
+    if (!(KeysAsRows ? lane.keeps<E>(acc_col_step(i), acc_row_step(i)) : lane.keeps<E>(acc_row_step(i), acc_col_step(i))))
+      s[i] = hidden;
 }
 // One pass per edge the tile crosses, each behind a block-uniform test (a select per score, no branch).
-template <int N>
+// first_row, first_key: the lane's first score's query row and key.
+template <bool KeysAsRows = false, int N>
 __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mask, TileEdges edges, int first_row,
-                                            int first_key) {
+                                            int first_key, float hidden = neg_inf()) {
   const LaneTileMask lane = mask.lane_tile(first_row, first_key);
-  if (edges.right) mask_edge<Edge::kRight>(s, lane);
-  if (edges.left) mask_edge<Edge::kLeft>(s, lane);
-  if (edges.end) mask_edge<Edge::kEnd>(s, lane);
+  if (edges.right) mask_edge<Edge::kRight, KeysAsRows>(s, lane, hidden);
+  if (edges.left) mask_edge<Edge::kLeft, KeysAsRows>(s, lane, hidden);
+  if (edges.end) mask_edge<Edge::kEnd, KeysAsRows>(s, lane, hidden);
 }
 
 // The score hook (mask.cuh's ScoreHook: softcap, ALiBi) on a warpgroup's S accumulator, before the mask: each score
