@@ -4,6 +4,8 @@ on the simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * dq, dk, dv against the float64 reference with FlashAttention's rule (test_fa2._check_backward): float16 and
   bfloat16, head dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128,
   300/129), MHA, GQA and MQA in rotation; out and lse from the Hopper forward.
+* Sliding windows through cuflash.attention_backward: the reference, dq 0 on rows without a key, the traffic formula
+  (only the band's Q blocks; K/V blocks no query sees are not read).
 * Race mode clean on one case per head dim (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads of
   the producer's and the consumers' stores).
 * Compiled for sm_90a: HGMMA of the planned shapes, setmaxnreg, no spills, no wgmma serialized by ptxas.
@@ -15,6 +17,7 @@ on the simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -22,6 +25,8 @@ import re
 import numpy as np
 import pytest
 
+import cuflash
+from cuflash import _tolerance as tol
 from cuflash import sim
 from cuflash._paths import CUDA_SRC
 from cuflash.backends.program import run_program
@@ -30,8 +35,11 @@ from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels import nvrtc, report
 from cuflash.kernels.families import fa3, fa3_backward
 from cuflash.kernels.program import KernelInstance
+from cuflash.kernels.program import Problem
 from cuflash.kernels.targets import target
-from test_fa2 import _check_backward, _inputs, _problem
+from cuflash.mask import Mask
+from cuflash.testing import rows_without_key
+from test_fa2 import _check_backward, _inputs, _launch_traffic, _problem
 
 SM90 = target("sm_90")
 SEQLENS = ((1, 1), (77, 200), (128, 128), (300, 129))
@@ -109,6 +117,44 @@ def test_backward_matches_reference(shape, dtype, causal):
     q, k, v, dout = _inputs(shape, dtype, seed=41)
     out, lse = _forward(q, k, v, causal)
     _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
+
+
+# Sliding windows through cuflash.attention_backward on the simulator targeting sm_90 (the forward's too): the main
+# kernel visits only the Q blocks the band reaches (mask.cuh's q_blocks: the traffic formula's), tiles crossing an
+# edge take the element-wise mask; rows and whole Q blocks that see no key (dq 0 there), one side only, with causal,
+# seqlen_q != seqlen_k both ways, GQA/MQA, head dims between compiled ones, deterministic in rotation; race mode on one.
+WINDOW_CASES = {
+    "rows-without-key": ((2, 300, 129, 4, 2, 64), "float16", (3, 2), False, False),
+    "causal": ((1, 77, 200, 3, 1, 128), "bfloat16", (21, -1), True, True),
+    "left-only": ((1, 70, 700, 2, 2, 100), "float16", (0, -1), False, False),
+    "right-only": ((2, 200, 300, 4, 2, 128), "bfloat16", (-1, 9), False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_windows_match_reference(case):
+    shape, dtype, window, causal, deterministic = WINDOW_CASES[case]
+    q, k, v, dout = _inputs(shape, dtype, seed=len(case))
+    race = sim.checking("race") if case == "rows-without-key" else contextlib.nullcontext()
+    with sim.targeting("sm_90"), sim.record() as records, race:
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window_size=window,
+                                                deterministic=deterministic)
+    assert [r.kernel.split("<")[0] for r in records.launches] == [
+        "cuflash::fa3_forward_kernel", "cuflash::fa2_dout_dot_out_kernel", "cuflash::fa3_backward_kernel",
+        "cuflash::fa2_convert_dq_kernel"]
+    ref = tol.backward_references(dout, q, k, v, causal=causal, window_size=window)
+    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
+                                   ("dv", dv, ref.dv, ref.dv_lowp)):
+        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+    empty = rows_without_key(q.shape[1], k.shape[1], causal, window)
+    assert np.all(dq.astype(np.float32)[:, empty] == 0)
+    if case == "rows-without-key":
+        assert empty.sum() > 64  # a whole Q block sees no key
+    problem = Problem(dtype=dtype, batch=shape[0], seqlen_q=shape[1], seqlen_k=shape[2], nheads=shape[3],
+                      nheads_k=shape[4], headdim=shape[5], mask=Mask.of(causal, window), deterministic=deterministic)
+    main = fa3_backward.backward_traffic(problem, SM90)[1]
+    assert _launch_traffic(records)[2] == tuple(main)
 
 
 # Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory

@@ -460,9 +460,12 @@ def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic
     return backward_traffic_for(problem, backward_traits(tile_head_dim(problem), target), target)
 
 
-def backward_traffic_for(problem: Problem, traits, target: Target) -> tuple[Traffic, Traffic, Traffic]:
+def backward_traffic_for(problem: Problem, traits, target: Target,
+                         reads_unseen_kv: bool = True) -> tuple[Traffic, Traffic, Traffic]:
     """(pre-pass, main kernel, convert kernel) of backward_program_for(problem, traits, target): the SIMT and
-    tensor-core main kernels move the same bytes for the same tiles, in either dq mode."""
+    tensor-core main kernels move the same bytes for the same tiles, in either dq mode. reads_unseen_kv=False: the
+    main kernel reads no K/V block that no query sees (the Hopper backward's producer skips it; its dK and dV are
+    still written, zeros)."""
     es, d, dv = _ELEMENT_BYTES[problem.dtype], problem.headdim, problem.headdim_v
     sq, sk = problem.seqlen_q, problem.seqlen_k
     bh = problem.batch * problem.nheads
@@ -474,7 +477,8 @@ def backward_traffic_for(problem: Problem, traits, target: Target) -> tuple[Traf
         keys = _rows(sk, traits.block_n, j)
         q_blocks = problem.mask_policy.q_blocks(traits.block_m, j * traits.block_n, j * traits.block_n + keys)
         rows = sum(_rows(sq, traits.block_m, i) for i in range(*q_blocks))
-        read += keys * (d + dv) * es + rows * ((d + dv) * es + 2 * _F32) * problem.group_size  # K, V; Q, dO
+        kv_read = keys * (d + dv) * es if rows or reads_unseen_kv else 0
+        read += kv_read + rows * ((d + dv) * es + 2 * _F32) * problem.group_size  # K, V; Q, dO
         dq_bytes = rows * d * _F32 * problem.group_size
         read += dq_bytes  # red.add reads what it adds to
         written += dq_bytes + keys * (d + dv) * es  # dK, dV

@@ -90,8 +90,9 @@ def toolchain_refusal() -> str | None:
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..128 for q, k and v, no mask but causal (window (-1, -1) or (-1, 0)), and no other option; dQ by
-    atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
+    one head dim 1..128 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
+    blocks, tiles crossing an edge take the element-wise mask), and no other option; dQ by atomics or deterministic
+    (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
@@ -104,8 +105,6 @@ def refusal(problem: Problem, target: Target) -> str | None:
         return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {problem.headdim}"
     if problem.options:
         return f"no {', '.join(sorted(problem.options))} yet"
-    if not problem.mask.without_window:
-        return "no sliding window yet (causal or no mask only)"
     return None
 
 
@@ -146,5 +145,6 @@ def backward_program(problem: Problem, target: Target) -> Program:
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
     """fa2's traffic for the same tiles (pre-pass, main kernel, convert): K/V once per block, Q, dO, lse, D once per
-    visited (head, Q block), dq_accum's adds once per element per visited K/V block."""
-    return fa2.backward_traffic_for(problem, _checked_traits(problem, target), target)
+    visited (head, Q block), dq_accum's adds once per element per visited K/V block; a K/V block no query sees is not
+    read (its dK and dV written as zeros)."""
+    return fa2.backward_traffic_for(problem, _checked_traits(problem, target), target, reads_unseen_kv=False)
