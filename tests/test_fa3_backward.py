@@ -157,6 +157,59 @@ def test_windows_match_reference(case):
     assert _launch_traffic(records)[2] == tuple(main)
 
 
+# Softcap and ALiBi: the hooked instance (head dims up to 64), P and dS through mask.cuh's ScoreHook and its derivative;
+# with a causal window, per-batch and per-head slopes, ragged and GQA, deterministic in rotation, race mode on one; a
+# plain instance launched with softcap traps. Head dims above 64
+# keep the mma.sync backward (the hooked d128 instance spills).
+HOOK_CASES = {
+    "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
+    "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),
+    "softcap-alibi-window-causal": ((1, 300, 129, 4, 2, 40), "bfloat16",
+                                    dict(window_size=(30, 5), causal=True, softcap=4.0, alibi=(4,))),
+}
+
+
+@pytest.mark.parametrize("case", list(HOOK_CASES))
+def test_softcap_and_alibi_match_reference(case):
+    shape, dtype, options = HOOK_CASES[case]
+    q, k, v, dout = _inputs(shape, dtype, seed=len(case))
+    options = dict(options)
+    deterministic = options.pop("deterministic", False)
+    slopes_shape = options.pop("alibi", None)
+    if slopes_shape is not None:
+        options["alibi_slopes"] = np.random.default_rng(len(case)).uniform(0.02, 0.6, slopes_shape).astype(np.float32)
+    race = sim.checking("race") if case == "softcap" else contextlib.nullcontext()
+    with sim.targeting("sm_90"), sim.record() as records, race:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+    main = records.launches[2].kernel
+    assert main.startswith("cuflash::fa3_backward_kernel<") and main.endswith(", 64, 64, 128, 2, true>"), main
+    ref = tol.backward_references(dout, q, k, v, **options)
+    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
+                                   ("dv", dv, ref.dv, ref.dv_lowp)):
+        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+
+
+def test_hooked_backward_above_head_dim_64_stays_on_mma_sync():
+    problem = Problem(dtype="float16", batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_k=2, headdim=100,
+                      softcap=3.0)
+    assert fa3_backward.refusal(problem, SM90).startswith("softcap at head dims 1..64 only, not 100")
+    assert fa3_backward.refusal(dataclasses.replace(problem, headdim=64, headdim_v=64), SM90) is None
+
+
+def test_plain_instance_traps_on_softcap():
+    """An instance without the hook would drop softcap (or ALiBi) silently: launched with one it traps."""
+    q, k, v, dout = _inputs((1, 70, 90, 2, 2, 64), "float16", seed=37)
+    out, lse = _forward(q, k, v, False)
+    capped = dataclasses.replace(_problem(q, k, False), softcap=3.0)
+    plain = fa3_backward.backward_program(_problem(q, k, False), SM90)
+    backend = SimulatorBackend()
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+              **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
+    with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
+        run_program(backend, plain, capped, 0.125, arrays)
+
+
 # Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory
 # (they add nothing to S^T or dP^T), dQ's atomics and dK/dV's stores guarded by column; whole chunks (40), a chunk the
 # head dim cuts (100: element loads), a single column.

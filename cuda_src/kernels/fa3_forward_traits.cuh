@@ -344,6 +344,33 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
   }  // neither: the identity
 }
 
+// The backward's hooked P^T and dS^T on its S^T and dP^T accumulators (rows keys, columns queries: register i at
+// query first_row + acc_col_step(i), key first_key + acc_row_step(i)), once both landed: per score the hook's
+// h = score / scale and h' = d score / d (scale x), then P = exp2(h scale_log2 - lse) and dS = P (dP - D) h'. lse,
+// dot: the stage's lse log2(e) and D from the lane's first query on. The three cases as hook_scores.
+template <class Hook, int N>
+__device__ __forceinline__ void hook_scores_and_grads(float (&s)[N], float (&dp)[N], const Hook& hook, int first_row,
+                                                      int first_key, float scale_log2, const float* lse,
+                                                      const float* dot) {
+  auto each_score = [&] {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float slope_of_score;
+      const float h = hook(s[i], first_row + acc_col_step(i), first_key + acc_row_step(i), slope_of_score);
+      s[i] = arch::exp2_approx(fmaf(h, scale_log2, -lse[acc_col_step(i)]));
+      dp[i] = s[i] * (dp[i] - dot[acc_col_step(i)]) * slope_of_score;
+    }
+  };
+  if (hook.softcapped()) {
+    if (hook.slope != 0.f) each_score();
+    else each_score();
+  } else if (hook.slope != 0.f) {
+    each_score();
+  } else {
+    each_score();  // a head whose ALiBi slope is 0: the identity, h' = 1
+  }
+}
+
 // Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
 // the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
 // 128 arrive). Up to 3 consumers: ids 1..6.

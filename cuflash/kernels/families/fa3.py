@@ -50,6 +50,7 @@ class WarpgroupTraits:
     block_m: int
     block_n: int
     stages: int = 2
+    hooked: bool = False  # the instance applies the score hook (softcap, ALiBi): the kernels' Hooked flag
 
     KERNEL: ClassVar[str]
     SOURCE: ClassVar[str]
@@ -78,7 +79,7 @@ class WarpgroupTraits:
         return KernelInstance(
             self.SOURCE,
             f"cuflash::{self.KERNEL}<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-            f"{self.stages}>",
+            f"{self.stages}{', true' if self.hooked else ''}>",
         )
 
 
@@ -89,18 +90,11 @@ class ForwardTraits(WarpgroupTraits):
     KERNEL: ClassVar[str] = "fa3_forward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_m"
-    hooked: bool = False  # the instance applies the score hook (softcap, ALiBi): the kernel's Hooked flag
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
-
-    def instance(self, dtype: str) -> KernelInstance:
-        plain = super().instance(dtype)
-        if not self.hooked:
-            return plain
-        return KernelInstance(plain.source, f"{plain.name_expr[:-1]}, true>")
 
     @property
     def smem_bytes(self) -> int:

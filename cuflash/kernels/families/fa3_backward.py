@@ -12,8 +12,9 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 ``tma_boxes``; AttentionParams.tma_loads per call), else with 16-byte loads, as the forward's.
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
-fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), no
-mask or causal, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), any
+mask (causal, sliding windows), softcap and ALiBi up to head dim 64 (the hooked instance), GQA/MQA, any seqlens, dQ
+by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -29,7 +30,7 @@ from .. import nvrtc
 from ..program import KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
-from .fa3 import ARCHS, DTYPES, WarpgroupTraits, compiled_head_dim
+from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, compiled_head_dim
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
@@ -73,6 +74,13 @@ BACKWARD_CHOICES = {
     64: BackwardTraits(64, block_m=64, block_n=128),
     128: BackwardTraits(128, block_m=64, block_n=128),
 }
+# Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
+# score hook and its derivative (fa3_backward.cu's Hooked). At head dims 64 only: the hooked d128 step spills 20 bytes
+# at the consumers' 224 registers (NVRTC 13.5: the dS^T tile's hoisted store addresses), so those backwards stay on
+# mma.sync (fa2_tc).
+HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True)}
+TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
+SERVED_OPTIONS = HOOK_OPTIONS
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,8 +99,8 @@ def toolchain_refusal() -> str | None:
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..128 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
-    blocks, tiles crossing an edge take the element-wise mask), and no other option; dQ by atomics or deterministic
-    (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
+    blocks, tiles crossing an edge take the element-wise mask), no option but softcap and ALiBi (SERVED_OPTIONS: the
+    hooked instances, head dims 1..64); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
@@ -103,8 +111,13 @@ def refusal(problem: Problem, target: Target) -> str | None:
         return toolchain
     if not 1 <= problem.headdim <= max(BACKWARD_CHOICES):
         return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {problem.headdim}"
-    if problem.options:
-        return f"no {', '.join(sorted(problem.options))} yet"
+    unserved = problem.options - SERVED_OPTIONS
+    if unserved:
+        return f"no {', '.join(sorted(unserved))} yet"
+    hooks = problem.options & HOOK_OPTIONS
+    if hooks and compiled_head_dim(problem.headdim) not in HOOKED_CHOICES:
+        return (f"{'/'.join(sorted(hooks))} at head dims 1..{max(HOOKED_CHOICES)} only, not {problem.headdim}: the "
+                f"hooked d128 instance spills")
     return None
 
 
@@ -113,9 +126,10 @@ def supports(problem: Problem, target: Target) -> bool:
     return refusal(problem, target) is None
 
 
-def backward_traits(headdim: int, target: Target) -> BackwardTraits:
-    """The tile for ``headdim`` (1..128: the next compiled head dim's), as fa2_tc.backward_traits."""
-    traits = BACKWARD_CHOICES[compiled_head_dim(headdim)]
+def backward_traits(headdim: int, target: Target, hooked: bool = False) -> BackwardTraits:
+    """The tile for ``headdim`` (1..128: the next compiled head dim's), as fa2_tc.backward_traits; ``hooked``: its
+    instance with the score hook."""
+    traits = (HOOKED_CHOICES if hooked else BACKWARD_CHOICES)[compiled_head_dim(headdim)]
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
@@ -123,14 +137,14 @@ def backward_traits(headdim: int, target: Target) -> BackwardTraits:
 def instances() -> list[KernelInstance]:
     """Every instance of the backward program: the main kernels, fa2's pre-pass and convert kernels."""
     return [i for dtype in DTYPES
-            for i in fa2.backward_program_instances(list(BACKWARD_CHOICES.values()), dtype)]
+            for i in fa2.backward_program_instances(list(TILES), dtype)]
 
 
 def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
     why = refusal(problem, target)
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
-    return backward_traits(problem.headdim, target)
+    return backward_traits(problem.headdim, target, hooked=bool(problem.options & HOOK_OPTIONS))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:

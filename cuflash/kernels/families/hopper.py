@@ -44,7 +44,7 @@ def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2
 def _backward_instances() -> list[KernelInstance]:
     """The backward's main kernels (its pre-pass and convert kernels are fa2's: fa2_tc lists them and owns them,
     compiled for sm_90)."""
-    return [traits.instance(dtype) for dtype in DTYPES for traits in fa3_backward.BACKWARD_CHOICES.values()]
+    return [traits.instance(dtype) for dtype in DTYPES for traits in fa3_backward.TILES]
 
 
 def instances(target: Target | None = None) -> list[KernelInstance]:
@@ -59,8 +59,7 @@ def instances(target: Target | None = None) -> list[KernelInstance]:
 def traits_of(instance: KernelInstance) -> WarpgroupTraits:
     """The forward's or the backward's traits of a Hopper kernel (KeyError: not one)."""
     if instance in _backward_instances():
-        return next(t for t in fa3_backward.BACKWARD_CHOICES.values()
-                    if instance in (t.instance(dtype) for dtype in DTYPES))
+        return next(t for t in fa3_backward.TILES if instance in (t.instance(dtype) for dtype in DTYPES))
     return fa3.traits_of(instance)  # KeyError for any other kernel
 
 
