@@ -140,8 +140,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 
   const bool tma = p.tma_loads != 0;  // the host made q's, k's, v's and dout's tensor maps (fa3_forward_traits.cuh)
   if (threadIdx.x == 0) {
-    // Arrivals that complete a copy's phase: the elected lane's (TMA), or every copying thread's (loads).
-    const unsigned copy_arrivals = tma ? 1u : unsigned(Tr::kCopyThreads);
+    const unsigned copy_arrivals = fa3::full_arrivals(tma, Tr::kCopyThreads);  // per copy
     arch::mbarrier_init(kv_full, 2 * copy_arrivals);     // K's and V's copies
     arch::mbarrier_init(kv_empty, Tr::kConsumerWarps);   // every consumer warp done with a K/V block
     for (int s = 0; s < Stages; ++s) {

@@ -151,13 +151,14 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
         const int keys = min(BlockN, seqlen_k - key0);
         arch::mbarrier_wait(empty_k + stage, previous_round);
         if (ragged_by_loads && keys < BlockN) {
+          constexpr auto kOnce = fa3::Arrival::kOnceByTheWarp;  // stands in for the warp's one TMA copy
           const KeyRows<const T> k_rows = info.k_rows<T>(p, key0);
-          fa3::produce_tile<KVTile, 32>(k_tile(stage), fa3::KeyRowsAt<T>{k_rows}, keys, d, k_rows.rows_16b_aligned(),
-                                        thread, full_k + stage);
+          fa3::produce_tile<KVTile, 32, fa3::kLoadsInFlight, kOnce>(k_tile(stage), fa3::KeyRowsAt<T>{k_rows}, keys, d,
+                                                                   k_rows.rows_16b_aligned(), thread, full_k + stage);
           arch::mbarrier_wait(empty_v + stage, previous_round);
           const KeyRows<const T> v_rows = info.v_rows<T>(p, key0);
-          fa3::produce_tile<KVTile, 32>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, d, v_rows.rows_16b_aligned(),
-                                        thread, full_v + stage);
+          fa3::produce_tile<KVTile, 32, fa3::kLoadsInFlight, kOnce>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, d,
+                                                                   v_rows.rows_16b_aligned(), thread, full_v + stage);
           continue;
         }
         if (leader)

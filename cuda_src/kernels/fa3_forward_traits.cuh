@@ -160,10 +160,11 @@ __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
 //     async proxy and arrives. For what TMA cannot address (a tensor map needs a 16-byte aligned base and strides
 //     of whole 16 bytes: head dims not a multiple of 8, odd strides) and callers that make no maps (the JAX
 //     handlers).
-// How many arrivals complete a "full" phase: one per producer thread on the load path, the elected thread's one
-// with TMA.
-constexpr int kFullArrivals = kWarpgroupThreads;
-__device__ __forceinline__ unsigned full_arrivals(bool tma) { return tma ? 1u : unsigned(kFullArrivals); }
+// How many arrivals complete a "full" phase per copy: the elected thread's one with TMA, one per copying thread on
+// the load path (the forward's whole producer warpgroup; the backward's 96 copying threads).
+__device__ __forceinline__ unsigned full_arrivals(bool tma, int copy_threads = kWarpgroupThreads) {
+  return tma ? 1u : static_cast<unsigned>(copy_threads);
+}
 
 // The tile at rows at.x .. at.x + Tile::kRows - 1 of (head, at.y) through `map` (box: 64 columns x Tile::kRows
 // rows; `at` from BlockInfo's q_tma_coords / key_tma_coords: the row and the batch, or a paged cache's row in the
@@ -204,16 +205,20 @@ __device__ __forceinline__ const arch::TensorMap* tensor_map(const unsigned long
 // producer, 48 registers with the dQ writer's loop and the TMA path beside this one, spilled 28 bytes with 2). Then
 // each thread orders its generic-proxy stores before the wgmma (async proxy) that will read them
 // (fence.proxy.async) and arrives on `full`. Threads: the copying threads (thread 0 .. Threads - 1): the producer
-// warpgroup; 96, the backward's (its fourth warp writes dQ), each arriving; or 32 (one warp: the forward's TMA
-// producer, copying a ragged block the map cannot zero-fill), which arrives once, from lane 0, after the warp's
-// stores (__syncwarp), as one TMA copy would.
+// warpgroup, or 96, the backward's (its fourth warp writes dQ). Arrival: kEachThread, each of them arriving
+// (full_arrivals' count on the load path); kOnceByTheWarp (one warp copying: the forward's TMA producer with a
+// ragged block the map cannot zero-fill), lane 0 arriving once after the warp's stores (__syncwarp), as the one TMA
+// copy it stands in for would.
 constexpr int kLoadsInFlight = 2;
-template <class Tile, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight, class RowAt>
+enum class Arrival { kEachThread, kOnceByTheWarp };
+template <class Tile, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight,
+          Arrival Arrives = Arrival::kEachThread, class RowAt>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, int valid_rows, int cols, bool vector,
                                              int thread, uint64_t* full) {
   using T = typename RowAt::Element;
   static_assert(sizeof(T) == 2, "wgmma tiles hold 16-bit elements");
   static_assert(Threads % 32 == 0 && Threads <= kWarpgroupThreads, "whole warps of the producer warpgroup");
+  static_assert(Arrives == Arrival::kEachThread || Threads == 32, "one arrival stands for one warp's copy");
   constexpr int kChunks = Tile::kRows * Tile::kChunksPerRow;
   constexpr int kRound = Loads * Threads;                // chunks the copying threads take per iteration
   constexpr bool kWholeRounds = kChunks % kRound == 0;   // else the last round's chunks past kChunks skipped
@@ -252,7 +257,7 @@ __device__ __forceinline__ void produce_tile(unsigned char* tile, RowAt row_at, 
     }
   }
   arch::fence_proxy_async();
-  if constexpr (Threads == 32) {
+  if constexpr (Arrives == Arrival::kOnceByTheWarp) {
     __syncwarp();
     if (thread == 0) arch::mbarrier_arrive(full);
   } else {
