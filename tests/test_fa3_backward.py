@@ -4,6 +4,7 @@ on the simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 * dq, dk, dv against the float64 reference with FlashAttention's rule (test_fa2._check_backward): float16 and
   bfloat16, head dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128,
   300/129), MHA, GQA and MQA in rotation; out and lse from the Hopper forward.
+* Varlen through cuflash.attention_varlen_backward (the reference; a NaN sequence never reaches its neighbours).
 * Sliding windows through cuflash.attention_backward: the reference, dq 0 on rows without a key, the traffic formula
   (only the band's Q blocks; K/V blocks no query sees are not read).
 * Race mode clean on one case per head dim (mbarrier and named-barrier edges, wgmma in flight, async-proxy reads of
@@ -208,6 +209,63 @@ def test_plain_instance_traps_on_softcap():
               **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
     with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
         run_program(backend, plain, capped, 0.125, arrays)
+
+
+# Varlen: packed sequences through cuflash.attention_varlen_backward on the simulator targeting sm_90 (the TMA maps
+# span the packed arrays; a sequence's ragged last K/V and Q blocks are copied with loads, zero-filled): empty,
+# single-row and multi-block sequences, seqlen_q < and > seqlen_k, GQA/MQA, masks, a head dim TMA cannot take (d100:
+# the load path), deterministic in rotation.
+VARLEN_CASES = {
+    "empty-and-ragged": (([5, 0, 70, 33], [9, 3, 140, 0]), (2, 2, 64), dict(), "float16", False),
+    "several-blocks-causal": (([250, 130], [203, 7]), (4, 2, 128), dict(causal=True), "bfloat16", True),
+    "q-longer-then-k-longer-window": (([200, 17], [17, 200]), (3, 1, 64), dict(window_size=(11, 4)), "float16",
+                                      True),
+    "single-rows-d100": (([1, 1, 1], [1, 300, 2]), (4, 2, 100), dict(causal=True, window_size=(19, -1)),
+                         "bfloat16", False),
+}
+
+
+def _varlen_backward(q, k, v, dout, lengths, options, deterministic):
+    from test_varlen import _cu
+
+    cu_q, cu_k = _cu(lengths[0]), _cu(lengths[1])
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, deterministic=deterministic,
+                                                  **options)
+    assert records.launches[2].kernel.startswith("cuflash::fa3_backward_kernel<"), records.launches[2].kernel
+    return grads, (cu_q, cu_k)
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_varlen_matches_reference(case):
+    from test_varlen import _packed_inputs
+
+    lengths, (nheads, nheads_k, headdim), options, dtype, deterministic = VARLEN_CASES[case]
+    q, k, v, dout = _packed_inputs(*lengths, nheads, nheads_k, headdim, dtype, seed=len(case))
+    (dq, dk, dv), cu_seqlens = _varlen_backward(q, k, v, dout, lengths, options, deterministic)
+    ref = tol.backward_references(dout, q, k, v, cu_seqlens=cu_seqlens, **options)
+    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
+                                   ("dv", dv, ref.dv, ref.dv_lowp)):
+        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+
+
+def test_varlen_sequences_do_not_see_their_neighbours_nan():
+    """The middle sequence's q and v are NaN: its neighbours' gradients are bitwise those of a clean run (their
+    ragged last blocks are copied with loads: a map would read the NaN rows into their tiles, and P's and dS's zeros
+    would not keep them out of dV and dQ)."""
+    from test_varlen import _packed_inputs
+
+    lengths = ([70, 90, 33], [140, 100, 60])
+    q, k, v, dout = _packed_inputs(*lengths, 4, 2, 64, "float16", seed=5)
+    clean, _ = _varlen_backward(q, k, v, dout, lengths, {}, True)
+    q[70:160] = np.nan
+    v[140:240] = np.nan
+    poisoned, _ = _varlen_backward(q, k, v, dout, lengths, {}, True)
+    rows = {"dq": np.r_[0:70, 160:193], "dk": np.r_[0:140, 240:300], "dv": np.r_[0:140, 240:300]}
+    for name, a, b in zip(("dq", "dk", "dv"), clean, poisoned):
+        assert np.array_equal(a[rows[name]].view(np.uint16), b[rows[name]].view(np.uint16)), name
+    assert np.isnan(poisoned[0][70:160].astype(np.float32)).any()  # the poisoned sequence's own
 
 
 # Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory

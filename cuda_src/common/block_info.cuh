@@ -182,6 +182,10 @@ struct BlockInfo {
   __device__ __forceinline__ static bool keys_end_inside_array(const AttentionParams& p) {
     return varlen(p) || p.seqused_k != nullptr;
   }
+  // The same for the queries: packed varlen sequences (their used counts among them).
+  __device__ __forceinline__ static bool queries_end_inside_array(const AttentionParams& p) {
+    return varlen(p) || p.seqused_q != nullptr;
+  }
 
   // Float32 per-row statistics (lse, dout_dot_out, row_max, row_sum): (batch, nheads, seqlen_q), or
   // (nheads, total_q) for varlen (FlashAttention-2's layout).

@@ -20,7 +20,10 @@
 //       TMA (the host made q's, k's, v's and dout's tensor maps, in the __grid_constant__ params): warp 0 alone
 //         copies (warps 1 and 2 exit); one elected lane arrives on "kv_full" / the stage's "full" expecting each
 //         tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma; the maps
-//         zero-fill rows past the sequence and columns past the head dim); its 32 lanes load the step's row
+//         zero-fill rows past the array and columns past the head dim; where rows past a sequence are other data,
+//         packed varlen sequences, a ragged last K/V or Q block is copied by warp 0's lanes with loads, zero-filled,
+//         one arrival standing for the copy: the backward sums over keys and queries, and P's and dS's zeros would
+//         not keep a NaN there out of dV, dK or dQ); its 32 lanes load the step's row
 //         statistics (2 rows each, before the wait for the stage, so their latency hides behind it) and store them,
 //         __syncwarp ordering the stores before the elected lane's arrival.
 //       Loads (what TMA cannot address, callers without maps): warps 0 .. 2 (kCopyThreads) copy with 16-byte loads
@@ -190,6 +193,12 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     // TMA: warp 0 copies (one elected lane issues, all 32 load the row statistics); warps 1 and 2 have nothing to do.
     if (tma && thread >= 32 && !dq_writer) return;
     const bool issuer = tma && thread < 32 && arch::elect_one_sync();
+    // Where the rows past a sequence's keys (queries) are other data a map would read (packed varlen sequences), its
+    // ragged last K/V block (Q block) is copied by warp 0 with loads, zero-filled, one arrival standing for the TMA
+    // copy's: the backward sums over both, and P's and dS's zeros would not keep a NaN there out of dV, dK or dQ.
+    const bool ragged_keys_by_loads = tma && BlockInfo::keys_end_inside_array(p);
+    const bool ragged_rows_by_loads = tma && BlockInfo::queries_end_inside_array(p);
+    constexpr auto kOnce = fa3::Arrival::kOnceByTheWarp;
 #pragma unroll 1
     for (int key0 = first_key0; key0 < seqlen_k; key0 += key0_step) {
       const int block_keys = min(BlockN, seqlen_k - key0);
@@ -199,7 +208,14 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       if (steps == 0) continue;
       if (!dq_writer) {
         arch::mbarrier_wait(kv_empty, (kv_round & 1) ^ 1);
-        if (tma) {
+        if (tma && ragged_keys_by_loads && block_keys < BlockN) {
+          const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
+          const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
+          fa3::produce_tile<KVTile, T, 32, 1, kOnce>(k_tile, k, p.k_stride.row, block_keys, d,
+                                                     fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
+          fa3::produce_tile<KVTile, T, 32, 1, kOnce>(v_tile, v, p.v_stride.row, block_keys, d,
+                                                     fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
+        } else if (tma) {
           if (issuer) {
             fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), kv_info.key_tma_coords(p, key0), kv_head,
                                           kv_full);
@@ -255,7 +271,15 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
             dot_rows(stage)[thread + 32 * r] = dot[r];
           }
           __syncwarp();
-          if (issuer) {
+          if (ragged_rows_by_loads && rows < BlockM) {
+            const T* q = info.q<T>(p) + row0 * p.q_stride.row;
+            const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
+            fa3::produce_tile<QTile, T, 32, 1, kOnce>(q_tile(stage), q, p.q_stride.row, rows, d,
+                                                      fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
+            fa3::produce_tile<QTile, T, 32, 1, kOnce>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+                                                      fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
+                                                      full + stage);
+          } else if (issuer) {
             fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), head,
                                         full + stage);
             fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), info.q_tma_coords(p, row0), head,

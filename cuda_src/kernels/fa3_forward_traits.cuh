@@ -274,10 +274,12 @@ struct StridedRows {
   __device__ __forceinline__ const T* operator()(int r) const { return base + r * row_stride; }
 };
 // The load path over a strided block: rows `row_stride` elements apart from src (the backward's Q, K, V, dO tiles).
-template <class Tile, class T, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight>
+template <class Tile, class T, int Threads = kWarpgroupThreads, int Loads = kLoadsInFlight,
+          Arrival Arrives = Arrival::kEachThread>
 __device__ __forceinline__ void produce_tile(unsigned char* tile, const T* src, long long row_stride, int valid_rows,
                                              int cols, bool vector, int thread, uint64_t* full) {
-  produce_tile<Tile, Threads, Loads>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread, full);
+  produce_tile<Tile, Threads, Loads, Arrives>(tile, StridedRows<T>{src, row_stride}, valid_rows, cols, vector, thread,
+                                              full);
 }
 // Row r of key rows (BlockInfo's KeyRows: contiguous or paged).
 template <class T>

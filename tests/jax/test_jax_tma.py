@@ -258,3 +258,30 @@ def test_varlen_and_kv_cache_calls_take_the_numpy_paths_copies(case):
     assert all((tma_loads(launch) > 0) == expect_tma for launch in forwards)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), out_np.view(np.uint16))
     np.testing.assert_array_equal(np.asarray(lse), lse_np)
+
+
+def test_varlen_grad_runs_the_hopper_backward_with_the_numpy_paths_bits():
+    """jax.grad of a varlen call: the Hopper backward (its maps over the packed q, k, v and dout; ragged last blocks
+    by loads), the NumPy path's launches and bits."""
+    rng = np.random.default_rng(8)
+    lengths_q, lengths_k = [70, 0, 33], [140, 9, 60]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 4, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 64)).astype(np.float16) for _ in range(2))
+    weights = rng.standard_normal(q.shape).astype(np.float16)
+    sizes = dict(max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), causal=True)
+
+    def loss(q, k, v):
+        return jnp.sum(cfj.attention_varlen(q, k, v, cu_q, cu_k, **sizes).astype(jnp.float32) * weights)
+
+    with sim.targeting("sm_90"):
+        with record_launches() as jax_launches:
+            grads = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+        with sim.record() as numpy_launches:
+            out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **sizes)
+            want = cuflash.attention_varlen_backward(weights, q, k, v, out, lse, cu_q, cu_k, **sizes)
+    assert any(launch.kernel.startswith("cuflash::fa3_backward_kernel") for launch in jax_launches)
+    assert [launch.kernel for launch in jax_launches] == [launch.kernel for launch in numpy_launches.launches]
+    for name, ours, theirs in zip(("dq", "dk", "dv"), grads, want):
+        np.testing.assert_array_equal(np.asarray(ours).view(np.uint16), theirs.view(np.uint16), err_msg=name)

@@ -13,8 +13,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), any
-mask (causal, sliding windows), softcap and ALiBi up to head dim 64 (the hooked instance), GQA/MQA, any seqlens, dQ
-by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+mask (causal, sliding windows), softcap and ALiBi up to head dim 64 (the hooked instance), varlen batches, GQA/MQA,
+any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -80,7 +80,7 @@ BACKWARD_CHOICES = {
 # mma.sync (fa2_tc).
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True)}
 TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
-SERVED_OPTIONS = HOOK_OPTIONS
+SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,8 +99,9 @@ def toolchain_refusal() -> str | None:
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..128 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
-    blocks, tiles crossing an edge take the element-wise mask), no option but softcap and ALiBi (SERVED_OPTIONS: the
-    hooked instances, head dims 1..64); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
+    blocks, tiles crossing an edge take the element-wise mask), no option but varlen, softcap and ALiBi
+    (SERVED_OPTIONS; the latter two by the hooked instances, head dims 1..64); dQ by atomics or deterministic (fa2's
+    slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
