@@ -75,9 +75,10 @@ BACKWARD_CHOICES = {
     128: BackwardTraits(128, block_m=64, block_n=128),
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
-# score hook and its derivative (fa3_backward.cu's Hooked). At head dims 64 only: the hooked d128 step spills 20 bytes
-# at the consumers' 224 registers (NVRTC 13.5: the dS^T tile's hoisted store addresses), so those backwards stay on
-# mma.sync (fa2_tc).
+# score hook and its derivative (fa3_backward.cu's Hooked). At head dims 64 only: the hooked d128 step spills at the
+# consumers' 224 registers (NVRTC 13.5), so those backwards stay on mma.sync (fa2_tc). Tried: the one pass after both
+# waits (20 bytes: the dS^T tile's hoisted store addresses; computing those per step still spilled 20), two passes
+# (48), the softcap's tanh while dP^T is in flight and the rest from it after (44).
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True)}
 TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
