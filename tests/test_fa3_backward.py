@@ -120,6 +120,12 @@ def test_backward_matches_reference(shape, dtype, causal):
     _check_backward(dout, q, k, v, _backward(q, k, v, dout, out, lse, causal), causal, None)
 
 
+def _check_against(ref, grads, atol=1e-5):
+    """dq, dk, dv against tol.backward_references' ``ref`` by FlashAttention's rule."""
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(ref, name), getattr(ref, f"{name}_lowp"), tol.BACKWARD_FACTOR, atol)
+
+
 # Sliding windows through cuflash.attention_backward on the simulator targeting sm_90 (the forward's too): the main
 # kernel visits only the Q blocks the band reaches (mask.cuh's q_blocks: the traffic formula's), tiles crossing an
 # edge take the element-wise mask; rows and whole Q blocks that see no key (dq 0 there), one side only, with causal,
@@ -144,10 +150,7 @@ def test_windows_match_reference(case):
     assert [r.kernel.split("<")[0] for r in records.launches] == [
         "cuflash::fa3_forward_kernel", "cuflash::fa2_dout_dot_out_kernel", "cuflash::fa3_backward_kernel",
         "cuflash::fa2_convert_dq_kernel"]
-    ref = tol.backward_references(dout, q, k, v, causal=causal, window_size=window)
-    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
-                                   ("dv", dv, ref.dv, ref.dv_lowp)):
-        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+    _check_against(tol.backward_references(dout, q, k, v, causal=causal, window_size=window), (dq, dk, dv))
     empty = rows_without_key(q.shape[1], k.shape[1], causal, window)
     assert np.all(dq.astype(np.float32)[:, empty] == 0)
     if case == "rows-without-key":
@@ -185,10 +188,7 @@ def test_softcap_and_alibi_match_reference(case):
         dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     main = records.launches[2].kernel
     assert main.startswith("cuflash::fa3_backward_kernel<") and main.endswith(", 64, 64, 128, 2, true>"), main
-    ref = tol.backward_references(dout, q, k, v, **options)
-    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
-                                   ("dv", dv, ref.dv, ref.dv_lowp)):
-        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+    _check_against(tol.backward_references(dout, q, k, v, **options), (dq, dk, dv))
 
 
 def test_hooked_backward_above_head_dim_64_stays_on_mma_sync():
@@ -244,10 +244,7 @@ def test_varlen_matches_reference(case):
     lengths, (nheads, nheads_k, headdim), options, dtype, deterministic = VARLEN_CASES[case]
     q, k, v, dout = _packed_inputs(*lengths, nheads, nheads_k, headdim, dtype, seed=len(case))
     (dq, dk, dv), cu_seqlens = _varlen_backward(q, k, v, dout, lengths, options, deterministic)
-    ref = tol.backward_references(dout, q, k, v, cu_seqlens=cu_seqlens, **options)
-    for name, got, exact, lowp in (("dq", dq, ref.dq, ref.dq_lowp), ("dk", dk, ref.dk, ref.dk_lowp),
-                                   ("dv", dv, ref.dv, ref.dv_lowp)):
-        tol.check_close(name, got, exact, lowp, tol.BACKWARD_FACTOR, 1e-5)
+    _check_against(tol.backward_references(dout, q, k, v, cu_seqlens=cu_seqlens, **options), (dq, dk, dv))
 
 
 def test_varlen_sequences_do_not_see_their_neighbours_nan():
