@@ -265,6 +265,35 @@ def test_varlen_sequences_do_not_see_their_neighbours_nan():
     assert np.isnan(poisoned[0][70:160].astype(np.float32)).any()  # the poisoned sequence's own
 
 
+def test_varlen_used_prefixes_read_no_unused_row():
+    """seqused_q / seqused_k: the rows past each sequence's used prefix hold NaN; the used rows' gradients are bitwise
+    those of the prefixes packed alone (deterministic mode, both on the Hopper backward), the unused rows' 0."""
+    from test_varlen import _cu, _packed_inputs, _prefixes
+
+    lengths_q, lengths_k, used_q, used_k = [70, 5, 130], [140, 9, 203], [64, 0, 77], [100, 9, 150]
+    q, k, v, dout = _packed_inputs(lengths_q, lengths_k, 4, 2, 64, "bfloat16", seed=9)
+    q_used, dout_used = _prefixes(q, lengths_q, used_q), _prefixes(dout, lengths_q, used_q)
+    k_used, v_used = _prefixes(k, lengths_k, used_k), _prefixes(v, lengths_k, used_k)
+    rows_q = ~cuflash._validation.unused_rows(_cu(lengths_q), np.array(used_q, np.int32), len(q))
+    rows_k = ~cuflash._validation.unused_rows(_cu(lengths_k), np.array(used_k, np.int32), len(k))
+    for x, rows in ((q, rows_q), (dout, rows_q), (k, rows_k), (v, rows_k)):
+        x[~rows] = np.nan
+    counts = dict(seqused_q=np.array(used_q, np.int32), seqused_k=np.array(used_k, np.int32))
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention_varlen(q, k, v, _cu(lengths_q), _cu(lengths_k), return_lse=True, causal=True,
+                                            **counts)
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, _cu(lengths_q), _cu(lengths_k),
+                                                  causal=True, deterministic=True, **counts)
+        out_used, lse_used = cuflash.attention_varlen(q_used, k_used, v_used, _cu(used_q), _cu(used_k),
+                                                      return_lse=True, causal=True)
+        want = cuflash.attention_varlen_backward(dout_used, q_used, k_used, v_used, out_used, lse_used, _cu(used_q),
+                                                 _cu(used_k), causal=True, deterministic=True)
+    assert sum(r.kernel.startswith("cuflash::fa3_backward_kernel<") for r in records.launches) == 2
+    for name, got, wanted, rows in zip(("dq", "dk", "dv"), grads, want, (rows_q, rows_k, rows_k)):
+        assert np.array_equal(got[rows].view(np.uint16), wanted.view(np.uint16)), name
+        assert np.all(got[~rows].astype(np.float32) == 0), name
+
+
 # Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory
 # (they add nothing to S^T or dP^T), dQ's atomics and dK/dV's stores guarded by column; whole chunks (40), a chunk the
 # head dim cuts (100: element loads), a single column.
