@@ -78,7 +78,8 @@ BACKWARD_CHOICES = {
 # score hook and its derivative (fa3_backward.cu's Hooked). At head dims 64 only: the hooked d128 step spills at the
 # consumers' 224 registers (NVRTC 13.5), so those backwards stay on mma.sync (fa2_tc). Tried: the one pass after both
 # waits (20 bytes: the dS^T tile's hoisted store addresses; computing those per step still spilled 20), two passes
-# (48), the softcap's tanh while dP^T is in flight and the rest from it after (44).
+# (48), the softcap's tanh while dP^T is in flight and the rest from it after (44), P formed as in the plain step and
+# the derivative recovered from it after the wait with lg2.approx (52; none without ALiBi's term in it).
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True)}
 TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
