@@ -161,41 +161,67 @@ def test_windows_match_reference(case):
     assert _launch_traffic(records)[2] == tuple(main)
 
 
-# Softcap and ALiBi: the hooked instance (head dims up to 64), P and dS through mask.cuh's ScoreHook and its derivative;
-# with a causal window, per-batch and per-head slopes, ragged and GQA, deterministic in rotation, race mode on one; a
-# plain instance launched with softcap traps. Head dims above 64
-# keep the mma.sync backward (the hooked d128 instance spills).
+# Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
+# from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
+# (on 128), deterministic in rotation, race mode on one. Softcap with ALiBi at once is the d64 instance's only: the
+# d128 one takes either (its step spills with both) and traps on both; a plain instance traps on either.
 HOOK_CASES = {
     "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
     "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),
     "softcap-alibi-window-causal": ((1, 300, 129, 4, 2, 40), "bfloat16",
                                     dict(window_size=(30, 5), causal=True, softcap=4.0, alibi=(4,))),
+    "softcap-d128-causal": ((1, 200, 130, 4, 2, 128), "float16", dict(softcap=6.0, causal=True, deterministic=True)),
+    "alibi-d100-window": ((2, 130, 77, 3, 1, 100), "bfloat16", dict(alibi=(3,), window_size=(50, 10))),
 }
 
 
-@pytest.mark.parametrize("case", list(HOOK_CASES))
-def test_softcap_and_alibi_match_reference(case):
-    shape, dtype, options = HOOK_CASES[case]
-    q, k, v, dout = _inputs(shape, dtype, seed=len(case))
-    options = dict(options)
+def _hooked_options(case):
+    options = dict(HOOK_CASES[case][2])
     deterministic = options.pop("deterministic", False)
     slopes_shape = options.pop("alibi", None)
     if slopes_shape is not None:
         options["alibi_slopes"] = np.random.default_rng(len(case)).uniform(0.02, 0.6, slopes_shape).astype(np.float32)
+    return options, deterministic
+
+
+@pytest.mark.parametrize("case", list(HOOK_CASES))
+def test_softcap_and_alibi_match_reference(case):
+    shape, dtype, _ = HOOK_CASES[case]
+    q, k, v, dout = _inputs(shape, dtype, seed=len(case))
+    options, deterministic = _hooked_options(case)
     race = sim.checking("race") if case == "softcap" else contextlib.nullcontext()
     with sim.targeting("sm_90"), sim.record() as records, race:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
         dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     main = records.launches[2].kernel
-    assert main.startswith("cuflash::fa3_backward_kernel<") and main.endswith(", 64, 64, 128, 2, true>"), main
+    head_dim = fa3.compiled_head_dim(shape[-1])
+    assert main.startswith(f"cuflash::fa3_backward_kernel<") and f", {head_dim}, 64, 128, 2, true" in main, main
     _check_against(tol.backward_references(dout, q, k, v, **options), (dq, dk, dv))
 
 
-def test_hooked_backward_above_head_dim_64_stays_on_mma_sync():
+def test_softcap_with_alibi_above_head_dim_64_stays_on_mma_sync():
     problem = Problem(dtype="float16", batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_k=2, headdim=100,
-                      softcap=3.0)
-    assert fa3_backward.refusal(problem, SM90).startswith("softcap at head dims 1..64 only, not 100")
-    assert fa3_backward.refusal(dataclasses.replace(problem, headdim=64, headdim_v=64), SM90) is None
+                      softcap=3.0, alibi="heads")
+    assert fa3_backward.refusal(problem, SM90).startswith("softcap with ALiBi at head dims 1..64 only, not 100")
+    for served in (dataclasses.replace(problem, alibi=None), dataclasses.replace(problem, softcap=0.0),
+                   dataclasses.replace(problem, headdim=64, headdim_v=64)):
+        assert fa3_backward.refusal(served, SM90) is None, served
+
+
+def test_the_d128_hooked_instance_traps_on_softcap_with_alibi():
+    """It has no case for both at once: launched with both it traps rather than drop ALiBi's term from dS."""
+    q, k, v, dout = _inputs((1, 70, 90, 2, 2, 128), "float16", seed=38)
+    out, lse = _forward(q, k, v, False)
+    softcap_only = dataclasses.replace(_problem(q, k, False), softcap=3.0)
+    program = fa3_backward.backward_program(softcap_only, SM90)
+    assert program.launches[1].kernel.name_expr.endswith(", true, false>")
+    both = dataclasses.replace(softcap_only, alibi="heads")
+    backend = SimulatorBackend()
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+              "alibi_slopes": np.full((2,), 0.1, np.float32),
+              **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
+    with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
+        run_program(backend, program, both, 0.125, arrays)
 
 
 def test_plain_instance_traps_on_softcap():

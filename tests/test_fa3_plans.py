@@ -91,14 +91,17 @@ def test_the_plan_says_which_kernel_runs_and_why():
     said = plans.explain("fa2", _problem(), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")
     assert "fa3_backward_kernel<__nv_bfloat16, 128, 64, 128" in said
-    # The forward serves softcap and ALiBi (the hooked instance); the backward up to head dim 64.
+    # Softcap and ALiBi: the forward's hooked instance; the backward's (both at once up to head dim 64 only).
     said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90)
     assert said.startswith("fa2 forward on sm_90: hopper (") and "128, 128, 128, 2, true>" in said
-    said = plans.explain("fa2", _problem(softcap=5.0, headdim=64), SM90, "backward")
+    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads", headdim=64), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (") and "64, 64, 128, 2, true>" in said
-    said = plans.explain("fa2", _problem(softcap=5.0), SM90, "backward").splitlines()
+    said = plans.explain("fa2", _problem(softcap=5.0), SM90, "backward")
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 128, 2, true, false>" in said
+    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90, "backward").splitlines()
     assert said[0].startswith("fa2 backward on sm_90: tensor_core")
-    assert said[1] == "  not hopper: softcap at head dims 1..64 only, not 100: the hooked d128 instance spills"
+    assert said[1] == ("  not hopper: softcap with ALiBi at head dims 1..64 only, not 100: the hooked d128 instance "
+                       "takes one")
     said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")  # windows: both directions
     assert "head dims 1..128 only, not 160" in plans.explain("fa2", _problem(headdim=160), SM90, "backward")

@@ -9,7 +9,7 @@
 //
 // Instruction families (each guarded by static checks on the types it takes):
 //   - special registers: dynamic_smem_size  (mov %dynamic_smem_size)
-//   - exponentials:      exp2_approx        (ex2.approx.ftz.f32)
+//   - exponentials:      exp2_approx        (ex2.approx.ftz.f32), log2_approx (lg2.approx.ftz.f32)
 //   - global memory:     load / store / atomic_add (red.global.add.f32), atomic_add2 (red.global.add.v2.f32,
 //                        sm_90)
 //   - tensor cores:      mma_m16n8k16<T>    (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16})
@@ -108,6 +108,12 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// log2(x), within 2^-22 absolute (the PTX ISA's bound for lg2.approx); +0 (and subnormals, flushed) -> -inf.
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

@@ -4,9 +4,9 @@
 // (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
 // dq_accum slices) after it, with fa2's dq_accum scratch, layout and slice rules (fa2.py's backward_program_for).
 //
-// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked>: grid = (X, nheads_k, batch); block x takes the
-// K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each, dq_accum's one slice
-// added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by one
+// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks>: grid = (X, nheads_k, batch); block x
+// takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each,
+// dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by one
 // bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
 // group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
 // q_blocks).
@@ -93,10 +93,12 @@
 namespace cuflash {
 
 // Hooked: the instance applies mask.cuh's ScoreHook (softcap, ALiBi) to every score and its derivative to dS, as the
-// forward's Hooked instances (a template flag: only problems with softcap or ALiBi run them). The hooked step waits
-// for S^T and dP^T together and forms P and dS in one pass (the hook's d score / d (scale x) per score is not kept
-// across the dP^T wait: 32 registers more than the consumers have), so P is no longer formed while dP^T is in flight.
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false>
+// forward's Hooked instances (a template flag: only problems with softcap or ALiBi run them). P^T is formed from the
+// hook's scores while dP^T is in flight, as in the plain step; the hook's d score / d (scale x), which dS^T takes, is
+// recovered from P once dP^T landed (ScoreHook::slope_of_probability): kept from before the wait it took a float
+// more per score than the consumers have (the d128 step spilled). BothHooks false: an instance that takes softcap or
+// ALiBi but not both at once (fa3::hooked_ds: the d128 step spills with that case; launched with both it traps).
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true>
 __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
   using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages>;
@@ -108,7 +110,8 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
       p.headdim_v != p.headdim || (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
-      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)))  // would drop them silently
+      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
+      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr))
     __trap();
 
   const int kv_head = blockIdx.y;
@@ -385,34 +388,26 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         // Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).
         const float* lse = lse_rows(stage);
         const float* dot = dot_rows(stage);
-        const bool tile_masked = mask.tile_needs_mask(row0, rows, key0 + key_base, 64);  // block-uniform
-        if constexpr (Hooked) {
-          // P^T and dS^T in one pass once both products landed: dS = P (dP - D) d score / d (scale x).
-          // ALiBi's slope is the step's head's; its diagonal the sequence's (any head of the group's kv_info).
-          const ScoreHook hook{p, kv_info, ScoreHook::of(p, BlockInfo::of_group_head(batch, kv_head, head)).slope};
-          arch::wgmma_wait<0>(s);
-          arch::wgmma_wait<0>(dp);
-          fa3::hook_scores_and_grads(s, dp, hook, row0 + first_col, key0 + first_key, scale_log2, lse + first_col,
-                                     dot + first_col);
-          // The element-wise mask after the hook (softcap of a hidden score is no hidden score), on both.
-          if (tile_masked) {
-            const TileEdges edges = mask.tile_edges(row0, rows, key0 + key_base, 64);
-            fa3::mask_scores<true>(s, mask, edges, row0 + first_col, key0 + first_key, 0.f);
-            fa3::mask_scores<true>(dp, mask, edges, row0 + first_col, key0 + first_key, 0.f);
-          }
-        } else {
-          // P^T while dP^T is in flight.
-          arch::wgmma_wait<1>(s);
+        // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
+        // hook's derivative, recovered from P: no second float per score kept across the wait).
+        const ScoreHook hook{p, kv_info, Hooked ? ScoreHook::of(p, BlockInfo::of_group_head(batch, kv_head, head)).slope
+                                                : 0.f};  // ALiBi: the step's head's slope, the sequence's diagonal
+        arch::wgmma_wait<1>(s);
+        if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
 #pragma unroll
-          for (int i = 0; i < Tr::kAccS; ++i)
-            s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
-          // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop),
-          // the forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
-          // instructions at d128, 224 registers).
-          if (tile_masked)
-            fa3::mask_scores<true>(s, mask, mask.tile_edges(row0, rows, key0 + key_base, 64), row0 + first_col,
-                                   key0 + first_key, 0.f);
-          arch::wgmma_wait<0>(dp);
+        for (int i = 0; i < Tr::kAccS; ++i)
+          s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+        // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop), the
+        // forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
+        // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
+        if (mask.tile_needs_mask(row0, rows, key0 + key_base, 64))
+          fa3::mask_scores<true>(s, mask, mask.tile_edges(row0, rows, key0 + key_base, 64), row0 + first_col,
+                                 key0 + first_key, 0.f);
+        arch::wgmma_wait<0>(dp);
+        if constexpr (Hooked) {
+          fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - (key0 + first_key),
+                                    1.f / scale_log2, lse + first_col, dot + first_col);
+        } else {
 #pragma unroll
           for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
         }

@@ -337,11 +337,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mas
 // loop with the hook's tests folded; left in the hook, ptxas kept them per score (2 branches a score: the d128
 // 128 x 128 softcap step 1123 instructions against 987 so, loop census). The copies cost compile time: NVRTC took
 // about 24 s for that instance against 11 s with one copy (6.5 s for the plain one), on a loaded 2-core machine.
-template <class Hook, int N>
+// KeysAsRows: the accumulator is S^T (the backward's), as mask_scores'.
+template <bool KeysAsRows = false, class Hook, int N>
 __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int first_row, int first_key) {
   auto each_score = [&] {
 #pragma unroll
-    for (int i = 0; i < N; ++i) s[i] = hook(s[i], first_row + acc_row_step(i), first_key + acc_col_step(i));
+    for (int i = 0; i < N; ++i)
+      s[i] = KeysAsRows ? hook(s[i], first_row + acc_col_step(i), first_key + acc_row_step(i))
+                        : hook(s[i], first_row + acc_row_step(i), first_key + acc_col_step(i));
   };
   if (hook.softcapped()) {
     if (hook.slope != 0.f) each_score();
@@ -349,6 +352,32 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
   } else if (hook.slope != 0.f) {
     each_score();
   }  // neither: the identity
+}
+
+// The backward's hooked dS^T from P^T (s) and dP^T (dp), its accumulators' layout (rows keys, columns queries:
+// register i at query first_row + acc_col_step(i), key first_key + acc_row_step(i)): dS = P (dP - D) h', h' the
+// hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1 without softcap). lse, dot: the
+// stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's first score's
+// MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where softcap and
+// ALiBi are both on; BothHooks false: an instance that never gets both (the kernel traps on them), whose step has no
+// such case (with it the d128 step spilled 52 bytes at 224 registers; without, none).
+template <bool WithAlibi, class Hook, int N>
+__device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
+                                              float inv_scale_log2, const float* lse, const float* dot) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    dp[i] = s[i] * (dp[i] - dot[acc_col_step(i)]) *
+            hook.template slope_of_probability<WithAlibi>(s[i], lse[acc_col_step(i)], inv_scale_log2,
+                                                          first_distance + acc_col_step(i) - acc_row_step(i));
+}
+template <bool BothHooks, class Hook, int N>
+__device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
+                                          float inv_scale_log2, const float* lse, const float* dot) {
+  if (BothHooks && hook.slope != 0.f) {
+    softcapped_ds<BothHooks>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
+  } else {
+    softcapped_ds<false>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
+  }
 }
 
 // The backward's hooked P^T and dS^T on its S^T and dP^T accumulators (rows keys, columns queries: register i at

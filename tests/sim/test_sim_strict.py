@@ -193,6 +193,19 @@ def test_exp2_approx_flushes_subnormals_like_ex2_approx_ftz():
     assert out[0] == 0.0 and np.signbit(out[0]) == False  # noqa: E712
 
 
+def test_log2_approx_flushes_subnormals_like_lg2_approx_ftz():
+    from simkit import run
+
+    x = np.array([1.0, 2.0, 0.75, 1e-30, 1e30, 0.0, -0.0, 1e-40, np.inf, 3.0], np.float32)
+    x = np.resize(x, 32)
+    out = np.full(32, np.nan, np.float32)
+    run("log2_approx_kernel", (1, 1, 1), (32, 1, 1), in0=x, out0=out)
+    with np.errstate(divide="ignore"):
+        expected = np.log2(x.astype(np.float64))
+    expected[np.abs(x) < np.finfo(np.float32).tiny] = -np.inf  # subnormal inputs flush to 0: -inf
+    np.testing.assert_allclose(out, expected.astype(np.float32), rtol=0, atol=2**-22)
+
+
 # ---- __launch_bounds__ -----------------------------------------------------------------------
 
 

@@ -756,6 +756,8 @@ __forceinline__ unsigned dynamic_smem_size() { return sim::current_thread()->blo
 // the flushing is the GPU's. +0 for -inf and +inf for +inf, which online softmax relies on.
 __forceinline__ float flush_subnormal(float x) { return std::fabs(x) < 1.17549435e-38f ? std::copysign(0.f, x) : x; }
 __forceinline__ float exp2_approx(float x) { return flush_subnormal(exp2f(flush_subnormal(x))); }
+// lg2.approx.ftz.f32: log2 of x with a subnormal x flushed to a zero of its sign: -inf for +-0, NaN below 0.
+__forceinline__ float log2_approx(float x) { return log2f(flush_subnormal(x)); }
 
 }  // namespace cuflash::arch
 

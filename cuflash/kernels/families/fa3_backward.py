@@ -13,7 +13,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), any
-mask (causal, sliding windows), softcap and ALiBi up to head dim 64 (the hooked instance), varlen batches, GQA/MQA,
+mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once up to head dim 64), varlen
+batches, GQA/MQA,
 any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
@@ -45,6 +46,7 @@ class BackwardTraits(WarpgroupTraits):
     KERNEL: ClassVar[str] = "fa3_backward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_n"
+    both_hooks: bool = True  # a hooked instance that takes softcap and ALiBi together (the kernel's BothHooks)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +61,12 @@ class BackwardTraits(WarpgroupTraits):
         d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
         tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m) + 4 * _DQ_BUFFERS * m * (d + 8)
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * _DQ_BUFFERS)
+
+    def instance(self, dtype: str) -> KernelInstance:
+        plain = super().instance(dtype)
+        if self.both_hooks:
+            return plain
+        return KernelInstance(plain.source, f"{plain.name_expr[:-1]}, false>")
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -75,12 +83,14 @@ BACKWARD_CHOICES = {
     128: BackwardTraits(128, block_m=64, block_n=128),
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
-# score hook and its derivative (fa3_backward.cu's Hooked). At head dims 64 only: the hooked d128 step spills at the
-# consumers' 224 registers (NVRTC 13.5), so those backwards stay on mma.sync (fa2_tc). Tried: the one pass after both
-# waits (20 bytes: the dS^T tile's hoisted store addresses; computing those per step still spilled 20), two passes
-# (48), the softcap's tanh while dP^T is in flight and the rest from it after (44), P formed as in the plain step and
-# the derivative recovered from it after the wait with lg2.approx (52; none without ALiBi's term in it).
-HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True)}
+# score hook and its derivative (fa3_backward.cu's Hooked). At d128 the hooked step has no case for softcap and ALiBi
+# together (BothHooks false): with it the step spilled at the consumers' 224 registers (NVRTC 13.5), so that pair
+# stays on mma.sync (fa2_tc) there. Forms of the d128 step tried with both, and what each spilled: the one pass after
+# both waits (20 bytes: the dS^T tile's hoisted store addresses; computing those per step still spilled 20), two
+# passes (48), the softcap's tanh while dP^T is in flight and the rest from it after (44), P formed as in the plain
+# step and the derivative recovered from it after the wait (52; none without ALiBi's term: the form kept).
+HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
+                  128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False)}
 TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
 
@@ -102,8 +112,8 @@ def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..128 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
     blocks, tiles crossing an edge take the element-wise mask), no option but varlen, softcap and ALiBi
-    (SERVED_OPTIONS; the latter two by the hooked instances, head dims 1..64); dQ by atomics or deterministic (fa2's
-    slices) alike. Its own rule, not the forward's: the two kernels' options may
+    (SERVED_OPTIONS; the latter two by the hooked instances, together at head dims 1..64 only); dQ by atomics or
+    deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
@@ -117,10 +127,9 @@ def refusal(problem: Problem, target: Target) -> str | None:
     unserved = problem.options - SERVED_OPTIONS
     if unserved:
         return f"no {', '.join(sorted(unserved))} yet"
-    hooks = problem.options & HOOK_OPTIONS
-    if hooks and compiled_head_dim(problem.headdim) not in HOOKED_CHOICES:
-        return (f"{'/'.join(sorted(hooks))} at head dims 1..{max(HOOKED_CHOICES)} only, not {problem.headdim}: the "
-                f"hooked d128 instance spills")
+    if problem.options >= HOOK_OPTIONS and not HOOKED_CHOICES[compiled_head_dim(problem.headdim)].both_hooks:
+        return (f"softcap with ALiBi at head dims 1..{max(d for d, t in HOOKED_CHOICES.items() if t.both_hooks)} "
+                f"only, not {problem.headdim}: the hooked d{compiled_head_dim(problem.headdim)} instance takes one")
     return None
 
 

@@ -375,6 +375,11 @@ __global__ void exp2_approx_kernel(const Args a) {
   const int t = tid_linear();
   store(static_cast<float*>(a.out0) + t, cuflash::arch::exp2_approx(load(static_cast<const float*>(a.in0) + t)));
 }
+// out0[t] = log2_approx(in0[t]).
+__global__ void log2_approx_kernel(const Args a) {
+  const int t = tid_linear();
+  store(static_cast<float*>(a.out0) + t, cuflash::arch::log2_approx(load(static_cast<const float*>(a.in0) + t)));
+}
 }  // namespace simtest
 
 namespace simtest {
