@@ -109,7 +109,8 @@ def test_parse_junit_counts_and_names_failures():
       <testcase classname="tests.test_b" name="test_bad[fp16]"><failure message="boom"/></testcase>
       <testcase classname="tests.test_b" name="test_broken"><error message="fixture"/></testcase>
       <testcase classname="tests.test_c" name="test_skip"><skipped message="no jax"/></testcase>
-    </testsuite></testsuites>"""
+      <testcase time="0.000" />
+    </testsuite></testsuites>"""  # the last: the test an interrupt stopped (pytest writes it without a name)
     assert first_gpu.parse_junit(xml) == {"passed": 2, "failed": 1, "skipped": 1, "errors": 1,
                                           "failures": ["tests.test_b::test_bad[fp16]", "tests.test_b::test_broken"]}
 
@@ -306,3 +307,24 @@ def test_gpu_smoke_runs_each_direction_watched():
     ran = [line for line in done.stdout.splitlines() if ": ok in " in line]
     assert [line.split(": ok in ")[0].rsplit(" ", 2)[-2:] for line in ran][-1] == ["deterministic", "backward"]
     assert len(ran) == 3 and "HANG" not in done.stdout
+
+
+def test_a_step_out_of_time_is_interrupted_first_then_killed(tmp_path, monkeypatch):
+    """run_subprocess on timeout: SIGINT to the group (pytest then writes its JUnit XML of what ran), SIGKILL after
+    INTERRUPT_GRACE_S for a process that does not stop (one waiting on a hung kernel)."""
+    import sys
+
+    monkeypatch.setattr(first_gpu, "INTERRUPT_GRACE_S", 1)
+    written = tmp_path / "written"
+    polite = ("import time, pathlib\n"
+              "try:\n    print('started', flush=True); time.sleep(60)\n"
+              f"except KeyboardInterrupt:\n    pathlib.Path({str(written)!r}).write_text('junit')\n")
+    began = time.monotonic()
+    rc, text = first_gpu.run_subprocess([sys.executable, "-c", polite], 2)
+    assert rc is None and "started" in text and text.endswith("(timed out after 2 s)")
+    assert written.read_text() == "junit" and time.monotonic() - began < 10
+    stubborn = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                "print('started', flush=True)\ntime.sleep(60)\n")
+    began = time.monotonic()
+    rc, text = first_gpu.run_subprocess([sys.executable, "-c", stubborn], 2)
+    assert rc is None and "started" in text and time.monotonic() - began < 10

@@ -27,10 +27,12 @@ command refuses before creating DIR. Everything here but ``main``'s subprocesses
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -137,11 +139,14 @@ def commands(out: Path, timeout_s: float, python: str = sys.executable) -> dict[
 
 
 def parse_junit(xml_text: str) -> dict:
-    """pass/fail/skip counts and the failures' names from pytest's JUnit XML."""
+    """pass/fail/skip counts and the failures' names from pytest's JUnit XML (a session interrupted at its time limit
+    writes the test it stopped in as a testcase without a name: not counted)."""
     root = ElementTree.fromstring(xml_text)
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     failures = []
     for case in root.iter("testcase"):
+        if case.get("name") is None:
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}".strip(":")
         if case.find("failure") is not None:
             counts["failed"] += 1
@@ -235,8 +240,13 @@ def _detail(name: str, rc: int | None, data: dict, text: str) -> str:
 Runner = Callable[[list[str], float], tuple[int | None, str]]  # (rc, or None on timeout; output)
 
 
+INTERRUPT_GRACE_S = 5  # after SIGINT, before SIGKILL: pytest writes its JUnit XML of the tests that ran
+
+
 def run_subprocess(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
-    """Run ``cmd``; rc None when it ran out of time (its process group is killed with it)."""
+    """Run ``cmd``; rc None when it ran out of time: its process group gets SIGINT (pytest then ends its session and
+    writes what it has, the JUnit XML of the tests that finished) and, INTERRUPT_GRACE_S later, SIGKILL (the whole
+    group: pytest workers, compute-sanitizer's target, a process waiting on a hung kernel)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -244,8 +254,14 @@ def run_subprocess(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
         text, _ = proc.communicate(timeout=timeout_s)
         return proc.returncode, text
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the whole group: pytest workers, compute-sanitizer's target
-        text, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            text, _ = proc.communicate(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what the interrupt left running in the group
         return None, (text or "") + f"\n(timed out after {timeout_s:.0f} s)"
 
 
