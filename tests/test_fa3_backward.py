@@ -385,11 +385,13 @@ def test_serves_only_its_problems():
         fields = dict(dtype="float16", batch=1, seqlen_q=100, seqlen_k=100, nheads=4, nheads_k=2, headdim=128)
         return Problem(**{**fields, **kw})
 
-    assert fa3_backward.supports(problem(), SM90) and fa3_backward.supports(problem(deterministic=True), SM90)
-    assert fa3_backward.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
-    for other in (problem(headdim=160), problem(dtype="float32"), problem(mask=Mask(window_left=8, window_right=0)),
-                  problem(softcap=5.0), problem(dropout_p=0.1)):
-        assert not fa3_backward.supports(other, SM90)
+    for served in (problem(), problem(deterministic=True), problem(mask=Mask.causal(), dtype="bfloat16"),
+                   problem(mask=Mask(window_left=8, window_right=0)), problem(softcap=5.0), problem(alibi="heads"),
+                   problem(softcap=5.0, alibi="heads", headdim=64), problem(total_q=300, total_k=200)):
+        assert fa3_backward.supports(served, SM90), served
+    for other in (problem(headdim=160), problem(dtype="float32"), problem(softcap=5.0, alibi="heads"),
+                  problem(dropout_p=0.1), problem(headdim_v=64)):
+        assert not fa3_backward.supports(other, SM90), other
     assert not fa3_backward.supports(problem(), target("sm_80"))
 
 
@@ -526,14 +528,14 @@ def _planted(tmp_path, old, new):
 # fa3_backward_traits.cuh's layout at d64: K, V, Q and dO stages, dS^T, the two float32 dQ buffers (pitch 64 + 8),
 # the row statistics, then kv_full, kv_empty and full[0].
 _D64_FULL_0 = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 128 * 64 * 2 + 2 * 64 * (64 + 8) * 4 + 2 * 2 * 64 * 4 + 2 * 8
-_TMA_ISSUE = "          if (issuer) {\n            fa3::produce_tile_tma<QTile>"
+_TMA_ISSUE = "          } else if (issuer) {\n            fa3::produce_tile_tma<QTile>"
 
 
 def test_planted_wrong_expect_tx_deadlocks_naming_the_barrier(tmp_path):
     """The producer expects 16 bytes more for a stage than Q's and dO's copies bring: its full phase never
     completes, and the consumers' wait on it is reported as a deadlock naming the barrier, its phase and the
     missing bytes."""
-    kernel = _planted(tmp_path, _TMA_ISSUE, "          if (issuer) {\n"
+    kernel = _planted(tmp_path, _TMA_ISSUE, "          } else if (issuer) {\n"
                                             "            arch::mbarrier_expect_tx(full + stage, 16);  // planted\n"
                                             "            fa3::produce_tile_tma<QTile>")
     q, k, v, dout = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=48)
@@ -547,7 +549,8 @@ def test_planted_arrival_before_the_statistics_is_a_race(tmp_path):
     """The issuing lane arrives (and copies) without the warp's __syncwarp after the row statistics' stores: the
     consumers' reads of another lane's lse or D are then unordered with its store, a race-mode error in the
     statistics' bytes (without race mode the same build runs and is right: the check finds what results miss)."""
-    kernel = _planted(tmp_path, "          __syncwarp();\n" + _TMA_ISSUE, _TMA_ISSUE)
+    after_stores = "          if (ragged_rows_by_loads && rows < BlockM) {"  # then the TMA issue (no ragged Q block here)
+    kernel = _planted(tmp_path, "          __syncwarp();\n" + after_stores, after_stores)
     q, k, v, dout = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=48)
     out, lse = _forward(q, k, v, False)
     with sim.checking("race"), pytest.raises(sim.KernelError, match=r"data race on shared memory byte offset (\d+): "

@@ -49,10 +49,13 @@ def test_sm90_runs_the_hopper_kernels_where_they_serve():
             "cuflash::fa2_dout_dot_out_kernel", "cuflash::fa3_backward_kernel", "cuflash::fa2_convert_dq_kernel"]
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM80, direction).module is fa2_tc
-    # The forward on Hopper, the backward on mma.sync: what only the forward serves (head dims above 128, softcap,
-    # ALiBi, windows).
-    for problem in (_problem(headdim=160), _problem(softcap=5.0),
-                    _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
+    # Windows, softcap, ALiBi: both directions on Hopper too.
+    for problem in (_problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
+        for direction in ("forward", "backward"):
+            assert plans.variant_for("fa2", problem, SM90, direction).module is hopper, (problem, direction)
+    # The forward on Hopper, the backward on mma.sync: what only the forward serves (head dims above 128; softcap
+    # with ALiBi above head dim 64).
+    for problem in (_problem(headdim=160), _problem(softcap=5.0, alibi="heads")):
         assert plans.variant_for("fa2", problem, SM90).module is hopper
         assert _kernels(plans.forward_program("fa2", problem, SM90)) == ["cuflash::fa3_forward_kernel"]
         assert plans.variant_for("fa2", problem, SM90, "backward").module is fa2_tc, problem
