@@ -549,7 +549,8 @@ def test_planted_arrival_before_the_statistics_is_a_race(tmp_path):
     """The issuing lane arrives (and copies) without the warp's __syncwarp after the row statistics' stores: the
     consumers' reads of another lane's lse or D are then unordered with its store, a race-mode error in the
     statistics' bytes (without race mode the same build runs and is right: the check finds what results miss)."""
-    after_stores = "          if (ragged_rows_by_loads && rows < BlockM) {"  # then the TMA issue (no ragged Q block here)
+    # The statistics' __syncwarp, before the TMA issue (no ragged Q block here) is removed.
+    after_stores = "          if (ragged_rows_by_loads && rows < BlockM) {"
     kernel = _planted(tmp_path, "          __syncwarp();\n" + after_stores, after_stores)
     q, k, v, dout = _inputs((1, 70, 200, 2, 2, 64), "float16", seed=48)
     out, lse = _forward(q, k, v, False)

@@ -11,8 +11,8 @@ simulator targeting sm_90, and compiled by NVRTC for sm_90a.
   of the producer's stores), and the result bitwise equal whatever moment each wgmma lands (normal mode's landing
   seeds); global traffic byte for byte against the FA2 forward's formula for the same tiles.
 * Compiled for sm_90a: HGMMA of the planned shapes (S: 64 x block_n SS, P V: 64 x d RS with V transposed),
-  setmaxnreg on both roles within the block's registers at launch, no spills, no wgmma serialized by ptxas, the step's two
-  commit groups and two waits.
+  setmaxnreg on both roles within the block's registers at launch, no spills, no wgmma serialized by ptxas, the step's
+  two commit groups and two waits.
 * Every tile under AddressSanitizer (one case each); no shared-memory bank conflicts (profile mode).
 * Head dims between the compiled ones (zero-filled columns, element-wise tails), exact traffic.
 * Which problems the kernel serves (fa3.supports).

@@ -266,7 +266,8 @@ def _rows(arch):
 
 def test_report_rows_of_the_hopper_instances():
     """sm_90's rows compile as sm_90a (what the device gets); HGMMA, no HMMA; the producer's and consumers' registers
-    after setmaxnreg within the block's launch allocation, the consumers' above the launch count; no spills; one block per SM."""
+    after setmaxnreg within the block's launch allocation, the consumers' above the launch count; no spills; one block
+    per SM."""
     tools = nvrtc.cuda_tool("cuobjdump") is not None and nvrtc.cuda_tool("nvdisasm") is not None
     for arch in ("sm_90", "sm_90a"):
         for row in _rows(arch):

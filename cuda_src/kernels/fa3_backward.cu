@@ -6,8 +6,8 @@
 //
 // fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks>: grid = (X, nheads_k, batch); block x
 // takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each,
-// dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x, each element by one
-// bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
+// dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x,
+// each element by one bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
 // group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
 // q_blocks).
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
@@ -390,8 +390,10 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         const float* dot = dot_rows(stage);
         // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
         // hook's derivative, recovered from P: no second float per score kept across the wait).
-        const ScoreHook hook{p, kv_info, Hooked ? ScoreHook::of(p, BlockInfo::of_group_head(batch, kv_head, head)).slope
-                                                : 0.f};  // ALiBi: the step's head's slope, the sequence's diagonal
+        // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info).
+        const float alibi_slope =
+            Hooked ? ScoreHook::of(p, BlockInfo::of_group_head(batch, kv_head, head)).slope : 0.f;
+        const ScoreHook hook{p, kv_info, alibi_slope};
         arch::wgmma_wait<1>(s);
         if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
 #pragma unroll

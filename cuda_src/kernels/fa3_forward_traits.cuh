@@ -317,7 +317,8 @@ template <Edge E, bool KeysAsRows, int N>
 __device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane, float hidden) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
-    if (!(KeysAsRows ? lane.keeps<E>(acc_col_step(i), acc_row_step(i)) : lane.keeps<E>(acc_row_step(i), acc_col_step(i))))
+    if (!(KeysAsRows ? lane.keeps<E>(acc_col_step(i), acc_row_step(i))
+                     : lane.keeps<E>(acc_row_step(i), acc_col_step(i))))
       s[i] = hidden;
 }
 // One pass per edge the tile crosses, each behind a block-uniform test (a select per score, no branch).

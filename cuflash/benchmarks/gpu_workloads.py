@@ -163,7 +163,8 @@ class LaunchWatch:
 
     def __init__(self, synchronize: Callable[[], object], limit_s: float, on_hang: Callable[[str, float], object],
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 0.25):
-        self.synchronize, self.limit_s, self.on_hang, self.clock, self.poll_s = synchronize, limit_s, on_hang, clock, poll_s
+        self.synchronize, self.limit_s, self.on_hang = synchronize, limit_s, on_hang
+        self.clock, self.poll_s = clock, poll_s
         self._running: tuple[str, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()

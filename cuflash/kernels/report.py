@@ -12,7 +12,8 @@ allow (cuflash/kernels/targets.py). An instance compiles for what the catalog sa
 Warp-specialized kernels add their roles: warpgroups (the family's) and registers per thread
 after setmaxnreg (the SASS's). Exits 1 if an instance fails to compile or a plan asks for
 more shared memory than a block of its arch may have (it could never launch there), or its
-roles more registers than the block was launched with (roles_exceed_launch_allocation); with --no-spills if an instance spills, and with
+roles more registers than the block was launched with (roles_exceed_launch_allocation); with
+--no-spills if an instance spills, and with
 --no-perf-loss if ptxas says an instance's code runs slower than written (its C75xx advisories:
 wgmma serialized, waits or warpgroup.arrive injected, setmaxnreg ignored), which no spill count
 shows and which cost a Hopper kernel its overlap.
@@ -77,7 +78,8 @@ class ReportRow:
 
     @property
     def exceeds_launch_registers(self) -> bool:
-        """Whether the roles' registers after setmaxnreg exceed the block's at launch (roles_exceed_launch_allocation)."""
+        """Whether the roles' registers after setmaxnreg exceed the block's at launch
+        (roles_exceed_launch_allocation)."""
         return bool(self.roles) and (self.threads is None or roles_exceed_launch_allocation(
             self.roles, self.compiled.resources.registers, self.threads))  # no block size: nothing to check against
 

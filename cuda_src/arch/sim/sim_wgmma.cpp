@@ -582,7 +582,8 @@ void setmaxnreg(const Site& site, unsigned count, bool increase) {
     // Freed registers may let waiting warpgroups go on.
     for (size_t i = 0; i < t_block.groups.size(); ++i) {
       Warpgroup& other = t_block.groups[i];
-      if (other.requested == 0 || registers_held(static_cast<unsigned>(i), other.requested) > t_block.register_allocation)
+      if (other.requested == 0 ||
+          registers_held(static_cast<unsigned>(i), other.requested) > t_block.register_allocation)
         continue;
       other.registers = other.requested;
       other.requested = 0;

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(384, 1) setmaxnreg_kernel(const Args a) {
     if (a.mode == 2 && threadIdx.x / 32 == 1)
       cuflash::arch::setmaxnreg_dec<32>();
     else if (a.mode == 4)
-      cuflash::arch::setmaxnreg_dec<48>();  // 48 + 2 x 232 = 512 per 128 threads: the SM's 65536, past the block's 64512
+      cuflash::arch::setmaxnreg_dec<48>();  // 48 + 2 x 232 = 512 a 128 threads: the SM's 64 K, past the block's 64512
     else
       cuflash::arch::setmaxnreg_dec<40>();
   } else if (a.mode == 3) {
