@@ -89,11 +89,9 @@ __host__ __device__ constexpr int launch_registers(int threads) {
 // of what its warpgroups' dec released, and waits forever for more (a producer of 48 beside two consumers of 232
 // fits 65536 but not 384 x 168 = 64512: the hang the first such backward met on an H200).
 __host__ __device__ constexpr int consumer_registers(int consumers, int producer) {
-  return ((launch_registers((1 + consumers) * kWarpgroupThreads) * (1 + consumers) - producer) / consumers) / 8 * 8 >
-                 240
-             ? 240
-             : ((launch_registers((1 + consumers) * kWarpgroupThreads) * (1 + consumers) - producer) / consumers) /
-                   8 * 8;
+  const int block = launch_registers((1 + consumers) * kWarpgroupThreads) * (1 + consumers);  // per 128 threads
+  const int share = (block - producer) / consumers / 8 * 8;
+  return share > 240 ? 240 : share;
 }
 
 // The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
@@ -300,6 +298,12 @@ __device__ __forceinline__ constexpr int acc_row_step(int i) { return 8 * ((i / 
 __device__ __forceinline__ constexpr int acc_col_step(int i) { return 8 * (i / 4) + i % 2; }
 __device__ __forceinline__ int acc_first_row(int warp_in_group, int lane) { return 16 * warp_in_group + lane / 4; }
 __device__ __forceinline__ int acc_first_col(int lane) { return 2 * (lane % 4); }
+// Register i's query-row and key offsets from the lane's first score: in S (rows queries, the forward's) or, with
+// KeysAsRows, in S^T (rows keys, columns queries: the backward's S^T and dP^T).
+template <bool KeysAsRows>
+__device__ __forceinline__ constexpr int query_step(int i) { return KeysAsRows ? acc_col_step(i) : acc_row_step(i); }
+template <bool KeysAsRows>
+__device__ __forceinline__ constexpr int key_step(int i) { return KeysAsRows ? acc_row_step(i) : acc_col_step(i); }
 
 // k16 step kk of P (S rounded to T) as wgmma_rs's A fragment (see the opening comment).
 template <class T, int N>
@@ -310,16 +314,13 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N]
 
 // The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become `hidden`
 // (-inf before the softmax; 0 for the backward's P, after it). The lane's limits come from mask.cuh
-// (LaneTileMask); each register's offsets are compile-time constants. KeysAsRows: the accumulator is S^T (the
-// backward's: its rows are keys, its columns queries), so register i lies acc_col_step(i) rows and acc_row_step(i)
-// keys from the lane's first.
+// (LaneTileMask); each register's offsets are compile-time constants (query_step, key_step). KeysAsRows: the
+// accumulator is S^T (the backward's).
 template <Edge E, bool KeysAsRows, int N>
 __device__ __forceinline__ void mask_edge(float (&s)[N], const LaneTileMask& lane, float hidden) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
-    if (!(KeysAsRows ? lane.keeps<E>(acc_col_step(i), acc_row_step(i))
-                     : lane.keeps<E>(acc_row_step(i), acc_col_step(i))))
-      s[i] = hidden;
+    if (!lane.keeps<E>(query_step<KeysAsRows>(i), key_step<KeysAsRows>(i))) s[i] = hidden;
 }
 // One pass per edge the tile crosses, each behind a block-uniform test (a select per score, no branch).
 // first_row, first_key: the lane's first score's query row and key.
@@ -344,8 +345,7 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
   auto each_score = [&] {
 #pragma unroll
     for (int i = 0; i < N; ++i)
-      s[i] = KeysAsRows ? hook(s[i], first_row + acc_col_step(i), first_key + acc_row_step(i))
-                        : hook(s[i], first_row + acc_row_step(i), first_key + acc_col_step(i));
+      s[i] = hook(s[i], first_row + query_step<KeysAsRows>(i), first_key + key_step<KeysAsRows>(i));
   };
   if (hook.softcapped()) {
     if (hook.slope != 0.f) each_score();
@@ -355,8 +355,8 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
   }  // neither: the identity
 }
 
-// The backward's hooked dS^T from P^T (s) and dP^T (dp), its accumulators' layout (rows keys, columns queries:
-// register i at query first_row + acc_col_step(i), key first_key + acc_row_step(i)): dS = P (dP - D) h', h' the
+// The backward's hooked dS^T from P^T (s) and dP^T (dp), in S^T's layout (query_step<true>, key_step<true>):
+// dS = P (dP - D) h', h' the
 // hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1 without softcap). lse, dot: the
 // stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's first score's
 // MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where softcap and
@@ -367,9 +367,9 @@ __device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N
                                               float inv_scale_log2, const float* lse, const float* dot) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
-    dp[i] = s[i] * (dp[i] - dot[acc_col_step(i)]) *
-            hook.template slope_of_probability<WithAlibi>(s[i], lse[acc_col_step(i)], inv_scale_log2,
-                                                          first_distance + acc_col_step(i) - acc_row_step(i));
+    dp[i] = s[i] * (dp[i] - dot[query_step<true>(i)]) *
+            hook.template slope_of_probability<WithAlibi>(s[i], lse[query_step<true>(i)], inv_scale_log2,
+                                                          first_distance + query_step<true>(i) - key_step<true>(i));
 }
 template <bool BothHooks, class Hook, int N>
 __device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
@@ -378,33 +378,6 @@ __device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], c
     softcapped_ds<BothHooks>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
   } else {
     softcapped_ds<false>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
-  }
-}
-
-// The backward's hooked P^T and dS^T on its S^T and dP^T accumulators (rows keys, columns queries: register i at
-// query first_row + acc_col_step(i), key first_key + acc_row_step(i)), once both landed: per score the hook's
-// h = score / scale and h' = d score / d (scale x), then P = exp2(h scale_log2 - lse) and dS = P (dP - D) h'. lse,
-// dot: the stage's lse log2(e) and D from the lane's first query on. The three cases as hook_scores.
-template <class Hook, int N>
-__device__ __forceinline__ void hook_scores_and_grads(float (&s)[N], float (&dp)[N], const Hook& hook, int first_row,
-                                                      int first_key, float scale_log2, const float* lse,
-                                                      const float* dot) {
-  auto each_score = [&] {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float slope_of_score;
-      const float h = hook(s[i], first_row + acc_col_step(i), first_key + acc_row_step(i), slope_of_score);
-      s[i] = arch::exp2_approx(fmaf(h, scale_log2, -lse[acc_col_step(i)]));
-      dp[i] = s[i] * (dp[i] - dot[acc_col_step(i)]) * slope_of_score;
-    }
-  };
-  if (hook.softcapped()) {
-    if (hook.slope != 0.f) each_score();
-    else each_score();
-  } else if (hook.slope != 0.f) {
-    each_score();
-  } else {
-    each_score();  // a head whose ALiBi slope is 0: the identity, h' = 1
   }
 }
 

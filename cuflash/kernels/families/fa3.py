@@ -79,8 +79,12 @@ class WarpgroupTraits:
         return KernelInstance(
             self.SOURCE,
             f"cuflash::{self.KERNEL}<{CXX_ELEMENT_TYPES[dtype]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
-            f"{self.stages}{', true' if self.hooked else ''}>",
+            f"{', '.join((str(self.stages), *self.template_flags()))}>",
         )
+
+    def template_flags(self) -> tuple[str, ...]:
+        """The kernel's trailing bool template arguments past their defaults: Hooked."""
+        return ("true",) if self.hooked else ()
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), any
 mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once up to head dim 64), varlen
-batches, GQA/MQA,
-any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -52,6 +51,8 @@ class BackwardTraits(WarpgroupTraits):
         super().__post_init__()
         if self.block_m != 64:
             raise ValueError(f"{self}: block_m 64 (dQ's wgmma M, one 64-column dS^T panel)")
+        if not (self.hooked or self.both_hooks):
+            raise ValueError(f"{self}: both_hooks says which hooks a hooked instance takes")
 
     @property
     def smem_bytes(self) -> int:
@@ -62,11 +63,9 @@ class BackwardTraits(WarpgroupTraits):
         tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m) + 4 * _DQ_BUFFERS * m * (d + 8)
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * _DQ_BUFFERS)
 
-    def instance(self, dtype: str) -> KernelInstance:
-        plain = super().instance(dtype)
-        if self.both_hooks:
-            return plain
-        return KernelInstance(plain.source, f"{plain.name_expr[:-1]}, false>")
+    def template_flags(self) -> tuple[str, ...]:
+        """Hooked, then BothHooks where it is false."""
+        return super().template_flags() + (() if self.both_hooks else ("false",))
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
