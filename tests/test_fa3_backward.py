@@ -2,8 +2,8 @@
 on the simulator targeting sm_90, and compiled by NVRTC for sm_90a.
 
 * dq, dk, dv against the float64 reference with FlashAttention's rule (test_fa2._check_backward): float16 and
-  bfloat16, head dims 64 and 128, causal and not, seqlen pairs with ragged Q and K/V blocks (1/1, 77/200, 128/128,
-  300/129), MHA, GQA and MQA in rotation; out and lse from the Hopper forward.
+  bfloat16, head dims 64, 128 and 256 (its consumers sharing the head dim), causal and not, seqlen pairs with ragged Q
+  and K/V blocks (1/1, 77/200, 128/128, 300/129), MHA, GQA and MQA in rotation; out and lse from the Hopper forward.
 * Varlen through cuflash.attention_varlen_backward (the reference; a NaN sequence never reaches its neighbours).
 * Sliding windows through cuflash.attention_backward: the reference, dq 0 on rows without a key, the traffic formula
   (only the band's Q blocks; K/V blocks no query sees are not read).
@@ -101,11 +101,11 @@ def _backward(q, k, v, dout, out, lse, causal, deterministic=False, on=SM90, tma
 
 def _cases():
     cases = []
-    for d in (64, 128):
+    for n, d in enumerate((64, 128, 256)):
         for dtype in fa3.DTYPES:
             for causal in (False, True):
                 for i, (seqlen_q, seqlen_k) in enumerate(SEQLENS):
-                    nheads, nheads_k = HEADS[(i + causal + (d == 128)) % len(HEADS)]
+                    nheads, nheads_k = HEADS[(i + causal + n) % len(HEADS)]
                     shape = (1, seqlen_q, seqlen_k, nheads, nheads_k, d)
                     cases.append(pytest.param(shape, dtype, causal,
                                               id=f"d{d}-{dtype}-{'causal' if causal else 'full'}-{seqlen_q}x{seqlen_k}"
@@ -130,7 +130,9 @@ def _check_against(ref, grads, atol=1e-5):
 # kernel visits only the Q blocks the band reaches (mask.cuh's q_blocks: the traffic formula's), tiles crossing an
 # edge take the element-wise mask; rows and whole Q blocks that see no key (dq 0 there), one side only, with causal,
 # seqlen_q != seqlen_k both ways, GQA/MQA, head dims between compiled ones, deterministic in rotation; race mode on one.
+# d256 (the consumers sharing the head dim): a causal window whose band leaves Q blocks half past the sequence.
 WINDOW_CASES = {
+    "d256-causal-window": ((1, 150, 200, 4, 2, 256), "bfloat16", (40, 3), True, True),
     "rows-without-key": ((2, 300, 129, 4, 2, 64), "float16", (3, 2), False, False),
     "causal": ((1, 77, 200, 3, 1, 128), "bfloat16", (21, -1), True, True),
     "left-only": ((1, 70, 700, 2, 2, 100), "float16", (0, -1), False, False),
@@ -163,8 +165,9 @@ def test_windows_match_reference(case):
 
 # Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
 # from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
-# (on 128), deterministic in rotation, race mode on one. Softcap with ALiBi at once is the d64 instance's only: the
-# d128 one takes either (its step spills with both) and traps on both; a plain instance traps on either.
+# (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on one. Softcap with ALiBi at once: the d64 and
+# d256 instances; the d128 one takes either (its step spills with both) and traps on both; a plain instance traps on
+# either.
 HOOK_CASES = {
     "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
     "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),
@@ -172,6 +175,9 @@ HOOK_CASES = {
                                     dict(window_size=(30, 5), causal=True, softcap=4.0, alibi=(4,))),
     "softcap-d128-causal": ((1, 200, 130, 4, 2, 128), "float16", dict(softcap=6.0, causal=True, deterministic=True)),
     "alibi-d100-window": ((2, 130, 77, 3, 1, 100), "bfloat16", dict(alibi=(3,), window_size=(50, 10))),
+    "softcap-alibi-d256-causal": ((1, 130, 77, 2, 1, 256), "float16", dict(softcap=3.0, alibi=(2,), causal=True)),
+    "alibi-d200-window": ((2, 70, 150, 2, 2, 200), "bfloat16", dict(alibi=(2, 2), window_size=(40, 10),
+                                                                    deterministic=True)),
 }
 
 
@@ -194,17 +200,17 @@ def test_softcap_and_alibi_match_reference(case):
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
         dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     main = records.launches[2].kernel
-    head_dim = fa3.compiled_head_dim(shape[-1])
-    assert main.startswith(f"cuflash::fa3_backward_kernel<") and f", {head_dim}, 64, 128, 2, true" in main, main
+    assert main == fa3_backward.backward_traits(shape[-1], SM90, hooked=True).instance(dtype).name_expr, main
     _check_against(tol.backward_references(dout, q, k, v, **options), (dq, dk, dv))
 
 
-def test_softcap_with_alibi_above_head_dim_64_stays_on_mma_sync():
+def test_softcap_with_alibi_at_head_dims_65_to_128_stays_on_mma_sync():
     problem = Problem(dtype="float16", batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_k=2, headdim=100,
                       softcap=3.0, alibi="heads")
-    assert fa3_backward.refusal(problem, SM90).startswith("softcap with ALiBi at head dims 1..64 only, not 100")
+    assert fa3_backward.refusal(problem, SM90).startswith("softcap with ALiBi not at head dim 100")
     for served in (dataclasses.replace(problem, alibi=None), dataclasses.replace(problem, softcap=0.0),
-                   dataclasses.replace(problem, headdim=64, headdim_v=64)):
+                   dataclasses.replace(problem, headdim=64, headdim_v=64),
+                   dataclasses.replace(problem, headdim=129, headdim_v=129)):
         assert fa3_backward.refusal(served, SM90) is None, served
 
 
@@ -248,6 +254,7 @@ VARLEN_CASES = {
                                       True),
     "single-rows-d100": (([1, 1, 1], [1, 300, 2]), (4, 2, 100), dict(causal=True, window_size=(19, -1)),
                          "bfloat16", False),
+    "d256-causal": (([130, 0, 64], [77, 5, 150]), (2, 1, 256), dict(causal=True), "bfloat16", True),
 }
 
 
@@ -273,14 +280,15 @@ def test_varlen_matches_reference(case):
     _check_against(tol.backward_references(dout, q, k, v, cu_seqlens=cu_seqlens, **options), (dq, dk, dv))
 
 
-def test_varlen_sequences_do_not_see_their_neighbours_nan():
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_varlen_sequences_do_not_see_their_neighbours_nan(head_dim):
     """The middle sequence's q and v are NaN: its neighbours' gradients are bitwise those of a clean run (their
     ragged last blocks are copied with loads: a map would read the NaN rows into their tiles, and P's and dS's zeros
-    would not keep them out of dV and dQ)."""
+    would not keep them out of dV and dQ; d256: the consumers' own dQ adds skip the rows past the sequence)."""
     from test_varlen import _packed_inputs
 
     lengths = ([70, 90, 33], [140, 100, 60])
-    q, k, v, dout = _packed_inputs(*lengths, 4, 2, 64, "float16", seed=5)
+    q, k, v, dout = _packed_inputs(*lengths, 4, 2, head_dim, "float16", seed=5)
     clean, _ = _varlen_backward(q, k, v, dout, lengths, {}, True)
     q[70:160] = np.nan
     v[140:240] = np.nan
@@ -320,12 +328,16 @@ def test_varlen_used_prefixes_read_no_unused_row():
         assert np.all(got[~rows].astype(np.float32) == 0), name
 
 
-# Head dims between the compiled ones run on the next (64 or 128): the columns past them zero-filled in shared memory
-# (they add nothing to S^T or dP^T), dQ's atomics and dK/dV's stores guarded by column; whole chunks (40), a chunk the
-# head dim cuts (100: element loads), a single column.
+# Head dims between the compiled ones run on the next (64, 128 or 256): the columns past them zero-filled in shared
+# memory (they add nothing to S^T or dP^T), dQ's atomics and dK/dV's stores guarded by column; whole chunks (40), a
+# chunk the head dim cuts (100: element loads), a single column; past 128: 200 (the second consumer's columns cut), 255
+# (odd: dQ's element adds, no pairs), 129 (the second consumer's columns all past the head dim).
 @pytest.mark.parametrize("head_dim, dtype, causal, seqlens", [(40, "float16", True, (77, 200)),
                                                               (100, "bfloat16", False, (300, 129)),
-                                                              (1, "float16", False, (128, 128))])
+                                                              (1, "float16", False, (128, 128)),
+                                                              (200, "float16", True, (130, 77)),
+                                                              (255, "bfloat16", False, (77, 130)),
+                                                              (129, "float16", True, (64, 64))])
 def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
     q, k, v, dout = _inputs((1, *seqlens, 4, 2, head_dim), dtype, seed=43)
     out, lse = _forward(q, k, v, causal)
@@ -335,11 +347,13 @@ def test_head_dims_between_compiled_ones(head_dim, dtype, causal, seqlens):
 
 
 @pytest.mark.parametrize("head_dim, dtype, causal, loads_only", [(64, "float16", True, False),
-                                                                (128, "bfloat16", False, True)])
+                                                                (128, "bfloat16", False, True),
+                                                                (256, "bfloat16", True, False)])
 def test_race_free(head_dim, dtype, causal, loads_only):
-    """Ragged Q and K/V blocks with GQA: 2 K/V blocks of each kv head, 2 heads x 4 Q blocks through the 2-stage ring
-    (every stage refilled), both consumers; rows without a key where causal. d64 with TMA, d128 on the load path
-    (the deterministic test below runs both head dims with TMA in race mode)."""
+    """Ragged Q and K/V blocks with GQA: 2 K/V blocks of each kv head (5 at d256), 2 heads x 4 Q blocks through the
+    2-stage ring (every stage refilled), both consumers (d256: both writing and reading the P^T and dS^T tiles);
+    rows without a key where causal. d64 and d256 with TMA, d128 on the load path (the deterministic test below runs
+    d64 and d128 with TMA in race mode)."""
     q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=42)
     out, lse = _forward(q, k, v, causal)
     with sim.checking("race"):
@@ -353,7 +367,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
     for result in compiled:
         assert not isinstance(result, nvrtc.CompileError), str(result)
         name = result.instance.name_expr
-        traits = next(t for t in fa3_backward.BACKWARD_CHOICES.values() if f", {t.head_dim}, {t.block_m}," in name)
+        (traits,) = [t for t in fa3_backward.TILES for dtype in fa3.DTYPES if t.instance(dtype).name_expr == name]
         res = result.resources
         assert res.registers <= 65536 // traits.threads // 8 * 8, (name, res)
         assert res.spill_store_bytes == res.spill_load_bytes == 0, (name, res)
@@ -362,12 +376,20 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra"
         bf16 = r"\.BF16" if "bfloat16" in name else ""
         m, d = traits.block_m, traits.head_dim
-        # S^T = K Q^T and dP^T = V dO^T: both operands from descriptors, K-major.
-        assert re.search(rf"\bHGMMA\.64x{m}x16\.F32{bf16} R\d+, gdesc\[UR\d+\], ", sass), name
-        # dV += P^T dO, dK += dS^T Q: A from registers, B (dO, Q) N-major.
-        assert re.search(rf"\bHGMMA\.64x{d}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
-        # dQ += dS K in 64-column chunks: dS^T read M-major, K N-major.
-        assert re.search(rf"\bHGMMA\.64x64x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
+        if traits.split_head_dim:
+            # Each consumer: S^T and dP^T of its m / 2 queries, K-major; dV and dK of its d / 2 columns with P^T and
+            # dS^T from shared memory (A K-major, B N-major); dQ of its d / 2 columns (dS^T M-major, K N-major).
+            assert re.search(rf"\bHGMMA\.64x{m // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\], ", sass), name
+            assert re.search(rf"\bHGMMA\.64x{d // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspB, ", sass), name
+            assert re.search(rf"\bHGMMA\.64x{d // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
+            assert not re.search(r"\bHGMMA\.\S+ R\d+, R\d+, ", sass), name  # no A from registers
+        else:
+            # S^T = K Q^T and dP^T = V dO^T: both operands from descriptors, K-major.
+            assert re.search(rf"\bHGMMA\.64x{m}x16\.F32{bf16} R\d+, gdesc\[UR\d+\], ", sass), name
+            # dV += P^T dO, dK += dS^T Q: A from registers, B (dO, Q) N-major.
+            assert re.search(rf"\bHGMMA\.64x{d}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
+            # dQ += dS K in 64-column chunks: dS^T read M-major, K N-major.
+            assert re.search(rf"\bHGMMA\.64x64x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
         (consumer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)\b", sass)}
         (producer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)\b", sass)}
         roles = {"producer": {"warpgroups": 1, "registers": producer},
@@ -387,9 +409,10 @@ def test_serves_only_its_problems():
 
     for served in (problem(), problem(deterministic=True), problem(mask=Mask.causal(), dtype="bfloat16"),
                    problem(mask=Mask(window_left=8, window_right=0)), problem(softcap=5.0), problem(alibi="heads"),
-                   problem(softcap=5.0, alibi="heads", headdim=64), problem(total_q=300, total_k=200)):
+                   problem(softcap=5.0, alibi="heads", headdim=64), problem(total_q=300, total_k=200),
+                   problem(headdim=160), problem(headdim=256, softcap=5.0, alibi="heads", mask=Mask.causal())):
         assert fa3_backward.supports(served, SM90), served
-    for other in (problem(headdim=160), problem(dtype="float32"), problem(softcap=5.0, alibi="heads"),
+    for other in (problem(dtype="float32"), problem(softcap=5.0, alibi="heads"),
                   problem(dropout_p=0.1), problem(headdim_v=64)):
         assert not fa3_backward.supports(other, SM90), other
     assert not fa3_backward.supports(problem(), target("sm_80"))
@@ -402,10 +425,13 @@ def test_serves_only_its_problems():
 # 462, d64 414 and 337; before the step's integer work was cut (dQ^T = K^T dS^T, 32 scalar REDs, a division per
 # step): d128 596, d64 540 and 416. tests/test_loop_census.py holds d128 to 1.15x FA3's figure. Bounds a little above
 # today's counts, so a regression shows; no global write in the step (a RED back in the consumers fails the walk).
-STEP_INSTRUCTIONS = {64: ((24, 0, 418), (16, 0, 348)), 128: ((32, 0, 462),)}
+# d256 (the consumers sharing the head dim): 498 for 44 HGMMA (S^T 16 and dP^T 16 of 32 queries, dV 4, dK 4, dQ 4)
+# and its dQ's 32 paired REDs (a whole Q block, unguarded); with each add predicated on its row and column: 751 (a
+# branch and a BSSY/BSYNC pair per add: ptxas does not if-convert them), with the element guards in C++: 878.
+STEP_INSTRUCTIONS = {64: ((24, 0, 418), (16, 0, 348)), 128: ((32, 0, 462),), 256: ((44, 32, 510),)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_census_of_the_consumer_step(head_dim):
     from cuflash.kernels import loop_census as lc
 
@@ -414,20 +440,21 @@ def test_census_of_the_consumer_step(head_dim):
     sass = nvrtc.dump_sass(result)
     # The census knows mma.sync's HMMA; the wgmma step's work is HGMMA.
     hgmma = "".join(line.replace("HGMMA", "HMMA") if "HGMMA" in line else line for line in sass.splitlines(True))
-    exponentials = 64 * traits.block_m // 128  # S^T's 64 x block_m per warpgroup
+    exponentials = 64 * (traits.block_m // 2 if traits.split_head_dim else traits.block_m) // 128  # S^T's per thread
     for hmma, dq_adds, most in STEP_INSTRUCTIONS[head_dim]:
         (plain, *_) = lc.census(hgmma, lc.IterationWork(hmma=hmma, ldgsts=0, exponentials=exponentials,
                                                        global_writes=dq_adds))
         assert plain.hmma == hmma and plain.instructions <= most, plain
 
 
-@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bfloat16", True), (128, "float16", False)])
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bfloat16", True), (128, "float16", False),
+                                                     (256, "float16", True)])
 def test_deterministic_mode_is_bitwise_reproducible(head_dim, dtype, causal):
     """fa2's deterministic mode: a block per dq_accum slice, looping over every num_dq_splits-th K/V block (a target
     of 4 SMs gives 2 slices for 3 K/V blocks per kv head: one block runs two, reloading K and V through the kv_empty
     barrier) and adding only into its slice, each element by the one thread that owns it (head-dim tile t of the
-    rows of (head, Q block) is always consumer (t + Q block + head) % consumers'); the same bits whatever moment each
-    copy lands."""
+    rows of (head, Q block) is always consumer (t + Q block + head) % consumers'; d256: consumer c's columns, added by
+    its own REDs in program order); the same bits whatever moment each copy lands."""
     q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), dtype, seed=46)
     out, lse = _forward(q, k, v, causal)
     two_sms = dataclasses.replace(SM90, sm_count=4)  # 2 slices for 2 kv heads
@@ -444,8 +471,10 @@ def test_deterministic_mode_is_bitwise_reproducible(head_dim, dtype, causal):
 
 def _every_tile_under_asan():
     results = []
-    for head_dim, causal in ((64, True), (128, False)):
-        q, k, v, dout = _inputs((1, 200, 300, 4, 2, head_dim), "bfloat16", seed=44)
+    # d200 on the d256 tile: whole Q blocks (192 rows), where the consumers' dQ adds go unguarded by row, and the
+    # second consumer's columns past the head dim would run past dq_accum's last row.
+    for head_dim, causal, seqlen_q in ((64, True, 200), (128, False, 200), (200, True, 192)):
+        q, k, v, dout = _inputs((1, seqlen_q, 300, 4, 2, head_dim), "bfloat16", seed=44)
         # out and lse from the float64 reference (out rounded to q's type): no forward built under ASan here.
         out, lse = attention_reference(q, k, v, causal=causal)
         out, lse = out.astype(q.dtype), lse.astype(np.float32)
@@ -463,20 +492,23 @@ def test_every_tile_clean_under_asan():
 def test_no_bank_conflicts():
     """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) and row statistics or,
     on the load path (d60: rows of 120 bytes, no map), its 16-byte stores (8 lanes a 128-byte swizzled line); the
-    consumers' dS^T stores (4-byte pairs, 8 rows each at its own chunk position), dQ stores (8-byte pairs, rows
-    kDqPitch = d + 8 floats apart) and row-statistic reads, and the dQ writer's bulk reads, at their ideal wavefront
-    counts on both head dims' tiles. (The profile does not count wgmma's operand reads.) Every TMA copy counted: K
-    and V once per K/V block, Q and dO per (head, Q block) it visits."""
-    for head_dim, causal in ((64, True), (128, False), (60, True)):
+    consumers' dS^T stores (4-byte pairs, 8 rows each at its own chunk position; d256: P^T's too, each consumer its
+    32 queries), dQ stores (8-byte pairs, rows kDqPitch = d + 8 floats apart) and row-statistic reads, and the dQ
+    writer's bulk reads, at their ideal wavefront counts on every head dim's tile. (The profile does not count
+    wgmma's operand reads.) Every TMA copy counted: K and V once per K/V block, Q and dO per (head, Q block) it
+    visits."""
+    for head_dim, causal in ((64, True), (128, False), (60, True), (256, False)):
         tma = head_dim % 8 == 0
         q, k, v, dout = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=45)
         out, lse = _forward(q, k, v, causal)
         with sim.checking("profile"), sim.record() as records:
             _backward(q, k, v, dout, out, lse, causal, tma=tma)
         (launch,) = [r for r in records.launches if r.kernel.startswith("cuflash::fa3_backward_kernel")]
-        # tma.store: the dQ writer's bulk reduce-adds reading the dQ tile's rows (16-byte units in order).
-        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.store", "tma.load"} if tma
-                                                                      else {"store", "load", "tma.store"})
+        # tma.store: the dQ writer's bulk reduce-adds reading the dQ tile's rows (16-byte units in order); d256 has
+        # no dQ writer (its consumers add their dQ with REDs).
+        writer = set() if fa3_backward.backward_traits(head_dim, SM90).split_head_dim else {"tma.store"}
+        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.load"} if tma
+                                                                      else {"store", "load"}) | writer
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)
         if tma:
@@ -492,7 +524,8 @@ def test_no_bank_conflicts():
 # ---- the producer's copies: TMA, or loads where TMA cannot address the arrays --------------------------------
 
 
-@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", False), (128, "bfloat16", True)])
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "float16", False), (128, "bfloat16", True),
+                                                     (256, "bfloat16", False)])
 def test_tma_and_load_paths_give_the_same_bits(head_dim, dtype, causal):
     """The same tiles in shared memory whichever way they came (TMA's zero fill past the rows and the head dim, the
     load path's explicit zeros): dq, dk and dv bit for bit in deterministic mode (ragged blocks, GQA, 2 slices),

@@ -4,7 +4,7 @@
 // (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
 // dq_accum slices) after it, with fa2's dq_accum scratch, layout and slice rules (fa2.py's backward_program_for).
 //
-// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks>: grid = (X, nheads_k, batch); block x
+// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks, SplitHeadDim>: grid = (X, nheads_k, batch); block x
 // takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each,
 // dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x,
 // each element by one bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
@@ -70,6 +70,18 @@
 //       dq_accum, so 32 scalar REDs at 16 addresses a step where dQ's pairs are adjacent columns (loop census: the
 //       d128 step 596 instructions then); dQ's pairs added by the consumers themselves (red.global.add.v2.f32, 16
 //       a thread a step: the d128 step 462 instructions, 453 with the shared stores and the dQ writer).
+//       By head dim (SplitHeadDim, d256: dK and dV of 64 keys whole would be 256 floats a thread), FA3's d256
+//       form: one 64-key block, consumer c computes S^T and dP^T of the 64 keys and queries 32 c .. 32 c + 31 (N =
+//       32, K-major from its rows of the stage), forms P^T and dS^T of them and stores both (16-bit) into the
+//       block's P^T and dS^T tiles [64 keys][64 queries]; after a barrier of both consumers, all three of its
+//       products read them from shared memory: dV_c += P^T dO[:, cols_c] and dK_c += dS^T Q[:, cols_c] (A
+//       K-major, the reduction the 64 queries; B MN-major from its panels of the stage), dQ[:, cols_c] = dS
+//       K[:, cols_c] (A the dS^T tile MN-major), cols_c = its half of the head dim (64 floats of dK, 64 of dV and
+//       64 of dQ a thread), all in flight together. It adds its dQ into dq_accum with paired REDs
+//       (red.global.add.v2.f32, 32 a thread a step): a float32 dQ tile (67 KB at d256) does not fit beside K, V
+//       and two stages of Q and dO, so the dQ writer has nothing to do. A whole Q block inside the head dim adds
+//       without a test; a ragged one or a head dim below 256 guards each add (rows past the block and columns
+//       past the head dim are other rows of dq_accum).
 //       The step's bookkeeping moves on without dividing (the next Q block, or the next head: dq_accum's rows and
 //       whose turn each dQ tile is), and the stage's descriptors are stage 0's moved on by one add.
 //   Epilogue (per consumer): dK_c * scale and dV_c rounded to T, stored from the accumulators (pairs of elements;
@@ -79,10 +91,12 @@
 // [D]; dS^T [BlockN][BlockM]; float32 dQ [2][BlockM][D + 8]; float32 lse, D [Stages][BlockM]; 2 + 2 Stages + 4
 // mbarriers:
 //   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 BlockM (D + 8) + 8 Stages BlockM + 8 (6 + 2 Stages) bytes
-//   (d128 64 x 128, 2 stages: 144 KB + 68 KB + 1 KB + 80 B = 213 KB; d64 80 KB + 36 KB + 1 KB + 80 B).
+//   (d128 64 x 128, 2 stages: 144 KB + 68 KB + 1 KB + 80 B = 213 KB; d64 80 KB + 36 KB + 1 KB + 80 B). By head dim
+//   (d256 64 x 64): K, V 64 KB, Q, dO 128 KB, P^T and dS^T 16 KB, no dQ buffer, 1 KB + 48 B = 209 KB.
 //
 // What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and rows
-// bulk reduce-adds of d float32 into dq_accum (rows x d adds, done by the L2, none by the consumers' threads);
+// bulk reduce-adds of d float32 into dq_accum (rows x d adds, done by the L2, none by the consumers' threads; by
+// head dim the consumers' REDs, rows x d / 2 paired adds);
 // dK_j, dV_j written once. FLOPs: 5 products of
 // 2 BlockM BlockN D each per visited pair.
 //
@@ -98,13 +112,17 @@ namespace cuflash {
 // recovered from P once dP^T landed (ScoreHook::slope_of_probability): kept from before the wait it took a float
 // more per score than the consumers have (the d128 step spilled). BothHooks false: an instance that takes softcap or
 // ALiBi but not both at once (fa3::hooked_ds: the d128 step spills with that case; launched with both it traps).
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true>
-__global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
+// SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true,
+          bool SplitHeadDim = false>
+__global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>::kThreads), 1)
+    fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
-  using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages>;
+  using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   using DsTile = typename Tr::DsTile;
+  using PtTile = typename Tr::PtTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
   if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
@@ -195,6 +213,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
     int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
     // TMA: warp 0 copies (one elected lane issues, all 32 load the row statistics); warps 1 and 2 have nothing to do.
     if (tma && thread >= 32 && !dq_writer) return;
+    if (Tr::kSplitHeadDim && dq_writer) return;  // the consumers add their own dQ
     const bool issuer = tma && thread < 32 && arch::elect_one_sync();
     // Where the rows past a sequence's keys (queries) are other data a map would read (packed varlen sequences), its
     // ragged last K/V block (Q block) is copied by warp 0 with loads, zero-filled, one arrival standing for the TMA
@@ -241,24 +260,27 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         const int rows = min(BlockM, seqlen_q - row0);
         const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
         if (dq_writer) {
-          const int buffer = ring % Tr::kDqBuffers;
-          const long long dq_row_stride = BlockInfo::dense_row_stride(p);
-          float* dq = info.dq_accum(p, slice) + row0 * dq_row_stride;
-          const float* tile = dq_tile(buffer);
-          arch::mbarrier_wait(dq_full + buffer, (ring / Tr::kDqBuffers) & 1);
-          if (bulk) {
+          if constexpr (Tr::kDqBuffers > 0) {  // (by head dim the writer has returned)
+            const int buffer = ring % Tr::kDqBuffers;
+            const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+            float* dq = info.dq_accum(p, slice) + row0 * dq_row_stride;
+            const float* tile = dq_tile(buffer);
+            arch::mbarrier_wait(dq_full + buffer, (ring / Tr::kDqBuffers) & 1);
+            if (bulk) {
 #pragma unroll 1
-            for (int r = writer_lane; r < rows; r += 32)
-              arch::bulk_reduce_add_f32(dq + r * dq_row_stride, tile + r * Tr::kDqPitch, static_cast<unsigned>(4 * d));
-            arch::tma_store_commit();
-            arch::tma_store_wait_read<0>();
-          } else {
+              for (int r = writer_lane; r < rows; r += 32)
+                arch::bulk_reduce_add_f32(dq + r * dq_row_stride, tile + r * Tr::kDqPitch,
+                                          static_cast<unsigned>(4 * d));
+              arch::tma_store_commit();
+              arch::tma_store_wait_read<0>();
+            } else {
 #pragma unroll 1
-            for (int e = writer_lane; e < rows * d; e += 32)
-              arch::atomic_add(dq + (e / d) * dq_row_stride + e % d, tile[(e / d) * Tr::kDqPitch + e % d]);
+              for (int e = writer_lane; e < rows * d; e += 32)
+                arch::atomic_add(dq + (e / d) * dq_row_stride + e % d, tile[(e / d) * Tr::kDqPitch + e % d]);
+            }
+            __syncwarp();
+            if (writer_lane == 0) arch::mbarrier_arrive(dq_empty + buffer);
           }
-          __syncwarp();
-          if (writer_lane == 0) arch::mbarrier_arrive(dq_empty + buffer);
           continue;
         }
         const int stage = ring % Stages;
@@ -311,10 +333,16 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
   const int consumer = warpgroup - 1;
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const int key_base = consumer * 64;                                 // block-relative first key of this consumer
-  const int first_key = key_base + fa3::acc_first_row(warp, lane);    // block-relative, half 0
-  const int first_col = fa3::acc_first_col(lane);                     // query, block-relative
+  // This consumer's share (fa3_backward_traits.cuh): by keys, its 64 keys; by head dim, its kQueries queries of S^T
+  // and dP^T and its kOutCols columns of dV, dK and dQ.
+  const int key_base = Tr::kSplitHeadDim ? 0 : consumer * 64;             // block-relative first key
+  const int query_base = Tr::kSplitHeadDim ? consumer * Tr::kQueries : 0;  // block-relative first query of S^T
+  const int col_base = Tr::kSplitHeadDim ? consumer * Tr::kOutCols : 0;    // first head-dim column of dV, dK, dQ
+  const int first_key = key_base + fa3::acc_first_row(warp, lane);        // block-relative, half 0
+  const int first_col = query_base + fa3::acc_first_col(lane);            // query, block-relative
+  const int out_col = col_base + fa3::acc_first_col(lane);                // head-dim column of dV, dK (and dQ)
   unsigned char* ds_tile = smem + Tr::kDsOffset;
+  unsigned char* pt_tile = smem + Tr::kPtOffset;  // by head dim only
   // Every consumer's barrier around the dS^T tile (the forward's scheduler ids: the backward takes no turns).
   constexpr unsigned kDsBarrier = fa3::kSchedulerBarrier;
   // A stage's Q and dO are read once this thread's wait covering dV and dK's group is behind it: one arrival per
@@ -344,8 +372,19 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
       const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
       const uint64_t k_mn_desc = KVTile::mn_major_desc(k_tile, 0);  // K as dQ's B (N = the head dim, contiguous)
       const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
-      const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), 0, 0);
-      const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), 0, 0);
+      // By head dim: P^T and dS^T as K-major A operands (M the keys, K the queries).
+      const uint64_t pt_desc = PtTile::k_major_desc(pt_tile, 0, 0);
+      const uint64_t ds_k_desc = DsTile::k_major_desc(ds_tile, 0, 0);
+      // By head dim, this thread's dQ adds: its first query of dQ's M, the head-dim columns left from out_col,
+      // whether its consumer's columns all lie inside the head dim (d256), pairs where d is even and dq_accum 8-byte
+      // aligned.
+      const long long dq_row_stride = BlockInfo::dense_row_stride(p);
+      const int dq_query = fa3::acc_first_row(warp, lane);
+      const int cols_left = d - out_col;
+      const bool whole_cols = d - col_base >= Tr::kOutCols;
+      const bool dq_pairs = d % 2 == 0 && (reinterpret_cast<unsigned long long>(p.dq_accum) & 7) == 0;
+      const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), query_base, 0);
+      const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), query_base, 0);
       const uint64_t q_mn_desc0 = QTile::mn_major_desc(q_tile(0), 0);
       const uint64_t do_mn_desc0 = QTile::mn_major_desc(do_tile(0), 0);
       // The step's (head, Q block), moved on step by step (no division by m_blocks): Q blocks inner, heads outer, as
@@ -376,12 +415,12 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         arch::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < HeadDim / 16; ++ks)
-          arch::wgmma<T, BlockM>(s, fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(ks)),
+          arch::wgmma<T, Tr::kQueries>(s, fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(ks)),
                                  fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < HeadDim / 16; ++ks)
-          arch::wgmma<T, BlockM>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
+          arch::wgmma<T, Tr::kQueries>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
                                  fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 
@@ -402,9 +441,13 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
         // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop), the
         // forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
         // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
-        if (mask.tile_needs_mask(row0, rows, key0 + key_base, 64))
-          fa3::mask_scores<true>(s, mask, mask.tile_edges(row0, rows, key0 + key_base, 64), row0 + first_col,
-                                 key0 + first_key, 0.f);
+        // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
+        // has P = 0 from its lse of +inf whatever the mask says).
+        const int tile_row0 = row0 + query_base;
+        const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
+        if (mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
+          fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, key0 + key_base, 64),
+                                 row0 + first_col, key0 + first_key, 0.f);
         arch::wgmma_wait<0>(dp);
         if constexpr (Hooked) {
           fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - (key0 + first_key),
@@ -413,73 +456,152 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 #pragma unroll
           for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
         }
-        unsigned p_frag[BlockM / 16][4], ds_frag[BlockM / 16][4];
+        if constexpr (Tr::kSplitHeadDim) {
+          // P^T and dS^T of this consumer's queries into the block's tiles [keys][queries] (word r of k16 step kk:
+          // keys half r % 2, queries 16 kk + 8 (r / 2) + 2 (l % 4)): every consumer thread is past its wait for the
+          // previous step's products (which read both tiles) at the first barrier; the stores are fenced for wgmma
+          // and published to both consumers by the second.
+          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
-        for (int kk = 0; kk < BlockM / 16; ++kk) {
-          fa3::p_fragment<T>(p_frag[kk], s, kk);
-          fa3::p_fragment<T>(ds_frag[kk], dp, kk);
-        }
+          for (int kk = 0; kk < Tr::kQueries / 16; ++kk) {
+            unsigned p_frag[4], ds_frag[4];
+            fa3::p_fragment<T>(p_frag, s, kk);
+            fa3::p_fragment<T>(ds_frag, dp, kk);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int at = DsTile::element_offset(first_key + 8 * (r % 2), first_col + 16 * kk + 8 * (r / 2));
+              *reinterpret_cast<unsigned*>(pt_tile + at) = p_frag[r];
+              *reinterpret_cast<unsigned*>(ds_tile + at) = ds_frag[r];
+            }
+          }
+          arch::fence_proxy_async();
+          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 
-        // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
-        // previous step's dQ (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
-        // published to every consumer by the second.
-        arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
-#pragma unroll
-        for (int kk = 0; kk < BlockM / 16; ++kk)
-#pragma unroll
-          for (int r = 0; r < 4; ++r)  // word r: rows half r % 2, columns 16 kk + 8 (r / 2) + 2 (l % 4)
-            *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(first_key + 8 * (r % 2),
-                                                                          first_col + 16 * kk + 8 * (r / 2))) =
-                ds_frag[kk][r];
-        arch::fence_proxy_async();
-
-        // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.
-        arch::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BlockM / 16; ++kk)
-          arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
-#pragma unroll
-        for (int kk = 0; kk < BlockM / 16; ++kk)
-          arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
-        arch::wgmma_commit();
-        arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
-        // dV and dK land before dQ is issued: with both in flight (P^T's and dS^T's fragments live beside dQ's
-        // accumulators) ptxas spilled 12 bytes at d128 and serialized the wgmma (C7512, NVRTC 13.5).
-        arch::wgmma_wait<0>(acc_dk);
-        arch::wgmma_wait<0>(acc_dv);
-        release(empty + stage);  // the stage's Q and dO are read
-
-        // dQ_i += dS K over all BlockN keys (FA3's form: M = the Q block's 64 queries, the reduction every key of
-        // the block, both consumers' rows of dS^T), one 64-column tile of the head dim per wgmma N: tile t is this
-        // step's work of consumer (t + Q block + head) % kConsumers (d128, two consumers: one tile each; d64: the
-        // consumers take turns). dS is read from the dS^T tile as an MN-major A (the queries contiguous), K as an
-        // MN-major B (the head dim). The accumulators go to the step's float32 dQ buffer (unscaled: convert applies
-        // the scale) once the dQ writer has read its previous use; every consumer warp then hands the buffer over
-        // (its stores fenced for the writer's bulk reduce, which reads through the async proxy).
-        const int dq_buffer = ring % Tr::kDqBuffers;
-        arch::mbarrier_wait(dq_empty + dq_buffer, ((ring / Tr::kDqBuffers) & 1) ^ 1);
-        float* dq_out = dq_tile(dq_buffer) + dq_lane;
-#pragma unroll
-        for (int t = 0; t < Tr::kDqTiles; ++t) {
-          if (t % Tr::kConsumers != dq_mine) continue;
-          float dq[fa3::kPanelCols / 2];
+          // This consumer's columns: dV += P^T dO, dK += dS^T Q (A K-major from the tiles: M the 64 keys, the
+          // reduction all BlockM queries; B its panels of dO and Q, MN-major), then dQ = dS K (A the dS^T tile read
+          // MN-major: M the queries, the reduction the 64 keys; B its panels of K), all three in flight together
+          // (no fragment is live: P^T and dS^T are in shared memory).
+          const unsigned q_cols = (col_base / fa3::kPanelCols) * QTile::kPanelBytes;
+          const unsigned kv_cols = (col_base / fa3::kPanelCols) * KVTile::kPanelBytes;
+          float dq[Tr::kAccD];  // declared before the fence that covers all three products
           arch::wgmma_fence();
 #pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk)
+            arch::wgmma<T, Tr::kOutCols, false, true>(
+                acc_dv, fa3::desc_advanced(pt_desc, PtTile::k_major_step_bytes(kk)),
+                fa3::desc_advanced(do_mn_desc, q_cols + kk * 16 * 128), true);
+#pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk)
+            arch::wgmma<T, Tr::kOutCols, false, true>(
+                acc_dk, fa3::desc_advanced(ds_k_desc, DsTile::k_major_step_bytes(kk)),
+                fa3::desc_advanced(q_mn_desc, q_cols + kk * 16 * 128), true);
+          arch::wgmma_commit();
+#pragma unroll
           for (int kk = 0; kk < BlockN / 16; ++kk)
-            arch::wgmma<T, fa3::kPanelCols, true, true>(
-                dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
-                fa3::desc_advanced(k_mn_desc, t * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
+            arch::wgmma<T, Tr::kOutCols, true, true>(dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
+                                                     fa3::desc_advanced(k_mn_desc, kv_cols + kk * 16 * 128), kk > 0);
           arch::wgmma_commit();
           arch::wgmma_wait<0>(dq);
-          // Register i: query acc_first_row + acc_row_step(i), head-dim column 64 t + first_col + acc_col_step(i):
-          // registers i, i + 1 (i even) are adjacent columns, one 8-byte store (bank-conflict free: kDqPitch).
+          arch::wgmma_wait<0>(acc_dk);
+          arch::wgmma_wait<0>(acc_dv);
+          release(empty + stage);  // the stage's Q and dO are read
+
+          // dQ into dq_accum's rows (unscaled: convert applies the scale) by this thread's atomics: register i is
+          // query dq_query + acc_row_step(i), column out_col + acc_col_step(i); i, i + 1 (i even) adjacent columns,
+          // one paired add where d is even. A whole Q block with this consumer's columns inside the head dim (every
+          // step but a sequence's last at d256) adds without a test; otherwise each add is guarded (rows past the
+          // Q block and columns past the head dim are other rows of dq_accum, and dQ there need not be 0: a NaN key
+          // gives NaN). Each element of a slice is added by one thread, in program order (deterministic mode:
+          // bitwise reruns).
+          float* dq_at = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) +
+                         (row0 + dq_query) * dq_row_stride + out_col;
+          auto dq_element = [&](int i) { return dq_at + ((i / 2) % 2 ? 8 * dq_row_stride : 0) + fa3::acc_col_step(i); };
+          if (dq_pairs && whole_cols && rows == BlockM) {
 #pragma unroll
-          for (int i = 0; i < fa3::kPanelCols / 2; i += 2)
-            *reinterpret_cast<float2*>(dq_out + ((i / 2) % 2 ? 8 * Tr::kDqPitch : 0) + 64 * t +
-                                       fa3::acc_col_step(i)) = make_float2(dq[i], dq[i + 1]);
+            for (int i = 0; i < Tr::kAccD; i += 2) arch::atomic_add2(dq_element(i), dq[i], dq[i + 1]);
+          } else {
+            const bool row_in[2] = {dq_query < rows, dq_query + 8 < rows};
+#pragma unroll  // (dq indexed at run time would live in local memory)
+            for (int i = 0; i < Tr::kAccD; i += 2) {
+              if (!row_in[(i / 2) % 2] || fa3::acc_col_step(i) >= cols_left) continue;
+              if (dq_pairs) {
+                arch::atomic_add2(dq_element(i), dq[i], dq[i + 1]);
+              } else {
+                arch::atomic_add(dq_element(i), dq[i]);
+                if (fa3::acc_col_step(i) + 1 < cols_left) arch::atomic_add(dq_element(i) + 1, dq[i + 1]);
+              }
+            }
+          }
+        } else {
+          unsigned p_frag[BlockM / 16][4], ds_frag[BlockM / 16][4];
+#pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk) {
+            fa3::p_fragment<T>(p_frag[kk], s, kk);
+            fa3::p_fragment<T>(ds_frag[kk], dp, kk);
+          }
+
+          // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
+          // previous step's dQ (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
+          // published to every consumer by the second.
+          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
+#pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)  // word r: rows half r % 2, columns 16 kk + 8 (r / 2) + 2 (l % 4)
+              *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(first_key + 8 * (r % 2),
+                                                                            first_col + 16 * kk + 8 * (r / 2))) =
+                  ds_frag[kk][r];
+          arch::fence_proxy_async();
+
+          // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.
+          arch::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk)
+            arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
+#pragma unroll
+          for (int kk = 0; kk < BlockM / 16; ++kk)
+            arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
+          arch::wgmma_commit();
+          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
+          // dV and dK land before dQ is issued: with both in flight (P^T's and dS^T's fragments live beside dQ's
+          // accumulators) ptxas spilled 12 bytes at d128 and serialized the wgmma (C7512, NVRTC 13.5).
+          arch::wgmma_wait<0>(acc_dk);
+          arch::wgmma_wait<0>(acc_dv);
+          release(empty + stage);  // the stage's Q and dO are read
+
+          // dQ_i += dS K over all BlockN keys (FA3's form: M = the Q block's 64 queries, the reduction every key of
+          // the block, both consumers' rows of dS^T), one 64-column tile of the head dim per wgmma N: tile t is this
+          // step's work of consumer (t + Q block + head) % kConsumers (d128, two consumers: one tile each; d64: the
+          // consumers take turns). dS is read from the dS^T tile as an MN-major A (the queries contiguous), K as an
+          // MN-major B (the head dim). The accumulators go to the step's float32 dQ buffer (unscaled: convert applies
+          // the scale) once the dQ writer has read its previous use; every consumer warp then hands the buffer over
+          // (its stores fenced for the writer's bulk reduce, which reads through the async proxy).
+          const int dq_buffer = ring % Tr::kDqBuffers;
+          arch::mbarrier_wait(dq_empty + dq_buffer, ((ring / Tr::kDqBuffers) & 1) ^ 1);
+          float* dq_out = dq_tile(dq_buffer) + dq_lane;
+#pragma unroll
+          for (int t = 0; t < Tr::kDqTiles; ++t) {
+            if (t % Tr::kConsumers != dq_mine) continue;
+            float dq[fa3::kPanelCols / 2];
+            arch::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BlockN / 16; ++kk)
+              arch::wgmma<T, fa3::kPanelCols, true, true>(
+                  dq, fa3::desc_advanced(ds_desc, kk * 16 * 128),
+                  fa3::desc_advanced(k_mn_desc, t * KVTile::kPanelBytes + kk * 16 * 128), kk > 0);
+            arch::wgmma_commit();
+            arch::wgmma_wait<0>(dq);
+            // Register i: query acc_first_row + acc_row_step(i), head-dim column 64 t + first_col + acc_col_step(i):
+            // registers i, i + 1 (i even) are adjacent columns, one 8-byte store (bank-conflict free: kDqPitch).
+#pragma unroll
+            for (int i = 0; i < fa3::kPanelCols / 2; i += 2)
+              *reinterpret_cast<float2*>(dq_out + ((i / 2) % 2 ? 8 * Tr::kDqPitch : 0) + 64 * t +
+                                         fa3::acc_col_step(i)) = make_float2(dq[i], dq[i + 1]);
+          }
+          arch::fence_proxy_async();
+          release(dq_full + dq_buffer);
+
         }
-        arch::fence_proxy_async();
-        release(dq_full + dq_buffer);
 
         // The next step: the next Q block of this head, or the first of the next head.
         if (++m_block < m_range.end) {
@@ -507,7 +629,7 @@ __global__ void __launch_bounds__((1 + BlockN / 64) * 128, 1) fa3_backward_kerne
 #pragma unroll
     for (int i = 0; i < Tr::kAccD; ++i) {
       const int key = first_key + fa3::acc_row_step(i);
-      const int col = first_col + fa3::acc_col_step(i);
+      const int col = out_col + fa3::acc_col_step(i);
       if (key < block_keys && col < d) {
         arch::store(reinterpret_cast<unsigned short*>(dk + key * dk_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));

@@ -7,15 +7,23 @@
 namespace cuflash {
 namespace fa3 {
 
-// The backward's tile: a K/V block of BlockN keys (kConsumers = BlockN / 64 warpgroups, each owning 64 keys: the M of
-// its S^T, dP^T, dV and dK products), Q blocks of BlockM rows streamed through a ring of Stages buffers.
-template <int HeadDim, int BlockM, int BlockN, int Stages>
+// The backward's tile: a K/V block of BlockN keys, Q blocks of BlockM rows streamed through a ring of Stages buffers.
+// Two ways to share the products among the consumer warpgroups:
+//   by keys (SplitHeadDim false; head dims up to 128): kConsumers = BlockN / 64 warpgroups, each owning 64 keys
+//     (the M of its S^T, dP^T, dV and dK products), dK and dV of its keys whole in its registers;
+//   by head dim (SplitHeadDim true; head dims past 128, where dK and dV of 64 keys whole are more floats a thread
+//     than a consumer has: 256 at d256): one K/V block of 64 keys, two consumers; consumer c computes S^T and dP^T of
+//     the 64 keys and its half of the Q block's queries (N = BlockM / 2), both store P^T and dS^T to shared memory,
+//     and consumer c multiplies dV, dK and dQ for head-dim columns c HeadDim / 2 .. (c + 1) HeadDim / 2 - 1 from
+//     there (FA3's d256 backward shares its two consumers' work so).
+template <int HeadDim, int BlockM, int BlockN, int Stages, bool SplitHeadDim = false>
 struct BackwardTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
-  static constexpr int kConsumers = BlockN / 64;
+  static constexpr bool kSplitHeadDim = SplitHeadDim;
+  static constexpr int kConsumers = SplitHeadDim ? 2 : BlockN / 64;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumers * 4;
   // setmaxnreg: the producer needs more than 40 (its copy loop, the row statistics and the dQ writer's loop: at 40
@@ -26,28 +34,33 @@ struct BackwardTraits {
   static constexpr int kConsumerRegisters = consumer_registers(kConsumers, kProducerRegisters);
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads),
                 "setmaxnreg: the roles take more than the block's launch allocation");
-  static constexpr int kAccS = BlockM / 2;     // S^T and dP^T accumulator floats per thread (64 keys x BlockM)
-  static constexpr int kAccD = HeadDim / 2;    // dK and dV
-  static constexpr int kDqTiles = HeadDim / 64;  // dQ's N tiles of 64 head-dim columns (32 accumulators each)
-
+  static constexpr int kQueries = SplitHeadDim ? BlockM / 2 : BlockM;  // S^T's and dP^T's N: a consumer's queries
+  static constexpr int kOutCols = SplitHeadDim ? HeadDim / 2 : HeadDim;  // dV's, dK's (and dQ's) N per consumer
+  static constexpr int kAccS = kQueries / 2;   // S^T and dP^T accumulator floats per thread (64 keys x kQueries)
+  static constexpr int kAccD = kOutCols / 2;   // dK and dV (64 keys x kOutCols)
+  static constexpr int kDqTiles = HeadDim / 64;  // by keys: dQ's N tiles of 64 head-dim columns (32 floats each)
   using KVTile = WgmmaTile<BlockN, HeadDim>;
   using QTile = WgmmaTile<BlockM, HeadDim>;   // Q and dO
-  using DsTile = WgmmaTile<BlockN, BlockM>;   // dS^T [keys][queries], each consumer's 64 keys stored by it
+  using DsTile = WgmmaTile<BlockN, BlockM>;   // dS^T [keys][queries] (by keys: each consumer's 64 keys stored by it)
+  using PtTile = DsTile;                      // by head dim: P^T [keys][queries] too, both consumers' halves
   // The producer warpgroup: warps 0 .. 2 copy the tiles (kCopyThreads, one arrival each on a "full" barrier), warp
-  // 3 is the dQ writer (bulk reduce-adds of the consumers' float32 dQ tiles into dq_accum).
+  // 3 is the dQ writer (bulk reduce-adds of the consumers' float32 dQ tiles into dq_accum; by head dim it has
+  // nothing to do: the consumers add their dQ into dq_accum themselves, the shared memory a float32 dQ tile would
+  // take, 67 KB at d256, being past what is left).
   static constexpr int kCopyThreads = kWarpgroupThreads - 32;
   // The float32 dQ tile [BlockM][kDqPitch] of a step (kDqBuffers of them): rows of HeadDim floats 8 apart in banks
   // (pitch HeadDim + 8), so a warp's 8-byte accumulator stores (4 pairs x 8 rows, 16 lanes a phase) hit 32
   // distinct banks; each row a 16-byte aligned run for one bulk reduce-add.
   static constexpr int kDqPitch = HeadDim + 8;
   static constexpr int kDqTileBytes = BlockM * kDqPitch * 4;
-  static constexpr int kDqBuffers = 2;
+  static constexpr int kDqBuffers = SplitHeadDim ? 0 : 2;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KVTile::kBytes;
   static constexpr int kQOffset = kVOffset + KVTile::kBytes;            // [Stages]
   static constexpr int kDoOffset = kQOffset + Stages * QTile::kBytes;   // [Stages]
   static constexpr int kDsOffset = kDoOffset + Stages * QTile::kBytes;
-  static constexpr int kDqOffset = kDsOffset + DsTile::kBytes;          // [kDqBuffers]
+  static constexpr int kPtOffset = kDsOffset + DsTile::kBytes;          // by head dim only
+  static constexpr int kDqOffset = kPtOffset + (SplitHeadDim ? PtTile::kBytes : 0);  // [kDqBuffers]
   // Per stage, float32 lse log2(e) and D of the Q block's rows (rows past the sequence: +inf and 0).
   static constexpr int kStatsOffset = kDqOffset + kDqBuffers * kDqTileBytes;
   static constexpr int kBarrierOffset = kStatsOffset + Stages * 2 * BlockM * 4;
@@ -57,6 +70,8 @@ struct BackwardTraits {
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels");
   static_assert(BlockN % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 keys");
+  static_assert(!SplitHeadDim || (BlockN == 64 && HeadDim % 128 == 0),
+                "by head dim: one 64-key block, each consumer's half of the head dim whole 64-column panels");
   static_assert(BlockM == 64, "a Q block is dQ's wgmma M (64 queries) and one 64-column dS^T panel");
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
   static_assert(kDqOffset % 16 == 0 && (kDqPitch * 4) % 16 == 0, "dQ rows are 16-byte aligned bulk sources");

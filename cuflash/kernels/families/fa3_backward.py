@@ -12,9 +12,9 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 ``tma_boxes``; AttentionParams.tma_loads per call), else with 16-byte loads, as the forward's.
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
-fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..128 (on 64 or 128), any
-mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once up to head dim 64), varlen
-batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
+any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once but at head dims 65..128),
+varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -30,7 +30,7 @@ from .. import nvrtc
 from ..program import KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
-from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, compiled_head_dim
+from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
@@ -39,13 +39,16 @@ _DQ_BUFFERS = 2  # fa3::BackwardTraits::kDqBuffers
 
 @dataclass(frozen=True)
 class BackwardTraits(WarpgroupTraits):
-    """fa3::BackwardTraits: a K/V block of ``block_n`` keys (block_n / 64 consumer warpgroups, 64 keys each), Q blocks
-    of ``block_m`` rows through a ring of ``stages``."""
+    """fa3::BackwardTraits: a K/V block of ``block_n`` keys, Q blocks of ``block_m`` rows through a ring of
+    ``stages``; the consumers share the keys (block_n / 64 warpgroups, 64 keys each) or, ``split_head_dim``, the head
+    dim (two warpgroups, one 64-key block, each half of the queries of S^T and dP^T and half the columns of dV, dK and
+    dQ: head dims past 128)."""
 
     KERNEL: ClassVar[str] = "fa3_backward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_n"
     both_hooks: bool = True  # a hooked instance that takes softcap and ALiBi together (the kernel's BothHooks)
+    split_head_dim: bool = False  # the kernel's SplitHeadDim
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,19 +56,30 @@ class BackwardTraits(WarpgroupTraits):
             raise ValueError(f"{self}: block_m 64 (dQ's wgmma M, one 64-column dS^T panel)")
         if not (self.hooked or self.both_hooks):
             raise ValueError(f"{self}: both_hooks says which hooks a hooked instance takes")
+        if self.split_head_dim and (self.block_n != 64 or self.head_dim % 128):
+            raise ValueError(f"{self}: split_head_dim takes one 64-key block and halves of whole 64-column panels")
+
+    @property
+    def consumers(self) -> int:
+        return 2 if self.split_head_dim else super().consumers
 
     @property
     def smem_bytes(self) -> int:
-        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [consumers][64][block_m]; float32 dQ
-        # [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch); float32 lse, D [stages][block_m]; 2 + 2 stages + 4
-        # mbarriers.
+        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [block_n][block_m] (split_head_dim: and P^T);
+        # float32 dQ [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch; split_head_dim: none); float32 lse, D
+        # [stages][block_m]; 2 + 2 stages + 2 x the dQ buffers' mbarriers.
         d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
-        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + n * m) + 4 * _DQ_BUFFERS * m * (d + 8)
-        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * _DQ_BUFFERS)
+        dq_buffers = 0 if self.split_head_dim else _DQ_BUFFERS
+        transposed_tiles = 2 if self.split_head_dim else 1
+        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + transposed_tiles * n * m) + 4 * dq_buffers * m * (d + 8)
+        return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * dq_buffers)
 
     def template_flags(self) -> tuple[str, ...]:
-        """Hooked, then BothHooks where it is false."""
-        return super().template_flags() + (() if self.both_hooks else ("false",))
+        """Hooked, BothHooks, SplitHeadDim, up to the last that is not its default."""
+        flags = (self.hooked, self.both_hooks, self.split_head_dim)
+        defaults = (False, True, False)
+        last = max((i for i, (f, default) in enumerate(zip(flags, defaults)) if f != default), default=-1)
+        return tuple("true" if f else "false" for f in flags[:last + 1])
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -77,9 +91,13 @@ class BackwardTraits(WarpgroupTraits):
 # (40 floats each at N = 80), dK and dV (64 each) and P^T's and dS^T's fragments (20 words each) come to about 250
 # live beside the addresses, where two consumers get 224 after a 56-register producer (the block's 168 x 384
 # registers at launch, all setmaxnreg can hand out; FA3's TMA producer keeps 24, its consumers 240).
+# Past d128 dK and dV of 64 keys whole are more floats a thread than a consumer has (256 at d256, beside S^T's and
+# dP^T's): d256 shares the head dim (split_head_dim, FA3's d256 backward's 64 x 64 tile with two consumers), each
+# consumer 64 floats of dK and 64 of dV; d129..255 run it too (d192's halves, 96 columns, would start mid-panel).
 BACKWARD_CHOICES = {
     64: BackwardTraits(64, block_m=64, block_n=128),
     128: BackwardTraits(128, block_m=64, block_n=128),
+    256: BackwardTraits(256, block_m=64, block_n=64, split_head_dim=True),
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
 # score hook and its derivative (fa3_backward.cu's Hooked). At d128 the hooked step has no case for softcap and ALiBi
@@ -89,9 +107,16 @@ BACKWARD_CHOICES = {
 # passes (48), the softcap's tanh while dP^T is in flight and the rest from it after (44), P formed as in the plain
 # step and the derivative recovered from it after the wait (52; none without ALiBi's term: the form kept).
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
-                  128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False)}
+                  128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False),
+                  256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
 TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
+
+
+def compiled_head_dim(headdim: int) -> int:
+    """The smallest head dim the backward is compiled for >= headdim (its own: 64, 128, 256; the forward has
+    192 too)."""
+    return min(d for d in BACKWARD_CHOICES if d >= headdim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,9 +134,9 @@ def toolchain_refusal() -> str | None:
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..128 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
+    one head dim 1..256 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
     blocks, tiles crossing an edge take the element-wise mask), no option but varlen, softcap and ALiBi
-    (SERVED_OPTIONS; the latter two by the hooked instances, together at head dims 1..64 only); dQ by atomics or
+    (SERVED_OPTIONS; the latter two by the hooked instances, together but at head dims 65..128); dQ by atomics or
     deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
@@ -126,9 +151,10 @@ def refusal(problem: Problem, target: Target) -> str | None:
     unserved = problem.options - SERVED_OPTIONS
     if unserved:
         return f"no {', '.join(sorted(unserved))} yet"
-    if problem.options >= HOOK_OPTIONS and not HOOKED_CHOICES[compiled_head_dim(problem.headdim)].both_hooks:
-        return (f"softcap with ALiBi at head dims 1..{max(d for d, t in HOOKED_CHOICES.items() if t.both_hooks)} "
-                f"only, not {problem.headdim}: the hooked d{compiled_head_dim(problem.headdim)} instance takes one")
+    compiled = compiled_head_dim(problem.headdim)
+    if problem.options >= HOOK_OPTIONS and not HOOKED_CHOICES[compiled].both_hooks:
+        return (f"softcap with ALiBi not at head dim {problem.headdim}: the hooked d{compiled} instance takes one "
+                f"of them")
     return None
 
 
@@ -138,7 +164,7 @@ def supports(problem: Problem, target: Target) -> bool:
 
 
 def backward_traits(headdim: int, target: Target, hooked: bool = False) -> BackwardTraits:
-    """The tile for ``headdim`` (1..128: the next compiled head dim's), as fa2_tc.backward_traits; ``hooked``: its
+    """The tile for ``headdim`` (1..256: the next compiled head dim's), as fa2_tc.backward_traits; ``hooked``: its
     instance with the score hook."""
     traits = (HOOKED_CHOICES if hooked else BACKWARD_CHOICES)[compiled_head_dim(headdim)]
     assert traits.smem_bytes <= target.smem_per_block_bytes
