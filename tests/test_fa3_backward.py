@@ -166,8 +166,8 @@ def test_windows_match_reference(case):
 # Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
 # from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
 # (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on one. Softcap with ALiBi at once: the d64 and
-# d256 instances; the d128 one takes either (its step spills with both) and traps on both; a plain instance traps on
-# either.
+# d256 instances, and at d65..128 a d128 tile sharing the head dim (fa3_backward.BOTH_HOOKS_CHOICES): the keys-sharing
+# d128 one takes either (its step spills with both) and traps on both; a plain instance traps on either.
 HOOK_CASES = {
     "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
     "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),
@@ -178,6 +178,8 @@ HOOK_CASES = {
     "softcap-alibi-d256-causal": ((1, 130, 77, 2, 1, 256), "float16", dict(softcap=3.0, alibi=(2,), causal=True)),
     "alibi-d200-window": ((2, 70, 150, 2, 2, 200), "bfloat16", dict(alibi=(2, 2), window_size=(40, 10),
                                                                     deterministic=True)),
+    "softcap-alibi-d128": ((2, 77, 130, 2, 2, 128), "bfloat16", dict(softcap=4.0, alibi=(2, 2), deterministic=True)),
+    "softcap-alibi-d100-causal": ((1, 200, 130, 4, 2, 100), "float16", dict(softcap=3.0, alibi=(4,), causal=True)),
 }
 
 
@@ -200,18 +202,25 @@ def test_softcap_and_alibi_match_reference(case):
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
         dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     main = records.launches[2].kernel
-    assert main == fa3_backward.backward_traits(shape[-1], SM90, hooked=True).instance(dtype).name_expr, main
+    both = "softcap" in options and "alibi_slopes" in options
+    traits = fa3_backward.backward_traits(shape[-1], SM90, hooked=True, both_hooks=both)
+    assert main == traits.instance(dtype).name_expr, main
     _check_against(tol.backward_references(dout, q, k, v, **options), (dq, dk, dv))
 
 
-def test_softcap_with_alibi_at_head_dims_65_to_128_stays_on_mma_sync():
+def test_softcap_with_alibi_at_head_dims_65_to_128_runs_a_tile_sharing_the_head_dim():
+    """The keys-sharing d128 hooked instance takes one hook; both at once run the d128 tile whose consumers share the
+    head dim; either alone, and both at d64 and d256, their head dim's hooked instance."""
     problem = Problem(dtype="float16", batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_k=2, headdim=100,
                       softcap=3.0, alibi="heads")
-    assert fa3_backward.refusal(problem, SM90).startswith("softcap with ALiBi not at head dim 100")
-    for served in (dataclasses.replace(problem, alibi=None), dataclasses.replace(problem, softcap=0.0),
-                   dataclasses.replace(problem, headdim=64, headdim_v=64),
-                   dataclasses.replace(problem, headdim=129, headdim_v=129)):
-        assert fa3_backward.refusal(served, SM90) is None, served
+    name = fa3_backward.backward_program(problem, SM90).launches[1].kernel.name_expr
+    assert name == "cuflash::fa3_backward_kernel<__half, 128, 64, 64, 2, true, true, true>", name
+    for one, flags in ((dataclasses.replace(problem, alibi=None), "true, false>"),
+                       (dataclasses.replace(problem, softcap=0.0), "true, false>"),
+                       (dataclasses.replace(problem, headdim=64, headdim_v=64), "64, 64, 128, 2, true>"),
+                       (dataclasses.replace(problem, headdim=129, headdim_v=129), "256, 64, 64, 2, true, true, true>")):
+        name = fa3_backward.backward_program(one, SM90).launches[1].kernel.name_expr
+        assert name.endswith(flags), (one, name)
 
 
 def test_the_d128_hooked_instance_traps_on_softcap_with_alibi():
@@ -410,9 +419,10 @@ def test_serves_only_its_problems():
     for served in (problem(), problem(deterministic=True), problem(mask=Mask.causal(), dtype="bfloat16"),
                    problem(mask=Mask(window_left=8, window_right=0)), problem(softcap=5.0), problem(alibi="heads"),
                    problem(softcap=5.0, alibi="heads", headdim=64), problem(total_q=300, total_k=200),
-                   problem(headdim=160), problem(headdim=256, softcap=5.0, alibi="heads", mask=Mask.causal())):
+                   problem(headdim=160), problem(headdim=256, softcap=5.0, alibi="heads", mask=Mask.causal()),
+                   problem(softcap=5.0, alibi="heads")):
         assert fa3_backward.supports(served, SM90), served
-    for other in (problem(dtype="float32"), problem(softcap=5.0, alibi="heads"),
+    for other in (problem(dtype="float32"),
                   problem(dropout_p=0.1), problem(headdim_v=64)):
         assert not fa3_backward.supports(other, SM90), other
     assert not fa3_backward.supports(problem(), target("sm_80"))

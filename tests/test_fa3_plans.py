@@ -53,17 +53,12 @@ def test_sm90_runs_the_hopper_kernels_where_they_serve():
     for problem in (_problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM90, direction).module is hopper, (problem, direction)
-    # Head dims above 128: both on Hopper (the backward's d256 instance shares the head dim between its consumers).
-    for problem in (_problem(headdim=160), _problem(headdim=256, softcap=5.0, alibi="heads")):
+    # Head dims above 128, softcap with ALiBi at once: both on Hopper (the backward's tiles sharing the head dim
+    # between the consumers: d256, and d128 for both hooks).
+    for problem in (_problem(headdim=160), _problem(headdim=256, softcap=5.0, alibi="heads"),
+                    _problem(softcap=5.0, alibi="heads")):
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM90, direction).module is hopper, (problem, direction)
-    # The forward on Hopper, the backward on mma.sync: what only the forward serves (softcap with ALiBi at head dims
-    # 65..128).
-    for problem in (_problem(softcap=5.0, alibi="heads"),):
-        assert plans.variant_for("fa2", problem, SM90).module is hopper
-        assert _kernels(plans.forward_program("fa2", problem, SM90)) == ["cuflash::fa3_forward_kernel"]
-        assert plans.variant_for("fa2", problem, SM90, "backward").module is fa2_tc, problem
-        assert "cuflash::fa2_tc_backward_kernel" in _kernels(plans.backward_program("fa2", problem, SM90))
         assert plans.variant_for("fa2", problem, SM80).module is fa2_tc
     # Both on mma.sync.
     for other in (_problem(headdim_v=64), _problem(softcap=5.0, dropout_p=0.1), _problem(dropout_p=0.1)):
@@ -105,10 +100,8 @@ def test_the_plan_says_which_kernel_runs_and_why():
     assert said.startswith("fa2 backward on sm_90: hopper (") and "64, 64, 128, 2, true>" in said
     said = plans.explain("fa2", _problem(softcap=5.0), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 128, 2, true, false>" in said
-    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90, "backward").splitlines()
-    assert said[0].startswith("fa2 backward on sm_90: tensor_core")
-    assert said[1] == ("  not hopper: softcap with ALiBi not at head dim 100: the hooked d128 instance takes one of "
-                       "them")
+    said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90, "backward")
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 64, 2, true, true, true>" in said
     said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")  # windows: both directions
     said = plans.explain("fa2", _problem(headdim=160), SM90, "backward")

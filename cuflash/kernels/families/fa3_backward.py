@@ -13,8 +13,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
-any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once but at head dims 65..128),
-varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
+any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
+sharing the head dim), varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
 everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
 (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -101,15 +101,21 @@ BACKWARD_CHOICES = {
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
 # score hook and its derivative (fa3_backward.cu's Hooked). At d128 the hooked step has no case for softcap and ALiBi
-# together (BothHooks false): with it the step spilled at the consumers' 224 registers (NVRTC 13.5), so that pair
-# stays on mma.sync (fa2_tc) there. Forms of the d128 step tried with both, and what each spilled: the one pass after
-# both waits (20 bytes: the dS^T tile's hoisted store addresses; computing those per step still spilled 20), two
-# passes (48), the softcap's tanh while dP^T is in flight and the rest from it after (44), P formed as in the plain
-# step and the derivative recovered from it after the wait (52; none without ALiBi's term: the form kept).
+# together (BothHooks false): with it the step spilled at the consumers' 224 registers (NVRTC 13.5). Forms of the d128
+# step tried with both, and what each spilled: the one pass after both waits (20 bytes: the dS^T tile's hoisted store
+# addresses; computing those per step still spilled 20), two passes (48), the softcap's tanh while dP^T is in flight
+# and the rest from it after (44), P formed as in the plain step and the derivative recovered from it after the wait
+# (52; none without ALiBi's term: the form kept). That pair runs a d128 tile sharing the head dim instead
+# (BOTH_HOOKS_CHOICES: 64 x 64, each consumer 32 floats of dK and of dV, S^T and dP^T of 32 queries; no spill),
+# whose step issues more per FLOP (NVRTC 13.5: 468 instructions for 28 HGMMA, 0.714 per 1000 MMA FLOPs per warp,
+# where the keys-sharing hooked step issues 567 for 32, 0.433) but keeps the pair on wgmma.
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
                   128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False),
                   256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
-TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values())  # every main-kernel instance's traits
+BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks},
+                      128: BackwardTraits(128, block_m=64, block_n=64, hooked=True, split_head_dim=True)}
+TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(),  # every main-kernel instance's traits
+         *(t for t in BOTH_HOOKS_CHOICES.values() if t not in HOOKED_CHOICES.values()))
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
 
 
@@ -136,7 +142,7 @@ def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..256 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
     blocks, tiles crossing an edge take the element-wise mask), no option but varlen, softcap and ALiBi
-    (SERVED_OPTIONS; the latter two by the hooked instances, together but at head dims 65..128); dQ by atomics or
+    (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for both at once); dQ by atomics or
     deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
@@ -151,10 +157,6 @@ def refusal(problem: Problem, target: Target) -> str | None:
     unserved = problem.options - SERVED_OPTIONS
     if unserved:
         return f"no {', '.join(sorted(unserved))} yet"
-    compiled = compiled_head_dim(problem.headdim)
-    if problem.options >= HOOK_OPTIONS and not HOOKED_CHOICES[compiled].both_hooks:
-        return (f"softcap with ALiBi not at head dim {problem.headdim}: the hooked d{compiled} instance takes one "
-                f"of them")
     return None
 
 
@@ -163,10 +165,11 @@ def supports(problem: Problem, target: Target) -> bool:
     return refusal(problem, target) is None
 
 
-def backward_traits(headdim: int, target: Target, hooked: bool = False) -> BackwardTraits:
+def backward_traits(headdim: int, target: Target, hooked: bool = False, both_hooks: bool = False) -> BackwardTraits:
     """The tile for ``headdim`` (1..256: the next compiled head dim's), as fa2_tc.backward_traits; ``hooked``: its
-    instance with the score hook."""
-    traits = (HOOKED_CHOICES if hooked else BACKWARD_CHOICES)[compiled_head_dim(headdim)]
+    instance with the score hook, ``both_hooks``: one that takes softcap and ALiBi at once."""
+    table = (BOTH_HOOKS_CHOICES if both_hooks else HOOKED_CHOICES) if hooked else BACKWARD_CHOICES
+    traits = table[compiled_head_dim(headdim)]
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
@@ -181,7 +184,8 @@ def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
     why = refusal(problem, target)
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
-    return backward_traits(problem.headdim, target, hooked=bool(problem.options & HOOK_OPTIONS))
+    return backward_traits(problem.headdim, target, hooked=bool(problem.options & HOOK_OPTIONS),
+                           both_hooks=problem.options >= HOOK_OPTIONS)
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
