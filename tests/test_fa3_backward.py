@@ -504,9 +504,9 @@ def test_no_bank_conflicts():
     """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) and row statistics or,
     on the load path (d60: rows of 120 bytes, no map), its 16-byte stores (8 lanes a 128-byte swizzled line); the
     consumers' dS^T stores (4-byte pairs, 8 rows each at its own chunk position; d256: P^T's too, each consumer its
-    32 queries), dQ stores (8-byte pairs, rows kDqPitch = d + 8 floats apart) and row-statistic reads, and the dQ
-    writer's bulk reads, at their ideal wavefront counts on every head dim's tile. (The profile does not count
-    wgmma's operand reads.) Every TMA copy counted: K and V once per K/V block, Q and dO per (head, Q block) it
+    32 queries), dQ stores (8-byte pairs, rows kDqPitch = d + 8 floats apart) and row-statistic reads, the dQ
+    writer's bulk reads, and the consumers' wgmma operand reads (every one counted), at their ideal wavefront counts
+    on every head dim's tile. Every TMA copy counted: K and V once per K/V block, Q and dO per (head, Q block) it
     visits."""
     for head_dim, causal in ((64, True), (128, False), (60, True), (256, False)):
         tma = head_dim % 8 == 0
@@ -517,16 +517,29 @@ def test_no_bank_conflicts():
         (launch,) = [r for r in records.launches if r.kernel.startswith("cuflash::fa3_backward_kernel")]
         # tma.store: the dQ writer's bulk reduce-adds reading the dQ tile's rows (16-byte units in order); d256 has
         # no dQ writer (its consumers add their dQ with REDs).
-        writer = set() if fa3_backward.backward_traits(head_dim, SM90).split_head_dim else {"tma.store"}
-        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.load"} if tma
-                                                                      else {"store", "load"}) | writer
+        traits = fa3_backward.backward_traits(head_dim, SM90)
+        writer = set() if traits.split_head_dim else {"tma.store"}
+        kinds = {"store", "load", "wgmma.read"} | writer | ({"tma.load"} if tma else set())
+        assert {site.kind for site in launch.shared_access_sites} == kinds
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)
+        problem = _problem(q, k, causal)
+        steps = [problem.mask_policy.q_blocks(traits.block_m, key0, min(key0 + traits.block_n, 300))
+                 for key0 in range(0, 300, traits.block_n)]
+        # The wgmma operand reads of a step (a core matrix a wavefront: 64 rows x 16 are 16, N x 16 N / 4), all
+        # consumers: by keys, each S^T and dP^T (d / 16 wgmma reading 64 keys and m queries), dV and dK (m / 16
+        # reading dO or Q, N = d; P^T and dS^T from registers), and the step's d / 64 dQ tiles (n / 16 reading dS^T
+        # and 64 columns of K); by head dim, each S^T and dP^T of m / 2 queries, dV and dK with P^T and dS^T read
+        # too (N = d / 2), dQ (n / 16 reading dS^T and d / 2 columns of K).
+        d, m, n = traits.head_dim, traits.block_m, traits.block_n
+        if traits.split_head_dim:
+            per_step = 2 * (2 * d // 16 * (16 + m // 8) + 2 * m // 16 * (16 + d // 8) + n // 16 * (16 + d // 8))
+        else:
+            per_step = (traits.consumers * (2 * d // 16 * (16 + m // 4) + 2 * m // 16 * d // 4)
+                        + d // 64 * n // 16 * 32)
+        visits = sum(max(s.end - s.begin, 0) for s in steps) * 2  # two heads
+        assert sum(s.ideal for s in launch.shared_access_sites if s.kind == "wgmma.read") == visits * per_step
         if tma:
-            problem = _problem(q, k, causal)
-            traits = fa3_backward.backward_traits(head_dim, SM90)
-            steps = [problem.mask_policy.q_blocks(traits.block_m, key0, min(key0 + traits.block_n, 300))
-                     for key0 in range(0, 300, traits.block_n)]
             tiles = sum(2 + 2 * (m.end - m.begin) for m in steps if m.end > m.begin)  # per head (MHA)
             (tma_site,) = [site for site in launch.shared_access_sites if site.kind == "tma.load"]
             assert tma_site.instructions == 2 * tiles * (traits.head_dim // 64), tma_site

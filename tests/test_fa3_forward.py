@@ -162,23 +162,29 @@ def test_every_tile_clean_under_asan():
 def test_no_bank_conflicts():
     """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) or, on the load path,
     its 16-byte stores (8 lanes a line), the epilogue's 4-byte pairs (8 rows, each at its own chunk position) and
-    16-byte reads, at their ideal wavefront counts on both head dims' tiles. (The profile does not count wgmma's
-    operand reads.)"""
+    16-byte reads, and the consumers' wgmma operand reads (Q and K of S = Q K^T, V of P V: a core matrix a
+    wavefront), at their ideal wavefront counts on both head dims' tiles; every wgmma read counted."""
     for head_dim, causal in ((64, True), (128, False), (60, True)):
         tma = head_dim % 8 == 0
         q, k, v, _ = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=23)
         with sim.checking("profile"):
             _, _, records = _run(q, k, v, causal, tma=tma)
         (launch,) = records.launches
-        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.load"} if tma
-                                                                      else {"store", "load"})
+        assert {site.kind for site in launch.shared_access_sites} == ({"store", "load", "tma.load", "wgmma.read"}
+                                                                      if tma else {"store", "load", "wgmma.read"})
         for site in launch.shared_access_sites:
             assert site.excess == 0, (launch.kernel, site)
+        traits = fa3.forward_traits(_problem(q, k, causal), SM90)
+        policy = _problem(q, k, causal).mask_policy
+        blocks = [policy.kv_blocks(traits.block_n, row0, min(row0 + traits.block_m, 200))
+                  for row0 in range(0, 200, traits.block_m)]
+        # Per consumer and visited K/V block: S's d / 16 wgmma read Q (64 x 16: 16 wavefronts) and K (n x 16: n / 4),
+        # P V's n / 16 read V (d x 16: d / 4); two heads.
+        d, n = traits.head_dim, traits.block_n
+        per_block = d // 16 * (16 + n // 4) + n // 16 * (d // 4)
+        visits = sum(max(b.end - b.begin, 0) for b in blocks) * traits.consumers * 2
+        assert sum(s.ideal for s in launch.shared_access_sites if s.kind == "wgmma.read") == visits * per_block
         if tma:  # every copy counted: Q once and K and V per visible K/V block, per (head, Q block)
-            traits = fa3.forward_traits(_problem(q, k, causal), SM90)
-            policy = _problem(q, k, causal).mask_policy
-            blocks = [policy.kv_blocks(traits.block_n, row0, min(row0 + traits.block_m, 200))
-                      for row0 in range(0, 200, traits.block_m)]
             tiles = sum(1 + 2 * (b.end - b.begin) for b in blocks if b.end > b.begin)  # per head
             (tma_site,) = [site for site in launch.shared_access_sites if site.kind == "tma.load"]
             assert tma_site.instructions == 2 * tiles * (traits.head_dim // 64), tma_site

@@ -58,7 +58,9 @@ class SharedAccessSite:
     Nsight Compute's shared-memory wavefronts (see cuda_src/arch/sim/sim_profile.cpp)."""
 
     site: str  # "file:line" of the access (the innermost inlined location)
-    kind: str  # "load", "store", "ldmatrix", "cp.async", "tma.load" or "tma.store" (a TMA copy's shared side)
+    # "load", "store", "ldmatrix", "cp.async", "tma.load" or "tma.store" (a TMA copy's shared side), "wgmma.read"
+    # (a wgmma's shared operand)
+    kind: str
     bytes: int  # per lane
     instructions: int  # warp-level instructions executed
     wavefronts: int

@@ -303,6 +303,51 @@ def test_rs_product(T, n):
     np.testing.assert_allclose(gather(out, n), A.astype(np.float64) @ B.astype(np.float64).T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("swizzle", [0, 32, 64, 128])
+@pytest.mark.parametrize("majors", [(False, False), (True, True), "registers"])
+def test_profile_counts_the_shared_operand_reads(swizzle, majors):
+    """Profile mode: each wgmma's shared operands are one instruction each at the call site ("wgmma.read"), read
+    core matrix by core matrix (8 rows x 16 bytes, 8 16-byte units a phase): 64 x 16 of A is 16 wavefronts, N x 16
+    of B N / 4; every canonical layout (each swizzle, K- and MN-major) reads a core matrix in one (excess 0). A from
+    registers reads only B. The products are the normal mode's (checked against NumPy)."""
+    n, ksteps = 64, 4
+    registers = majors == "registers"
+    a_mn, b_mn = (False, True) if registers else majors
+    if swizzle in (32, 64) and not (a_mn or b_mn):
+        ksteps = 1  # a K-major swizzled line holds swizzle / 2 elements: one k16 step for 32 and 64
+    A, B = operands("__half", n, 16 * ksteps, 5 + swizzle)
+    image = np.zeros(16384, np.uint16)
+    k_major = (128, 2 * 128 * ksteps, 2 * 128 >> 4) if swizzle == 0 else (16, 8 * swizzle, 32 >> 4)
+    descriptors = {}
+    for name, matrix, at, mn in (("a", A, 0, a_mn), ("b", B, 8192, b_mn)):
+        if registers and name == "a":
+            continue
+        if mn:
+            lbo, sbo, step_bytes = mn_major_tile(64, 16 * ksteps, swizzle)
+            lbo, sbo, step = lbo, sbo, step_bytes >> 4
+        else:
+            lbo, sbo, step = k_major
+        place(image, matrix.view(np.uint16), at, lbo, sbo, swizzle, mn_major=mn)
+        descriptors[name] = (descriptor(at, lbo, sbo, swizzle), step)
+    out = np.zeros((128, n // 2), np.float32)
+    name = kernel_name("__half", n, registers, a_mn, b_mn)
+    options = dict(desc_b=descriptors["b"][0], step_b=descriptors["b"][1], ksteps=ksteps)
+    if registers:
+        options["a_registers"] = a_fragments(A.view(np.uint16), ksteps)
+    else:
+        options.update(desc_a=descriptors["a"][0], step_a=descriptors["a"][1])
+    with sim.checking("profile"):
+        rec = launch(name, image, out, **options)
+    np.testing.assert_allclose(gather(out, n), A.astype(np.float64) @ B.astype(np.float64).T, rtol=1e-5, atol=1e-4)
+    reads = [site for site in rec.shared_access_sites if site.kind == "wgmma.read"]
+    assert len(reads) == 1 and "hopper_wgmma.cu:" in reads[0].site, rec.shared_access_sites
+    (site,) = reads
+    operands_read = 1 if registers else 2
+    assert site.instructions == operands_read * ksteps, site
+    assert site.ideal == ksteps * (n // 4 + (0 if registers else 16)), site
+    assert site.excess == 0, site
+
+
 def test_accumulator_fragment_layout():
     # A[m] = (m, 1, 0..), B[n] = (1, 64 n, 0..): D[m, n] = m + 64 n exactly, so each accumulator names its place.
     n = 128

@@ -405,6 +405,7 @@ enum ProfileKind : unsigned {
   kProfileCpAsync = 3,
   kProfileTmaLoad = 4,   // a TMA load's shared writes (sim_tma.cpp, profile_bulk_shared_access)
   kProfileTmaStore = 5,  // a TMA store's shared reads
+  kProfileWgmmaRead = 6,  // a wgmma's shared operand reads (sim_wgmma.cpp, profile_bulk_shared_access)
 };
 CUFLASH_SIM_API void profile_shared_access(const Site& site, const void* address, unsigned bytes, unsigned kind);
 

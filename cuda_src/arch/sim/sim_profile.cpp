@@ -21,6 +21,10 @@
 // many wavefronts as its most loaded bank holds distinct words. A 128-byte swizzled box row is then 1
 // wavefront; the same row without the swizzle too, but two rows whose units share banks are not. (The ISA
 // does not document the engine's shared-memory phases: this is the model, the ideal a line per wavefront.)
+// A wgmma's operand read from shared memory (one instruction per operand, the warpgroup's) is counted the same
+// way, its units core matrix by core matrix (8 rows x 16 bytes, the unit of the ISA's canonical layouts), 8 a
+// phase: every canonical layout reads a core matrix in 1 wavefront (the swizzles spread its 8 rows over the 8
+// 16-byte positions of a 128-byte line), so the counts give the operands' shared traffic in wavefronts.
 // Reported per call site: instructions, wavefronts, ideal (cuflash.sim.record's launch records).
 #include <dlfcn.h>
 
@@ -171,7 +175,7 @@ void profile_launch_begin() { g_profile.totals.clear(); }
 // One line per call site: "pc <library>\t<offset hex>" or "src <file>\t<line>", then kind, bytes,
 // instructions, wavefronts, ideal, tab-separated.
 std::string profile_launch_report() {
-  static const char* const kKinds[] = {"load", "store", "ldmatrix", "cp.async", "tma.load", "tma.store"};
+  static const char* const kKinds[] = {"load", "store", "ldmatrix", "cp.async", "tma.load", "tma.store", "wgmma.read"};
   std::string text;
   char line[4096];
   for (const auto& [site, c] : g_profile.totals) {

@@ -472,6 +472,23 @@ void wgmma_issue(const Site& site, const WgmmaShape& shape, float* acc, const un
     const std::string why = check_descriptor(shape.desc_b, shape.b_mn_major != 0, shape.n, smem_bytes);
     if (!why.empty()) fail_current(describe_site(site) + ": the descriptor of B: " + why);
   }
+#if CUFLASH_SIM_PROFILE
+  // The shared operands' reads, core matrix by core matrix (sim_profile.cpp): 8 rows (M or N) of the 8 k of a
+  // k-half, K-major; 8 k of the 8 rows (M or N) of a row group, MN-major. One instruction per operand.
+  auto profile_operand = [&](uint64_t raw, bool mn_major, unsigned rows) {
+    const Descriptor d = decode(raw, mn_major);
+    std::vector<uint32_t> units;
+    units.reserve(rows * 2);
+    for (unsigned group = 0; group < rows / 8; ++group)
+      for (unsigned half = 0; half < 2; ++half)
+        for (unsigned i = 0; i < 8; ++i)
+          units.push_back(mn_major ? element_address(d, 8 * group, 8 * half + i)
+                                   : element_address(d, 8 * group + i, 8 * half));
+    profile_bulk_shared_access(site, units, kProfileWgmmaRead);
+  };
+  if (!shape.a_registers) profile_operand(shape.desc_a, shape.a_mn_major != 0, 64);
+  profile_operand(shape.desc_b, shape.b_mn_major != 0, shape.n);
+#endif
   auto op = std::make_unique<WgmmaOp>();
   op->site = site;
   op->shape = shape;
