@@ -362,14 +362,13 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         assert not report.roles_exceed_launch_allocation(roles, res.registers, traits.threads), (name, roles, res)
         # ptxas neither serialized the wgmma (C7519) nor inserted waits of its own (C7517).
         assert "C7519" not in result.log and "C7517" not in result.log, result.log
-        # Intra-warpgroup overlap, as issued: the steady-state step issues the next S (SS) and this P V (RS, V
-        # transposed) back to back, then waits leaving one group (P V) in flight, then waits for it. (What ptxas
-        # schedules between the two waits is its choice: NVRTC 13.5 keeps the mask's selects there and sinks the
-        # softmax's max and exponentials past the second wait.)
+        # Intra-warpgroup overlap, as issued: each step (the steady loop's and the masked loop's) issues the next S
+        # (SS) and this P V (RS, V transposed) back to back, then waits leaving one group (P V) in flight, then waits
+        # for it. (What ptxas schedules between the two waits: test_loop_census's overlap test.)
         steps = re.findall(r"HGMMA\.64x\d+x16[^;]*gdesc\[UR\d+\], R\d+, gsb0 ;.*?"
                            r"HGMMA\.64x\d+x16[^;]*\.tnspB, R\d+, gsb0 ;.*?"
                            r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1 ;.*?WARPGROUP\.DEPBAR\.LE gsb0, 0x0 ;", sass, re.S)
-        assert len(steps) == 1, name
+        assert len(steps) == 2, name
 
 
 # ---- the producer's TMA copies ---------------------------------------------------------------------------------

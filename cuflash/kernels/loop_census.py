@@ -362,9 +362,10 @@ def _census(blocks: Sequence[Block], loop: Loop, walked: list[int], path: str, e
 
 
 def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | None = None) -> list[PathCensus]:
-    """The main loops of a function's SASS and the plain path of each, then the marked paths of the plain row's
-    loop: for each name in ``marks`` (instruction addresses, marked_paths) the cheapest walk of that loop through a
-    block holding one of them, a row named by it (none where the loop holds no marked instruction).
+    """The main loops of a function's SASS and the plain path of each, then the marked paths: for each name in
+    ``marks`` (instruction addresses, marked_paths) the cheapest walk through a block holding one of them, of the
+    plain row's loop where it holds one, else of the first other main loop that does (a kernel whose masked steps
+    run in a loop of their own), a row named by it (none where no main loop holds a marked instruction).
 
     A main loop is a loop one of whose iterations can issue ``work`` (a walk exists) and that encloses no other
     such loop: an inner loop holding only part of the MMAs (the backward's dQ column chunks) cannot, and a loop
@@ -390,10 +391,11 @@ def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | No
     (plain_loop, plain), rest = found[0], [row for _, row in found[1:]]
     marked = []
     for name, addresses in (marks or {}).items():
-        through = frozenset(b for b in plain_loop.blocks
-                            if any(i.address in addresses for i in blocks[b].instructions))
-        if through:
-            marked.append(walk(blocks, plain_loop, work, name, through))
+        for loop in (plain_loop, *(loop for loop, _ in found[1:])):
+            through = frozenset(b for b in loop.blocks if any(i.address in addresses for i in blocks[b].instructions))
+            if through:
+                marked.append(walk(blocks, loop, work, name, through))
+                break
     return [plain, *marked] + [dataclasses.replace(row, path=f"loop at {row.loop_addresses[0]:#x}") for row in rest]
 
 
