@@ -41,8 +41,10 @@
 //       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
 //         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
 //         then waits for it, releases K (after the first wait) and V (after the second: one arrival per warp on
-//         the stage's "empty" mbarrier of each), rescales O and
-//         converts P_{j+1} (P's registers are A operands of the wgmma in flight until then);
+//         the stage's "empty" mbarrier of each), rescales O and converts P_{j+1} (P's registers are A operands of
+//         the wgmma in flight until then); the steps whose S_{j+1} needs the mask run in a loop of their own, as
+//         FA3's do, so the steady step has no branch between the waits (with one, ptxas waited for P V at the join,
+//         ahead of the softmax);
 //       - ping-pong: the consumers take turns (round robin) to issue their wgmma (named barriers
 //         kSchedulerBarrier + c: a consumer waits for its turn, issues, hands the turn to the next), so one's
 //         softmax runs while another's products do.
