@@ -165,9 +165,10 @@ def test_windows_match_reference(case):
 
 # Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
 # from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
-# (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on one of each step's form. Softcap with ALiBi at once: the d64 and
-# d256 instances, and at d65..128 a d128 tile sharing the head dim (fa3_backward.BOTH_HOOKS_CHOICES): the keys-sharing
-# d128 one takes either (its step spills with both) and traps on both; a plain instance traps on either.
+# (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on one of each step's form. Softcap with ALiBi
+# at once: the d64 and d256 instances, and at d65..128 a d128 tile sharing the head dim
+# (fa3_backward.BOTH_HOOKS_CHOICES): the keys-sharing d128 one takes either (its step spills with both) and traps on
+# both; a plain instance traps on either.
 HOOK_CASES = {
     "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
     "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),

@@ -4,14 +4,14 @@
 // (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
 // dq_accum slices) after it, with fa2's dq_accum scratch, layout and slice rules (fa2.py's backward_program_for).
 //
-// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks, SplitHeadDim>: grid = (X, nheads_k, batch); block x
-// takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one K/V block each,
-// dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding only into slice x,
-// each element by one bulk reduce at a time, in program order). Per K/V block it loops over the query heads of its group (GQA/MQA: the
-// group's dK/dV sum in registers, in a fixed order) and per head over the Q blocks that see the block (mask.cuh's
-// q_blocks).
+// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks, SplitHeadDim>: grid = (X, nheads_k,
+// batch); block x takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one
+// K/V block each, dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding
+// only into slice x, each element by one bulk reduce at a time, in program order). Per K/V block it loops over the
+// query heads of its group (GQA/MQA: the group's dK/dV sum in registers, in a fixed order) and per head over the Q
+// blocks that see the block (mask.cuh's q_blocks).
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
-//     warpgroup 0, the producer (setmaxnreg down to 48): warps 0 .. 2 copy, warp 3 writes dQ, all walking the
+//     warpgroup 0, the producer (setmaxnreg down to 56): warps 0 .. 2 copy, warp 3 writes dQ, all walking the
 //       same steps. K and V are copied once per K/V block, after the consumers' arrivals on "kv_empty" for the
 //       previous one, then per step Q_i and dO_i, and lse_i log2(e) and D_i (rows past the sequence: +inf and 0, so
 //       P = 0 there) into the next stage of a ring of kStages; the copiers wait on the stage's "empty" mbarrier (one
@@ -416,12 +416,12 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 #pragma unroll
         for (int ks = 0; ks < HeadDim / 16; ++ks)
           arch::wgmma<T, Tr::kQueries>(s, fa3::desc_advanced(k_desc, KVTile::k_major_step_bytes(ks)),
-                                 fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
+                                       fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < HeadDim / 16; ++ks)
           arch::wgmma<T, Tr::kQueries>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
-                                 fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
+                                       fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 
         // Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).

@@ -14,9 +14,9 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
 any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
-sharing the head dim), varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices); ``refusal`` says why
-everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves nothing
-(``toolchain_refusal``): ptxas 12.9 spills it.
+sharing the head dim), varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices);
+``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
+serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
 """
 
 from __future__ import annotations
