@@ -97,7 +97,7 @@ template <int kUnused = 0> __device__ __forceinline__ void atomic_add2(float* p,
   static_assert(__CUDA_ARCH__ >= 900 || kUnused != 0, "red.global.add.v2.f32 needs sm_90");
 #endif
   asm volatile(
-      "{\n\t.reg .pred add;\n\tsetp.ne.b32 add, %3, 0;\n\t@add red.global.add.v2.f32 [%0], {%1, %2};\n\t}" ::"l"(p),
+      "{\n\t.reg .pred adds;\n\tsetp.ne.b32 adds, %3, 0;\n\t@adds red.global.add.v2.f32 [%0], {%1, %2};\n\t}" ::"l"(p),
       "f"(a), "f"(b), "r"(static_cast<int>(add))
       : "memory");
 }

@@ -220,15 +220,16 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
     const ScoreHook hook = Hooked ? ScoreHook::of(p, info) : ScoreHook{p, info, 0.f};
     // S of K/V block n_block in s: the score hook where softcap or ALiBi is on, the element-wise mask where
-    // `masked` (fa3::Masked: the tile needs it; fa3::Unmasked: it does not, no mask code at all), then the online
-    // softmax (s becomes P in float32); returns O's correction per half (applied by the caller once no P V is in
-    // flight).
+    // `masked` (the tile needs it), then the online softmax (s becomes P in float32); returns O's correction per
+    // half (applied by the caller once no P V is in flight). Each loop below calls it with a constant `masked`,
+    // folded once the lambda is inlined: its step holds no mask code, or no test of it. (A bool, not a compile-time
+    // tag taken as `auto`: NVRTC 12 refuses a generic lambda in device code.)
     float s[Tr::kAccS];
     unsigned p_frag[BlockN / 16][4];
-    auto softmax = [&](int n_block, float (&correction)[2], auto masked) {
+    auto softmax = [&](int n_block, float (&correction)[2], bool masked) {
       const int key0 = n_block * BlockN;
       if constexpr (Hooked) fa3::hook_scores(s, hook, row0 + first_row, key0 + fa3::acc_first_col(lane));
-      if constexpr (decltype(masked)::value)
+      if (masked)
         fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
                          key0 + fa3::acc_first_col(lane));
       fa3::online_softmax<BlockN>(s, row_max, row_sum, scale_log2, correction);
@@ -266,10 +267,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     release(empty_k);
     {
       float unused[2];
-      if (unmasked.contains(n_range.end - 1))
-        softmax(n_range.end - 1, unused, fa3::Unmasked{});
-      else
-        softmax(n_range.end - 1, unused, fa3::Masked{});
+      softmax(n_range.end - 1, unused, !unmasked.contains(n_range.end - 1));
     }
     to_p();
 
@@ -302,7 +300,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // loop has no branch around a wgmma: ptxas serializes wgmma on a path it cannot prove uniform (C7519).
     int it = 0;
     int n_block = n_range.end - 1;
-    auto step = [&](auto masked) {
+    auto step = [&](bool masked) {
       const int stage = it % Stages;
       const int next_stage = (it + 1) % Stages;
       take_turn();
@@ -321,21 +319,21 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       for (int i = 0; i < Tr::kAccO; ++i) acc_o[i] *= correction[fa3::acc_row_step(i) / 8];
       to_p();
     };
-    // The steps whose next block needs the mask and those whose next block does not, in two loops (the unmasked
-    // blocks are one run of the range, so the outer loop turns at most twice): with the mask's branch inside the
-    // step, ptxas placed P V's wait at the join after it, ahead of the softmax (1 of its 188 instructions in flight
-    // at d128 128 x 176, NVRTC 13.5); without it P V stays in flight across a third of the softmax (FA3's overlap).
-    // Each run's last n_block is computed before it (a single compare per step).
+    // The steps whose next block needs the mask and those whose next block does not, in two loops, step(true) and
+    // step(false) (the unmasked blocks are one run of the range, so the outer loop turns at most twice): with the
+    // mask's branch inside the step, ptxas placed P V's wait at the join after it, ahead of the softmax (1 of its 188
+    // instructions in flight at d128 128 x 176, NVRTC 13.5); without it P V stays in flight across a third of the
+    // softmax (FA3's overlap). Each run's last n_block is computed before it (a single compare per step).
     while (n_block > n_range.begin) {
       if (unmasked.contains(n_block - 1)) {
         const int stop = max(unmasked.begin, n_range.begin);
 #pragma unroll 1
-        for (; n_block > stop; --n_block, ++it) step(fa3::Unmasked{});
+        for (; n_block > stop; --n_block, ++it) step(false);
       } else {
         // Above the unmasked run (or all the way down when none is left below this block).
         const int stop = n_block - 1 >= unmasked.end ? max(unmasked.end, n_range.begin) : n_range.begin;
 #pragma unroll 1
-        for (; n_block > stop; --n_block, ++it) step(fa3::Masked{});
+        for (; n_block > stop; --n_block, ++it) step(true);
       }
     }
     // The last block: P V alone.

@@ -70,15 +70,6 @@ struct WgmmaTile {
   }
 };
 
-// A compile-time flag passed as a value (generic lambdas take it as `auto` and test decltype(flag)::value): the
-// consumer loops' masked and unmasked steps are one lambda instantiated twice.
-template <bool kValue>
-struct StaticFlag {
-  static constexpr bool value = kValue;
-};
-using Masked = StaticFlag<true>;
-using Unmasked = StaticFlag<false>;
-
 // desc moved `bytes` on in shared memory (a multiple of 16): only the start address field (bits 0-13, the address
 // / 16) changes, and it cannot carry, the shared window being below 256 KB; one 32-bit add where a descriptor made
 // from the address again costs a handful of uniform instructions (mask, shift, or).
