@@ -452,7 +452,7 @@ def test_census_of_the_consumer_step(head_dim):
     sass = nvrtc.dump_sass(result)
     # The census knows mma.sync's HMMA; the wgmma step's work is HGMMA.
     hgmma = "".join(line.replace("HGMMA", "HMMA") if "HGMMA" in line else line for line in sass.splitlines(True))
-    exponentials = 64 * (traits.block_m // 2 if traits.split_head_dim else traits.block_m) // 128  # S^T's per thread
+    exponentials = 64 * traits.queries // 128  # S^T's scores per thread
     for hmma, dq_adds, most in STEP_INSTRUCTIONS[head_dim]:
         (plain, *_) = lc.census(hgmma, lc.IterationWork(hmma=hmma, ldgsts=0, exponentials=exponentials,
                                                        global_writes=dq_adds))

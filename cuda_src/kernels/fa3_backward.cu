@@ -213,7 +213,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
     int ring = 0, kv_round = 0;  // steps and K/V blocks with steps so far: the stages' and K/V's phases
     // TMA: warp 0 copies (one elected lane issues, all 32 load the row statistics); warps 1 and 2 have nothing to do.
     if (tma && thread >= 32 && !dq_writer) return;
-    if (Tr::kSplitHeadDim && dq_writer) return;  // the consumers add their own dQ
+    if (Tr::kDqBuffers == 0 && dq_writer) return;  // no dQ buffers (by head dim): the consumers add their own dQ
     const bool issuer = tma && thread < 32 && arch::elect_one_sync();
     // Where the rows past a sequence's keys (queries) are other data a map would read (packed varlen sequences), its
     // ragged last K/V block (Q block) is copied by warp 0 with loads, zero-filled, one arrival standing for the TMA
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         const int rows = min(BlockM, seqlen_q - row0);
         const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
         if (dq_writer) {
-          if constexpr (Tr::kDqBuffers > 0) {  // (by head dim the writer has returned)
+          if constexpr (Tr::kDqBuffers > 0) {  // (without buffers the writer has returned)
             const int buffer = ring % Tr::kDqBuffers;
             const long long dq_row_stride = BlockInfo::dense_row_stride(p);
             float* dq = info.dq_accum(p, slice) + row0 * dq_row_stride;
@@ -430,8 +430,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
         // hook's derivative, recovered from P: no second float per score kept across the wait).
         // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info).
-        const float alibi_slope =
-            Hooked ? ScoreHook::of(p, BlockInfo::of_group_head(batch, kv_head, head)).slope : 0.f;
+        const BlockInfo head_info = BlockInfo::of_group_head(batch, kv_head, head);  // the step's query head
+        const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
         const ScoreHook hook{p, kv_info, alibi_slope};
         arch::wgmma_wait<1>(s);
         if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
@@ -457,22 +457,17 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
         }
         if constexpr (Tr::kSplitHeadDim) {
-          // P^T and dS^T of this consumer's queries into the block's tiles [keys][queries] (word r of k16 step kk:
-          // keys half r % 2, queries 16 kk + 8 (r / 2) + 2 (l % 4)): every consumer thread is past its wait for the
-          // previous step's products (which read both tiles) at the first barrier; the stores are fenced for wgmma
-          // and published to both consumers by the second.
+          // P^T and dS^T of this consumer's queries into the block's tiles [keys][queries]: every consumer thread is
+          // past its wait for the previous step's products (which read both tiles) at the first barrier; the stores
+          // are fenced for wgmma and published to both consumers by the second.
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
           for (int kk = 0; kk < Tr::kQueries / 16; ++kk) {
             unsigned p_frag[4], ds_frag[4];
             fa3::p_fragment<T>(p_frag, s, kk);
             fa3::p_fragment<T>(ds_frag, dp, kk);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const int at = DsTile::element_offset(first_key + 8 * (r % 2), first_col + 16 * kk + 8 * (r / 2));
-              *reinterpret_cast<unsigned*>(pt_tile + at) = p_frag[r];
-              *reinterpret_cast<unsigned*>(ds_tile + at) = ds_frag[r];
-            }
+            fa3::store_fragment<PtTile>(pt_tile, p_frag, first_key, first_col, kk);
+            fa3::store_fragment<DsTile>(ds_tile, ds_frag, first_key, first_col, kk);
           }
           arch::fence_proxy_async();
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
@@ -513,17 +508,17 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           // Q block and columns past the head dim are other rows of dq_accum, and dQ there need not be 0: a NaN key
           // gives NaN). Each element of a slice is added by one thread, in program order (deterministic mode:
           // bitwise reruns).
-          float* dq_at = BlockInfo::of_group_head(batch, kv_head, head).dq_accum(p, slice) +
-                         (row0 + dq_query) * dq_row_stride + out_col;
-          auto dq_element = [&](int i) { return dq_at + ((i / 2) % 2 ? 8 * dq_row_stride : 0) + fa3::acc_col_step(i); };
+          float* dq_at = head_info.dq_accum(p, slice) + (row0 + dq_query) * dq_row_stride + out_col;
+          auto dq_element = [&](int i) {
+            return dq_at + fa3::acc_row_step(i) * dq_row_stride + fa3::acc_col_step(i);
+          };
           if (dq_pairs && whole_cols && rows == BlockM) {
 #pragma unroll
             for (int i = 0; i < Tr::kAccD; i += 2) arch::atomic_add2(dq_element(i), dq[i], dq[i + 1]);
           } else {
-            const bool row_in[2] = {dq_query < rows, dq_query + 8 < rows};
 #pragma unroll  // (dq indexed at run time would live in local memory)
             for (int i = 0; i < Tr::kAccD; i += 2) {
-              if (!row_in[(i / 2) % 2] || fa3::acc_col_step(i) >= cols_left) continue;
+              if (dq_query + fa3::acc_row_step(i) >= rows || fa3::acc_col_step(i) >= cols_left) continue;
               if (dq_pairs) {
                 arch::atomic_add2(dq_element(i), dq[i], dq[i + 1]);
               } else {
@@ -546,11 +541,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
           for (int kk = 0; kk < BlockM / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)  // word r: rows half r % 2, columns 16 kk + 8 (r / 2) + 2 (l % 4)
-              *reinterpret_cast<unsigned*>(ds_tile + DsTile::element_offset(first_key + 8 * (r % 2),
-                                                                            first_col + 16 * kk + 8 * (r / 2))) =
-                  ds_frag[kk][r];
+            fa3::store_fragment<DsTile>(ds_tile, ds_frag[kk], first_key, first_col, kk);
           arch::fence_proxy_async();
 
           // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.

@@ -312,6 +312,19 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N]
   for (int r = 0; r < 4; ++r) a[r] = arch::pack_float2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
+// Stores an A fragment of k16 step kk (p_fragment's words) into a 16-bit Tile [rows][columns] whose lane's first
+// element is (first_row, first_col): word r holds rows half r % 2 (8 rows on), columns 16 kk + 8 (r / 2) on (the
+// backward's P^T and dS^T, rows keys, into the tiles its dQ, dV and dK read).
+template <class Tile>
+__device__ __forceinline__ void store_fragment(unsigned char* tile, const unsigned (&a)[4], int first_row,
+                                               int first_col, int kk) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int at = Tile::element_offset(first_row + 8 * (r % 2), first_col + 16 * kk + 8 * (r / 2));
+    *reinterpret_cast<unsigned*>(tile + at) = a[r];
+  }
+}
+
 // The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become `hidden`
 // (-inf before the softmax; 0 for the backward's P, after it). The lane's limits come from mask.cuh
 // (LaneTileMask); each register's offsets are compile-time constants (query_step, key_step). KeysAsRows: the

@@ -418,15 +418,16 @@ def iteration_work(traits) -> IterationWork:
         # of each.
         m, n, d, consumers = traits.block_m, traits.block_n, traits.head_dim, traits.consumers
         if traits.split_head_dim:
-            # Sharing the head dim (one 64-key block, two consumers), per consumer: S^T and dP^T of its block_m / 2
-            # queries (d / 16 wgmma of 64 x m/2 x 16 each), dV and dK of its d / 2 columns (m / 16 of 64 x d/2 x
-            # 16 each, P^T and dS^T from shared memory), dQ of its d / 2 columns (n / 16 of 64 x d/2 x 16); its dQ
-            # added into dq_accum by its own paired REDs (64 queries x d/2 over 128 threads, two floats each); an
-            # exponential per score (64 keys x m/2 over 128 threads).
+            # Sharing the head dim (one 64-key block, two consumers), per consumer: S^T and dP^T of its queries
+            # (traits.queries, block_m / 2: d / 16 wgmma of 64 x queries x 16 each), dV and dK of its out_cols (d / 2:
+            # m / 16 of 64 x out_cols x 16 each, P^T and dS^T from shared memory), dQ of its out_cols (n / 16 of
+            # 64 x out_cols x 16); its dQ added into dq_accum by its own paired REDs (64 queries x out_cols over 128
+            # threads, two floats each); an exponential per score (64 keys x queries over 128 threads).
+            q, cols = traits.queries, traits.out_cols
             hmma = 2 * (d // 16) + 2 * (m // 16) + n // 16
-            flops = 2 * 2 * 64 * (m // 2) * d + 2 * 2 * 64 * (d // 2) * m + 2 * m * (d // 2) * n
-            return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * (m // 2) // 128,
-                                 global_writes=m * (d // 2) // 128 // 2, mma_flops=flops // 4)
+            flops = 2 * 2 * 64 * q * d + 2 * 2 * 64 * cols * m + 2 * m * cols * n
+            return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * q // 128,
+                                 global_writes=m * cols // 128 // 2, mma_flops=flops // 4)
         dq_tiles = -(-(d // 64) // consumers)  # the most head-dim tiles one consumer takes in a step
         hmma = 2 * (d // 16) + 2 * (m // 16) + dq_tiles * (n // 16)
         flops = 2 * 2 * 64 * m * d + 2 * 2 * 64 * d * m + dq_tiles * 2 * m * 64 * n

@@ -64,6 +64,16 @@ class BackwardTraits(WarpgroupTraits):
         return 2 if self.split_head_dim else super().consumers
 
     @property
+    def queries(self) -> int:
+        """A consumer's queries of S^T and dP^T (their wgmma N; fa3::BackwardTraits::kQueries)."""
+        return self.block_m // 2 if self.split_head_dim else self.block_m
+
+    @property
+    def out_cols(self) -> int:
+        """A consumer's head-dim columns of dV and dK (their wgmma N; fa3::BackwardTraits::kOutCols)."""
+        return self.head_dim // 2 if self.split_head_dim else self.head_dim
+
+    @property
     def smem_bytes(self) -> int:
         # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [block_n][block_m] (split_head_dim: and P^T);
         # float32 dQ [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch; split_head_dim: none); float32 lse, D
@@ -114,8 +124,8 @@ HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
                   256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
 BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks},
                       128: BackwardTraits(128, block_m=64, block_n=64, hooked=True, split_head_dim=True)}
-TILES = (*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(),  # every main-kernel instance's traits
-         *(t for t in BOTH_HOOKS_CHOICES.values() if t not in HOOKED_CHOICES.values()))
+# Every main-kernel instance's traits, each once (BOTH_HOOKS_CHOICES repeats the hooked d64 and d256 tiles).
+TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values())))
 SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
 
 
