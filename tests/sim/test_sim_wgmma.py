@@ -434,12 +434,15 @@ def test_wgmma_needs_whole_warpgroups():
         launch(RACE, image, out, block=96, **kw)
 
 
+@pytest.fixture(scope="class")
+def race_mode():
+    sim.precompile([inst(RACE)], modes=("race",))
+    with sim.checking("race"):
+        yield
+
+
+@pytest.mark.usefixtures("race_mode")
 class TestRaceMode:
-    @pytest.fixture(scope="class", autouse=True)
-    def race_mode(self):
-        sim.precompile([inst(RACE)], modes=("race",))
-        with sim.checking("race"):
-            yield
 
     @pytest.mark.parametrize("mode, ksteps", [(0, 1), (0, 3), (5, 3), (10, 3), (11, 3)])
     def test_clean_twins(self, mode, ksteps):
