@@ -89,17 +89,12 @@ __device__ __forceinline__ void atomic_add(float* p, float v) {
 }
 // Two float32 reductions into p[0] and p[1] by one instruction (the vector red, sm_90 and newer; p 8-byte aligned).
 // Each element is its own atomic reduction (PTX ISA: a vector red acts element-wise), so it mixes with atomic_add on
-// the same elements. A template, so that code for older archs never holds it. add false: nothing is read or written;
-// the red is predicated (ptxas does not if-convert an asm statement: under a C++ `if` each add took a branch and a
-// BSSY/BSYNC pair).
-template <int kUnused = 0> __device__ __forceinline__ void atomic_add2(float* p, float a, float b, bool add = true) {
+// the same elements. A template, so that code for older archs never holds it.
+template <int kUnused = 0> __device__ __forceinline__ void atomic_add2(float* p, float a, float b) {
 #if defined(__CUDA_ARCH__)
   static_assert(__CUDA_ARCH__ >= 900 || kUnused != 0, "red.global.add.v2.f32 needs sm_90");
 #endif
-  asm volatile(
-      "{\n\t.reg .pred adds;\n\tsetp.ne.b32 adds, %3, 0;\n\t@adds red.global.add.v2.f32 [%0], {%1, %2};\n\t}" ::"l"(p),
-      "f"(a), "f"(b), "r"(static_cast<int>(add))
-      : "memory");
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
 // Bytes of dynamic shared memory this launch was given (kernels check their need).

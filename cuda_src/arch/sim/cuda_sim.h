@@ -745,10 +745,9 @@ __forceinline__ void store(T* p, T v) {
 // Float32 reduction (red.global.add.f32): checked, counted as 4 bytes read + 4 written,
 // performed atomically (blocks run on several workers at once).
 __forceinline__ void atomic_add(float* p, float v) { sim::atomic_add_f32(p, v); }
-// red.global.add.v2.f32: p 8-byte aligned (checked), 8 bytes read + 8 written, each element added atomically; add
-// false (the red's predicate): nothing touched, nothing checked.
-template <int kUnused = 0> __forceinline__ void atomic_add2(float* p, float a, float b, bool add = true) {
-  if (add) sim::atomic_add_f32x2(p, a, b);
+// red.global.add.v2.f32: p 8-byte aligned (checked), 8 bytes read + 8 written, each element added atomically.
+template <int kUnused = 0> __forceinline__ void atomic_add2(float* p, float a, float b) {
+  sim::atomic_add_f32x2(p, a, b);
 }
 
 __forceinline__ unsigned dynamic_smem_size() { return sim::current_thread()->block->launch->smem_bytes; }

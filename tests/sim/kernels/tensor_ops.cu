@@ -145,14 +145,13 @@ __global__ void smem_address_kernel(const Args a) {
 
 // Thread t adds in0[2t], in0[2t + 1] to the pair at out0 + 2 (t % a.n) + kOffset with atomic_add2 (kOffset 1: a
 // pair off its 8-byte alignment), then 1 to out0[2 (t % a.n)] with atomic_add (the two kinds on one element). A
-// template: red.global.add.v2.f32 exists from sm_90, and the file also compiles for sm_80. kOddSkip: the odd threads'
-// pair adds predicated off.
-template <int kOffset, bool kOddSkip = false>
+// template: red.global.add.v2.f32 exists from sm_90, and the file also compiles for sm_80.
+template <int kOffset>
 __global__ void atomic_add2_kernel(const Args a) {
   const int t = threadIdx.x;
   const float* x = static_cast<const float*>(a.in0) + 2 * t;
   float* pairs = static_cast<float*>(a.out0);
-  cuflash::arch::atomic_add2(pairs + 2 * (t % a.n) + kOffset, load(x), load(x + 1), !kOddSkip || t % 2 == 0);
+  cuflash::arch::atomic_add2(pairs + 2 * (t % a.n) + kOffset, load(x), load(x + 1));
   cuflash::arch::atomic_add(pairs + 2 * (t % a.n), 1.f);
 }
 
