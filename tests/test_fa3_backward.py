@@ -184,8 +184,8 @@ HOOK_CASES = {
 }
 
 
-def _hooked_options(case):
-    options = dict(HOOK_CASES[case][2])
+def _hooked_options(case, cases=HOOK_CASES):
+    options = dict(cases[case][2])
     deterministic = options.pop("deterministic", False)
     slopes_shape = options.pop("alibi", None)
     if slopes_shape is not None:
@@ -252,6 +252,45 @@ def test_plain_instance_traps_on_softcap():
               **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
     with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
         run_program(backend, plain, capped, 0.125, arrays)
+
+
+# Every hooked instance under ASan: d64 and d128 sharing the keys, the d128 tile sharing the head dim (both hooks) and
+# the d256 one at d200 with whole Q blocks (192 rows: the dQ adds unguarded by row, consumer 1's columns past d).
+ASAN_HOOK_CASES = {"softcap": HOOK_CASES["softcap"], "alibi-d100-window": HOOK_CASES["alibi-d100-window"],
+                   "softcap-alibi-d128": HOOK_CASES["softcap-alibi-d128"],
+                   "softcap-alibi-d200-causal": ((1, 192, 150, 2, 1, 200), "float16",
+                                                 dict(softcap=3.0, alibi=(2,), causal=True))}
+
+
+def _hooked_inputs(case):
+    shape, dtype, _ = ASAN_HOOK_CASES[case]
+    return (*_inputs(shape, dtype, seed=len(case)), *_hooked_options(case, ASAN_HOOK_CASES))
+
+
+def _hooked_instances_under_asan():
+    results = []
+    for case in ASAN_HOOK_CASES:
+        q, k, v, dout, options, deterministic = _hooked_inputs(case)
+        # out and lse from the float64 reference (out rounded to q's type): no forward built under ASan here.
+        out, lse = attention_reference(q, k, v, **options)
+        out, lse = out.astype(q.dtype), lse.astype(np.float32)
+        with sim.targeting("sm_90"), sim.record() as records:
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+        results.append((case, records.launches[1].kernel, grads))
+    return results
+
+
+def test_hooked_instances_clean_under_asan():
+    """Each hooked step's form reads its slopes and writes dq_accum, dK and dV within their bytes on ragged blocks."""
+    launched = set()
+    for case, kernel, grads in sim.run_in_asan_subprocess(_hooked_instances_under_asan, timeout=900):
+        shape, dtype, _ = ASAN_HOOK_CASES[case]
+        q, k, v, dout, options, deterministic = _hooked_inputs(case)
+        both = "softcap" in options and "alibi_slopes" in options
+        assert kernel == fa3_backward.backward_traits(shape[-1], SM90, True, both).instance(dtype).name_expr, kernel
+        launched.add(kernel.split(",", 1)[1])  # the instance less its dtype
+        _check_against(tol.backward_references(dout, q, k, v, **options), grads)
+    assert len(launched) == 4, launched
 
 
 # Varlen: packed sequences through cuflash.attention_varlen_backward on the simulator targeting sm_90 (the TMA maps
