@@ -165,7 +165,7 @@ def test_windows_match_reference(case):
 
 # Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
 # from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
-# (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on one of each step's form. Softcap with ALiBi
+# (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on each instance. Softcap with ALiBi
 # at once: the d64 and d256 instances, and at d65..128 a d128 tile sharing the head dim
 # (fa3_backward.BOTH_HOOKS_CHOICES): the keys-sharing d128 one takes either (its step spills with both) and traps on
 # both; a plain instance traps on either.
@@ -198,7 +198,8 @@ def test_softcap_and_alibi_match_reference(case):
     shape, dtype, _ = HOOK_CASES[case]
     q, k, v, dout = _inputs(shape, dtype, seed=len(case))
     options, deterministic = _hooked_options(case)
-    raced = ("softcap", "softcap-alibi-d256-causal", "softcap-alibi-d100-causal")  # each hooked step's form
+    # race mode on every hooked instance (d64, d128 sharing keys; d256, d128 with both hooks sharing the head dim)
+    raced = ("softcap", "softcap-d128-causal", "softcap-alibi-d256-causal", "softcap-alibi-d100-causal")
     race = sim.checking("race") if case in raced else contextlib.nullcontext()
     with sim.targeting("sm_90"), sim.record() as records, race:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
