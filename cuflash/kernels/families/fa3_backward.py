@@ -117,8 +117,9 @@ BACKWARD_CHOICES = {
 # and the rest from it after (44), P formed as in the plain step and the derivative recovered from it after the wait
 # (52; none without ALiBi's term: the form kept). That pair runs a d128 tile sharing the head dim instead
 # (BOTH_HOOKS_CHOICES: 64 x 64, each consumer 32 floats of dK and of dV, S^T and dP^T of 32 queries; no spill),
-# whose step issues more per FLOP (NVRTC 13.5: 468 instructions for 28 HGMMA, 0.714 per 1000 MMA FLOPs per warp,
-# where the keys-sharing hooked step issues 567 for 32, 0.433) but keeps the pair on wgmma.
+# whose step issues more per FLOP (NVRTC 13.5, the census's cheapest walk of each, ALiBi's: 385 instructions for 28
+# HGMMA, 0.587 per 1000 MMA FLOPs per warp, where the keys-sharing hooked step issues 567 for 32, 0.433; softcap's
+# derivative adds to both) but keeps the pair on wgmma.
 HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
                   128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False),
                   256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
