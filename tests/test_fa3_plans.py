@@ -114,7 +114,8 @@ def test_the_plan_says_which_kernel_runs_and_why():
         assert "not hopper: no headdim_v" in plans.explain("fa2", _problem(headdim_v=64), SM90, direction)
     # One list of the options the forward serves: the catalog's, which fa3.refusal reads.
     (variant,) = [v for v in catalog.variants("fa2") if v.name == "hopper"]
-    assert variant.options == fa3.SERVED_OPTIONS == {"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv"}
+    assert variant.options == fa3.SERVED_OPTIONS == {"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv",
+                                                     "sinks"}
     # Varlen, KV caches (contiguous, paged) and split-KV: the forward on Hopper (split-KV with fa2's combine
     # kernel), varlen's backward too (a KV cache has none); what stays refused says why.
     kvcache = dict(kvcache=True, seqlen_q=1, seqlen_k=1000, mask=Mask.causal())
@@ -127,9 +128,11 @@ def test_the_plan_says_which_kernel_runs_and_why():
                               "cuflash::fa2_split_kv_combine_kernel<__nv_bfloat16>")):
         said = plans.explain("fa2", problem, SM90)
         assert said.startswith("fa2 forward on sm_90: hopper (") and kernels in said, said
-    said = plans.explain("fa2", _problem(total_q=700, total_k=300), SM90, "backward")
-    assert said.startswith("fa2 backward on sm_90: hopper (") and "fa3_backward_kernel<" in said, said
-    for other, why in ((_problem(**kvcache, sinks=True), "no sinks"),
+    for direction in ("forward", "backward"):  # sinks: the forward joins them, the backward takes them as they are
+        for problem in (_problem(total_q=700, total_k=300), _problem(sinks=True)):
+            said = plans.explain("fa2", problem, SM90, direction)
+            assert said.startswith(f"fa2 {direction} on sm_90: hopper (") and f"fa3_{direction}_kernel<" in said, said
+    for other, why in ((_problem(total_q=700, total_k=300, headdim_v=64), "no headdim_v"),
                        (_problem(total_q=700, total_k=300, dropout_p=0.1), "no dropout")):
         said = plans.explain("fa2", other, SM90).splitlines()
         assert said[0].startswith("fa2 forward on sm_90: tensor_core") and said[1] == f"  not hopper: {why}", said

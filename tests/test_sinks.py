@@ -8,9 +8,13 @@ packed entry points (NumPy here; JAX in tests/jax/test_jax_sinks.py).
   zero value row), and dsinks against central finite differences of the float64 loss.
 * Varlen (with used prefixes), the KV cache (split-KV's combine joins the sink once; a one-row GQA decode is not
   folded), packed inputs; bad sinks refused before anything is written; fa1 and standard refuse them.
+* On the simulator targeting sm_90, the Hopper (wgmma) forward and backward: every forward tile and backward form,
+  the KV cache with and without split-KV, varlen.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -18,6 +22,10 @@ import pytest
 import cuflash
 from cuflash import _tolerance as tol
 from cuflash import sim
+from cuflash.kernels.families import fa3, fa3_backward
+from cuflash.kernels.program import Problem
+from cuflash.kernels.targets import target
+from cuflash.mask import Mask
 from cuflash.reference import attention_backward_reference, attention_reference, attention_with_kvcache_reference
 from cuflash.testing import random_inputs, rows_without_key
 
@@ -279,3 +287,104 @@ def test_fa1_and_standard_refuse_sinks_naming_fa2(algorithm):
     q, k, v, _ = random_inputs((1, 8, 8, 2, 2, 16), "float32", seed=0)
     with pytest.raises(ValueError, match=f"sinks is supported by algorithm='fa2' only, got algorithm='{algorithm}'"):
         cuflash.attention(q, k, v, algorithm=algorithm, sinks=np.zeros(2, np.float32))
+
+
+# ---------------------------------------------------------------------------
+# On Hopper (the simulator targeting sm_90): the wgmma forward joins the sinks in its epilogue (split 0's partials with
+# split-KV) and the wgmma backward takes them as they are. Every forward tile (d64 192 x 128, d128 128 x 176 and
+# 128 x 128, d256 128 x 80, hooked d64) and every backward form (keys-sharing d64, d128; head-dim-sharing d256; hooked),
+# ragged blocks, GQA/MQA, rows that see no key (causal with seqlen_q > seqlen_k, windows), TMA and load paths (d100).
+HOPPER_CASES = {
+    "d64-causal": ((1, 77, 200, 4, 2, 64), "float16", dict(causal=True)),
+    "d128-full-mqa": ((2, 130, 77, 3, 1, 128), "bfloat16", dict()),
+    "d100-causal-rows-without-key": ((1, 200, 129, 2, 2, 100), "float16", dict(causal=True)),
+    "d256-window": ((1, 64, 150, 4, 2, 256), "bfloat16", dict(window_size=(30, 5))),
+    "d64-causal-softcap": ((1, 90, 90, 2, 1, 64), "float16", dict(causal=True, softcap=3.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+def test_hopper_kernels_take_sinks(case):
+    shape, dtype, mask = HOPPER_CASES[case]
+    q, k, v, dout = random_inputs(shape, dtype, seed=len(case))
+    options = dict(mask, sinks=_sinks(shape[3], seed=len(case), spread=3.0))
+    race = sim.checking("race") if case == "d64-causal" else contextlib.nullcontext()  # the sink's epilogue, raced
+    with sim.targeting("sm_90"), sim.record() as records, race:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        dq, dk, dv, dsinks = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    kernels = [r.kernel.split("<")[0] for r in records.launches]
+    assert kernels[0] == "cuflash::fa3_forward_kernel" and "cuflash::fa3_backward_kernel" in kernels, kernels
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(shape[1], shape[2], mask.get("causal", False), mask.get("window_size", (-1, -1)))
+    sinks = options["sinks"]
+    assert np.all(out[:, empty].astype(np.float32) == 0)
+    assert np.array_equal(lse[:, :, empty], np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape))
+    bref = tol.backward_references(dout, q, k, v, **options)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+    tol.check_close("dsinks", dsinks, bref.dsinks, bref.dsinks_lowp, tol.BACKWARD_FACTOR, atol=1e-5)
+    assert np.all(dq[:, empty].astype(np.float32) == 0)
+
+
+def test_hopper_grid_keeps_every_tile_and_form():
+    sm90 = target("sm_90")
+    forward, backward = set(), set()
+    for shape, dtype, mask in HOPPER_CASES.values():
+        problem = Problem(dtype=dtype, batch=shape[0], seqlen_q=shape[1], seqlen_k=shape[2], nheads=shape[3],
+                          nheads_k=shape[4], headdim=shape[5], mask=Mask.of(mask.get("causal", False),
+                                                                           mask.get("window_size", (-1, -1))),
+                          softcap=mask.get("softcap", 0.0), sinks=True)
+        forward.add(fa3.forward_traits(problem, sm90))
+        backward.add(fa3_backward.backward_program(problem, sm90).launches[1].kernel.name_expr.split(",", 1)[1])
+    assert len(forward) == 5 and len(backward) == 4, (forward, backward)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_hopper_kvcache_and_split_kv_join_the_sink_once(num_splits):
+    """Decode and prefill over a KV cache through the Hopper forward: split-KV's split 0 joins the sink, the combine
+    takes it once; an empty cache gives the sink alone."""
+    rng = np.random.default_rng(18)
+    batch, nheads, nheads_k, d, capacity = 3, 8, 2, 128, 300
+    q = rng.standard_normal((batch, 5, nheads, d)).astype(np.float16)
+    k_cache = rng.standard_normal((batch, capacity, nheads_k, d)).astype(np.float16)
+    v_cache = rng.standard_normal((batch, capacity, nheads_k, d)).astype(np.float16)
+    lengths = np.array([260, 0, 77], np.int32)
+    sinks = _sinks(nheads, seed=19)
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, sinks=sinks,
+                                                  num_splits=num_splits, return_lse=True)
+    kernels = [r.kernel.split("<")[0] for r in records.launches]
+    assert kernels[0] == "cuflash::fa3_forward_kernel", kernels
+    assert ("cuflash::fa2_split_kv_combine_kernel" in kernels) == (num_splits > 1), kernels
+    ref_out, ref_lse = attention_with_kvcache_reference(q, k_cache, v_cache, lengths, sinks=sinks)
+    low_out, low_lse = attention_with_kvcache_reference(q, k_cache, v_cache, lengths, sinks=sinks, dtype=np.float16)
+    tol.check_close("out", out, ref_out, low_out, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref_lse, low_lse, tol.FORWARD_FACTOR)
+    assert np.array_equal(lse[1], np.broadcast_to(sinks[:, None], (nheads, 5)))  # an empty cache: the sink alone
+
+
+def test_hopper_varlen_with_sinks():
+    rng = np.random.default_rng(20)
+    lengths_q, lengths_k = np.array([70, 0, 150, 9]), np.array([130, 5, 150, 0])
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    nheads, nheads_k, d = 4, 2, 64
+    q = rng.standard_normal((cu_q[-1], nheads, d)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], nheads_k, d)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    sinks = _sinks(nheads, seed=21)
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, sinks=sinks)
+        dq, dk, dv, dsinks = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True,
+                                                               sinks=sinks)
+    kernels = {r.kernel.split("<")[0] for r in records.launches}
+    assert {"cuflash::fa3_forward_kernel", "cuflash::fa3_backward_kernel"} <= kernels, kernels
+    ref = tol.forward_references(q, k, v, cu_seqlens=(cu_q, cu_k), causal=True, sinks=sinks)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    assert np.array_equal(lse[:, cu_q[3]:cu_q[4]], np.broadcast_to(sinks[:, None], (nheads, 9)))  # no key
+    bref = tol.backward_references(dout, q, k, v, cu_seqlens=(cu_q, cu_k), causal=True, sinks=sinks)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks)):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)

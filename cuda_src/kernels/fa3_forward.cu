@@ -8,7 +8,8 @@
 // the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
 // Varlen batches, KV caches (contiguous, with cache_batch_idx and cache_leftpad, or paged) and split-KV: where the
 // rows are and which keys a block takes are block_info.cuh's and mask.cuh's rules, runtime fields (the K/V loop
-// does not change). Not (yet): v's own head dim, dropout, sinks, flex mods: those stay on the mma.sync kernels
+// does not change). Attention sinks (sink.cuh) join each row's O / l and lse in the epilogue (split 0's partials
+// with split-KV). Not (yet): v's own head dim, dropout, flex mods: those stay on the mma.sync kernels
 // (fa2_tc_forward.cu).
 //
 // How it partitions work
@@ -50,8 +51,8 @@
 //         softmax runs while another's products do.
 //   Epilogue (per consumer): O / l rounded to 16 bits into the consumer's own 64 rows of the Q buffer (its wgmma
 //   reading them are complete), a named barrier of its 128 threads, 16-byte coalesced stores; lse = m * scale +
-//   log l from one lane per row. Split-KV: O / l and lse in float32 from the accumulators into out_accum and
-//   lse_accum, which fa2_split_kv_combine.cu merges.
+//   log l from one lane per row (with sinks, both joined by the head's sink logit). Split-KV: O / l and lse in
+//   float32 from the accumulators into out_accum and lse_accum, which fa2_split_kv_combine.cu merges.
 //
 // Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
 //   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
@@ -65,8 +66,9 @@
 // elements inside the tensor). FLOPs: 4 B H Sq Sk d, about
 // half with causal.
 //
-// Rows that see no key write out = 0 and lse = -inf. Requires softmax_scale > 0.
+// Rows that see no key write out = 0 and lse = -inf (with sinks: the sink logit). Requires softmax_scale > 0.
 #include "arch/arch.cuh"
+#include "common/sink.cuh"
 #include "kernels/fa3_forward_traits.cuh"
 
 namespace cuflash {
@@ -348,6 +350,19 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 
   // lse of this thread's row `half` with row sum l: m * scale + log l (natural log), -inf where it saw no key.
   auto row_lse = [&](int half, float l) { return l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf(); };
+  // 1 / l and the lse of row `half`, joined by the head's sink logit where this block joins sinks (sink.cuh: with
+  // split-KV, split 0's blocks).
+  const bool sinks = joins_sinks(p, blockIdx.x % p.num_kv_splits);
+  const float sink = sinks ? sink_of(p, info.head) : 0.f;
+  auto row_result = [&](int half, float l, float& inv_l, float& lse_out) {
+    inv_l = l > 0.f ? 1.f / l : 0.f;
+    lse_out = row_lse(half, l);
+    if (sinks) {
+      const SinkShare joined = join_sink(lse_out, sink);
+      inv_l *= joined.keys_share;
+      lse_out = joined.lse;
+    }
+  };
   if (p.num_kv_splits > 1) {
     // Split-KV: this split's O / l and lse in float32 straight from the accumulators into out_accum and lse_accum
     // (fa2_split_kv_combine.cu merges the splits and rounds to T), 0 and -inf where the split saw no key of a row.
@@ -361,7 +376,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       const float l = fa3::quad_sum(row_sum[half]);  // a quad shuffle: every lane, before the row test
       const int row = first_row + 8 * half;
       if (row >= block_rows) continue;
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      float inv_l, lse_out;
+      row_result(half, l, inv_l, lse_out);
 #pragma unroll
       for (int j = 0; j < HeadDim / 8; ++j)
 #pragma unroll
@@ -369,7 +385,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
           const int col = fa3::acc_first_col(lane) + 8 * j + e;
           if (col < p.headdim) arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
         }
-      if (lane % 4 == 0) arch::store(lse_part + row, row_lse(half, l));
+      if (lane % 4 == 0) arch::store(lse_part + row, lse_out);
     }
     return;
   }
@@ -384,7 +400,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float l = fa3::quad_sum(row_sum[half]);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    float inv_l, lse_out;
+    row_result(half, l, inv_l, lse_out);
     const int row = first_row + 8 * half;
 #pragma unroll
     for (int j = 0; j < HeadDim / 8; ++j) {
@@ -392,8 +409,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa3::acc_first_col(lane) + 8 * j)) =
           arch::pack_float2<T>(acc_o[i] * inv_l, acc_o[i + 1] * inv_l);
     }
-    if (lane % 4 == 0 && row < block_rows)
-      arch::store(lse + row0 + row, row_lse(half, l));
+    if (lane % 4 == 0 && row < block_rows) arch::store(lse + row0 + row, lse_out);
   }
   arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
   const bool vector = fa3::rows_16b_aligned(out, p.out_stride.row);

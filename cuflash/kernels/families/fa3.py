@@ -13,8 +13,8 @@ In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its
 its own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it
 for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none,
 causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
-(contiguous, indexed, paged) and split-KV; ``refusal`` says why any other problem (dropout, sinks, v's own head dim,
-flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this
+(contiguous, indexed, paged), split-KV and attention sinks (joined in the epilogue); ``refusal`` says why any other
+problem (dropout, v's own head dim, flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this
 forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams
 fields).
 
@@ -149,8 +149,8 @@ HOOK_OPTIONS = frozenset({"softcap", "alibi"})
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but SERVED_OPTIONS (dropout, sinks,
-    v's own head dim and flex mods stay on mma.sync); any mask."""
+    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but SERVED_OPTIONS (dropout, v's own
+    head dim and flex mods stay on mma.sync); any mask."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:

@@ -14,7 +14,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
 any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
-sharing the head dim), varlen batches, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices);
+sharing the head dim), varlen batches, attention sinks, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode
+(fa2's slices);
 ``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
 serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -127,7 +128,9 @@ BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks
                       128: BackwardTraits(128, block_m=64, block_n=64, hooked=True, split_head_dim=True)}
 # Every main-kernel instance's traits, each once (BOTH_HOOKS_CHOICES repeats the hooked d64 and d256 tiles).
 TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values())))
-SERVED_OPTIONS = HOOK_OPTIONS | {"varlen"}
+# Sinks: nothing of the kernel's own (sink.cuh: the forward's out and lse include the sink, and the API forms the
+# sinks' gradient from the row statistics).
+SERVED_OPTIONS = HOOK_OPTIONS | {"varlen", "sinks"}
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -152,7 +155,7 @@ def toolchain_refusal() -> str | None:
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     one head dim 1..256 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
-    blocks, tiles crossing an edge take the element-wise mask), no option but varlen, softcap and ALiBi
+    blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, softcap and ALiBi
     (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for both at once); dQ by atomics or
     deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
