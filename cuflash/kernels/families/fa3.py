@@ -14,9 +14,9 @@ its own rule): on a sm_90 target (a device, or the simulator under ``sim.targeti
 for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none,
 causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
 (contiguous, indexed, paged), split-KV and attention sinks (joined in the epilogue); ``refusal`` says why any other
-problem (dropout, v's own head dim, flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this
-forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams
-fields).
+problem (dropout, v's own head dim, flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper
+one or fa2_tc's) takes this forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log,
+the same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
 runs on the sm_90 devices it is for (same major.minor); the report and the census compile it so on sm_90 too.
