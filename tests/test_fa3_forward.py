@@ -314,10 +314,11 @@ def test_serves_only_its_problems():
     assert fa3.supports(problem(), SM90) and fa3.supports(problem(mask=Mask.causal(), dtype="bfloat16"), SM90)
     assert fa3.supports(problem(headdim=64), target("sm_90a")) and fa3.supports(problem(headdim=96), SM90)
     for served in (problem(headdim=160), problem(headdim=256, mask=Mask(window_left=8, window_right=0)),
-                   problem(softcap=5.0), problem(alibi="heads", mask=Mask.causal())):
+                   problem(softcap=5.0), problem(alibi="heads", mask=Mask.causal()), problem(headdim_v=64),
+                   problem(headdim=64, headdim_v=256), problem(sinks=True)):
         assert fa3.supports(served, SM90), served
     for other in (problem(headdim=257), problem(dtype="float32"), problem(dropout_p=0.1),
-                  problem(headdim=128, headdim_v=64), problem(softcap=5.0, dropout_p=0.1)):
+                  problem(headdim=64, headdim_v=257), problem(softcap=5.0, dropout_p=0.1)):
         assert not fa3.supports(other, SM90)
     assert not fa3.supports(problem(), target("sm_80"))
     with pytest.raises(ValueError):
@@ -328,6 +329,7 @@ def test_serves_only_its_problems():
     assert fa3.forward_traits(problem(softcap=5.0), SM90) == fa3.HOOKED_CHOICES[128]
     assert fa3.forward_traits(problem(headdim=129), SM90).head_dim == 192
     assert fa3.forward_traits(problem(headdim=193), SM90).head_dim == 256
+    assert fa3.forward_traits(problem(headdim=64, headdim_v=193), SM90).head_dim == 256  # v's, the larger
 
 
 # What ptxas gives every instance (NVRTC 13.5, sm_90a): at most the launch count of __launch_bounds__(threads, 1), no

@@ -11,10 +11,13 @@ tests/jax/test_jax_headdim_v.py).
   fa1 and standard refuse it naming fa2.
 * V wider than the kernels (up to FA3's qk 64 / v 512): a launch per column chunk, forward and backward, with every
   option (sinks, ALiBi, dropout, softcap, varlen, the KV cache: appended, paged, split).
+* On the simulator targeting sm_90: the Hopper forward (its backward stays on mma.sync), race mode, ASan, the KV
+  cache with and without split-KV.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -26,7 +29,7 @@ from cuflash import sim
 from cuflash.backends.program import run_program
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.kernels import plans
-from cuflash.kernels.families import fa2, fa2_tc
+from cuflash.kernels.families import fa2, fa2_tc, fa3, fa3_backward
 from cuflash.kernels.program import MAX_HEADDIM_V, MAX_KERNEL_HEADDIM_V, Problem, value_column_chunks
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
@@ -428,3 +431,83 @@ def test_plans_name_the_larger_dims_instance_and_other_algorithms_refuse():
     for algorithm in ("fa1", "standard"):
         with pytest.raises(ValueError, match="headdim_v"):
             plans.forward_program(algorithm, problem, target("sm_90"))
+
+
+# ---------------------------------------------------------------------------
+# On Hopper (the simulator targeting sm_90): the wgmma forward's tile holds the larger head dim (v's columns past its
+# own zero-filled by the producer, TMA or loads; out's columns past v's computed and not written); the backward stays
+# on mma.sync (fa3_backward.refusal) and takes that forward's out and lse. MLA's 192 / 128, v wider (64 / 128: the
+# d128 tile, 128 x 176 without a mask), narrower on the load path (100 / 40), the hooked tile (softcap), v in column
+# chunks (64 / 512: the d256 tile per chunk), GQA/MQA, rows that see no key.
+HOPPER_CASES = {
+    "mla-causal": ((2, 150, 130, 4, 2), (192, 128), "bfloat16", dict(causal=True)),
+    "wide-v-full": ((1, 77, 200, 3, 1), (64, 128), "float16", dict()),
+    "narrow-v-window-loads": ((1, 130, 77, 2, 2), (100, 40), "float16", dict(window_size=(20, 0))),
+    "wide-v-softcap": ((1, 90, 90, 2, 1), (24, 72), "bfloat16", dict(causal=True, softcap=4.0)),
+    "v-512-chunks": ((1, 70, 100, 2, 2), (64, 512), "float16", dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+def test_hopper_forward_with_v_of_its_own(case):
+    shape, (d, dv), dtype, options = HOPPER_CASES[case]
+    q, k, v, dout = _inputs(shape, (d, dv), dtype, seed=len(case))
+    race = sim.checking("race") if case == "mla-causal" else contextlib.nullcontext()
+    with sim.targeting("sm_90"), sim.record() as records, race:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    chunk = min(dv, MAX_KERNEL_HEADDIM_V)
+    assert _compiled_head_dim(records, "cuflash::fa3_forward_kernel") == {fa3.compiled_head_dim(max(d, chunk))}
+    assert "cuflash::fa2_tc_backward_kernel" in {r.kernel.split("<")[0] for r in records.launches}
+    assert out.shape == (*q.shape[:3], dv)
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
+    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    bref = tol.backward_references(dout, q, k, v, **options)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+def test_hopper_plans_take_v_of_its_own_forward_only():
+    sm90 = target("sm_90")
+    problem = Problem("bfloat16", 2, 100, 100, 4, 4, 192, headdim_v=128)
+    assert fa3.supports(problem, sm90) and fa3_backward.refusal(problem, sm90) == "no headdim_v yet"
+    said = plans.explain("fa2", problem, sm90)
+    assert said.startswith("fa2 forward on sm_90: hopper (") and "fa3_forward_kernel<__nv_bfloat16, 192," in said
+    wide = Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=128)
+    assert fa3.forward_traits(wide, sm90).head_dim == 128
+
+
+def _hopper_mla_under_asan():
+    shape, pair, dtype, options = HOPPER_CASES["mla-causal"]
+    q, k, v, _ = _inputs(shape, pair, dtype, seed=3)
+    with sim.targeting("sm_90"):
+        return q, k, v, *cuflash.attention(q, k, v, return_lse=True, **options)
+
+
+def test_hopper_forward_with_v_of_its_own_clean_under_asan():
+    """out holds v's columns only: an epilogue store at the tile's width past them is reported."""
+    q, k, v, out, lse = sim.run_in_asan_subprocess(_hopper_mla_under_asan, timeout=900)
+    ref = tol.forward_references(q, k, v, causal=True)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_hopper_kvcache_with_v_of_its_own(num_splits):
+    """A decode step over MLA-shaped caches (one empty) through the Hopper forward, split-KV's out_accum at v's
+    width."""
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((3, 1, 4, 192)).astype(np.float16)
+    k_cache = rng.standard_normal((3, 600, 2, 192)).astype(np.float16)
+    v_cache = rng.standard_normal((3, 600, 2, 128)).astype(np.float16)
+    lengths = np.array([0, 500, 260], np.int32)
+    with sim.targeting("sm_90"), sim.record() as records:
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=num_splits,
+                                                  return_lse=True)
+    kernels = [r.kernel.split("<")[0] for r in records.launches]
+    assert kernels[0] == "cuflash::fa3_forward_kernel" and len(kernels) == 1 + (num_splits > 1), kernels
+    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths, dtype=dt) for dt in (np.float64, q.dtype))
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)

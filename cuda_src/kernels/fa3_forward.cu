@@ -2,15 +2,15 @@
 // warpgroup feeding consumer warpgroups through mbarriers (FlashAttention-3's published structure, hopper.md).
 //
 // What it does: out = softmax(hook(scale * Q K^T) [masked]) V and lse = logsumexp of the scores, per (batch, query
-// head), for __half and __nv_bfloat16, head dims 1..256 (q, k and v alike) on the next compiled one (64, 128, 192
-// or 256: the columns past the head dim zero in shared memory, never read from global memory), GQA/MQA, any seqlens;
+// head), for __half and __nv_bfloat16, head dims 1..256 (q's and k's, and v's own: headdim_v, MLA-style) on the
+// next compiled one >= both (64, 128, 192 or 256: the columns past each tensor's head dim zero in shared memory, never
+// read from global memory; out's columns past v's are computed and not written), GQA/MQA, any seqlens;
 // masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
 // the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
 // Varlen batches, KV caches (contiguous, with cache_batch_idx and cache_leftpad, or paged) and split-KV: where the
 // rows are and which keys a block takes are block_info.cuh's and mask.cuh's rules, runtime fields (the K/V loop
 // does not change). Attention sinks (sink.cuh) join each row's O / l and lse in the epilogue (split 0's partials
-// with split-KV). Not (yet): v's own head dim, dropout, flex mods: those stay on the mma.sync kernels
-// (fa2_tc_forward.cu).
+// with split-KV). Not (yet): dropout, flex mods: those stay on the mma.sync kernels (fa2_tc_forward.cu).
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM) x num_kv_splits, nheads, batch): one thread block per Q block of one head
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // ---- producer ----
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
     if (n_range.empty()) return;
-    const int d = p.headdim;  // q's, k's and v's (launch_shape_differs)
+    const int d = p.headdim, dv = p.headdim_v;  // q's and k's, v's (launch_shape_differs)
     if (tma) {
       // Warp 0 goes on: its elected lane issues every TMA copy; its 32 lanes copy a ragged K/V block with loads
       // where the map would read other data past the keys (packed varlen sequences, a KV cache's unused rows: keys
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
                                                                    k_rows.rows_16b_aligned(), thread, full_k + stage);
           arch::mbarrier_wait(empty_v + stage, previous_round);
           const KeyRows<const T> v_rows = info.v_rows<T>(p, key0);
-          fa3::produce_tile<KVTile, 32, fa3::kLoadsInFlight, kOnce>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, d,
+          fa3::produce_tile<KVTile, 32, fa3::kLoadsInFlight, kOnce>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, dv,
                                                                    v_rows.rows_16b_aligned(), thread, full_v + stage);
           continue;
         }
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       fa3::produce_tile<KVTile>(k_tile(stage), fa3::KeyRowsAt<T>{info.k_rows<T>(p, key0)}, keys, d, k_vector, thread,
                                 full_k + stage);
       arch::mbarrier_wait(empty_v + stage, previous_round);
-      fa3::produce_tile<KVTile>(v_tile(stage), fa3::KeyRowsAt<T>{info.v_rows<T>(p, key0)}, keys, d, v_vector, thread,
+      fa3::produce_tile<KVTile>(v_tile(stage), fa3::KeyRowsAt<T>{info.v_rows<T>(p, key0)}, keys, dv, v_vector, thread,
                                 full_v + stage);
     }
     return;
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = fa3::acc_first_col(lane) + 8 * j + e;
-          if (col < p.headdim) arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
+          if (col < p.headdim_v) arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
         }
       if (lane % 4 == 0) arch::store(lse_part + row, lse_out);
     }
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     const int row = group_row0 + c / QTile::kChunksPerRow;
     const int chunk = c % QTile::kChunksPerRow;
     if (row >= block_rows) break;  // rows grow with c
-    const int valid = max(0, min(fa3::kChunkElems, p.headdim - chunk * fa3::kChunkElems));  // columns of out
+    const int valid = max(0, min(fa3::kChunkElems, p.headdim_v - chunk * fa3::kChunkElems));  // columns of out
     if (valid == 0) continue;
     const uint4 packed = *reinterpret_cast<const uint4*>(q_tile + QTile::chunk_offset(row, chunk));
     T* to = out + row * p.out_stride.row + chunk * fa3::kChunkElems;

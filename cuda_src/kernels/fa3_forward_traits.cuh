@@ -138,13 +138,14 @@ struct ForwardTraits {
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
 };
 
-// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's, k's and v's head
-// dim one value in 1 .. kHeadDim (the plan sends a head dim to the next compiled one; the columns past it are
-// zero-filled in shared memory, so they add nothing to S and give O columns that are never written).
+// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's and k's head dim and
+// v's (headdim_v, equal or its own) each in 1 .. kHeadDim (the plan sends the larger to the next compiled one; the
+// columns past each are zero-filled in shared memory, so they add nothing to S and give O columns that are never
+// written).
 template <class Tr>
 __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
   return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > Tr::kHeadDim || p.headdim < 1 ||
-         p.headdim_v != p.headdim;
+         p.headdim_v > Tr::kHeadDim || p.headdim_v < 1;
 }
 
 // ---- the producer ---------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its
 its own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it
 for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none,
 causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
-(contiguous, indexed, paged), split-KV and attention sinks (joined in the epilogue); ``refusal`` says why any other
-problem (dropout, v's own head dim, flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper
+(contiguous, indexed, paged), split-KV, attention sinks (joined in the epilogue) and v with a head dim of its own (the
+tile holds the larger; out's columns past v's are not written); ``refusal`` says why any other problem (dropout,
+flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper
 one or fa2_tc's) takes this forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log,
 the same AttentionParams fields).
 
@@ -149,14 +150,14 @@ HOOK_OPTIONS = frozenset({"softcap", "alibi"})
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..256 for q, k and v (headdim_v is an option), and no option but SERVED_OPTIONS (dropout, v's own
-    head dim and flex mods stay on mma.sync); any mask."""
+    head dims 1..256 (q's and k's, v's its own or the same), and no option but SERVED_OPTIONS (dropout and flex mods
+    stay on mma.sync); any mask."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
         return f"takes {'/'.join(DTYPES)}, not {problem.dtype}"
-    if not 1 <= problem.headdim <= HEAD_DIMS[-1]:
-        return f"head dims 1..{HEAD_DIMS[-1]} only, not {problem.headdim}"
+    if not 1 <= fa2.tile_head_dim(problem) <= HEAD_DIMS[-1]:
+        return f"head dims 1..{HEAD_DIMS[-1]} only, not {fa2.tile_head_dim(problem)}"
     unserved = problem.options - SERVED_OPTIONS
     if unserved:
         return f"no {', '.join(sorted(unserved))} yet"
@@ -171,7 +172,7 @@ def supports(problem: Problem, target: Target) -> bool:
 def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     if not supports(problem, target):
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
-    head_dim = compiled_head_dim(problem.headdim)
+    head_dim = compiled_head_dim(fa2.tile_head_dim(problem))  # v's own head dim (MLA) too: the larger
     masked_choice, full_choice = FORWARD_CHOICES[head_dim]
     if problem.options & HOOK_OPTIONS:
         traits = HOOKED_CHOICES[head_dim]
