@@ -508,6 +508,7 @@ def test_hopper_kvcache_with_v_of_its_own(num_splits):
                                                   return_lse=True)
     kernels = [r.kernel.split("<")[0] for r in records.launches]
     assert kernels[0] == "cuflash::fa3_forward_kernel" and len(kernels) == 1 + (num_splits > 1), kernels
-    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths, dtype=dt) for dt in (np.float64, q.dtype))
+    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths, dtype=dt)
+                for dt in (np.float64, q.dtype))
     tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
     tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)

@@ -383,7 +383,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = fa3::acc_first_col(lane) + 8 * j + e;
-          if (col < p.headdim_v) arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
+          if (col < p.headdim_v)
+            arch::store(out_part + row * part_row_stride + col, acc_o[4 * j + 2 * half + e] * inv_l);
         }
       if (lane % 4 == 0) arch::store(lse_part + row, lse_out);
     }
