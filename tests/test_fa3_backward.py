@@ -462,10 +462,11 @@ def test_serves_only_its_problems():
                    problem(mask=Mask(window_left=8, window_right=0)), problem(softcap=5.0), problem(alibi="heads"),
                    problem(softcap=5.0, alibi="heads", headdim=64), problem(total_q=300, total_k=200),
                    problem(headdim=160), problem(headdim=256, softcap=5.0, alibi="heads", mask=Mask.causal()),
-                   problem(softcap=5.0, alibi="heads"), problem(sinks=True, mask=Mask.causal())):
+                   problem(softcap=5.0, alibi="heads"), problem(sinks=True, mask=Mask.causal()),
+                   problem(headdim=192, headdim_v=128), problem(headdim=64, headdim_v=256)):
         assert fa3_backward.supports(served, SM90), served
     for other in (problem(dtype="float32"),
-                  problem(dropout_p=0.1), problem(headdim_v=64)):
+                  problem(dropout_p=0.1), problem(headdim=64, headdim_v=257)):
         assert not fa3_backward.supports(other, SM90), other
     assert not fa3_backward.supports(problem(), target("sm_80"))
 

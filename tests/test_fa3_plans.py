@@ -60,9 +60,9 @@ def test_sm90_runs_the_hopper_kernels_where_they_serve():
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM90, direction).module is hopper, (problem, direction)
         assert plans.variant_for("fa2", problem, SM80).module is fa2_tc
-    # v's own head dim: the forward on Hopper, the backward on mma.sync.
-    assert plans.variant_for("fa2", _problem(headdim_v=64), SM90).module is hopper
-    assert plans.variant_for("fa2", _problem(headdim_v=64), SM90, "backward").module is fa2_tc
+    # v's own head dim: both on Hopper (the tiles of the larger).
+    for direction in ("forward", "backward"):
+        assert plans.variant_for("fa2", _problem(headdim_v=64), SM90, direction).module is hopper
     # Both on mma.sync.
     for other in (_problem(softcap=5.0, dropout_p=0.1), _problem(dropout_p=0.1)):
         for direction in ("forward", "backward"):
@@ -114,7 +114,6 @@ def test_the_plan_says_which_kernel_runs_and_why():
         assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == "  not hopper: no dropout"
         said = plans.explain("fa2", _problem(), SM80, direction).splitlines()
         assert said[1] == "  not hopper: wgmma needs sm_90, not sm_80"
-    assert "not hopper: no headdim_v yet" in plans.explain("fa2", _problem(headdim_v=64), SM90, "backward")
     # One list of the options the forward serves: the catalog's, which fa3.refusal reads.
     (variant,) = [v for v in catalog.variants("fa2") if v.name == "hopper"]
     assert variant.options == fa3.SERVED_OPTIONS == {"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv",
@@ -135,10 +134,9 @@ def test_the_plan_says_which_kernel_runs_and_why():
         for problem in (_problem(total_q=700, total_k=300), _problem(sinks=True)):
             said = plans.explain("fa2", problem, SM90, direction)
             assert said.startswith(f"fa2 {direction} on sm_90: hopper (") and f"fa3_{direction}_kernel<" in said, said
-    for other, why, direction in ((_problem(total_q=700, total_k=300, headdim_v=64), "no headdim_v yet", "backward"),
-                                  (_problem(total_q=700, total_k=300, dropout_p=0.1), "no dropout", "forward")):
-        said = plans.explain("fa2", other, SM90, direction).splitlines()
-        assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == f"  not hopper: {why}", said
+    for direction in ("forward", "backward"):
+        said = plans.explain("fa2", _problem(total_q=700, total_k=300, dropout_p=0.1), SM90, direction).splitlines()
+        assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == "  not hopper: no dropout"
 
 
 # The grid through the public API, rotated: each dtype, both compiled head dims and ones between them (40, 100: the

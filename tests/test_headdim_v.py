@@ -11,8 +11,8 @@ tests/jax/test_jax_headdim_v.py).
   fa1 and standard refuse it naming fa2.
 * V wider than the kernels (up to FA3's qk 64 / v 512): a launch per column chunk, forward and backward, with every
   option (sinks, ALiBi, dropout, softcap, varlen, the KV cache: appended, paged, split).
-* On the simulator targeting sm_90: the Hopper forward (its backward stays on mma.sync), race mode, ASan, the KV
-  cache with and without split-KV.
+* On the simulator targeting sm_90: the Hopper forward and backward, race mode, ASan, the KV cache with and without
+  split-KV.
 """
 
 from __future__ import annotations
@@ -425,23 +425,27 @@ def test_bad_kvcache_shapes_write_nothing():
 
 def test_plans_name_the_larger_dims_instance_and_other_algorithms_refuse():
     problem = Problem("bfloat16", 2, 100, 100, 4, 4, 192, headdim_v=128)
-    for program in (plans.forward_program("fa2", problem, target("sm_90")),
-                    plans.backward_program("fa2", problem, target("sm_90"))):
+    for program in (plans.forward_program("fa2", problem, target("sm_80")),
+                    plans.backward_program("fa2", problem, target("sm_80")),
+                    plans.forward_program("fa2", problem, target("sm_90"))):
         assert any(", 192," in launch.kernel.name_expr for launch in program.launches)
+    # The Hopper backward's compiled head dims are 64, 128 and 256.
+    assert any("fa3_backward_kernel<__nv_bfloat16, 256," in launch.kernel.name_expr
+               for launch in plans.backward_program("fa2", problem, target("sm_90")).launches)
     for algorithm in ("fa1", "standard"):
         with pytest.raises(ValueError, match="headdim_v"):
             plans.forward_program(algorithm, problem, target("sm_90"))
 
 
 # ---------------------------------------------------------------------------
-# On Hopper (the simulator targeting sm_90): the wgmma forward's tile holds the larger head dim (v's columns past its
-# own zero-filled by the producer, TMA or loads; out's columns past v's computed and not written); the backward stays
-# on mma.sync (fa3_backward.refusal) and takes that forward's out and lse. MLA's 192 / 128, v wider (64 / 128: the
-# d128 tile, 128 x 176 without a mask), narrower on the load path (100 / 40), the hooked tile (softcap), v in column
-# chunks (64 / 512: the d256 tile per chunk), GQA/MQA, rows that see no key.
+# On Hopper (the simulator targeting sm_90): the wgmma kernels' tiles hold the larger head dim (v's and dout's columns
+# past v's own zero-filled by the producers, TMA or loads; out's and dv's columns past v's computed and not written).
+# MLA's 192 / 128 (the backward's d256 tile, its consumers sharing the head dim), v wider (64 / 128: the d128 tiles,
+# 128 x 176 forward without a mask), narrower on the load path (100 / 40), the hooked tiles (softcap), v in column
+# chunks (64 / 512: the d256 tiles per chunk), GQA/MQA, rows that see no key, deterministic on one.
 HOPPER_CASES = {
     "mla-causal": ((2, 150, 130, 4, 2), (192, 128), "bfloat16", dict(causal=True)),
-    "wide-v-full": ((1, 77, 200, 3, 1), (64, 128), "float16", dict()),
+    "wide-v-full": ((1, 77, 200, 3, 1), (64, 128), "float16", dict(deterministic=True)),
     "narrow-v-window-loads": ((1, 130, 77, 2, 2), (100, 40), "float16", dict(window_size=(20, 0))),
     "wide-v-softcap": ((1, 90, 90, 2, 1), (24, 72), "bfloat16", dict(causal=True, softcap=4.0)),
     "v-512-chunks": ((1, 70, 100, 2, 2), (64, 512), "float16", dict(causal=True)),
@@ -449,16 +453,19 @@ HOPPER_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HOPPER_CASES))
-def test_hopper_forward_with_v_of_its_own(case):
+def test_hopper_kernels_with_v_of_its_own(case):
     shape, (d, dv), dtype, options = HOPPER_CASES[case]
+    options = dict(options)
+    deterministic = options.pop("deterministic", False)
     q, k, v, dout = _inputs(shape, (d, dv), dtype, seed=len(case))
     race = sim.checking("race") if case == "mla-causal" else contextlib.nullcontext()
     with sim.targeting("sm_90"), sim.record() as records, race:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     chunk = min(dv, MAX_KERNEL_HEADDIM_V)
     assert _compiled_head_dim(records, "cuflash::fa3_forward_kernel") == {fa3.compiled_head_dim(max(d, chunk))}
-    assert "cuflash::fa2_tc_backward_kernel" in {r.kernel.split("<")[0] for r in records.launches}
+    assert _compiled_head_dim(records, "cuflash::fa3_backward_kernel") == {
+        fa3_backward.compiled_head_dim(max(d, chunk))}
     assert out.shape == (*q.shape[:3], dv)
     ref = tol.forward_references(q, k, v, **options)
     tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
@@ -470,28 +477,34 @@ def test_hopper_forward_with_v_of_its_own(case):
         tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
 
 
-def test_hopper_plans_take_v_of_its_own_forward_only():
+def test_hopper_plans_take_v_of_its_own():
     sm90 = target("sm_90")
     problem = Problem("bfloat16", 2, 100, 100, 4, 4, 192, headdim_v=128)
-    assert fa3.supports(problem, sm90) and fa3_backward.refusal(problem, sm90) == "no headdim_v yet"
+    assert fa3.supports(problem, sm90) and fa3_backward.supports(problem, sm90)
     said = plans.explain("fa2", problem, sm90)
     assert said.startswith("fa2 forward on sm_90: hopper (") and "fa3_forward_kernel<__nv_bfloat16, 192," in said
+    said = plans.explain("fa2", problem, sm90, "backward")
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "fa3_backward_kernel<__nv_bfloat16, 256," in said
     wide = Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=128)
     assert fa3.forward_traits(wide, sm90).head_dim == 128
+    assert "fa3_backward_kernel<__half, 128," in fa3_backward.backward_program(wide, sm90).launches[1].kernel.name_expr
+    for too_wide in (Problem("float16", 1, 64, 64, 2, 2, 257, headdim_v=64),):
+        assert not fa3.supports(too_wide, sm90) and not fa3_backward.supports(too_wide, sm90)
 
 
 def _hopper_mla_under_asan():
     shape, pair, dtype, options = HOPPER_CASES["mla-causal"]
-    q, k, v, _ = _inputs(shape, pair, dtype, seed=3)
+    q, k, v, dout = _inputs(shape, pair, dtype, seed=3)
     with sim.targeting("sm_90"):
-        return q, k, v, *cuflash.attention(q, k, v, return_lse=True, **options)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        return q, k, v, dout, out, lse, cuflash.attention_backward(dout, q, k, v, out, lse, **options)
 
 
-def test_hopper_forward_with_v_of_its_own_clean_under_asan():
-    """out holds v's columns only: an epilogue store at the tile's width past them is reported."""
-    q, k, v, out, lse = sim.run_in_asan_subprocess(_hopper_mla_under_asan, timeout=900)
-    ref = tol.forward_references(q, k, v, causal=True)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+def test_hopper_kernels_with_v_of_its_own_clean_under_asan():
+    """out, dout, v and dv hold v's columns only: a load or store at the tile's (or q's) width past them is
+    reported."""
+    q, k, v, dout, out, lse, grads = sim.run_in_asan_subprocess(_hopper_mla_under_asan, timeout=900)
+    _check_results(q, k, v, dout, out, lse, grads, True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -9,7 +9,9 @@
 // K/V block each, dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding
 // only into slice x, each element by one bulk reduce at a time, in program order). Per K/V block it loops over the
 // query heads of its group (GQA/MQA: the group's dK/dV sum in registers, in a fixed order) and per head over the Q
-// blocks that see the block (mask.cuh's q_blocks).
+// blocks that see the block (mask.cuh's q_blocks). Head dims: q's and k's, and v's (headdim_v, equal or its own:
+// MLA-style) each up to HeadDim, the tile of the larger; V's and dO's columns past v's are zero-filled (dP^T's sum
+// then ends at v's, dV's columns past it are zeros and not written), Q's and K's past q's likewise.
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to 56): warps 0 .. 2 copy, warp 3 writes dQ, all walking the
 //       same steps. K and V are copied once per K/V block, after the consumers' arrivals on "kv_empty" for the
@@ -126,7 +128,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 
   CUFLASH_DYNAMIC_SMEM(smem);
   if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
-      p.headdim_v != p.headdim || (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
+      p.headdim_v > HeadDim || p.headdim_v < 1 ||
+      (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
       (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr))
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / fa3::kWarpgroupThreads), 0);
   const int thread = threadIdx.x % fa3::kWarpgroupThreads;
-  const int d = p.headdim;
+  const int d = p.headdim;  // q's, k's, dq's and dk's columns (v's, dout's and dv's: p.headdim_v, read where used)
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -198,6 +201,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       }
     };
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
+    const int d_v = p.headdim_v;
     // Warps 0 .. 2 copy (kCopyThreads); warp 3 is the dQ writer. Both walk the same steps (one loop: with a loop
     // each, ptxas kept the loop bounds in local memory across the setmaxnreg regions).
     // The dQ writer, per step, once the consumers' dQ tile is in its buffer: each valid row (d floats, 16-byte
@@ -235,7 +239,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
           fa3::produce_tile<KVTile, T, 32, 1, kOnce>(k_tile, k, p.k_stride.row, block_keys, d,
                                                      fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-          fa3::produce_tile<KVTile, T, 32, 1, kOnce>(v_tile, v, p.v_stride.row, block_keys, d,
+          fa3::produce_tile<KVTile, T, 32, 1, kOnce>(v_tile, v, p.v_stride.row, block_keys, d_v,
                                                      fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
         } else if (tma) {
           if (issuer) {
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
           fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(k_tile, k, p.k_stride.row, block_keys, d,
                                                          fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-          fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(v_tile, v, p.v_stride.row, block_keys, d,
+          fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(v_tile, v, p.v_stride.row, block_keys, d_v,
                                                          fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
         }
       }
@@ -301,7 +305,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
             const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
             fa3::produce_tile<QTile, T, 32, 1, kOnce>(q_tile(stage), q, p.q_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
-            fa3::produce_tile<QTile, T, 32, 1, kOnce>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+            fa3::produce_tile<QTile, T, 32, 1, kOnce>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
                                                       fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
                                                       full + stage);
           } else if (issuer) {
@@ -318,7 +322,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
         fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(q_tile(stage), q, p.q_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
-        fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(do_tile(stage), dout, p.dout_stride.row, rows, d,
+        fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
                                                       fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
                                                       full + stage);
       }
@@ -613,24 +617,27 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       ++kv_round;
     }
 
-    // Epilogue: dK * scale and dV, element by element (keys past the sequence, columns past the head dim skipped).
+    // Epilogue: dK * scale and dV, element by element (keys past the sequence, columns past each one's head dim
+    // skipped).
     // The params' fields read once, into registers: the producer takes the maps' addresses in param space, so a
     // store through a generic pointer may, as the compiler sees it, write the params, and a field read after one
     // is read again (the epilogue's strides per store: twice the kernel's code, IMAD-heavy).
     const float softmax_scale = p.softmax_scale;
     const long long dk_row_stride = p.dk_stride.row, dv_row_stride = p.dv_stride.row;
+    const int d_v = p.headdim_v;  // dv's columns (dk's: d)
     T* dk = kv_info.dk<T>(p) + key0 * dk_row_stride;
     T* dv = kv_info.dv<T>(p) + key0 * dv_row_stride;
 #pragma unroll
     for (int i = 0; i < Tr::kAccD; ++i) {
       const int key = first_key + fa3::acc_row_step(i);
       const int col = out_col + fa3::acc_col_step(i);
-      if (key < block_keys && col < d) {
+      // Both tests per store: with a `continue` for the keys past the block the d128 hooked instance spilled 56 bytes.
+      if (key < block_keys && col < d)
         arch::store(reinterpret_cast<unsigned short*>(dk + key * dk_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));
+      if (key < block_keys && col < d_v)
         arch::store(reinterpret_cast<unsigned short*>(dv + key * dv_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i], 0.f) & 0xffffu));
-      }
     }
   }
 }

@@ -79,8 +79,8 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "fa2": (
         # Hopper first: where it serves (sm_90, 16-bit; hopper.refusal says which problems in each direction: the
         # forward takes softcap, ALiBi, varlen, KV caches (contiguous, paged), split-KV, sinks and v's own head dim,
-        # the backward softcap, ALiBi, varlen and sinks), its wgmma forward and backward run at FA3's structure;
-        # every other problem stays on mma.sync.
+        # the backward softcap, ALiBi, varlen, sinks and v's own head dim), its wgmma forward and backward run at
+        # FA3's structure; every other problem stays on mma.sync.
         Variant("fa2", "hopper", "cuflash.kernels.families.hopper", dtypes=("float16", "bfloat16"),
                 options=frozenset({"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv", "sinks",
                                    "headdim_v"}),

@@ -14,8 +14,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
 any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
-sharing the head dim), varlen batches, attention sinks, GQA/MQA, any seqlens, dQ by atomics or in deterministic mode
-(fa2's slices);
+sharing the head dim), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger), GQA/MQA,
+any seqlens, dQ by atomics or in deterministic mode (fa2's slices);
 ``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
 serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -129,8 +129,9 @@ BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks
 # Every main-kernel instance's traits, each once (BOTH_HOOKS_CHOICES repeats the hooked d64 and d256 tiles).
 TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values())))
 # Sinks: nothing of the kernel's own (sink.cuh: the forward's out and lse include the sink, and the API forms the
-# sinks' gradient from the row statistics).
-SERVED_OPTIONS = HOOK_OPTIONS | {"varlen", "sinks"}
+# sinks' gradient from the row statistics). v's own head dim: the tile of the larger (fa2.tile_head_dim), V, dO and
+# dV at v's width.
+SERVED_OPTIONS = HOOK_OPTIONS | {"varlen", "sinks", "headdim_v"}
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -154,10 +155,10 @@ def toolchain_refusal() -> str | None:
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    one head dim 1..256 for q, k and v, any mask (causal, sliding windows: mask.cuh's q_blocks visit the band's Q
-    blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, softcap and ALiBi
-    (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for both at once); dQ by atomics or
-    deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
+    head dims 1..256 (q's and k's, v's its own or the same), any mask (causal, sliding windows: mask.cuh's q_blocks
+    visit the band's Q blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, v's
+    own head dim, softcap and ALiBi (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for
+    both at once); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
     differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
@@ -166,8 +167,8 @@ def refusal(problem: Problem, target: Target) -> str | None:
     toolchain = toolchain_refusal()
     if toolchain is not None:
         return toolchain
-    if not 1 <= problem.headdim <= max(BACKWARD_CHOICES):
-        return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {problem.headdim}"
+    if not 1 <= fa2.tile_head_dim(problem) <= max(BACKWARD_CHOICES):
+        return f"head dims 1..{max(BACKWARD_CHOICES)} only, not {fa2.tile_head_dim(problem)}"
     unserved = problem.options - SERVED_OPTIONS
     if unserved:
         return f"no {', '.join(sorted(unserved))} yet"
@@ -198,7 +199,7 @@ def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
     why = refusal(problem, target)
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
-    return backward_traits(problem.headdim, target, hooked=bool(problem.options & HOOK_OPTIONS),
+    return backward_traits(fa2.tile_head_dim(problem), target, hooked=bool(problem.options & HOOK_OPTIONS),
                            both_hooks=problem.options >= HOOK_OPTIONS)
 
 
