@@ -158,8 +158,8 @@ def refusal(problem: Problem, target: Target) -> str | None:
     head dims 1..256 (q's and k's, v's its own or the same), any mask (causal, sliding windows: mask.cuh's q_blocks
     visit the band's Q blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, v's
     own head dim, softcap and ALiBi (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for
-    both at once); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two kernels' options may
-    differ."""
+    both at once); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two
+    kernels' options may differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
