@@ -387,9 +387,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       const int cols_left = d - out_col;
       const bool whole_cols = d - col_base >= Tr::kOutCols;
       const bool dq_pairs = d % 2 == 0 && (reinterpret_cast<unsigned long long>(p.dq_accum) & 7) == 0;
-      // This thread's first dQ element in the group's first query head (kv_info's): a step's head is d columns on
-      // per head, its Q block dq_row_stride floats per row. Made once: the REDs are asm with a memory clobber, so a
-      // BlockInfo's address (params and cu_seqlens read again) made in the step costs 25 instructions a step.
+      // This thread's first dQ element in the group's first query head (kv_info's); a step adds d floats per head
+      // past that one and dq_row_stride per row of its Q block. Made once: the REDs are asm with a memory clobber, so
+      // the address made from the step's BlockInfo (params and cu_seqlens read again) cost 25 instructions a step.
       float* const dq_first = kv_info.dq_accum(p, slice) + dq_query * dq_row_stride + out_col;
       const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), query_base, 0);
       const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), query_base, 0);

@@ -9,15 +9,14 @@ warpgroups; writes out and lse. With split-KV (a KV cache's num_splits) grid.x h
 combine kernel follows (fa2.forward_program_of_tiles: the same program shape and scratch as fa2's). TMA boxes for q,
 k and v unless a paged cache's pages do not hold whole K/V blocks (then the load path, a page lookup per row).
 
-In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its backward is fa3_backward.py, with
-its own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it
-for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none,
-causal, sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
+In the catalog as the forward of fa2's first variant, ``hopper`` (hopper.py; its backward is fa3_backward.py, with its
+own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("sm_90")``) fa2's forward runs it for
+the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none, causal,
+sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
 (contiguous, indexed, paged), split-KV, attention sinks (joined in the epilogue) and v with a head dim of its own (the
-tile holds the larger; out's columns past v's are not written); ``refusal`` says why any other problem (dropout,
-flex mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper
-one or fa2_tc's) takes this forward's out and lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log,
-the same AttentionParams fields).
+tile holds the larger; out's columns past v's are not written); ``refusal`` says why any other problem (dropout, flex
+mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this forward's out and
+lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
 runs on the sm_90 devices it is for (same major.minor); the report and the census compile it so on sm_90 too.
