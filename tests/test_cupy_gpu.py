@@ -150,3 +150,25 @@ def test_gpu_v_with_a_head_dim_of_its_own(dtype, pair):
         got, again = cupy.asnumpy(got), cupy.asnumpy(again)
         assert np.array_equal(got.view(np.uint8), again.view(np.uint8)), name
         tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 64), ("float16", 128)])
+def test_gpu_sinks(dtype, head_dim):
+    """gpt-oss's sinks with a sliding window on CuPy arrays (on an sm_90 device: the wgmma forward joins them in its
+    epilogue, the wgmma backward takes them as they are): out, lse, dq, dk, dv and dsinks against the reference."""
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 2, 150, 150, 8, 2, head_dim, dtype)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    options = dict(causal=True, window_size=(64, 0), sinks=sinks)
+    gq, gk, gv, gdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuflash.attention(gq, gk, gv, return_lse=True, **{**options, "sinks": cupy.asarray(sinks)})
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", cupy.asnumpy(out), ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", cupy.asnumpy(lse), ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    grads = cuflash.attention_backward(gdout, gq, gk, gv, out, lse, **{**options, "sinks": cupy.asarray(sinks)})
+    bref = tol.backward_references(dout, q, k, v, **options)
+    for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        tol.check_close(name, cupy.asnumpy(got), getattr(bref, name), getattr(bref, name + "_lowp"),
+                        tol.BACKWARD_FACTOR, atol=1e-5)
