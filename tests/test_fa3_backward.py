@@ -184,6 +184,12 @@ HOOK_CASES = {
 }
 
 
+def _hooked_inputs(case, cases=HOOK_CASES):
+    """q, k, v, dout, the attention options and the deterministic flag of a case of ``cases``."""
+    shape, dtype, _ = cases[case]
+    return (*_inputs(shape, dtype, seed=len(case)), *_hooked_options(case, cases))
+
+
 def _hooked_options(case, cases=HOOK_CASES):
     options = dict(cases[case][2])
     deterministic = options.pop("deterministic", False)
@@ -196,8 +202,7 @@ def _hooked_options(case, cases=HOOK_CASES):
 @pytest.mark.parametrize("case", list(HOOK_CASES))
 def test_softcap_and_alibi_match_reference(case):
     shape, dtype, _ = HOOK_CASES[case]
-    q, k, v, dout = _inputs(shape, dtype, seed=len(case))
-    options, deterministic = _hooked_options(case)
+    q, k, v, dout, options, deterministic = _hooked_inputs(case)
     # race mode on every hooked instance (d64, d128 sharing keys; d256, d128 with both hooks sharing the head dim)
     raced = ("softcap", "softcap-d128-causal", "softcap-alibi-d256-causal", "softcap-alibi-d100-causal")
     race = sim.checking("race") if case in raced else contextlib.nullcontext()
@@ -263,15 +268,12 @@ ASAN_HOOK_CASES = {"softcap": HOOK_CASES["softcap"], "alibi-d100-window": HOOK_C
                                                  dict(softcap=3.0, alibi=(2,), causal=True))}
 
 
-def _hooked_inputs(case):
-    shape, dtype, _ = ASAN_HOOK_CASES[case]
-    return (*_inputs(shape, dtype, seed=len(case)), *_hooked_options(case, ASAN_HOOK_CASES))
 
 
 def _hooked_instances_under_asan():
     results = []
     for case in ASAN_HOOK_CASES:
-        q, k, v, dout, options, deterministic = _hooked_inputs(case)
+        q, k, v, dout, options, deterministic = _hooked_inputs(case, ASAN_HOOK_CASES)
         # out and lse from the float64 reference (out rounded to q's type): no forward built under ASan here.
         out, lse = attention_reference(q, k, v, **options)
         out, lse = out.astype(q.dtype), lse.astype(np.float32)
@@ -286,7 +288,7 @@ def test_hooked_instances_clean_under_asan():
     launched = set()
     for case, kernel, grads in sim.run_in_asan_subprocess(_hooked_instances_under_asan, timeout=900):
         shape, dtype, _ = ASAN_HOOK_CASES[case]
-        q, k, v, dout, options, deterministic = _hooked_inputs(case)
+        q, k, v, dout, options, _ = _hooked_inputs(case, ASAN_HOOK_CASES)
         both = "softcap" in options and "alibi_slopes" in options
         assert kernel == fa3_backward.backward_traits(shape[-1], SM90, True, both).instance(dtype).name_expr, kernel
         launched.add(kernel.split(",", 1)[1])  # the instance less its dtype

@@ -82,6 +82,18 @@ def _compiled_head_dim(records, kernel):
     return {int(name.split("<")[1].split(",")[1]) for name in names}
 
 
+def _check_forward(q, k, v, out, lse, options):
+    """out and lse against the float64 reference by FA2's rule; rows that see no key: out 0, lse -inf. Returns those
+    rows."""
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(q.shape[1], k.shape[1], options.get("causal", False),
+                             options.get("window_size", (-1, -1)))
+    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    return empty
+
+
 @pytest.mark.parametrize("shape_name, pair_name, mask_name, dtype", _cases())
 def test_matches_the_reference_forward_and_backward(shape_name, pair_name, mask_name, dtype):
     shape, (d, dv) = SHAPES[shape_name], PAIRS[pair_name]
@@ -92,11 +104,7 @@ def test_matches_the_reference_forward_and_backward(shape_name, pair_name, mask_
     variant = "cuflash::fa2_forward_kernel" if dtype == "float32" else "cuflash::fa2_tc_forward_kernel"
     assert _compiled_head_dim(records, variant) == {fa2.compiled_head_dim(max(d, dv))}
     assert out.shape == (*q.shape[:3], dv) and out.dtype == q.dtype
-    ref = tol.forward_references(q, k, v, **options)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
-    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    empty = _check_forward(q, k, v, out, lse, options)
 
     dq, dk, dv_grad = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
     assert (dq.shape, dk.shape, dv_grad.shape) == (q.shape, k.shape, v.shape)
@@ -351,11 +359,7 @@ def test_wide_v_runs_in_column_chunks_and_matches_the_reference(dtype, pair, sha
     assert _compiled_head_dim(records, variant) == {fa2.compiled_head_dim(max(pair[0], stop - start))
                                                    for start, stop in chunks}
     assert out.shape == (*q.shape[:3], pair[1]) and out.dtype == q.dtype
-    ref = tol.forward_references(q, k, v, **options)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
-    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    _check_forward(q, k, v, out, lse, options)
 
     bref = tol.backward_references(dout, q, k, v, **options)
     runs = [cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
@@ -467,11 +471,7 @@ def test_hopper_kernels_with_v_of_its_own(case):
     assert _compiled_head_dim(records, "cuflash::fa3_backward_kernel") == {
         fa3_backward.compiled_head_dim(max(d, chunk))}
     assert out.shape == (*q.shape[:3], dv)
-    ref = tol.forward_references(q, k, v, **options)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
-    assert np.all(out[:, empty].astype(np.float32) == 0) and np.all(lse[:, :, empty] == -np.inf)
+    _check_forward(q, k, v, out, lse, options)
     bref = tol.backward_references(dout, q, k, v, **options)
     for name, got in zip(("dq", "dk", "dv"), grads):
         tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)

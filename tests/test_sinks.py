@@ -26,7 +26,7 @@ from cuflash.kernels.families import fa3, fa3_backward
 from cuflash.kernels.program import Problem
 from cuflash.kernels.targets import target
 from cuflash.mask import Mask
-from cuflash.reference import attention_backward_reference, attention_reference, attention_with_kvcache_reference
+from cuflash.reference import attention_reference, attention_with_kvcache_reference
 from cuflash.testing import random_inputs, rows_without_key
 
 SHAPES = {
@@ -63,6 +63,23 @@ def test_grid_keeps_every_value_of_every_axis():
     assert {v[2] for v in values} == set(DTYPES)
 
 
+def _check_against_the_reference(q, k, v, dout, out, lse, grads, options):
+    """out, lse, dq, dk, dv and dsinks against the float64 reference by FA2's rule; rows that see no key: out 0, lse
+    the head's sink, dq 0."""
+    ref = tol.forward_references(q, k, v, **options)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    empty = rows_without_key(q.shape[1], k.shape[1], options.get("causal", False),
+                             options.get("window_size", (-1, -1)))
+    sinks = options["sinks"]
+    assert np.all(out[:, empty].astype(np.float32) == 0)
+    assert np.array_equal(lse[:, :, empty], np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape))
+    bref = tol.backward_references(dout, q, k, v, **options)
+    for name, got in zip(("dq", "dk", "dv", "dsinks"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+    assert np.all(grads[0][:, empty].astype(np.float32) == 0)
+
+
 @pytest.mark.parametrize("shape_name, mask_name, dtype", _cases())
 def test_sinks_match_the_reference_forward_and_backward(shape_name, mask_name, dtype):
     shape = SHAPES[shape_name]
@@ -72,22 +89,10 @@ def test_sinks_match_the_reference_forward_and_backward(shape_name, mask_name, d
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     expected = "cuflash::fa2_forward_kernel" if dtype == "float32" else "cuflash::fa2_tc_forward_kernel"
     assert expected in {r.kernel.split("<")[0] for r in records.launches}
-    ref = tol.forward_references(q, k, v, **options)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = rows_without_key(shape[1], shape[2], options.get("causal", False), options.get("window_size", (-1, -1)))
-    sinks = options["sinks"]
-    assert np.all(out[:, empty].astype(np.float32) == 0)
-    assert np.array_equal(lse[:, :, empty], np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape))
-
-    dq, dk, dv, dsinks = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
-    bref = tol.backward_references(dout, q, k, v, **options)
-    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
-        assert got.dtype == q.dtype
-        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
-    assert dsinks.dtype == np.float32 and dsinks.shape == sinks.shape
-    tol.check_close("dsinks", dsinks, bref.dsinks, bref.dsinks_lowp, tol.BACKWARD_FACTOR, atol=1e-5)
-    assert np.all(dq[:, empty].astype(np.float32) == 0)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    assert all(got.dtype == q.dtype for got in grads[:3])
+    assert grads[3].dtype == np.float32 and grads[3].shape == options["sinks"].shape
+    _check_against_the_reference(q, k, v, dout, out, lse, grads, options)
 
 
 def test_sinks_far_from_the_scores_neither_overflow_nor_vanish():
@@ -311,21 +316,10 @@ def test_hopper_kernels_take_sinks(case):
     race = sim.checking("race") if case == "d64-causal" else contextlib.nullcontext()  # the sink's epilogue, raced
     with sim.targeting("sm_90"), sim.record() as records, race:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
-        dq, dk, dv, dsinks = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
     kernels = [r.kernel.split("<")[0] for r in records.launches]
     assert kernels[0] == "cuflash::fa3_forward_kernel" and "cuflash::fa3_backward_kernel" in kernels, kernels
-    ref = tol.forward_references(q, k, v, **options)
-    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
-    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    empty = rows_without_key(shape[1], shape[2], mask.get("causal", False), mask.get("window_size", (-1, -1)))
-    sinks = options["sinks"]
-    assert np.all(out[:, empty].astype(np.float32) == 0)
-    assert np.array_equal(lse[:, :, empty], np.broadcast_to(sinks[None, :, None], lse[:, :, empty].shape))
-    bref = tol.backward_references(dout, q, k, v, **options)
-    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
-        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
-    tol.check_close("dsinks", dsinks, bref.dsinks, bref.dsinks_lowp, tol.BACKWARD_FACTOR, atol=1e-5)
-    assert np.all(dq[:, empty].astype(np.float32) == 0)
+    _check_against_the_reference(q, k, v, dout, out, lse, grads, options)
 
 
 def test_hopper_grid_keeps_every_tile_and_form():
