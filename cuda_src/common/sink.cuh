@@ -5,7 +5,7 @@
 //     out = sum_j e^{x_j} v_j / (e^{s_h} + sum_j e^{x_j}),   lse = log(e^{s_h} + sum_j e^{x_j}).
 // A row that sees no key gets out 0 and lse s_h (the sink alone).
 //
-// Where it applies: once per row, in the forward's epilogue (join_sink below rescales the keys-only result:
+// Where it applies: once per row, in the forward's epilogue (RowSink::join below rescales the keys-only result:
 // out = out_keys * keys_share, keys_share = e^{lse_keys} / (e^{lse_keys} + e^{s_h})). With split-KV only split 0
 // joins it, into its partial O and lse: the combine's lse merge then weighs split 0 by e^{lse_0'} = e^{lse_0} + e^{s_h}
 // and its O by keys_share, which is exactly the sink's place in the whole row's softmax (every split-0 block writes
@@ -37,15 +37,24 @@ __device__ __forceinline__ SinkShare join_sink(float lse_keys, float sink) {
   return SinkShare{expf(gap > 0.f ? -gap - t : -t), fmaxf(sink, lse_keys) + t};
 }
 
-// Whether the call has sinks (uniform over the grid: the branch costs nothing where there are none).
-__device__ __forceinline__ bool has_sinks(const AttentionParams& p) { return p.sinks != nullptr; }
+// The sink a forward block's rows join, read once per block: with sinks, the blocks of split 0 (every block without
+// split-KV) join the head's logit; the others, and every block of a call without sinks (uniform over the grid: the
+// test costs nothing there), join none.
+struct RowSink {
+  bool joins;
+  float logit;
 
-// Whether this forward block joins its rows' sinks: with sinks, the blocks of split 0 (every block without split-KV).
-__device__ __forceinline__ bool joins_sinks(const AttentionParams& p, int split) {
-  return has_sinks(p) && split == 0;
-}
-
-// Query head `head`'s sink logit.
-__device__ __forceinline__ float sink_of(const AttentionParams& p, int head) { return arch::load(p.sinks + head); }
+  __device__ __forceinline__ static RowSink of(const AttentionParams& p, int head, int split) {
+    const bool joins = p.sinks != nullptr && split == 0;
+    return RowSink{joins, joins ? arch::load(p.sinks + head) : 0.f};
+  }
+  // A row's keys-only 1 / l (or whatever scales its O) and lse, joined in place where the block joins the sink.
+  __device__ __forceinline__ void join(float& inv_l, float& lse) const {
+    if (!joins) return;
+    const SinkShare joined = join_sink(lse, logit);
+    inv_l *= joined.keys_share;
+    lse = joined.lse;
+  }
+};
 
 }  // namespace cuflash

@@ -284,8 +284,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
   // O / l in float32 (no dropout there) and lse into its slice of out_accum / lse_accum instead. With sinks
   // (sink.cuh) the head's sink logit joins O / l and the lse here, in split 0's partials with split-KV.
   const bool split_kv = p.num_kv_splits > 1;
-  const bool sinks = joins_sinks(p, blockIdx.x % p.num_kv_splits);
-  const float sink = sinks ? sink_of(p, info.head) : 0.f;
+  const RowSink sink = RowSink::of(p, info.head, blockIdx.x % p.num_kv_splits);
   T* out = info.out<T>(p);
   float* out_part = split_kv ? info.out_accum_split(p, blockIdx.x % p.num_kv_splits) : nullptr;
   float* lse = split_kv ? info.lse_accum_split(p, blockIdx.x % p.num_kv_splits) : p.lse + info.row_stats_offset(p);
@@ -300,11 +299,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_forward_kernel(const Attent
     // lse = m * scale + log(l) - r * ln 2. (float32 inputs notice the residual; 16-bit ones do not.)
     const float residual = fmaf(row_max[i], p.softmax_scale_log2, -row_offset[i]);
     float row_lse = l > 0.f ? fmaf(row_max[i], p.softmax_scale, fmaf(-residual, kLn2, logf(l))) : neg_inf();
-    if (sinks) {
-      const SinkShare joined = join_sink(row_lse, sink);
-      inv_l *= joined.keys_share;
-      row_lse = joined.lse;
-    }
+    sink.join(inv_l, row_lse);
 #pragma unroll
     for (int j = 0; j < TC; ++j) {
       const int dim0 = (lane_col + j * kLaneCols) * 4;

@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const int split = blockIdx.x % p.num_kv_splits;
     float* out_part = info.out_accum_split(p, split);
     float* lse_part = info.lse_accum_split(p, split);
-    const bool sinks = joins_sinks(p, split);
+    const RowSink sink = RowSink::of(p, info.head, split);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float l = fa2tc::quad_sum(row_sum[r]);  // a quad shuffle: every lane, before the row test
@@ -342,11 +342,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       if (row >= info.seqlen_q(p)) continue;
       float inv_l = l > 0.f ? 1.f / l : 0.f;
       float part_lse = row_lse(r, l);
-      if (sinks) {
-        const SinkShare joined = join_sink(part_lse, sink_of(p, info.head));
-        inv_l *= joined.keys_share;
-        part_lse = joined.lse;
-      }
+      sink.join(inv_l, part_lse);
       float* out_row = out_part + row * BlockInfo::dense_out_row_stride(p);
 #pragma unroll
       for (int j = 0; j < Tr::kDimTiles; ++j)
@@ -365,19 +361,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
   // With sinks (sink.cuh) each row's keys-only O / l and lse are joined by the head's sink logit.
   T* out = info.out<T>(p) + row0 * p.out_stride.row;
   float* lse = p.lse + info.row_stats_offset(p);
-  const bool sinks = joins_sinks(p, 0);
-  const float sink = sinks ? sink_of(p, info.head) : 0.f;
+  const RowSink sink = RowSink::of(p, info.head, 0);
   __syncwarp();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float l = fa2tc::quad_sum(row_sum[r]);
     float inv_l = l > 0.f ? (WithDropout ? p.dropout_rescale : 1.f) / l : 0.f;  // rescale: 1 / (1 - p)
     float row_lse_out = row_lse(r, l);
-    if (sinks) {
-      const SinkShare joined = join_sink(row_lse_out, sink);
-      inv_l *= joined.keys_share;
-      row_lse_out = joined.lse;
-    }
+    sink.join(inv_l, row_lse_out);
     const int row = lane_row(r);
 #pragma unroll
     for (int j = 0; j < Tr::kDimTiles; ++j) {

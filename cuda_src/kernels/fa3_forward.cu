@@ -352,16 +352,11 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   auto row_lse = [&](int half, float l) { return l > 0.f ? fmaf(row_max[half], kLn2, logf(l)) : neg_inf(); };
   // 1 / l and the lse of row `half`, joined by the head's sink logit where this block joins sinks (sink.cuh: with
   // split-KV, split 0's blocks).
-  const bool sinks = joins_sinks(p, blockIdx.x % p.num_kv_splits);
-  const float sink = sinks ? sink_of(p, info.head) : 0.f;
+  const RowSink sink = RowSink::of(p, info.head, blockIdx.x % p.num_kv_splits);
   auto row_result = [&](int half, float l, float& inv_l, float& lse_out) {
     inv_l = l > 0.f ? 1.f / l : 0.f;
     lse_out = row_lse(half, l);
-    if (sinks) {
-      const SinkShare joined = join_sink(lse_out, sink);
-      inv_l *= joined.keys_share;
-      lse_out = joined.lse;
-    }
+    sink.join(inv_l, lse_out);
   };
   if (p.num_kv_splits > 1) {
     // Split-KV: this split's O / l and lse in float32 straight from the accumulators into out_accum and lse_accum
