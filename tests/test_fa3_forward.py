@@ -353,7 +353,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         bf16 = r"\.BF16" if "bfloat16" in name else ""
         # S = Q K^T: both operands from descriptors; O += P V: P from registers, V N-major (.tnspB).
         assert re.search(rf"\bHGMMA\.64x{traits.block_n}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]", sass), name
-        assert re.search(rf"\bHGMMA\.64x{traits.head_dim}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
+        assert re.search(rf"\bHGMMA\.64x{traits.v_head_dim}x16\.F32{bf16} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass), name
         # setmaxnreg: the producer gives registers back, the consumers take them, within the block's launch
         # allocation (ptxas's count x threads: setmaxnreg.inc draws on nothing else).
         (consumer,) = {int(n, 16) for n in re.findall(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)\b", sass)}

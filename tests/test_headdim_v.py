@@ -444,11 +444,14 @@ def test_plans_name_the_larger_dims_instance_and_other_algorithms_refuse():
 # ---------------------------------------------------------------------------
 # On Hopper (the simulator targeting sm_90): the wgmma kernels' tiles hold the larger head dim (v's and dout's columns
 # past v's own zero-filled by the producers, TMA or loads; out's and dv's columns past v's computed and not written).
-# MLA's 192 / 128 (the backward's d256 tile, its consumers sharing the head dim), v wider (64 / 128: the d128 tiles,
-# 128 x 176 forward without a mask), narrower on the load path (100 / 40), the hooked tiles (softcap), v in column
-# chunks (64 / 512: the d256 tiles per chunk), GQA/MQA, rows that see no key, deterministic on one.
+# MLA's 192 / 128 (the forward's tile of its own, V and O at 128: fa3.NARROW_V_CHOICES; the backward's d256 tile, its
+# consumers sharing the head dim), v wider (64 / 128: the d128 tiles, 128 x 176 forward without a mask), narrower on
+# the load path (100 / 40; 150 / 100 on MLA's tile), the hooked tiles (softcap), v in column chunks (64 / 512: the
+# d256 tiles per chunk), GQA/MQA, windows, rows that see no key, deterministic on one.
 HOPPER_CASES = {
     "mla-causal": ((2, 150, 130, 4, 2), (192, 128), "bfloat16", dict(causal=True)),
+    "mla-window-mqa": ((1, 200, 333, 3, 1), (192, 128), "float16", dict(window_size=(60, 20))),
+    "mla-tile-loads": ((2, 97, 140, 2, 2), (150, 100), "bfloat16", dict()),
     "wide-v-full": ((1, 77, 200, 3, 1), (64, 128), "float16", dict(deterministic=True)),
     "narrow-v-window-loads": ((1, 130, 77, 2, 2), (100, 40), "float16", dict(window_size=(20, 0))),
     "wide-v-softcap": ((1, 90, 90, 2, 1), (24, 72), "bfloat16", dict(causal=True, softcap=4.0)),
@@ -468,6 +471,10 @@ def test_hopper_kernels_with_v_of_its_own(case):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     chunk = min(dv, MAX_KERNEL_HEADDIM_V)
     assert _compiled_head_dim(records, "cuflash::fa3_forward_kernel") == {fa3.compiled_head_dim(max(d, chunk))}
+    # MLA's tile (V and O at 128: the kernel's trailing HeadDimV) where q's compiled head dim is 192 and v fits 128.
+    forwards = {r.kernel for r in records.launches if r.kernel.startswith("cuflash::fa3_forward_kernel<")}
+    narrow = case.startswith("mla") and "softcap" not in options
+    assert all(name.endswith(", false, 128>") == narrow for name in forwards), forwards
     assert _compiled_head_dim(records, "cuflash::fa3_backward_kernel") == {
         fa3_backward.compiled_head_dim(max(d, chunk))}
     assert out.shape == (*q.shape[:3], dv)
@@ -498,7 +505,21 @@ def test_hopper_plans_take_v_of_its_own():
     problem = Problem("bfloat16", 2, 100, 100, 4, 4, 192, headdim_v=128)
     assert fa3.supports(problem, sm90) and fa3_backward.supports(problem, sm90)
     said = plans.explain("fa2", problem, sm90)
-    assert said.startswith("fa2 forward on sm_90: hopper (") and "fa3_forward_kernel<__nv_bfloat16, 192," in said
+    assert said.startswith("fa2 forward on sm_90: hopper (")
+    assert "fa3_forward_kernel<__nv_bfloat16, 192, 128, 128, 2, false, 128>" in said
+    # MLA's tile takes any v up to 128 beside a q that compiles to 192, masked or not, paged or not; softcap and ALiBi
+    # the hooked d192 tile; other pairs the tile of the larger head dim.
+    paged = dict(mask=Mask.causal(), kvcache=True, page_size=256, pages_per_sequence=2)
+    for pair, options, expected in (((150, 64), {}, (192, 128, 128, 128, False)),
+                                    ((192, 128), paged, (192, 128, 128, 128, False)),
+                                    ((192, 128), dict(softcap=30.0), (192, 128, 112, 192, True)),
+                                    ((192, 160), {}, (192, 128, 112, 192, False)),
+                                    ((256, 128), {}, (256, 128, 80, 256, False)),
+                                    ((64, 128), {}, (128, 128, 176, 128, False))):
+        case = Problem("float16", 1, 300, 300, 2, 2, pair[0], headdim_v=pair[1], **options)
+        traits = fa3.forward_traits(case, sm90)
+        assert (traits.head_dim, traits.block_m, traits.block_n, traits.v_head_dim, traits.hooked) == expected, pair
+        assert traits.smem_bytes <= sm90.smem_per_block_bytes
     said = plans.explain("fa2", problem, sm90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (") and "fa3_backward_kernel<__nv_bfloat16, 256," in said
     wide = Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=128)
@@ -523,21 +544,28 @@ def test_hopper_kernels_with_v_of_its_own_clean_under_asan():
     _check_results(q, k, v, dout, out, lse, grads, True)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_hopper_kvcache_with_v_of_its_own(num_splits):
-    """A decode step over MLA-shaped caches (one empty) through the Hopper forward, split-KV's out_accum at v's
-    width."""
+@pytest.mark.parametrize("num_splits, page", [(1, None), (3, None), (2, 128)])
+def test_hopper_kvcache_with_v_of_its_own(num_splits, page):
+    """A decode step over MLA-shaped caches (one empty) through the Hopper forward (MLA's tile), split-KV's out_accum
+    at v's width; paged with pages of whole K/V blocks (TMA boxes per page)."""
     rng = np.random.default_rng(10)
     q = rng.standard_normal((3, 1, 4, 192)).astype(np.float16)
-    k_cache = rng.standard_normal((3, 600, 2, 192)).astype(np.float16)
-    v_cache = rng.standard_normal((3, 600, 2, 128)).astype(np.float16)
+    k_cache = rng.standard_normal((3, 640, 2, 192)).astype(np.float16)
+    v_cache = rng.standard_normal((3, 640, 2, 128)).astype(np.float16)
     lengths = np.array([0, 500, 260], np.int32)
+    table = None
+    if page is not None:  # each sequence's pages scattered over one pool
+        per_sequence = k_cache.shape[1] // page
+        table = rng.permutation(3 * per_sequence).reshape(3, per_sequence).astype(np.int32)
+        k_cache, v_cache = (np.stack([cache[b, i * page:(i + 1) * page] for b, i in
+                                      sorted(np.ndindex(3, per_sequence), key=lambda bi: table[bi])])
+                            for cache in (k_cache, v_cache))
     with sim.targeting("sm_90"), sim.record() as records:
         out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=num_splits,
-                                                  return_lse=True)
-    kernels = [r.kernel.split("<")[0] for r in records.launches]
-    assert kernels[0] == "cuflash::fa3_forward_kernel" and len(kernels) == 1 + (num_splits > 1), kernels
-    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths, dtype=dt)
+                                                  block_table=table, return_lse=True)
+    kernels = [r.kernel for r in records.launches]
+    assert kernels[0].endswith(", 192, 128, 128, 2, false, 128>") and len(kernels) == 1 + (num_splits > 1), kernels
+    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths, block_table=table, dtype=dt)
                 for dt in (np.float64, q.dtype))
     tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
     tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)

@@ -599,6 +599,25 @@ def test_hopper_forward_d256_step():
     assert plain.instructions_per_kflop <= FA3_PER_KFLOP[128], plain.as_json()
 
 
+# MLA's 192 / 128 forward on its own tile (fa3.NARROW_V_CHOICES: FA3's 128 x 128 for it, V and O at 128) against
+# the d192 tile it ran on before (128 x 112, P V at 192 with V's 64 zero columns): per FLOP of MLA's own products
+# (2 x 64 keys x (192 + 128) a row, a warp's quarter), the step issues fewer instructions (NVRTC 13.5, fp16: 511 for
+# 128 keys, 0.390; the d192 tile 507 for 112, 0.442), exactly its HGMMA (S: 12, P V: 8), and keeps the masked steps
+# in a loop of their own.
+def test_hopper_forward_mla_tile_step():
+    mla = fa3.NARROW_V_CHOICES[(192, 128)]
+    wide = fa3.FORWARD_CHOICES[192][1]
+    (plain, *others), (wide_plain, *_) = (lc.instance_census(t, CENSUS_DTYPE, "sm_90a") for t in (mla, wide))
+    work = lc.iteration_work(mla)
+    assert plain.path.hmma == work.hmma == 192 // 16 + 128 // 16 and work.mma_flops == 32 * 128 * (192 + 128)
+    assert plain.path.classes["ldgsts"] == 0 and plain.path.classes["mufu"] >= work.exponentials
+    _assert_masked_loop_of_its_own(plain.path, [row.path for row in others])
+    mla_flops_per_step = {t: 32 * t.block_n * (192 + 128) for t in (mla, wide)}
+    per_mla_flop = {t: row.path.instructions / mla_flops_per_step[t] for t, row in ((mla, plain), (wide, wide_plain))}
+    assert per_mla_flop[mla] < 0.95 * per_mla_flop[wide], (plain.as_json(), wide_plain.as_json())
+    assert plain.instructions_per_kflop <= FA3_PER_KFLOP[128], plain.as_json()
+
+
 def _softmax_between_pv_issue_and_wait(sass):
     """Per step in the SASS whose P V issue the S wait follows closely, in address order: the softmax instructions
     (MUFU.EX2, FMNMX, SHFL) placed after the P V wgmma's issue and before the wait for it (WARPGROUP.DEPBAR.LE gsb0,

@@ -3,8 +3,9 @@
 //
 // What it does: out = softmax(hook(scale * Q K^T) [masked]) V and lse = logsumexp of the scores, per (batch, query
 // head), for __half and __nv_bfloat16, head dims 1..256 (q's and k's, and v's own: headdim_v, MLA-style) on the
-// next compiled one >= both (64, 128, 192 or 256: the columns past each tensor's head dim zero in shared memory, never
-// read from global memory; out's columns past v's are computed and not written), GQA/MQA, any seqlens;
+// next compiled one >= both (64, 128, 192 or 256; MLA's 192 / 128 on a tile of its own, V and O at 128: HeadDimV)
+// (the columns past each tensor's head dim zero in shared memory, never read from global memory; out's columns past
+// v's are computed and not written), GQA/MQA, any seqlens;
 // masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
 // the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
 // Varlen batches, KV caches (contiguous, with cache_batch_idx and cache_leftpad, or paged) and split-KV: where the
@@ -38,7 +39,7 @@
 //       instances); mask (blocks crossing an edge of the band or the keys' end only, mask.cuh); online softmax in
 //       registers on the accumulator layout (a row's 4 lanes reduce with 2 shuffles; base 2, scale folded into one
 //       FMA); P rounded to 16 bits in registers as wgmma_rs's A fragment; O += P V by wgmma RS (V read MN-major from
-//       the same layout as K, BlockN / 16 k16 steps of m64nHeadDimk16). Pipelined as FA3 publishes it:
+//       the same layout as K, BlockN / 16 k16 steps of m64nHeadDimVk16). Pipelined as FA3 publishes it:
 //       - intra-warpgroup overlap: a step issues S_{j+1} (after full_k) and P_j V_j (after full_v) as two commit
 //         groups, waits for the first only (wgmma_wait<1>), runs the softmax of S_{j+1} while P_j V_j is in flight,
 //         then waits for it, releases K (after the first wait) and V (after the second: one arrival per warp on
@@ -54,17 +55,18 @@
 //   log l from one lane per row (with sinks, both joined by the head's sink logit). Split-KV: O / l and lse in
 //   float32 from the accumulators into out_accum and lse_accum, which fa2_split_kv_combine.cu merges.
 //
-// Shared memory: Q [BlockM][D], K and V [Stages][BlockN][D], 16-bit, in 64-column panels (fa3_forward_traits.cuh),
-//   plus 1 + 4 Stages mbarriers: (BlockM + 2 Stages BlockN) D 2 + 8 (1 + 4 Stages) bytes (2 stages: d128
-//   128 x 176 208 KB + 72 B, 128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B; d192 128 x 112 216 KB + 72 B;
-//   d256 128 x 80 224 KB + 72 B). Registers per consumer thread: S BlockN / 2 floats, O D / 2 floats, P BlockN / 4
-//   words.
+// Shared memory: Q [BlockM][D], K [Stages][BlockN][D] and V [Stages][BlockN][Dv] (Dv = HeadDimV, D but for MLA's
+//   tile), 16-bit, in 64-column panels (fa3_forward_traits.cuh), plus 1 + 4 Stages mbarriers:
+//   (BlockM D + Stages BlockN (D + Dv)) 2 + 8 (1 + 4 Stages) bytes (2 stages: d128 128 x 176 208 KB + 72 B,
+//   128 x 128 160 KB + 72 B; d64 192 x 128 88 KB + 72 B; d192 128 x 112 216 KB + 72 B; MLA 192 / 128 128 x 128
+//   208 KB + 72 B; d256 128 x 80 224 KB + 72 B). Registers per consumer thread: S BlockN / 2 floats, O Dv / 2
+//   floats, P BlockN / 4 words.
 //
-// What it costs, per launch (es = 2, d = headdim, M = BlockM, N = BlockN): for each Q block that sees a key,
-// rows_i d es of Q and 2 keys_i d es of K and V (its visible blocks, clipped at seqlen_k), once; out and lse
-// written once. Rows past the sequence are zero-filled in shared memory, never read (TMA reads only the box's
-// elements inside the tensor). FLOPs: 4 B H Sq Sk d, about
-// half with causal.
+// What it costs, per launch (es = 2, d = headdim, dv = headdim_v, M = BlockM, N = BlockN): for each Q block that
+// sees a key, rows_i d es of Q and keys_i (d + dv) es of K and V (its visible blocks, clipped at seqlen_k), once;
+// out and lse written once. Rows past the sequence are zero-filled in shared memory, never read (TMA reads only the
+// box's elements inside the tensor). FLOPs: 2 B H Sq Sk (d + dv), about half with causal (the tile's widths where
+// they are wider).
 //
 // Rows that see no key write out = 0 and lse = -inf (with sinks: the sink logit). Requires softmax_scale > 0.
 #include "arch/arch.cuh"
@@ -76,12 +78,15 @@ namespace cuflash {
 // Hooked: the instance applies mask.cuh's ScoreHook (softcap, ALiBi) to every score. A template flag, not a runtime
 // test: the test cost the plain step 2 to 5 instructions (loop census; d128 128 x 176 past its bound of 1.15x
 // FA3's figure), so only problems with softcap or ALiBi run the hooked instances.
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false>
+// HeadDimV: V's and O's tile width where narrower than Q's and K's (MLA's 192 / 128: a third fewer P V FLOPs and
+// O registers than on the d192 tile).
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, int HeadDimV = HeadDim>
 __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
-  using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages>;
+  using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages, HeadDimV>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
+  using VTile = typename Tr::VTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
   // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries. An instance
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   uint64_t* empty_k = full_v + Stages;
   uint64_t* empty_v = empty_k + Stages;
   auto k_tile = [&](int stage) { return smem + Tr::kKOffset + stage * KVTile::kBytes; };
-  auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * KVTile::kBytes; };
+  auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * VTile::kBytes; };
 
   const bool tma = p.tma_loads != 0;  // the host made q's, k's and v's tensor maps (fa3_forward_traits.cuh)
   if (threadIdx.x == 0) {
@@ -161,8 +166,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
                                                                    k_rows.rows_16b_aligned(), thread, full_k + stage);
           arch::mbarrier_wait(empty_v + stage, previous_round);
           const KeyRows<const T> v_rows = info.v_rows<T>(p, key0);
-          fa3::produce_tile<KVTile, 32, fa3::kLoadsInFlight, kOnce>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, dv,
-                                                                   v_rows.rows_16b_aligned(), thread, full_v + stage);
+          fa3::produce_tile<VTile, 32, fa3::kLoadsInFlight, kOnce>(v_tile(stage), fa3::KeyRowsAt<T>{v_rows}, keys, dv,
+                                                                  v_rows.rows_16b_aligned(), thread, full_v + stage);
           continue;
         }
         if (leader)
@@ -170,7 +175,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
                                         info.kv_head, full_k + stage);
         arch::mbarrier_wait(empty_v + stage, previous_round);
         if (leader)
-          fa3::produce_tile_tma<KVTile>(v_tile(stage), fa3::tensor_map(p.tma.v), info.key_tma_coords(p, key0),
+          fa3::produce_tile_tma<VTile>(v_tile(stage), fa3::tensor_map(p.tma.v), info.key_tma_coords(p, key0),
                                         info.kv_head, full_v + stage);
       }
       return;
@@ -195,8 +200,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       fa3::produce_tile<KVTile>(k_tile(stage), fa3::KeyRowsAt<T>{info.k_rows<T>(p, key0)}, keys, d, k_vector, thread,
                                 full_k + stage);
       arch::mbarrier_wait(empty_v + stage, previous_round);
-      fa3::produce_tile<KVTile>(v_tile(stage), fa3::KeyRowsAt<T>{info.v_rows<T>(p, key0)}, keys, dv, v_vector, thread,
-                                full_v + stage);
+      fa3::produce_tile<VTile>(v_tile(stage), fa3::KeyRowsAt<T>{info.v_rows<T>(p, key0)}, keys, dv, v_vector, thread,
+                               full_v + stage);
     }
     return;
   }
@@ -275,10 +280,10 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 
     auto issue_pv = [&](int stage, unsigned phase) {
       arch::mbarrier_wait(full_v + stage, phase);
-      const uint64_t v_desc = KVTile::mn_major_desc(v_tile(stage), 0);
+      const uint64_t v_desc = VTile::mn_major_desc(v_tile(stage), 0);
 #pragma unroll
       for (int kk = 0; kk < BlockN / 16; ++kk)
-        arch::wgmma_rs<T, HeadDim, true>(acc_o, p_frag[kk], fa3::desc_advanced(v_desc, kk * 16 * 128), true);
+        arch::wgmma_rs<T, HeadDimV, true>(acc_o, p_frag[kk], fa3::desc_advanced(v_desc, kk * 16 * 128), true);
       arch::wgmma_commit();
     };
     // The consumers' turns (ping-pong; round robin with three): a consumer issues its wgmma between waiting for its
@@ -374,7 +379,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       float inv_l, lse_out;
       row_result(half, l, inv_l, lse_out);
 #pragma unroll
-      for (int j = 0; j < HeadDim / 8; ++j)
+      for (int j = 0; j < HeadDimV / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = fa3::acc_first_col(lane) + 8 * j + e;
@@ -400,7 +405,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     row_result(half, l, inv_l, lse_out);
     const int row = first_row + 8 * half;
 #pragma unroll
-    for (int j = 0; j < HeadDim / 8; ++j) {
+    for (int j = 0; j < HeadDimV / 8; ++j) {
       const int i = 4 * j + 2 * half;
       *reinterpret_cast<unsigned*>(q_tile + QTile::element_offset(row, fa3::acc_first_col(lane) + 8 * j)) =
           arch::pack_float2<T>(acc_o[i] * inv_l, acc_o[i + 1] * inv_l);
@@ -409,10 +414,11 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   }
   arch::named_barrier_sync(named_barrier, fa3::kWarpgroupThreads);
   const bool vector = fa3::rows_16b_aligned(out, p.out_stride.row);
+  constexpr int kOutChunksPerRow = HeadDimV / fa3::kChunkElems;  // O's columns of the Q tile
 #pragma unroll 1
-  for (int c = thread; c < 64 * QTile::kChunksPerRow; c += fa3::kWarpgroupThreads) {
-    const int row = group_row0 + c / QTile::kChunksPerRow;
-    const int chunk = c % QTile::kChunksPerRow;
+  for (int c = thread; c < 64 * kOutChunksPerRow; c += fa3::kWarpgroupThreads) {
+    const int row = group_row0 + c / kOutChunksPerRow;
+    const int chunk = c % kOutChunksPerRow;
     if (row >= block_rows) break;  // rows grow with c
     const int valid = max(0, min(fa3::kChunkElems, p.headdim_v - chunk * fa3::kChunkElems));  // columns of out
     if (valid == 0) continue;

@@ -94,11 +94,13 @@ __host__ __device__ constexpr int consumer_registers(int consumers, int producer
   return share > 240 ? 240 : share;
 }
 
-// The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim, K/V in a
-// ring of Stages buffers.
-template <int HeadDim, int BlockM, int BlockN, int Stages>
+// The forward's tile: BlockM query rows (kConsumers warpgroups of 64), BlockN keys, head dim HeadDim for Q and K
+// and HeadDimV for V and O (MLA's 192 / 128: P V and O at v's own width, FA3's instance for it; the same otherwise),
+// K/V in a ring of Stages buffers.
+template <int HeadDim, int BlockM, int BlockN, int Stages, int HeadDimV = HeadDim>
 struct ForwardTraits {
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = HeadDimV;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
@@ -116,36 +118,40 @@ struct ForwardTraits {
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads),
                 "setmaxnreg: the roles take more than the block's launch allocation");
   static constexpr int kAccS = BlockN / 2;  // S accumulator floats per thread
-  static constexpr int kAccO = HeadDim / 2;
+  static constexpr int kAccO = HeadDimV / 2;
 
-  using QTile = WgmmaTile<BlockM, HeadDim>;
-  using KVTile = WgmmaTile<BlockN, HeadDim>;
+  using QTile = WgmmaTile<BlockM, HeadDim>;   // Q, then O / l staged for the epilogue's stores (kHeadDimV columns)
+  using KVTile = WgmmaTile<BlockN, HeadDim>;  // K
+  using VTile = WgmmaTile<BlockN, HeadDimV>;
   // Tiles first, each on a 1024-byte boundary (the swizzle's period), then the mbarriers (8 bytes each).
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + QTile::kBytes;
   static constexpr int kVOffset = kKOffset + Stages * KVTile::kBytes;
-  static constexpr int kBarrierOffset = kVOffset + Stages * KVTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + Stages * VTile::kBytes;
   // q_full, then full_k[Stages], full_v[Stages], empty_k[Stages], empty_v[Stages] (K is released as soon as S has
   // read it, V once P V has).
   static constexpr int kBarriers = 1 + 4 * Stages;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels (wgmma N <= 256)");
+  static_assert(HeadDimV % kPanelCols == 0 && HeadDimV <= HeadDim,
+                "v's head dim whole 64-column panels, at most q's: O / l is staged in the Q tile");
   static_assert(BlockM % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 rows");
   static_assert(BlockN % 16 == 0 && BlockN <= 256, "keys in k16 steps, S's N at most 256");
-  static_assert(QTile::kBytes % kSwizzleAtomBytes == 0 && KVTile::kBytes % kSwizzleAtomBytes == 0,
+  static_assert(QTile::kBytes % kSwizzleAtomBytes == 0 && KVTile::kBytes % kSwizzleAtomBytes == 0 &&
+                    VTile::kBytes % kSwizzleAtomBytes == 0,
                 "tiles stay on swizzle-atom boundaries");
   static_assert(Stages >= 2, "the producer fills one stage while the consumers read another");
 };
 
-// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's and k's head dim and
-// v's (headdim_v, equal or its own) each in 1 .. kHeadDim (the plan sends the larger to the next compiled one; the
-// columns past each are zero-filled in shared memory, so they add nothing to S and give O columns that are never
-// written).
+// Whether this launch differs from the traits' shape, or holds a head dim the tiles do not: q's and k's head dim in
+// 1 .. kHeadDim, v's (headdim_v, equal or its own) in 1 .. kHeadDimV (the plan sends each to a tile at least as
+// wide; the columns past each are zero-filled in shared memory, so they add nothing to S and give O columns that
+// are never written).
 template <class Tr>
 __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
   return launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > Tr::kHeadDim || p.headdim < 1 ||
-         p.headdim_v > Tr::kHeadDim || p.headdim_v < 1;
+         p.headdim_v > Tr::kHeadDimV || p.headdim_v < 1;
 }
 
 // ---- the producer ---------------------------------------------------------------------------------------

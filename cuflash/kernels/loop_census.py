@@ -434,10 +434,11 @@ def iteration_work(traits) -> IterationWork:
         return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * m // 128, global_writes=0, mma_flops=flops // 4)
     if isinstance(traits, fa3.ForwardTraits):
         # One consumer warpgroup's K/V block: S = Q K^T as head_dim / 16 wgmma of 64 x block_n x 16, O += P V as
-        # block_n / 16 of 64 x head_dim x 16; no copies (the producer's TMA); one exponential per score a thread
-        # holds (64 rows x block_n over 128 threads). A warp's share of both products: 2 x 2 x 64 n d / 4.
-        n, d = traits.block_n, traits.head_dim
-        return IterationWork(hmma=d // 16 + n // 16, ldgsts=0, exponentials=64 * n // 128, mma_flops=64 * n * d)
+        # block_n / 16 of 64 x v_head_dim x 16; no copies (the producer's TMA); one exponential per score a thread
+        # holds (64 rows x block_n over 128 threads). A warp's share of both products: 2 x 64 n (d + dv) / 4.
+        n, d, dv = traits.block_n, traits.head_dim, traits.v_head_dim
+        return IterationWork(hmma=d // 16 + n // 16, ldgsts=0, exponentials=64 * n // 128,
+                             mma_flops=32 * n * (d + dv))
     m, n, d, warps = traits.block_m, traits.block_n, traits.head_dim, traits.warps
     mma_per_product = m * n * d // (16 * 8 * 16)
     copied_rows = n if isinstance(traits, fa2_tc.ForwardTraits) else m

@@ -14,7 +14,8 @@ own rule): on a sm_90 target (a device, or the simulator under ``sim.targeting("
 the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128, 192 or 256), any mask (none, causal,
 sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
 (contiguous, indexed, paged), split-KV, attention sinks (joined in the epilogue) and v with a head dim of its own (the
-tile holds the larger; out's columns past v's are not written); ``refusal`` says why any other problem (dropout, flex
+tile holds the larger; out's columns past v's are not written; MLA's 192 / 128 has a tile of its own,
+``NARROW_V_CHOICES``); ``refusal`` says why any other problem (dropout, flex
 mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this forward's out and
 lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
 
@@ -89,7 +90,10 @@ class WarpgroupTraits:
 
 @dataclass(frozen=True)
 class ForwardTraits(WarpgroupTraits):
-    """fa3::ForwardTraits: block_m / 64 consumer warpgroups of query rows, K/V in a ring of ``stages`` buffers."""
+    """fa3::ForwardTraits: block_m / 64 consumer warpgroups of query rows, K/V in a ring of ``stages`` buffers;
+    V and O at ``head_dim_v`` columns where the tile gives v a narrower width of its own (MLA), else head_dim's."""
+
+    head_dim_v: int = 0  # 0: head_dim's
 
     KERNEL: ClassVar[str] = "fa3_forward_kernel"
     SOURCE: ClassVar[str] = SOURCE
@@ -99,12 +103,26 @@ class ForwardTraits(WarpgroupTraits):
         super().__post_init__()
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
+        if self.head_dim_v and (self.head_dim_v % 64 or not 64 <= self.head_dim_v < self.head_dim):
+            raise ValueError(f"{self}: head_dim_v whole 64-column panels, narrower than head_dim (0: the same)")
+
+    @property
+    def v_head_dim(self) -> int:
+        """V's and O's columns in the tile."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def smem_bytes(self) -> int:
-        # 16-bit Q [block_m][D] and K, V [stages][block_n][D], then 1 + 4 stages mbarriers of 8 bytes.
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * _ELEMENT_BYTES
-        return tiles + 8 * (1 + 4 * self.stages)
+        # 16-bit Q [block_m][D], K [stages][block_n][D] and V [stages][block_n][Dv], then 1 + 4 stages mbarriers of 8
+        # bytes.
+        tiles = (self.block_m * self.head_dim + self.stages * self.block_n * (self.head_dim + self.v_head_dim))
+        return tiles * _ELEMENT_BYTES + 8 * (1 + 4 * self.stages)
+
+    def template_flags(self) -> tuple[str, ...]:
+        """Hooked past its default, then HeadDimV where v's width is its own."""
+        if not self.head_dim_v:
+            return super().template_flags()
+        return ("true" if self.hooked else "false", str(self.head_dim_v))
 
 
 # The tiles, (masked, no mask) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and local, 128 x 176
@@ -125,6 +143,11 @@ HEAD_DIMS = tuple(FORWARD_CHOICES)
 # d64 takes two consumers (128 x 128, 232 registers each): at three (160) the hook's step spilled 68 bytes.
 HOOKED_CHOICES = {d: replace(masked, hooked=True) for d, (masked, _) in FORWARD_CHOICES.items()}
 HOOKED_CHOICES[64] = ForwardTraits(64, block_m=128, block_n=128, hooked=True)
+# v narrower than q and k, by (q's compiled head dim, v's widest): MLA's 192 / 128 (DeepSeek's prefill) on FA3's
+# 128 x 128 for it, masked or not (208 KB with two stages: V takes a third less than at 192). On the d192 tile P V
+# would multiply 64 columns of zeros (a fifth of the FLOPs) and O hold 96 floats a thread where 64 do. Softcap and
+# ALiBi keep the hooked d192 tile (one instance fewer per dtype).
+NARROW_V_CHOICES = {(192, 128): ForwardTraits(192, block_m=128, block_n=128, head_dim_v=128)}
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -173,8 +196,11 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
         raise ValueError(f"the Hopper forward does not serve {problem} on {target.arch}")
     head_dim = compiled_head_dim(fa2.tile_head_dim(problem))  # v's own head dim (MLA) too: the larger
     masked_choice, full_choice = FORWARD_CHOICES[head_dim]
+    narrow_v = narrow_v_tile(problem)
     if problem.options & HOOK_OPTIONS:
         traits = HOOKED_CHOICES[head_dim]
+    elif narrow_v is not None:
+        traits = narrow_v
     elif problem.page_size:
         # A paged cache's blocks go by TMA where each lies in one page (forward_program): the masked tile's 128 keys
         # divide the usual page sizes (FA2's 256 among them) where the unmasked 176 divides none.
@@ -185,8 +211,18 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     return traits
 
 
+def narrow_v_tile(problem: Problem) -> ForwardTraits | None:
+    """The tile of NARROW_V_CHOICES for a problem whose v is narrower than q: at q's compiled head dim, the
+    narrowest v width that holds v's; None where there is none (then the tile of the larger head dim)."""
+    if problem.headdim_v >= problem.headdim:
+        return None
+    head_dim = compiled_head_dim(problem.headdim)
+    fitting_v = [dv for d, dv in NARROW_V_CHOICES if d == head_dim and dv >= problem.headdim_v]
+    return NARROW_V_CHOICES[(head_dim, min(fitting_v))] if fitting_v else None
+
+
 _TILES = tuple(dict.fromkeys([*(t for choices in FORWARD_CHOICES.values() for t in choices),
-                              *HOOKED_CHOICES.values()]))  # distinct, in order
+                              *HOOKED_CHOICES.values(), *NARROW_V_CHOICES.values()]))  # distinct, in order
 
 
 def instances(target: Target | None = None) -> list[KernelInstance]:
