@@ -132,8 +132,8 @@ def test_gpu_v_with_a_head_dim_of_its_own(dtype, pair):
     chunks' views of v, out, dout and dv launch at their column offsets (CuPy's data.ptr of a view), dq and dk
     summed on the device; forward, backward and deterministic reruns against the reference. On an sm_90 device
     160 / 64 runs MLA's forward tile with V's second 64-column panel wholly past v's columns, and 192 / 128 the d256
-    backward with Q's and K's fourth: TMA boxes wholly out of bounds, which must zero-fill and complete their
-    bytes as partly out-of-bounds ones do."""
+    backward with Q's and K's fourth: panels for which the producers issue no TMA box (fa3::panels_holding), zeroed
+    by the kernels once per block."""
     cupy = pytest.importorskip("cupy")
     rng = np.random.default_rng(4)
     d, dv = pair

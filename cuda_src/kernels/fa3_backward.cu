@@ -21,8 +21,10 @@
 //       forward's):
 //       TMA (the host made q's, k's, v's and dout's tensor maps, in the __grid_constant__ params): warp 0 alone
 //         copies (warps 1 and 2 exit); one elected lane arrives on "kv_full" / the stage's "full" expecting each
-//         tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma; the maps
-//         zero-fill rows past the array and columns past the head dim; where rows past a sequence are other data,
+//         tile's bytes and issues one cp.async.bulk.tensor per 64-column panel holding any of the tensor's columns
+//         (fa3::produce_tile_tma; the maps zero-fill rows past the array and columns past the head dim, and the
+//         panels wholly past it, for which no box is issued, all threads zero once before the roles split; where
+//         rows past a sequence are other data,
 //         packed varlen sequences, a ragged last K/V or Q block is copied by warp 0's lanes with loads, zero-filled,
 //         one arrival standing for the copy: the backward sums over keys and queries, and P's and dS's zeros would
 //         not keep a NaN there out of dV, dK or dQ); its 32 lanes load the step's row
@@ -166,6 +168,18 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
   auto dq_tile = [&](int buffer) { return reinterpret_cast<float*>(smem + Tr::kDqOffset + buffer * Tr::kDqTileBytes); };
 
   const bool tma = p.tma_loads != 0;  // the host made q's, k's, v's and dout's tensor maps (fa3_forward_traits.cuh)
+  if (tma) {
+    // The panels wholly past q's and k's columns or v's and dout's, which no TMA copy fills (fa3::panels_holding),
+    // zeroed for the products that sum over the head dim; fenced for the wgmma (async proxy) that read them, after
+    // the barrier below. (The load paths write every column.)
+    fa3::zero_panels_past<KVTile>(k_tile, p.headdim, threadIdx.x, Tr::kThreads);
+    fa3::zero_panels_past<KVTile>(v_tile, p.headdim_v, threadIdx.x, Tr::kThreads);
+    for (int s = 0; s < Stages; ++s) {
+      fa3::zero_panels_past<QTile>(q_tile(s), p.headdim, threadIdx.x, Tr::kThreads);
+      fa3::zero_panels_past<QTile>(do_tile(s), p.headdim_v, threadIdx.x, Tr::kThreads);
+    }
+    arch::fence_proxy_async();
+  }
   if (threadIdx.x == 0) {
     const unsigned copy_arrivals = fa3::full_arrivals(tma, Tr::kCopyThreads);  // per copy
     arch::mbarrier_init(kv_full, 2 * copy_arrivals);     // K's and V's copies
@@ -244,9 +258,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         } else if (tma) {
           if (issuer) {
             fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), kv_info.key_tma_coords(p, key0), kv_head,
-                                          kv_full);
+                                          d, kv_full);
             fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), kv_info.key_tma_coords(p, key0), kv_head,
-                                          kv_full);
+                                          d_v, kv_full);
           }
         } else {
           const T* k = kv_info.k<T>(p) + key0 * p.k_stride.row;
@@ -310,9 +324,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
                                                       full + stage);
           } else if (issuer) {
             fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), head,
-                                        full + stage);
+                                        d, full + stage);
             fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), info.q_tma_coords(p, row0), head,
-                                        full + stage);
+                                        d_v, full + stage);
           }
           continue;
         }

@@ -23,8 +23,10 @@
 //       (last to first, as mask.cuh's kv_blocks gives them), K and V into the next stage of a ring of kStages,
 //       in the 128-byte-swizzled layout wgmma reads. With TMA (p.tma_loads: the host made q's, k's and v's tensor
 //       maps, passed in the __grid_constant__ params): one elected thread arrives on the stage's "full" mbarrier
-//       expecting the tile's bytes and issues one cp.async.bulk.tensor per 64-column panel (fa3::produce_tile_tma;
-//       the maps span the whole arrays and zero-fill rows past them and columns past the head dim; block_info.cuh
+//       expecting the tile's bytes and issues one cp.async.bulk.tensor per 64-column panel holding any of the
+//       tensor's columns (fa3::produce_tile_tma; the maps span the whole arrays and zero-fill rows past them and
+//       columns past the head dim; the panels wholly past it, for which no box is issued, all threads zero once
+//       before the roles split; block_info.cuh
 //       gives each box's coordinates: a packed varlen sequence's rows, a KV cache's, a paged cache's page). Where
 //       the rows past a sequence's keys are other data (varlen, a KV cache's unused rows), the ragged last K/V
 //       block is copied by the elected thread's warp with loads instead (zero-filled: P's zeros would not keep a
@@ -119,6 +121,17 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   auto v_tile = [&](int stage) { return smem + Tr::kVOffset + stage * VTile::kBytes; };
 
   const bool tma = p.tma_loads != 0;  // the host made q's, k's and v's tensor maps (fa3_forward_traits.cuh)
+  if (tma) {
+    // The panels wholly past q's, k's or v's columns, which no TMA copy fills (fa3::panels_holding), zeroed for S's
+    // sum and P V; fenced for the wgmma (async proxy) that read them, after the barrier below. (The load path
+    // writes every column.)
+    fa3::zero_panels_past<QTile>(q_tile, p.headdim, threadIdx.x, Tr::kThreads);
+    for (int s = 0; s < Stages; ++s) {
+      fa3::zero_panels_past<KVTile>(k_tile(s), p.headdim, threadIdx.x, Tr::kThreads);
+      fa3::zero_panels_past<VTile>(v_tile(s), p.headdim_v, threadIdx.x, Tr::kThreads);
+    }
+    arch::fence_proxy_async();
+  }
   if (threadIdx.x == 0) {
     const unsigned full_arrivals = fa3::full_arrivals(tma);
     arch::mbarrier_init(q_full, full_arrivals);
@@ -149,7 +162,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       if (thread >= 32) return;
       const bool leader = arch::elect_one_sync();
       if (leader)
-        fa3::produce_tile_tma<QTile>(q_tile, fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), info.head, q_full);
+        fa3::produce_tile_tma<QTile>(q_tile, fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), info.head, d,
+                                     q_full);
       const bool ragged_by_loads = BlockInfo::keys_end_inside_array(p);
       const int seqlen_k = info.seqlen_k(p);
 #pragma unroll 1
@@ -172,11 +186,11 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
         }
         if (leader)
           fa3::produce_tile_tma<KVTile>(k_tile(stage), fa3::tensor_map(p.tma.k), info.key_tma_coords(p, key0),
-                                        info.kv_head, full_k + stage);
+                                        info.kv_head, d, full_k + stage);
         arch::mbarrier_wait(empty_v + stage, previous_round);
         if (leader)
           fa3::produce_tile_tma<VTile>(v_tile(stage), fa3::tensor_map(p.tma.v), info.key_tma_coords(p, key0),
-                                        info.kv_head, full_v + stage);
+                                       info.kv_head, dv, full_v + stage);
       }
       return;
     }

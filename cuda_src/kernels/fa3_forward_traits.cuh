@@ -157,10 +157,12 @@ __device__ __forceinline__ bool launch_shape_differs(const AttentionParams& p) {
 // ---- the producer ---------------------------------------------------------------------------------------
 // Two ways to fill a tile, chosen per call by the host (AttentionParams.tma_loads):
 //   TMA (produce_tile_tma): one elected thread arrives on the stage's "full" mbarrier expecting the tile's bytes
-//     and issues one cp.async.bulk.tensor per 64-column panel; the copies' bytes complete the phase. The tensor
-//     maps (4-D: head dim, rows, heads, batch, innermost first; box 64 columns x the tile's rows; 128-byte
-//     swizzle, the layout WgmmaTile describes) zero-fill what lies outside the tensor: rows past the sequence
-//     and columns past the head dim, so the tails need no code here.
+//     and issues one cp.async.bulk.tensor per 64-column panel holding any of the tensor's columns; the copies'
+//     bytes complete the phase. The tensor maps (4-D: head dim, rows, heads, batch, innermost first; box 64
+//     columns x the tile's rows; 128-byte swizzle, the layout WgmmaTile describes) zero-fill what lies outside
+//     the tensor: rows past the sequence and columns past the head dim in a panel, so the tails need no code
+//     here; panels wholly past the head dim (a tile wider than the tensor by 64 columns or more) the kernels zero
+//     once per block (zero_panels_past).
 //   Loads (produce_tile): every producer thread copies chunks with ordinary loads and stores, fences them for the
 //     async proxy and arrives. For what TMA cannot address (a tensor map needs a 16-byte aligned base and strides
 //     of whole 16 bytes: head dims not a multiple of 8, odd strides) and callers that make no maps (the JAX
@@ -171,18 +173,42 @@ __device__ __forceinline__ unsigned full_arrivals(bool tma, int copy_threads = k
   return tma ? 1u : static_cast<unsigned>(copy_threads);
 }
 
+// The panels of a tile that hold any of a tensor's `cols` columns (its head dim): the ones its TMA copies fill.
+// The rest lie wholly past the tensor's columns, and no box is issued for them: a box none of whose elements is
+// inside the tensor has no documented result (the ISA defines the zero fill of a box's out-of-bound elements only;
+// the simulator refuses such a box), so those panels are zeroed once per block instead (zero_panels_past).
+template <class Tile>
+__device__ __forceinline__ int panels_holding(int cols) {
+  return min(Tile::kCols / kPanelCols, (cols + kPanelCols - 1) / kPanelCols);
+}
+
 // The tile at rows at.x .. at.x + Tile::kRows - 1 of (head, at.y) through `map` (box: 64 columns x Tile::kRows
 // rows; `at` from BlockInfo's q_tma_coords / key_tma_coords: the row and the batch, or a paged cache's row in the
-// page and the page), completing Tile::kBytes on `full` (zero-filled elements count: the box is always whole).
+// page and the page), the panels holding the tensor's `cols` columns, completing their bytes on `full` (zero-filled
+// elements count: each box is whole).
 template <class Tile>
 __device__ __forceinline__ void produce_tile_tma(unsigned char* tile, const arch::TensorMap* map, int2 at, int head,
-                                                 uint64_t* full) {
-  arch::mbarrier_arrive_expect_tx(full, Tile::kBytes);
+                                                 int cols, uint64_t* full) {
+  const int panels = panels_holding<Tile>(cols);
+  arch::mbarrier_arrive_expect_tx(full, static_cast<unsigned>(panels * Tile::kPanelBytes));
 #pragma unroll
   for (int panel = 0; panel < Tile::kCols / kPanelCols; ++panel) {
+    if (panel >= panels) break;
     const int coords[4] = {panel * kPanelCols, at.x, head, at.y};
     arch::tma_load<4>(tile + panel * Tile::kPanelBytes, map, coords, full);
   }
+}
+
+// Zeroes the panels of `tile` past those holding a tensor's `cols` columns (panels_holding: no TMA copy writes
+// them, and the products read them as the columns' zeros), by `threads` threads with 16-byte stores, before any
+// copy into the tile. The caller orders them before the async proxy's reads (fence.proxy.async, then a barrier).
+template <class Tile>
+__device__ __forceinline__ void zero_panels_past(unsigned char* tile, int cols, int thread, int threads) {
+  const int first = panels_holding<Tile>(cols);
+  const int chunks = (Tile::kCols / kPanelCols - first) * (Tile::kPanelBytes / 16);
+  uint4* chunk = reinterpret_cast<uint4*>(tile + first * Tile::kPanelBytes);
+#pragma unroll 1
+  for (int c = thread; c < chunks; c += threads) chunk[c] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // The map of tensor `member` (AttentionParams.tma's q, k, v or dout) as the TMA takes it: its address in param space

@@ -372,6 +372,28 @@ def test_coordinates_must_match_the_maps_rank(mode):
         sim.launch(inst("load_kernel<2>"), 1, 64, BOX_AT + 512, a[()], [base, out])
 
 
+@pytest.mark.parametrize("direction", ["load", "store"])
+@pytest.mark.parametrize("coords, dimension, taken", [
+    ([40, 0], 0, r"40 \.\. 55 of 0 \.\. 39"),     # past the high edge of the rows
+    ([0, -8], 1, r"-8 \.\. -1 of 0 \.\. 12"),     # below the low edge of the columns
+    ([-16, 13], 0, r"-16 \.\. -1 of 0 \.\. 39"),  # outside along both: the first dimension is named
+])
+def test_a_box_wholly_outside_the_tensor_is_an_error(mode, direction, coords, dimension, taken):
+    """No element of the box inside the tensor: what the hardware does is undocumented, so the simulator refuses
+    it (its clean twins: every partly-outside case above, down to one element inside)."""
+    dims, box = [40, 13], [16, 8]
+    message = rf"TMA {direction}'s box lies wholly outside the tensor: along dimension {dimension} .*{taken}"
+    with pytest.raises(sim.KernelError, match=message):
+        if direction == "load":
+            base, strides = tensor(dims, np.uint16)
+            run_load(base, dims, strides, box, coords)
+        else:
+            run_store(dims, box, coords)
+    base, strides = tensor(dims, np.uint16)
+    one_inside = [39, 12]  # the box's first element is the tensor's last
+    assert run_load(base, dims, strides, box, one_inside) == expected_box(base, dims, one_inside, box).tobytes()
+
+
 def test_global_bytes_outside_the_launchs_buffers_are_errors(mode):
     dims, box = [40, 13], [16, 8]
     base, strides = tensor(dims, np.uint16)

@@ -45,7 +45,9 @@
 // not 64-byte aligned (the ISA), a coordinate count other than the map's rank, interleaved maps (not
 // modeled), a shared address not 128-byte aligned (the ISA's rule for tensor copies) or a box outside the
 // block's shared memory, an mbarrier that is not initialized, global bytes outside the launch's buffers (a
-// store: or read-only).
+// store: or read-only), a box with no element inside the tensor (the ISA fills a box's out-of-bound elements;
+// what a copy none of whose elements is in bounds does, and whether it completes its bytes, no document we know
+// says, and cuTile calls a tile wholly outside its array undefined: kernels issue only boxes that overlap).
 #include <algorithm>
 #include <cinttypes>
 
@@ -102,6 +104,24 @@ Box make_box(const Site& site, const void* map, const int* coords, unsigned rank
     fail_current(format("%s: the box's inner dimension holds %u bytes (element strides applied), not a multiple of "
                         "16 (not modeled)", describe_site(site).c_str(), b.counts[0] * b.map.element_bytes));
   return b;
+}
+
+// A box none of whose elements lies inside the tensor is an error (see the opening comment): along some dimension
+// every coordinate it takes is outside 0 .. dim - 1.
+void check_box_overlaps_tensor(const Site& site, const Box& b, const char* what) {
+  const TensorMapTwin& m = b.map;
+  for (unsigned d = 0; d < m.rank; ++d) {
+    const int64_t first = b.coords[d];
+    const int64_t last = first + static_cast<int64_t>(b.counts[d] - 1) * m.element_strides[d];
+    const int64_t dim = static_cast<int64_t>(m.global_dims_minus_1[d]) + 1;
+    bool any = false;
+    for (int64_t c = first; c <= last && !any; c += m.element_strides[d]) any = c >= 0 && c < dim;
+    if (!any)
+      fail_current(format("%s: the %s's box lies wholly outside the tensor: along dimension %u (innermost 0) it takes "
+                          "coordinates %" PRId64 " .. %" PRId64 " of 0 .. %" PRId64 "; issue only boxes that overlap "
+                          "the tensor (what the hardware does with one that does not is undocumented)",
+                          describe_site(site).c_str(), what, d, first, last, dim - 1));
+  }
 }
 
 // Calls fn(shared_offset_before_swizzle, global_address_or_0) for every element of the box, in shared order.
@@ -348,6 +368,7 @@ void tma_load(const Site& site, void* smem_dst, const void* map, const int* coor
   Fiber* f = current_fiber();
   Worker* w = f->worker;
   const Box box = make_box(site, map, coords, rank);
+  check_box_overlaps_tensor(site, box, "TMA load");
   const unsigned dst_offset = checked_shared_offset(site, smem_dst, box.bytes, "TMA load destination");
   const uint32_t bar_offset = mbarrier_offset_for_tx(site, bar);
   profile_units(site, dst_offset, box, kProfileTmaLoad);
@@ -405,6 +426,7 @@ void tma_store(const Site& site, const void* map, const void* smem_src, const in
   Fiber* f = current_fiber();
   Worker* w = f->worker;
   const Box box = make_box(site, map, coords, rank);
+  check_box_overlaps_tensor(site, box, "TMA store");
   TmaStore store;
   store.op = TmaStore::Op::kCopy;
   store.site = site;
