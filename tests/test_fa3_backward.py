@@ -430,10 +430,12 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
         bf16 = r"\.BF16" if "bfloat16" in name else ""
         m, d = traits.block_m, traits.head_dim
         if traits.split_head_dim:
-            # Each consumer: S^T and dP^T of its m / 2 queries, K-major; dV and dK of its d / 2 columns with P^T and
-            # dS^T from shared memory (A K-major, B N-major); dQ of its d / 2 columns (dS^T M-major, K N-major).
+            # Each consumer: S^T and dP^T of its m / 2 queries, K-major; dK and dV of its d / 2 and dv / 2 columns
+            # (v's own width: MLA's tile) with dS^T and P^T from shared memory (A K-major, B N-major); dQ of its d / 2
+            # columns (dS^T M-major, K N-major).
             assert re.search(rf"\bHGMMA\.64x{m // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\], ", sass), name
-            assert re.search(rf"\bHGMMA\.64x{d // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspB, ", sass), name
+            for cols in (traits.out_cols, traits.out_cols_v):
+                assert re.search(rf"\bHGMMA\.64x{cols}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspB, ", sass), name
             assert re.search(rf"\bHGMMA\.64x{d // 2}x16\.F32{bf16} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass), name
             assert not re.search(r"\bHGMMA\.\S+ R\d+, R\d+, ", sass), name  # no A from registers
         else:

@@ -450,7 +450,7 @@ def test_plans_name_the_larger_dims_instance_and_other_algorithms_refuse():
 # d256 tiles per chunk), GQA/MQA, windows, rows that see no key, deterministic on one.
 HOPPER_CASES = {
     "mla-causal": ((2, 150, 130, 4, 2), (192, 128), "bfloat16", dict(causal=True)),
-    "mla-window-mqa": ((1, 200, 333, 3, 1), (192, 128), "float16", dict(window_size=(60, 20))),
+    "mla-window-mqa": ((1, 200, 333, 3, 1), (192, 128), "float16", dict(window_size=(60, 20), deterministic=True)),
     "mla-tile-loads": ((2, 97, 140, 2, 2), (150, 100), "bfloat16", dict()),
     "wide-v-full": ((1, 77, 200, 3, 1), (64, 128), "float16", dict(deterministic=True)),
     "narrow-v-window-loads": ((1, 130, 77, 2, 2), (100, 40), "float16", dict(window_size=(20, 0))),
@@ -471,10 +471,12 @@ def test_hopper_kernels_with_v_of_its_own(case):
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     chunk = min(dv, MAX_KERNEL_HEADDIM_V)
     assert _compiled_head_dim(records, "cuflash::fa3_forward_kernel") == {fa3.compiled_head_dim(max(d, chunk))}
-    # MLA's tile (V and O at 128: the kernel's trailing HeadDimV) where q's compiled head dim is 192 and v fits 128.
-    forwards = {r.kernel for r in records.launches if r.kernel.startswith("cuflash::fa3_forward_kernel<")}
+    # MLA's tiles (V and O, or V, dO and dV, at 128: the kernels' trailing HeadDimV) where q's compiled head dim is
+    # 192 (the backward's: 256) and v fits 128, without softcap or ALiBi.
     narrow = case.startswith("mla") and "softcap" not in options
-    assert all(name.endswith(", false, 128>") == narrow for name in forwards), forwards
+    for kernel in ("cuflash::fa3_forward_kernel<", "cuflash::fa3_backward_kernel<"):
+        names = {r.kernel for r in records.launches if r.kernel.startswith(kernel)}
+        assert all(name.endswith(", 128>") == narrow for name in names), names
     assert _compiled_head_dim(records, "cuflash::fa3_backward_kernel") == {
         fa3_backward.compiled_head_dim(max(d, chunk))}
     assert out.shape == (*q.shape[:3], dv)
@@ -521,7 +523,15 @@ def test_hopper_plans_take_v_of_its_own():
         assert (traits.head_dim, traits.block_m, traits.block_n, traits.v_head_dim, traits.hooked) == expected, pair
         assert traits.smem_bytes <= sm90.smem_per_block_bytes
     said = plans.explain("fa2", problem, sm90, "backward")
-    assert said.startswith("fa2 backward on sm_90: hopper (") and "fa3_backward_kernel<__nv_bfloat16, 256," in said
+    assert said.startswith("fa2 backward on sm_90: hopper (")
+    assert "fa3_backward_kernel<__nv_bfloat16, 256, 64, 64, 2, false, true, true, 128>" in said
+    for pair, options, expected in (((150, 64), {}, (256, 128, False)),
+                                    ((192, 128), dict(softcap=30.0), (256, 256, True)),
+                                    ((192, 160), {}, (256, 256, False)), ((128, 64), {}, (128, 128, False))):
+        case = Problem("float16", 1, 300, 300, 2, 2, pair[0], headdim_v=pair[1], **options)
+        traits = fa3_backward._checked_traits(case, sm90)
+        assert (traits.head_dim, traits.v_head_dim, traits.hooked) == expected, pair
+        assert traits.smem_bytes <= sm90.smem_per_block_bytes
     wide = Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=128)
     assert fa3.forward_traits(wide, sm90).head_dim == 128
     assert "fa3_backward_kernel<__half, 128," in fa3_backward.backward_program(wide, sm90).launches[1].kernel.name_expr

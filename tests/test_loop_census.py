@@ -618,6 +618,20 @@ def test_hopper_forward_mla_tile_step():
     assert plain.instructions_per_kflop <= FA3_PER_KFLOP[128], plain.as_json()
 
 
+# MLA's backward on the d256 tile with V, dO and dV at 128 (fa3_backward.NARROW_V_CHOICES): per consumer step 36
+# HGMMA where the d256 tile issues 44 (dP^T's 8 k16 steps instead of 16), and fewer instructions (NVRTC 13.5, fp16:
+# 435 against 466) for a fifth fewer tensor-core FLOPs.
+def test_hopper_backward_mla_tile_step():
+    from cuflash.kernels.families import fa3_backward
+
+    mla, wide = fa3_backward.NARROW_V_CHOICES[(256, 128)], fa3_backward.BACKWARD_CHOICES[256]
+    (plain, *_), (wide_plain, *_) = (lc.instance_census(t, CENSUS_DTYPE, "sm_90") for t in (mla, wide))
+    work, wide_work = lc.iteration_work(mla), lc.iteration_work(wide)
+    assert plain.path.hmma == work.hmma == 36 and wide_plain.path.hmma == wide_work.hmma == 44
+    assert work.mma_flops == wide_work.mma_flops * 4 // 5
+    assert plain.path.instructions < wide_plain.path.instructions, (plain.as_json(), wide_plain.as_json())
+
+
 def _softmax_between_pv_issue_and_wait(sass):
     """Per step in the SASS whose P V issue the S wait follows closely, in address order: the softmax instructions
     (MUFU.EX2, FMNMX, SHFL) placed after the P V wgmma's issue and before the wait for it (WARPGROUP.DEPBAR.LE gsb0,

@@ -45,7 +45,8 @@
 //     warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to kConsumerRegisters), consumer c owning keys
 //       64 c .. 64 c + 63 of the block, so that the M of every product it issues is its 64 keys (S and dP computed
 //       transposed, as FA3's "swapped" form) and dK, dV live in its registers whole:
-//         S^T = K_c Q_i^T, dP^T = V_c dO_i^T     wgmma SS, both K-major (HeadDim / 16 steps of m64nBlockMk16),
+//         S^T = K_c Q_i^T, dP^T = V_c dO_i^T     wgmma SS, both K-major (HeadDim / 16 steps of m64nBlockMk16;
+//                                               dP^T HeadDimV / 16: v's own width, MLA's 128 on the d256 tile),
 //                                               two commit groups: P^T is formed while dP^T is in flight
 //         P^T = exp2(S^T scale log2 e - lse log2 e) (0 where the mask hides the score), dS^T = P^T (dP^T - D)
 //                                               (Hooked: P^T of the hook's score, dS^T times its derivative)
@@ -96,7 +97,8 @@
 // mbarriers:
 //   2 (2 BlockN D + 2 Stages BlockM D + BlockN BlockM) + 8 BlockM (D + 8) + 8 Stages BlockM + 8 (6 + 2 Stages) bytes
 //   (d128 64 x 128, 2 stages: 144 KB + 68 KB + 1 KB + 80 B = 213 KB; d64 80 KB + 36 KB + 1 KB + 80 B). By head dim
-//   (d256 64 x 64): K, V 64 KB, Q, dO 128 KB, P^T and dS^T 16 KB, no dQ buffer, 1 KB + 48 B = 209 KB.
+//   (d256 64 x 64): K, V 64 KB, Q, dO 128 KB, P^T and dS^T 16 KB, no dQ buffer, 1 KB + 48 B = 209 KB; with V and dO
+//   at HeadDimV (MLA's 128) their tiles at that width (K, V 48 KB, Q, dO 96 KB: 161 KB).
 //
 // What it costs, per block: K_j and V_j once; per visited (head, Q block) Q_i, dO_i, lse_i, D_i once and rows
 // bulk reduce-adds of d float32 into dq_accum (rows x d adds, done by the L2, none by the consumers' threads; by
@@ -117,20 +119,23 @@ namespace cuflash {
 // more per score than the consumers have (the d128 step spilled). BothHooks false: an instance that takes softcap or
 // ALiBi but not both at once (fa3::hooked_ds: the d128 step spills with that case; launched with both it traps).
 // SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
+// HeadDimV: V's, dO's and dV's tile width where narrower (MLA's 192 / 128 on the d256 tile: a fifth fewer FLOPs).
 template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true,
-          bool SplitHeadDim = false>
+          bool SplitHeadDim = false, int HeadDimV = HeadDim>
 __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>::kThreads), 1)
     fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
-  using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>;
+  using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim, HeadDimV>;
   using QTile = typename Tr::QTile;
+  using DoTile = typename Tr::DoTile;
   using KVTile = typename Tr::KVTile;
+  using VTile = typename Tr::VTile;
   using DsTile = typename Tr::DsTile;
   using PtTile = typename Tr::PtTile;
 
   CUFLASH_DYNAMIC_SMEM(smem);
   if (launch_differs_from_traits<Tr::kSmemBytes, Tr::kThreads>() || p.headdim > HeadDim || p.headdim < 1 ||
-      p.headdim_v > HeadDim || p.headdim_v < 1 ||
+      p.headdim_v > HeadDimV || p.headdim_v < 1 ||
       (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
   unsigned char* k_tile = smem + Tr::kKOffset;
   unsigned char* v_tile = smem + Tr::kVOffset;
   auto q_tile = [&](int stage) { return smem + Tr::kQOffset + stage * QTile::kBytes; };
-  auto do_tile = [&](int stage) { return smem + Tr::kDoOffset + stage * QTile::kBytes; };
+  auto do_tile = [&](int stage) { return smem + Tr::kDoOffset + stage * DoTile::kBytes; };
   auto lse_rows = [&](int stage) { return reinterpret_cast<float*>(smem + Tr::kStatsOffset) + stage * 2 * BlockM; };
   auto dot_rows = [&](int stage) { return lse_rows(stage) + BlockM; };
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
@@ -173,10 +178,10 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
     // zeroed for the products that sum over the head dim; fenced for the wgmma (async proxy) that read them, after
     // the barrier below. (The load paths write every column.)
     fa3::zero_panels_past<KVTile>(k_tile, p.headdim, threadIdx.x, Tr::kThreads);
-    fa3::zero_panels_past<KVTile>(v_tile, p.headdim_v, threadIdx.x, Tr::kThreads);
+    fa3::zero_panels_past<VTile>(v_tile, p.headdim_v, threadIdx.x, Tr::kThreads);
     for (int s = 0; s < Stages; ++s) {
       fa3::zero_panels_past<QTile>(q_tile(s), p.headdim, threadIdx.x, Tr::kThreads);
-      fa3::zero_panels_past<QTile>(do_tile(s), p.headdim_v, threadIdx.x, Tr::kThreads);
+      fa3::zero_panels_past<DoTile>(do_tile(s), p.headdim_v, threadIdx.x, Tr::kThreads);
     }
     arch::fence_proxy_async();
   }
@@ -253,13 +258,13 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
           fa3::produce_tile<KVTile, T, 32, 1, kOnce>(k_tile, k, p.k_stride.row, block_keys, d,
                                                      fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-          fa3::produce_tile<KVTile, T, 32, 1, kOnce>(v_tile, v, p.v_stride.row, block_keys, d_v,
+          fa3::produce_tile<VTile, T, 32, 1, kOnce>(v_tile, v, p.v_stride.row, block_keys, d_v,
                                                      fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
         } else if (tma) {
           if (issuer) {
             fa3::produce_tile_tma<KVTile>(k_tile, fa3::tensor_map(p.tma.k), kv_info.key_tma_coords(p, key0), kv_head,
                                           d, kv_full);
-            fa3::produce_tile_tma<KVTile>(v_tile, fa3::tensor_map(p.tma.v), kv_info.key_tma_coords(p, key0), kv_head,
+            fa3::produce_tile_tma<VTile>(v_tile, fa3::tensor_map(p.tma.v), kv_info.key_tma_coords(p, key0), kv_head,
                                           d_v, kv_full);
           }
         } else {
@@ -267,7 +272,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           const T* v = kv_info.v<T>(p) + key0 * p.v_stride.row;
           fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(k_tile, k, p.k_stride.row, block_keys, d,
                                                          fa3::rows_16b_aligned(k, p.k_stride.row), thread, kv_full);
-          fa3::produce_tile<KVTile, T, Tr::kCopyThreads, 1>(v_tile, v, p.v_stride.row, block_keys, d_v,
+          fa3::produce_tile<VTile, T, Tr::kCopyThreads, 1>(v_tile, v, p.v_stride.row, block_keys, d_v,
                                                          fa3::rows_16b_aligned(v, p.v_stride.row), thread, kv_full);
         }
       }
@@ -319,13 +324,13 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
             const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
             fa3::produce_tile<QTile, T, 32, 1, kOnce>(q_tile(stage), q, p.q_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
-            fa3::produce_tile<QTile, T, 32, 1, kOnce>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
+            fa3::produce_tile<DoTile, T, 32, 1, kOnce>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
                                                       fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
                                                       full + stage);
           } else if (issuer) {
             fa3::produce_tile_tma<QTile>(q_tile(stage), fa3::tensor_map(p.tma.q), info.q_tma_coords(p, row0), head,
                                         d, full + stage);
-            fa3::produce_tile_tma<QTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), info.q_tma_coords(p, row0), head,
+            fa3::produce_tile_tma<DoTile>(do_tile(stage), fa3::tensor_map(p.tma.dout), info.q_tma_coords(p, row0), head,
                                         d_v, full + stage);
           }
           continue;
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         const T* dout = info.dout<T>(p) + row0 * p.dout_stride.row;
         fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(q_tile(stage), q, p.q_stride.row, rows, d,
                                                       fa3::rows_16b_aligned(q, p.q_stride.row), thread, full + stage);
-        fa3::produce_tile<QTile, T, Tr::kCopyThreads, 1>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
+        fa3::produce_tile<DoTile, T, Tr::kCopyThreads, 1>(do_tile(stage), dout, p.dout_stride.row, rows, d_v,
                                                       fa3::rows_16b_aligned(dout, p.dout_stride.row), thread,
                                                       full + stage);
       }
@@ -355,10 +360,12 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
   // and dP^T and its kOutCols columns of dV, dK and dQ.
   const int key_base = Tr::kSplitHeadDim ? 0 : consumer * 64;             // block-relative first key
   const int query_base = Tr::kSplitHeadDim ? consumer * Tr::kQueries : 0;  // block-relative first query of S^T
-  const int col_base = Tr::kSplitHeadDim ? consumer * Tr::kOutCols : 0;    // first head-dim column of dV, dK, dQ
+  const int col_base = Tr::kSplitHeadDim ? consumer * Tr::kOutCols : 0;    // first head-dim column of dK, dQ
+  const int col_base_v = Tr::kSplitHeadDim ? consumer * Tr::kOutColsV : 0;  // of dV
   const int first_key = key_base + fa3::acc_first_row(warp, lane);        // block-relative, half 0
   const int first_col = query_base + fa3::acc_first_col(lane);            // query, block-relative
-  const int out_col = col_base + fa3::acc_first_col(lane);                // head-dim column of dV, dK (and dQ)
+  const int out_col = col_base + fa3::acc_first_col(lane);                // head-dim column of dK (and dQ)
+  const int out_col_v = col_base_v + fa3::acc_first_col(lane);            // of dV
   unsigned char* ds_tile = smem + Tr::kDsOffset;
   unsigned char* pt_tile = smem + Tr::kPtOffset;  // by head dim only
   // Every consumer's barrier around the dS^T tile (the forward's scheduler ids: the backward takes no turns).
@@ -377,9 +384,11 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
     const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
     const int m_blocks = max(m_range.end - m_range.begin, 0);
     const int steps = group * m_blocks;
-    float acc_dk[Tr::kAccD], acc_dv[Tr::kAccD];
+    float acc_dk[Tr::kAccD], acc_dv[Tr::kAccDV];
 #pragma unroll
-    for (int i = 0; i < Tr::kAccD; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    for (int i = 0; i < Tr::kAccD; ++i) acc_dk[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < Tr::kAccDV; ++i) acc_dv[i] = 0.f;
 
     if (steps > 0) {
       const float scale_log2 = p.softmax_scale_log2;
@@ -387,7 +396,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // 0, K- and MN-major), each stage's and each product's steps moved on from them by desc_advanced (stage: one
       // add; k16 steps: compile-time offsets).
       const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, 0);
-      const uint64_t v_desc = KVTile::k_major_desc(v_tile, key_base, 0);
+      const uint64_t v_desc = VTile::k_major_desc(v_tile, key_base, 0);
       const uint64_t k_mn_desc = KVTile::mn_major_desc(k_tile, 0);  // K as dQ's B (N = the head dim, contiguous)
       const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, 0);
       // By head dim: P^T and dS^T as K-major A operands (M the keys, K the queries).
@@ -406,9 +415,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // the address made from the step's BlockInfo (params and cu_seqlens read again) cost 25 instructions a step.
       float* const dq_first = kv_info.dq_accum(p, slice) + dq_query * dq_row_stride + out_col;
       const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), query_base, 0);
-      const uint64_t do_desc0 = QTile::k_major_desc(do_tile(0), query_base, 0);
+      const uint64_t do_desc0 = DoTile::k_major_desc(do_tile(0), query_base, 0);
       const uint64_t q_mn_desc0 = QTile::mn_major_desc(q_tile(0), 0);
-      const uint64_t do_mn_desc0 = QTile::mn_major_desc(do_tile(0), 0);
+      const uint64_t do_mn_desc0 = DoTile::mn_major_desc(do_tile(0), 0);
       // The step's (head, Q block), moved on step by step (no division by m_blocks): Q blocks inner, heads outer, as
       // the producer's. Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work: this consumer's
       // are the tiles t with t % kConsumers == dq_mine. dq_lane: this thread's first element of a dQ buffer (query
@@ -427,10 +436,11 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         const int rows = min(BlockM, seqlen_q - row0);
         arch::mbarrier_wait(full + stage, (ring / Stages) & 1);
         const unsigned stage_bytes = stage * QTile::kBytes;
+        const unsigned do_stage_bytes = stage * DoTile::kBytes;
         const uint64_t q_desc = fa3::desc_advanced(q_desc0, stage_bytes);
-        const uint64_t do_desc = fa3::desc_advanced(do_desc0, stage_bytes);
+        const uint64_t do_desc = fa3::desc_advanced(do_desc0, do_stage_bytes);
         const uint64_t q_mn_desc = fa3::desc_advanced(q_mn_desc0, stage_bytes);
-        const uint64_t do_mn_desc = fa3::desc_advanced(do_mn_desc0, stage_bytes);
+        const uint64_t do_mn_desc = fa3::desc_advanced(do_mn_desc0, do_stage_bytes);
 
         // S^T and dP^T, two groups.
         float s[Tr::kAccS], dp[Tr::kAccS];
@@ -441,9 +451,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
                                        fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 #pragma unroll
-        for (int ks = 0; ks < HeadDim / 16; ++ks)
-          arch::wgmma<T, Tr::kQueries>(dp, fa3::desc_advanced(v_desc, KVTile::k_major_step_bytes(ks)),
-                                       fa3::desc_advanced(do_desc, QTile::k_major_step_bytes(ks)), ks > 0);
+        for (int ks = 0; ks < HeadDimV / 16; ++ks)
+          arch::wgmma<T, Tr::kQueries>(dp, fa3::desc_advanced(v_desc, VTile::k_major_step_bytes(ks)),
+                                       fa3::desc_advanced(do_desc, DoTile::k_major_step_bytes(ks)), ks > 0);
         arch::wgmma_commit();
 
         // Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).
@@ -499,14 +509,15 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           // MN-major: M the queries, the reduction the 64 keys; B its panels of K), all three in flight together
           // (no fragment is live: P^T and dS^T are in shared memory).
           const unsigned q_cols = (col_base / fa3::kPanelCols) * QTile::kPanelBytes;
+          const unsigned do_cols = (col_base_v / fa3::kPanelCols) * DoTile::kPanelBytes;
           const unsigned kv_cols = (col_base / fa3::kPanelCols) * KVTile::kPanelBytes;
           float dq[Tr::kAccD];  // declared before the fence that covers all three products
           arch::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < BlockM / 16; ++kk)
-            arch::wgmma<T, Tr::kOutCols, false, true>(
+            arch::wgmma<T, Tr::kOutColsV, false, true>(
                 acc_dv, fa3::desc_advanced(pt_desc, PtTile::k_major_step_bytes(kk)),
-                fa3::desc_advanced(do_mn_desc, q_cols + kk * 16 * 128), true);
+                fa3::desc_advanced(do_mn_desc, do_cols + kk * 16 * 128), true);
 #pragma unroll
           for (int kk = 0; kk < BlockM / 16; ++kk)
             arch::wgmma<T, Tr::kOutCols, false, true>(
@@ -570,7 +581,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           arch::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < BlockM / 16; ++kk)
-            arch::wgmma_rs<T, HeadDim, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
+            arch::wgmma_rs<T, HeadDimV, true>(acc_dv, p_frag[kk], fa3::desc_advanced(do_mn_desc, kk * 16 * 128), true);
 #pragma unroll
           for (int kk = 0; kk < BlockM / 16; ++kk)
             arch::wgmma_rs<T, HeadDim, true>(acc_dk, ds_frag[kk], fa3::desc_advanced(q_mn_desc, kk * 16 * 128), true);
@@ -641,17 +652,19 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
     const int d_v = p.headdim_v;  // dv's columns (dk's: d)
     T* dk = kv_info.dk<T>(p) + key0 * dk_row_stride;
     T* dv = kv_info.dv<T>(p) + key0 * dv_row_stride;
+    // (dV's registers are the first kAccDV of the same layout: one loop, dV's stores past them folded away.)
 #pragma unroll
     for (int i = 0; i < Tr::kAccD; ++i) {
       const int key = first_key + fa3::acc_row_step(i);
       const int col = out_col + fa3::acc_col_step(i);
+      const int col_v = out_col_v + fa3::acc_col_step(i);
       // Both tests per store: with a `continue` for the keys past the block the d128 hooked instance spilled 56 bytes.
       if (key < block_keys && col < d)
         arch::store(reinterpret_cast<unsigned short*>(dk + key * dk_row_stride + col),
                     static_cast<unsigned short>(arch::pack_float2<T>(acc_dk[i] * softmax_scale, 0.f) & 0xffffu));
-      if (key < block_keys && col < d_v)
-        arch::store(reinterpret_cast<unsigned short*>(dv + key * dv_row_stride + col),
-                    static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i], 0.f) & 0xffffu));
+      if (i < Tr::kAccDV && key < block_keys && col_v < d_v)
+        arch::store(reinterpret_cast<unsigned short*>(dv + key * dv_row_stride + col_v),
+                    static_cast<unsigned short>(arch::pack_float2<T>(acc_dv[i < Tr::kAccDV ? i : 0], 0.f) & 0xffffu));
     }
   }
 }

@@ -16,9 +16,12 @@ namespace fa3 {
 //     the 64 keys and its half of the Q block's queries (N = BlockM / 2), both store P^T and dS^T to shared memory,
 //     and consumer c multiplies dV, dK and dQ for head-dim columns c HeadDim / 2 .. (c + 1) HeadDim / 2 - 1 from
 //     there (FA3's d256 backward shares its two consumers' work so).
-template <int HeadDim, int BlockM, int BlockN, int Stages, bool SplitHeadDim = false>
+// HeadDimV: V's and dO's tile width, and dV's, where narrower than HeadDim (MLA's 192 / 128 on the d256 tile: dP^T
+// sums over 128 columns, dV has 128; by head dim each consumer's half of them); HeadDim otherwise.
+template <int HeadDim, int BlockM, int BlockN, int Stages, bool SplitHeadDim = false, int HeadDimV = HeadDim>
 struct BackwardTraits {
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = HeadDimV;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
@@ -35,12 +38,16 @@ struct BackwardTraits {
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * launch_registers(kThreads),
                 "setmaxnreg: the roles take more than the block's launch allocation");
   static constexpr int kQueries = SplitHeadDim ? BlockM / 2 : BlockM;  // S^T's and dP^T's N: a consumer's queries
-  static constexpr int kOutCols = SplitHeadDim ? HeadDim / 2 : HeadDim;  // dV's, dK's (and dQ's) N per consumer
+  static constexpr int kOutCols = SplitHeadDim ? HeadDim / 2 : HeadDim;     // dK's (and dQ's) N per consumer
+  static constexpr int kOutColsV = SplitHeadDim ? HeadDimV / 2 : HeadDimV;  // dV's
   static constexpr int kAccS = kQueries / 2;   // S^T and dP^T accumulator floats per thread (64 keys x kQueries)
-  static constexpr int kAccD = kOutCols / 2;   // dK and dV (64 keys x kOutCols)
+  static constexpr int kAccD = kOutCols / 2;   // dK (64 keys x kOutCols)
+  static constexpr int kAccDV = kOutColsV / 2;  // dV (64 keys x kOutColsV)
   static constexpr int kDqTiles = HeadDim / 64;  // by keys: dQ's N tiles of 64 head-dim columns (32 floats each)
-  using KVTile = WgmmaTile<BlockN, HeadDim>;
-  using QTile = WgmmaTile<BlockM, HeadDim>;   // Q and dO
+  using KVTile = WgmmaTile<BlockN, HeadDim>;   // K
+  using VTile = WgmmaTile<BlockN, HeadDimV>;
+  using QTile = WgmmaTile<BlockM, HeadDim>;    // Q
+  using DoTile = WgmmaTile<BlockM, HeadDimV>;
   using DsTile = WgmmaTile<BlockN, BlockM>;   // dS^T [keys][queries] (by keys: each consumer's 64 keys stored by it)
   using PtTile = DsTile;                      // by head dim: P^T [keys][queries] too, both consumers' halves
   // The producer warpgroup: warps 0 .. 2 copy the tiles (kCopyThreads, one arrival each on a "full" barrier), warp
@@ -56,9 +63,9 @@ struct BackwardTraits {
   static constexpr int kDqBuffers = SplitHeadDim ? 0 : 2;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KVTile::kBytes;
-  static constexpr int kQOffset = kVOffset + KVTile::kBytes;            // [Stages]
+  static constexpr int kQOffset = kVOffset + VTile::kBytes;             // [Stages]
   static constexpr int kDoOffset = kQOffset + Stages * QTile::kBytes;   // [Stages]
-  static constexpr int kDsOffset = kDoOffset + Stages * QTile::kBytes;
+  static constexpr int kDsOffset = kDoOffset + Stages * DoTile::kBytes;
   static constexpr int kPtOffset = kDsOffset + DsTile::kBytes;          // by head dim only
   static constexpr int kDqOffset = kPtOffset + (SplitHeadDim ? PtTile::kBytes : 0);  // [kDqBuffers]
   // Per stage, float32 lse log2(e) and D of the Q block's rows (rows past the sequence: +inf and 0).
@@ -69,6 +76,8 @@ struct BackwardTraits {
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8;
 
   static_assert(HeadDim % kPanelCols == 0 && HeadDim <= 256, "head dims of whole 64-column panels");
+  static_assert(HeadDimV % kPanelCols == 0 && HeadDimV <= HeadDim && (!SplitHeadDim || HeadDimV % 128 == 0),
+                "v's head dim whole 64-column panels (by head dim: each consumer's half), at most q's");
   static_assert(BlockN % 64 == 0 && kConsumers >= 1 && kConsumers <= 3, "1 to 3 consumer warpgroups of 64 keys");
   static_assert(!SplitHeadDim || (BlockN == 64 && HeadDim % 128 == 0),
                 "by head dim: one 64-key block, each consumer's half of the head dim whole 64-column panels");

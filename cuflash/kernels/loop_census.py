@@ -409,28 +409,29 @@ def iteration_work(traits) -> IterationWork:
     from .families import fa2_tc, fa3, fa3_backward
 
     if isinstance(traits, fa3_backward.BackwardTraits):
-        # One consumer warpgroup's (head, Q block) step that issues dQ (at d64 the consumers take turns at it: the
-        # step of the one whose turn it is), per warp: S^T and dP^T as d / 16 wgmma of 64 x block_m x 16 each,
-        # and dV and dK as block_m / 16 of 64 x d x 16 each, dQ as block_n / 16 of 64 x 64 x 16 per head-dim tile
-        # of 64 it owns (M: the block_m = 64 queries); no global writes (dQ goes to shared memory, 16 8-byte stores
-        # per tile, and the producer's dQ writer adds it into dq_accum with bulk reduces); no copies (the
-        # producer's); an exponential per score (64 keys x block_m over 128 threads). FLOPs: a warp's share (1/4)
-        # of each.
+        # One consumer warpgroup's (head, Q block) step that issues dQ (at d64 the consumers take turns at it: the step
+        # of the one whose turn it is), per warp: S^T and dP^T as d / 16 wgmma of 64 x block_m x 16 each (dP^T: dv / 16,
+        # v's own width), and dV and dK as block_m / 16 of 64 x dv (d) x 16 each, dQ as block_n / 16 of 64 x 64 x 16 per
+        # head-dim tile of 64 it owns (M: the block_m = 64 queries); no global writes (dQ goes to shared memory, 16
+        # 8-byte stores per tile, and the producer's dQ writer adds it into dq_accum with bulk reduces); no copies (the
+        # producer's); an exponential per score (64 keys x block_m over 128 threads). FLOPs: a warp's share (1/4) of
+        # each.
         m, n, d, consumers = traits.block_m, traits.block_n, traits.head_dim, traits.consumers
+        dv = traits.v_head_dim  # dP^T's reduction and dV's columns (v's own width: MLA's tile)
         if traits.split_head_dim:
             # Sharing the head dim (one 64-key block, two consumers), per consumer: S^T and dP^T of its queries
             # (traits.queries, block_m / 2: d / 16 wgmma of 64 x queries x 16 each), dV and dK of its out_cols (d / 2:
             # m / 16 of 64 x out_cols x 16 each, P^T and dS^T from shared memory), dQ of its out_cols (n / 16 of
             # 64 x out_cols x 16); its dQ added into dq_accum by its own paired REDs (64 queries x out_cols over 128
             # threads, two floats each); an exponential per score (64 keys x queries over 128 threads).
-            q, cols = traits.queries, traits.out_cols
-            hmma = 2 * (d // 16) + 2 * (m // 16) + n // 16
-            flops = 2 * 2 * 64 * q * d + 2 * 2 * 64 * cols * m + 2 * m * cols * n
+            q, cols, cols_v = traits.queries, traits.out_cols, traits.out_cols_v
+            hmma = d // 16 + dv // 16 + 2 * (m // 16) + n // 16
+            flops = 2 * 64 * q * (d + dv) + 2 * 64 * (cols + cols_v) * m + 2 * m * cols * n
             return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * q // 128,
                                  global_writes=m * cols // 128 // 2, mma_flops=flops // 4)
         dq_tiles = -(-(d // 64) // consumers)  # the most head-dim tiles one consumer takes in a step
-        hmma = 2 * (d // 16) + 2 * (m // 16) + dq_tiles * (n // 16)
-        flops = 2 * 2 * 64 * m * d + 2 * 2 * 64 * d * m + dq_tiles * 2 * m * 64 * n
+        hmma = d // 16 + dv // 16 + 2 * (m // 16) + dq_tiles * (n // 16)
+        flops = 2 * 2 * 64 * m * (d + dv) + dq_tiles * 2 * m * 64 * n
         return IterationWork(hmma=hmma, ldgsts=0, exponentials=64 * m // 128, global_writes=0, mma_flops=flops // 4)
     if isinstance(traits, fa3.ForwardTraits):
         # One consumer warpgroup's K/V block: S = Q K^T as head_dim / 16 wgmma of 64 x block_n x 16, O += P V as

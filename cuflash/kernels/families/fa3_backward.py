@@ -14,7 +14,8 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
 any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
-sharing the head dim), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger), GQA/MQA,
+sharing the head dim), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger; MLA's
+192 / 128, and any v up to 128 beside a q of 129..256, on the d256 tile with V, dO and dV at 128), GQA/MQA,
 any seqlens, dQ by atomics or in deterministic mode (fa2's slices);
 ``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
 serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
@@ -50,6 +51,7 @@ class BackwardTraits(WarpgroupTraits):
     CONSUMER_SIDE: ClassVar[str] = "block_n"
     both_hooks: bool = True  # a hooked instance that takes softcap and ALiBi together (the kernel's BothHooks)
     split_head_dim: bool = False  # the kernel's SplitHeadDim
+    head_dim_v: int = 0  # V's, dO's and dV's width where narrower than head_dim (the kernel's HeadDimV); 0: the same
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,8 +59,15 @@ class BackwardTraits(WarpgroupTraits):
             raise ValueError(f"{self}: block_m 64 (dQ's wgmma M, one 64-column dS^T panel)")
         if not (self.hooked or self.both_hooks):
             raise ValueError(f"{self}: both_hooks says which hooks a hooked instance takes")
-        if self.split_head_dim and (self.block_n != 64 or self.head_dim % 128):
+        if self.split_head_dim and (self.block_n != 64 or self.head_dim % 128 or self.v_head_dim % 128):
             raise ValueError(f"{self}: split_head_dim takes one 64-key block and halves of whole 64-column panels")
+        if self.head_dim_v and (self.head_dim_v % 64 or not 64 <= self.head_dim_v < self.head_dim):
+            raise ValueError(f"{self}: head_dim_v whole 64-column panels, narrower than head_dim (0: the same)")
+
+    @property
+    def v_head_dim(self) -> int:
+        """V's, dO's and dV's columns in the tile."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def consumers(self) -> int:
@@ -71,26 +80,33 @@ class BackwardTraits(WarpgroupTraits):
 
     @property
     def out_cols(self) -> int:
-        """A consumer's head-dim columns of dV and dK (their wgmma N; fa3::BackwardTraits::kOutCols)."""
+        """A consumer's head-dim columns of dK (and dQ; their wgmma N; fa3::BackwardTraits::kOutCols)."""
         return self.head_dim // 2 if self.split_head_dim else self.head_dim
 
     @property
+    def out_cols_v(self) -> int:
+        """A consumer's columns of dV (fa3::BackwardTraits::kOutColsV)."""
+        return self.v_head_dim // 2 if self.split_head_dim else self.v_head_dim
+
+    @property
     def smem_bytes(self) -> int:
-        # 16-bit K, V [block_n][D], Q, dO [stages][block_m][D], dS^T [block_n][block_m] (split_head_dim: and P^T);
-        # float32 dQ [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch; split_head_dim: none); float32 lse, D
-        # [stages][block_m]; 2 + 2 stages + 2 x the dQ buffers' mbarriers.
-        d, m, n, s = self.head_dim, self.block_m, self.block_n, self.stages
+        # 16-bit K [block_n][D], V [block_n][Dv], Q [stages][block_m][D], dO [stages][block_m][Dv], dS^T
+        # [block_n][block_m] (split_head_dim: and P^T); float32 dQ [2][block_m][D + 8] (fa3::BackwardTraits::kDqPitch;
+        # split_head_dim: none); float32 lse, D [stages][block_m]; 2 + 2 stages + 2 x the dQ buffers' mbarriers.
+        d, dv, m, n, s = self.head_dim, self.v_head_dim, self.block_m, self.block_n, self.stages
         dq_buffers = 0 if self.split_head_dim else _DQ_BUFFERS
         transposed_tiles = 2 if self.split_head_dim else 1
-        tiles = _ELEMENT_BYTES * (2 * n * d + 2 * s * m * d + transposed_tiles * n * m) + 4 * dq_buffers * m * (d + 8)
+        tiles = (_ELEMENT_BYTES * (n * (d + dv) + s * m * (d + dv) + transposed_tiles * n * m)
+                 + 4 * dq_buffers * m * (d + 8))
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * dq_buffers)
 
     def template_flags(self) -> tuple[str, ...]:
-        """Hooked, BothHooks, SplitHeadDim, up to the last that is not its default."""
-        flags = (self.hooked, self.both_hooks, self.split_head_dim)
-        defaults = (False, True, False)
+        """Hooked, BothHooks, SplitHeadDim, HeadDimV, up to the last that is not its default."""
+        flags = ("true" if self.hooked else "false", "true" if self.both_hooks else "false",
+                 "true" if self.split_head_dim else "false", str(self.v_head_dim))
+        defaults = ("false", "true", "false", str(self.head_dim))
         last = max((i for i, (f, default) in enumerate(zip(flags, defaults)) if f != default), default=-1)
-        return tuple("true" if f else "false" for f in flags[:last + 1])
+        return flags[:last + 1]
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -126,8 +142,14 @@ HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
                   256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
 BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks},
                       128: BackwardTraits(128, block_m=64, block_n=64, hooked=True, split_head_dim=True)}
+# v narrower than q and k, by (the compiled head dim, v's widest): MLA's 192 / 128 on the d256 tile with V, dO and dV
+# at 128 (each consumer's half of dV 64 columns; dP^T sums over 128): per step 256 + 128 + 128 + 256 + 256 columns of
+# the five products where the d256 tile takes 5 x 256, a fifth fewer FLOPs. Softcap and ALiBi keep the hooked d256
+# tile (one instance fewer per dtype).
+NARROW_V_CHOICES = {(256, 128): dataclasses.replace(BACKWARD_CHOICES[256], head_dim_v=128)}
 # Every main-kernel instance's traits, each once (BOTH_HOOKS_CHOICES repeats the hooked d64 and d256 tiles).
-TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values())))
+TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values(),
+                             *NARROW_V_CHOICES.values())))
 # Sinks: nothing of the kernel's own (sink.cuh: the forward's out and lse include the sink, and the API forms the
 # sinks' gradient from the row statistics). v's own head dim: the tile of the larger (fa2.tile_head_dim), V, dO and
 # dV at v's width.
@@ -180,11 +202,17 @@ def supports(problem: Problem, target: Target) -> bool:
     return refusal(problem, target) is None
 
 
-def backward_traits(headdim: int, target: Target, hooked: bool = False, both_hooks: bool = False) -> BackwardTraits:
-    """The tile for ``headdim`` (1..256: the next compiled head dim's), as fa2_tc.backward_traits; ``hooked``: its
-    instance with the score hook, ``both_hooks``: one that takes softcap and ALiBi at once."""
+def backward_traits(headdim: int, target: Target, hooked: bool = False, both_hooks: bool = False,
+                    headdim_v: int | None = None) -> BackwardTraits:
+    """The tile for ``headdim`` (1..256: the next compiled head dim's; q's, or v's where larger), as
+    fa2_tc.backward_traits; ``hooked``: its instance with the score hook, ``both_hooks``: one that takes softcap and
+    ALiBi at once; ``headdim_v``, v's where narrower: the tile of NARROW_V_CHOICES with the narrowest v width that
+    holds it, if any (not hooked)."""
     table = (BOTH_HOOKS_CHOICES if both_hooks else HOOKED_CHOICES) if hooked else BACKWARD_CHOICES
     traits = table[compiled_head_dim(headdim)]
+    if headdim_v is not None and headdim_v < headdim and not hooked:
+        fitting_v = [dv for d, dv in NARROW_V_CHOICES if d == traits.head_dim and dv >= headdim_v]
+        traits = NARROW_V_CHOICES[(traits.head_dim, min(fitting_v))] if fitting_v else traits
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
@@ -200,7 +228,7 @@ def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
     return backward_traits(fa2.tile_head_dim(problem), target, hooked=bool(problem.options & HOOK_OPTIONS),
-                           both_hooks=problem.options >= HOOK_OPTIONS)
+                           both_hooks=problem.options >= HOOK_OPTIONS, headdim_v=problem.headdim_v)
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
