@@ -281,15 +281,17 @@ def _caches(dtype, pair, page, seed):
         return q, k_cache, v_cache, k_new, v_new, lengths, None
     per_sequence = capacity // page
     table = rng.permutation(batch * per_sequence).reshape(batch, per_sequence).astype(np.int32)
+    return q, _paged(k_cache, table, page), _paged(v_cache, table, page), k_new, v_new, lengths, table
 
-    def paged(cache):
-        pool = np.zeros((batch * per_sequence, page, *cache.shape[2:]), dt)
-        for b in range(batch):
-            for i in range(per_sequence):
-                pool[table[b, i]] = cache[b, i * page:(i + 1) * page]
-        return pool
 
-    return q, paged(k_cache), paged(v_cache), k_new, v_new, lengths, table
+def _paged(cache, table, page):
+    """A contiguous cache (batch, capacity, ...) as a pool of pages: sequence b's page i at pool row table[b, i]."""
+    batch, per_sequence = table.shape
+    pool = np.zeros((batch * per_sequence, page, *cache.shape[2:]), cache.dtype)
+    for b in range(batch):
+        for i in range(per_sequence):
+            pool[table[b, i]] = cache[b, i * page:(i + 1) * page]
+    return pool
 
 
 @pytest.mark.parametrize("dtype, pair, page", [("float32", (40, 24), None), ("bfloat16", (192, 128), 16),
@@ -567,9 +569,7 @@ def test_hopper_kvcache_with_v_of_its_own(num_splits, page):
     if page is not None:  # each sequence's pages scattered over one pool
         per_sequence = k_cache.shape[1] // page
         table = rng.permutation(3 * per_sequence).reshape(3, per_sequence).astype(np.int32)
-        k_cache, v_cache = (np.stack([cache[b, i * page:(i + 1) * page] for b, i in
-                                      sorted(np.ndindex(3, per_sequence), key=lambda bi: table[bi])])
-                            for cache in (k_cache, v_cache))
+        k_cache, v_cache = _paged(k_cache, table, page), _paged(v_cache, table, page)
     with sim.targeting("sm_90"), sim.record() as records:
         out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=num_splits,
                                                   block_table=table, return_lse=True)

@@ -420,10 +420,11 @@ def iteration_work(traits) -> IterationWork:
         dv = traits.v_head_dim  # dP^T's reduction and dV's columns (v's own width: MLA's tile)
         if traits.split_head_dim:
             # Sharing the head dim (one 64-key block, two consumers), per consumer: S^T and dP^T of its queries
-            # (traits.queries, block_m / 2: d / 16 wgmma of 64 x queries x 16 each), dV and dK of its out_cols (d / 2:
-            # m / 16 of 64 x out_cols x 16 each, P^T and dS^T from shared memory), dQ of its out_cols (n / 16 of
-            # 64 x out_cols x 16); its dQ added into dq_accum by its own paired REDs (64 queries x out_cols over 128
-            # threads, two floats each); an exponential per score (64 keys x queries over 128 threads).
+            # (traits.queries, block_m / 2: d / 16 and dv / 16 wgmma of 64 x queries x 16), dV and dK of its out_cols_v
+            # and out_cols (dv / 2, d / 2: m / 16 of 64 x cols x 16 each, P^T and dS^T from shared memory), dQ of its
+            # out_cols (n / 16 of 64 x out_cols x 16); its dQ added into dq_accum by its own paired REDs (64 queries x
+            # out_cols over 128 threads, two floats each); an exponential per score (64 keys x queries over 128
+            # threads).
             q, cols, cols_v = traits.queries, traits.out_cols, traits.out_cols_v
             hmma = d // 16 + dv // 16 + 2 * (m // 16) + n // 16
             flops = 2 * 64 * q * (d + dv) + 2 * 64 * (cols + cols_v) * m + 2 * m * cols * n

@@ -45,13 +45,16 @@ _WARPGROUP_THREADS = 128
 class WarpgroupTraits:
     """What the Hopper kernels' traits share: a (block_m x block_n) tile at ``head_dim`` in whole 64-column panels,
     ring buffers of ``stages``, one producer warpgroup and 1 to 3 consumer warpgroups of 64 each along the tile side
-    ``CONSUMER_SIDE`` names. A subclass names its kernel, that side, and checks and sizes the rest."""
+    ``CONSUMER_SIDE`` names, v's tensors (V and O, or V, dO and dV) at ``head_dim_v`` columns where the tile gives v
+    a narrower width of its own (MLA; the kernels' HeadDimV). A subclass names its kernel, that side, and checks and
+    sizes the rest."""
 
     head_dim: int
     block_m: int
     block_n: int
     stages: int = 2
     hooked: bool = False  # the instance applies the score hook (softcap, ALiBi): the kernels' Hooked flag
+    head_dim_v: int = 0  # 0: head_dim's
 
     KERNEL: ClassVar[str]
     SOURCE: ClassVar[str]
@@ -65,6 +68,13 @@ class WarpgroupTraits:
             raise ValueError(f"{self}: 1 to 3 consumer warpgroups of 64 ({self.CONSUMER_SIDE})")
         if self.stages < 2:
             raise ValueError(f"{self}: at least 2 stages")
+        if self.head_dim_v and (self.head_dim_v % 64 or not 64 <= self.head_dim_v < self.head_dim):
+            raise ValueError(f"{self}: head_dim_v whole 64-column panels, narrower than head_dim (0: the same)")
+
+    @property
+    def v_head_dim(self) -> int:
+        """v's tensors' columns in the tile."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def consumers(self) -> int:
@@ -90,10 +100,7 @@ class WarpgroupTraits:
 
 @dataclass(frozen=True)
 class ForwardTraits(WarpgroupTraits):
-    """fa3::ForwardTraits: block_m / 64 consumer warpgroups of query rows, K/V in a ring of ``stages`` buffers;
-    V and O at ``head_dim_v`` columns where the tile gives v a narrower width of its own (MLA), else head_dim's."""
-
-    head_dim_v: int = 0  # 0: head_dim's
+    """fa3::ForwardTraits: block_m / 64 consumer warpgroups of query rows, K/V in a ring of ``stages`` buffers."""
 
     KERNEL: ClassVar[str] = "fa3_forward_kernel"
     SOURCE: ClassVar[str] = SOURCE
@@ -103,13 +110,6 @@ class ForwardTraits(WarpgroupTraits):
         super().__post_init__()
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"{self}: block_n a multiple of 16 up to 256 (wgmma N)")
-        if self.head_dim_v and (self.head_dim_v % 64 or not 64 <= self.head_dim_v < self.head_dim):
-            raise ValueError(f"{self}: head_dim_v whole 64-column panels, narrower than head_dim (0: the same)")
-
-    @property
-    def v_head_dim(self) -> int:
-        """V's and O's columns in the tile."""
-        return self.head_dim_v or self.head_dim
 
     @property
     def smem_bytes(self) -> int:
@@ -211,14 +211,20 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     return traits
 
 
+def narrow_v_choice(choices: dict, head_dim: int, headdim_v: int):
+    """The traits of ``choices`` (a NARROW_V_CHOICES table, the forward's or the backward's: keyed by the compiled
+    head dim and v's width) at ``head_dim`` with the narrowest v width that holds ``headdim_v``; None where none
+    does (then the tile of the larger head dim)."""
+    fitting_v = [dv for d, dv in choices if d == head_dim and dv >= headdim_v]
+    return choices[(head_dim, min(fitting_v))] if fitting_v else None
+
+
 def narrow_v_tile(problem: Problem) -> ForwardTraits | None:
-    """The tile of NARROW_V_CHOICES for a problem whose v is narrower than q: at q's compiled head dim, the
-    narrowest v width that holds v's; None where there is none (then the tile of the larger head dim)."""
+    """The forward's tile of NARROW_V_CHOICES for a problem whose v is narrower than q, at q's compiled head dim
+    (narrow_v_choice); None otherwise."""
     if problem.headdim_v >= problem.headdim:
         return None
-    head_dim = compiled_head_dim(problem.headdim)
-    fitting_v = [dv for d, dv in NARROW_V_CHOICES if d == head_dim and dv >= problem.headdim_v]
-    return NARROW_V_CHOICES[(head_dim, min(fitting_v))] if fitting_v else None
+    return narrow_v_choice(NARROW_V_CHOICES, compiled_head_dim(problem.headdim), problem.headdim_v)
 
 
 _TILES = tuple(dict.fromkeys([*(t for choices in FORWARD_CHOICES.values() for t in choices),

@@ -32,7 +32,7 @@ from .. import nvrtc
 from ..program import KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
-from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits
+from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, narrow_v_choice
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
@@ -51,7 +51,6 @@ class BackwardTraits(WarpgroupTraits):
     CONSUMER_SIDE: ClassVar[str] = "block_n"
     both_hooks: bool = True  # a hooked instance that takes softcap and ALiBi together (the kernel's BothHooks)
     split_head_dim: bool = False  # the kernel's SplitHeadDim
-    head_dim_v: int = 0  # V's, dO's and dV's width where narrower than head_dim (the kernel's HeadDimV); 0: the same
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,13 +60,6 @@ class BackwardTraits(WarpgroupTraits):
             raise ValueError(f"{self}: both_hooks says which hooks a hooked instance takes")
         if self.split_head_dim and (self.block_n != 64 or self.head_dim % 128 or self.v_head_dim % 128):
             raise ValueError(f"{self}: split_head_dim takes one 64-key block and halves of whole 64-column panels")
-        if self.head_dim_v and (self.head_dim_v % 64 or not 64 <= self.head_dim_v < self.head_dim):
-            raise ValueError(f"{self}: head_dim_v whole 64-column panels, narrower than head_dim (0: the same)")
-
-    @property
-    def v_head_dim(self) -> int:
-        """V's, dO's and dV's columns in the tile."""
-        return self.head_dim_v or self.head_dim
 
     @property
     def consumers(self) -> int:
@@ -211,8 +203,7 @@ def backward_traits(headdim: int, target: Target, hooked: bool = False, both_hoo
     table = (BOTH_HOOKS_CHOICES if both_hooks else HOOKED_CHOICES) if hooked else BACKWARD_CHOICES
     traits = table[compiled_head_dim(headdim)]
     if headdim_v is not None and headdim_v < headdim and not hooked:
-        fitting_v = [dv for d, dv in NARROW_V_CHOICES if d == traits.head_dim and dv >= headdim_v]
-        traits = NARROW_V_CHOICES[(traits.head_dim, min(fitting_v))] if fitting_v else traits
+        traits = narrow_v_choice(NARROW_V_CHOICES, traits.head_dim, headdim_v) or traits
     assert traits.smem_bytes <= target.smem_per_block_bytes
     return traits
 
