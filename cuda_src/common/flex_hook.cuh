@@ -59,16 +59,17 @@ struct TileListVisits {
   }
 };
 
-// One tile's form of a FlexHook (FlexHook::on_tile): its scores with or without the sequence-bound test (Bounds).
-template <class Hook, bool Bounds>
+// One tile's form of a FlexHook (FlexHook::on_tile): its scores with or without the sequence-bound test (Bounds),
+// score' / scale or score' itself (Scaled: FlexHook::score).
+template <class Hook, bool Bounds, bool Scaled = false>
 struct FlexTileScores {
   Hook hook;
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
     float unused;
-    return hook.template score<Bounds>(qk, row, key, unused);
+    return hook.template score<Bounds, Scaled>(qk, row, key, unused);
   }
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
-    return hook.template score<Bounds>(qk, row, key, slope_of_score);
+    return hook.template score<Bounds, Scaled>(qk, row, key, slope_of_score);
   }
 };
 
@@ -80,6 +81,10 @@ struct FlexHook {
   static constexpr bool kMasked = is_mod<MaskMod>::value;
   static constexpr bool kHasSideGrads = ScoreMod::kHasSideGrads;
   static constexpr bool kBlockSparse = BlockSparse;
+  // Whether a kernel may take score' itself (score<Bounds, true>) and exponentiate with log2 e rather than scale
+  // log2 e: with a score_mod, which scales the score anyway, that drops the product by 1 / scale per score (the
+  // Hopper forward does); without one the score stays x and the kernel's exponent scales it.
+  static constexpr bool kScaledScores = kScoreModded;
   static_assert(ScoreMod::kSides + MaskMod::kSides <= kMaxSides, "the mods read at most kMaxSides arrays");
 
   const AttentionParams& p;
@@ -126,13 +131,14 @@ struct FlexHook {
   // (check_mask skips the mask_mod on the block mask's full tiles): with a second form for interior full tiles, ptxas
   // spilled the block-sparse forward with a side-reading score_mod and mask_mod (16 to 44 bytes at d64 / d128 on
   // sm_80; none with one form).
-  template <class F>
+  // Scaled: the tile's scores are score' itself (kScaledScores).
+  template <bool Scaled = false, class F>
   __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
     const FlexHook tile = for_tile(full);
     if (kMasked || row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k)
-      f(FlexTileScores<FlexHook, true>{tile});
+      f(FlexTileScores<FlexHook, true, Scaled>{tile});
     else
-      f(FlexTileScores<FlexHook, false>{tile});
+      f(FlexTileScores<FlexHook, false, Scaled>{tile});
   }
 
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
@@ -146,9 +152,11 @@ struct FlexHook {
     return score<true>(qk, row, key, slope_of_score);
   }
 
-  // The same, with the sequence-bound test where Bounds (on_tile: tiles crossing the sequence's end).
-  template <bool Bounds>
+  // The same, with the sequence-bound test where Bounds (on_tile: tiles crossing the sequence's end); Scaled:
+  // score' itself (kScaledScores), not over scale (slope_of_score as ever).
+  template <bool Bounds, bool Scaled = false>
   __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
+    static_assert(!Scaled || kScaledScores, "score' itself only where a score_mod scales the score");
     slope_of_score = 0.f;
     if (Bounds && (row >= p.seqlen_q || key >= p.seqlen_k)) return neg_inf();
     if constexpr (kMasked) {
@@ -160,7 +168,8 @@ struct FlexHook {
     if constexpr (kScoreModded) {
       const float scaled = qk * p.softmax_scale;
       if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(scaled, batch, head, row, key, p.flex_sides);
-      return ScoreMod::score(scaled, batch, head, row, key, p.flex_sides) * inverse_scale;
+      const float modded = ScoreMod::score(scaled, batch, head, row, key, p.flex_sides);
+      return Scaled ? modded : modded * inverse_scale;
     } else {
       slope_of_score = 1.f;
       return qk;

@@ -205,6 +205,7 @@ struct ScoreHook {
   // What flex_hook.cuh's FlexHook adds, absent here: gradients to side arrays, block-sparse tile lists.
   static constexpr bool kHasSideGrads = false;
   static constexpr bool kBlockSparse = false;
+  static constexpr bool kScaledScores = false;  // returns score / scale
   // The kernel's parameters: the softcap factors (AttentionParams packs c / scale and scale / c) and the diagonal
   // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
   // tensor-core kernels run at the register limit).

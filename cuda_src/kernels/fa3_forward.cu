@@ -7,11 +7,12 @@
 // (the columns past each tensor's head dim zero in shared memory, never read from global memory; out's columns past
 // v's are computed and not written), GQA/MQA, any seqlens;
 // masks of mask.cuh (none, causal, sliding windows: the K/V blocks outside the band are skipped on both sides);
-// the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only.
+// the hook (softcap, ALiBi: mask.cuh's ScoreHook) in the Hooked instances only, or a user's flex mods (score_mod,
+// mask_mod, a block mask's K/V block lists: flex_hook.cuh's FlexHook) in instances cuflash.flex builds.
 // Varlen batches, KV caches (contiguous, with cache_batch_idx and cache_leftpad, or paged) and split-KV: where the
 // rows are and which keys a block takes are block_info.cuh's and mask.cuh's rules, runtime fields (the K/V loop
 // does not change). Attention sinks (sink.cuh) join each row's O / l and lse in the epilogue (split 0's partials
-// with split-KV). Not (yet): dropout, flex mods: those stay on the mma.sync kernels (fa2_tc_forward.cu).
+// with split-KV). Not (yet): dropout, which stays on the mma.sync kernels (fa2_tc_forward.cu).
 //
 // How it partitions work
 //   grid  = (ceil(seqlen_q / BlockM) x num_kv_splits, nheads, batch): one thread block per Q block of one head
@@ -82,9 +83,17 @@ namespace cuflash {
 // FA3's figure), so only problems with softcap or ALiBi run the hooked instances.
 // HeadDimV: V's and O's tile width where narrower than Q's and K's (MLA's 192 / 128: a third fewer P V FLOPs and
 // O registers than on the d192 tile).
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, int HeadDimV = HeadDim>
+// Hook: ScoreHook, or flex_hook.cuh's FlexHook with a user's score_mod and mask_mod (cuflash.flex builds such an
+// instance from a hooked one: Hooked true). A flex call has no softcap, ALiBi, window or split-KV (the kernel traps on
+// them): the hook hides the scores past the sequence and the mask_mod's, so its steps run no element-wise mask of
+// mask.cuh; with a block mask (FlexHook's BlockSparse) the producer and the consumers walk its list of K/V blocks for
+// the Q block (FlexHook::kv_visits), in the same order, and the mask_mod runs on its partial blocks only.
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, int HeadDimV = HeadDim,
+          class Hook = ScoreHook>
 __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma forward takes __half or __nv_bfloat16");
+  constexpr bool kFlex = !fa3::is_score_hook<Hook>::value;
+  static_assert(Hooked || !kFlex, "a flex instance is a hooked one");
   using Tr = fa3::ForwardTraits<HeadDim, BlockM, BlockN, Stages, HeadDimV>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
@@ -94,7 +103,9 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   // The swizzle acts on shared-window address bits: the tiles must start on 1024-byte boundaries. An instance
   // without the hook launched with softcap or ALiBi would silently drop them.
   if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
-      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)))
+      (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||
+      (kFlex && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right >= 0 ||
+                 p.num_kv_splits != 1)))
     __trap();
 
   const int m_block = blockIdx.x / p.num_kv_splits;  // split-KV: the split is blockIdx.x % p.num_kv_splits
@@ -109,6 +120,9 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   const IndexRange n_range = split_kv_blocks<BlockN>(mask.kv_blocks<BlockN>(row0, row0 + block_rows),
                                                      info.seqlen_k(p), blockIdx.x % p.num_kv_splits,
                                                      p.num_kv_splits);
+  // The blocks visited, last to first: visits.tile(i) for i from visits.end - 1 down to visits.begin (n_range's
+  // blocks; a flex block mask's listed ones).
+  const auto visits = Hook::kv_visits(p, info, m_block, n_range);
 
   unsigned char* q_tile = smem + Tr::kQOffset;
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + Tr::kBarrierOffset);
@@ -152,7 +166,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   if (warpgroup == 0) {
     // ---- producer ----
     arch::setmaxnreg_dec<Tr::kProducerRegisters>();
-    if (n_range.empty()) return;
+    if (visits.empty()) return;
     const int d = p.headdim, dv = p.headdim_v;  // q's and k's, v's (launch_shape_differs)
     if (tma) {
       // Warp 0 goes on: its elected lane issues every TMA copy; its 32 lanes copy a ragged K/V block with loads
@@ -167,7 +181,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       const bool ragged_by_loads = BlockInfo::keys_end_inside_array(p);
       const int seqlen_k = info.seqlen_k(p);
 #pragma unroll 1
-      for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+      for (int visit = visits.end - 1, it = 0; visit >= visits.begin; --visit, ++it) {
+        const int n_block = visits.tile(visit);
         const int stage = it % Stages;
         const unsigned previous_round = ((it / Stages) & 1) ^ 1;  // as below
         const int key0 = n_block * BlockN;
@@ -203,7 +218,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     const int seqlen_k = info.seqlen_k(p);
 #pragma unroll 1
-    for (int n_block = n_range.end - 1, it = 0; n_block >= n_range.begin; --n_block, ++it) {
+    for (int visit = visits.end - 1, it = 0; visit >= visits.begin; --visit, ++it) {
+      const int n_block = visits.tile(visit);
       const int stage = it % Stages;
       // The empty phases of the previous round of this stage; on the first round the barrier's phase "before
       // phase 0" (parity 1) counts as complete, so the waits return at once.
@@ -236,20 +252,27 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   float row_max[2] = {neg_inf(), neg_inf()};
   float row_sum[2] = {0.f, 0.f};
 
-  if (!n_range.empty()) {
-    const float scale_log2 = p.softmax_scale_log2;
+  if (!visits.empty()) {
+    // A flex hook with a score_mod gives score' itself (FlexHook::kScaledScores): its exponent's factor is log2 e.
+    const float scale_log2 = Hook::kScaledScores ? kLog2e : p.softmax_scale_log2;
     const IndexRange unmasked = mask.unmasked_kv_blocks<BlockN>(row0, block_rows);
-    const ScoreHook hook = Hooked ? ScoreHook::of(p, info) : ScoreHook{p, info, 0.f};
-    // S of K/V block n_block in s: the score hook where softcap or ALiBi is on, the element-wise mask where
-    // `masked` (the tile needs it), then the online softmax (s becomes P in float32); returns O's correction per
-    // half (applied by the caller once no P V is in flight). Each loop below calls it with a constant `masked`,
-    // folded once the lambda is inlined: its step holds no mask code, or no test of it. (A bool, not a compile-time
-    // tag taken as `auto`: NVRTC 12 refuses a generic lambda in device code.)
+    const Hook hook = fa3::score_hook_of<Hook, Hooked>(p, info);
+    // S of K/V block n_block in s: the score hook where softcap or ALiBi is on (a flex hook: its mods, on the
+    // consumer's 64 rows, `full` a block mask's full block), the element-wise mask where `masked` (the tile needs
+    // it), then the online softmax (s becomes P in float32); returns O's correction per half (applied by the caller
+    // once no P V is in flight). Each loop below calls it with a constant `masked`, folded once the lambda is
+    // inlined: its step holds no mask code, or no test of it. (A bool, not a compile-time tag taken as `auto`:
+    // NVRTC 12 refuses a generic lambda in device code.)
     float s[Tr::kAccS];
     unsigned p_frag[BlockN / 16][4];
-    auto softmax = [&](int n_block, float (&correction)[2], bool masked) {
+    auto softmax = [&](int n_block, bool full, float (&correction)[2], bool masked) {
       const int key0 = n_block * BlockN;
-      if constexpr (Hooked) fa3::hook_scores(s, hook, row0 + first_row, key0 + fa3::acc_first_col(lane));
+      if constexpr (kFlex)
+        hook.template on_tile<Hook::kScaledScores>(
+            full, row0 + group_row0, 64, key0, BlockN,
+            fa3::HookEachScore<Tr::kAccS>{s, row0 + first_row, key0 + fa3::acc_first_col(lane)});
+      else if constexpr (Hooked)
+        fa3::hook_scores(s, hook, row0 + first_row, key0 + fa3::acc_first_col(lane));
       if (masked)
         fa3::mask_scores(s, mask, mask.tile_edges(row0, block_rows, key0, BlockN), row0 + first_row,
                          key0 + fa3::acc_first_col(lane));
@@ -288,7 +311,8 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     release(empty_k);
     {
       float unused[2];
-      softmax(n_range.end - 1, unused, !unmasked.contains(n_range.end - 1));
+      const int first_block = visits.tile(visits.end - 1);
+      softmax(first_block, visits.full(visits.end - 1), unused, !kFlex && !unmasked.contains(first_block));
     }
     to_p();
 
@@ -320,8 +344,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // softmax while P V is in flight (intra-warpgroup overlap), then rescales O and converts P once it landed. The
     // loop has no branch around a wgmma: ptxas serializes wgmma on a path it cannot prove uniform (C7519).
     int it = 0;
-    int n_block = n_range.end - 1;
-    auto step = [&](bool masked) {
+    auto step = [&](int next_block, bool next_full, bool masked) {
       const int stage = it % Stages;
       const int next_stage = (it + 1) % Stages;
       take_turn();
@@ -333,7 +356,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
       float correction[2];
       arch::wgmma_wait<1>(s);  // S of the next block; P V still in flight
       release(empty_k + next_stage);
-      softmax(n_block - 1, correction, masked);
+      softmax(next_block, next_full, correction, masked);
       arch::wgmma_wait<0>(acc_o);
       release(empty_v + stage);
 #pragma unroll
@@ -345,16 +368,24 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // mask's branch inside the step, ptxas placed P V's wait at the join after it, ahead of the softmax (1 of its 188
     // instructions in flight at d128 128 x 176, NVRTC 13.5); without it P V stays in flight across a third of the
     // softmax (FA3's overlap). Each run's last n_block is computed before it (a single compare per step).
-    while (n_block > n_range.begin) {
-      if (unmasked.contains(n_block - 1)) {
-        const int stop = max(unmasked.begin, n_range.begin);
+    // A flex instance's steps take no such mask (its hook hides what is hidden): one loop over the visited blocks.
+    if constexpr (kFlex) {
 #pragma unroll 1
-        for (; n_block > stop; --n_block, ++it) step(false);
-      } else {
-        // Above the unmasked run (or all the way down when none is left below this block).
-        const int stop = n_block - 1 >= unmasked.end ? max(unmasked.end, n_range.begin) : n_range.begin;
+      for (int visit = visits.end - 1; visit > visits.begin; --visit, ++it)
+        step(visits.tile(visit - 1), visits.full(visit - 1), false);
+    } else {
+      int n_block = n_range.end - 1;
+      while (n_block > n_range.begin) {
+        if (unmasked.contains(n_block - 1)) {
+          const int stop = max(unmasked.begin, n_range.begin);
 #pragma unroll 1
-        for (; n_block > stop; --n_block, ++it) step(true);
+          for (; n_block > stop; --n_block, ++it) step(n_block - 1, false, false);
+        } else {
+          // Above the unmasked run (or all the way down when none is left below this block).
+          const int stop = n_block - 1 >= unmasked.end ? max(unmasked.end, n_range.begin) : n_range.begin;
+#pragma unroll 1
+          for (; n_block > stop; --n_block, ++it) step(n_block - 1, false, true);
+        }
       }
     }
     // The last block: P V alone.

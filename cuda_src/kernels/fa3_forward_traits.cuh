@@ -379,25 +379,50 @@ __device__ __forceinline__ void mask_scores(float (&s)[N], const MaskPolicy& mas
   if (edges.end) mask_edge<Edge::kEnd, KeysAsRows>(s, lane, hidden);
 }
 
-// The score hook (mask.cuh's ScoreHook: softcap, ALiBi) on a warpgroup's S accumulator, before the mask: each score
-// x = q.k becomes the hook's score / scale at its (row, key). Only the hooked instances run it. Which parts are on
-// (softcap, ALiBi) is block-uniform: tested here once per tile, each of the three cases holding its own copy of the
-// loop with the hook's tests folded; left in the hook, ptxas kept them per score (2 branches a score: the d128
-// 128 x 128 softcap step 1123 instructions against 987 so, loop census). The copies cost compile time: NVRTC took
-// about 24 s for that instance against 11 s with one copy (6.5 s for the plain one), on a loaded 2-core machine.
-// KeysAsRows: the accumulator is S^T (the backward's), as mask_scores'.
-template <bool KeysAsRows = false, class Hook, int N>
-__device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int first_row, int first_key) {
-  auto each_score = [&] {
+// Whether Hook is mask.cuh's ScoreHook (softcap, ALiBi), not a user's mods (flex_hook.cuh's FlexHook); NVRTC has no
+// <type_traits>.
+template <class Hook> struct is_score_hook { static constexpr bool value = false; };
+template <> struct is_score_hook<ScoreHook> { static constexpr bool value = true; };
+
+// The score hook of a block: Hook::of where the instance is hooked, else a ScoreHook that changes nothing.
+template <class Hook, bool Hooked>
+__device__ __forceinline__ Hook score_hook_of(const AttentionParams& p, const BlockInfo& info) {
+  if constexpr (Hooked) return Hook::of(p, info);
+  else return ScoreHook{p, info, 0.f};
+}
+
+// A hook on every score of a warpgroup's S accumulator: each x = q.k becomes hook(x, row, key) (the hook's score /
+// scale) at its (row, key), from the lane's first score's first_row and first_key (each register's offsets are
+// compile-time steps). A struct with a call template, not a generic lambda (NVRTC 12 takes one in device code for a
+// host function): FlexHook::on_tile calls it with the form of the hook its tile needs. KeysAsRows: the accumulator
+// is S^T (the backward's), as mask_scores'.
+template <int N, bool KeysAsRows = false>
+struct HookEachScore {
+  float (&s)[N];
+  int first_row;
+  int first_key;
+  template <class TileHook>
+  __device__ __forceinline__ void operator()(const TileHook& hook) const {
 #pragma unroll
     for (int i = 0; i < N; ++i)
       s[i] = hook(s[i], first_row + query_step<KeysAsRows>(i), first_key + key_step<KeysAsRows>(i));
-  };
+  }
+};
+
+// The score hook (mask.cuh's ScoreHook: softcap, ALiBi) on a warpgroup's S accumulator, before the mask. Only the
+// hooked instances run it. Which parts are on (softcap, ALiBi) is block-uniform: tested here once per tile, each of
+// the three cases holding its own copy of the loop with the hook's tests folded; left in the hook, ptxas kept them
+// per score (2 branches a score: the d128 128 x 128 softcap step 1123 instructions against 987 so, loop census). The
+// copies cost compile time: NVRTC took about 24 s for that instance against 11 s with one copy (6.5 s for the plain
+// one), on a loaded 2-core machine.
+template <bool KeysAsRows = false, class Hook, int N>
+__device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int first_row, int first_key) {
+  const HookEachScore<N, KeysAsRows> each_score{s, first_row, first_key};
   if (hook.softcapped()) {
-    if (hook.slope != 0.f) each_score();
-    else each_score();
+    if (hook.slope != 0.f) each_score(hook);
+    else each_score(hook);
   } else if (hook.slope != 0.f) {
-    each_score();
+    each_score(hook);
   }  // neither: the identity
 }
 

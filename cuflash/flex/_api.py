@@ -25,7 +25,6 @@ from .. import _validation as V
 from .._placement import Placement, ascontiguous
 from ..backends.program import PreparedProgram
 from ..kernels import plans
-from ..kernels.families import fa2
 from ..kernels.program import MAX_KERNEL_HEADDIM_V, Problem
 from ._kernels import hooked_program
 from ._mod import MAX_SIDES, FlexMod
@@ -46,7 +45,7 @@ def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def flex_problem(q: Any, k: Any, v: Any, deterministic: Any = False) -> Problem:
     """The checked Problem of a flex call (NumPy, CuPy and JAX alike): marked ``flex``, so the plans pick only variants
-    whose kernels take the mods (fa3's Hopper forward takes none: catalog.Variant.refusal says "no flex")."""
+    whose kernels take the mods (the Hopper backward takes none: catalog.Variant.refusal says "no flex")."""
     return dataclasses.replace(V.check_qkv(q, k, v, causal=False, deterministic=deterministic), flex=True)
 
 
@@ -82,8 +81,8 @@ def tile_visits(block_mask: BlockMask, problem: Problem, target: Any, backward: 
     the NumPy / CuPy path and of the JAX custom call): the member ("kv": the forward's K/V tiles per Q tile, or "q":
     the backward's Q tiles per K/V tile and kv head) and its (counts, indices, full, batch_stride, head_stride),
     int32 host arrays and the row-tile strides (0 where B or H broadcast)."""
-    module = plans.variant_for(_ALGORITHM, problem, target, "backward" if backward else "forward").module
-    traits = (module.backward_traits if backward else module.forward_traits)(fa2.tile_head_dim(problem), target)
+    direction = "backward" if backward else "forward"
+    traits = plans.variant_for(_ALGORITHM, problem, target, direction).module.tile_traits(problem, target, direction)
     lists = block_mask.tile_lists(traits.block_m, traits.block_n, heads_per_kv_list=problem.group_size)
     visits = lists.q if backward else lists.kv
     counts, indices, full = (np.ascontiguousarray(x, dtype=np.int32) for x in (visits.counts, visits.indices, visits.full))

@@ -1,8 +1,8 @@
 """fa2 kernel instances with a user's mods compiled in: the kernel's `Hook` template argument (flex_hook.cuh).
 
 A plain fa2 program (the catalog's instances, unchanged) becomes a flex one by replacing its main kernels
-(forward and backward, SIMT and tensor-core) with instances whose last template argument is
-`cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an instance's source is a generated translation unit: the
+(forward and backward, SIMT and tensor-core, and the Hopper forward's hooked instance) with instances whose last
+template argument is `cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an instance's source is a generated translation unit: the
 kernel's .cu file, flex_hook.cuh and the mods' sources. It lives in the cache directory under a name hashed from
 its text, so NVRTC and the simulator compile it as any other source (and cache its builds by content): a mod
 structure compiled once per kernel traits serves every later call with other side values.
@@ -15,14 +15,25 @@ import hashlib
 
 from .._build_cache import write_atomically
 from .._paths import cache_dir
-from ..kernels.program import KernelInstance, Program
+from ..kernels.program import FLEX_HOOK, KernelInstance, Program
 from ._mod import FlexMod
 
-# The kernels that take a Hook, and how many template arguments precede it (the tensor-core kernels' WithDropout
-# flag, default false, comes before it; mods run without dropout).
+# The kernels that take a Hook, and how many template arguments precede it: the tensor-core kernels' WithDropout
+# flag (default false; mods run without dropout), the Hopper forward's Hooked (true: the plans pick its hooked
+# instance for mods) and HeadDimV (default the head dim).
 _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_forward_kernel": 6,
-                   "fa2_tc_backward_kernel": 6}
+                   "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7}
 _NO_DROPOUT = "false"
+
+
+def _arguments_before_hook(kernel: str, args: list[str], position: int) -> list[str]:
+    """The instance's template arguments with those it left at their defaults spelled out up to the Hook."""
+    if kernel == "fa3_forward_kernel":
+        if args[5:6] != ["true"]:
+            raise ValueError(f"{kernel}<{', '.join(args)}> is not a hooked instance: mods take the Hopper forward's "
+                             "hooked one (fa3.HOOKED_CHOICES)")
+        return args + [args[1]] * (position - len(args))  # HeadDimV: the head dim's
+    return args + [_NO_DROPOUT] * (position - len(args))
 # The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
 # conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would
 # silently compute plain attention.
@@ -33,7 +44,7 @@ def hook_type(score_mod: FlexMod | None, mask_mod: FlexMod | None, block_sparse:
     """The C++ type of the Hook for these mods (block_sparse: the loops visit a block mask's tile lists)."""
     score = score_mod.qualified_name if score_mod is not None else "cuflash::flex::NoScoreMod"
     mask = mask_mod.qualified_name if mask_mod is not None else "cuflash::flex::NoMaskMod"
-    return f"cuflash::flex::FlexHook<{score}, {mask}, {'true' if block_sparse else 'false'}>"
+    return f"{FLEX_HOOK}<{score}, {mask}, {'true' if block_sparse else 'false'}>"
 
 
 def _generated_source(instance: KernelInstance, score_mod: FlexMod | None, mask_mod: FlexMod | None) -> str:
@@ -62,8 +73,7 @@ def hooked_instance(instance: KernelInstance, score_mod: FlexMod | None, mask_mo
     args = [a.strip() for a in name[cut + 1:-1].split(",")]
     if len(args) > position:
         raise ValueError(f"{name} already has a Hook or more flags than flex instances expect")
-    args += [_NO_DROPOUT] * (position - len(args))
-    args.append(hook_type(score_mod, mask_mod, block_sparse))
+    args = _arguments_before_hook(kernel, args, position) + [hook_type(score_mod, mask_mod, block_sparse)]
     text = _generated_source(instance, score_mod, mask_mod)
     path = cache_dir("flex") / f"{kernel}_{hashlib.sha256(text.encode()).hexdigest()[:20]}.cu"
     if not path.is_file() or path.read_text() != text:

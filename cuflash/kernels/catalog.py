@@ -78,12 +78,12 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
     "fa2": (
         # Hopper first: where it serves (sm_90, 16-bit; hopper.refusal says which problems in each direction: the
-        # forward takes softcap, ALiBi, varlen, KV caches (contiguous, paged), split-KV, sinks and v's own head dim,
-        # the backward softcap, ALiBi, varlen, sinks and v's own head dim), its wgmma forward and backward run at
-        # FA3's structure; every other problem stays on mma.sync.
+        # forward takes softcap, ALiBi, varlen, KV caches (contiguous, paged), split-KV, sinks, v's own head dim and
+        # flex mods, the backward softcap, ALiBi, varlen, sinks and v's own head dim), its wgmma forward and backward
+        # run at FA3's structure; every other problem stays on mma.sync.
         Variant("fa2", "hopper", "cuflash.kernels.families.hopper", dtypes=("float16", "bfloat16"),
                 options=frozenset({"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv", "sinks",
-                                   "headdim_v"}),
+                                   "headdim_v", "flex"}),
                 why="warp-specialized wgmma (sm_90a code)"),
         Variant("fa2", "tensor_core", "cuflash.kernels.families.fa2_tc", dtypes=("float16", "bfloat16"),
                 options=frozenset(OPTIONS), why="mma.sync tensor cores (sm_80 and newer)"),

@@ -23,6 +23,8 @@ ELEMENT_DTYPES = ("float32", "float16", "bfloat16")
 ALIBI_LAYOUTS = (None, "heads", "batch_heads")
 # Options a Problem may use beyond plain masked attention; catalog variants say which they support.
 OPTIONS = ("softcap", "alibi", "dropout", "varlen", "kvcache", "paged", "splitkv", "sinks", "headdim_v", "flex")
+# The Hook template argument of a kernel instance with a user's mods (flex_hook.cuh; cuflash.flex._kernels).
+FLEX_HOOK = "cuflash::flex::FlexHook"
 # Element type names as spelled in kernel template arguments, by NumPy dtype name.
 CXX_ELEMENT_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -46,6 +48,14 @@ class KernelInstance:
 
     def __str__(self) -> str:
         return self.name_expr
+
+    @property
+    def flex_prefix(self) -> str | None:
+        """An instance with a user's mods (cuflash.flex._kernels: a kernel's template arguments up to its Hook, then
+        a FlexHook): its name expression up to the FlexHook, e.g. "cuflash::fa3_forward_kernel<__half, 128, 128,
+        128, 2, true, 128"; None for any other."""
+        cut = self.name_expr.find(f", {FLEX_HOOK}<")
+        return None if cut < 0 else self.name_expr[:cut]
 
 
 @dataclass(frozen=True)

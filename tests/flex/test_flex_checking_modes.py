@@ -1,7 +1,8 @@
-"""A mod instance of each fa2 kernel (SIMT and tensor-core, forward and backward) is clean under the simulator's race
-detector and AddressSanitizer: a score_mod reading a captured table (and adding its gradient into a side-gradient
-buffer with atomics) and a mask_mod through a block mask (lists with skipped, full and partial tiles), on a small
-GQA problem with odd lengths and rows that see no key, checked against the float64 reference as well.
+"""A mod instance of each fa2 kernel (SIMT and tensor-core, forward and backward, and the Hopper forward on the
+simulator targeting sm_90) is clean under the simulator's race detector and AddressSanitizer: a score_mod reading a
+captured table (and adding its gradient into a side-gradient buffer with atomics) and a mask_mod through a block mask
+(lists with skipped, full and partial tiles), on a small GQA problem with odd lengths and rows that see no key,
+checked against the float64 reference as well.
 
 JAX cannot run under the ASan runtime (its C++ exceptions meet ASan's __cxa_throw interceptor unresolved), so the
 mods are traced here and the child gets them traced (FlexMods with NumPy side values, the block mask without its
@@ -20,8 +21,10 @@ from cuflash import sim
 from cuflash.flex import create_block_mask, trace_mask_mod, trace_score_mod
 from cuflash.testing import random_inputs
 
-HOOKED = {"float32": ("fa2_forward_kernel", "fa2_backward_kernel"),
-          "float16": ("fa2_tc_forward_kernel", "fa2_tc_backward_kernel")}
+# (dtype, the simulator's target) -> the main kernels that run the mods.
+HOOKED = {("float32", "sm_80"): ("fa2_forward_kernel", "fa2_backward_kernel"),
+          ("float16", "sm_80"): ("fa2_tc_forward_kernel", "fa2_tc_backward_kernel"),
+          ("bfloat16", "sm_90"): ("fa3_forward_kernel", "fa2_tc_backward_kernel")}
 SHAPE = (1, 37, 45, 4, 2, 40)  # batch, seqlen_q, seqlen_k, heads, heads_k, headdim
 
 
@@ -57,11 +60,12 @@ def _case(dtype: str):
     return (q, k, v, dout), dict(score_mod=relative_bias, mask_mod=same_document), kernels, empty, table.shape
 
 
-def run_kernels(inputs, kernels) -> tuple:
-    """Forward and backward (with the table's gradient) on the traced mods; (results, kernels launched).
-    Module-level so run_in_asan_subprocess can call it in a child interpreter (which needs no JAX for it)."""
+def run_kernels(inputs, kernels, arch) -> tuple:
+    """Forward and backward (with the table's gradient) on the traced mods, the simulator targeting ``arch``;
+    (results, kernels launched). Module-level so run_in_asan_subprocess can call it in a child interpreter (which
+    needs no JAX for it)."""
     q, k, v, dout = inputs
-    with sim.record() as records:
+    with sim.targeting(arch), sim.record() as records:
         out, lse = cuflash.flex_attention(q, k, v, return_lse=True, **kernels)
         dq, dk, dv, (dtable,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, return_aux_grads=True,
                                                                 **kernels)
@@ -84,10 +88,10 @@ def _check(inputs, mods, results, empty, table_shape) -> None:
 
 def test_race_detector_clean_on_a_mod_instance_of_each_fa2_kernel():
     launched = set()
-    for dtype in HOOKED:
+    for dtype, arch in HOOKED:
         inputs, mods, kernels, empty, table_shape = _case(dtype)
         with sim.checking("race"):
-            results, kernel_names = run_kernels(inputs, kernels)
+            results, kernel_names = run_kernels(inputs, kernels, arch)
         _check(inputs, mods, results, empty, table_shape)
         launched |= {_template(name) for name in kernel_names}
     assert {kernel for kernels in HOOKED.values() for kernel in kernels} <= launched
@@ -95,9 +99,9 @@ def test_race_detector_clean_on_a_mod_instance_of_each_fa2_kernel():
 
 def test_address_sanitizer_clean_on_a_mod_instance_of_each_fa2_kernel():
     launched = set()
-    for dtype in HOOKED:
+    for dtype, arch in HOOKED:
         inputs, mods, kernels, empty, table_shape = _case(dtype)
-        results, kernel_names = sim.run_in_asan_subprocess(run_kernels, inputs, kernels, timeout=1800)
+        results, kernel_names = sim.run_in_asan_subprocess(run_kernels, inputs, kernels, arch, timeout=1800)
         _check(inputs, mods, results, empty, table_shape)
         launched |= {_template(name) for name in kernel_names}
     assert {kernel for kernels in HOOKED.values() for kernel in kernels} <= launched

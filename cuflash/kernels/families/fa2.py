@@ -316,6 +316,12 @@ def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
     return LaunchPlan(kernel, check_grid(grid), (ROW_KERNEL_THREADS, 1, 1), 0)
 
 
+def tile_traits(problem: Problem, target: Target, direction: str):
+    """The traits of the main kernel of ``problem``'s ``direction`` (its tiles: a block mask's lists are made for
+    them)."""
+    return (backward_traits if direction == "backward" else forward_traits)(tile_head_dim(problem), target)
+
+
 def forward_program(problem: Problem, target: Target) -> Program:
     traits = forward_traits(tile_head_dim(problem), target)
     return forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))

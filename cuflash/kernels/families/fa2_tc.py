@@ -298,6 +298,13 @@ def _dropout(problem: Problem) -> bool:
     return problem.dropout_p > 0.0
 
 
+def tile_traits(problem: Problem, target: Target, direction: str):
+    """The traits of the main kernel of ``problem``'s ``direction`` (its tiles: a block mask's lists are made for
+    them)."""
+    traits_for = backward_traits if direction == "backward" else forward_traits
+    return traits_for(fa2.tile_head_dim(problem), target, _dropout(problem))
+
+
 def forward_program(problem: Problem, target: Target) -> Program:
     traits = forward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
     return fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))

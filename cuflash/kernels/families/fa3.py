@@ -15,8 +15,9 @@ the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128
 sliding windows), softcap and ALiBi (the hooked instances), GQA/MQA, any seqlens, varlen batches, KV caches
 (contiguous, indexed, paged), split-KV, attention sinks (joined in the epilogue) and v with a head dim of its own (the
 tile holds the larger; out's columns past v's are not written; MLA's 192 / 128 has a tile of its own,
-``NARROW_V_CHOICES``); ``refusal`` says why any other problem (dropout, flex
-mods) stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this forward's out and
+``NARROW_V_CHOICES``) and a user's flex mods (cuflash.flex builds them into the hooked instance of the head dim's
+tile: its Hook template argument, with or without a block mask); ``refusal`` says why any other problem (dropout)
+stays on the mma.sync kernels (fa2_tc). Either backward (the Hopper one or fa2_tc's) takes this forward's out and
 lse as they are (lse: float32 [batch][nheads][seqlen_q], natural log, the same AttentionParams fields).
 
 Compiled for sm_90a (``compile_arch``): wgmma and setmaxnreg exist only in the arch-specific code, and a sm_90a CUBIN
@@ -164,16 +165,19 @@ def compile_arch(arch: str) -> str:
 # The options beyond masked attention the forward serves, as the catalog's hopper variant lists them: the score
 # hook's (mask.cuh's ScoreHook: softcap, ALiBi), run by the hooked instances, and where the rows are (varlen, KV
 # caches contiguous and paged: block_info.cuh) and which keys a block takes (split-KV: mask.cuh's split_kv_blocks,
-# then fa2's combine kernel), runtime fields of every instance. The backward's own rule (fa3_backward.refusal)
-# refuses them all.
+# then fa2's combine kernel), runtime fields of every instance, and a user's flex mods (the Hook of an instance
+# cuflash.flex builds from the hooked one). The backward's own rule (fa3_backward.refusal) says which it takes.
 SERVED_OPTIONS = next(v for v in catalog.variants("fa2") if v.module_name == "cuflash.kernels.families.hopper").options
 HOOK_OPTIONS = frozenset({"softcap", "alibi"})
+# The options run on the hooked tile: the score hook's, and flex mods (a FlexHook in place of the ScoreHook: their
+# scores take the registers the hook's do).
+HOOKED_TILE_OPTIONS = HOOK_OPTIONS | {"flex"}
 
 
 def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s forward on ``target`` (None: it does). It needs sm_90, 16-bit,
-    head dims 1..256 (q's and k's, v's its own or the same), and no option but SERVED_OPTIONS (dropout and flex mods
-    stay on mma.sync); any mask."""
+    head dims 1..256 (q's and k's, v's its own or the same), and no option but SERVED_OPTIONS (dropout stays on
+    mma.sync); any mask."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
@@ -197,7 +201,7 @@ def forward_traits(problem: Problem, target: Target) -> ForwardTraits:
     head_dim = compiled_head_dim(fa2.tile_head_dim(problem))  # v's own head dim (MLA) too: the larger
     masked_choice, full_choice = FORWARD_CHOICES[head_dim]
     narrow_v = narrow_v_tile(problem)
-    if problem.options & HOOK_OPTIONS:
+    if problem.options & HOOKED_TILE_OPTIONS:
         traits = HOOKED_CHOICES[head_dim]
     elif narrow_v is not None:
         traits = narrow_v
@@ -239,10 +243,16 @@ def instances(target: Target | None = None) -> list[KernelInstance]:
 
 
 _TRAITS = {traits.instance(dtype): traits for dtype in DTYPES for traits in _TILES}
+# An instance cuflash.flex built from a hooked one, by its name up to the FlexHook (KernelInstance.flex_prefix): the
+# hooked instance's arguments and its HeadDimV spelled out (the kernel's Hook follows it).
+_FLEX_TRAITS = {f"{traits.instance(dtype).name_expr[:-1]}, {traits.v_head_dim}": traits
+                for dtype in DTYPES for traits in HOOKED_CHOICES.values()}
 
 
 def traits_of(instance: KernelInstance) -> ForwardTraits:
-    found = _TRAITS.get(instance)
+    """The traits of a forward instance of the catalog, or of one with a user's mods built from a hooked one (same
+    tile, launch shape and compile arch); KeyError for any other kernel."""
+    found = _TRAITS.get(instance) or _FLEX_TRAITS.get(instance.flex_prefix)
     if found is None:
         raise KeyError(f"{instance} is not a Hopper forward kernel")
     return found

@@ -214,7 +214,8 @@ def instances() -> list[KernelInstance]:
             for i in fa2.backward_program_instances(list(TILES), dtype)]
 
 
-def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
+def problem_traits(problem: Problem, target: Target) -> BackwardTraits:
+    """The tile of ``problem``'s backward (ValueError where this kernel does not serve it)."""
     why = refusal(problem, target)
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
@@ -223,7 +224,7 @@ def _checked_traits(problem: Problem, target: Target) -> BackwardTraits:
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    traits = _checked_traits(problem, target)
+    traits = problem_traits(problem, target)
     program = fa2.backward_program_for(problem, traits, target)
     # The main kernel's producer copies with TMA where the host can make the maps (AttentionParams.tma_loads): Q's
     # and dO's box the Q block, K's and V's the K/V block, 64 columns (one swizzled panel) each.
@@ -236,4 +237,4 @@ def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2
     """fa2's traffic for the same tiles (pre-pass, main kernel, convert): K/V once per block, Q, dO, lse, D once per
     visited (head, Q block), dq_accum's adds once per element per visited K/V block; a K/V block no query sees is not
     read (its dK and dV written as zeros)."""
-    return fa2.backward_traffic_for(problem, _checked_traits(problem, target), target, reads_unseen_kv=False)
+    return fa2.backward_traffic_for(problem, problem_traits(problem, target), target, reads_unseen_kv=False)

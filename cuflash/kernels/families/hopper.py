@@ -33,6 +33,14 @@ def backward_program(problem: Problem, target: Target) -> Program:
     return fa3_backward.backward_program(problem, target)
 
 
+def tile_traits(problem: Problem, target: Target, direction: str) -> WarpgroupTraits:
+    """The traits of the main kernel of ``problem``'s ``direction`` (its tiles: a block mask's lists are made for
+    them)."""
+    if direction == "backward":
+        return fa3_backward.problem_traits(problem, target)
+    return fa3.forward_traits(problem, target)
+
+
 def backward_traits(headdim: int, target: Target) -> fa3_backward.BackwardTraits:
     return fa3_backward.backward_traits(headdim, target)
 
