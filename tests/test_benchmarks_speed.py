@@ -476,13 +476,13 @@ def test_gpu_commands_refuse_without_a_gpu_and_write_nothing(command, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("arch, dtype, causal, expected", [
-    ("sm_90", "float16", False, "hopper+hopper"),  # the wgmma forward and backward
-    ("sm_90", "bfloat16", True, "hopper+hopper"),  # causal too
-    ("sm_80", "float16", False, "tensor_core+tensor_core"),
-    ("sm_90", "float32", False, "simt+simt"),
+@pytest.mark.parametrize("arch, dtype, causal, expected, flex_expected", [
+    ("sm_90", "float16", False, "hopper+hopper", "hopper+tensor_core"),  # the wgmma forward and backward
+    ("sm_90", "bfloat16", True, "hopper+hopper", "hopper+tensor_core"),  # causal too
+    ("sm_80", "float16", False, "tensor_core+tensor_core", "tensor_core+tensor_core"),
+    ("sm_90", "float32", False, "simt+simt", "simt+simt"),
 ])
-def test_cuflash_figures_name_the_variant_the_plans_pick(arch, dtype, causal, expected, tmp_path):
+def test_cuflash_figures_name_the_variant_the_plans_pick(arch, dtype, causal, expected, flex_expected, tmp_path):
     from cuflash.kernels import targets
 
     workload = Workload.fa2_setting(4096, 128, causal, dtype)
@@ -490,8 +490,9 @@ def test_cuflash_figures_name_the_variant_the_plans_pick(arch, dtype, causal, ex
     system = peers.Cuflash("fa2")
     assert system.variant(workload, "forward+backward", target=target) == expected
     assert system.variant(workload, "forward", target=target) == expected.split("+")[0]
-    assert peers.Cuflash("fa2").variant(Workload(1, 256, 2, 64, False, "float16", flex="document"), "forward",
-                                        target=target) == ""
+    # Flex workloads: the flex problem's plans (on sm_90 the Hopper forward with the mods, the backward on mma.sync).
+    flex = Workload(1, 256, 2, 64, False, dtype, flex="document")
+    assert system.variant(flex, "forward+backward", target=target) == flex_expected
 
 
 def test_the_variant_travels_through_json_and_csv(tmp_path):

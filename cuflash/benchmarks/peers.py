@@ -124,9 +124,10 @@ class Cuflash(System):
     def variant(self, workload, direction, target=None) -> str:
         """The catalog variant the plans pick on ``target`` (default: device 0's, as cuflash's calls get it) for
         each direction the timed call runs, "+"-joined for forward+backward: "hopper" (wgmma) or "tensor-core"
-        (mma.sync) on sm_90, so a figure names the kernels behind it. Flex workloads: "" (their plans are flex's)."""
-        if workload.flex is not None:
-            return ""
+        (mma.sync) on sm_90, so a figure names the kernels behind it (flex workloads: their flex problem's plans, the
+        Hopper forward and the mma.sync backward on sm_90)."""
+        import dataclasses
+
         from cuflash.kernels import plans
         from cuflash.kernels.program import Problem
         from cuflash.mask import Mask
@@ -137,6 +138,8 @@ class Cuflash(System):
             target = _cupy_backend(0).target
         problem = Problem(workload.dtype, workload.batch, workload.seqlen, workload.seqlen, workload.nheads,
                           workload.nheads, workload.headdim, mask=Mask.causal(workload.causal))
+        if workload.flex is not None:  # the mods carry the mask
+            problem = dataclasses.replace(problem, mask=Mask.causal(False), flex=True)
         names = [plans.variant_for(self.algorithm, problem, target, d).name for d in direction.split("+")]
         return "+".join(names)
 
