@@ -21,6 +21,7 @@ bfloat16.
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 
@@ -104,12 +105,20 @@ FORWARD_CASES = _instance_cases(fa2_tc.forward_traits)
 BACKWARD_CASES = _instance_cases(fa2_tc.backward_traits)
 
 
-def one_dtype_per_tile(cases):
-    """The cases of distinct (arch, head dim), the 16-bit dtypes in rotation: for ASan, whose question is where
-    each access lands, float16 and bfloat16 instances of one tile share every address (the element type changes
-    only the conversions); every instance of both runs under the race detector and against the reference."""
+TODAY = datetime.date.today().toordinal()
+
+
+def one_dtype_per_tile(cases, day: int = TODAY):
+    """ASan's cases of ``day``: of the distinct (arch, head dim) tiles, half (alternate ones, the other half the next
+    day), each in one 16-bit dtype, the dtypes in rotation (a tile's dtype changes every other day: every tile in both
+    every four days). ASan's question is where each access lands: float16 and bfloat16 instances of one tile share
+    every address (the element type changes only the conversions), and one tile's addresses are a day's work for
+    ASan as they are another's (a ragged edge, a swizzle: its own ASan build and run, 10-20 s each on a CI core;
+    every tile a day took the suite's two longest tests, about 200 s each). Every instance of both dtypes runs under
+    the race detector and against the reference every day."""
     tiles = dict.fromkeys((arch, head_dim) for arch, head_dim, _ in cases)  # distinct, in order
-    return [(arch, head_dim, DTYPES[i % len(DTYPES)]) for i, (arch, head_dim) in enumerate(tiles)]
+    return [(arch, head_dim, DTYPES[(i // 2 + day // 2) % len(DTYPES)]) for i, (arch, head_dim) in enumerate(tiles)
+            if (i + day) % 2 == 0]
 
 
 ASAN_FORWARD_CASES = one_dtype_per_tile(FORWARD_CASES)
@@ -126,8 +135,18 @@ def test_instance_cases_cover_every_tensor_core_instance():
         # (the 99 KB targets), in both dtypes.
         assert covered == planned and len(cases) == len(planned) == count
     for cases, asan in ((FORWARD_CASES, ASAN_FORWARD_CASES), (BACKWARD_CASES, ASAN_BACKWARD_CASES)):
-        assert {(a, hd) for a, hd, _ in asan} == {(a, hd) for a, hd, _ in cases} and set(asan) <= set(cases)
-        assert {dt for _, _, dt in asan} == set(DTYPES)
+        assert set(asan) <= set(cases)
+        assert_asan_rotation_covers(cases)
+
+
+def assert_asan_rotation_covers(cases):
+    """ASan's rotation (one_dtype_per_tile) runs every instance of ``cases`` (each tile in each 16-bit dtype) within
+    any four days in a row, half the tiles a day."""
+    tiles = {(arch, head_dim) for arch, head_dim, _ in cases}
+    for first in (TODAY, TODAY + 1):
+        days = [one_dtype_per_tile(cases, day) for day in range(first, first + 4)]
+        assert {case for day in days for case in day} == {(a, hd, dt) for a, hd in tiles for dt in DTYPES}
+        assert all(abs(2 * len(day) - len(tiles)) <= 1 for day in days)
 
 
 def _instance_inputs(head_dim, dtype):
