@@ -60,16 +60,17 @@ struct TileListVisits {
 };
 
 // One tile's form of a FlexHook (FlexHook::on_tile): its scores with or without the sequence-bound test (Bounds),
-// score' / scale or score' itself (Scaled: FlexHook::score).
-template <class Hook, bool Bounds, bool Scaled = false>
+// score' / scale or score' itself (Scaled: FlexHook::score), with or without the mask_mod (Masks false: a tile the
+// block mask lists as full).
+template <class Hook, bool Bounds, bool Scaled = false, bool Masks = true>
 struct FlexTileScores {
   Hook hook;
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
     float unused;
-    return hook.template score<Bounds, Scaled>(qk, row, key, unused);
+    return hook.template score<Bounds, Scaled, Masks>(qk, row, key, unused);
   }
   __device__ __forceinline__ float operator()(float qk, int row, int key, float& slope_of_score) const {
-    return hook.template score<Bounds, Scaled>(qk, row, key, slope_of_score);
+    return hook.template score<Bounds, Scaled, Masks>(qk, row, key, slope_of_score);
   }
 };
 
@@ -131,11 +132,21 @@ struct FlexHook {
   // (check_mask skips the mask_mod on the block mask's full tiles): with a second form for interior full tiles, ptxas
   // spilled the block-sparse forward with a side-reading score_mod and mask_mod (16 to 44 bytes at d64 / d128 on
   // sm_80; none with one form).
-  // Scaled: the tile's scores are score' itself (kScaledScores).
-  template <bool Scaled = false, class F>
+  // Scaled: the tile's scores are score' itself (kScaledScores). FullForm: a third form, for the block mask's full
+  // tiles inside the sequence, with neither test (no mask_mod, no bounds), in a kernel whose registers leave room
+  // for it: the Hopper forward (loop census, NVRTC 13.5, d128 fp16: a document mask's full step 541 instructions
+  // against 1900 with the per-score tests, ptxas predicating the mask_mod's loads; prefix-LM's 527 against 937).
+  template <bool Scaled = false, bool FullForm = false, class F>
   __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
     const FlexHook tile = for_tile(full);
-    if (kMasked || row0 + tile_rows > p.seqlen_q || key0 + tile_keys > p.seqlen_k)
+    const bool inside = row0 + tile_rows <= p.seqlen_q && key0 + tile_keys <= p.seqlen_k;
+    if constexpr (FullForm && kMasked) {
+      if (full && inside) {
+        f(FlexTileScores<FlexHook, false, Scaled, false>{tile});
+        return;
+      }
+    }
+    if (kMasked || !inside)
       f(FlexTileScores<FlexHook, true, Scaled>{tile});
     else
       f(FlexTileScores<FlexHook, false, Scaled>{tile});
@@ -154,12 +165,12 @@ struct FlexHook {
 
   // The same, with the sequence-bound test where Bounds (on_tile: tiles crossing the sequence's end); Scaled:
   // score' itself (kScaledScores), not over scale (slope_of_score as ever).
-  template <bool Bounds, bool Scaled = false>
+  template <bool Bounds, bool Scaled = false, bool Masks = true>
   __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
     static_assert(!Scaled || kScaledScores, "score' itself only where a score_mod scales the score");
     slope_of_score = 0.f;
     if (Bounds && (row >= p.seqlen_q || key >= p.seqlen_k)) return neg_inf();
-    if constexpr (kMasked) {
+    if constexpr (kMasked && Masks) {
       // The mask_mod's sides follow the score_mod's: a Sides view starting there (only its first
       // MaskMod::kSides arrays are read, all inside p.flex_sides).
       const Sides& mask_sides = *reinterpret_cast<const Sides*>(&p.flex_sides.arrays[ScoreMod::kSides]);

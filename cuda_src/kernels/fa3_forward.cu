@@ -268,7 +268,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     auto softmax = [&](int n_block, bool full, float (&correction)[2], bool masked) {
       const int key0 = n_block * BlockN;
       if constexpr (kFlex)
-        hook.template on_tile<Hook::kScaledScores>(
+        hook.template on_tile<Hook::kScaledScores, true>(
             full, row0 + group_row0, 64, key0, BlockN,
             fa3::HookEachScore<Tr::kAccS>{s, row0 + first_row, key0 + fa3::acc_first_col(lane)});
       else if constexpr (Hooked)
