@@ -489,6 +489,27 @@ def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch)
     assert modded.path.instructions <= 1.1 * built_in.path.instructions, (modded.as_json(), built_in.as_json())
 
 
+# A block mask's full tiles in the Hopper forward run the hook's form with neither the mask_mod nor the bounds test
+# (flex_hook.cuh's FullForm): the cheapest walk of a block-sparse instance is that step, within 1.15x of the hooked
+# instance's step with no hook part on. Measured (NVRTC 13.5, d128 128 x 128 fp16): hooked 497, document (a mask_mod
+# reading two captured arrays) 541, prefix-LM 527; with the per-score tests on every tile 1900 and 937 (ptxas had
+# predicated the mask_mod's loads into every step).
+@pytest.mark.parametrize("variant", ["document", "prefix-lm"])
+def test_hopper_flex_forward_full_tiles_run_no_mask_mod(variant):
+    from cuflash.benchmarks import workloads
+    from cuflash.flex import trace_mask_mod
+    from cuflash.flex._kernels import hooked_instance
+
+    traits = fa3.HOOKED_CHOICES[128]
+    hooked = lc.instance_census(traits, CENSUS_DTYPE, "sm_90a")[0]
+    mask = trace_mask_mod(workloads.flex_mods(variant, 1024, 2)["mask_mod"])
+    instance = hooked_instance(traits.instance(CENSUS_DTYPE), None, mask, block_sparse=True)
+    compiled = nvrtc.compile_instance(instance, "sm_90a")
+    (full, *_) = lc.census(nvrtc.dump_sass(compiled), lc.iteration_work(traits), {})
+    assert full.hmma == hooked.path.hmma and full.classes["mufu"] >= lc.iteration_work(traits).exponentials
+    assert full.instructions <= 1.15 * hooked.path.instructions, (full, hooked.as_json())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Hopper forward (fa3_forward.cu; issue 31, item 5): its consumer warpgroup's steady-state step, compiled for
 # sm_90a, against FA3's figures counted from FA3's own SASS (nvcc 13.5, issue 31): forward d128 0.40 instructions
