@@ -1,13 +1,14 @@
 // flex_hook.cuh: a user's score_mod and mask_mod (cuflash.flex) as the score hook of the fa2 kernels.
 //
-// The fa2 kernels (SIMT and tensor-core, forward and backward) take their per-score transform as a template
-// parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi). FlexHook<ScoreMod, MaskMod> is the other
+// The fa2 kernels (SIMT and tensor-core, forward and backward) and the Hopper forward (fa3_forward.cu) take their
+// per-score transform as a template parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi). FlexHook<ScoreMod, MaskMod> is the other
 // one: it computes what a FlexAttention kernel computes for each score,
 //     score' = mask_mod(b, h, q_idx, kv_idx) ? score_mod(scale q.k, b, h, q_idx, kv_idx) : -inf,
 // with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
 // pass x = q.k and fold the softmax scale into their exponents, so the hook returns score' / scale and, for the
-// backward, d score' / d (scale x) = ScoreMod::dscore (0 for a hidden score). This is the one place that converts
-// between the mods' convention (the scaled score) and the kernels' (the score over scale).
+// backward, d score' / d (scale x) = ScoreMod::dscore (0 for a hidden score); a kernel may instead take score'
+// itself where a score_mod makes it (kScaledScores: the Hopper forward, exponentiating by log2 e). This is the one
+// place that converts between the mods' convention (the scaled score) and the kernels' (the score over scale).
 //
 // A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends
 // with l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks.

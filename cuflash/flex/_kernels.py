@@ -2,10 +2,10 @@
 
 A plain fa2 program (the catalog's instances, unchanged) becomes a flex one by replacing its main kernels
 (forward and backward, SIMT and tensor-core, and the Hopper forward's hooked instance) with instances whose last
-template argument is `cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an instance's source is a generated translation unit: the
-kernel's .cu file, flex_hook.cuh and the mods' sources. It lives in the cache directory under a name hashed from
-its text, so NVRTC and the simulator compile it as any other source (and cache its builds by content): a mod
-structure compiled once per kernel traits serves every later call with other side values.
+template argument is `cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an instance's source is a generated
+translation unit: the kernel's .cu file, flex_hook.cuh and the mods' sources. It lives in the cache directory under
+a name hashed from its text, so NVRTC and the simulator compile it as any other source (and cache its builds by
+content): a mod structure compiled once per kernel traits serves every later call with other side values.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from ._mod import FlexMod
 _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_forward_kernel": 6,
                    "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7}
 _NO_DROPOUT = "false"
+# The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
+# conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would
+# silently compute plain attention.
+_UNHOOKED_KERNELS = frozenset({"fa2_dout_dot_out_kernel", "fa2_convert_dq_kernel", "fa2_split_kv_combine_kernel"})
 
 
 def _arguments_before_hook(kernel: str, args: list[str], position: int) -> list[str]:
@@ -34,10 +38,6 @@ def _arguments_before_hook(kernel: str, args: list[str], position: int) -> list[
                              "hooked one (fa3.HOOKED_CHOICES)")
         return args + [args[1]] * (position - len(args))  # HeadDimV: the head dim's
     return args + [_NO_DROPOUT] * (position - len(args))
-# The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
-# conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would
-# silently compute plain attention.
-_UNHOOKED_KERNELS = frozenset({"fa2_dout_dot_out_kernel", "fa2_convert_dq_kernel", "fa2_split_kv_combine_kernel"})
 
 
 def hook_type(score_mod: FlexMod | None, mask_mod: FlexMod | None, block_sparse: bool = False) -> str:
