@@ -212,3 +212,47 @@ def test_jax_jit_and_grad_run_the_same_kernels_bitwise():
     np.testing.assert_array_equal(np.asarray(lse), numpy_lse)
     for name, got, want in zip(("dq", "dk", "dv"), grads, numpy_grads):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16), err_msg=name)
+
+
+def _flex_on_arrays(dtype, headdim, device, host):
+    """A relative bias table and a document block mask, GQA 4:2, 300 x 257, on arrays ``device`` makes (``host``
+    brings results back): out, lse, dq, dk and dv against the reference."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 300, 257, 4, 2
+    q, k, v, dout = random_inputs((batch, seqlen_q, seqlen_k, heads, heads_k, headdim), dtype, seed=13)
+    rng = np.random.default_rng(14)
+    table = jnp.asarray(rng.standard_normal((heads, seqlen_q + seqlen_k)).astype(np.float32))
+    doc_q = jnp.asarray(np.sort(rng.integers(0, 4, (batch, seqlen_q))).astype(np.int32))
+    doc_k = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seqlen_k))).astype(np.int32))  # document 3: queries
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + seqlen_k]
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+    mods = dict(score_mod=relative_bias, mask_mod=same_document)
+    dq_, dk_, dv_, ddout = (device(x) for x in (q, k, v, dout))
+    out, lse = cuflash.flex_attention(dq_, dk_, dv_, return_lse=True, **mods)
+    grads = cuflash.flex_attention_backward(ddout, dq_, dk_, dv_, out, lse, **mods)
+    ref = tol.forward_references(q, k, v, **mods)
+    tol.check_close("out", host(out), ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", host(lse), ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    bref = tol.backward_references(dout, q, k, v, **mods)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, host(got), getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR,
+                        atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, headdim", [("bfloat16", 128), ("float16", 64)])
+def test_gpu_flex_forward_and_backward_on_cupy_arrays(dtype, headdim):
+    """On a GPU (on an sm_90 device: the Hopper forward with the mods, fa2_tc's backward) on CuPy arrays."""
+    cupy = pytest.importorskip("cupy")
+    _flex_on_arrays(dtype, headdim, cupy.asarray, cupy.asnumpy)
+
+
+def test_the_gpu_case_on_the_simulator_targeting_sm_90():
+    """The GPU test's body, here on NumPy arrays (the simulator targeting sm_90), running the kernels it names."""
+    with sim.targeting("sm_90"), sim.record() as records:
+        _flex_on_arrays("float16", 64, np.asarray, np.asarray)
+    _assert_ran([r.kernel for r in records.launches], 64, block_sparse=True)
