@@ -87,6 +87,9 @@ struct FlexHook {
   // log2 e: with a score_mod, which scales the score anyway, that drops the product by 1 / scale per score (the
   // Hopper forward does); without one the score stays x and the kernel's exponent scales it.
   static constexpr bool kScaledScores = kScoreModded;
+  // A mask_mod without a score_mod: the mma.sync forward gives such a hook on_tile's full form (with a score_mod as
+  // well ptxas spilled there).
+  static constexpr bool kMaskOnly = kMasked && !kScoreModded;
   static_assert(ScoreMod::kSides + MaskMod::kSides <= kMaxSides, "the mods read at most kMaxSides arrays");
 
   const AttentionParams& p;
@@ -130,13 +133,15 @@ struct FlexHook {
   // (which costs every score two compares and a branch: about 400 instructions per step of the d64 tensor-core
   // forward with a softcap mod), and only tiles crossing the sequence's end test it; each form is its own copy of the
   // score_mod's code, and the loop census walks the interior one. With a mask_mod, one form tests both per score
-  // (check_mask skips the mask_mod on the block mask's full tiles): with a second form for interior full tiles, ptxas
-  // spilled the block-sparse forward with a side-reading score_mod and mask_mod (16 to 44 bytes at d64 / d128 on
-  // sm_80; none with one form).
-  // Scaled: the tile's scores are score' itself (kScaledScores). FullForm: a third form, for the block mask's full
-  // tiles inside the sequence, with neither test (no mask_mod, no bounds), in a kernel whose registers leave room
-  // for it: the Hopper forward (loop census, NVRTC 13.5, d128 fp16: a document mask's full step 541 instructions
-  // against 1900 with the per-score tests, ptxas predicating the mask_mod's loads; prefix-LM's 527 against 937).
+  // (check_mask skips the mask_mod on the block mask's full tiles), and FullForm adds a third for the block mask's
+  // full tiles inside the sequence, with neither test. Loop census, fp16, NVRTC 13.5, a full step without / with it:
+  //   the Hopper forward (always): a document mask at d128 1900 / 541 instructions (ptxas had predicated the
+  //     mask_mod's loads into every step), prefix-LM 937 / 527;
+  //   the mma.sync forward (kMaskOnly hooks only): sm_80 document d64 2003 / 808, d128 1187 / 750, prefix-LM d64
+  //     1278 / 806, d128 962 / 749, spills gone (24 and 168, 16 and 152 bytes without); with a side-reading
+  //     score_mod as well ptxas spilled 76 bytes at d128 for 963 against 966 instructions (none without), so such
+  //     hooks keep two forms there.
+  // Scaled: the tile's scores are score' itself (kScaledScores).
   template <bool Scaled = false, bool FullForm = false, class F>
   __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
     const FlexHook tile = for_tile(full);

@@ -206,6 +206,7 @@ struct ScoreHook {
   static constexpr bool kHasSideGrads = false;
   static constexpr bool kBlockSparse = false;
   static constexpr bool kScaledScores = false;  // returns score / scale
+  static constexpr bool kMaskOnly = false;      // not a mask_mod alone
   // The kernel's parameters: the softcap factors (AttentionParams packs c / scale and scale / c) and the diagonal
   // offset are read from the parameter bank where they are used, so the hook holds no register for them (the
   // tensor-core kernels run at the register limit).
@@ -274,7 +275,7 @@ struct ScoreHook {
   __device__ __forceinline__ ScoreHook for_tile(bool) const { return *this; }
   // Runs f(hook) with the hook for the visited tile of tile_rows x tile_keys scores from (row0, key0): this one
   // (FlexHook passes a form without the tests the tile does not need: the sequence bounds, the mask_mod).
-  template <class F>
+  template <bool Scaled = false, bool FullForm = false, class F>
   __device__ __forceinline__ void on_tile(bool /*full*/, int /*row0*/, int /*tile_rows*/, int /*key0*/,
                                           int /*tile_keys*/, F&& f) const {
     f(*this);

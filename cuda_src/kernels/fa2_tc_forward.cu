@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // branches and the key index per score) in every tile of plain attention.
       // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
-        score_hook.on_tile(visits.full(visit), row0, BlockM, key0, BlockN,
+        score_hook.template on_tile<false, Hook::kMaskOnly>(visits.full(visit), row0, BlockM, key0, BlockN,
                            fa2tc::HookEachScore<MT, Tr::kKeyTiles>{s, row0 + warp_row0, key0, lane});
       }
       if (!unmasked.contains(n_block)) {
