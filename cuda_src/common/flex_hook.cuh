@@ -128,6 +128,17 @@ struct FlexHook {
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
+  // Whether a tile of tile_rows x tile_keys scores from (row0, key0) lies inside seqlen_q x seqlen_k.
+  __device__ __forceinline__ bool inside_sequence(int row0, int tile_rows, int key0, int tile_keys) const {
+    return row0 + tile_rows <= p.seqlen_q && key0 + tile_keys <= p.seqlen_k;
+  }
+  // Whether the hook leaves every score of such a visited tile as it is: a mask_mod alone on a block mask's full
+  // tile inside the sequence (block-uniform: a kernel may run its step without the hook there, as the mma.sync
+  // backward does).
+  __device__ __forceinline__ bool idle_on(bool full, int row0, int tile_rows, int key0, int tile_keys) const {
+    return kMaskOnly && full && inside_sequence(row0, tile_rows, key0, tile_keys);
+  }
+
   // Runs f(tile_scores) for the visited tile of tile_rows x tile_keys scores from (row0, key0) (block-uniform):
   // without a mask_mod, a tile inside seqlen_q x seqlen_k gets a form without the per-score sequence-bound test
   // (which costs every score two compares and a branch: about 400 instructions per step of the d64 tensor-core
@@ -145,7 +156,7 @@ struct FlexHook {
   template <bool Scaled = false, bool FullForm = false, class F>
   __device__ __forceinline__ void on_tile(bool full, int row0, int tile_rows, int key0, int tile_keys, F&& f) const {
     const FlexHook tile = for_tile(full);
-    const bool inside = row0 + tile_rows <= p.seqlen_q && key0 + tile_keys <= p.seqlen_k;
+    const bool inside = inside_sequence(row0, tile_rows, key0, tile_keys);
     if constexpr (FullForm && kMasked) {
       if (full && inside) {
         f(FlexTileScores<FlexHook, false, Scaled, false>{tile});

@@ -273,6 +273,9 @@ struct ScoreHook {
   }
   // The hook for one visited tile (FlexHook skips its mask_mod on full tiles).
   __device__ __forceinline__ ScoreHook for_tile(bool) const { return *this; }
+  // Whether the hook leaves a visited tile's scores as they are though active (FlexHook's mask_mod alone on a full
+  // tile): never.
+  __device__ __forceinline__ static constexpr bool idle_on(bool, int, int, int, int) { return false; }
   // Runs f(hook) with the hook for the visited tile of tile_rows x tile_keys scores from (row0, key0): this one
   // (FlexHook passes a form without the tests the tile does not need: the sequence bounds, the mask_mod).
   template <bool Scaled = false, bool FullForm = false, class F>

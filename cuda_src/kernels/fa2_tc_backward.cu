@@ -454,8 +454,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
             }
           }
         };
-        // The mask: by the edges the tile crosses, on S (BackwardTraits::kMaskByEdges), or per score with P.
-        if (score_hook.active()) {
+        // The mask: by the edges the tile crosses, on S (BackwardTraits::kMaskByEdges), or per score with P. A hook
+        // that leaves this tile's scores as they are (a flex mask_mod alone on a block mask's full tile) takes the
+        // unhooked step.
+        if (score_hook.active() && !score_hook.idle_on(visits.full(position), row0, BlockM, key0, BlockN)) {
           p_and_ds(true, masked);  // the hook first, then the mask: per score (softcap of -inf is not -inf)
         } else if constexpr (Tr::kMaskByEdges) {
           if (masked)
