@@ -531,7 +531,7 @@ def test_hopper_plans_take_v_of_its_own():
                                     ((192, 128), dict(softcap=30.0), (256, 256, True)),
                                     ((192, 160), {}, (256, 256, False)), ((128, 64), {}, (128, 128, False))):
         case = Problem("float16", 1, 300, 300, 2, 2, pair[0], headdim_v=pair[1], **options)
-        traits = fa3_backward._checked_traits(case, sm90)
+        traits = fa3_backward.problem_traits(case, sm90)
         assert (traits.head_dim, traits.v_head_dim, traits.hooked) == expected, pair
         assert traits.smem_bytes <= sm90.smem_per_block_bytes
     wide = Problem("float16", 1, 64, 64, 2, 2, 64, headdim_v=128)

@@ -85,6 +85,12 @@ struct MaskPolicy {
 
   __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
 
+  // Whether the call's mask is a band (causal or a window), not only the sequence's end: a flex call's is not (its
+  // mask_mod says what is hidden).
+  __device__ __forceinline__ static bool banded(const AttentionParams& p) {
+    return p.window_left >= 0 || p.window_right >= 0;
+  }
+
   // First key row `row` sees, and one past its last (end <= begin: it sees none).
   __device__ __forceinline__ int key_begin(int row) const {
     return window_left < 0 ? 0 : max(0, diagonal(row) - window_left);
