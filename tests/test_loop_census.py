@@ -455,6 +455,14 @@ def test_masked_and_paged_loops_within_the_bound_of_fa2(direction, head_dim, arc
 
 
 
+def _mod_traits(direction, head_dim, arch):
+    """The tile a flex instance of ``direction`` runs on ``arch``: the Hopper forward's hooked one on sm_90a, else
+    fa2_tc's."""
+    if arch == "sm_90a":
+        return fa3.HOOKED_CHOICES[head_dim]
+    return (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim, targets.target(arch))
+
+
 # Issue 29 item 6: a kernel whose score_mod is softcap issues at most the built-in softcap's main loop plus 10%
 # (loop_census.softcap_census: every score through its tanh). Measured (sm_80 fp16 d64 forward, instructions per
 # iteration): plain 659, built-in 1289; the fast-math mod (trace_score_mod(fast_math=True): __fdividef,
@@ -472,11 +480,7 @@ def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch)
     from cuflash.flex import trace_score_mod
     from cuflash.flex._kernels import hooked_instance
 
-    if arch == "sm_90a":
-        traits = fa3.HOOKED_CHOICES[head_dim]
-    else:
-        traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
-                                                                                              targets.target(arch))
+    traits = _mod_traits(direction, head_dim, arch)
     plain = lc.instance_census(traits, CENSUS_DTYPE, arch)[0]
     built_in = lc.softcap_census(traits, CENSUS_DTYPE, arch)
     # The softcap path runs the tanh: more exponentials and instructions than the plain path, the same MMAs.
@@ -506,11 +510,7 @@ def test_flex_full_tiles_run_no_mask_mod(variant, direction, arch, head_dim, bou
     from cuflash.flex import trace_mask_mod
     from cuflash.flex._kernels import hooked_instance
 
-    if arch == "sm_90a":
-        traits = fa3.HOOKED_CHOICES[head_dim]
-    else:
-        traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,
-                                                                                              targets.target(arch))
+    traits = _mod_traits(direction, head_dim, arch)
     unmodded = lc.instance_census(traits, CENSUS_DTYPE, arch)[0]
     mask = trace_mask_mod(workloads.flex_mods(variant, 1024, 2)["mask_mod"])
     instance = hooked_instance(traits.instance(CENSUS_DTYPE), None, mask, block_sparse=True)

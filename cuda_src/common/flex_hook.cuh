@@ -1,8 +1,8 @@
 // flex_hook.cuh: a user's score_mod and mask_mod (cuflash.flex) as the score hook of the fa2 kernels.
 //
 // The fa2 kernels (SIMT and tensor-core, forward and backward) and the Hopper forward (fa3_forward.cu) take their
-// per-score transform as a template parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi). FlexHook<ScoreMod, MaskMod> is the other
-// one: it computes what a FlexAttention kernel computes for each score,
+// per-score transform as a template parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi).
+// FlexHook<ScoreMod, MaskMod> is the other one: it computes what a FlexAttention kernel computes for each score,
 //     score' = mask_mod(b, h, q_idx, kv_idx) ? score_mod(scale q.k, b, h, q_idx, kv_idx) : -inf,
 // with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
 // pass x = q.k and fold the softmax scale into their exponents, so the hook returns score' / scale and, for the

@@ -392,10 +392,10 @@ __device__ __forceinline__ Hook score_hook_of(const AttentionParams& p, const Bl
 }
 
 // A hook on every score of a warpgroup's S accumulator: each x = q.k becomes hook(x, row, key) (the hook's score /
-// scale, or a flex hook's score' itself: FlexHook::kScaledScores) at its (row, key), from the lane's first score's first_row and first_key (each register's offsets are
-// compile-time steps). A struct with a call template, not a generic lambda (NVRTC 12 takes one in device code for a
-// host function): FlexHook::on_tile calls it with the form of the hook its tile needs. KeysAsRows: the accumulator
-// is S^T (the backward's), as mask_scores'.
+// scale, or a flex hook's score' itself: FlexHook::kScaledScores) at its (row, key), from the lane's first score's
+// first_row and first_key (each register's offsets are compile-time steps). A struct with a call template, not a
+// generic lambda (NVRTC 12 takes one in device code for a host function): FlexHook::on_tile calls it with the form of
+// the hook its tile needs. KeysAsRows: the accumulator is S^T (the backward's), as mask_scores'.
 template <int N, bool KeysAsRows = false>
 struct HookEachScore {
   float (&s)[N];
