@@ -126,8 +126,6 @@ class Cuflash(System):
         each direction the timed call runs, "+"-joined for forward+backward: "hopper" (wgmma) or "tensor-core"
         (mma.sync) on sm_90, so a figure names the kernels behind it (flex workloads: their flex problem's plans, the
         Hopper forward and the mma.sync backward on sm_90)."""
-        import dataclasses
-
         from cuflash.kernels import plans
         from cuflash.kernels.program import Problem
         from cuflash.mask import Mask
@@ -136,10 +134,9 @@ class Cuflash(System):
             from cuflash._placement import _cupy_backend
 
             target = _cupy_backend(0).target
+        flex = workload.flex is not None  # the mods carry the mask
         problem = Problem(workload.dtype, workload.batch, workload.seqlen, workload.seqlen, workload.nheads,
-                          workload.nheads, workload.headdim, mask=Mask.causal(workload.causal))
-        if workload.flex is not None:  # the mods carry the mask
-            problem = dataclasses.replace(problem, mask=Mask.causal(False), flex=True)
+                          workload.nheads, workload.headdim, mask=Mask.causal(workload.causal and not flex), flex=flex)
         names = [plans.variant_for(self.algorithm, problem, target, d).name for d in direction.split("+")]
         return "+".join(names)
 

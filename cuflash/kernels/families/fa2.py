@@ -317,13 +317,13 @@ def _row_kernel_launch(kernel: KernelInstance, problem: Problem) -> LaunchPlan:
 
 
 def tile_traits(problem: Problem, target: Target, direction: str):
-    """The traits of the main kernel of ``problem``'s ``direction`` (its tiles: a block mask's lists are made for
-    them)."""
+    """The traits of the main kernel of ``problem``'s ``direction``: the one choice its programs, its traffic and a
+    block mask's lists (made for its tiles) take."""
     return (backward_traits if direction == "backward" else forward_traits)(tile_head_dim(problem), target)
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
-    traits = forward_traits(tile_head_dim(problem), target)
+    traits = tile_traits(problem, target, "forward")
     return forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
 
 
@@ -376,7 +376,7 @@ def split_heuristic(blocks: int, sm_count: int, kv_blocks: int, max_splits: int 
 
 
 def num_dq_splits(problem: Problem, target: Target) -> int:
-    return num_dq_splits_for(problem, backward_traits(tile_head_dim(problem), target), target)
+    return num_dq_splits_for(problem, tile_traits(problem, target, "backward"), target)
 
 
 def num_dq_splits_for(problem: Problem, traits, target: Target) -> int:
@@ -400,7 +400,7 @@ def backward_main_grid(problem: Problem, traits, target: Target) -> tuple[int, i
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    return backward_program_for(problem, backward_traits(tile_head_dim(problem), target), target)
+    return backward_program_for(problem, tile_traits(problem, target, "backward"), target)
 
 
 def backward_program_for(problem: Problem, traits, target: Target) -> Program:
@@ -440,7 +440,7 @@ def _rows(total: int, block: int, index: int) -> int:
 
 
 def forward_traffic(problem: Problem, target: Target) -> Traffic:
-    traits = forward_traits(tile_head_dim(problem), target)
+    traits = tile_traits(problem, target, "forward")
     return forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
 
 
@@ -463,7 +463,7 @@ def forward_traffic_of_tiles(problem: Problem, block_m: int, block_n: int) -> Tr
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[Traffic, Traffic, Traffic]:
-    return backward_traffic_for(problem, backward_traits(tile_head_dim(problem), target), target)
+    return backward_traffic_for(problem, tile_traits(problem, target, "backward"), target)
 
 
 def backward_traffic_for(problem: Problem, traits, target: Target,

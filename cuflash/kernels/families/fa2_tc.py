@@ -299,27 +299,27 @@ def _dropout(problem: Problem) -> bool:
 
 
 def tile_traits(problem: Problem, target: Target, direction: str):
-    """The traits of the main kernel of ``problem``'s ``direction`` (its tiles: a block mask's lists are made for
-    them)."""
+    """The traits of the main kernel of ``problem``'s ``direction``: the one choice its programs, its traffic and a
+    block mask's lists (made for its tiles) take."""
     traits_for = backward_traits if direction == "backward" else forward_traits
     return traits_for(fa2.tile_head_dim(problem), target, _dropout(problem))
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
-    traits = forward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    traits = tile_traits(problem, target, "forward")
     return fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
-    traits = backward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    traits = tile_traits(problem, target, "backward")
     return fa2.backward_program_for(problem, traits, target)
 
 
 def forward_traffic(problem: Problem, target: Target) -> fa2.Traffic:
-    traits = forward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    traits = tile_traits(problem, target, "forward")
     return fa2.forward_traffic_of_tiles(problem, traits.block_m, traits.block_n)
 
 
 def backward_traffic(problem: Problem, target: Target) -> tuple[fa2.Traffic, fa2.Traffic, fa2.Traffic]:
-    traits = backward_traits(fa2.tile_head_dim(problem), target, _dropout(problem))
+    traits = tile_traits(problem, target, "backward")
     return fa2.backward_traffic_for(problem, traits, target)
