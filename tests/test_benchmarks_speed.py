@@ -477,8 +477,8 @@ def test_gpu_commands_refuse_without_a_gpu_and_write_nothing(command, tmp_path, 
 
 
 @pytest.mark.parametrize("arch, dtype, causal, expected, flex_expected", [
-    ("sm_90", "float16", False, "hopper+hopper", "hopper+tensor_core"),  # the wgmma forward and backward
-    ("sm_90", "bfloat16", True, "hopper+hopper", "hopper+tensor_core"),  # causal too
+    ("sm_90", "float16", False, "hopper+hopper", "hopper+hopper"),  # the wgmma forward and backward
+    ("sm_90", "bfloat16", True, "hopper+hopper", "hopper+hopper"),  # causal too
     ("sm_80", "float16", False, "tensor_core+tensor_core", "tensor_core+tensor_core"),
     ("sm_90", "float32", False, "simt+simt", "simt+simt"),
 ])
@@ -490,7 +490,7 @@ def test_cuflash_figures_name_the_variant_the_plans_pick(arch, dtype, causal, ex
     system = peers.Cuflash("fa2")
     assert system.variant(workload, "forward+backward", target=target) == expected
     assert system.variant(workload, "forward", target=target) == expected.split("+")[0]
-    # Flex workloads: the flex problem's plans (on sm_90 the Hopper forward with the mods, the backward on mma.sync).
+    # Flex workloads: the flex problem's plans (on sm_90 the Hopper forward and backward with the mods).
     flex = Workload(1, 256, 2, 64, False, dtype, flex="document")
     assert system.variant(flex, "forward+backward", target=target) == flex_expected
 

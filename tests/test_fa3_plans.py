@@ -120,12 +120,13 @@ def test_the_plan_says_which_kernel_runs_and_why():
     (variant,) = [v for v in catalog.variants("fa2") if v.name == "hopper"]
     assert variant.options == fa3.SERVED_OPTIONS == {"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv",
                                                      "sinks", "headdim_v", "flex"}
-    # Flex mods: the forward's hooked instance (cuflash.flex gives it their Hook), the backward on mma.sync.
+    # Flex mods: the forward's hooked instance, the backward's plain one (cuflash.flex gives each their Hook).
     flex = dataclasses.replace(_problem(), flex=True)
     said = plans.explain("fa2", flex, SM90)
     assert said.startswith("fa2 forward on sm_90: hopper (") and "128, 128, 128, 2, true>" in said
-    said = plans.explain("fa2", flex, SM90, "backward").splitlines()
-    assert said[0].startswith("fa2 backward on sm_90: tensor_core") and said[1] == "  not hopper: no flex yet"
+    said = plans.explain("fa2", flex, SM90, "backward")
+    assert said.startswith("fa2 backward on sm_90: hopper (")
+    assert "fa3_backward_kernel<__nv_bfloat16, 128, 64, 128, 2>" in said
     # Varlen, KV caches (contiguous, paged) and split-KV: the forward on Hopper (split-KV with fa2's combine
     # kernel), varlen's backward too (a KV cache has none); what stays refused says why.
     kvcache = dict(kvcache=True, seqlen_q=1, seqlen_k=1000, mask=Mask.causal())

@@ -120,11 +120,22 @@ namespace cuflash {
 // ALiBi but not both at once (fa3::hooked_ds: the d128 step spills with that case; launched with both it traps).
 // SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
 // HeadDimV: V's, dO's and dV's tile width where narrower (MLA's 192 / 128 on the d256 tile: a fifth fewer FLOPs).
+// Hook: ScoreHook, or flex_hook.cuh's FlexHook with a user's score_mod and mask_mod (cuflash.flex builds such an
+// instance from a plain one: Hooked false). A flex call has no softcap, ALiBi or window (the kernel traps on them):
+// the hook hides the scores past the sequence and the mask_mod's, so its steps run no element-wise mask of mask.cuh;
+// with a block mask (FlexHook's BlockSparse) the producer, the dQ writer and the consumers walk its list of the Q
+// blocks that see the K/V block (FlexHook::q_visits, the union over the group's heads), in the same order, and the
+// mask_mod runs on its partial tiles only. Per step, a mask_mod alone hides its scores before P^T is formed (the
+// plain step's overlap with dP^T; nothing at all on a full tile inside the sequence: FlexHook::idle_on); with a
+// score_mod the raw scores wait for dP^T and one pass forms score', P^T, the side gradients and dS^T
+// (fa3::FlexGradientsEachScore).
 template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true,
-          bool SplitHeadDim = false, int HeadDimV = HeadDim>
+          bool SplitHeadDim = false, int HeadDimV = HeadDim, class Hook = ScoreHook>
 __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>::kThreads), 1)
     fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
+  constexpr bool kFlex = !fa3::is_score_hook<Hook>::value;
+  static_assert(!(Hooked && kFlex), "a flex instance is built from a plain one (its hook is the mods alone)");
   using Tr = fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim, HeadDimV>;
   using QTile = typename Tr::QTile;
   using DoTile = typename Tr::DoTile;
@@ -139,7 +150,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
-      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr))
+      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr) ||
+      (kFlex && MaskPolicy::banded(p)))
     __trap();
 
   const int kv_head = blockIdx.y;
@@ -247,8 +259,11 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 #pragma unroll 1
     for (int key0 = first_key0; key0 < seqlen_k; key0 += key0_step) {
       const int block_keys = min(BlockN, seqlen_k - key0);
-      const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
-      const int m_blocks = max(m_range.end - m_range.begin, 0);
+      // The Q blocks visited (those of the mask's range, or a flex block mask's list: the same for every head of
+      // the group), a step's the visits.begin + step % m_blocks-th.
+      const auto visits = Hook::q_visits(p, batch, kv_head, key0 / BlockN,
+                                         mask.q_blocks<BlockM>(key0, key0 + block_keys));
+      const int m_blocks = max(visits.end - visits.begin, 0);
       const int steps = group * m_blocks;  // (query head, Q block), heads outer
       if (steps == 0) continue;
       if (!dq_writer) {
@@ -279,7 +294,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 #pragma unroll 1
       for (int step = 0; step < steps; ++step, ++ring) {
         const int head = kv_info.head + step / m_blocks;
-        const int row0 = (m_range.begin + step % m_blocks) * BlockM;
+        const int row0 = visits.tile(visits.begin + step % m_blocks) * BlockM;
         const int rows = min(BlockM, seqlen_q - row0);
         const BlockInfo info = BlockInfo::of_group_head(batch, kv_head, head);
         if (dq_writer) {
@@ -381,8 +396,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 #pragma unroll 1
   for (int key0 = first_key0; key0 < seqlen_k; key0 += key0_step) {
     const int block_keys = min(BlockN, seqlen_k - key0);
-    const IndexRange m_range = mask.q_blocks<BlockM>(key0, key0 + block_keys);
-    const int m_blocks = max(m_range.end - m_range.begin, 0);
+    const auto visits = Hook::q_visits(p, batch, kv_head, key0 / BlockN,
+                                       mask.q_blocks<BlockM>(key0, key0 + block_keys));  // as the producer's
+    const int m_blocks = max(visits.end - visits.begin, 0);
     const int steps = group * m_blocks;
     float acc_dk[Tr::kAccD], acc_dv[Tr::kAccDV];
 #pragma unroll
@@ -421,8 +437,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // The step's (head, Q block), moved on step by step (no division by m_blocks): Q blocks inner, heads outer, as
       // the producer's. Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work: this consumer's
       // are the tiles t with t % kConsumers == dq_mine. dq_lane: this thread's first element of a dQ buffer (query
-      // acc_first_row, column first_col).
-      int head = kv_info.head, m_block = m_range.begin;
+      // acc_first_row, column first_col). visit: the step's position in the visits (a block mask's list; without
+      // one m_block is its own position and visit goes unused).
+      int head = kv_info.head, visit = visits.begin, m_block = visits.tile(visit);
       const int dq_lane = fa3::acc_first_row(warp, lane) * Tr::kDqPitch + first_col;
       auto tiles_of_this_consumer = [&] {
         return (consumer + Tr::kConsumers - (m_block + head) % Tr::kConsumers) % Tr::kConsumers;
@@ -459,34 +476,63 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         // Register i: key first_key + acc_row_step(i), query first_col + acc_col_step(i).
         const float* lse = lse_rows(stage);
         const float* dot = dot_rows(stage);
-        // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
-        // hook's derivative, recovered from P: no second float per score kept across the wait).
-        // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info).
         const BlockInfo head_info = BlockInfo::of_group_head(batch, kv_head, head);  // the step's query head
-        const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
-        const ScoreHook hook{p, kv_info, alibi_slope};
-        arch::wgmma_wait<1>(s);
-        if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
+        const int tile_row0 = row0 + query_base;  // this consumer's first query (by head dim; else the block's)
+        if constexpr (kFlex) {
+          // The user's mods (the kernel's opening comment): the hook's form for this consumer's part of the tile
+          // (a block mask's full flag holds for any part of a full tile).
+          const Hook flex = Hook::of(p, head_info);
+          const bool full = visits.full(visit);
+          const int hook_key0 = key0 + key_base;
+          arch::wgmma_wait<1>(s);
+          if constexpr (Hook::kMaskOnly) {
+            // (No FullForm: idle_on already covers a full tile inside the sequence.)
+            if (!flex.idle_on(full, tile_row0, Tr::kQueries, hook_key0, 64))
+              flex.template on_tile<false, false>(full, tile_row0, Tr::kQueries, hook_key0, 64,
+                                                 fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
+                                                                                     key0 + first_key});
 #pragma unroll
-        for (int i = 0; i < Tr::kAccS; ++i)
-          s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
-        // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop), the
-        // forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
-        // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
-        // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
-        // has P = 0 from its lse of +inf whatever the mask says).
-        const int tile_row0 = row0 + query_base;
-        const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
-        if (mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
-          fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, key0 + key_base, 64),
-                                 row0 + first_col, key0 + first_key, 0.f);
-        arch::wgmma_wait<0>(dp);
-        if constexpr (Hooked) {
-          fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - (key0 + first_key),
-                                    1.f / scale_log2, lse + first_col, dot + first_col);
+            for (int i = 0; i < Tr::kAccS; ++i)
+              s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+            arch::wgmma_wait<0>(dp);
+#pragma unroll
+            for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
+          } else {
+            arch::wgmma_wait<0>(dp);
+            flex.template on_tile<Hook::kScaledScores, true>(
+                full, tile_row0, Tr::kQueries, hook_key0, 64,
+                fa3::FlexGradientsEachScore<Tr::kAccS, Hook>{s, dp, flex, lse + first_col, dot + first_col,
+                                                              row0 + first_col, key0 + first_key,
+                                                              Hook::kScaledScores ? kLog2e : scale_log2});
+          }
         } else {
+          // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
+          // hook's derivative, recovered from P: no second float per score kept across the wait).
+          // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info).
+          const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
+          const ScoreHook hook{p, kv_info, alibi_slope};
+          arch::wgmma_wait<1>(s);
+          if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
 #pragma unroll
-          for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
+          for (int i = 0; i < Tr::kAccS; ++i)
+            s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+          // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop),
+          // the forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
+          // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
+          // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
+          // has P = 0 from its lse of +inf whatever the mask says).
+          const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
+          if (mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
+            fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, key0 + key_base, 64),
+                                   row0 + first_col, key0 + first_key, 0.f);
+          arch::wgmma_wait<0>(dp);
+          if constexpr (Hooked) {
+            fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - (key0 + first_key),
+                                      1.f / scale_log2, lse + first_col, dot + first_col);
+          } else {
+#pragma unroll
+            for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
+          }
         }
         if constexpr (Tr::kSplitHeadDim) {
           // P^T and dS^T of this consumer's queries into the block's tiles [keys][queries]: every consumer thread is
@@ -628,10 +674,17 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         }
 
         // The next step: the next Q block of this head, or the first of the next head.
-        if (++m_block < m_range.end) {
+        if constexpr (Hook::kBlockSparse) {
+          if (++visit == visits.end) {
+            visit = visits.begin;
+            ++head;
+          }
+          m_block = visits.tile(visit);  // not the next block: whose dQ tiles are whose found anew
+          dq_mine = tiles_of_this_consumer();
+        } else if (++m_block < visits.end) {
           dq_mine = (dq_mine + Tr::kConsumers - 1) % Tr::kConsumers;
         } else {
-          m_block = m_range.begin;
+          m_block = visits.begin;
           ++head;
           dq_mine = tiles_of_this_consumer();
         }

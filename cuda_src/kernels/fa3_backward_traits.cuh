@@ -86,5 +86,41 @@ struct BackwardTraits {
   static_assert(kDqOffset % 16 == 0 && (kDqPitch * 4) % 16 == 0, "dQ rows are 16-byte aligned bulk sources");
 };
 
+// The flex backward's P^T and dS^T of a user's mods (flex_hook.cuh's FlexHook with a score_mod), per score of S^T's
+// raw q.k (s) once dP^T (dp) has landed: score' and d score' / d (scale x) from the form of the hook its tile needs
+// (FlexHook::on_tile calls this with it), P^T = exp2(score' exponent_scale - lse), the gradient to score'
+// g = P^T (dP^T - D) (added into the side arrays' gradients where the score_mod has some: FlexHook::side_grads, with
+// the raw score it needs), dS^T = g slope; s becomes P^T and dp dS^T. Unlike the plain step, which forms P^T while
+// dP^T is in flight, it holds the raw scores across that wait: no second float per score (the slope) outlives it.
+// lse, dot: the stage's lse log2(e) and D from the lane's first query on; first_row (query), first_key: the lane's
+// first score's.
+template <int N, class Hook>
+struct FlexGradientsEachScore {
+  float (&s)[N];
+  float (&dp)[N];
+  const Hook& hook;
+  const float* lse;
+  const float* dot;
+  int first_row;
+  int first_key;
+  float exponent_scale;  // log2 e for score' itself (FlexHook::kScaledScores), else scale log2 e
+  template <class TileHook>
+  __device__ __forceinline__ void operator()(const TileHook& tile) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int row = first_row + query_step<true>(i);
+      const int key = first_key + key_step<true>(i);
+      const float qk = s[i];
+      float slope;
+      const float score = tile(qk, row, key, slope);
+      const float prob = arch::exp2_approx(fmaf(score, exponent_scale, -lse[query_step<true>(i)]));
+      const float g = prob * (dp[i] - dot[query_step<true>(i)]);
+      if constexpr (Hook::kHasSideGrads) hook.side_grads(g, qk, row, key);
+      s[i] = prob;
+      dp[i] = g * slope;
+    }
+  }
+};
+
 }  // namespace fa3
 }  // namespace cuflash

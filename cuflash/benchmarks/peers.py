@@ -125,7 +125,7 @@ class Cuflash(System):
         """The catalog variant the plans pick on ``target`` (default: device 0's, as cuflash's calls get it) for
         each direction the timed call runs, "+"-joined for forward+backward: "hopper" (wgmma) or "tensor-core"
         (mma.sync) on sm_90, so a figure names the kernels behind it (flex workloads: their flex problem's plans, the
-        Hopper forward and the mma.sync backward on sm_90)."""
+        Hopper forward and backward on sm_90)."""
         from cuflash.kernels import plans
         from cuflash.kernels.program import Problem
         from cuflash.mask import Mask

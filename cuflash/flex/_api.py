@@ -45,7 +45,7 @@ def contiguous_last_dim(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def flex_problem(q: Any, k: Any, v: Any, deterministic: Any = False) -> Problem:
     """The checked Problem of a flex call (NumPy, CuPy and JAX alike): marked ``flex``, so the plans pick only variants
-    whose kernels take the mods (the Hopper backward takes none: catalog.Variant.refusal says "no flex")."""
+    whose kernels take the mods (each variant's refusal says "no flex" where its kernels take none)."""
     return dataclasses.replace(V.check_qkv(q, k, v, causal=False, deterministic=deterministic), flex=True)
 
 

@@ -1,11 +1,12 @@
 """fa2 kernel instances with a user's mods compiled in: the kernel's `Hook` template argument (flex_hook.cuh).
 
 A plain fa2 program (the catalog's instances, unchanged) becomes a flex one by replacing its main kernels
-(forward and backward, SIMT and tensor-core, and the Hopper forward's hooked instance) with instances whose last
-template argument is `cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an instance's source is a generated
-translation unit: the kernel's .cu file, flex_hook.cuh and the mods' sources. It lives in the cache directory under
-a name hashed from its text, so NVRTC and the simulator compile it as any other source (and cache its builds by
-content): a mod structure compiled once per kernel traits serves every later call with other side values.
+(forward and backward, SIMT and tensor-core, the Hopper forward's hooked instance and the Hopper backward's plain
+one) with instances whose last template argument is `cuflash::flex::FlexHook<ScoreMod, MaskMod>`. Such an
+instance's source is a generated translation unit: the kernel's .cu file, flex_hook.cuh and the mods' sources. It
+lives in the cache directory under a name hashed from its text, so NVRTC and the simulator compile it as any other
+source (and cache its builds by content): a mod structure compiled once per kernel traits serves every later call
+with other side values.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import hashlib
 
 from .._build_cache import write_atomically
 from .._paths import cache_dir
+from ..kernels.families import fa3_backward
 from ..kernels.program import FLEX_HOOK, KernelInstance, Program
 from ._mod import FlexMod
 
 # The kernels that take a Hook, and how many template arguments precede it: the tensor-core kernels' WithDropout
 # flag (default false; mods run without dropout), the Hopper forward's Hooked (true: the plans pick its hooked
-# instance for mods) and HeadDimV (default the head dim).
+# instance for mods) and HeadDimV (default the head dim), the Hopper backward's Hooked (false: its plain instance),
+# BothHooks, SplitHeadDim and HeadDimV (fa3_backward.template_defaults).
 _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_forward_kernel": 6,
-                   "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7}
+                   "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7, "fa3_backward_kernel": 9}
 _NO_DROPOUT = "false"
 # The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
 # conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would
@@ -37,6 +40,11 @@ def _arguments_before_hook(kernel: str, args: list[str], position: int) -> list[
             raise ValueError(f"{kernel}<{', '.join(args)}> is not a hooked instance: mods take the Hopper forward's "
                              "hooked one (fa3.HOOKED_CHOICES)")
         return args + [args[1]] * (position - len(args))  # HeadDimV: the head dim's
+    if kernel == "fa3_backward_kernel":
+        if args[5:6] == ["true"]:
+            raise ValueError(f"{kernel}<{', '.join(args)}> is a hooked instance (softcap, ALiBi): mods take the Hopper "
+                             "backward's plain one (its hook is the mods alone)")
+        return args + list(fa3_backward.template_defaults(args[1]))[len(args) - 5:]
     return args + [_NO_DROPOUT] * (position - len(args))
 
 

@@ -77,10 +77,10 @@ FAMILIES: dict[str, tuple[Variant, ...]] = {
     "standard": (Variant("standard", "simt", "cuflash.kernels.families.standard"),),
     "fa1": (Variant("fa1", "simt", "cuflash.kernels.families.fa1"),),
     "fa2": (
-        # Hopper first: where it serves (sm_90, 16-bit; hopper.refusal says which problems in each direction: the
-        # forward takes softcap, ALiBi, varlen, KV caches (contiguous, paged), split-KV, sinks, v's own head dim and
-        # flex mods, the backward softcap, ALiBi, varlen, sinks and v's own head dim), its wgmma forward and backward
-        # run at FA3's structure; every other problem stays on mma.sync.
+        # Hopper first: where it serves (sm_90, 16-bit; hopper.refusal says which problems in each direction: both
+        # take softcap, ALiBi, varlen, sinks, v's own head dim and flex mods, the forward KV caches (contiguous,
+        # paged) and split-KV too), its wgmma forward and backward run at FA3's structure; every other problem stays
+        # on mma.sync.
         Variant("fa2", "hopper", "cuflash.kernels.families.hopper", dtypes=("float16", "bfloat16"),
                 options=frozenset({"softcap", "alibi", "varlen", "kvcache", "paged", "splitkv", "sinks",
                                    "headdim_v", "flex"}),

@@ -5,10 +5,13 @@ into a float32 slice of its own, its lanes one after another in lane order (flex
 slices are summed in slice order afterwards: no atomics race, so the gradients are the same bits whatever the
 simulator's schedule (cp.async landing seeds, one or two worker threads running the blocks). The slices number
 grid x warps of the main kernel, whose deterministic grid is (num_dq_splits, nheads_k, batch): at most (batch nheads_k
-+ SMs) x warps slices of each array's size, whatever the sequence lengths.
++ SMs) x warps slices of each array's size, whatever the sequence lengths. On sm_90 the main kernel is the Hopper
+backward (fa3_backward.cu, its consumer warps adding; the producer's add nothing), on sm_80 the mma.sync one.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -20,12 +23,20 @@ from cuflash.reference import attention_backward_reference
 from cuflash.testing import random_inputs
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim): GQA 4:2, lengths no tile multiple, head dims not powers of 2.
-CASES = {"float32": (2, 37, 75, 4, 2, 40), "float16": (1, 70, 150, 4, 2, 48)}
+CASES = {"float32": (2, 37, 75, 4, 2, 40), "float16": (1, 70, 150, 4, 2, 48), "bfloat16": (1, 150, 70, 4, 2, 48)}
+# (dtype, the simulator's target: None its default, sm_80) -> the main backward kernel that runs.
+RUNS = {("float32", None): "fa2_backward_kernel", ("float16", None): "fa2_tc_backward_kernel",
+        ("bfloat16", "sm_90"): "fa3_backward_kernel"}
 SCHEDULES = ((1, 1), (1, 2), (2, 1), (2, 3))  # (simulator worker threads, cp.async landing seed)
 
 
-@pytest.mark.parametrize("dtype", list(CASES))
-def test_deterministic_side_gradients_are_the_same_bits_under_every_schedule(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype, arch", list(RUNS))
+def test_deterministic_side_gradients_are_the_same_bits_under_every_schedule(dtype, arch, monkeypatch):
+    with sim.targeting(arch) if arch is not None else contextlib.nullcontext():
+        _check_deterministic_side_gradients(dtype, arch, monkeypatch)
+
+
+def _check_deterministic_side_gradients(dtype, arch, monkeypatch):
     batch, seqlen_q, seqlen_k, heads, heads_k, headdim = CASES[dtype]
     q, k, v, dout = random_inputs(CASES[dtype], dtype, seed=31)
     rng = np.random.default_rng(32)
@@ -49,6 +60,7 @@ def test_deterministic_side_gradients_are_the_same_bits_under_every_schedule(dty
                                                                 return_aux_grads=True, **mods)
         runs.append((np.asarray(dtable), *grads))
         (main,) = [r for r in records.launches if "backward_kernel" in r.kernel]
+        assert f"::{RUNS[dtype, arch]}<" in main.kernel, main.kernel
     for run in runs[1:]:
         for name, a, b in zip(("dtable", "dq", "dk", "dv"), runs[0], run):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name

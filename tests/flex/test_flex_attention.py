@@ -305,23 +305,25 @@ def test_fast_math_softcap_mod_meets_the_rule_and_emits_the_built_ins_forms():
 
 
 def test_a_flex_problem_never_runs_a_kernel_without_the_mods():
-    """On sm_90 fa2's 16-bit backward runs the Hopper kernel (fa3_backward), whose kernels take no Hook: a flex
-    problem's backward is refused there ("no flex") and planned on mma.sync (its forward runs the Hopper forward's
-    hooked instance with the mods: tests/flex/test_flex_hopper.py), and a program whose main kernel takes no Hook is
-    refused rather than run without the mods (which once gave plain attention on sm_90, silently)."""
+    """On sm_90 fa2's 16-bit forward and backward run the Hopper kernels, whose flex instances take the mods (the
+    forward's hooked one, the backward's plain one: tests/flex/test_flex_hopper.py); a program whose main kernel takes
+    no Hook is refused rather than run without the mods (which once gave plain attention on sm_90, silently), and so
+    is a Hopper backward instance whose hook is softcap's and ALiBi's."""
     from cuflash.flex._api import flex_problem
     from cuflash.flex._kernels import hooked_instance
     from cuflash.kernels import plans, targets
-    from cuflash.kernels.families import fa3_backward
+    from cuflash.kernels.families import fa1, fa3_backward
 
     q, k, v, dout = random_inputs((1, 70, 90, 2, 2, 64), np.float16, seed=3)
     hopper = targets.target("sm_90")
-    plain, flex = (plans.variant_for("fa2", problem, hopper, "backward").name
-                   for problem in (Problem("float16", 1, 70, 90, 2, 2, 64), flex_problem(q, k, v)))
-    assert (plain, flex) == ("hopper", "tensor_core")
-    assert "not hopper: no flex" in plans.explain("fa2", flex_problem(q, k, v), hopper, "backward")
+    for direction in ("forward", "backward"):
+        plain, flex = (plans.variant_for("fa2", problem, hopper, direction).name
+                       for problem in (Problem("float16", 1, 70, 90, 2, 2, 64), flex_problem(q, k, v)))
+        assert (plain, flex) == ("hopper", "hopper"), direction
     with pytest.raises(ValueError, match="takes no flex Hook"):
-        hooked_instance(fa3_backward.BACKWARD_CHOICES[64].instance("float16"), None, None)
+        hooked_instance(fa1.instances(hopper)[0], None, None)
+    with pytest.raises(ValueError, match="is a hooked instance"):
+        hooked_instance(fa3_backward.HOOKED_CHOICES[64].instance("float16"), None, None)
     cap = 20.0
     with sim.targeting("sm_90"):
         out, lse = _check_forward(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: cap * jnp.tanh(s / cap))

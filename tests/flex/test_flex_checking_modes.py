@@ -1,8 +1,8 @@
-"""A mod instance of each fa2 kernel (SIMT and tensor-core, forward and backward, and the Hopper forward on the
-simulator targeting sm_90) is clean under the simulator's race detector and AddressSanitizer: a score_mod reading a
-captured table (and adding its gradient into a side-gradient buffer with atomics) and a mask_mod through a block mask
-(lists with skipped, full and partial tiles), on a small GQA problem with odd lengths and rows that see no key,
-checked against the float64 reference as well.
+"""A mod instance of each fa2 kernel (SIMT and tensor-core, forward and backward, and the Hopper forward and
+backward on the simulator targeting sm_90) is clean under the simulator's race detector and AddressSanitizer: a
+score_mod reading a captured table (and adding its gradient into a side-gradient buffer with atomics) and a mask_mod
+through a block mask (lists with skipped, full and partial tiles), on a small GQA problem with odd lengths and rows
+that see no key, checked against the float64 reference as well.
 
 JAX cannot run under the ASan runtime (its C++ exceptions meet ASan's __cxa_throw interceptor unresolved), so the
 mods are traced here and the child gets them traced (FlexMods with NumPy side values, the block mask without its
@@ -24,7 +24,7 @@ from cuflash.testing import random_inputs
 # (dtype, the simulator's target) -> the main kernels that run the mods.
 HOOKED = {("float32", "sm_80"): ("fa2_forward_kernel", "fa2_backward_kernel"),
           ("float16", "sm_80"): ("fa2_tc_forward_kernel", "fa2_tc_backward_kernel"),
-          ("bfloat16", "sm_90"): ("fa3_forward_kernel", "fa2_tc_backward_kernel")}
+          ("bfloat16", "sm_90"): ("fa3_forward_kernel", "fa3_backward_kernel")}
 SHAPE = (1, 37, 45, 4, 2, 40)  # batch, seqlen_q, seqlen_k, heads, heads_k, headdim
 
 

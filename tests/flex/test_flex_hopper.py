@@ -1,9 +1,9 @@
-"""cuflash.flex on Hopper: a user's mods in the warp-specialized wgmma forward (fa3_forward.cu's Hook), on the
-simulator targeting sm_90.
+"""cuflash.flex on Hopper: a user's mods in the warp-specialized wgmma forward and backward (fa3_forward.cu's and
+fa3_backward.cu's Hook), on the simulator targeting sm_90.
 
 The plans give a flex problem's forward the hooked instance of the Hopper tile (fa3.HOOKED_CHOICES) with the mods'
-FlexHook as its Hook, and its backward the mma.sync kernels (the Hopper backward takes no Hook yet), which take the
-Hopper forward's out and lse as they are. Each case is judged by FlashAttention's rule against the float64
+FlexHook as its Hook, and its backward the plain instance of the Hopper backward's tile
+(fa3_backward.BACKWARD_CHOICES) with the same Hook (a block mask's Q block lists made for that tile). Each case is judged by FlashAttention's rule against the float64
 reference evaluating the same mods element by element, and asserts which kernels ran: a score_mod reading a captured
 table, a mask_mod run densely on every score (an expert-form mod: no block mask is built for it), and block masks
 (the forward's K/V block lists made for the Hopper tile, which the producer and the consumers walk alike), with rows
@@ -49,51 +49,72 @@ def _run(q, k, v, dout, **mods):
 
 
 def _assert_ran(kernels: list[str], head_dim: int, block_sparse: bool) -> None:
-    """The forward ran the hooked Hopper tile of head_dim with a FlexHook (block_sparse: walking a block mask), the
-    backward fa2_tc's kernels with the mods."""
+    """The forward ran the hooked Hopper tile of head_dim with a FlexHook, the backward the plain Hopper backward
+    tile of head_dim (its compiled one) with one (block_sparse: both walking a block mask); no mma.sync kernel ran."""
+    sparse = f", {'true' if block_sparse else 'false'}>>"
     forward = [name for name in kernels if "fa3_forward_kernel" in name]
     assert len(forward) == 1, kernels
     hooked = fa3.HOOKED_CHOICES[head_dim].instance("float16").name_expr.split(", ", 1)[1][:-1]
-    assert hooked in forward[0] and "cuflash::flex::FlexHook<" in forward[0], forward
-    assert forward[0].endswith(f", {'true' if block_sparse else 'false'}>>"), forward
-    assert any("fa2_tc_backward_kernel" in name and "FlexHook<" in name for name in kernels), kernels
-    assert not any("fa3_backward_kernel" in name for name in kernels), kernels
+    assert hooked in forward[0] and "cuflash::flex::FlexHook<" in forward[0] and forward[0].endswith(sparse), forward
+    backward = [name for name in kernels if "fa3_backward_kernel" in name]
+    assert len(backward) == 1, kernels
+    plain = fa3_backward.backward_traits(head_dim, HOPPER).flex_prefix("float16").split(", ", 1)[1]
+    assert f", {plain}, cuflash::flex::FlexHook<" in backward[0] and backward[0].endswith(sparse), backward
+    assert not any("fa2_tc" in name for name in kernels), kernels
 
 
 def test_plans_and_instances_of_a_flex_problem_on_hopper():
-    """The forward on the hooked Hopper tile, the backward on mma.sync ("no flex" said why); the flex instance keeps
-    its hooked instance's traits, launch shape and sm_90a code; only a hooked Hopper forward takes the mods; a block
-    mask's forward lists are made for the Hopper tile (d256: 80 keys), the backward's for fa2_tc's."""
+    """Both directions on Hopper: the forward on the hooked tile, the backward on the plain one; each flex instance
+    keeps its instance's traits, launch shape and sm_90a code; only a hooked Hopper forward and a plain Hopper
+    backward take the mods; a block mask's lists are made for each direction's Hopper tile (the forward's d256: 80
+    keys; the backward's 64 x 64)."""
     q, k, v, _ = random_inputs((1, 300, 260, 2, 1, 250), np.float16, seed=4)
     problem = flex_problem(q, k, v)
     assert plans.variant_for("fa2", problem, HOPPER).name == "hopper"
-    assert plans.variant_for("fa2", problem, HOPPER, "backward").name == "tensor_core"
-    assert "not hopper: no flex" in plans.explain("fa2", problem, HOPPER, "backward")
-    assert fa3_backward.refusal(problem, HOPPER) == "no flex yet"
+    assert plans.variant_for("fa2", problem, HOPPER, "backward").name == "hopper"
+    assert fa3_backward.refusal(problem, HOPPER) is None
     traits = fa3.HOOKED_CHOICES[256]
     (launch,) = plans.forward_program("fa2", problem, HOPPER).launches
     assert launch.kernel == traits.instance("float16")
-    modded = hooked_instance(launch.kernel, cuda_mod("return score * 0.5f;", dscore="return 0.5f;"), None)
+    score_mod = cuda_mod("return score * 0.5f;", dscore="return 0.5f;")
+    modded = hooked_instance(launch.kernel, score_mod, None)
     assert modded.name_expr.startswith(launch.kernel.name_expr[:-1] + ", 256, cuflash::flex::FlexHook<")
     assert hopper.traits_of(modded) == traits and catalog.compile_arch(modded, "sm_90") == "sm_90a"
     assert catalog.dynamic_smem_bytes(modded) == traits.smem_bytes == launch.dynamic_smem_bytes
     with pytest.raises(ValueError, match="not a hooked instance"):
         hooked_instance(fa3.FORWARD_CHOICES[256][0].instance("float16"), None, None)
-    with pytest.raises(ValueError, match="takes no flex Hook"):
-        hooked_instance(fa3_backward.BACKWARD_CHOICES[128].instance("float16"), None, None)
+    # The backward: the plain d256 tile (64 x 64, sharing the head dim), its defaults spelled out before the Hook.
+    backward_traits = fa3_backward.BACKWARD_CHOICES[256]
+    main = [plan for plan in plans.backward_program("fa2", problem, HOPPER).launches
+            if "fa3_backward_kernel" in plan.kernel.name_expr]
+    assert [plan.kernel for plan in main] == [backward_traits.instance("float16")]
+    modded = hooked_instance(main[0].kernel, score_mod, None)
+    assert modded.name_expr == (backward_traits.instance("float16").name_expr[:-1] + ", 256, cuflash::flex::"
+                                f"FlexHook<{score_mod.qualified_name}, cuflash::flex::NoMaskMod, false>>")
+    assert modded.flex_prefix == backward_traits.flex_prefix("float16")
+    assert hopper.traits_of(modded) == backward_traits and catalog.compile_arch(modded, "sm_90") == "sm_90a"
+    assert catalog.dynamic_smem_bytes(modded) == backward_traits.smem_bytes == main[0].dynamic_smem_bytes
+    assert catalog.threads(modded) == backward_traits.threads
+    plain_d128 = hooked_instance(fa3_backward.BACKWARD_CHOICES[128].instance("bfloat16"), None, None)
+    assert plain_d128.flex_prefix.endswith("128, 64, 128, 2, false, true, false, 128")
+    with pytest.raises(ValueError, match="is a hooked instance"):
+        hooked_instance(fa3_backward.HOOKED_CHOICES[128].instance("float16"), None, None)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 300, 260)
     member, (counts, indices, _, _, _) = tile_visits(block_mask, problem, HOPPER, backward=False)
     assert member == "kv" and counts.shape == (1, 1, -(-300 // traits.block_m))
     assert list(indices[0, 0, 0, :counts[0, 0, 0]]) == list(range(-(-128 // traits.block_n)))  # 80-key blocks
-    backward_traits = plans.variant_for("fa2", problem, HOPPER, "backward").module.tile_traits(problem, HOPPER,
-                                                                                            "backward")
-    member, (counts, *_) = tile_visits(block_mask, problem, HOPPER, backward=True)
-    assert member == "q" and counts.shape[-1] == -(-260 // backward_traits.block_n)
+    member, (counts, indices, _, _, _) = tile_visits(block_mask, problem, HOPPER, backward=True)
+    assert member == "q" and counts.shape == (1, 1, -(-260 // backward_traits.block_n))
+    # K/V block 1 (keys 64 .. 127) lies in the mask's partial 128-block (0, 0), so Q block 0 visits it too: Q blocks
+    # 0 .. 4 of 64 rows; K/V block 2 (keys 128 .. 191) Q blocks 2 .. 4.
+    assert list(indices[0, 0, 1, :counts[0, 0, 1]]) == list(range(-(-300 // backward_traits.block_m)))
+    assert list(indices[0, 0, 2, :counts[0, 0, 2]]) == [2, 3, 4]
 
 
 def test_score_mod_with_a_captured_table_gqa_float16():
     """A learned relative-position bias per head (a float32 table read per score), GQA 4:2, 150 x 203, head dim 80
-    (the d128 tile): forward on the Hopper tile, backward on mma.sync with the Hopper forward's lse."""
+    (the d128 tile): forward and backward on the Hopper tiles (the backward's hook takes the raw scores once dP has
+    landed: score', P, dS in one pass)."""
     batch, seqlen_q, seqlen_k, heads, heads_k, headdim = 2, 150, 203, 4, 2, 80
     q, k, v, dout = random_inputs((batch, seqlen_q, seqlen_k, heads, heads_k, headdim), "float16", seed=5)
     table = jnp.asarray(np.random.default_rng(6).standard_normal((heads, seqlen_q + seqlen_k)).astype(np.float32))
@@ -132,7 +153,8 @@ def test_document_block_mask_with_a_softcap_mod_mqa_bfloat16():
 
 def test_dense_mask_mod_sliding_window_float16_d192():
     """An expert-form mask_mod (a sliding window of 37 keys, bottom-right aligned, no block mask: run on every score)
-    without a score_mod, 130 x 260, head dim 150 (the hooked d192 tile): the scores go to the kernel unscaled."""
+    without a score_mod, 130 x 260, head dim 150 (the hooked d192 tile forward, the d256 one backward): the scores go
+    to the kernels unscaled; the backward's hook hides them before P is formed."""
     batch, seqlen_q, seqlen_k, heads, heads_k, headdim = 1, 130, 260, 2, 2, 150
     q, k, v, dout = random_inputs((batch, seqlen_q, seqlen_k, heads, heads_k, headdim), "float16", seed=9)
     offset = seqlen_k - seqlen_q
@@ -144,13 +166,23 @@ def test_dense_mask_mod_sliding_window_float16_d192():
 
     with sim.targeting("sm_90"), sim.record() as records:
         out, lse = cuflash.flex_attention(q, k, v, mask_mod=window, return_lse=True)
+        grads = cuflash.flex_attention_backward(dout, q, k, v, out, lse, mask_mod=window)
     ref = tol.forward_references(q, k, v, mask_mod=reference_window)
     tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
     tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
-    (launch,) = records.launches
+    bref = tol.backward_references(dout, q, k, v, mask_mod=reference_window)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR,
+                        atol=1e-5)
+    # The forward on the hooked d192 tile, the backward on the d256 one (sharing the head dim), both with the mask_mod
+    # alone on every tile (no block mask).
+    launch, *backward = records.launches
     assert "cuflash::flex::FlexHook<cuflash::flex::NoScoreMod, " in launch.kernel, launch.kernel
     assert launch.kernel.endswith(", false>>"), launch.kernel  # no block mask
     assert fa3.HOOKED_CHOICES[192].instance("float16").name_expr[:-1] in launch.kernel
+    (main,) = [r.kernel for r in backward if "fa3_backward_kernel" in r.kernel]
+    assert main.startswith(fa3_backward.BACKWARD_CHOICES[256].flex_prefix("float16") + ", cuflash::flex::FlexHook<"
+                           "cuflash::flex::NoScoreMod, ") and main.endswith(", false>>"), main
     # The same window built in: the same scores, so within the rule of the same reference.
     built_out = cuflash.attention(q, k, v, window_size=(36, 0))
     tol.check_close("out (built-in window)", built_out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
@@ -174,8 +206,8 @@ def test_causal_block_mask_on_the_d256_tile_bfloat16():
 
 def test_jax_jit_and_grad_run_the_same_kernels_bitwise():
     """cuflash.jax.flex_attention under jit and grad on the simulator targeting sm_90: the custom call's forward
-    runs the Hopper flex instance, its backward fa2_tc's, and out, lse and the gradients to q, k, v are bitwise the
-    NumPy path's (a relative bias table, a document block mask, GQA 4:2, 90 x 77, head dim 64)."""
+    runs the Hopper flex instance, its backward the Hopper backward's, and out, lse and the gradients to q, k, v are
+    bitwise the NumPy path's (a relative bias table, a document block mask, GQA 4:2, 90 x 77, head dim 64)."""
     import jax
 
     import cuflash.jax as cfj
@@ -246,7 +278,7 @@ def _flex_on_arrays(dtype, headdim, device, host):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, headdim", [("bfloat16", 128), ("float16", 64)])
 def test_gpu_flex_forward_and_backward_on_cupy_arrays(dtype, headdim):
-    """On a GPU (on an sm_90 device: the Hopper forward with the mods, fa2_tc's backward) on CuPy arrays."""
+    """On a GPU (on an sm_90 device: the Hopper forward and backward with the mods) on CuPy arrays."""
     cupy = pytest.importorskip("cupy")
     _flex_on_arrays(dtype, headdim, cupy.asarray, cupy.asnumpy)
 

@@ -16,7 +16,9 @@ fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at h
 any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
 sharing the head dim), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger; MLA's
 192 / 128, and any v up to 128 beside a q of 129..256, on the d256 tile with V, dO and dV at 128), GQA/MQA,
-any seqlens, dQ by atomics or in deterministic mode (fa2's slices);
+any seqlens, dQ by atomics or in deterministic mode (fa2's slices), and a user's flex mods (cuflash.flex builds the
+instance from the plain one of the tile, with the mods' FlexHook as its Hook: ``traits_of`` knows it by its name up to
+the hook; a block mask's Q block lists are made for this tile);
 ``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
 serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
 """
@@ -37,6 +39,12 @@ from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, narrow_v_choice
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
 _DQ_BUFFERS = 2  # fa3::BackwardTraits::kDqBuffers
+
+
+def template_defaults(head_dim: str) -> tuple[str, ...]:
+    """fa3_backward_kernel's defaults of Hooked, BothHooks, SplitHeadDim and HeadDimV (the head dim's), for an
+    instance's head dim argument (cuflash.flex spells them out before the Hook)."""
+    return ("false", "true", "false", head_dim)
 
 
 @dataclass(frozen=True)
@@ -92,13 +100,23 @@ class BackwardTraits(WarpgroupTraits):
                  + 4 * dq_buffers * m * (d + 8))
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * dq_buffers)
 
+    def all_template_flags(self) -> tuple[str, ...]:
+        """Hooked, BothHooks, SplitHeadDim, HeadDimV: every template argument past Stages."""
+        return ("true" if self.hooked else "false", "true" if self.both_hooks else "false",
+                "true" if self.split_head_dim else "false", str(self.v_head_dim))
+
     def template_flags(self) -> tuple[str, ...]:
         """Hooked, BothHooks, SplitHeadDim, HeadDimV, up to the last that is not its default."""
-        flags = ("true" if self.hooked else "false", "true" if self.both_hooks else "false",
-                 "true" if self.split_head_dim else "false", str(self.v_head_dim))
-        defaults = ("false", "true", "false", str(self.head_dim))
+        flags = self.all_template_flags()
+        defaults = template_defaults(str(self.head_dim))
         last = max((i for i, (f, default) in enumerate(zip(flags, defaults)) if f != default), default=-1)
         return flags[:last + 1]
+
+    def flex_prefix(self, dtype: str) -> str:
+        """The name of this tile's instance with a user's mods up to its Hook (KernelInstance.flex_prefix): every
+        template argument spelled out."""
+        spelled = self.all_template_flags()[len(self.template_flags()):]
+        return self.instance(dtype).name_expr[:-1] + "".join(f", {flag}" for flag in spelled)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -145,7 +163,8 @@ TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(
 # Sinks: nothing of the kernel's own (sink.cuh: the forward's out and lse include the sink, and the API forms the
 # sinks' gradient from the row statistics). v's own head dim: the tile of the larger (fa2.tile_head_dim), V, dO and
 # dV at v's width.
-SERVED_OPTIONS = HOOK_OPTIONS | {"varlen", "sinks", "headdim_v"}
+# Flex: the mods' FlexHook in the plain instance of the tile (a flex problem has no softcap or ALiBi, and no varlen).
+SERVED_OPTIONS = HOOK_OPTIONS | {"varlen", "sinks", "headdim_v", "flex"}
 
 
 def compiled_head_dim(headdim: int) -> int:
@@ -172,8 +191,8 @@ def refusal(problem: Problem, target: Target) -> str | None:
     head dims 1..256 (q's and k's, v's its own or the same), any mask (causal, sliding windows: mask.cuh's q_blocks
     visit the band's Q blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, v's
     own head dim, softcap and ALiBi (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for
-    both at once); dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the forward's: the two
-    kernels' options may differ."""
+    both at once) and flex mods; dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the
+    forward's: the two kernels' options may differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
     if problem.dtype not in DTYPES:
@@ -212,6 +231,20 @@ def instances() -> list[KernelInstance]:
     """Every instance of the backward program: the main kernels, fa2's pre-pass and convert kernels."""
     return [i for dtype in DTYPES
             for i in fa2.backward_program_instances(list(TILES), dtype)]
+
+
+_TRAITS = {traits.instance(dtype): traits for dtype in DTYPES for traits in TILES}
+# An instance cuflash.flex built from a plain one, by its name up to the FlexHook (KernelInstance.flex_prefix).
+_FLEX_TRAITS = {traits.flex_prefix(dtype): traits for dtype in DTYPES for traits in TILES if not traits.hooked}
+
+
+def traits_of(instance: KernelInstance) -> BackwardTraits:
+    """The traits of a backward instance of the catalog, or of one with a user's mods built from a plain one (same
+    tile, launch shape and compile arch); KeyError for any other kernel."""
+    found = _TRAITS.get(instance) or _FLEX_TRAITS.get(instance.flex_prefix)
+    if found is None:
+        raise KeyError(f"{instance} is not a Hopper backward kernel")
+    return found
 
 
 def problem_traits(problem: Problem, target: Target) -> BackwardTraits:

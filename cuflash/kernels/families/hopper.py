@@ -66,9 +66,10 @@ def instances(target: Target | None = None) -> list[KernelInstance]:
 
 def traits_of(instance: KernelInstance) -> WarpgroupTraits:
     """The forward's or the backward's traits of a Hopper kernel (KeyError: not one)."""
-    if instance in _backward_instances():
-        return next(t for t in fa3_backward.TILES if instance in (t.instance(dtype) for dtype in DTYPES))
-    return fa3.traits_of(instance)  # KeyError for any other kernel
+    try:
+        return fa3_backward.traits_of(instance)
+    except KeyError:
+        return fa3.traits_of(instance)  # KeyError for any other kernel
 
 
 def dynamic_smem_bytes(instance: KernelInstance) -> int:
