@@ -27,6 +27,7 @@ runs on the sm_90 devices it is for (same major.minor); the report and the censu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -98,6 +99,17 @@ class WarpgroupTraits:
         """The kernel's trailing bool template arguments past their defaults: Hooked."""
         return ("true",) if self.hooked else ()
 
+    def all_template_flags(self) -> tuple[str, ...]:
+        """Every template argument past Stages and before the kernel's Hook (template_flags: those past their
+        defaults)."""
+        raise NotImplementedError
+
+    def flex_prefix(self, dtype: str) -> str:
+        """The name of this tile's instance with a user's mods up to its Hook (KernelInstance.flex_prefix): every
+        template argument before the Hook spelled out."""
+        spelled = self.all_template_flags()[len(self.template_flags()):]
+        return self.instance(dtype).name_expr[:-1] + "".join(f", {flag}" for flag in spelled)
+
 
 @dataclass(frozen=True)
 class ForwardTraits(WarpgroupTraits):
@@ -123,7 +135,11 @@ class ForwardTraits(WarpgroupTraits):
         """Hooked past its default, then HeadDimV where v's width is its own."""
         if not self.head_dim_v:
             return super().template_flags()
-        return ("true" if self.hooked else "false", str(self.head_dim_v))
+        return self.all_template_flags()
+
+    def all_template_flags(self) -> tuple[str, ...]:
+        """Hooked, HeadDimV."""
+        return ("true" if self.hooked else "false", str(self.v_head_dim))
 
 
 # The tiles, (masked, no mask) per head dim, from FA3's table (hopper.md): d128 128 x 128 causal and local, 128 x 176
@@ -242,20 +258,24 @@ def instances(target: Target | None = None) -> list[KernelInstance]:
     return [traits.instance(dtype) for dtype in DTYPES for traits in _TILES]
 
 
-_TRAITS = {traits.instance(dtype): traits for dtype in DTYPES for traits in _TILES}
-# An instance cuflash.flex built from a hooked one, by its name up to the FlexHook (KernelInstance.flex_prefix): the
-# hooked instance's arguments and its HeadDimV spelled out (the kernel's Hook follows it).
-_FLEX_TRAITS = {f"{traits.instance(dtype).name_expr[:-1]}, {traits.v_head_dim}": traits
-                for dtype in DTYPES for traits in HOOKED_CHOICES.values()}
+def traits_finder(tiles, flex_tiles, kernel: str) -> Callable[[KernelInstance], WarpgroupTraits]:
+    """A ``traits_of`` for one Hopper kernel: the traits of an instance of ``tiles``, or of one cuflash.flex built
+    from an instance of ``flex_tiles`` (known by its name up to the FlexHook, KernelInstance.flex_prefix: same tile,
+    launch shape and compile arch); KeyError for any other kernel."""
+    by_instance = {traits.instance(dtype): traits for dtype in DTYPES for traits in tiles}
+    by_flex_prefix = {traits.flex_prefix(dtype): traits for dtype in DTYPES for traits in flex_tiles}
+
+    def traits_of(instance: KernelInstance) -> WarpgroupTraits:
+        found = by_instance.get(instance) or by_flex_prefix.get(instance.flex_prefix)
+        if found is None:
+            raise KeyError(f"{instance} is not a {kernel} kernel")
+        return found
+
+    return traits_of
 
 
-def traits_of(instance: KernelInstance) -> ForwardTraits:
-    """The traits of a forward instance of the catalog, or of one with a user's mods built from a hooked one (same
-    tile, launch shape and compile arch); KeyError for any other kernel."""
-    found = _TRAITS.get(instance) or _FLEX_TRAITS.get(instance.flex_prefix)
-    if found is None:
-        raise KeyError(f"{instance} is not a Hopper forward kernel")
-    return found
+# A forward instance of the catalog, or one with a user's mods built from a hooked one.
+traits_of = traits_finder(_TILES, HOOKED_CHOICES.values(), "Hopper forward")
 
 
 def forward_program(problem: Problem, target: Target) -> Program:

@@ -34,7 +34,7 @@ from .. import nvrtc
 from ..program import KernelInstance, Problem, Program, TmaBox
 from ..targets import Target
 from . import fa2
-from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, narrow_v_choice
+from .fa3 import ARCHS, DTYPES, HOOK_OPTIONS, WarpgroupTraits, narrow_v_choice, traits_finder
 
 SOURCE = "kernels/fa3_backward.cu"
 _ELEMENT_BYTES = 2
@@ -101,7 +101,7 @@ class BackwardTraits(WarpgroupTraits):
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * dq_buffers)
 
     def all_template_flags(self) -> tuple[str, ...]:
-        """Hooked, BothHooks, SplitHeadDim, HeadDimV: every template argument past Stages."""
+        """Hooked, BothHooks, SplitHeadDim, HeadDimV."""
         return ("true" if self.hooked else "false", "true" if self.both_hooks else "false",
                 "true" if self.split_head_dim else "false", str(self.v_head_dim))
 
@@ -111,12 +111,6 @@ class BackwardTraits(WarpgroupTraits):
         defaults = template_defaults(str(self.head_dim))
         last = max((i for i, (f, default) in enumerate(zip(flags, defaults)) if f != default), default=-1)
         return flags[:last + 1]
-
-    def flex_prefix(self, dtype: str) -> str:
-        """The name of this tile's instance with a user's mods up to its Hook (KernelInstance.flex_prefix): every
-        template argument spelled out."""
-        spelled = self.all_template_flags()[len(self.template_flags()):]
-        return self.instance(dtype).name_expr[:-1] + "".join(f", {flag}" for flag in spelled)
 
     def convert_instance(self, dtype: str) -> KernelInstance:
         return fa2.convert_dq_instance(dtype, self.block_n)
@@ -233,18 +227,8 @@ def instances() -> list[KernelInstance]:
             for i in fa2.backward_program_instances(list(TILES), dtype)]
 
 
-_TRAITS = {traits.instance(dtype): traits for dtype in DTYPES for traits in TILES}
-# An instance cuflash.flex built from a plain one, by its name up to the FlexHook (KernelInstance.flex_prefix).
-_FLEX_TRAITS = {traits.flex_prefix(dtype): traits for dtype in DTYPES for traits in TILES if not traits.hooked}
-
-
-def traits_of(instance: KernelInstance) -> BackwardTraits:
-    """The traits of a backward instance of the catalog, or of one with a user's mods built from a plain one (same
-    tile, launch shape and compile arch); KeyError for any other kernel."""
-    found = _TRAITS.get(instance) or _FLEX_TRAITS.get(instance.flex_prefix)
-    if found is None:
-        raise KeyError(f"{instance} is not a Hopper backward kernel")
-    return found
+# A backward instance of the catalog, or one with a user's mods built from a plain one.
+traits_of = traits_finder(TILES, [traits for traits in TILES if not traits.hooked], "Hopper backward")
 
 
 def problem_traits(problem: Problem, target: Target) -> BackwardTraits:
