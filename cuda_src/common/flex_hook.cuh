@@ -1,7 +1,7 @@
 // flex_hook.cuh: a user's score_mod and mask_mod (cuflash.flex) as the score hook of the fa2 kernels.
 //
-// The fa2 kernels (SIMT and tensor-core, forward and backward) and the Hopper forward (fa3_forward.cu) take their
-// per-score transform as a template parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi).
+// The fa2 kernels (SIMT and tensor-core, forward and backward) and the Hopper ones (fa3_forward.cu, fa3_backward.cu)
+// take their per-score transform as a template parameter, `Hook`, defaulting to mask.cuh's ScoreHook (softcap, ALiBi).
 // FlexHook<ScoreMod, MaskMod> is the other one: it computes what a FlexAttention kernel computes for each score,
 //     score' = mask_mod(b, h, q_idx, kv_idx) ? score_mod(scale q.k, b, h, q_idx, kv_idx) : -inf,
 // with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
@@ -133,8 +133,8 @@ struct FlexHook {
     return row0 + tile_rows <= p.seqlen_q && key0 + tile_keys <= p.seqlen_k;
   }
   // Whether the hook leaves every score of such a visited tile as it is: a mask_mod alone on a block mask's full
-  // tile inside the sequence (block-uniform: a kernel may run its step without the hook there, as the mma.sync
-  // backward does).
+  // tile inside the sequence (block-uniform: a kernel may run its step without the hook there, as the mma.sync and
+  // Hopper backwards do).
   __device__ __forceinline__ bool idle_on(bool full, int row0, int tile_rows, int key0, int tile_keys) const {
     return kMaskOnly && full && inside_sequence(row0, tile_rows, key0, tile_keys);
   }

@@ -9,9 +9,10 @@
 // K/V block each, dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding
 // only into slice x, each element by one bulk reduce at a time, in program order). Per K/V block it loops over the
 // query heads of its group (GQA/MQA: the group's dK/dV sum in registers, in a fixed order) and per head over the Q
-// blocks that see the block (mask.cuh's q_blocks). Head dims: q's and k's, and v's (headdim_v, equal or its own:
-// MLA-style) each up to HeadDim, the tile of the larger; V's and dO's columns past v's are zero-filled (dP^T's sum
-// then ends at v's, dV's columns past it are zeros and not written), Q's and K's past q's likewise.
+// blocks that see the block (mask.cuh's q_blocks; a flex block mask's list of them: Hook below). Head dims: q's and
+// k's, and v's (headdim_v, equal or its own: MLA-style) each up to HeadDim, the tile of the larger; V's and dO's
+// columns past v's are zero-filled (dP^T's sum then ends at v's, dV's columns past it are zeros and not written),
+// Q's and K's past q's likewise.
 //   block = 1 + kConsumers warpgroups (fa3_backward_traits.cuh):
 //     warpgroup 0, the producer (setmaxnreg down to 56): warps 0 .. 2 copy, warp 3 writes dQ, all walking the
 //       same steps. K and V are copied once per K/V block, after the consumers' arrivals on "kv_empty" for the
