@@ -128,6 +128,12 @@ struct FlexHook {
 
   __device__ __forceinline__ static constexpr bool active() { return true; }
 
+  // Whether a launch carries what a flex call never has and the hook would drop (softcap, ALiBi, a window: the mods
+  // say all a flex call hides or changes); the Hopper kernels trap on it.
+  __device__ __forceinline__ static bool rejects(const AttentionParams& p) {
+    return p.softcap_outer != 0.f || p.alibi_slopes != nullptr || MaskPolicy::banded(p);
+  }
+
   // Whether a tile of tile_rows x tile_keys scores from (row0, key0) lies inside seqlen_q x seqlen_k.
   __device__ __forceinline__ bool inside_sequence(int row0, int tile_rows, int key0, int tile_keys) const {
     return row0 + tile_rows <= p.seqlen_q && key0 + tile_keys <= p.seqlen_k;

@@ -282,6 +282,9 @@ struct ScoreHook {
   // Whether the hook leaves a visited tile's scores as they are though active (FlexHook's mask_mod alone on a full
   // tile): never.
   __device__ __forceinline__ static constexpr bool idle_on(bool, int, int, int, int) { return false; }
+  // Whether a launch carries what the hook cannot serve (FlexHook's: the built-in options): none (a kernel's Hooked
+  // flag says whether it applies this hook at all).
+  __device__ __forceinline__ static constexpr bool rejects(const AttentionParams&) { return false; }
   // Runs f(hook) with the hook for the visited tile of tile_rows x tile_keys scores from (row0, key0): this one
   // (FlexHook passes a form without the tests the tile does not need: the sequence bounds, the mask_mod).
   template <bool Scaled = false, bool FullForm = false, class F>

@@ -151,8 +151,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
-      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr) ||
-      (kFlex && MaskPolicy::banded(p)))
+      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr) || Hook::rejects(p))
     __trap();
 
   const int kv_head = blockIdx.y;
@@ -479,41 +478,33 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
         const float* dot = dot_rows(stage);
         const BlockInfo head_info = BlockInfo::of_group_head(batch, kv_head, head);  // the step's query head
         const int tile_row0 = row0 + query_base;  // this consumer's first query (by head dim; else the block's)
-        if constexpr (kFlex) {
-          // The user's mods (the kernel's opening comment): the hook's form for this consumer's part of the tile
-          // (a block mask's full flag holds for any part of a full tile).
-          const Hook flex = Hook::of(p, head_info);
-          const bool full = visits.full(visit);
-          const int hook_key0 = key0 + key_base;
+        const Hook mods = fa3::score_hook_of<Hook, kFlex>(p, head_info);  // flex: the user's mods (opening comment)
+        const bool full = visits.full(visit);  // (a block mask's full flag holds for any part of a full tile)
+        if constexpr (kFlex && !Hook::kMaskOnly) {
+          // A score_mod: the raw scores wait for dP^T, then one pass forms score', P^T, g and dS^T, in the hook's
+          // form for this consumer's part of the tile.
           arch::wgmma_wait<1>(s);
-          if constexpr (Hook::kMaskOnly) {
-            // (No FullForm: idle_on already covers a full tile inside the sequence.)
-            if (!flex.idle_on(full, tile_row0, Tr::kQueries, hook_key0, 64))
-              flex.template on_tile<false, false>(full, tile_row0, Tr::kQueries, hook_key0, 64,
-                                                 fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
-                                                                                     key0 + first_key});
-#pragma unroll
-            for (int i = 0; i < Tr::kAccS; ++i)
-              s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
-            arch::wgmma_wait<0>(dp);
-#pragma unroll
-            for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
-          } else {
-            arch::wgmma_wait<0>(dp);
-            flex.template on_tile<Hook::kScaledScores, true>(
-                full, tile_row0, Tr::kQueries, hook_key0, 64,
-                fa3::FlexGradientsEachScore<Tr::kAccS, Hook>{s, dp, flex, lse + first_col, dot + first_col,
-                                                              row0 + first_col, key0 + first_key,
-                                                              Hook::kScaledScores ? kLog2e : scale_log2});
-          }
+          arch::wgmma_wait<0>(dp);
+          mods.template on_tile<Hook::kScaledScores, true>(
+              full, tile_row0, Tr::kQueries, key0 + key_base, 64,
+              fa3::FlexGradientsEachScore<Tr::kAccS, Hook>{s, dp, mods, lse + first_col, dot + first_col,
+                                                            row0 + first_col, key0 + first_key,
+                                                            Hook::kScaledScores ? kLog2e : scale_log2});
         } else {
-          // P^T while dP^T is in flight (Hooked: of the hook's scores), then dS^T once it landed (Hooked: times the
-          // hook's derivative, recovered from P: no second float per score kept across the wait).
-          // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info).
+          // P^T while dP^T is in flight (Hooked: of the hook's scores; a flex mask_mod alone: hidden ones hidden
+          // first), then dS^T once it landed (Hooked: times the hook's derivative, recovered from P: no second float
+          // per score kept across the wait). ALiBi: the step's head's slope, the sequence's diagonal (any head of the
+          // group's kv_info).
           const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
           const ScoreHook hook{p, kv_info, alibi_slope};
           arch::wgmma_wait<1>(s);
           if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
+          // (No FullForm for a mask_mod alone: idle_on already covers a full tile inside the sequence.)
+          if constexpr (kFlex)
+            if (!mods.idle_on(full, tile_row0, Tr::kQueries, key0 + key_base, 64))
+              mods.template on_tile<false, false>(full, tile_row0, Tr::kQueries, key0 + key_base, 64,
+                                                 fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
+                                                                                     key0 + first_key});
 #pragma unroll
           for (int i = 0; i < Tr::kAccS; ++i)
             s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
@@ -521,9 +512,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           // the forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
           // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
           // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
-          // has P = 0 from its lse of +inf whatever the mask says).
+          // has P = 0 from its lse of +inf whatever the mask says). A flex hook has hidden what is hidden.
           const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
-          if (mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
+          if (!kFlex && mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
             fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, key0 + key_base, 64),
                                    row0 + first_col, key0 + first_key, 0.f);
           arch::wgmma_wait<0>(dp);

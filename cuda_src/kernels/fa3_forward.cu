@@ -104,7 +104,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
   // without the hook launched with softcap or ALiBi would silently drop them.
   if (fa3::launch_shape_differs<Tr>(p) || (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||
-      (kFlex && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr || MaskPolicy::banded(p) || p.num_kv_splits != 1)))
+      Hook::rejects(p) || (kFlex && p.num_kv_splits != 1))
     __trap();
 
   const int m_block = blockIdx.x / p.num_kv_splits;  // split-KV: the split is blockIdx.x % p.num_kv_splits
