@@ -48,6 +48,18 @@ def test_wrapper_compiles_to_its_instruction(arch, kernel, patterns):
         assert re.search(pattern, sass), f"{kernel} on {arch}: no {pattern} in its SASS:\n{sass[:4000]}"
 
 
+def test_stmatrix_is_one_matrix_store_on_sm90_and_refused_before():
+    """arch::stmatrix: STSM on sm_90 (the Hopper backward's P^T and dS^T tiles), x4 and x1; a compile error naming
+    the instruction for an older arch, not a ptxas failure."""
+    for count, pattern in ((4, r"\bSTSM\.16\.M88\.4\b"), (1, r"\bSTSM\.16\.M88\b")):
+        instance = KernelInstance(str(TENSOR_OPS), f"simtensor::stmatrix_kernel<{count}>")
+        sass = nvrtc.dump_sass(nvrtc.compile_instance(instance, "sm_90"))
+        assert sass is not None, "cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)"
+        assert re.search(pattern, sass), sass[:4000]
+    with pytest.raises(nvrtc.CompileError, match=re.escape("stmatrix needs sm_90")):
+        nvrtc.compile_instance(KernelInstance(str(TENSOR_OPS), "simtensor::stmatrix_kernel<4>"), "sm_80")
+
+
 def test_atomic_add2_is_one_vector_reduction_on_sm90_and_refused_before():
     """arch::atomic_add2: one REDG of two floats on sm_90 (the Hopper backward's dQ adds); a compile error naming
     the instruction for an older arch, not a ptxas failure."""
@@ -63,6 +75,7 @@ def test_atomic_add2_is_one_vector_reduction_on_sm90_and_refused_before():
     ("float d[4]; const unsigned a[4] = {}; const unsigned b[2] = {}; const float c[4] = {};"
      " cuflash::arch::mma_m16n8k16<float>(d, a, b, c);", "mma_m16n8k16 takes __half or __nv_bfloat16"),
     ("unsigned r[3]; cuflash::arch::ldmatrix<3, false>(r, nullptr);", "ldmatrix loads 1, 2 or 4 matrices"),
+    ("const unsigned r[3] = {}; cuflash::arch::stmatrix<3>(nullptr, r);", "stmatrix stores 1, 2 or 4 matrices"),
     ("cuflash::arch::cp_async<2>(nullptr, nullptr, 2);", "cp.async copies 4, 8 or 16 bytes"),
     ("(void)cuflash::arch::pack_float2<float>(1.f, 2.f);", "pack_float2 packs to __half or __nv_bfloat16"),
 ])

@@ -14,6 +14,7 @@
 //                        sm_90)
 //   - tensor cores:      mma_m16n8k16<T>    (mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16})
 //   - shared -> regs:    ldmatrix<n, trans> (ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16)
+//   - regs -> shared:    stmatrix<n>        (stmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16, sm_90)
 //   - async copies:      cp_async<bytes>    (zero-filling or whole), cp_async_commit, cp_async_wait<n>
 //                                           (cp.async.{ca,cg}, groups)
 //   - 16-bit packing:    pack_float2<T>     (cvt.rn.{f16x2,bf16x2}.f32), smem_address (cvta to shared)
@@ -187,6 +188,32 @@ __device__ __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem
 #undef CUFLASH_LDMATRIX_X2
 #undef CUFLASH_LDMATRIX_X4
 
+// ldmatrix's mirror: kCount 8x8 b16 matrices into shared memory, register j of lane l holding row l / 4, columns
+// 2 (l % 4) and + 1 of matrix j (an mma fragment's layout), lane l giving the address of row l % 8 of matrix l / 8
+// (its 32-bit shared-window address, or a pointer into shared memory): stmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16
+// (sm_90). One instruction stores an A fragment, where 32-bit stores take four, each with its own swizzled address.
+template <int kCount>
+__device__ __forceinline__ void stmatrix(unsigned smem_row_address, const unsigned (&r)[kCount]) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "stmatrix stores 1, 2 or 4 matrices");
+#if defined(__CUDA_ARCH__)
+  static_assert(__CUDA_ARCH__ >= 900 || kCount == 0, "stmatrix needs sm_90");
+#endif
+  const unsigned address = smem_row_address;
+  if constexpr (kCount == 1)
+    asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};" ::"r"(address), "r"(r[0]) : "memory");
+  if constexpr (kCount == 2)
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1,%2};" ::"r"(address), "r"(r[0]), "r"(r[1])
+                 : "memory");
+  if constexpr (kCount == 4)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};" ::"r"(address), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+template <int kCount>
+__device__ __forceinline__ void stmatrix(void* smem_row, const unsigned (&r)[kCount]) {
+  stmatrix<kCount>(smem_address(smem_row), r);
+}
+
 // Asynchronous copy of kBytes (4, 8 or 16) from global to shared memory; only the first src_bytes
 // are read, the rest of the destination is zero-filled. 16-byte copies bypass L1 (.cg).
 template <int kBytes>
@@ -251,6 +278,17 @@ template <int kCount, bool kTrans>
 __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row, CUFLASH_SIM_SITE_PARAMS) {
   static_assert(kCount == 1 || kCount == 2 || kCount == 4, "ldmatrix loads 1, 2 or 4 matrices");
   sim::ldmatrix<kCount, kTrans>(r, smem_row, site_);
+}
+
+template <int kCount>
+__forceinline__ void stmatrix(void* smem_row, const unsigned (&r)[kCount], CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "stmatrix stores 1, 2 or 4 matrices");
+  sim::stmatrix<kCount>(smem_row, r, site_);
+}
+template <int kCount>
+__forceinline__ void stmatrix(unsigned smem_row_address, const unsigned (&r)[kCount], CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "stmatrix stores 1, 2 or 4 matrices");
+  sim::stmatrix<kCount>(sim::shared_window_pointer(smem_row_address), r, site_);
 }
 
 template <int kBytes>

@@ -1,4 +1,4 @@
-"""mma.sync m16n8k16, ldmatrix and cp.async twins against the PTX fragment layouts."""
+"""mma.sync m16n8k16, ldmatrix, stmatrix and cp.async twins against the PTX fragment layouts."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ NAMES = ["mma_kernel<__half>", "mma_kernel<__nv_bfloat16>", "ldmatrix_bad_kernel
          "cp_async_bad_kernel", "ldmatrix_mma_kernel<__half>", "ldmatrix_mma_kernel<__nv_bfloat16>",
          "cp_async_bytes_kernel<16>", "cp_async_bytes_kernel<16, true>", "pack_kernel<__half>",
          "pack_kernel<__nv_bfloat16>", "smem_address_kernel", "atomic_add2_kernel<0>", "atomic_add2_kernel<1>"] + [
-    f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")]
+    f"ldmatrix_kernel<{n}, {t}>" for n in (1, 2, 4) for t in ("false", "true")] + [
+    f"stmatrix_kernel<{n}>" for n in (1, 2, 4)]
 
 
 def inst(name: str) -> KernelInstance:
@@ -125,6 +126,43 @@ def test_ldmatrix_bad_addresses(mode, pattern):
     out = np.zeros(32, np.uint32)
     with pytest.raises(sim.KernelError, match=pattern):
         launch("ldmatrix_bad_kernel", 32, smem=256, out0=out, mode=mode)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("pitch", [16, 48])
+def test_stmatrix(count, pitch):
+    """stmatrix mirrors ldmatrix: register j of lane l (row l / 4, columns 2 (l % 4) and + 1 of matrix j) lands in
+    row l % 8 of matrix l / 8 at lane l's address; rows of matrices past kCount stay untouched, and reading them
+    back through ldmatrix's layout gives the registers again."""
+    rng = np.random.default_rng(10 + count + pitch)
+    matrices = rng.integers(0, 2**16, (4, 8, 8), dtype=np.uint16)
+    regs = np.array([ldmatrix_registers(matrices, lane, 4, False) for lane in range(32)], np.uint32)
+    out = np.full((32, 4), 7, np.uint32)
+    launch(f"stmatrix_kernel<{count}>", 32, smem=32 * pitch, in0=regs, out0=out, width=pitch, mode=0)
+    rows = out.view(np.uint16).reshape(4, 8, 8)  # row l of shared memory is row l % 8 of matrix l / 8
+    np.testing.assert_array_equal(rows[:count], matrices[:count])
+    assert not rows[count:].any()
+
+
+@pytest.mark.parametrize("mode, pattern", [(2, "not 16-byte aligned"), (3, "outside the block's dynamic shared")])
+def test_stmatrix_bad_addresses(mode, pattern):
+    out = np.zeros((32, 4), np.uint32)
+    with pytest.raises(sim.KernelError, match=pattern):
+        launch("stmatrix_kernel<4>", 32, smem=32 * 16, in0=np.zeros((32, 4), np.uint32), out0=out, width=16,
+               mode=mode)
+
+
+def test_stmatrix_rows_are_their_address_lanes_stores_in_race_mode():
+    """Each row is its address lane's store: another lane of the warp reads it after a __syncwarp (clean), not
+    without one (a race naming the missing __syncwarp)."""
+    sim.precompile([inst("stmatrix_kernel<4>")], modes=("race",))
+    regs = np.arange(128, dtype=np.uint32).reshape(32, 4)
+    out = np.zeros((32, 4), np.uint32)
+    with sim.checking("race"):
+        launch("stmatrix_kernel<4>", 32, smem=32 * 16, in0=regs, out0=out, width=16, mode=0)
+        with pytest.raises(sim.KernelError, match="data race on shared memory") as info:
+            launch("stmatrix_kernel<4>", 32, smem=32 * 16, in0=regs, out0=out, width=16, mode=1)
+    assert "__syncwarp" in str(info.value)
 
 
 def test_cp_async_applies_at_wait():

@@ -711,6 +711,8 @@ inline unsigned shared_window_address(const void* p) {
     fail("smem_address: the pointer is not inside the block's dynamic shared memory");
   return static_cast<unsigned>(at - base);
 }
+// Its inverse: the pointer a shared-window address names (the twins that take one check its bounds).
+inline void* shared_window_pointer(unsigned address) { return current_thread()->block->smem + address; }
 }  // namespace cuflash::sim
 
 namespace cuflash::arch {

@@ -2,6 +2,7 @@
 // the arch layer to wrap (arch.cuh owns the names kernels see):
 //   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32  -> mma_m16n8k16<T>
 //   ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16          -> ldmatrix<kCount, kTrans>
+//   stmatrix.sync.aligned.m8n8.{x1,x2,x4}.shared.b16                   -> stmatrix<kCount>
 //   cp.async.{ca,cg}.shared.global + commit_group / wait_group          -> cp_async*, in the runtime
 //
 // mma and ldmatrix are warp collectives like the shuffles: every lane deposits its
@@ -120,6 +121,52 @@ __forceinline__ void ldmatrix(unsigned (&r)[kCount], const void* smem_row, CUFLA
     profile_shared_access(CUFLASH_SIM_SITE("ldmatrix"), smem_row, 16, kProfileLdmatrix);
   warp_collective(CUFLASH_SIM_SITE(kTrans ? "ldmatrix.trans" : "ldmatrix"), 0xffffffffu,
                   &ldmatrix_compute<kCount, kTrans>, kCollectiveNone, &address, sizeof address, r, sizeof r);
+}
+
+// ---- stmatrix m8n8 b16 (sm_90) ------------------------------------------------------------------
+// ldmatrix's mirror: register j of lane L holds row L / 4, columns 2 (L % 4) and + 1 of matrix j; lane L < 8 kCount
+// gives the address of row L % 8 of matrix L / 8 (16 bytes, 16-byte aligned, inside the block's shared memory). The
+// collective checks every address and hands each address lane its row's 16 bytes, gathered from the four lanes
+// holding them; that lane then stores them itself, one 16-byte store: race mode sees each row as its address lane's
+// write (other lanes of the warp read it after a __syncwarp or a barrier, as after any store), and profile mode
+// counts it as one (a quarter-warp phase is one matrix, as the GPU serves stmatrix).
+struct alignas(16) MatrixRow {
+  unsigned words[4];
+};
+template <int kCount>
+struct StmatrixIn {
+  uintptr_t row;  // the lane's row address (lanes 8 kCount on: unused)
+  unsigned r[kCount];
+};
+template <int kCount>
+const char* stmatrix_compute(unsigned, LaneIO* lanes) {
+  const BlockView* block = current_thread()->block;
+  const uintptr_t smem = reinterpret_cast<uintptr_t>(block->smem);
+  const uintptr_t smem_end = smem + block->launch->smem_bytes;
+  StmatrixIn<kCount> in[32];
+  for (int lane = 0; lane < 32; ++lane) __builtin_memcpy(&in[lane], lanes[lane].in, sizeof in[lane]);
+  for (int lane = 0; lane < 8 * kCount; ++lane) {
+    const uintptr_t row = in[lane].row;
+    if (row % 16 != 0) return "stmatrix: a row address is not 16-byte aligned";
+    if (row < smem || row + 16 > smem_end) return "stmatrix: a row lies outside the block's dynamic shared memory";
+    const int matrix = lane / 8, g = lane % 8;
+    MatrixRow out;
+    for (int t = 0; t < 4; ++t) out.words[t] = in[4 * g + t].r[matrix];
+    __builtin_memcpy(lanes[lane].out, &out, sizeof out);
+  }
+  return nullptr;
+}
+
+template <int kCount>
+__forceinline__ void stmatrix(void* smem_row, const unsigned (&r)[kCount], CUFLASH_SIM_SITE_PARAMS) {
+  static_assert(kCount == 1 || kCount == 2 || kCount == 4, "stmatrix stores 1, 2 or 4 matrices");
+  StmatrixIn<kCount> in;
+  in.row = reinterpret_cast<uintptr_t>(smem_row);
+  for (int j = 0; j < kCount; ++j) in.r[j] = r[j];
+  MatrixRow row;
+  warp_collective(CUFLASH_SIM_SITE("stmatrix"), 0xffffffffu, &stmatrix_compute<kCount>, kCollectiveNone, &in,
+                  sizeof in, &row, sizeof row);
+  if ((current_thread()->linear_tid & 31) < 8 * kCount) *static_cast<MatrixRow*>(smem_row) = row;
 }
 
 // ---- cp.async ----------------------------------------------------------------------------------

@@ -76,6 +76,29 @@ __global__ void ldmatrix_bad_kernel(const Args a) {
   store(static_cast<unsigned*>(a.out0) + lane, r[0]);
 }
 
+// stmatrix: in0 = the registers [32][4] (uint32); shared memory (32 rows of a.width bytes, zeroed first) takes
+// kCount matrices, lane l giving row l % 8 of matrix l / 8 (row l); out0 = the 32 rows' first 16 bytes (256 ushorts),
+// each lane copying row (l + 1) % 32, which another lane stored: after a __syncwarp (a.mode 0), or without one (1, a
+// race in race mode). A row address misaligned (a.mode 2, lane 3) or outside shared memory (3, lane 5) is an error.
+template <int kCount>
+__global__ void stmatrix_kernel(const Args a) {
+  CUFLASH_DYNAMIC_SMEM(smem);
+  const int lane = threadIdx.x;
+  const int pitch = a.width;
+  for (int i = lane; i < 32 * pitch / 4; i += 32) reinterpret_cast<unsigned*>(smem)[i] = 0u;
+  __syncwarp();
+  unsigned r[kCount];
+  for (int j = 0; j < kCount; ++j) r[j] = load(static_cast<const unsigned*>(a.in0) + 4 * lane + j);
+  unsigned char* row = smem + lane * pitch;
+  if (a.mode == 2 && lane == 3) row += 8;
+  if (a.mode == 3 && lane == 5) row = smem + 32 * pitch;
+  cuflash::arch::stmatrix<kCount>(row, r);
+  if (a.mode != 1) __syncwarp();
+  const int from = (lane + 1) % 32;
+  for (int w = 0; w < 4; ++w)
+    store(static_cast<unsigned*>(a.out0) + 4 * from + w, reinterpret_cast<const unsigned*>(smem + from * pitch)[w]);
+}
+
 // Each thread copies 16 bytes (4 floats) of in0 to its smem slot, in two groups:
 // floats [0, 2) in group 0 (src-size a.n bytes of 8), floats [2, 4) in group 1.
 // a.mode: 0 wait_group 0; 1 wait_group 1 (group 1 still pending); 2 no wait at all.
