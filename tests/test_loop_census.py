@@ -501,8 +501,9 @@ def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch)
 # tests on every tile: ptxas had predicated the mask_mod's loads into every step); the sm_80 mma.sync forward at d64
 # against its plain step, 659: document 808, prefix-LM 806 (2003 and 1278 before, spilling 24 and 16 bytes); its
 # backward at d64 against 1123: 1274 and 1263 (3047 and 2047 with the hook on every tile); the Hopper backward
-# (fa3_backward.cu: its unhooked step on such tiles too) at d128 against its plain step, 459: 489 and 481 (the list's
-# loads, the idle test, and a dozen reloads a step of values ptxas spilled around the hooked form).
+# (fa3_backward.cu: its unhooked step on such tiles too) at d128 against its plain step, 459: 472 and 468 (the list's
+# loads, the idle test, and reloads of values ptxas spilled around the hooked form; 489 and 481 while dS^T went to
+# shared memory by 32-bit stores, whose 16 addresses were spilled and reloaded every step: fa3::store_fragment).
 @pytest.mark.parametrize("direction, arch, head_dim, bound", [("forward", "sm_90a", 128, 1.15),
                                                                ("backward", "sm_90a", 128, 1.1),
                                                                ("forward", "sm_80", 64, 1.3),
@@ -660,7 +661,7 @@ def test_hopper_forward_mla_tile_step():
 
 # MLA's backward on the d256 tile with V, dO and dV at 128 (fa3_backward.NARROW_V_CHOICES): per consumer step 36
 # HGMMA where the d256 tile issues 44 (dP^T's 8 k16 steps instead of 16), and fewer instructions (NVRTC 13.5, fp16:
-# 435 against 466) for a fifth fewer tensor-core FLOPs.
+# 424 against 459) for a fifth fewer tensor-core FLOPs.
 def test_hopper_backward_mla_tile_step():
     mla, wide = fa3_backward.NARROW_V_CHOICES[(256, 128)], fa3_backward.BACKWARD_CHOICES[256]
     (plain, *_), (wide_plain, *_) = (lc.instance_census(t, CENSUS_DTYPE, "sm_90") for t in (mla, wide))

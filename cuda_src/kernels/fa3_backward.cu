@@ -56,7 +56,7 @@
 //                                               MN-major from their stage (as the forward's V), BlockM / 16 steps of
 //                                               m64nHeadDimk16
 //         dQ_i += dS K                          wgmma SS (FA3's form): each consumer stores its 64 rows of dS^T
-//                                               (16-bit) into the block's dS^T tile [BlockN][BlockM]; after a
+//                                               (16-bit, stmatrix) into the block's dS^T tile [BlockN][BlockM]; after a
 //                                               barrier of all consumers, dQ's M is the Q block's 64 queries (dS^T
 //                                               read MN-major as A), N 64 head-dim columns (K read MN-major as B),
 //                                               the reduction all BlockN keys; head-dim tile t is the step's work of
@@ -78,7 +78,7 @@
 //       a thread a step: the d128 step 462 instructions, 453 with the shared stores and the dQ writer).
 //       By head dim (SplitHeadDim, d256: dK and dV of 64 keys whole would be 256 floats a thread), FA3's d256
 //       form: one 64-key block, consumer c computes S^T and dP^T of the 64 keys and queries 32 c .. 32 c + 31 (N =
-//       32, K-major from its rows of the stage), forms P^T and dS^T of them and stores both (16-bit) into the
+//       32, K-major from its rows of the stage), forms P^T and dS^T of them and stores both (stmatrix) into the
 //       block's P^T and dS^T tiles [64 keys][64 queries]; after a barrier of both consumers, all three of its
 //       products read them from shared memory: dV_c += P^T dO[:, cols_c] and dK_c += dS^T Q[:, cols_c] (A
 //       K-major, the reduction the 64 queries; B MN-major from its panels of the stage), dQ[:, cols_c] = dS
@@ -418,6 +418,14 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // By head dim: P^T and dS^T as K-major A operands (M the keys, K the queries).
       const uint64_t pt_desc = PtTile::k_major_desc(pt_tile, 0, 0);
       const uint64_t ds_k_desc = DsTile::k_major_desc(ds_tile, 0, 0);
+      // This lane's stmatrix rows of the dS^T and P^T tiles (fa3::store_fragment): key stmatrix_row, query
+      // stmatrix_col (P^T's by head dim only: by keys P^T stays in registers).
+      constexpr int kStmatrixSteps = Tr::kSplitHeadDim ? Tr::kQueries / 16 : BlockM / 16;
+      const int stmatrix_key = key_base + fa3::stmatrix_row(warp, lane);
+      const int stmatrix_query = query_base + fa3::stmatrix_col(lane);
+      const unsigned ds_row = fa3::stmatrix_address<DsTile>(ds_tile, stmatrix_key, stmatrix_query);
+      const unsigned pt_row =
+          Tr::kSplitHeadDim ? fa3::stmatrix_address<PtTile>(pt_tile, stmatrix_key, stmatrix_query) : 0u;
       // By head dim, this thread's dQ adds: its first query of dQ's M, the head-dim columns left from out_col,
       // whether its consumer's columns all lie inside the head dim (d256), pairs where d is even and dq_accum 8-byte
       // aligned.
@@ -536,8 +544,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
             unsigned p_frag[4], ds_frag[4];
             fa3::p_fragment<T>(p_frag, s, kk);
             fa3::p_fragment<T>(ds_frag, dp, kk);
-            fa3::store_fragment<PtTile>(pt_tile, p_frag, first_key, first_col, kk);
-            fa3::store_fragment<DsTile>(ds_tile, ds_frag, first_key, first_col, kk);
+            fa3::store_fragment<kStmatrixSteps>(pt_row, p_frag, kk);
+            fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag, kk);
           }
           arch::fence_proxy_async();
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
@@ -608,11 +616,18 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 
           // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
           // previous step's dQ (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
-          // published to every consumer by the second.
+          // published to every consumer by the second. One stmatrix a k16 step, but in the plain instance at d128,
+          // where ptxas then spilled the K/V block's first key (12 / 48 bytes, a reload a step; NVRTC 13.5) while
+          // the 32-bit stores' 16 addresses fit in registers (459 instructions a step, against 447).
+          constexpr bool kWordStores = HeadDim == 128 && !Hooked && !kFlex;
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
-          for (int kk = 0; kk < BlockM / 16; ++kk)
-            fa3::store_fragment<DsTile>(ds_tile, ds_frag[kk], first_key, first_col, kk);
+          for (int kk = 0; kk < BlockM / 16; ++kk) {
+            if constexpr (kWordStores)
+              fa3::store_fragment_words<DsTile>(ds_tile, ds_frag[kk], first_key, first_col, kk);
+            else
+              fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);
+          }
           arch::fence_proxy_async();
 
           // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.

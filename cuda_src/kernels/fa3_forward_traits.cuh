@@ -345,17 +345,40 @@ __device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[N]
   for (int r = 0; r < 4; ++r) a[r] = arch::pack_float2<T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
 
-// Stores an A fragment of k16 step kk (p_fragment's words) into a 16-bit Tile [rows][columns] whose lane's first
-// element is (first_row, first_col): word r holds rows half r % 2 (8 rows on), columns 16 kk + 8 (r / 2) on (the
-// backward's P^T and dS^T, rows keys, into the tiles its dQ, dV and dK read).
+// Stores an A fragment of k16 step kk (p_fragment's words) into a 16-bit tile [rows][columns] of one 128-byte
+// swizzled panel (at most 64 columns) with one stmatrix: word r holds rows half r % 2 (8 rows on), columns 16 kk +
+// 8 (r / 2) on of the warp's 16 rows, so the fragment is stmatrix's four matrices as they are, lane l giving the
+// address of row l % 8 of matrix l / 8: row stmatrix_row, columns stmatrix_col + 16 kk on (the backward's P^T and
+// dS^T, rows keys, into the tiles its dQ, dV and dK read). step0_address: the lane's row at kk = 0, the shared-window
+// address of element (row, col) with col / 8 = c the lane's chunk. Step kk's chunk c + 2 kk is c | 2 kk (c is 0 or 1
+// past a multiple of 2 kSteps, kk < kSteps), so its swizzled place ((c + 2 kk) ^ (row % 8)) is step 0's XOR 2 kk and
+// its address step 0's XOR 32 kk: one LOP3 from one register, where the 16 addresses of 32-bit stores (four a step)
+// were each a register held across the loop (the flex backward at d128 spilled them and reloaded them each step).
+__device__ __forceinline__ int stmatrix_row(int warp_in_group, int lane) { return 16 * warp_in_group + lane % 16; }
+__device__ __forceinline__ int stmatrix_col(int lane) { return 8 * (lane / 16); }
+template <int kSteps>
+__device__ __forceinline__ void store_fragment(unsigned step0_address, const unsigned (&a)[4], int kk) {
+  static_assert(kSteps == 1 || kSteps == 2 || kSteps == 4, "a 64-column panel holds 1, 2 or 4 k16 steps");
+  arch::stmatrix<4>(step0_address ^ (32u * kk), a);
+}
+// The same with four 32-bit stores (word r at row first_row + 8 (r % 2), column first_col + 16 kk + 8 (r / 2): the
+// accumulator's first element of the lane), each address its own register: the plain backward at d128 keeps these,
+// since with the stmatrix form ptxas spills 4 bytes there (fa3_backward.cu).
 template <class Tile>
-__device__ __forceinline__ void store_fragment(unsigned char* tile, const unsigned (&a)[4], int first_row,
-                                               int first_col, int kk) {
+__device__ __forceinline__ void store_fragment_words(unsigned char* tile, const unsigned (&a)[4], int first_row,
+                                                     int first_col, int kk) {
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int at = Tile::element_offset(first_row + 8 * (r % 2), first_col + 16 * kk + 8 * (r / 2));
     *reinterpret_cast<unsigned*>(tile + at) = a[r];
   }
+}
+// The lane's step-0 address in a Tile (one panel wide) whose stmatrix rows start at (row, col): col a multiple of 8
+// whose chunk is 0 or 1 past a multiple of 2 kSteps (store_fragment's premise; the backward's tests on the
+// simulator fail at once without it: dQ, dK and dV of every tile read these tiles).
+template <class Tile>
+__device__ __forceinline__ unsigned stmatrix_address(const unsigned char* tile, int row, int col) {
+  return arch::smem_address(tile + Tile::element_offset(row, col));
 }
 
 // The element-wise mask of a tile crossing `edges` on a warpgroup's S accumulator: hidden scores become `hidden`
