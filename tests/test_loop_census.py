@@ -576,7 +576,8 @@ def test_hopper_forward_step_within_the_bound_of_fa3(head_dim):
 # before every SS wgmma (UIADD3 for the low words, UMOV of the constant high words: 4 per HGMMA, about 100 of the
 # 462), 72 for dS = P (dP - D) and 41 for P's exponent. 453 (0.346) since the consumers store dQ to shared memory
 # (16 8-byte stores at compile-time offsets) for the producer's dQ writer to add with bulk reduces (no RED in the
-# step). No case is outside the bound now.
+# step); 459 in later kernels; 444 (0.339) since dS^T goes to shared memory by 4 stmatrix (16 32-bit stores, each
+# at an address of its own, before). No case is outside the bound now.
 BACKWARD_FA3_PER_KFLOP = 0.31
 
 

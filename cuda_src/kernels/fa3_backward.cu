@@ -398,6 +398,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
     const int block_keys = min(BlockN, seqlen_k - key0);
     const auto visits = Hook::q_visits(p, batch, kv_head, key0 / BlockN,
                                        mask.q_blocks<BlockM>(key0, key0 + block_keys));  // as the producer's
+    // The block's first key of this consumer's tile and of this lane's scores, which the step's mask and hooks take:
+    // with key0 itself kept across the steps, ptxas spilled it at d128 (NVRTC 13.5: 4 bytes, a reload a step).
+    const int tile_key0 = key0 + key_base, lane_key0 = key0 + first_key;
     const int m_blocks = max(visits.end - visits.begin, 0);
     const int steps = group * m_blocks;
     float acc_dk[Tr::kAccD], acc_dv[Tr::kAccDV];
@@ -494,9 +497,9 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           arch::wgmma_wait<1>(s);
           arch::wgmma_wait<0>(dp);
           mods.template on_tile<Hook::kScaledScores, true>(
-              full, tile_row0, Tr::kQueries, key0 + key_base, 64,
+              full, tile_row0, Tr::kQueries, tile_key0, 64,
               fa3::FlexGradientsEachScore<Tr::kAccS, Hook>{s, dp, mods, lse + first_col, dot + first_col,
-                                                            row0 + first_col, key0 + first_key,
+                                                            row0 + first_col, lane_key0,
                                                             Hook::kScaledScores ? kLog2e : scale_log2});
         } else {
           // P^T while dP^T is in flight (Hooked: of the hook's scores; a flex mask_mod alone: hidden ones hidden
@@ -506,13 +509,13 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
           const ScoreHook hook{p, kv_info, alibi_slope};
           arch::wgmma_wait<1>(s);
-          if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, key0 + first_key);
+          if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, lane_key0);
           // (No FullForm for a mask_mod alone: idle_on already covers a full tile inside the sequence.)
           if constexpr (kFlex)
-            if (!mods.idle_on(full, tile_row0, Tr::kQueries, key0 + key_base, 64))
-              mods.template on_tile<false, false>(full, tile_row0, Tr::kQueries, key0 + key_base, 64,
+            if (!mods.idle_on(full, tile_row0, Tr::kQueries, tile_key0, 64))
+              mods.template on_tile<false, false>(full, tile_row0, Tr::kQueries, tile_key0, 64,
                                                  fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
-                                                                                     key0 + first_key});
+                                                                                     lane_key0});
 #pragma unroll
           for (int i = 0; i < Tr::kAccS; ++i)
             s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
@@ -522,12 +525,12 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
           // has P = 0 from its lse of +inf whatever the mask says). A flex hook has hidden what is hidden.
           const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
-          if (!kFlex && mask.tile_needs_mask(tile_row0, tile_rows, key0 + key_base, 64))
-            fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, key0 + key_base, 64),
-                                   row0 + first_col, key0 + first_key, 0.f);
+          if (!kFlex && mask.tile_needs_mask(tile_row0, tile_rows, tile_key0, 64))
+            fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, tile_key0, 64),
+                                   row0 + first_col, lane_key0, 0.f);
           arch::wgmma_wait<0>(dp);
           if constexpr (Hooked) {
-            fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - (key0 + first_key),
+            fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - lane_key0,
                                       1.f / scale_log2, lse + first_col, dot + first_col);
           } else {
 #pragma unroll
@@ -616,18 +619,10 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
 
           // dS^T into the block's tile (this consumer's 64 key rows): every consumer thread is past its wait for the
           // previous step's dQ (which read the whole tile) at the first barrier; the stores are fenced for wgmma and
-          // published to every consumer by the second. One stmatrix a k16 step, but in the plain instance at d128,
-          // where ptxas then spilled the K/V block's first key (12 / 48 bytes, a reload a step; NVRTC 13.5) while
-          // the 32-bit stores' 16 addresses fit in registers (459 instructions a step, against 447).
-          constexpr bool kWordStores = HeadDim == 128 && !Hooked && !kFlex;
+          // published to every consumer by the second.
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
-          for (int kk = 0; kk < BlockM / 16; ++kk) {
-            if constexpr (kWordStores)
-              fa3::store_fragment_words<DsTile>(ds_tile, ds_frag[kk], first_key, first_col, kk);
-            else
-              fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);
-          }
+          for (int kk = 0; kk < BlockM / 16; ++kk) fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);
           arch::fence_proxy_async();
 
           // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.

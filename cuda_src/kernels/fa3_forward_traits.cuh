@@ -361,18 +361,6 @@ __device__ __forceinline__ void store_fragment(unsigned step0_address, const uns
   static_assert(kSteps == 1 || kSteps == 2 || kSteps == 4, "a 64-column panel holds 1, 2 or 4 k16 steps");
   arch::stmatrix<4>(step0_address ^ (32u * kk), a);
 }
-// The same with four 32-bit stores (word r at row first_row + 8 (r % 2), column first_col + 16 kk + 8 (r / 2): the
-// accumulator's first element of the lane), each address its own register: the plain backward at d128 keeps these,
-// since with the stmatrix form ptxas spills 4 bytes there (fa3_backward.cu).
-template <class Tile>
-__device__ __forceinline__ void store_fragment_words(unsigned char* tile, const unsigned (&a)[4], int first_row,
-                                                     int first_col, int kk) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int at = Tile::element_offset(first_row + 8 * (r % 2), first_col + 16 * kk + 8 * (r / 2));
-    *reinterpret_cast<unsigned*>(tile + at) = a[r];
-  }
-}
 // The lane's step-0 address in a Tile (one panel wide) whose stmatrix rows start at (row, col): col a multiple of 8
 // whose chunk is 0 or 1 past a multiple of 2 kSteps (store_fragment's premise; the backward's tests on the
 // simulator fail at once without it: dQ, dK and dV of every tile read these tiles).
