@@ -551,10 +551,10 @@ def test_no_bank_conflicts():
     """The producer's TMA loads (one per 64-column panel: a 128-byte swizzled line a wavefront) and row statistics or,
     on the load path (d60: rows of 120 bytes, no map), its 16-byte stores (8 lanes a 128-byte swizzled line); the
     consumers' dS^T stores (stmatrix rows, 8 rows of 16 bytes a phase, each at its own chunk position; d256: P^T's
-    too, each consumer its 32 queries), dQ stores (8-byte pairs, rows
-    kDqPitch = d + 8 floats apart) and row-statistic reads, the dQ writer's bulk reads, and the consumers' wgmma
-    operand reads (every one counted), at their ideal wavefront counts on every head dim's tile. Every TMA copy counted: K and V once per K/V block, Q and dO per (head, Q block) it
-    visits."""
+    too, each consumer its 32 queries), dQ stores (8-byte pairs, rows kDqPitch = d + 8 floats apart) and
+    row-statistic reads, the dQ writer's bulk reads, and the consumers' wgmma operand reads (every one counted), at
+    their ideal wavefront counts on every head dim's tile. Every TMA copy counted: K and V once per K/V block, Q and
+    dO per (head, Q block) it visits."""
     for head_dim, causal in ((64, True), (128, False), (60, True), (256, False)):
         tma = head_dim % 8 == 0
         q, k, v, dout = _inputs((1, 200, 300, 2, 2, head_dim), "float16", seed=45)
