@@ -649,6 +649,37 @@ def test_planted_wrong_expect_tx_deadlocks_naming_the_barrier(tmp_path):
         _backward(q, k, v, dout, out, lse, False, kernel=kernel)
 
 
+_D64_DS = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2  # d64: the dS^T tile past K, V and Q's and dO's two stages
+_DS_STORES = ("          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);\n"
+              "#pragma unroll\n"
+              "          for (int kk = 0; kk < BlockM / 16; ++kk) "
+              "fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);\n"
+              "          arch::fence_proxy_async();\n")
+
+
+@pytest.mark.parametrize("planted, error", [
+    ("barrier", r"data race on shared memory byte offset \d+"),
+    ("fence", r"async-proxy read of shared byte offset \d+ \(a wgmma or TMA operand\) without a "
+              r"fence\.proxy\.async"),
+])
+def test_planted_ds_tile_stores_out_of_order(tmp_path, planted, error):
+    """The consumers' dS^T stores (arch::stmatrix: each row its address lane's 16-byte store) without the barrier
+    that orders them after every consumer's wait for the previous step's dQ (whose wgmma read the whole tile) race
+    with those reads; without their fence.proxy.async, this step's dQ wgmma reads them through the async proxy
+    unfenced. Race mode names each (the kernel as written is clean under it: test_race_free)."""
+    old = _DS_STORES
+    new = old.replace("          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);\n", "")
+    if planted == "fence":
+        new = old.replace("          arch::fence_proxy_async();\n", "")
+    kernel = _planted(tmp_path, old, new)
+    q, k, v, dout = _inputs((1, 130, 200, 2, 2, 64), "float16", seed=49)
+    out, lse = _forward(q, k, v, False)
+    with sim.checking("race"), pytest.raises(sim.KernelError, match=error) as raised:
+        _backward(q, k, v, dout, out, lse, False, kernel=kernel)
+    offset = int(re.search(r"byte offset (\d+)", str(raised.value)).group(1))
+    assert _D64_DS <= offset < _D64_DS + 128 * 64 * 2, str(raised.value)  # a byte of the dS^T tile
+
+
 def test_planted_arrival_before_the_statistics_is_a_race(tmp_path):
     """The issuing lane arrives (and copies) without the warp's __syncwarp after the row statistics' stores: the
     consumers' reads of another lane's lse or D are then unordered with its store, a race-mode error in the
