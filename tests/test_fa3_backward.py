@@ -166,9 +166,8 @@ def test_windows_match_reference(case):
 # Softcap and ALiBi: the hooked instances, P from mask.cuh's ScoreHook scores and dS times its derivative (recovered
 # from P); with a causal window, per-batch and per-head slopes, ragged and GQA, head dims 64, 40 (on 64), 128 and 100
 # (on 128), 256 and 200 (on 256), deterministic in rotation, race mode on each instance. Softcap with ALiBi
-# at once: the d64 and d256 instances, and at d65..128 a d128 tile sharing the head dim
-# (fa3_backward.BOTH_HOOKS_CHOICES): the keys-sharing d128 one takes either (its step spills with both) and traps on
-# both; a plain instance traps on either.
+# at once: the same hooked instances (the d128 one sharing the keys, whose step spilled with both until dS^T went to
+# shared memory by stmatrix); a plain instance traps on either.
 HOOK_CASES = {
     "softcap": ((1, 77, 200, 4, 2, 64), "float16", dict(softcap=2.5)),
     "alibi-per-batch": ((2, 128, 300, 3, 1, 64), "bfloat16", dict(alibi=(2, 3), deterministic=True)),
@@ -203,48 +202,56 @@ def _hooked_options(case, cases=HOOK_CASES):
 def test_softcap_and_alibi_match_reference(case):
     shape, dtype, _ = HOOK_CASES[case]
     q, k, v, dout, options, deterministic = _hooked_inputs(case)
-    # race mode on every hooked instance (d64, d128 sharing keys; d256, d128 with both hooks sharing the head dim)
+    # race mode on every hooked instance (d64, d128 and d256; softcap with ALiBi at d64 and d128)
     raced = ("softcap", "softcap-d128-causal", "softcap-alibi-d256-causal", "softcap-alibi-d100-causal")
     race = sim.checking("race") if case in raced else contextlib.nullcontext()
     with sim.targeting("sm_90"), sim.record() as records, race:
         out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
         dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
     main = records.launches[2].kernel
-    both = "softcap" in options and "alibi_slopes" in options
-    traits = fa3_backward.backward_traits(shape[-1], SM90, hooked=True, both_hooks=both)
+    traits = fa3_backward.backward_traits(shape[-1], SM90, hooked=True)
     assert main == traits.instance(dtype).name_expr, main
     _check_against(tol.backward_references(dout, q, k, v, **options), (dq, dk, dv))
 
 
-def test_softcap_with_alibi_at_head_dims_65_to_128_runs_a_tile_sharing_the_head_dim():
-    """The keys-sharing d128 hooked instance takes one hook; both at once run the d128 tile whose consumers share the
-    head dim; either alone, and both at d64 and d256, their head dim's hooked instance."""
+def test_softcap_and_alibi_alone_or_together_run_the_hooked_instance_of_the_head_dim():
+    """Softcap, ALiBi or both: the hooked instance of the head dim's tile (at d65..128 the keys-sharing 64 x 128 one,
+    which takes both since its step stopped spilling with them)."""
     problem = Problem(dtype="float16", batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_k=2, headdim=100,
                       softcap=3.0, alibi="heads")
-    name = fa3_backward.backward_program(problem, SM90).launches[1].kernel.name_expr
-    assert name == "cuflash::fa3_backward_kernel<__half, 128, 64, 64, 2, true, true, true>", name
-    for one, flags in ((dataclasses.replace(problem, alibi=None), "true, false>"),
-                       (dataclasses.replace(problem, softcap=0.0), "true, false>"),
-                       (dataclasses.replace(problem, headdim=64, headdim_v=64), "64, 64, 128, 2, true>"),
-                       (dataclasses.replace(problem, headdim=129, headdim_v=129), "256, 64, 64, 2, true, true, true>")):
-        name = fa3_backward.backward_program(one, SM90).launches[1].kernel.name_expr
-        assert name.endswith(flags), (one, name)
+    for one, name in ((problem, "128, 64, 128, 2, true>"),
+                      (dataclasses.replace(problem, alibi=None), "128, 64, 128, 2, true>"),
+                      (dataclasses.replace(problem, softcap=0.0), "128, 64, 128, 2, true>"),
+                      (dataclasses.replace(problem, headdim=64, headdim_v=64), "64, 64, 128, 2, true>"),
+                      (dataclasses.replace(problem, headdim=129, headdim_v=129), "256, 64, 64, 2, true, true, true>")):
+        launched = fa3_backward.backward_program(one, SM90).launches[1].kernel.name_expr
+        assert launched == f"cuflash::fa3_backward_kernel<__half, {name}", (one, launched)
 
 
-def test_the_d128_hooked_instance_traps_on_softcap_with_alibi():
-    """It has no case for both at once: launched with both it traps rather than drop ALiBi's term from dS."""
+def test_an_instance_without_both_hooks_traps_on_softcap_with_alibi():
+    """BothHooks false (no catalog instance now: the kernel's one-hook form, its step forming the hook's derivative
+    for every score) has no case for both at once: launched with both it traps rather than drop ALiBi's term from dS;
+    with softcap alone it runs."""
     q, k, v, dout = _inputs((1, 70, 90, 2, 2, 128), "float16", seed=38)
     out, lse = _forward(q, k, v, False)
     softcap_only = dataclasses.replace(_problem(q, k, False), softcap=3.0)
     program = fa3_backward.backward_program(softcap_only, SM90)
-    assert program.launches[1].kernel.name_expr.endswith(", true, false>")
-    both = dataclasses.replace(softcap_only, alibi="heads")
+    one_hook = dataclasses.replace(fa3_backward.HOOKED_CHOICES[128], both_hooks=False).instance("float16")
+    assert one_hook.name_expr.endswith(", true, false>")
+    launches = list(program.launches)
+    launches[1] = dataclasses.replace(launches[1], kernel=one_hook)
+    program = dataclasses.replace(program, launches=tuple(launches))
     backend = SimulatorBackend()
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
-              "alibi_slopes": np.full((2,), 0.1, np.float32),
-              **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
-    with sim.targeting("sm_90"), pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
-        run_program(backend, program, both, 0.125, arrays)
+
+    def arrays(alibi):
+        return {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                **({"alibi_slopes": np.full((2,), 0.1, np.float32)} if alibi else {}),
+                **{name: backend.empty(x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v))}}
+
+    with sim.targeting("sm_90"):
+        run_program(backend, program, softcap_only, 0.125, arrays(False))
+        with pytest.raises(sim.KernelError, match="fa3_backward_kernel"):
+            run_program(backend, program, dataclasses.replace(softcap_only, alibi="heads"), 0.125, arrays(True))
 
 
 def test_plain_instance_traps_on_softcap():
@@ -260,8 +267,8 @@ def test_plain_instance_traps_on_softcap():
         run_program(backend, plain, capped, 0.125, arrays)
 
 
-# Every hooked instance under ASan: d64 and d128 sharing the keys, the d128 tile sharing the head dim (both hooks) and
-# the d256 one at d200 with whole Q blocks (192 rows: the dQ adds unguarded by row, consumer 1's columns past d).
+# Every hooked instance under ASan: d64, d128 (ALiBi alone and with softcap: the step's two forms) and the d256 one at
+# d200 with whole Q blocks (192 rows: the dQ adds unguarded by row, consumer 1's columns past d).
 ASAN_HOOK_CASES = {"softcap": HOOK_CASES["softcap"], "alibi-d100-window": HOOK_CASES["alibi-d100-window"],
                    "softcap-alibi-d128": HOOK_CASES["softcap-alibi-d128"],
                    "softcap-alibi-d200-causal": ((1, 192, 150, 2, 1, 200), "float16",
@@ -289,11 +296,10 @@ def test_hooked_instances_clean_under_asan():
     for case, kernel, grads in sim.run_in_asan_subprocess(_hooked_instances_under_asan, timeout=900):
         shape, dtype, _ = ASAN_HOOK_CASES[case]
         q, k, v, dout, options, _ = _hooked_inputs(case, ASAN_HOOK_CASES)
-        both = "softcap" in options and "alibi_slopes" in options
-        assert kernel == fa3_backward.backward_traits(shape[-1], SM90, True, both).instance(dtype).name_expr, kernel
+        assert kernel == fa3_backward.backward_traits(shape[-1], SM90, True).instance(dtype).name_expr, kernel
         launched.add(kernel.split(",", 1)[1])  # the instance less its dtype
         _check_against(tol.backward_references(dout, q, k, v, **options), grads)
-    assert len(launched) == 4, launched
+    assert len(launched) == 3, launched
 
 
 # Varlen: packed sequences through cuflash.attention_varlen_backward on the simulator targeting sm_90 (the TMA maps

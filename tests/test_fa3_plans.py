@@ -55,8 +55,8 @@ def test_sm90_runs_the_hopper_kernels_where_they_serve():
     for problem in (_problem(softcap=5.0), _problem(mask=Mask(window_left=8, window_right=0), alibi="heads")):
         for direction in ("forward", "backward"):
             assert plans.variant_for("fa2", problem, SM90, direction).module is hopper, (problem, direction)
-    # Head dims above 128, softcap with ALiBi at once: both on Hopper (the backward's tiles sharing the head dim
-    # between the consumers: d256, and d128 for both hooks).
+    # Head dims above 128, softcap with ALiBi at once: both on Hopper (the backward's d256 tile shares the head dim
+    # between the consumers).
     for problem in (_problem(headdim=160), _problem(headdim=256, softcap=5.0, alibi="heads"),
                     _problem(softcap=5.0, alibi="heads")):
         for direction in ("forward", "backward"):
@@ -98,15 +98,15 @@ def test_the_plan_says_which_kernel_runs_and_why():
     said = plans.explain("fa2", _problem(), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")
     assert "fa3_backward_kernel<__nv_bfloat16, 128, 64, 128" in said
-    # Softcap and ALiBi: the forward's hooked instance; the backward's (both at once up to head dim 64 only).
+    # Softcap and ALiBi, alone or together: the forward's hooked instance, and the backward's.
     said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90)
     assert said.startswith("fa2 forward on sm_90: hopper (") and "128, 128, 128, 2, true>" in said
     said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads", headdim=64), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (") and "64, 64, 128, 2, true>" in said
     said = plans.explain("fa2", _problem(softcap=5.0), SM90, "backward")
-    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 128, 2, true, false>" in said
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 128, 2, true>" in said
     said = plans.explain("fa2", _problem(softcap=5.0, alibi="heads"), SM90, "backward")
-    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 64, 2, true, true, true>" in said
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "128, 64, 128, 2, true>" in said
     said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")  # windows: both directions
     said = plans.explain("fa2", _problem(headdim=160), SM90, "backward")

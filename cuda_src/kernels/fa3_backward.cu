@@ -118,7 +118,8 @@ namespace cuflash {
 // hook's scores while dP^T is in flight, as in the plain step; the hook's d score / d (scale x), which dS^T takes, is
 // recovered from P once dP^T landed (ScoreHook::slope_of_probability): kept from before the wait it took a float
 // more per score than the consumers have (the d128 step spilled). BothHooks false: an instance that takes softcap or
-// ALiBi but not both at once (fa3::hooked_ds: the d128 step spills with that case; launched with both it traps).
+// ALiBi but not both at once (fa3::hooked_ds; launched with both it traps). No catalog instance is one since the d128
+// step stopped spilling with both (P^T and dS^T by stmatrix); its step forms the derivative for every score.
 // SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
 // HeadDimV: V's, dO's and dV's tile width where narrower (MLA's 192 / 128 on the d256 tile: a fifth fewer FLOPs).
 // Hook: ScoreHook, or flex_hook.cuh's FlexHook with a user's score_mod and mask_mod (cuflash.flex builds such an

@@ -443,7 +443,8 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
 // stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's first score's
 // MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where softcap and
 // ALiBi are both on; BothHooks false: an instance that never gets both (the kernel traps on them), whose step has no
-// such case (with it the d128 step spilled 52 bytes at 224 registers; without, none).
+// such case (with it the d128 step spilled 52 bytes at 224 registers while dS^T went to shared memory by 32-bit
+// stores; with stmatrix, none: every catalog instance takes both).
 template <bool WithAlibi, class Hook, int N>
 __device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
                                               float inv_scale_log2, const float* lse, const float* dot) {
@@ -457,8 +458,7 @@ template <bool BothHooks, class Hook, int N>
 __device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
                                           float inv_scale_log2, const float* lse, const float* dot) {
   if (BothHooks && !hook.softcapped()) {
-    // ALiBi alone: h' is 1, tested once here rather than per score (32 instructions a step). Not in the d128 step
-    // without both hooks: there the second loop spilled 52 bytes at 224 registers (NVRTC 13.5).
+    // ALiBi alone: h' is 1, tested once here rather than per score (32 instructions a step).
 #pragma unroll
     for (int i = 0; i < N; ++i) dp[i] = s[i] * (dp[i] - dot[query_step<true>(i)]);
   } else if (BothHooks && hook.slope != 0.f) {

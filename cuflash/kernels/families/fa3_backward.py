@@ -13,8 +13,7 @@ The main kernel's producer copies Q, dO, K and V with TMA where the host can mak
 
 In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
 fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
-any mask (causal, sliding windows), softcap and ALiBi (the hooked instances; both at once at d65..128 by a d128 tile
-sharing the head dim), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger; MLA's
+any mask (causal, sliding windows), softcap and ALiBi (the hooked instances, alone or together), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger; MLA's
 192 / 128, and any v up to 128 beside a q of 129..256, on the d256 tile with V, dO and dV at 128), GQA/MQA,
 any seqlens, dQ by atomics or in deterministic mode (fa2's slices), and a user's flex mods (cuflash.flex builds the
 instance from the plain one of the tile, with the mods' FlexHook as its Hook: ``traits_of`` knows it by its name up to
@@ -57,7 +56,9 @@ class BackwardTraits(WarpgroupTraits):
     KERNEL: ClassVar[str] = "fa3_backward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_n"
-    both_hooks: bool = True  # a hooked instance that takes softcap and ALiBi together (the kernel's BothHooks)
+    # The kernel's BothHooks: a hooked instance that takes softcap and ALiBi together (every catalog tile's; False
+    # builds one that traps on both, whose step forms the hook's derivative for every score).
+    both_hooks: bool = True
     split_head_dim: bool = False  # the kernel's SplitHeadDim
 
     def __post_init__(self) -> None:
@@ -131,29 +132,22 @@ BACKWARD_CHOICES = {
     256: BackwardTraits(256, block_m=64, block_n=64, split_head_dim=True),
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
-# score hook and its derivative (fa3_backward.cu's Hooked). At d128 the hooked step has no case for softcap and ALiBi
-# together (BothHooks false): with it the step spilled at the consumers' 224 registers (NVRTC 13.5). Forms of the d128
-# step tried with both, and what each spilled: the one pass after both waits (20 bytes: the dS^T tile's hoisted store
-# addresses; computing those per step still spilled 20), two passes (48), the softcap's tanh while dP^T is in flight
-# and the rest from it after (44), P formed as in the plain step and the derivative recovered from it after the wait
-# (52; none without ALiBi's term: the form kept). That pair runs a d128 tile sharing the head dim instead
-# (BOTH_HOOKS_CHOICES: 64 x 64, each consumer 32 floats of dK and of dV, S^T and dP^T of 32 queries; no spill),
-# whose step issues more per FLOP (NVRTC 13.5, the census's cheapest walk of each, ALiBi's: 385 instructions for 28
-# HGMMA, 0.587 per 1000 MMA FLOPs per warp, where the keys-sharing hooked step issues 567 for 32, 0.433; softcap's
-# derivative adds to both) but keeps the pair on wgmma.
-HOOKED_CHOICES = {64: dataclasses.replace(BACKWARD_CHOICES[64], hooked=True),
-                  128: dataclasses.replace(BACKWARD_CHOICES[128], hooked=True, both_hooks=False),
-                  256: dataclasses.replace(BACKWARD_CHOICES[256], hooked=True)}
-BOTH_HOOKS_CHOICES = {**{d: t for d, t in HOOKED_CHOICES.items() if t.both_hooks},
-                      128: BackwardTraits(128, block_m=64, block_n=64, hooked=True, split_head_dim=True)}
+# score hook and its derivative (fa3_backward.cu's Hooked), softcap and ALiBi alone or together (BothHooks: the step
+# tests once per tile which parts are on; with neither or ALiBi alone dS needs no derivative). Until P^T and dS^T
+# went to shared memory by stmatrix, the keys-sharing d128 step spilled with both at the consumers' 224 registers
+# (NVRTC 13.5; the dS^T tile's 16 hoisted store addresses among what did not fit), so that instance took one hook
+# (BothHooks false: its step formed the derivative for every score, trapping on both) and the pair ran a d128 tile
+# sharing the head dim. Now none spills, and the census's cheapest walks of the d128 hooked step (NVRTC 13.5, fp16)
+# are 468 instructions for 32 HGMMA (0.357 per 1000 MMA FLOPs per warp; 561 with one hook) and 694 on the softcap
+# path (787), where the tile sharing the head dim issued 374 for 28 HGMMA (0.571): one hooked instance a head dim.
+HOOKED_CHOICES = {d: dataclasses.replace(t, hooked=True) for d, t in BACKWARD_CHOICES.items()}
 # v narrower than q and k, by (the compiled head dim, v's widest): MLA's 192 / 128 on the d256 tile with V, dO and dV
 # at 128 (each consumer's half of dV 64 columns; dP^T sums over 128): per step 256 + 128 + 128 + 256 + 256 columns of
 # the five products where the d256 tile takes 5 x 256, a fifth fewer FLOPs. Softcap and ALiBi keep the hooked d256
 # tile (one instance fewer per dtype).
 NARROW_V_CHOICES = {(256, 128): dataclasses.replace(BACKWARD_CHOICES[256], head_dim_v=128)}
-# Every main-kernel instance's traits, each once (BOTH_HOOKS_CHOICES repeats the hooked d64 and d256 tiles).
-TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *BOTH_HOOKS_CHOICES.values(),
-                             *NARROW_V_CHOICES.values())))
+# Every main-kernel instance's traits, each once.
+TILES = tuple(dict.fromkeys((*BACKWARD_CHOICES.values(), *HOOKED_CHOICES.values(), *NARROW_V_CHOICES.values())))
 # Sinks: nothing of the kernel's own (sink.cuh: the forward's out and lse include the sink, and the API forms the
 # sinks' gradient from the row statistics). v's own head dim: the tile of the larger (fa2.tile_head_dim), V, dO and
 # dV at v's width.
@@ -184,8 +178,8 @@ def refusal(problem: Problem, target: Target) -> str | None:
     """Why this kernel does not compute ``problem``'s backward on ``target`` (None: it does). It needs sm_90, 16-bit,
     head dims 1..256 (q's and k's, v's its own or the same), any mask (causal, sliding windows: mask.cuh's q_blocks
     visit the band's Q blocks, tiles crossing an edge take the element-wise mask), no option but varlen, sinks, v's
-    own head dim, softcap and ALiBi (SERVED_OPTIONS; the latter two by the hooked instances, BOTH_HOOKS_CHOICES for
-    both at once) and flex mods; dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the
+    own head dim, softcap and ALiBi (SERVED_OPTIONS; the latter two, alone or together, by the hooked instances) and
+    flex mods; dQ by atomics or deterministic (fa2's slices) alike. Its own rule, not the
     forward's: the two kernels' options may differ."""
     if target.arch not in ARCHS:
         return f"wgmma needs sm_90, not {target.arch}"
@@ -207,13 +201,13 @@ def supports(problem: Problem, target: Target) -> bool:
     return refusal(problem, target) is None
 
 
-def backward_traits(headdim: int, target: Target, hooked: bool = False, both_hooks: bool = False,
+def backward_traits(headdim: int, target: Target, hooked: bool = False,
                     headdim_v: int | None = None) -> BackwardTraits:
     """The tile for ``headdim`` (1..256: the next compiled head dim's; q's, or v's where larger), as
-    fa2_tc.backward_traits; ``hooked``: its instance with the score hook, ``both_hooks``: one that takes softcap and
-    ALiBi at once; ``headdim_v``, v's where narrower: the tile of NARROW_V_CHOICES with the narrowest v width that
-    holds it, if any (not hooked)."""
-    table = (BOTH_HOOKS_CHOICES if both_hooks else HOOKED_CHOICES) if hooked else BACKWARD_CHOICES
+    fa2_tc.backward_traits; ``hooked``: its instance with the score hook (softcap, ALiBi or both); ``headdim_v``,
+    v's where narrower: the tile of NARROW_V_CHOICES with the narrowest v width that holds it, if any (not
+    hooked)."""
+    table = HOOKED_CHOICES if hooked else BACKWARD_CHOICES
     traits = table[compiled_head_dim(headdim)]
     if headdim_v is not None and headdim_v < headdim and not hooked:
         traits = narrow_v_choice(NARROW_V_CHOICES, traits.head_dim, headdim_v) or traits
@@ -237,7 +231,7 @@ def problem_traits(problem: Problem, target: Target) -> BackwardTraits:
     if why is not None:
         raise ValueError(f"the Hopper backward does not serve {problem} on {target.arch}: {why}")
     return backward_traits(fa2.tile_head_dim(problem), target, hooked=bool(problem.options & HOOK_OPTIONS),
-                           both_hooks=problem.options >= HOOK_OPTIONS, headdim_v=problem.headdim_v)
+                           headdim_v=problem.headdim_v)
 
 
 def backward_program(problem: Problem, target: Target) -> Program:
