@@ -659,7 +659,7 @@ _D64_DS = 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2  # d64: the dS^T tile past K, V
 _DS_STORES = ("          arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);\n"
               "#pragma unroll\n"
               "          for (int kk = 0; kk < BlockM / 16; ++kk) "
-              "fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);\n"
+              "fa3::store_fragment<Tr::kQueries / 16>(ds_row, ds_frag[kk], kk);\n"
               "          arch::fence_proxy_async();\n")
 
 

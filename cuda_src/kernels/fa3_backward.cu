@@ -384,6 +384,14 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
   const int out_col_v = col_base_v + fa3::acc_first_col(lane);            // of dV
   unsigned char* ds_tile = smem + Tr::kDsOffset;
   unsigned char* pt_tile = smem + Tr::kPtOffset;  // by head dim only
+  // This lane's stmatrix rows of the dS^T and P^T tiles (fa3::store_fragment: a k16 step of this consumer's
+  // kQueries a stmatrix): key stmatrix_row, query stmatrix_col (P^T's by head dim only: by keys it stays in
+  // registers).
+  const int stmatrix_key = key_base + fa3::stmatrix_row(warp, lane);
+  const int stmatrix_query = query_base + fa3::stmatrix_col(lane);
+  const unsigned ds_row = fa3::stmatrix_address<DsTile>(ds_tile, stmatrix_key, stmatrix_query);
+  const unsigned pt_row =
+      Tr::kSplitHeadDim ? fa3::stmatrix_address<PtTile>(pt_tile, stmatrix_key, stmatrix_query) : 0u;
   // Every consumer's barrier around the dS^T tile (the forward's scheduler ids: the backward takes no turns).
   constexpr unsigned kDsBarrier = fa3::kSchedulerBarrier;
   // A stage's Q and dO are read once this thread's wait covering dV and dK's group is behind it: one arrival per
@@ -422,14 +430,6 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // By head dim: P^T and dS^T as K-major A operands (M the keys, K the queries).
       const uint64_t pt_desc = PtTile::k_major_desc(pt_tile, 0, 0);
       const uint64_t ds_k_desc = DsTile::k_major_desc(ds_tile, 0, 0);
-      // This lane's stmatrix rows of the dS^T and P^T tiles (fa3::store_fragment): key stmatrix_row, query
-      // stmatrix_col (P^T's by head dim only: by keys P^T stays in registers).
-      constexpr int kStmatrixSteps = Tr::kSplitHeadDim ? Tr::kQueries / 16 : BlockM / 16;
-      const int stmatrix_key = key_base + fa3::stmatrix_row(warp, lane);
-      const int stmatrix_query = query_base + fa3::stmatrix_col(lane);
-      const unsigned ds_row = fa3::stmatrix_address<DsTile>(ds_tile, stmatrix_key, stmatrix_query);
-      const unsigned pt_row =
-          Tr::kSplitHeadDim ? fa3::stmatrix_address<PtTile>(pt_tile, stmatrix_key, stmatrix_query) : 0u;
       // By head dim, this thread's dQ adds: its first query of dQ's M, the head-dim columns left from out_col,
       // whether its consumer's columns all lie inside the head dim (d256), pairs where d is even and dq_accum 8-byte
       // aligned.
@@ -548,8 +548,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
             unsigned p_frag[4], ds_frag[4];
             fa3::p_fragment<T>(p_frag, s, kk);
             fa3::p_fragment<T>(ds_frag, dp, kk);
-            fa3::store_fragment<kStmatrixSteps>(pt_row, p_frag, kk);
-            fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag, kk);
+            fa3::store_fragment<Tr::kQueries / 16>(pt_row, p_frag, kk);
+            fa3::store_fragment<Tr::kQueries / 16>(ds_row, ds_frag, kk);
           }
           arch::fence_proxy_async();
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
@@ -623,7 +623,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
           // published to every consumer by the second.
           arch::named_barrier_sync(kDsBarrier, Tr::kConsumers * fa3::kWarpgroupThreads);
 #pragma unroll
-          for (int kk = 0; kk < BlockM / 16; ++kk) fa3::store_fragment<kStmatrixSteps>(ds_row, ds_frag[kk], kk);
+          for (int kk = 0; kk < BlockM / 16; ++kk) fa3::store_fragment<Tr::kQueries / 16>(ds_row, ds_frag[kk], kk);
           arch::fence_proxy_async();
 
           // dV += P^T dO, dK += dS^T Q: one group, in flight across the barrier.

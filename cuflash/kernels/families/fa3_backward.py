@@ -11,15 +11,15 @@ and slice rules (atomic mode: one slice; deterministic: a block per slice over e
 The main kernel's producer copies Q, dO, K and V with TMA where the host can make their tensor maps (the program's
 ``tma_boxes``; AttentionParams.tma_loads per call), else with 16-byte loads, as the forward's.
 
-In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target
-fa2's backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256),
-any mask (causal, sliding windows), softcap and ALiBi (the hooked instances, alone or together), varlen batches, attention sinks, v with a head dim of its own (the tile of the larger; MLA's
-192 / 128, and any v up to 128 beside a q of 129..256, on the d256 tile with V, dO and dV at 128), GQA/MQA,
-any seqlens, dQ by atomics or in deterministic mode (fa2's slices), and a user's flex mods (cuflash.flex builds the
-instance from the plain one of the tile, with the mods' FlexHook as its Hook: ``traits_of`` knows it by its name up to
-the hook; a block mask's Q block lists are made for this tile);
-``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it
-serves nothing (``toolchain_refusal``): ptxas 12.9 spills it.
+In the catalog as the backward of fa2's ``hopper`` variant (hopper.py; its forward is fa3.py): on a sm_90 target fa2's
+backward runs it for the problems ``supports`` accepts: 16-bit inputs at head dims 1..256 (on 64, 128 or 256), any mask
+(causal, sliding windows), softcap and ALiBi (the hooked instances, alone or together), varlen batches, attention sinks,
+v with a head dim of its own (the tile of the larger; MLA's 192 / 128, and any v up to 128 beside a q of 129..256, on
+the d256 tile with V, dO and dV at 128), GQA/MQA, any seqlens, dQ by atomics or in deterministic mode (fa2's slices),
+and a user's flex mods (cuflash.flex builds the instance from the plain one of the tile, with the mods' FlexHook as its
+Hook: ``traits_of`` knows it by its name up to the hook; a block mask's Q block lists are made for this tile);
+``refusal`` says why everything else stays on the mma.sync backward (fa2_tc). Where the installed NVRTC is 12 it serves
+nothing (``toolchain_refusal``): ptxas 12.9 spills it.
 """
 
 from __future__ import annotations
