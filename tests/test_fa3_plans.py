@@ -110,7 +110,7 @@ def test_the_plan_says_which_kernel_runs_and_why():
     said = plans.explain("fa2", _problem(mask=Mask(window_left=8, window_right=0)), SM90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")  # windows: both directions
     said = plans.explain("fa2", _problem(headdim=160), SM90, "backward")
-    assert said.startswith("fa2 backward on sm_90: hopper (") and "256, 64, 64, 2, false, true, true>" in said
+    assert said.startswith("fa2 backward on sm_90: hopper (") and "256, 64, 64, 2, false, true>" in said
     for direction in ("forward", "backward"):
         said = plans.explain("fa2", _problem(softcap=5.0, dropout_p=0.1), SM90, direction).splitlines()
         assert said[0].startswith(f"fa2 {direction} on sm_90: tensor_core") and said[1] == "  not hopper: no dropout"

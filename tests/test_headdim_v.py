@@ -526,7 +526,7 @@ def test_hopper_plans_take_v_of_its_own():
         assert traits.smem_bytes <= sm90.smem_per_block_bytes
     said = plans.explain("fa2", problem, sm90, "backward")
     assert said.startswith("fa2 backward on sm_90: hopper (")
-    assert "fa3_backward_kernel<__nv_bfloat16, 256, 64, 64, 2, false, true, true, 128>" in said
+    assert "fa3_backward_kernel<__nv_bfloat16, 256, 64, 64, 2, false, true, 128>" in said
     for pair, options, expected in (((150, 64), {}, (256, 128, False)),
                                     ((192, 128), dict(softcap=30.0), (256, 256, True)),
                                     ((192, 160), {}, (256, 256, False)), ((128, 64), {}, (128, 128, False))):

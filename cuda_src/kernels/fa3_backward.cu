@@ -4,7 +4,7 @@
 // (D = rowsum(dO * O), fa2_dout_dot_out_kernel) before it and fa2's convert kernel (dq = scale * the sum of the
 // dq_accum slices) after it, with fa2's dq_accum scratch, layout and slice rules (fa2.py's backward_program_for).
 //
-// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, BothHooks, SplitHeadDim>: grid = (X, nheads_k,
+// fa3_backward_kernel<T, HeadDim, BlockM, BlockN, Stages, Hooked, SplitHeadDim, HeadDimV, Hook>: grid = (X, nheads_k,
 // batch); block x takes the K/V blocks x, x + X, ... of one kv head (fa2's rule: X = ceil(seqlen_k / BlockN), one
 // K/V block each, dq_accum's one slice added to by atomics; deterministic mode: X = num_dq_splits, block x adding
 // only into slice x, each element by one bulk reduce at a time, in program order). Per K/V block it loops over the
@@ -117,9 +117,8 @@ namespace cuflash {
 // forward's Hooked instances (a template flag: only problems with softcap or ALiBi run them). P^T is formed from the
 // hook's scores while dP^T is in flight, as in the plain step; the hook's d score / d (scale x), which dS^T takes, is
 // recovered from P once dP^T landed (ScoreHook::slope_of_probability): kept from before the wait it took a float
-// more per score than the consumers have (the d128 step spilled). BothHooks false: an instance that takes softcap or
-// ALiBi but not both at once (fa3::hooked_ds; launched with both it traps). No catalog instance is one since the d128
-// step stopped spilling with both (P^T and dS^T by stmatrix); its step forms the derivative for every score.
+// more per score than the consumers have (the d128 step spilled). Softcap and ALiBi alone or together: the step tests
+// once per tile which are on (fa3::hooked_ds).
 // SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
 // HeadDimV: V's, dO's and dV's tile width where narrower (MLA's 192 / 128 on the d256 tile: a fifth fewer FLOPs).
 // Hook: ScoreHook, or flex_hook.cuh's FlexHook with a user's score_mod and mask_mod (cuflash.flex builds such an
@@ -131,8 +130,8 @@ namespace cuflash {
 // plain step's overlap with dP^T; nothing at all on a full tile inside the sequence: FlexHook::idle_on); with a
 // score_mod the raw scores wait for dP^T and one pass forms score', P^T, the side gradients and dS^T
 // (fa3::FlexGradientsEachScore).
-template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool BothHooks = true,
-          bool SplitHeadDim = false, int HeadDimV = HeadDim, class Hook = ScoreHook>
+template <class T, int HeadDim, int BlockM, int BlockN, int Stages, bool Hooked = false, bool SplitHeadDim = false,
+          int HeadDimV = HeadDim, class Hook = ScoreHook>
 __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, Stages, SplitHeadDim>::kThreads), 1)
     fa3_backward_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(arch::is_mma_operand<T>::value, "the wgmma backward takes __half or __nv_bfloat16");
@@ -152,7 +151,7 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       (p.num_dq_splits > 1 && p.num_dq_splits != static_cast<int>(gridDim.x)) ||
       (arch::smem_address(smem) & (fa3::kSwizzleAtomBytes - 1)) != 0 ||
       (!Hooked && (p.softcap_outer != 0.f || p.alibi_slopes != nullptr)) ||  // would drop them silently
-      (!BothHooks && p.softcap_outer != 0.f && p.alibi_slopes != nullptr) || Hook::rejects(p))
+      Hook::rejects(p))
     __trap();
 
   const int kv_head = blockIdx.y;
@@ -531,8 +530,8 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
                                    row0 + first_col, lane_key0, 0.f);
           arch::wgmma_wait<0>(dp);
           if constexpr (Hooked) {
-            fa3::hooked_ds<BothHooks>(s, dp, hook, mask.diagonal(row0 + first_col) - lane_key0,
-                                      1.f / scale_log2, lse + first_col, dot + first_col);
+            fa3::hooked_ds(s, dp, hook, mask.diagonal(row0 + first_col) - lane_key0, 1.f / scale_log2,
+                           lse + first_col, dot + first_col);
           } else {
 #pragma unroll
             for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);

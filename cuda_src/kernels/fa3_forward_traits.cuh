@@ -438,13 +438,12 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
 }
 
 // The backward's hooked dS^T from P^T (s) and dP^T (dp), in S^T's layout (query_step<true>, key_step<true>):
-// dS = P (dP - D) h', h' the
-// hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1 without softcap). lse, dot: the
-// stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's first score's
+// dS = P (dP - D) h', h' the hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1
+// without softcap). lse, dot: the stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's
+// first score's
 // MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where softcap and
-// ALiBi are both on; BothHooks false: an instance that never gets both (the kernel traps on them), whose step has no
-// such case (with it the d128 step spilled 52 bytes at 224 registers while dS^T went to shared memory by 32-bit
-// stores; with stmatrix, none: every catalog instance takes both).
+// ALiBi are both on. Which of them are on is tested once a tile, not per score: a step with neither or ALiBi alone
+// takes no derivative (h' is 1), and only both at once pays for ALiBi's distance per score.
 template <bool WithAlibi, class Hook, int N>
 __device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
                                               float inv_scale_log2, const float* lse, const float* dot) {
@@ -454,15 +453,15 @@ __device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N
             hook.template slope_of_probability<WithAlibi>(s[i], lse[query_step<true>(i)], inv_scale_log2,
                                                           first_distance + query_step<true>(i) - key_step<true>(i));
 }
-template <bool BothHooks, class Hook, int N>
+template <class Hook, int N>
 __device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
                                           float inv_scale_log2, const float* lse, const float* dot) {
-  if (BothHooks && !hook.softcapped()) {
-    // ALiBi alone: h' is 1, tested once here rather than per score (32 instructions a step).
+  if (!hook.softcapped()) {
+    // ALiBi alone or neither: h' is 1, tested once here rather than per score (32 instructions a step).
 #pragma unroll
     for (int i = 0; i < N; ++i) dp[i] = s[i] * (dp[i] - dot[query_step<true>(i)]);
-  } else if (BothHooks && hook.slope != 0.f) {
-    softcapped_ds<BothHooks>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
+  } else if (hook.slope != 0.f) {
+    softcapped_ds<true>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
   } else {
     softcapped_ds<false>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
   }

@@ -23,9 +23,9 @@ from ._mod import FlexMod
 # The kernels that take a Hook, and how many template arguments precede it: the tensor-core kernels' WithDropout
 # flag (default false; mods run without dropout), the Hopper forward's Hooked (true: the plans pick its hooked
 # instance for mods) and HeadDimV (default the head dim), the Hopper backward's Hooked (false: its plain instance),
-# BothHooks, SplitHeadDim and HeadDimV (fa3_backward.template_defaults).
+# SplitHeadDim and HeadDimV (fa3_backward.template_defaults).
 _HOOKED_KERNELS = {"fa2_forward_kernel": 5, "fa2_backward_kernel": 5, "fa2_tc_forward_kernel": 6,
-                   "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7, "fa3_backward_kernel": 9}
+                   "fa2_tc_backward_kernel": 6, "fa3_forward_kernel": 7, "fa3_backward_kernel": 8}
 _NO_DROPOUT = "false"
 # The kernels of those programs that take no Hook (no score passes through them): the backward's pre-pass and dq
 # conversion, the split-KV combine. Any other kernel is refused: a program whose main kernel took no mods would

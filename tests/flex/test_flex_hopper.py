@@ -96,7 +96,7 @@ def test_plans_and_instances_of_a_flex_problem_on_hopper():
     assert catalog.dynamic_smem_bytes(modded) == backward_traits.smem_bytes == main[0].dynamic_smem_bytes
     assert catalog.threads(modded) == backward_traits.threads
     plain_d128 = hooked_instance(fa3_backward.BACKWARD_CHOICES[128].instance("bfloat16"), None, None)
-    assert plain_d128.flex_prefix.endswith("128, 64, 128, 2, false, true, false, 128")
+    assert plain_d128.flex_prefix.endswith("128, 64, 128, 2, false, false, 128")
     with pytest.raises(ValueError, match="is a hooked instance"):
         hooked_instance(fa3_backward.HOOKED_CHOICES[128].instance("float16"), None, None)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 300, 260)

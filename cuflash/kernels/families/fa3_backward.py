@@ -41,9 +41,9 @@ _DQ_BUFFERS = 2  # fa3::BackwardTraits::kDqBuffers
 
 
 def template_defaults(head_dim: str) -> tuple[str, ...]:
-    """fa3_backward_kernel's defaults of Hooked, BothHooks, SplitHeadDim and HeadDimV (the head dim's), for an
-    instance's head dim argument (cuflash.flex spells them out before the Hook)."""
-    return ("false", "true", "false", head_dim)
+    """fa3_backward_kernel's defaults of Hooked, SplitHeadDim and HeadDimV (the head dim's), for an instance's
+    head dim argument (cuflash.flex spells them out before the Hook)."""
+    return ("false", "false", head_dim)
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,12 @@ class BackwardTraits(WarpgroupTraits):
     KERNEL: ClassVar[str] = "fa3_backward_kernel"
     SOURCE: ClassVar[str] = SOURCE
     CONSUMER_SIDE: ClassVar[str] = "block_n"
-    # The kernel's BothHooks: a hooked instance that takes softcap and ALiBi together (every catalog tile's; False
-    # builds one that traps on both, whose step forms the hook's derivative for every score).
-    both_hooks: bool = True
     split_head_dim: bool = False  # the kernel's SplitHeadDim
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_m != 64:
             raise ValueError(f"{self}: block_m 64 (dQ's wgmma M, one 64-column dS^T panel)")
-        if not (self.hooked or self.both_hooks):
-            raise ValueError(f"{self}: both_hooks says which hooks a hooked instance takes")
         if self.split_head_dim and (self.block_n != 64 or self.head_dim % 128 or self.v_head_dim % 128):
             raise ValueError(f"{self}: split_head_dim takes one 64-key block and halves of whole 64-column panels")
 
@@ -102,12 +97,11 @@ class BackwardTraits(WarpgroupTraits):
         return tiles + 2 * 4 * s * m + 8 * (2 + 2 * s + 2 * dq_buffers)
 
     def all_template_flags(self) -> tuple[str, ...]:
-        """Hooked, BothHooks, SplitHeadDim, HeadDimV."""
-        return ("true" if self.hooked else "false", "true" if self.both_hooks else "false",
-                "true" if self.split_head_dim else "false", str(self.v_head_dim))
+        """Hooked, SplitHeadDim, HeadDimV."""
+        return ("true" if self.hooked else "false", "true" if self.split_head_dim else "false", str(self.v_head_dim))
 
     def template_flags(self) -> tuple[str, ...]:
-        """Hooked, BothHooks, SplitHeadDim, HeadDimV, up to the last that is not its default."""
+        """Hooked, SplitHeadDim, HeadDimV, up to the last that is not its default."""
         flags = self.all_template_flags()
         defaults = template_defaults(str(self.head_dim))
         last = max((i for i, (f, default) in enumerate(zip(flags, defaults)) if f != default), default=-1)
@@ -132,14 +126,14 @@ BACKWARD_CHOICES = {
     256: BackwardTraits(256, block_m=64, block_n=64, split_head_dim=True),
 }
 # Problems with softcap or ALiBi (fa3.HOOK_OPTIONS) run the hooked instance of the same tile: P and dS through the
-# score hook and its derivative (fa3_backward.cu's Hooked), softcap and ALiBi alone or together (BothHooks: the step
-# tests once per tile which parts are on; with neither or ALiBi alone dS needs no derivative). Until P^T and dS^T
-# went to shared memory by stmatrix, the keys-sharing d128 step spilled with both at the consumers' 224 registers
-# (NVRTC 13.5; the dS^T tile's 16 hoisted store addresses among what did not fit), so that instance took one hook
-# (BothHooks false: its step formed the derivative for every score, trapping on both) and the pair ran a d128 tile
-# sharing the head dim. Now none spills, and the census's cheapest walks of the d128 hooked step (NVRTC 13.5, fp16)
-# are 468 instructions for 32 HGMMA (0.357 per 1000 MMA FLOPs per warp; 561 with one hook) and 694 on the softcap
-# path (787), where the tile sharing the head dim issued 374 for 28 HGMMA (0.571): one hooked instance a head dim.
+# score hook and its derivative (fa3_backward.cu's Hooked), softcap and ALiBi alone or together (the step tests once
+# per tile which are on; with neither or ALiBi alone dS needs no derivative). Until P^T and dS^T went to shared memory
+# by stmatrix, the keys-sharing d128 step spilled with both at the consumers' 224 registers (NVRTC 13.5; the dS^T
+# tile's 16 hoisted store addresses among what did not fit), so that instance took one hook (a kernel flag, gone
+# since: its step formed the derivative for every score, trapping on both) and the pair ran a d128 tile sharing the
+# head dim. Now none spills, and the census's cheapest walks of the d128 hooked step (NVRTC 13.5, fp16) are 468
+# instructions for 32 HGMMA (0.357 per 1000 MMA FLOPs per warp; 561 with one hook) and 694 on the softcap path (787),
+# where the tile sharing the head dim issued 374 for 28 HGMMA (0.571): one hooked instance a head dim.
 HOOKED_CHOICES = {d: dataclasses.replace(t, hooked=True) for d, t in BACKWARD_CHOICES.items()}
 # v narrower than q and k, by (the compiled head dim, v's widest): MLA's 192 / 128 on the d256 tile with V, dO and dV
 # at 128 (each consumer's half of dV 64 columns; dP^T sums over 128): per step 256 + 128 + 128 + 256 + 256 columns of
