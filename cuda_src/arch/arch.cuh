@@ -142,6 +142,15 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Zero, read from what no compiler can know at compile time (%dynamic_smem_size >> 31: a block's shared memory is
+// far below 2^31 bytes). ORed into a compile-time constant, it makes ptxas hold that constant in a register rather
+// than write it again at every use (fa3::desc_unfolded).
+__device__ __forceinline__ unsigned opaque_zero() {
+  unsigned dynamic_smem_bytes;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem_bytes));
+  return dynamic_smem_bytes >> 31;
+}
+
 // D (16x8, f32) = A (16x16, T, row) * B (16x8, T, col) + C: mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32.
 // The PTX type ("f16" / "bf16") is pasted into the one instruction text.
 #define CUFLASH_MMA_M16N8K16(ptx_type)                                                                          \
@@ -266,6 +275,7 @@ __device__ __forceinline__ unsigned pack_float2(float lo, float hi) {
 #else  // the simulator: forward to the CPU twins, passing the kernel's call site on.
 
 __forceinline__ unsigned smem_address(const void* p) { return sim::shared_window_address(p); }
+__forceinline__ unsigned opaque_zero() { return 0u; }  // (what the compiler knows is the GPU form's concern)
 
 template <class T>
 __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4],

@@ -77,6 +77,15 @@ __device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes)
   return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
 }
 
+// desc with its high word (stride byte offset and swizzle, 0x40000040 for every tile here) hidden from ptxas: `zero`
+// is arch::opaque_zero(), read once by the kernel. Knowing the constant, ptxas writes it again into each HGMMA's pair
+// of descriptor registers (2 UMOV an HGMMA: 64 of the d128 backward step's 444 instructions, NVRTC 13.5); a value it
+// cannot know it keeps in a register, and a step's descriptors then cost one add or move each. For the descriptors a
+// kernel makes once (per K/V block, stage or step 0), before desc_advanced moves them on.
+__device__ __forceinline__ uint64_t desc_unfolded(uint64_t desc, unsigned zero) {
+  return desc | static_cast<uint64_t>(zero) << 32;
+}
+
 // Registers per thread a block of `threads` starts with under __launch_bounds__(threads, 1): what ptxas gives a
 // kernel that needs them all (the SM's 64 K shared out in setmaxnreg's multiples of 8; 168 for 384 threads).
 __host__ __device__ constexpr int launch_registers(int threads) {
