@@ -77,14 +77,27 @@ __device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes)
   return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
 }
 
-// desc with its high word (stride byte offset and swizzle, 0x40000040 for every tile here) hidden from ptxas: `zero`
-// is arch::opaque_zero(), read once by the kernel. Knowing the constant, ptxas writes it again into each HGMMA's pair
-// of descriptor registers (2 UMOV an HGMMA: 64 of the d128 backward step's 444 instructions, NVRTC 13.5); a value it
-// cannot know it keeps in a register, and a step's descriptors then cost one add or move each. For the descriptors a
-// kernel makes once (per K/V block, stage or step 0), before desc_advanced moves them on.
+// desc with its high word (stride byte offset and swizzle, 0x40000040 for every tile here) hidden from ptxas: ORed
+// with a zero it cannot know (DescZeros). Knowing the constant, ptxas writes it again into each HGMMA's descriptor
+// registers (2 UMOV an HGMMA: 64 of the d128 backward step's 444 instructions, NVRTC 13.5); a value it cannot know it
+// keeps in a register. For the descriptors a kernel makes once (per K/V block, stage or step 0), before
+// desc_advanced moves them on.
 __device__ __forceinline__ uint64_t desc_unfolded(uint64_t desc, unsigned zero) {
   return desc | static_cast<uint64_t>(zero) << 32;
 }
+// The zeros for desc_unfolded, read once by a kernel: `a` for A operands' descriptors, `b` for B's. An SS wgmma
+// takes both descriptors in one quad of uniform registers (A's low and high words, then B's); with one high-word
+// value shared by both, ptxas keeps it in B's place and copies it into A's before every HGMMA; two values it cannot
+// tell apart stay in place (the d128 backward step 407 -> 385 instructions, NVRTC 13.5). kSeparate false: one zero
+// for both, where a step short of uniform registers fares worse with two (ptxas then makes descriptors again inside
+// the loop: the hooked d128 backward step 437 -> 472 instructions).
+struct DescZeros {
+  unsigned a, b;
+  template <bool kSeparate = true> __device__ __forceinline__ static DescZeros read() {
+    const unsigned zero = arch::opaque_zero();
+    return {kSeparate ? zero << 1 : zero, zero};  // (zero << 1 differs to ptxas, which knows zero only as 0 or 1)
+  }
+};
 
 // Registers per thread a block of `threads` starts with under __launch_bounds__(threads, 1): what ptxas gives a
 // kernel that needs them all (the SM's 64 K shared out in setmaxnreg's multiples of 8; 168 for 384 threads).
