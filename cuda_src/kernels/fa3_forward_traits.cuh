@@ -462,10 +462,9 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
 // The backward's hooked dS^T from P^T (s) and dP^T (dp), in S^T's layout (query_step<true>, key_step<true>):
 // dS = P (dP - D) h', h' the hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1
 // without softcap). lse, dot: the stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's
-// first score's
-// MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where softcap and
-// ALiBi are both on. Which of them are on is tested once a tile, not per score: a step with neither or ALiBi alone
-// takes no derivative (h' is 1), and only both at once pays for ALiBi's distance per score.
+// first score's MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where
+// softcap and ALiBi are both on. Which of them are on is tested once a tile, not per score: a step with neither or
+// ALiBi alone takes no derivative (h' is 1), and only both at once pays for ALiBi's distance per score.
 template <bool WithAlibi, class Hook, int N>
 __device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
                                               float inv_scale_log2, const float* lse, const float* dot) {
