@@ -548,7 +548,7 @@ def test_flex_full_tiles_run_no_mask_mod(variant, direction, arch, head_dim, bou
 # the mask's branch inside one loop: 613, 444, 496, masked 760, 555, 607; before the step's descriptors were moved
 # on by fa3::desc_advanced instead of made again per k16 step: 663, 476, 539.) Since the descriptors' high words
 # stay in registers (fa3::desc_unfolded): d128 590 (0.409), d64 432 (0.824), 128 x 128 476, masked 737, 588, 544;
-# d256 470.
+# d256 453 (470 before the tiles made their descriptors with the zero themselves, WgmmaTile::k_major_desc).
 # Cases that do not hold would be strict xfails naming their figure; none now.
 FA3_PER_KFLOP = {64: 0.80, 128: 0.40}
 HOPPER_NOT_YET_WITHIN_FA3: set[int] = set()

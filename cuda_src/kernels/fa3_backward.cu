@@ -425,14 +425,14 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // B's: 444 -> 385 instructions a d128 step). One zero for both where the d128 step holds a hook (census, NVRTC
       // 13.5: hooked 437 with one, 472 with two; flex document mask 440 and 466).
       const fa3::DescZeros zero = fa3::DescZeros::read<!(HeadDim == 128 && (Hooked || kFlex))>();
-      const uint64_t k_desc = fa3::desc_unfolded(KVTile::k_major_desc(k_tile, key_base, 0), zero.a);
-      const uint64_t v_desc = fa3::desc_unfolded(VTile::k_major_desc(v_tile, key_base, 0), zero.a);
+      const uint64_t k_desc = KVTile::k_major_desc(k_tile, key_base, zero.a);
+      const uint64_t v_desc = VTile::k_major_desc(v_tile, key_base, zero.a);
       // K as dQ's B (N = the head dim, contiguous)
-      const uint64_t k_mn_desc = fa3::desc_unfolded(KVTile::mn_major_desc(k_tile, 0), zero.b);
-      const uint64_t ds_desc = fa3::desc_unfolded(DsTile::mn_major_desc(ds_tile, 0), zero.a);
+      const uint64_t k_mn_desc = KVTile::mn_major_desc(k_tile, zero.b);
+      const uint64_t ds_desc = DsTile::mn_major_desc(ds_tile, zero.a);
       // By head dim: P^T and dS^T as K-major A operands (M the keys, K the queries).
-      const uint64_t pt_desc = fa3::desc_unfolded(PtTile::k_major_desc(pt_tile, 0, 0), zero.a);
-      const uint64_t ds_k_desc = fa3::desc_unfolded(DsTile::k_major_desc(ds_tile, 0, 0), zero.a);
+      const uint64_t pt_desc = PtTile::k_major_desc(pt_tile, 0, zero.a);
+      const uint64_t ds_k_desc = DsTile::k_major_desc(ds_tile, 0, zero.a);
       // By head dim, this thread's dQ adds: its first query of dQ's M, the head-dim columns left from out_col,
       // whether its consumer's columns all lie inside the head dim (d256), pairs where d is even and dq_accum 8-byte
       // aligned.
@@ -445,10 +445,10 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
       // past that one and dq_row_stride per row of its Q block. Made once: the REDs are asm with a memory clobber, so
       // the address made from the step's BlockInfo (params and cu_seqlens read again) cost 25 instructions a step.
       float* const dq_first = kv_info.dq_accum(p, slice) + dq_query * dq_row_stride + out_col;
-      const uint64_t q_desc0 = fa3::desc_unfolded(QTile::k_major_desc(q_tile(0), query_base, 0), zero.b);
-      const uint64_t do_desc0 = fa3::desc_unfolded(DoTile::k_major_desc(do_tile(0), query_base, 0), zero.b);
-      const uint64_t q_mn_desc0 = fa3::desc_unfolded(QTile::mn_major_desc(q_tile(0), 0), zero.b);
-      const uint64_t do_mn_desc0 = fa3::desc_unfolded(DoTile::mn_major_desc(do_tile(0), 0), zero.b);
+      const uint64_t q_desc0 = QTile::k_major_desc(q_tile(0), query_base, zero.b);
+      const uint64_t do_desc0 = DoTile::k_major_desc(do_tile(0), query_base, zero.b);
+      const uint64_t q_mn_desc0 = QTile::mn_major_desc(q_tile(0), zero.b);
+      const uint64_t do_mn_desc0 = DoTile::mn_major_desc(do_tile(0), zero.b);
       // The step's (head, Q block), moved on step by step (no division by m_blocks): Q blocks inner, heads outer, as
       // the producer's. Head-dim tile t of dQ is consumer (t + Q block + head) % kConsumers' work: this consumer's
       // are the tiles t with t % kConsumers == dq_mine. dq_lane: this thread's first element of a dQ buffer (query

@@ -285,9 +285,9 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
     // (fa3::desc_advanced: one add where a descriptor made again costs a handful of instructions; HeadDim / 16 of
     // them a step for S, 16 at d256), their high words in registers (fa3::desc_unfolded).
     const fa3::DescZeros zero = fa3::DescZeros::read();
-    const uint64_t q_desc = fa3::desc_unfolded(QTile::k_major_desc(q_tile, group_row0, 0), zero.a);
+    const uint64_t q_desc = QTile::k_major_desc(q_tile, group_row0, zero.a);
     auto issue_s = [&](int stage) {
-      const uint64_t k_desc = fa3::desc_unfolded(KVTile::k_major_desc(k_tile(stage), 0, 0), zero.b);
+      const uint64_t k_desc = KVTile::k_major_desc(k_tile(stage), 0, zero.b);
 #pragma unroll
       for (int step = 0; step < HeadDim / 16; ++step)
         arch::wgmma<T, BlockN>(s, fa3::desc_advanced(q_desc, QTile::k_major_step_bytes(step)),
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__((1 + BlockM / 64) * 128, 1) fa3_forward_kernel
 
     auto issue_pv = [&](int stage, unsigned phase) {
       arch::mbarrier_wait(full_v + stage, phase);
-      const uint64_t v_desc = fa3::desc_unfolded(VTile::mn_major_desc(v_tile(stage), 0), zero.b);
+      const uint64_t v_desc = VTile::mn_major_desc(v_tile(stage), zero.b);
 #pragma unroll
       for (int kk = 0; kk < BlockN / 16; ++kk)
         arch::wgmma_rs<T, HeadDimV, true>(acc_o, p_frag[kk], fa3::desc_advanced(v_desc, kk * 16 * 128), true);

@@ -41,47 +41,11 @@ constexpr int kChunkElems = 8;     // 16-bit elements per 16-byte chunk
 constexpr int kPanelCols = 64;     // 16-bit elements per 128-byte swizzled line
 constexpr int kSwizzleAtomBytes = 1024;
 
-template <int Rows, int Cols>
-struct WgmmaTile {
-  static_assert(Rows % 8 == 0 && Cols % kPanelCols == 0, "whole 8-row atoms and 64-column panels");
-  static constexpr int kRows = Rows;
-  static constexpr int kCols = Cols;
-  static constexpr int kChunksPerRow = Cols / kChunkElems;
-  static constexpr int kPanelBytes = Rows * 128;
-  static constexpr int kBytes = Rows * Cols * 2;
-
-  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
-    return (chunk / 8) * kPanelBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
-  }
-  // Byte offset of element (row, col), col even: the pair col, col + 1 stays in one chunk.
-  __device__ __forceinline__ static int element_offset(int row, int col) {
-    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
-  }
-  // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step `step` (columns 16 step ..).
-  __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, int step) {
-    return arch::wgmma_desc<128>(tile + first_row * 128 + k_major_step_bytes(step), 16, kSwizzleAtomBytes);
-  }
-  // Where step `step` of a K-major operand starts from its step 0 (the panel of the step, 32 bytes per step in it).
-  __host__ __device__ static constexpr int k_major_step_bytes(int step) { return (step / 4) * kPanelBytes + (step % 4) * 32; }
-  // MN-major descriptor of rows 16 step .. 16 step + 15 as the k16 step of a B operand whose N runs along the
-  // columns (V in P V): 16 rows are two 1024-byte atoms, so every step starts on an atom boundary.
-  __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, int step) {
-    return arch::wgmma_desc<128>(tile + step * 16 * 128, kPanelBytes, kSwizzleAtomBytes);
-  }
-};
-
-// desc moved `bytes` on in shared memory (a multiple of 16): only the start address field (bits 0-13, the address
-// / 16) changes, and it cannot carry, the shared window being below 256 KB; one 32-bit add where a descriptor made
-// from the address again costs a handful of uniform instructions (mask, shift, or).
-__device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes) {
-  return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
-}
-
 // desc with its high word (stride byte offset and swizzle, 0x40000040 for every tile here) hidden from ptxas: ORed
 // with a zero it cannot know (DescZeros). Knowing the constant, ptxas writes it again into each HGMMA's descriptor
 // registers (2 UMOV an HGMMA: 64 of the d128 backward step's 444 instructions, NVRTC 13.5); a value it cannot know it
-// keeps in a register. For the descriptors a kernel makes once (per K/V block, stage or step 0), before
-// desc_advanced moves them on.
+// keeps in a register. WgmmaTile's descriptors (a kernel makes them once per K/V block, stage or product, before
+// desc_advanced moves them on) take it.
 __device__ __forceinline__ uint64_t desc_unfolded(uint64_t desc, unsigned zero) {
   return desc | static_cast<uint64_t>(zero) << 32;
 }
@@ -98,6 +62,44 @@ struct DescZeros {
     return {kSeparate ? zero << 1 : zero, zero};  // (zero << 1 differs to ptxas, which knows zero only as 0 or 1)
   }
 };
+
+template <int Rows, int Cols>
+struct WgmmaTile {
+  static_assert(Rows % 8 == 0 && Cols % kPanelCols == 0, "whole 8-row atoms and 64-column panels");
+  static constexpr int kRows = Rows;
+  static constexpr int kCols = Cols;
+  static constexpr int kChunksPerRow = Cols / kChunkElems;
+  static constexpr int kPanelBytes = Rows * 128;
+  static constexpr int kBytes = Rows * Cols * 2;
+
+  __device__ __forceinline__ static int chunk_offset(int row, int chunk) {
+    return (chunk / 8) * kPanelBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+  }
+  // Byte offset of element (row, col), col even: the pair col, col + 1 stays in one chunk.
+  __device__ __forceinline__ static int element_offset(int row, int col) {
+    return chunk_offset(row, col / kChunkElems) + (col % kChunkElems) * 2;
+  }
+  // K-major descriptor of rows first_row .. (64 of them for A, N for B) at k16 step 0 (columns 0 .. 15), its high
+  // word ORed with `zero` (desc_unfolded: DescZeros' a for an A operand, b for a B operand).
+  __device__ __forceinline__ static uint64_t k_major_desc(const unsigned char* tile, int first_row, unsigned zero) {
+    return desc_unfolded(arch::wgmma_desc<128>(tile + first_row * 128, 16, kSwizzleAtomBytes), zero);
+  }
+  // Where step `step` of a K-major operand starts from its step 0 (the panel of the step, 32 bytes per step in it).
+  __host__ __device__ static constexpr int k_major_step_bytes(int step) { return (step / 4) * kPanelBytes + (step % 4) * 32; }
+  // MN-major descriptor of rows 0 .. 15 as the first k16 step of an operand whose M or N runs along the columns
+  // (V in P V): 16 rows are two 1024-byte atoms, so every later step (16 rows on) starts on an atom boundary. Its
+  // high word ORed with `zero`, as k_major_desc's.
+  __device__ __forceinline__ static uint64_t mn_major_desc(const unsigned char* tile, unsigned zero) {
+    return desc_unfolded(arch::wgmma_desc<128>(tile, kPanelBytes, kSwizzleAtomBytes), zero);
+  }
+};
+
+// desc moved `bytes` on in shared memory (a multiple of 16): only the start address field (bits 0-13, the address
+// / 16) changes, and it cannot carry, the shared window being below 256 KB; one 32-bit add where a descriptor made
+// from the address again costs a handful of uniform instructions (mask, shift, or).
+__device__ __forceinline__ uint64_t desc_advanced(uint64_t desc, unsigned bytes) {
+  return (desc & 0xffffffff00000000ull) | static_cast<unsigned>(static_cast<unsigned>(desc) + (bytes >> 4));
+}
 
 // Registers per thread a block of `threads` starts with under __launch_bounds__(threads, 1): what ptxas gives a
 // kernel that needs them all (the SM's 64 K shared out in setmaxnreg's multiples of 8; 168 for 384 threads).
