@@ -32,6 +32,7 @@ namespace cuflash::flex {
 struct NoScoreMod {
   static constexpr int kSides = 0;
   static constexpr bool kHasSideGrads = false;
+  static constexpr float kScoreFactor = 1.f;
 };
 struct NoMaskMod {
   static constexpr int kSides = 0;
@@ -175,6 +176,12 @@ struct FlexHook {
       f(FlexTileScores<FlexHook, false, Scaled>{tile});
   }
 
+  // What the score_mod's functions take for x = q.k: the scaled score times the mod's kScoreFactor (1 but for a
+  // fast-math mod whose one product by a constant the emitter folded into the scale: one product per score).
+  __device__ __forceinline__ float mod_input(float qk) const {
+    return qk * (p.softmax_scale * ScoreMod::kScoreFactor);
+  }
+
   __device__ __forceinline__ float operator()(float qk, int row, int key) const {
     float unused;
     return score<true>(qk, row, key, unused);
@@ -200,7 +207,7 @@ struct FlexHook {
       if (check_mask && !MaskMod::mask(batch, head, row, key, mask_sides)) return neg_inf();
     }
     if constexpr (kScoreModded) {
-      const float scaled = qk * p.softmax_scale;
+      const float scaled = mod_input(qk);
       if constexpr (ScoreMod::kHasDScore) slope_of_score = ScoreMod::dscore(scaled, batch, head, row, key, p.flex_sides);
       const float modded = ScoreMod::score(scaled, batch, head, row, key, p.flex_sides);
       return Scaled ? modded : modded * inverse_scale;
@@ -216,7 +223,7 @@ struct FlexHook {
   // order (__syncwarp orders their adds), so each slice's sums run in one order whatever the schedule.
   __device__ __forceinline__ void side_grads(float g, float qk, int row, int key) const {
     if constexpr (kHasSideGrads) {
-      const float scaled = qk * p.softmax_scale;
+      const float scaled = mod_input(qk);
       const SideGrads& grads = p.flex_side_grads;
       if (!grads.per_warp_slices) {
         if (g != 0.f) ScoreMod::side_grads(g, scaled, batch, head, row, key, p.flex_sides, grads);

@@ -14,11 +14,14 @@
 //     static void side_grads(float g, float score, int b, int h, int q_idx, int kv_idx, const Sides& sides,
 //                            const SideGrads& grads);
 //   };
+//     static constexpr float kScoreFactor;  // score mods: the functions take score * kScoreFactor (1 but for a
+//                                           // fast-math mod reading score only as score * c: flex._emit)
 // (all __device__ __forceinline__). score is the scaled float32 score before softmax; h the query head.
 #pragma once
 
 #include "../arch/arch.cuh"
 #include "attention_params.cuh"
+#include "kernel_utils.cuh"  // kLog2e and tanh_by_exp2, which fast-math mods call
 
 namespace cuflash::flex {
 

@@ -186,16 +186,6 @@ __device__ __forceinline__ IndexRange split_kv_blocks(IndexRange visible, int se
   return IndexRange{max(visible.begin, split * per_split), min(visible.end, (split + 1) * per_split)};
 }
 
-// tanh(x) = 1 - 2 / (e^(2x) + 1): one ex2, one approximate division. Its absolute error is a few float32 ulps of 1
-// (the softcapped score c tanh carries c times that, as a float32 score of size c does anyway); it saturates to +-1
-// without a NaN. Chosen over tanhf, whose longer sequence pushed the tensor-core backward past the register limit
-// (spills). The division is __fdividef (rcp.approx and a multiply, 2 ulp): an IEEE division costs a range check and
-// a slow-path call per score (the tensor-core forward had 28 such call sites in its softcap branch). __fdividef's one
-// weak range, a divisor above 2^126 (x > 43.7), gives 0 and so t = 1, which is tanh there in float32.
-__device__ __forceinline__ float tanh_by_exp2(float x) {
-  return 1.f - __fdividef(2.f, arch::exp2_approx(x * (2.f * kLog2e)) + 1.f);
-}
-
 // The tiles a kernel's loop visits, by position i in [begin, end): here every tile of a range (tile(i) = i), which
 // is what the kernels visit but with a block mask (flex_hook.cuh's TileListVisits, the other kind). full(i): whether
 // the tile needs no user mask_mod (never known here).

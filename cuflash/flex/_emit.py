@@ -364,6 +364,40 @@ _FAST_MATH = {
     "exp": _float_only(lambda a: f"cuflash::arch::exp2_approx(__fmul_rn({a}, cuflash::kLog2e))"),
 }
 
+# A fast-math score_mod whose every function reads the score only as one product, `score * c` or `score / c` with the
+# same constant factor f (c, or 1 / c), as softcap's `cap * tanh(score / cap)` does: its functions take score * f
+# (flex_mod.cuh's kScoreFactor) and the kernels fold f into the softmax scale they multiply q.k by, one product per
+# score fewer (score = q.k * scale, then score * f: two roundings; q.k * (scale * f): one). Exact mods keep both.
+_SCORE_PRODUCT = re.compile(
+    r"^(?P<head>\s*const float v\d+ = )(?:__fmul_rn\(score, (?P<mul>[^,()]+|\(-[^,()]+\))\)|"
+    r"__fmul_rn\((?P<lmul>[^,()]+|\(-[^,()]+\)), score\)|__fdividef\(score, (?P<div>[^,()]+|\(-[^,()]+\))\));$")
+_FLOAT_LITERAL = re.compile(r"^\(?(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+)f\)?$")
+
+
+def fold_score_factor(bodies: dict[str, str]) -> tuple[dict[str, str], float]:
+    """``bodies`` (a score_mod's emitted functions) with the score's one product taken out, and its factor; the
+    bodies unchanged and 1.0 where any function reads the score otherwise, or two products differ."""
+    factors, folded = set(), {}
+    for which, body in bodies.items():
+        lines = body.split("\n")
+        for i, line in enumerate(lines):
+            if not re.search(r"\bscore\b", line):
+                continue
+            product = _SCORE_PRODUCT.match(line)
+            constant = product and _FLOAT_LITERAL.match(product["mul"] or product["lmul"] or product["div"])
+            if not constant:
+                return bodies, 1.0
+            c = np.float32(float.fromhex(constant.group(1)))
+            f = c if product["div"] is None else np.float32(1) / c
+            if not (np.isfinite(f) and f != 0 and abs(f) >= np.finfo(np.float32).tiny):
+                return bodies, 1.0
+            factors.add(float(f))
+            lines[i] = f"{product['head']}score;"
+        folded[which] = "\n".join(lines)
+    if len(factors) != 1:
+        return bodies, 1.0
+    return folded, factors.pop()
+
 # Primitives whose result needs no rounding / wrapping to its dtype: it is one of the operands, converted by
 # the rule itself, bool, or a bitwise and / or / xor of in-range values (not ~: ~ of a uint8 is negative).
 _EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "reshard", "sharding_constraint", "eq", "ne",

@@ -15,7 +15,7 @@ import numpy as np
 
 # The side-array structs and their limits (attention_params.cuh's flex namespace, read by the params mirror).
 from ..kernels.params import MAX_SIDE_DIMS, MAX_SIDES, SIDES_DTYPE, sides_struct
-from ._emit import SIDE_C_TYPE, EmitError, dtype_name
+from ._emit import SIDE_C_TYPE, EmitError, dtype_name, fold_score_factor, literal
 from ._trace import arg_names, check_result, describe, emit_body, emit_side_grads, side_grads_jaxpr, trace
 
 # Side dtypes, and what each travels to the kernel as (1-byte types widened: global loads move >= 2 bytes).
@@ -82,7 +82,7 @@ def _function(ret: str, name: str, signature: str, params: tuple[str, ...], body
 
 
 def _assemble(kind: str, name: str, bodies: dict[str, str], specs: list[SideSpec], values: list,
-              grad_sides: tuple[int, ...] = ()) -> FlexMod:
+              grad_sides: tuple[int, ...] = (), score_factor: float = 1.0) -> FlexMod:
     params = arg_names(kind)
     if kind == "score":
         members = _function("float", "score", _SCORE_SIGNATURE, params, bodies["score"])
@@ -96,6 +96,7 @@ def _assemble(kind: str, name: str, bodies: dict[str, str], specs: list[SideSpec
     if kind == "score":
         consts += f"  static constexpr bool kHasDScore = {'true' if 'dscore' in bodies else 'false'};\n"
         consts += f"  static constexpr bool kHasSideGrads = {'true' if 'side_grads' in bodies else 'false'};\n"
+        consts += f"  static constexpr float kScoreFactor = {literal(score_factor, 'float32')};\n"
     template = ("namespace cuflash::flex::mods {\nstruct @NAME@ {\n" + consts + members
                 + "};\n}  // namespace cuflash::flex::mods\n")
     struct_name = "FlexMod_" + hashlib.sha256(template.encode()).hexdigest()[:16]
@@ -157,7 +158,10 @@ def _traced(fn, kind: str, side_grads: bool = False, fast_math: bool = False) ->
                                                    positions, sides, fast_math)
         except EmitError as e:
             raise TypeError(f"{label}: {e.primitive} {e} (in its gradient to captured arrays)") from None
-    return _assemble(kind, describe(fn), bodies, specs, values, grad_sides)
+    score_factor = 1.0
+    if kind == "score" and fast_math:
+        bodies, score_factor = fold_score_factor(bodies)
+    return _assemble(kind, describe(fn), bodies, specs, values, grad_sides, score_factor)
 
 
 def trace_score_mod(fn, *, side_grads: bool = False, fast_math: bool = False) -> FlexMod:
@@ -166,7 +170,9 @@ def trace_score_mod(fn, *, side_grads: bool = False, fast_math: bool = False) ->
     into float32 gradient buffers (flex_mod.cuh's SideGrads) of every float side (FlexMod.grad_sides).
     fast_math: float division, tanh and exp in the approximate forms the built-in softcap uses (__fdividef,
     mask.cuh's tanh_by_exp2, ex2.approx): a few instructions each instead of IEEE division's slow path and
-    tanhf's polynomial, at a few ulp (results no longer equal eager JAX's bitwise). Default: exact."""
+    tanhf's polynomial, at a few ulp (results no longer equal eager JAX's bitwise); and where every function reads
+    the score only as one product by a constant (`score / cap`), that constant folded into the softmax scale
+    (_emit.fold_score_factor: a product per score fewer). Default: exact."""
     return _traced(fn, "score", side_grads, fast_math)
 
 

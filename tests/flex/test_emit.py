@@ -12,6 +12,7 @@ CUDA's on a GPU, XLA's in the reference). The same .cu is compiled by NVRTC for 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ import pytest
 
 import cuflash.sim as sim
 from cuflash import flex
+from cuflash.flex import _emit as flex_emit
 from cuflash.kernels.params import SIDE_GRADS_DTYPE
 from cuflash.kernels.program import KernelInstance
 
@@ -173,6 +175,29 @@ ULP_SCORE_MODS = [(softcap, 4, 4, 1e-6), (exp_mod, 2, 2, 0), (exp2_mod, 2, 2, 0)
                   (log_mod, 2, 2, 0), (expm1_mod, 3, 3, 1e-6), (sqrt_mod, 2, 2, 0), (sigmoid_mod, 2, 4, 0),
                   (pow_mod, 2, 2, 0), (sin_mod, 2, 2, 0), (cos_mod, 2, 2, 0), (cbrt_mod, 2, 2, 0),
                   (atan2_mod, 2, 2, 0)]
+
+
+def quarter_tanh(score, b, h, q_idx, kv_idx):
+    return jnp.tanh(score * 0.25) * 3.0
+
+
+def negative_cap(score, b, h, q_idx, kv_idx):
+    return -4.0 * jnp.tanh(score / -4.0)
+
+
+def softcap_plus_score(score, b, h, q_idx, kv_idx):
+    return CAP * jnp.tanh(score / CAP) + score
+
+
+# trace_score_mod(fast_math=True): (mod, ulp for the value and the derivative, their absolute tolerances, the factor
+# its functions take the score times: flex._emit.fold_score_factor, 1 where the score is read otherwise than as one
+# product by a constant). tanh_by_exp2's error is a few float32 ulps of 1 (kernel_utils.cuh), absolute: c tanh
+# carries c times that where tanh is small (up to 5e4 ulp of the value measured near 0), d/dx 1 - tanh^2 its own.
+TANH_ATOL = 2.0 ** -21  # measured 2^-23 to 2^-22 (times the cap)
+FAST_SCORE_MODS = [(softcap, 4, CAP * TANH_ATOL, 2 * TANH_ATOL, np.float32(1) / np.float32(CAP)),
+                   (exp_mod, 4, 0, 0, 0.125), (quarter_tanh, 4, 3 * TANH_ATOL, 2 * TANH_ATOL, 0.25),
+                   (negative_cap, 4, 4 * TANH_ATOL, 2 * TANH_ATOL, -0.25),
+                   (softcap_plus_score, 4, CAP * TANH_ATOL, 2 * TANH_ATOL, 1.0)]
 MASK_MODS = [document_mask, prefix_lm, sliding_window_with_sinks, narrow_sides_mask]
 EXPERT_BIAS = jnp.asarray(RNG.randn(H, S).astype(np.float32))
 EXPERT = flex.cuda_mod("return score * 2.f + bias(h, kv_idx < 0 ? 0 : (kv_idx > 7 ? 7 : kv_idx));",
@@ -215,7 +240,7 @@ using cuflash::arch::store;
 template <class Mod> __global__ void score_kernel(const Args a) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= a.n) return;
-  const float s = load(a.scores + i);
+  const float s = load(a.scores + i) * Mod::kScoreFactor;  // flex_mod.cuh: the functions take score * kScoreFactor
   const int b = load(a.idx + 4 * i), h = load(a.idx + 4 * i + 1), q = load(a.idx + 4 * i + 2), kv = load(a.idx + 4 * i + 3);
   store(a.out + i, Mod::score(s, b, h, q, kv, a.sides));
   if constexpr (Mod::kHasDScore) store(a.dout + i, Mod::dscore(s, b, h, q, kv, a.sides));
@@ -232,7 +257,7 @@ template <class Mod> __global__ void mask_kernel(const Args a) {
 template <class Mod> __global__ void side_grads_kernel(const Args a) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= a.n) return;
-  const float s = load(a.scores + i), g = load(a.out + i);
+  const float s = load(a.scores + i) * Mod::kScoreFactor, g = load(a.out + i);
   const int b = load(a.idx + 4 * i), h = load(a.idx + 4 * i + 1), q = load(a.idx + 4 * i + 2), kv = load(a.idx + 4 * i + 3);
   Mod::side_grads(g, s, b, h, q, kv, a.sides, a.grads);
 }
@@ -245,10 +270,11 @@ def _nvrtc_kernel(mods) -> str:
     calls = []
     for k, m in enumerate(mods):
         if m.kind == "score":
-            calls.append(f"  out[{k}] = {m.qualified_name}::score(s, b, h, q, kv, a.sides)"
-                         + (f" + {m.qualified_name}::dscore(s, b, h, q, kv, a.sides);" if m.has_dscore else ";"))
+            x = f"s * {m.qualified_name}::kScoreFactor"
+            calls.append(f"  out[{k}] = {m.qualified_name}::score({x}, b, h, q, kv, a.sides)"
+                         + (f" + {m.qualified_name}::dscore({x}, b, h, q, kv, a.sides);" if m.has_dscore else ";"))
             if m.grad_sides:
-                calls.append(f"  {m.qualified_name}::side_grads(s, s, b, h, q, kv, a.sides, a.grads);")
+                calls.append(f"  {m.qualified_name}::side_grads(s, {x}, b, h, q, kv, a.sides, a.grads);")
         else:
             calls.append(f"  out[{k}] = {m.qualified_name}::mask(b, h, q, kv, a.sides) ? 1.f : 0.f;")
     return ("namespace flextest {\n__global__ void all_mods_kernel(const Args a) {\n"
@@ -259,6 +285,7 @@ def _nvrtc_kernel(mods) -> str:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     mods = {fn: flex.trace_score_mod(fn) for fn in [*EXACT_SCORE_MODS, *(m for m, *_ in ULP_SCORE_MODS)]}
+    mods.update({("fast", fn): flex.trace_score_mod(fn, fast_math=True) for fn, *_ in FAST_SCORE_MODS})
     mods.update({fn: flex.trace_mask_mod(fn) for fn in MASK_MODS})
     mods["expert"] = EXPERT
     for key, (factory, arrays) in GRAD_MODS.items():
@@ -352,6 +379,22 @@ def test_transcendental_score_mod_and_its_derivative_match_jax_within_ulp(built,
     out, dout = _run(built, fn)
     assert_within_ulp(out, _reference(fn), ulp, 0, fn.__name__)
     assert_within_ulp(dout, _reference(fn, True), dulp, datol, f"d {fn.__name__} / d score")
+
+
+@pytest.mark.parametrize("fn, ulp, atol, datol, factor", FAST_SCORE_MODS, ids=lambda f: getattr(f, "__name__", ""))
+def test_fast_math_score_mod_folds_its_one_product_and_matches_jax(built, fn, ulp, atol, datol, factor):
+    """A fast-math mod reading the score only as score * c or score / c takes score * f (kScoreFactor, f = c or
+    1 / c; the kernels fold f into the softmax scale): the product is gone from its functions and the harness's
+    score * f gives what JAX gives within the fast forms' error; one reading the score otherwise keeps f = 1."""
+    mod = built[1][("fast", fn)]
+    assert f"kScoreFactor = {flex_emit.literal(factor, 'float32')};" in mod.source, mod.source
+    product = re.compile(r"(__fmul_rn\(score,|, score\)|__fdividef\(score,|\(score / )")
+    assert (product.search(mod.source) is None) == (factor != 1.0), mod.source
+    exact = flex.trace_score_mod(fn)
+    assert "kScoreFactor = 0x1.0000000000000p+0f;" in exact.source and product.search(exact.source)
+    out, dout = _run(built, ("fast", fn))
+    assert_within_ulp(out, _reference(fn), ulp, atol, fn.__name__)
+    assert_within_ulp(dout, _reference(fn, True), ulp, datol, f"d {fn.__name__} / d score")
 
 
 @pytest.mark.parametrize("fn", MASK_MODS, ids=lambda f: f.__name__)
