@@ -190,6 +190,32 @@ def test_run_steps_records_every_outcome_and_runs_on_after_failures_and_timeouts
     assert "| tests | timeout | 58 (56) |" in (tmp_path / "summary.md").read_text()
 
 
+def test_a_summary_is_written_after_every_step_so_a_run_cut_short_leaves_one(tmp_path):
+    """main hands run_steps a callback writing the summary (without its plot) after every step, marked partial: a
+    lent machine's time limit that kills the command mid-run leaves the summary of the steps that finished."""
+    steps = (Step("toolchain", 10, ""), Step("smoke", 20, ""), Step("tests", 30, ""))
+    fake = FakeRun({"toolchain": (4, 0, "sm_90"), "smoke": (9, 0, "smoke: fa2 float16 causal=True shape=(1,) forward: "
+                                                               "ok in 9.0 s"), "tests": (20, 1, "1 failed")})
+    seen = []
+
+    def summary_so_far(records):
+        paths = first_gpu.write_summary(tmp_path, {"device": "fake", "seconds": fake.now, "steps": records,
+                                                   "partial": True}, plot=False)
+        seen.append(((tmp_path / "summary.md").read_text(), [p.name for p in paths]))
+
+    records = first_gpu.run_steps(tmp_path, runner=fake.runner, clock=fake.clock, steps=steps, total_s=70,
+                                  commands_for=lambda out, t: {n: [n] for n in ("toolchain", "smoke", "tests")},
+                                  progress=None, on_record=summary_so_far)
+    assert len(seen) == 3 and all(names == ["summary.md", "summary.json"] for _, names in seen)
+    after_smoke = seen[1][0]
+    assert "**Partial**: written after the smoke step" in after_smoke and "| smoke | pass |" in after_smoke
+    assert "| tests |" not in after_smoke and not (tmp_path / "summary.png").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["partial"] is True
+    final = first_gpu.write_summary(tmp_path, {"device": "fake", "seconds": fake.now, "steps": records})
+    assert [p.name for p in final] == ["summary.md", "summary.json", "summary.png"]
+    assert "Partial" not in (tmp_path / "summary.md").read_text() and (tmp_path / "summary.png").exists()
+
+
 def test_a_step_with_no_time_left_is_skipped_and_recorded(tmp_path):
     steps = (Step("toolchain", 10, ""), Step("tests", 10, ""))
     fake = FakeRun({"toolchain": (5, 0, "")})

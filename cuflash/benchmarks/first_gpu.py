@@ -20,7 +20,9 @@ Steps, in this order, each a subprocess with its own time budget (``STEPS``) who
 
 A step may use the time earlier steps left unused, never the time reserved for the steps after it
 (``step_timeout``). Then ``write_summary``, a pure function of the recorded steps, writes DIR/summary.md,
-DIR/summary.json and DIR/summary.png; each step's own files and log are in DIR/<step>/. Without a GPU the
+DIR/summary.json and DIR/summary.png (the first two after every step as well, marked partial: a run cut short, as
+a lent machine's time limit may cut it, leaves the summary of the steps it finished); each step's own files and log
+are in DIR/<step>/. Without a GPU the
 command refuses before creating DIR. Everything here but ``main``'s subprocesses is tested with fakes
 (tests/test_first_gpu.py).
 """
@@ -267,8 +269,10 @@ def run_subprocess(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
 
 def run_steps(out: Path, *, runner: Runner = run_subprocess, clock: Callable[[], float] = time.monotonic,
               steps: tuple[Step, ...] = STEPS, total_s: float = TOTAL_S,
-              commands_for: Callable[[Path, float], dict] = commands, progress=sys.stdout) -> list[dict]:
-    """Run every step in order within ``total_s``, each within step_timeout; one record per step."""
+              commands_for: Callable[[Path, float], dict] = commands, progress=sys.stdout,
+              on_record: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run every step in order within ``total_s``, each within step_timeout; one record per step, handed with the
+    earlier ones to ``on_record`` as soon as it is made."""
     began = clock()
     records = []
     hang = None  # a kernel the smoke step saw hang: every later step would wait on it
@@ -303,6 +307,8 @@ def run_steps(out: Path, *, runner: Runner = run_subprocess, clock: Callable[[],
         if progress:
             print(f"first-gpu: {step.name}: {record['status']}: {record['detail']}", file=progress, flush=True)
         records.append(record)
+        if on_record is not None:
+            on_record(list(records))
         hang = hang or record["data"].get("hang")
     return records
 
@@ -358,13 +364,18 @@ def _speed_markdown(result: dict) -> list[str]:
     return [line for line in lines if line is not None]
 
 
-def write_summary(out: Path, record: dict) -> list[Path]:
-    """DIR/summary.md, DIR/summary.json and DIR/summary.png from ``record`` ({"device", "seconds", "steps": [...]})."""
+def write_summary(out: Path, record: dict, plot: bool = True) -> list[Path]:
+    """DIR/summary.md, DIR/summary.json and (with ``plot``) DIR/summary.png from ``record`` ({"device", "seconds",
+    "steps": [...]}, and "partial": True while steps remain: main writes one after every step, so a run killed
+    before its end, as a lent machine's time limit may, still leaves the summary of the steps it finished)."""
     out = Path(out)
     steps = {s["name"]: s for s in record["steps"]}
     lines = [f"# cuflash first-gpu on {record.get('device', '?')}", "",
-             f"{record.get('seconds', 0):.0f} s of a {record.get('total_s', TOTAL_S)} s budget.", "",
-             "| step | outcome | seconds (limit) | detail |", "|---|---|---|---|"]
+             f"{record.get('seconds', 0):.0f} s of a {record.get('total_s', TOTAL_S)} s budget.", ""]
+    if record.get("partial"):
+        last = record["steps"][-1]["name"] if record["steps"] else "no"
+        lines += [f"**Partial**: written after the {last} step, before the run's end (a run cut short ends here).", ""]
+    lines += ["| step | outcome | seconds (limit) | detail |", "|---|---|---|---|"]
     for s in record["steps"]:
         lines.append(f"| {s['name']} | {s['status']} | {_fmt(s.get('seconds'), '.0f')} ({_fmt(s.get('timeout_s'), '.0f')})"
                      f" | {str(s.get('detail', '')).replace('|', '/')} |")
@@ -410,11 +421,12 @@ def write_summary(out: Path, record: dict) -> list[Path]:
     if host_profile:
         lines += ["", "```", *host_profile.splitlines()[:HOST_PROFILE_LINES], "```"]
 
-    written = [out / "summary.md", out / "summary.json", out / "summary.png"]
+    written = [out / "summary.md", out / "summary.json"] + ([out / "summary.png"] if plot else [])
     written[0].write_text("\n".join(lines) + "\n")
     derived = {"speed_rows": speed_rows(speed) if speed else []}
     written[1].write_text(json.dumps({**record, **derived}, indent=1, default=str))
-    _summary_plot(speed, record.get("device", "?"), written[2])
+    if plot:
+        _summary_plot(speed, record.get("device", "?"), written[2])
     return written
 
 
@@ -438,11 +450,17 @@ def main(out: Path) -> int:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    records = run_steps(out)
     try:
         device = speed.device_name()
     except Exception as err:  # the summary is written whatever state the device is in
         device = f"unknown ({type(err).__name__})"
+
+    def summary_so_far(records: list[dict]) -> None:
+        partial = {"device": device, "total_s": TOTAL_S, "seconds": round(time.monotonic() - began, 1),
+                   "steps": records, "partial": True}
+        write_summary(out, partial, plot=False)
+
+    records = run_steps(out, on_record=summary_so_far)
     record = {"device": device, "total_s": TOTAL_S, "seconds": round(time.monotonic() - began, 1), "steps": records}
     for path in write_summary(out, record):
         print(f"wrote {path}")
