@@ -13,9 +13,9 @@
 //     static constexpr bool kHasSideGrads;  // score mods: whether side_grads exists; it adds g * d score / d side
 //     static void side_grads(float g, float score, int b, int h, int q_idx, int kv_idx, const Sides& sides,
 //                            const SideGrads& grads);
-//   };
 //     static constexpr float kScoreFactor;  // score mods: the functions take score * kScoreFactor (1 but for a
 //                                           // fast-math mod reading score only as score * c: flex._emit)
+//   };
 // (all __device__ __forceinline__). score is the scaled float32 score before softmax; h the query head.
 #pragma once
 

@@ -22,9 +22,8 @@ A step may use the time earlier steps left unused, never the time reserved for t
 (``step_timeout``). Then ``write_summary``, a pure function of the recorded steps, writes DIR/summary.md,
 DIR/summary.json and DIR/summary.png (the first two after every step as well, marked partial: a run cut short, as
 a lent machine's time limit may cut it, leaves the summary of the steps it finished); each step's own files and log
-are in DIR/<step>/. Without a GPU the
-command refuses before creating DIR. Everything here but ``main``'s subprocesses is tested with fakes
-(tests/test_first_gpu.py).
+are in DIR/<step>/. Without a GPU the command refuses before creating DIR. Everything here but ``main``'s
+subprocesses is tested with fakes (tests/test_first_gpu.py).
 """
 
 from __future__ import annotations

@@ -398,6 +398,7 @@ def fold_score_factor(bodies: dict[str, str]) -> tuple[dict[str, str], float]:
         return bodies, 1.0
     return folded, factors.pop()
 
+
 # Primitives whose result needs no rounding / wrapping to its dtype: it is one of the operands, converted by
 # the rule itself, bool, or a bitwise and / or / xor of in-range values (not ~: ~ of a uint8 is negative).
 _EXACT_RESULT = {"select_n", "convert_element_type", "copy", "copy_p", "reshard", "sharding_constraint", "eq", "ne",
