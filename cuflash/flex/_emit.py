@@ -120,7 +120,11 @@ class Emitter:
     effects: list[str] = field(default_factory=list)  # statements with side effects, in order (atomic adds)
     _reads: dict = field(default_factory=dict)  # window -> its tensor: a window used twice is loaded once
     _count: itertools.count = field(default_factory=itertools.count)
-    fast_math: bool = False  # _FAST_MATH's approximate forms for division, tanh and exp
+    fast_math: bool = False  # _FAST_MATH's approximate forms for division, tanh and exp; factored products
+    # fast_math: name -> (f, base) for a float32 value bound as `(base * f)`, f a constant: products and quotients by
+    # constants gather into f, and sums of equal factors add their bases (_factored), so the statement `(base * f)`
+    # is dropped as dead unless something else reads the value.
+    factored: dict = field(default_factory=dict)
 
     # ---- statements -------------------------------------------------------------------------
     def bind(self, dtype: str, expr: str) -> str:
@@ -206,15 +210,66 @@ class Emitter:
             raise EmitError(primitive, "is not a primitive cuflash.flex can emit")
         tensors = [self.read(a, primitive) for a in args]
         in_dtypes = [t.dtype for t in tensors]
+        factoring = self.fast_math and primitive in _FACTORED and all(d == "float32" for d in (*in_dtypes, out_dtype))
         count = math.prod(out_shape)
         elems = []
         for i in range(count):
             operands = [t.elems[i] if len(t.elems) > 1 else t.elems[0] for t in tensors]
+            factored = self._factored(primitive, *operands) if factoring else None
+            if factored is not None:
+                elems.append(factored)
+                continue
             expr = rule(operands, in_dtypes, out_dtype, params)
             if primitive not in _EXACT_RESULT and out_dtype in _NARROW:
                 expr = f"{_NARROW[out_dtype]}({expr})"
             elems.append(self.bind(out_dtype, expr))
         return [_Tensor(out_dtype, out_shape, tuple(elems))]
+
+    def _factored(self, primitive: str, a: str, b: str) -> str | None:
+        """fast_math's float32 a op b with constant factors gathered (``factored``), or None for the primitive's
+        own rule: two constants fold here; a product or quotient by a constant multiplies the factor; a product of
+        two values multiplies their bases and factors; a sum or difference of equal factors adds the bases. Products
+        are written `a * b`, which the compiler may contract with a sum into an FMA."""
+        ka, kb = _float_literal_value(a), _float_literal_value(b)
+        if ka is not None and kb is not None:
+            with np.errstate(all="ignore"):
+                value = {"mul": ka * kb, "div": ka / kb, "add": ka + kb, "add_any": ka + kb, "sub": ka - kb}[primitive]
+            return literal(value, "float32")
+        (fa, ba), (fb, bb) = self.factored.get(a, (1.0, a)), self.factored.get(b, (1.0, b))
+        if primitive == "mul" and (ka is not None or kb is not None):
+            (f, base), k = ((fb, bb), ka) if ka is not None else ((fa, ba), kb)
+            return self._scaled(float(np.float32(f) * k), base)
+        if primitive == "div" and kb is not None:
+            return self._scaled(float(np.float32(fa) / kb), ba) if kb != 0 else None
+        if ka is not None or kb is not None:
+            return None
+        if primitive == "mul":
+            return self._scaled(float(np.float32(fa) * np.float32(fb)), self.bind("float32", f"({ba} * {bb})"))
+        if primitive in ("add", "add_any", "sub") and fa == fb:
+            op = "-" if primitive == "sub" else "+"
+            return self._scaled(fa, self.bind("float32", f"({ba} {op} {bb})"))
+        return None
+
+    def _scaled(self, factor: float, base: str) -> str | None:
+        """The value factor * base: base itself for a factor of 1, else a name bound as `(base * factor)` and
+        remembered as factored; None where the factor is no normal float32 (the primitive's own rule then)."""
+        if factor == 1.0:
+            return base
+        if not (math.isfinite(factor) and abs(factor) >= np.finfo(np.float32).tiny):
+            return None
+        name = self.bind("float32", f"({base} * {literal(factor, 'float32')})")
+        self.factored[name] = (factor, base)
+        return name
+
+
+# fast_math's primitives whose float32 constant factors the Emitter gathers (Emitter._factored).
+_FACTORED = ("mul", "div", "add", "add_any", "sub")
+
+
+def _float_literal_value(expr: str) -> np.float32 | None:
+    """The value of a finite float32 literal as ``literal`` writes it, else None."""
+    match = _FLOAT_LITERAL.match(expr)
+    return np.float32(float.fromhex(match.group(1))) if match else None
 
 
 # ---- elementwise rules: (operand expressions, operand dtypes, result dtype, params) -> C expression ----
@@ -369,7 +424,8 @@ _FAST_MATH = {
 # (flex_mod.cuh's kScoreFactor) and the kernels fold f into the softmax scale they multiply q.k by, one product per
 # score fewer (score = q.k * scale, then score * f: two roundings; q.k * (scale * f): one). Exact mods keep both.
 _SCORE_PRODUCT = re.compile(
-    r"^(?P<head>\s*const float v\d+ = )(?:__fmul_rn\(score, (?P<mul>[^,()]+|\(-[^,()]+\))\)|"
+    r"^(?P<head>\s*const float v\d+ = )(?:\(score \* (?P<factor>[^()]+|\(-[^()]+\))\)|"
+    r"__fmul_rn\(score, (?P<mul>[^,()]+|\(-[^,()]+\))\)|"
     r"__fmul_rn\((?P<lmul>[^,()]+|\(-[^,()]+\)), score\)|__fdividef\(score, (?P<div>[^,()]+|\(-[^,()]+\))\));$")
 _FLOAT_LITERAL = re.compile(r"^\(?(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+)f\)?$")
 
@@ -384,7 +440,8 @@ def fold_score_factor(bodies: dict[str, str]) -> tuple[dict[str, str], float]:
             if not re.search(r"\bscore\b", line):
                 continue
             product = _SCORE_PRODUCT.match(line)
-            constant = product and _FLOAT_LITERAL.match(product["mul"] or product["lmul"] or product["div"])
+            constant = product and _FLOAT_LITERAL.match(product["factor"] or product["mul"] or product["lmul"]
+                                                        or product["div"])
             if not constant:
                 return bodies, 1.0
             c = np.float32(float.fromhex(constant.group(1)))

@@ -170,9 +170,11 @@ def trace_score_mod(fn, *, side_grads: bool = False, fast_math: bool = False) ->
     into float32 gradient buffers (flex_mod.cuh's SideGrads) of every float side (FlexMod.grad_sides).
     fast_math: float division, tanh and exp in the approximate forms the built-in softcap uses (__fdividef,
     mask.cuh's tanh_by_exp2, ex2.approx): a few instructions each instead of IEEE division's slow path and
-    tanhf's polynomial, at a few ulp (results no longer equal eager JAX's bitwise); and where every function reads
-    the score only as one product by a constant (`score / cap`), that constant folded into the softmax scale
-    (_emit.fold_score_factor: a product per score fewer). Default: exact."""
+    tanhf's polynomial, at a few ulp (results no longer equal eager JAX's bitwise); products and quotients by
+    constants gathered into one factor, sums of equal factors added first (c a + c b as c (a + b): what jax.grad's
+    chain rule multiplies in and divides out again), products written so the compiler may fuse them with sums into
+    FMAs; and where every function reads the score only as one product by a constant (`score / cap`), that constant
+    folded into the softmax scale (_emit.fold_score_factor: a product per score fewer). Default: exact."""
     return _traced(fn, "score", side_grads, fast_math)
 
 

@@ -189,6 +189,14 @@ def softcap_plus_score(score, b, h, q_idx, kv_idx):
     return CAP * jnp.tanh(score / CAP) + score
 
 
+def affine_tanh(score, b, h, q_idx, kv_idx):  # factors 4 and 2 apart, summed: both products are kept
+    return (score * 0.5 - 1.0) * 4.0 + jnp.tanh(score * 0.5) * 2.0
+
+
+def scaled_square(score, b, h, q_idx, kv_idx):  # a product of factored values: 3 (s / 4)^2 as (s s) 3 / 16; s is
+    return (score / 4.0) * (score / 4.0) * 3.0 - score / 4.0  # then read otherwise than as one product (no fold)
+
+
 # trace_score_mod(fast_math=True): (mod, ulp for the value and the derivative, their absolute tolerances, the factor
 # its functions take the score times: flex._emit.fold_score_factor, 1 where the score is read otherwise than as one
 # product by a constant). tanh_by_exp2's error is a few float32 ulps of 1 (kernel_utils.cuh), absolute: c tanh
@@ -197,7 +205,9 @@ TANH_ATOL = 2.0 ** -21  # measured 2^-23 to 2^-22 (times the cap)
 FAST_SCORE_MODS = [(softcap, 4, CAP * TANH_ATOL, 2 * TANH_ATOL, np.float32(1) / np.float32(CAP)),
                    (exp_mod, 4, 0, 0, 0.125), (quarter_tanh, 4, 3 * TANH_ATOL, 2 * TANH_ATOL, 0.25),
                    (negative_cap, 4, 4 * TANH_ATOL, 2 * TANH_ATOL, -0.25),
-                   (softcap_plus_score, 4, CAP * TANH_ATOL, 2 * TANH_ATOL, 1.0)]
+                   (softcap_plus_score, 4, CAP * TANH_ATOL, 2 * TANH_ATOL, 1.0),
+                   (affine_tanh, 4, 4 * TANH_ATOL, 2 * TANH_ATOL, 0.5),
+                   (scaled_square, 4, 2.0 ** -20, 0, 1.0)]  # its roots: the reassociated terms cancel
 MASK_MODS = [document_mask, prefix_lm, sliding_window_with_sinks, narrow_sides_mask]
 EXPERT_BIAS = jnp.asarray(RNG.randn(H, S).astype(np.float32))
 EXPERT = flex.cuda_mod("return score * 2.f + bias(h, kv_idx < 0 ? 0 : (kv_idx > 7 ? 7 : kv_idx));",
@@ -388,13 +398,27 @@ def test_fast_math_score_mod_folds_its_one_product_and_matches_jax(built, fn, ul
     score * f gives what JAX gives within the fast forms' error; one reading the score otherwise keeps f = 1."""
     mod = built[1][("fast", fn)]
     assert f"kScoreFactor = {flex_emit.literal(factor, 'float32')};" in mod.source, mod.source
-    product = re.compile(r"(__fmul_rn\(score,|, score\)|__fdividef\(score,|\(score / )")
+    product = re.compile(r"(__fmul_rn\(score,|, score\)|__fdividef\(score,|\(score / |\(score \* )")
     assert (product.search(mod.source) is None) == (factor != 1.0), mod.source
     exact = flex.trace_score_mod(fn)
     assert "kScoreFactor = 0x1.0000000000000p+0f;" in exact.source and product.search(exact.source)
     out, dout = _run(built, ("fast", fn))
     assert_within_ulp(out, _reference(fn), ulp, atol, fn.__name__)
     assert_within_ulp(dout, _reference(fn, True), ulp, datol, f"d {fn.__name__} / d score")
+
+
+def test_fast_math_gathers_the_chain_rules_constant_factors():
+    """jax.grad of cap * tanh(score / cap) multiplies by cap and divides by it again (after the tanh 6 statements,
+    5 instructions a score); fast_math gathers the constant factors: 1 - t and (1 - t) + (1 - t) t, an FADD and an
+    FFMA, no cap left (the backward's loop census: Hopper d128 841 -> 745 instructions a step, sm_80 d64 2591 ->
+    2395, NVRTC 13.5)."""
+    def statements(mod):
+        return re.findall(r"const float v\d+ = (.*);", mod.source.split(" dscore(")[1])
+
+    fast, exact = flex.trace_score_mod(softcap, fast_math=True), flex.trace_score_mod(softcap)
+    cap = flex_emit.literal(CAP, "float32")
+    assert cap in "".join(statements(exact)) and cap not in "".join(statements(fast)), statements(fast)
+    assert len(statements(fast)) == 5 and len(statements(exact)) == 8, (statements(fast), statements(exact))
 
 
 @pytest.mark.parametrize("fn", MASK_MODS, ids=lambda f: f.__name__)

@@ -280,7 +280,7 @@ def test_bad_inputs_raise_before_any_kernel():
 
 
 def test_fast_math_softcap_mod_meets_the_rule_and_emits_the_built_ins_forms():
-    """trace_score_mod(fast_math=True): division as __fdividef, tanh as mask.cuh's tanh_by_exp2 (the built-in
+    """trace_score_mod(fast_math=True): tanh as kernel_utils.cuh's tanh_by_exp2 (the built-in
     softcap's forms, what the loop census compares against), approximate but within FlashAttention's rule against
     the float64 reference on tensor cores (float16), forward and backward; the default emission stays exact (IEEE
     division, tanhf)."""
@@ -292,8 +292,11 @@ def test_fast_math_softcap_mod_meets_the_rule_and_emits_the_built_ins_forms():
 
     fast = cuflash.flex.trace_score_mod(softcap, fast_math=True)
     exact = cuflash.flex.trace_score_mod(softcap)
-    assert "__fdividef" in fast.source and "tanh_by_exp2" in fast.source and "tanhf" not in fast.source
-    assert "__fdividef" not in exact.source and "tanhf(" in exact.source
+    # score / cap is folded into the softmax scale and the derivative's cap / cap gathered (kScoreFactor 1 / cap):
+    # no division is left in the fast form
+    assert "tanh_by_exp2" in fast.source and "tanhf" not in fast.source and " / " not in fast.source
+    assert f"kScoreFactor = {(np.float32(1) / np.float32(cap)).item().hex()}f;" in fast.source
+    assert "__fdividef" not in exact.source and "tanhf(" in exact.source and "(score / " in exact.source
     out, lse = cuflash.flex_attention(q, k, v, score_mod=fast, return_lse=True)
     ref = tol.forward_references(q, k, v, softcap=cap)
     tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
