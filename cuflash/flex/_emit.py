@@ -423,10 +423,9 @@ _FAST_MATH = {
 # same constant factor f (c, or 1 / c), as softcap's `cap * tanh(score / cap)` does: its functions take score * f
 # (flex_mod.cuh's kScoreFactor) and the kernels fold f into the softmax scale they multiply q.k by, one product per
 # score fewer (score = q.k * scale, then score * f: two roundings; q.k * (scale * f): one). Exact mods keep both.
-_SCORE_PRODUCT = re.compile(
-    r"^(?P<head>\s*const float v\d+ = )(?:\(score \* (?P<factor>[^()]+|\(-[^()]+\))\)|"
-    r"__fmul_rn\(score, (?P<mul>[^,()]+|\(-[^,()]+\))\)|"
-    r"__fmul_rn\((?P<lmul>[^,()]+|\(-[^,()]+\)), score\)|__fdividef\(score, (?P<div>[^,()]+|\(-[^,()]+\))\));$")
+# In fast-math emission every such product is Emitter._scaled's statement `(score * f)`, f a normal float32 (a factor
+# it cannot write leaves the primitive's own rule, which reads the score otherwise: no fold).
+_SCORE_PRODUCT = re.compile(r"^(?P<head>\s*const float v\d+ = )\(score \* (?P<factor>[^()]+|\(-[^()]+\))\);$")
 _FLOAT_LITERAL = re.compile(r"^\(?(-?0x[0-9a-f]+(?:\.[0-9a-f]*)?p[+-]\d+)f\)?$")
 
 
@@ -440,15 +439,10 @@ def fold_score_factor(bodies: dict[str, str]) -> tuple[dict[str, str], float]:
             if not re.search(r"\bscore\b", line):
                 continue
             product = _SCORE_PRODUCT.match(line)
-            constant = product and _FLOAT_LITERAL.match(product["factor"] or product["mul"] or product["lmul"]
-                                                        or product["div"])
-            if not constant:
+            factor = _float_literal_value(product["factor"]) if product else None
+            if factor is None:
                 return bodies, 1.0
-            c = np.float32(float.fromhex(constant.group(1)))
-            f = c if product["div"] is None else np.float32(1) / c
-            if not (np.isfinite(f) and f != 0 and abs(f) >= np.finfo(np.float32).tiny):
-                return bodies, 1.0
-            factors.add(float(f))
+            factors.add(float(factor))
             lines[i] = f"{product['head']}score;"
         folded[which] = "\n".join(lines)
     if len(factors) != 1:
