@@ -165,6 +165,29 @@ def test_planted_work_decides_what_the_walk_must_issue():
         lc.census(PLANTED, lc.IterationWork(hmma=4, ldgsts=2, exponentials=3, global_writes=1))
 
 
+def _optional_exponentials(fillers: list[int]) -> str:
+    """A main loop of an HMMA, then per entry f of ``fillers`` a branch over a block of f FADD and a MUFU.EX2 (a
+    score's optional tanh, as the hooks' per-score branches), then the back edge."""
+    lines = ["HMMA.16816.F32 R4, R8, R12, R4"]
+    for f in fillers:
+        after = 16 * (len(lines) + 2 + f)
+        lines += [f"@P1 BRA {after:#x}", *["FADD R20, R20, R21"] * f, "MUFU.EX2 R20, R20"]
+    return listing(*lines, "@P0 BRA 0x0", "EXIT")
+
+
+@pytest.mark.parametrize("needed", [0, 1, 5, 12])
+def test_the_walk_takes_the_cheapest_blocks_that_issue_the_exponentials(needed):
+    # Twelve optional blocks of 2..6 instructions: the walk issuing `needed` exponentials runs the `needed` cheapest
+    # (the A* bound of loop_census._rest_costs finds the same walk as Dijkstra alone, sooner).
+    fillers = [(7 * i) % 5 + 1 for i in range(12)]
+    (row,) = lc.census(_optional_exponentials(fillers), lc.IterationWork(hmma=1, ldgsts=0, exponentials=needed))
+    # The HMMA, the 12 branches and the back edge, then the blocks run.
+    assert row.instructions == 1 + 12 + 1 + sum(sorted(f + 1 for f in fillers)[:needed])
+    assert row.exponentials == needed and row.classes["mufu"] == needed
+    with pytest.raises(lc.NoPathError):
+        lc.census(_optional_exponentials(fillers), lc.IterationWork(hmma=1, ldgsts=0, exponentials=13))
+
+
 def test_predicated_off_padding_counts_and_a_subroutine_call_falls_through():
     sass = listing(
         "HMMA.16816.F32 R4, R8, R12, R4",      # 0x00 loop head

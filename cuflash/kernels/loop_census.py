@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import heapq
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -307,12 +308,23 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
     first = _add((0, 0, 0, 0, *([0] * len(capped))), per_block[loop.head][1:], need)
     if first is None:
         raise NoPathError(f"the loop head alone issues more than {need}")
+    # A* (the same cheapest walk, found sooner): a state is queued at its cost plus the least the rest of a walk
+    # costs that issues the exponentials still missing (_rest_costs: a bound that never overestimates, and consistent,
+    # so states leave the queue at their least cost as in Dijkstra). Without it a walk needing twice the exponentials
+    # (softcap_census) of a loop with per-score branches (the sm_80 backward's hook) took minutes: every cheaper walk
+    # that skipped the branches was carried on to the loop's end, at every count of exponentials.
+    rest = _rest_costs(blocks, loop, {b: (c[0], c[4]) for b, c in per_block.items()}, need[3])
+
+    def bound(state: tuple) -> float:
+        return rest[state[0]][need[3] - state[4]]
+
     # The state's last count: whether the walk has visited a block of ``through`` (always 1 without one).
-    queue = [(per_block[loop.head][0], loop.head, *first, int(not through or loop.head in through))]
-    best: dict[tuple, int] = {queue[0][1:]: queue[0][0]}
+    start = (loop.head, *first, int(not through or loop.head in through))
+    queue = [(per_block[loop.head][0] + bound(start), per_block[loop.head][0], *start)]
+    best: dict[tuple, int] = {start: per_block[loop.head][0]}
     previous: dict[tuple, tuple] = {}
     while queue:
-        cost, *state = heapq.heappop(queue)
+        _, cost, *state = heapq.heappop(queue)
         state = tuple(state)
         block, counts = state[0], state[1:]
         if best.get(state, cost) < cost:
@@ -334,13 +346,46 @@ def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "
                 continue
             next_state = (successor, *added, int(counts[-1] or successor in through))
             next_cost = cost + per_block[successor][0]
-            if next_cost < best.get(next_state, next_cost + 1):
+            if next_cost < best.get(next_state, next_cost + 1) and bound(next_state) < math.inf:
                 best[next_state] = next_cost
                 previous[next_state] = state
-                heapq.heappush(queue, (next_cost, *next_state))
+                heapq.heappush(queue, (next_cost + bound(next_state), next_cost, *next_state))
     raise NoPathError(f"no walk through the loop at {blocks[loop.head].start:#x}..{blocks[loop.latch].end:#x} "
                       f"issues {work.hmma} HMMA, {work.ldgsts} LDGSTS and {work.global_writes} global writes with "
                       f">= {work.exponentials} MUFU.EX2" + (f" through blocks {sorted(through)}" if through else ""))
+
+
+def _rest_costs(blocks: Sequence[Block], loop: Loop, per_block: dict[int, tuple[int, int]],
+                needed: int) -> dict[int, list[float]]:
+    """For each block b of ``loop`` and k in 0..needed, the fewest instructions a walk from b (b's own not counted)
+    to the loop's latch (its own counted) issues while issuing at least k MUFU.EX2 (``per_block``: a block's
+    instructions and exponentials), inf where none does: Dijkstra backwards from (latch, 0) over (block, k)."""
+    predecessors: dict[int, list[int]] = {b: [] for b in loop.blocks}
+    for b in loop.blocks:
+        for successor in blocks[b].successors:
+            if successor in loop.blocks and not (b == loop.latch and successor == loop.head):
+                predecessors[successor].append(b)
+    rest = {b: [math.inf] * (needed + 1) for b in loop.blocks}
+    rest[loop.latch][0] = 0
+    queue = [(0, loop.latch, 0)]
+    while queue:
+        cost, block, k = heapq.heappop(queue)
+        if rest[block][k] < cost:
+            continue
+        instructions, exponentials = per_block[block]
+        # A walk from a predecessor into this block issues this block's exponentials first: it needs k more after
+        # them, or any number up to them where k is 0.
+        ks = range(0, min(exponentials, needed) + 1) if k == 0 else [min(k + exponentials, needed)]
+        for predecessor in predecessors[block]:
+            for before in ks:
+                if cost + instructions < rest[predecessor][before]:
+                    rest[predecessor][before] = cost + instructions
+                    heapq.heappush(queue, (cost + instructions, predecessor, before))
+    # Issuing more than k also issues k: make each row non-increasing in k from the top.
+    for row in rest.values():
+        for k in range(needed - 1, -1, -1):
+            row[k] = min(row[k], row[k + 1])
+    return rest
 
 
 def _add(counts: tuple[int, ...], block: tuple[int, ...], need: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -534,10 +579,18 @@ def function_body_lines(source: str, opening: str) -> frozenset[int]:
     raise ValueError(f"{source}: no closing brace for {opening!r}")
 
 
-def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozenset[int]]:
-    """For each of MARKED_PATHS, the SASS addresses whose source line is in the body of one of its functions."""
+# The built-in softcap's derivative where a kernel recovers it from P (the Hopper backward: fa3::hooked_ds tests once
+# a tile whether softcap is on, and the walk that skips it issues the tanh's exponentials all the same, for the
+# forward's scores). softcap_census's walk passes through it where the loop holds it.
+SOFTCAP_DERIVATIVE = {"softcap": (("common/mask.cuh", "float slope_of_probability(float prob, float lse_log2"),)}
+
+
+def marked_addresses(line_table: dict[int, tuple[str, int]],
+                     paths: dict[str, tuple[tuple[str, str], ...]] = MARKED_PATHS) -> dict[str, frozenset[int]]:
+    """For each of ``paths`` (MARKED_PATHS by default), the SASS addresses whose source line is in the body of one of
+    its functions."""
     found = {}
-    for name, openings in MARKED_PATHS.items():
+    for name, openings in paths.items():
         bodies = [(source, function_body_lines(source, opening)) for source, opening in openings]
         found[name] = frozenset(address for address, (path, line) in line_table.items()
                                 if any(path.replace("\\", "/").endswith("/" + source) and line in body
@@ -599,9 +652,10 @@ def softcap_work(work: IterationWork) -> IterationWork:
 
 
 def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
-    """The softcap path of ``traits``' main loop: the cheapest walk issuing softcap_work. ``instance``: the kernel
-    to compile (default: the plain instance, whose softcap is the built-in ScoreHook's; a cuflash.flex instance with
-    a softcap score_mod for the comparison issue 29 item 6 bounds)."""
+    """The softcap path of ``traits``' main loop: the cheapest walk issuing softcap_work, and through the built-in
+    softcap's derivative where the loop holds it apart (SOFTCAP_DERIVATIVE). ``instance``: the kernel to compile
+    (default: the plain instance, whose softcap is the built-in ScoreHook's; a cuflash.flex instance with a softcap
+    score_mod for the comparison issue 29 item 6 bounds)."""
     from . import nvrtc
 
     instance = instance or traits.instance(dtype)
@@ -609,7 +663,9 @@ def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
     key = ("softcap", traits, dtype, arch, compiled.code_path)
     if key not in _censuses:
         work = softcap_work(iteration_work(traits))
-        path = census(nvrtc.dump_sass(compiled), work, {})[0]
+        marks = marked_addresses(nvrtc.dump_line_table(compiled), SOFTCAP_DERIVATIVE)
+        rows = census(nvrtc.dump_sass(compiled), work, marks)
+        path = next((row for row in rows if row.path == "softcap"), rows[0])
         _censuses[key] = (CensusRow(instance.name_expr, arch, _tile(traits), work,
                                     dataclasses.replace(path, path="softcap")),)
     return _censuses[key][0]
@@ -672,15 +728,16 @@ def _lines_of(traits, dtype: str, arch: str, row: CensusRow) -> list[LineCount]:
 
 
 def format_table(rows: Iterable[CensusRow]) -> str:
-    headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "instr/kflop", "ldsm", "ldgsts", "mem", "fp32",
-               "mufu", "shfl", "bar", "branch", "int", "other", "loop static")
+    headers = ("kernel", "arch", "tile", "path", "instr", "hmma", "instr/hmma", "instr/kflop", "ldsm", "ldgsts", "mem",
+               "fp32", "mufu", "shfl", "bar", "branch", "int", "other", "loop static")
     table = [headers]
     for row in rows:
         c = row.path.classes
         table.append((row.kernel, row.arch, row.tile, row.path.path, str(row.path.instructions), str(row.path.hmma),
-                      f"{row.path.instructions_per_hmma:.2f}", f"{row.instructions_per_kflop:.3f}", str(c["ldsm"]), str(c["ldgsts"]), str(c["memory"]),
-                      str(c["fp32"]), str(c["mufu"]), str(c["shfl"]), str(c["barrier"]), str(c["branch"]),
-                      str(c["integer"]), str(c["other"]), str(row.path.loop_static_instructions)))
+                      f"{row.path.instructions_per_hmma:.2f}", f"{row.instructions_per_kflop:.3f}", str(c["ldsm"]),
+                      str(c["ldgsts"]), str(c["memory"]), str(c["fp32"]), str(c["mufu"]), str(c["shfl"]),
+                      str(c["barrier"]), str(c["branch"]), str(c["integer"]), str(c["other"]),
+                      str(row.path.loop_static_instructions)))
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
              for line in table]
