@@ -500,8 +500,18 @@ def _mod_traits(direction, head_dim, arch):
 # is 932, the mod's 1019 (1.093x: its S loop still copies both high words before each HGMMA). The mod's score / cap
 # is folded into the softmax scale now (flex._emit.fold_score_factor, FlexHook::mod_input: the product per score the
 # built-in's softcap_inner never had): 956 (1.026x); sm_80 d64 1238 -> 1175 (0.91x).
+#
+# The backwards (the sm_80 one since it takes the hook per tile as the forwards do, FlexHook::tests_bounds, and the
+# score' itself, kScaledScores): sm_80 d64 plain 1123, built-in 2056, the fast-math mod 1866 (0.91x; 2395, 1.16x,
+# while every score tested the sequence bounds and took score' / scale). The Hopper backward's built-in softcap runs
+# in its hooked instance (fa3_backward.HOOKED_CHOICES: P^T while dP^T is in flight, the derivative recovered from P,
+# behind a once-a-tile test of softcap: the walk passes through it, loop_census.SOFTCAP_DERIVATIVE, else the
+# cheapest walk skipped it, 664), a mod in the plain tile's (one pass once dP^T has landed): d128 plain 385, built-in
+# 981, the fast-math mod 745 (0.76x).
 @pytest.mark.parametrize("direction, head_dim, arch, bound", [("forward", 64, "sm_80", 1.1),
-                                                               ("forward", 128, "sm_90a", 1.1)])
+                                                               ("forward", 128, "sm_90a", 1.1),
+                                                               ("backward", 64, "sm_80", 1.1),
+                                                               ("backward", 128, "sm_90a", 1.1)])
 def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch, bound):
     import jax.numpy as jnp
 
@@ -510,10 +520,19 @@ def test_softcap_mod_loop_within_the_built_in_softcap(direction, head_dim, arch,
 
     traits = _mod_traits(direction, head_dim, arch)
     plain = lc.instance_census(traits, CENSUS_DTYPE, arch)[0]
-    built_in = lc.softcap_census(traits, CENSUS_DTYPE, arch)
+    built_in_traits = (fa3_backward.HOOKED_CHOICES[head_dim] if (direction, arch) == ("backward", "sm_90a")
+                       else traits)
+    built_in = lc.softcap_census(built_in_traits, CENSUS_DTYPE, arch)
     # The softcap path runs the tanh: more exponentials and instructions than the plain path, the same MMAs.
     assert built_in.path.hmma == plain.path.hmma and built_in.path.instructions > plain.path.instructions
     assert built_in.path.classes["mufu"] > plain.path.classes["mufu"]
+    compiled = nvrtc.compile_instance(built_in_traits.instance(CENSUS_DTYPE), arch)
+    derivative = lc.marked_addresses(nvrtc.dump_line_table(compiled), lc.SOFTCAP_DERIVATIVE)["softcap"]
+    if direction == "backward" and arch == "sm_90a":  # and through the derivative recovered from P
+        blocks = lc.blocks_of(lc.parse(nvrtc.dump_sass(compiled)))
+        assert derivative and any(i.address in derivative for b in built_in.path.blocks for i in blocks[b].instructions)
+    else:  # the other kernels take it with the tanh, per score
+        assert not derivative
     cap = 30.0
     fast = trace_score_mod(lambda score, b, h, q_idx, kv_idx: cap * jnp.tanh(score / cap), fast_math=True)
     modded = lc.softcap_census(traits, CENSUS_DTYPE, arch, hooked_instance(traits.instance(CENSUS_DTYPE), fast, None))

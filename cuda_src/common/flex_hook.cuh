@@ -7,15 +7,17 @@
 // with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
 // pass x = q.k and fold the softmax scale into their exponents, so the hook returns score' / scale and, for the
 // backward, d score' / d (scale x) = ScoreMod::dscore (0 for a hidden score); a kernel may instead take score'
-// itself where a score_mod makes it (kScaledScores: the Hopper forward, exponentiating by log2 e). This is the one
-// place that converts between the mods' convention (the scaled score) and the kernels' (the score over scale).
+// itself where a score_mod makes it (kScaledScores: the Hopper kernels and the mma.sync backward, exponentiating by
+// log2 e). This is the one place that converts between the mods' convention (the scaled score) and the kernels'
+// (the score over scale).
 //
-// A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends
-// with l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks.
-// Scores past the sequence (rows >= seqlen_q, keys >= seqlen_k, which a tile holds at its edges) are hidden here
-// before any mod runs, so no mod reads a side array at an index the caller never asked for; the forward kernels take
-// the hook per tile (on_tile), and only tiles crossing the sequence's end test it per score. The kernels still apply
-// their MaskPolicy (no window, no causal: the API passes none with mods), so that test costs as before.
+// A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends with
+// l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks. Scores
+// past the sequence (rows >= seqlen_q, keys >= seqlen_k, which a tile holds at its edges) are hidden here before any
+// mod runs, so no mod reads a side array at an index the caller never asked for; the tensor-core kernels and the SIMT
+// forward take the hook per tile (on_tile), and only tiles crossing the sequence's end test it per score (the SIMT
+// backward, float32, tests every score). The kernels still apply their MaskPolicy (no window, no causal: the API passes
+// none with mods), so that test costs as before.
 //
 // Side arrays: the score_mod reads p.flex_sides.arrays[0 .. ScoreMod::kSides), the mask_mod the next
 // MaskMod::kSides (each mod indexes its own from 0: the mask_mod sees a Sides starting at its first array).
@@ -86,7 +88,7 @@ struct FlexHook {
   static constexpr bool kBlockSparse = BlockSparse;
   // Whether a kernel may take score' itself (score<Bounds, true>) and exponentiate with log2 e rather than scale
   // log2 e: with a score_mod, which scales the score anyway, that drops the product by 1 / scale per score (the
-  // Hopper forward does); without one the score stays x and the kernel's exponent scales it.
+  // Hopper kernels and the mma.sync backward do); without one the score stays x and the kernel's exponent scales it.
   static constexpr bool kScaledScores = kScoreModded;
   // A mask_mod without a score_mod: the mma.sync forward gives such a hook on_tile's full form (with a score_mod as
   // well ptxas spilled there).
@@ -170,10 +172,18 @@ struct FlexHook {
         return;
       }
     }
-    if (kMasked || !inside)
+    if (tests_bounds(inside))
       f(FlexTileScores<FlexHook, true, Scaled>{tile});
     else
       f(FlexTileScores<FlexHook, false, Scaled>{tile});
+  }
+  // Whether on_tile's form for such a tile (not FullForm's) tests the sequence bounds per score (score<true>):
+  // with a mask_mod always (its one form tests both), else on tiles crossing the sequence's end.
+  __device__ __forceinline__ bool tests_bounds(int row0, int tile_rows, int key0, int tile_keys) const {
+    return tests_bounds(inside_sequence(row0, tile_rows, key0, tile_keys));
+  }
+  __device__ __forceinline__ static constexpr bool tests_bounds(bool inside_sequence) {
+    return kMasked || !inside_sequence;
   }
 
   // What the score_mod's functions take for x = q.k: the scaled score times the mod's kScoreFactor (1 but for a

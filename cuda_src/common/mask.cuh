@@ -240,6 +240,14 @@ struct ScoreHook {
     return qk;
   }
 
+  // FlexHook's per-tile forms (a kernel choosing one by tests_bounds): the one form here, score / scale.
+  template <bool Bounds, bool Scaled = false, bool Masks = true>
+  __device__ __forceinline__ float score(float qk, int row, int key, float& slope_of_score) const {
+    static_assert(!Scaled, "ScoreHook returns score / scale");
+    return (*this)(qk, row, key, slope_of_score);
+  }
+  __device__ __forceinline__ static constexpr bool tests_bounds(int, int, int, int) { return false; }
+
   // d score / d (scale x) of the score behind a probability P = exp2(score scale_log2 - lse_log2), for a backward
   // that keeps P, not the score, until dP has landed (the Hopper backward: a float more per score does not fit):
   // the score is (log2 P + lse_log2) / scale_log2, and with softcap its tanh is (score + the ALiBi term) scale /

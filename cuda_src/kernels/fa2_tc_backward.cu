@@ -14,7 +14,8 @@
 //     compiled head dim by load_whole_tile, unrolled from one source pointer); load lse_i, D_i
 //     S = Q_i K_j^T, dP = dO_i V_j^T           mma.m16n8k16; A by ldmatrix, B = K, V stored [key][dim]
 //     P = exp2(hook(S) scale log2 e - lse log2 e) (0 where masked), dS = P (dP Z - D) hook'  -> 16-bit, swizzled smem
-//     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi; Z: dropout.cuh's factor,
+//     (hook, hook': mask.cuh's ScoreHook and d score / d (scale S): softcap and ALiBi, or flex_hook.cuh's FlexHook,
+//     whose score' with a score_mod is exponentiated by log2 e, per tile in one of two forms; Z: dropout.cuh's factor,
 //     keep / (1 - dropout_p), 1 without dropout; the P tile holds P Z, the P that multiplied V in the forward)
 //     dV_j += P^T dO_i, dK_j += dS^T Q_i        A = P, dS by ldmatrix.trans; B = dO, Q by ldmatrix.trans
 //     dQ_i += dS K_j -> float32 dq_accum         A = dS by ldmatrix, B = K by ldmatrix.trans (in column chunks)
@@ -397,15 +398,20 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         // Made here, not per head: its slope then lives only through this loop (the kernel runs at the register
         // limit), for one cached load per Q block.
         const Hook score_hook = Hook::of(p, info).for_tile(visits.full(position));
-        // P and dS of this warp's tile, called from one site per outcome of the two block-uniform tests (whether the
-        // hook changes anything, whether the tile needs the element-wise mask) with those outcomes as constants:
-        // inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the plain one branch-free in SASS).
-        // Tested per score instead, ptxas kept both tests in the loop: every score sat behind its own branches.
-        // (A lambda with template parameters would say it directly; NVRTC 12 refuses those in device code.)
+        // P and dS of this warp's tile, called from one site per outcome of the block-uniform tests (whether the hook
+        // changes anything and then whether it tests the sequence bounds, whether the tile needs the element-wise mask)
+        // with those outcomes as constants: inlined, each copy is compiled for its case (tests/test_fa2_tc.py finds the
+        // plain one branch-free in SASS). Tested per score instead, ptxas kept both tests in the loop: every score sat
+        // behind its own branches. Hooked, the scores are the hook's: with the per-score sequence-bound test where
+        // `bounds` (a flex hook's tests_bounds: tiles crossing the sequence's end), the scaled score itself where the
+        // hook gives it (kScaledScores: exponent factor log2 e, no product by 1 / scale per score). (A lambda with
+        // template parameters would say it directly, or the hook's on_tile with a generic lambda: NVRTC 12 refuses the
+        // first in device code and takes the second's call operator for a host function.)
         // Where this lane's pairs of P and dS go (the two tiles share a layout): a base and an XOR per n8 tile
         // (BackwardTraits::kStorePairsFromBase).
         const auto stores = fa2tc::AccPairOffsets<PTile, SdP::kNTiles>::of(s_m0, s_n0, lane);
-        auto p_and_ds = [&](bool hooked, bool tile_masked) {
+        const float hooked_exponent_factor = Hook::kScaledScores ? kLog2e : scale_log2;
+        auto p_and_ds = [&](bool hooked, bool bounds, bool tile_masked) {
 #pragma unroll
           for (int i = 0; i < SdP::kMTiles; ++i) {
             // Dropout's keep bits of this strip, one Philox evaluation per n8 tile (dropout.cuh; unused without it).
@@ -429,9 +435,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                   float dscore = 1.f;  // d score / d (scale q.k)
-                  const float qk = hooked ? score_hook(s.c[i][j][2 * half + e], row0 + r, key0 + c + e, dscore)
-                                          : s.c[i][j][2 * half + e];
-                  prob[e] = arch::exp2_approx(fmaf(qk, scale_log2, -lse_log2));
+                  const float x = s.c[i][j][2 * half + e];
+                  const float qk =
+                      !hooked  ? x
+                      : bounds ? score_hook.template score<true, Hook::kScaledScores>(x, row0 + r, key0 + c + e, dscore)
+                               : score_hook.template score<false, Hook::kScaledScores>(x, row0 + r, key0 + c + e,
+                                                                                       dscore);
+                  prob[e] = arch::exp2_approx(fmaf(qk, hooked ? hooked_exponent_factor : scale_log2, -lse_log2));
                   if (tile_masked && !mask.visible(row0 + r, key0 + c + e)) prob[e] = 0.f;
                   if (WithDropout) {  // Z = keep / (1 - dropout_p): P Z multiplied V, so dP = dO V^T Z
                     const float kept = (keep_bits[j] >> (2 * half + e)) & 1u ? p.dropout_rescale : 0.f;
@@ -458,16 +468,20 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         // that leaves this tile's scores as they are (a flex mask_mod alone on a block mask's full tile) takes the
         // unhooked step.
         if (score_hook.active() && !score_hook.idle_on(visits.full(position), row0, BlockM, key0, BlockN)) {
-          p_and_ds(true, masked);  // the hook first, then the mask: per score (softcap of -inf is not -inf)
+          // The hook first, then the mask: per score (softcap of -inf is not -inf).
+          if (score_hook.tests_bounds(row0, BlockM, key0, BlockN))
+            p_and_ds(true, true, masked);
+          else
+            p_and_ds(true, false, masked);
         } else if constexpr (Tr::kMaskByEdges) {
           if (masked)
             fa2tc::mask_tile(s, mask, mask.tile_edges(row0, block_rows(), key0, BlockN), row0 + s_m0, key0 + s_n0,
                              lane);
-          p_and_ds(false, false);  // a hidden score's P is exp2(-inf) = 0 (a row that sees no key has lse +inf here)
+          p_and_ds(false, false, false);  // a hidden score's P is exp2(-inf) = 0 (a row that sees no key has lse +inf)
         } else if (masked) {
-          p_and_ds(false, true);
+          p_and_ds(false, false, true);
         } else {
-          p_and_ds(false, false);
+          p_and_ds(false, false, false);
         }
       }
       __syncthreads();  // P, dS complete

@@ -188,7 +188,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     auto whole_in_page = [&](const KeyRows<const T>& rows) {
       return rows.paged_row(rows.first_row + whole_row) + whole_col;
     };
-    const float scale_log2 = p.softmax_scale_log2;
+    // A flex hook with a score_mod gives score' itself (FlexHook::kScaledScores, every tile hooked): its exponent's
+    // factor is log2 e.
+    const float scale_log2 = Hook::kScaledScores ? kLog2e : p.softmax_scale_log2;
     // The thread index for V's ragged copies, read back from a volatile local at each use: V's columns end at v's
     // head dim, K's at q's, and with both limits' per-thread chunk bounds hoisted out of the K/V loop ptxas spilled
     // 48 bytes at d128 (128 x 32) on sm_90; re-read, they cost a local load on ragged blocks only.
@@ -240,8 +242,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // branches and the key index per score) in every tile of plain attention.
       // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
       if (score_hook.active()) {
-        score_hook.template on_tile<false, Hook::kMaskOnly>(visits.full(visit), row0, BlockM, key0, BlockN,
-                           fa2tc::HookEachScore<MT, Tr::kKeyTiles>{s, row0 + warp_row0, key0, lane});
+        score_hook.template on_tile<Hook::kScaledScores, Hook::kMaskOnly>(
+            visits.full(visit), row0, BlockM, key0, BlockN,
+            fa2tc::HookEachScore<MT, Tr::kKeyTiles>{s, row0 + warp_row0, key0, lane});
       }
       if (!unmasked.contains(n_block)) {
         fa2tc::mask_tile(s, mask, mask.tile_edges(row0, min(BlockM, mask.seqlen_q - row0), key0, BlockN),

@@ -80,18 +80,51 @@ def test_document_mask_with_a_relative_bias_table_and_its_gradient_float32_gqa()
     *grads, (dtable,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, return_aux_grads=True, **mods)
     for name, first, again in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
         np.testing.assert_array_equal(first, again, err_msg=name)
-    offsets = (np.arange(seqlen_q)[:, None] - np.arange(seqlen_k)[None, :] + seqlen_k).ravel()
-
-    def table_gradient(dtype):
-        score_grads = attention_backward_reference(dout, q, k, v, dtype=dtype, return_score_grads=True, **mods)[-1]
-        per_head = score_grads.sum(axis=0).reshape(heads, -1)  # (heads, seqlen_q * seqlen_k)
-        gradient = np.zeros((heads, span))
-        for h in range(heads):
-            np.add.at(gradient[h], offsets, per_head[h])
-        return gradient
-
     assert dtable.dtype == np.float32 and dtable.shape == table.shape
-    tol.check_close("dtable", dtable, table_gradient(np.float64), table_gradient(np.float32), tol.BACKWARD_FACTOR,
+    tol.check_close("dtable", dtable, _relative_table_gradient(dout, q, k, v, np.float64, **mods),
+                    _relative_table_gradient(dout, q, k, v, np.float32, **mods), tol.BACKWARD_FACTOR, atol=1e-5)
+
+
+def _relative_table_gradient(dout, q, k, v, dtype, **mods):
+    """The reference's gradient to a relative-position table of (heads, seqlen_q + seqlen_k) entries, entry
+    q_idx - kv_idx + seqlen_k of head h read by score (q_idx, kv_idx): d loss / d score summed per entry, in
+    ``dtype``."""
+    seqlen_q, seqlen_k, heads = q.shape[1], k.shape[1], q.shape[2]
+    score_grads = attention_backward_reference(dout, q, k, v, dtype=dtype, return_score_grads=True, **mods)[-1]
+    per_head = score_grads.sum(axis=0).reshape(heads, -1)  # (heads, seqlen_q * seqlen_k)
+    offsets = (np.arange(seqlen_q)[:, None] - np.arange(seqlen_k)[None, :] + seqlen_k).ravel()
+    gradient = np.zeros((heads, seqlen_q + seqlen_k))
+    for h in range(heads):
+        np.add.at(gradient[h], offsets, per_head[h])
+    return gradient
+
+
+def test_score_mod_on_tiles_inside_and_across_the_sequence_float16_mqa():
+    """Tensor cores (float16), MQA, seqlen_q 300 != seqlen_k 283: tiles wholly inside the sequence and tiles crossing
+    its end. A score_mod without a mask_mod, fast-math tanh soft-capping of the score (score / cap folded into the
+    softmax scale) plus a relative-position bias table, so the forward and the backward run the hook's form without
+    the per-score sequence-bound test on the inner tiles (FlexHook::tests_bounds) and take the scaled score itself
+    where they can (kScaledScores). Out, lse, dq, dk, dv and the table's gradient meet the rule."""
+    cap, seqlen_q, seqlen_k, heads = 8.0, 300, 283, 2
+    q, k, v, dout = random_inputs((1, seqlen_q, seqlen_k, heads, 1, 64), "float16", seed=17)
+    table = jnp.asarray(np.random.default_rng(18).standard_normal((heads, seqlen_q + seqlen_k)).astype(np.float32))
+
+    def capped_bias(score, b, h, q_idx, kv_idx):
+        return cap * jnp.tanh(score / cap) + table[h, q_idx - kv_idx + seqlen_k]
+
+    fast = cuflash.flex.trace_score_mod(capped_bias, fast_math=True, side_grads=True)
+    assert f"kScoreFactor = {(np.float32(1) / np.float32(cap)).item().hex()}f;" in fast.source
+    out, lse = cuflash.flex_attention(q, k, v, score_mod=fast, return_lse=True)
+    ref = tol.forward_references(q, k, v, score_mod=capped_bias)
+    tol.check_close("out", out, ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    *grads, (dtable,) = cuflash.flex_attention_backward(dout, q, k, v, out, lse, score_mod=fast,
+                                                        return_aux_grads=True)
+    bref = tol.backward_references(dout, q, k, v, score_mod=capped_bias)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR, atol=1e-5)
+    tol.check_close("dtable", dtable, _relative_table_gradient(dout, q, k, v, np.float64, score_mod=capped_bias),
+                    _relative_table_gradient(dout, q, k, v, q.dtype, score_mod=capped_bias), tol.BACKWARD_FACTOR,
                     atol=1e-5)
     # deterministic=True with return_aux_grads: tests/flex/test_deterministic_side_grads.py.
 
