@@ -248,22 +248,6 @@ struct ScoreHook {
   }
   __device__ __forceinline__ static constexpr bool tests_bounds(int, int, int, int) { return false; }
 
-  // d score / d (scale x) of the score behind a probability P = exp2(score scale_log2 - lse_log2), for a backward
-  // that keeps P, not the score, until dP has landed (the Hopper backward: a float more per score does not fit):
-  // the score is (log2 P + lse_log2) / scale_log2, and with softcap its tanh is (score + the ALiBi term) scale /
-  // softcap. 1 without softcap; 0 where P is 0 (dS is 0 there; log2 would give -inf). lg2.approx's 2^-22 and the sum
-  // with lse move the tanh by about 2^-22 (lse_log2 + 1) / (softcap log2 e): far below the 16-bit inputs' rounding.
-  // distance: MaskPolicy::diagonal(row) - key of the score, for ALiBi's term (WithAlibi: whether it is added).
-  template <bool WithAlibi>
-  __device__ __forceinline__ float slope_of_probability(float prob, float lse_log2, float inv_scale_log2,
-                                                        int distance) const {
-    if (!softcapped()) return 1.f;
-    float score = (arch::log2_approx(prob) + lse_log2) * inv_scale_log2;
-    if constexpr (WithAlibi) score += slope * static_cast<float>(abs(distance));
-    const float t = score * p.softcap_inner;
-    return prob > 0.f ? fmaf(-t, t, 1.f) : 0.f;
-  }
-
   __device__ __forceinline__ void side_grads(float, float, int, int) const {}
 
   // The K/V tiles Q tile m_block visits (forward), and the Q tiles K/V tile n_block is visited by (backward): those

@@ -50,7 +50,8 @@
 //                                               dP^T HeadDimV / 16: v's own width, MLA's 128 on the d256 tile),
 //                                               two commit groups: P^T is formed while dP^T is in flight
 //         P^T = exp2(S^T scale log2 e - lse log2 e) (0 where the mask hides the score), dS^T = P^T (dP^T - D)
-//                                               (Hooked: P^T of the hook's score, dS^T times its derivative)
+//                                               (Hooked: P^T of the hook's score, dS^T times its derivative;
+//                                               with softcap both once dP^T has landed)
 //         dV_c += P^T dO_i, dK_c += dS^T Q_i     wgmma RS: P^T and dS^T are A fragments straight from the
 //                                               accumulators (as the forward's P: fa3::p_fragment), dO and Q read
 //                                               MN-major from their stage (as the forward's V), BlockM / 16 steps of
@@ -114,11 +115,12 @@
 namespace cuflash {
 
 // Hooked: the instance applies mask.cuh's ScoreHook (softcap, ALiBi) to every score and its derivative to dS, as the
-// forward's Hooked instances (a template flag: only problems with softcap or ALiBi run them). P^T is formed from the
-// hook's scores while dP^T is in flight, as in the plain step; the hook's d score / d (scale x), which dS^T takes, is
-// recovered from P once dP^T landed (ScoreHook::slope_of_probability): kept from before the wait it took a float
-// more per score than the consumers have (the d128 step spilled). Softcap and ALiBi alone or together: the step tests
-// once per tile which are on (fa3::hooked_ds).
+// forward's Hooked instances (a template flag: only problems with softcap or ALiBi run them). ALiBi alone: P^T is
+// formed from the hook's scores while dP^T is in flight, as in the plain step (the derivative is 1). With softcap the
+// raw scores wait for dP^T and one pass forms the hook's score, P^T and dS^T with the tanh's derivative, as a flex
+// score_mod's step (fa3::softcapped_gradients): the derivative kept from before the wait took a float more per score
+// than the consumers have (the d128 step spilled), and recovered from P after it a logarithm and 6 instructions a
+// score. Which of them are on is tested once per tile.
 // SplitHeadDim: the consumers share the head dim rather than the keys (fa3_backward_traits.cuh; head dims past 128).
 // HeadDimV: V's, dO's and dV's tile width where narrower (MLA's 192 / 128 on the d256 tile: a fifth fewer FLOPs).
 // Hook: ScoreHook, or flex_hook.cuh's FlexHook with a user's score_mod and mask_mod (cuflash.flex builds such an
@@ -506,37 +508,49 @@ __global__ void __launch_bounds__((fa3::BackwardTraits<HeadDim, BlockM, BlockN, 
                                                             row0 + first_col, lane_key0,
                                                             Hook::kScaledScores ? kLog2e : scale_log2});
         } else {
-          // P^T while dP^T is in flight (Hooked: of the hook's scores; a flex mask_mod alone: hidden ones hidden
-          // first), then dS^T once it landed (Hooked: times the hook's derivative, recovered from P: no second float
-          // per score kept across the wait). ALiBi: the step's head's slope, the sequence's diagonal (any head of the
-          // group's kv_info).
+          // ALiBi: the step's head's slope, the sequence's diagonal (any head of the group's kv_info). The element-wise
+          // mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop), the forward's
+          // per-lane limits on the transposed tile (with visible() per score the masked step took 830 instructions at
+          // d128, 224 registers), after the hook: softcap of a hidden score is no hidden score. By head dim the tile
+          // is this consumer's queries (at least one row asked: a half wholly past the sequence has P = 0 from its
+          // lse of +inf whatever the mask says). A flex hook has hidden what is hidden.
           const float alibi_slope = Hooked ? ScoreHook::of(p, head_info).slope : 0.f;
           const ScoreHook hook{p, kv_info, alibi_slope};
-          arch::wgmma_wait<1>(s);
-          if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, lane_key0);
-          // (No FullForm for a mask_mod alone: idle_on already covers a full tile inside the sequence.)
-          if constexpr (kFlex)
-            if (!mods.idle_on(full, tile_row0, Tr::kQueries, tile_key0, 64))
-              mods.template on_tile<false, false>(full, tile_row0, Tr::kQueries, tile_key0, 64,
-                                                 fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
-                                                                                     lane_key0});
-#pragma unroll
-          for (int i = 0; i < Tr::kAccS; ++i)
-            s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
-          // The element-wise mask only on tiles that cross an edge (block-uniform tests, outside the scores' loop),
-          // the forward's per-lane limits on the transposed tile (with visible() per score the masked step took 830
-          // instructions at d128, 224 registers). After the hook: softcap of a hidden score is no hidden score.
-          // By head dim the tile is this consumer's queries (at least one row asked: a half wholly past the sequence
-          // has P = 0 from its lse of +inf whatever the mask says). A flex hook has hidden what is hidden.
           const int tile_rows = Tr::kSplitHeadDim ? max(1, min(Tr::kQueries, rows - query_base)) : rows;
-          if (!kFlex && mask.tile_needs_mask(tile_row0, tile_rows, tile_key0, 64))
-            fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, tile_key0, 64),
-                                   row0 + first_col, lane_key0, 0.f);
-          arch::wgmma_wait<0>(dp);
-          if constexpr (Hooked) {
-            fa3::hooked_ds(s, dp, hook, mask.diagonal(row0 + first_col) - lane_key0, 1.f / scale_log2,
-                           lse + first_col, dot + first_col);
+          bool softcapped = false;
+          if constexpr (Hooked) softcapped = hook.softcapped();
+          if (softcapped) {
+            // Softcap (ALiBi with it or not): as a score_mod, one pass once dP^T has landed forms the hook's score,
+            // P^T and dS^T with the derivative from the tanh itself (fa3::softcapped_gradients), then the mask zeroes
+            // both where it hides the score. (P^T formed while dP^T was in flight, the derivative recovered from P
+            // after the wait cost a logarithm and 6 instructions a score: the d128 step 981 instructions, 733 so.)
+            arch::wgmma_wait<1>(s);
+            arch::wgmma_wait<0>(dp);
+            fa3::softcapped_gradients(s, dp, hook, lse + first_col, dot + first_col, row0 + first_col, lane_key0,
+                                      scale_log2);
+            if (mask.tile_needs_mask(tile_row0, tile_rows, tile_key0, 64)) {
+              const TileEdges edges = mask.tile_edges(tile_row0, tile_rows, tile_key0, 64);
+              fa3::mask_scores<true>(s, mask, edges, row0 + first_col, lane_key0, 0.f);
+              fa3::mask_scores<true>(dp, mask, edges, row0 + first_col, lane_key0, 0.f);
+            }
           } else {
+            // P^T while dP^T is in flight (Hooked: of the ALiBi scores, whose derivative is 1; a flex mask_mod alone:
+            // hidden ones hidden first), then dS^T once it landed.
+            arch::wgmma_wait<1>(s);
+            if constexpr (Hooked) fa3::hook_scores<true>(s, hook, row0 + first_col, lane_key0);
+            // (No FullForm for a mask_mod alone: idle_on already covers a full tile inside the sequence.)
+            if constexpr (kFlex)
+              if (!mods.idle_on(full, tile_row0, Tr::kQueries, tile_key0, 64))
+                mods.template on_tile<false, false>(full, tile_row0, Tr::kQueries, tile_key0, 64,
+                                                   fa3::HookEachScore<Tr::kAccS, true>{s, row0 + first_col,
+                                                                                       lane_key0});
+#pragma unroll
+            for (int i = 0; i < Tr::kAccS; ++i)
+              s[i] = arch::exp2_approx(fmaf(s[i], scale_log2, -lse[first_col + fa3::acc_col_step(i)]));
+            if (!kFlex && mask.tile_needs_mask(tile_row0, tile_rows, tile_key0, 64))
+              fa3::mask_scores<true>(s, mask, mask.tile_edges(tile_row0, tile_rows, tile_key0, 64),
+                                     row0 + first_col, lane_key0, 0.f);
+            arch::wgmma_wait<0>(dp);
 #pragma unroll
             for (int i = 0; i < Tr::kAccS; ++i) dp[i] = s[i] * (dp[i] - dot[first_col + fa3::acc_col_step(i)]);
           }

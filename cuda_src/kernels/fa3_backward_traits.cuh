@@ -86,14 +86,14 @@ struct BackwardTraits {
   static_assert(kDqOffset % 16 == 0 && (kDqPitch * 4) % 16 == 0, "dQ rows are 16-byte aligned bulk sources");
 };
 
-// The flex backward's P^T and dS^T of a user's mods (flex_hook.cuh's FlexHook with a score_mod), per score of S^T's
-// raw q.k (s) once dP^T (dp) has landed: score' and d score' / d (scale x) from the form of the hook its tile needs
-// (FlexHook::on_tile calls this with it), P^T = exp2(score' exponent_scale - lse), the gradient to score'
-// g = P^T (dP^T - D) (added into the side arrays' gradients where the score_mod has some: FlexHook::side_grads, with
-// the raw score it needs), dS^T = g slope; s becomes P^T and dp dS^T. Unlike the plain step, which forms P^T while
-// dP^T is in flight, it holds the raw scores across that wait: no second float per score (the slope) outlives it.
-// lse, dot: the stage's lse log2(e) and D from the lane's first query on; first_row (query), first_key: the lane's
-// first score's.
+// The flex backward's P^T and dS^T of a user's mods (flex_hook.cuh's FlexHook with a score_mod; and the built-in
+// softcap's, softcapped_gradients below), per score of S^T's raw q.k (s) once dP^T (dp) has landed: score' and d score'
+// / d (scale x) from the form of the hook its tile needs (FlexHook::on_tile calls this with it), P^T = exp2(score'
+// exponent_scale - lse), the gradient to score' g = P^T (dP^T - D) (added into the side arrays' gradients where the
+// score_mod has some: FlexHook::side_grads, with the raw score it needs), dS^T = g slope; s becomes P^T and dp dS^T.
+// Unlike the plain step, which forms P^T while dP^T is in flight, it holds the raw scores across that wait: no second
+// float per score (the slope) outlives it. lse, dot: the stage's lse log2(e) and D from the lane's first query on;
+// first_row (query), first_key: the lane's first score's.
 template <int N, class Hook>
 struct FlexGradientsEachScore {
   float (&s)[N];
@@ -121,6 +121,20 @@ struct FlexGradientsEachScore {
     }
   }
 };
+
+// The built-in softcap's step (mask.cuh's ScoreHook with softcap on, and ALiBi with it or not) in the flex form:
+// once dP^T has landed, one pass forms the hook's score, P^T and dS^T = P^T (dP^T - D) (1 - tanh^2), the derivative
+// from the tanh itself. ALiBi tested once a tile (each case its own copy of the pass, the hook's tests folded).
+template <int N>
+__device__ __forceinline__ void softcapped_gradients(float (&s)[N], float (&dp)[N], const ScoreHook& hook,
+                                                     const float* lse, const float* dot, int first_row, int first_key,
+                                                     float scale_log2) {
+  const FlexGradientsEachScore<N, ScoreHook> each_score{s, dp, hook, lse, dot, first_row, first_key, scale_log2};
+  if (hook.slope != 0.f)
+    each_score(hook);
+  else
+    each_score(hook);
+}
 
 }  // namespace fa3
 }  // namespace cuflash

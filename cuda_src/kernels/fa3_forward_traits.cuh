@@ -461,35 +461,6 @@ __device__ __forceinline__ void hook_scores(float (&s)[N], const Hook& hook, int
   }  // neither: the identity
 }
 
-// The backward's hooked dS^T from P^T (s) and dP^T (dp), in S^T's layout (query_step<true>, key_step<true>):
-// dS = P (dP - D) h', h' the hook's d score / d (scale x) recovered from P (ScoreHook::slope_of_probability; 1
-// without softcap). lse, dot: the stage's lse log2(e) and D from the lane's first query on. first_distance: the lane's
-// first score's MaskPolicy::diagonal(row) - key (register i's is it plus compile-time steps), for ALiBi's term where
-// softcap and ALiBi are both on. Which of them are on is tested once a tile, not per score: a step with neither or
-// ALiBi alone takes no derivative (h' is 1), and only both at once pays for ALiBi's distance per score.
-template <bool WithAlibi, class Hook, int N>
-__device__ __forceinline__ void softcapped_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
-                                              float inv_scale_log2, const float* lse, const float* dot) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    dp[i] = s[i] * (dp[i] - dot[query_step<true>(i)]) *
-            hook.template slope_of_probability<WithAlibi>(s[i], lse[query_step<true>(i)], inv_scale_log2,
-                                                          first_distance + query_step<true>(i) - key_step<true>(i));
-}
-template <class Hook, int N>
-__device__ __forceinline__ void hooked_ds(const float (&s)[N], float (&dp)[N], const Hook& hook, int first_distance,
-                                          float inv_scale_log2, const float* lse, const float* dot) {
-  if (!hook.softcapped()) {
-    // ALiBi alone or neither: h' is 1, tested once here rather than per score (32 instructions a step).
-#pragma unroll
-    for (int i = 0; i < N; ++i) dp[i] = s[i] * (dp[i] - dot[query_step<true>(i)]);
-  } else if (hook.slope != 0.f) {
-    softcapped_ds<true>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
-  } else {
-    softcapped_ds<false>(s, dp, hook, first_distance, inv_scale_log2, lse, dot);
-  }
-}
-
 // Named barriers (0 is __syncthreads'): each consumer's epilogue (kEpilogueBarrier + consumer, its 128 threads) and
 // the consumers' turns to issue wgmma (kSchedulerBarrier + consumer: its 128 threads wait, the previous consumer's
 // 128 arrive). Up to 3 consumers: ids 1..6.

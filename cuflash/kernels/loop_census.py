@@ -579,18 +579,10 @@ def function_body_lines(source: str, opening: str) -> frozenset[int]:
     raise ValueError(f"{source}: no closing brace for {opening!r}")
 
 
-# The built-in softcap's derivative where a kernel recovers it from P (the Hopper backward: fa3::hooked_ds tests once
-# a tile whether softcap is on, and the walk that skips it issues the tanh's exponentials all the same, for the
-# forward's scores). softcap_census's walk passes through it where the loop holds it.
-SOFTCAP_DERIVATIVE = {"softcap": (("common/mask.cuh", "float slope_of_probability(float prob, float lse_log2"),)}
-
-
-def marked_addresses(line_table: dict[int, tuple[str, int]],
-                     paths: dict[str, tuple[tuple[str, str], ...]] = MARKED_PATHS) -> dict[str, frozenset[int]]:
-    """For each of ``paths`` (MARKED_PATHS by default), the SASS addresses whose source line is in the body of one of
-    its functions."""
+def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozenset[int]]:
+    """For each of MARKED_PATHS, the SASS addresses whose source line is in the body of one of its functions."""
     found = {}
-    for name, openings in paths.items():
+    for name, openings in MARKED_PATHS.items():
         bodies = [(source, function_body_lines(source, opening)) for source, opening in openings]
         found[name] = frozenset(address for address, (path, line) in line_table.items()
                                 if any(path.replace("\\", "/").endswith("/" + source) and line in body
@@ -652,10 +644,9 @@ def softcap_work(work: IterationWork) -> IterationWork:
 
 
 def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
-    """The softcap path of ``traits``' main loop: the cheapest walk issuing softcap_work, and through the built-in
-    softcap's derivative where the loop holds it apart (SOFTCAP_DERIVATIVE). ``instance``: the kernel to compile
-    (default: the plain instance, whose softcap is the built-in ScoreHook's; a cuflash.flex instance with a softcap
-    score_mod for the comparison issue 29 item 6 bounds)."""
+    """The softcap path of ``traits``' main loop: the cheapest walk issuing softcap_work. ``instance``: the kernel
+    to compile (default: the plain instance, whose softcap is the built-in ScoreHook's; a cuflash.flex instance with
+    a softcap score_mod for the comparison issue 29 item 6 bounds)."""
     from . import nvrtc
 
     instance = instance or traits.instance(dtype)
@@ -663,9 +654,7 @@ def softcap_census(traits, dtype: str, arch: str, instance=None) -> CensusRow:
     key = ("softcap", traits, dtype, arch, compiled.code_path)
     if key not in _censuses:
         work = softcap_work(iteration_work(traits))
-        marks = marked_addresses(nvrtc.dump_line_table(compiled), SOFTCAP_DERIVATIVE)
-        rows = census(nvrtc.dump_sass(compiled), work, marks)
-        path = next((row for row in rows if row.path == "softcap"), rows[0])
+        path = census(nvrtc.dump_sass(compiled), work, {})[0]
         _censuses[key] = (CensusRow(instance.name_expr, arch, _tile(traits), work,
                                     dataclasses.replace(path, path="softcap")),)
     return _censuses[key][0]
