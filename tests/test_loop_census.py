@@ -500,11 +500,13 @@ def _mod_traits(direction, head_dim, arch):
 # is 932, the mod's 1019 (1.093x: its S loop still copies both high words before each HGMMA). The mod's score / cap
 # is folded into the softmax scale now (flex._emit.fold_score_factor, FlexHook::mod_input: the product per score the
 # built-in's softcap_inner never had): 956 (1.026x); sm_80 d64 1238 -> 1175 (0.91x), 1112 (0.86x) since the sm_80
-# forward takes score' itself as well (kScaledScores).
+# forward takes score' itself as well (kScaledScores). The sm_80 built-in's step since it tests softcap and ALiBi once
+# a tile (ScoreHook::in_tile_cases): 1139 (the mod 0.976x of it).
 #
 # The backwards (the sm_80 one since it takes the hook per tile as the forwards do, FlexHook::tests_bounds, and the
 # score' itself, kScaledScores): sm_80 d64 plain 1123, built-in 2056, the fast-math mod 1866 (0.91x; 2395, 1.16x,
-# while every score tested the sequence bounds and took score' / scale). The Hopper backward's built-in softcap runs
+# while every score tested the sequence bounds and took score' / scale); the built-in testing its parts once a tile
+# 1808 (the mod 1.032x of it). The Hopper backward's built-in softcap runs
 # in its hooked instance (fa3_backward.HOOKED_CHOICES), a mod in the plain tile's, both in one pass once dP^T has
 # landed: d128 plain 385, built-in 733, the fast-math mod 745 (1.016x). (While the built-in formed P^T with dP^T in
 # flight and recovered the tanh's derivative from P after the wait, its step was 981, the mod 0.76x of it; the

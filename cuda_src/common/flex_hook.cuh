@@ -177,6 +177,11 @@ struct FlexHook {
     else
       f(FlexTileScores<FlexHook, false, Scaled>{tile});
   }
+  // Runs f(): the hook's parts are compile-time (ScoreHook's tests which are on per tile).
+  template <class F>
+  __device__ __forceinline__ void in_tile_cases(F&& f) const {
+    f();
+  }
   // Whether on_tile's form for such a tile (not FullForm's) tests the sequence bounds per score (score<true>):
   // with a mask_mod always (its one form tests both), else on tiles crossing the sequence's end.
   __device__ __forceinline__ bool tests_bounds(int row0, int tile_rows, int key0, int tile_keys) const {

@@ -469,8 +469,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_backward_kernel(const At
         // unhooked step.
         if (score_hook.active() && !score_hook.idle_on(visits.full(position), row0, BlockM, key0, BlockN)) {
           // The hook first, then the mask: per score (softcap of -inf is not -inf).
+          // A copy per case of the hook's parts where registers allow (ScoreHook::in_tile_cases).
           if (score_hook.tests_bounds(row0, BlockM, key0, BlockN))
             p_and_ds(true, true, masked);
+          else if constexpr (HeadDim <= 64)
+            score_hook.in_tile_cases([&] { p_and_ds(true, false, masked); });
           else
             p_and_ds(true, false, masked);
         } else if constexpr (Tr::kMaskByEdges) {

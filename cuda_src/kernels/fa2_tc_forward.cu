@@ -241,10 +241,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
       // Each behind one block-uniform test per tile. Tested per score instead, ptxas kept both tests (three
       // branches and the key index per score) in every tile of plain attention.
       // FlexHook: mask_mod on partial tiles only; without one, the sequence bounds on edge tiles only (on_tile).
+      // A copy per case of the hook's parts where registers allow (ScoreHook::in_tile_cases: not with dropout).
       if (score_hook.active()) {
-        score_hook.template on_tile<Hook::kScaledScores, Hook::kMaskOnly>(
-            visits.full(visit), row0, BlockM, key0, BlockN,
-            fa2tc::HookEachScore<MT, Tr::kKeyTiles>{s, row0 + warp_row0, key0, lane});
+        auto hook_tile = [&] {
+          score_hook.template on_tile<Hook::kScaledScores, Hook::kMaskOnly>(
+              visits.full(visit), row0, BlockM, key0, BlockN,
+              fa2tc::HookEachScore<MT, Tr::kKeyTiles>{s, row0 + warp_row0, key0, lane});
+        };
+        if constexpr (WithDropout)
+          hook_tile();
+        else
+          score_hook.in_tile_cases(hook_tile);
       }
       if (!unmasked.contains(n_block)) {
         fa2tc::mask_tile(s, mask, mask.tile_edges(row0, min(BlockM, mask.seqlen_q - row0), key0, BlockN),
