@@ -7,9 +7,8 @@
 // with h the query head and q_idx / kv_idx positions in the sequence. The hook interface is the kernels' one: they
 // pass x = q.k and fold the softmax scale into their exponents, so the hook returns score' / scale and, for the
 // backward, d score' / d (scale x) = ScoreMod::dscore (0 for a hidden score); a kernel may instead take score'
-// itself where a score_mod makes it (kScaledScores: the Hopper kernels and the mma.sync backward, exponentiating by
-// log2 e). This is the one place that converts between the mods' convention (the scaled score) and the kernels'
-// (the score over scale).
+// itself where a score_mod makes it (kScaledScores: the tensor-core kernels, exponentiating by log2 e). This is the
+// one place that converts between the mods' convention (the scaled score) and the kernels' (the score over scale).
 //
 // A hidden score is -inf, so its P is exp2(-inf) = 0 in the forward and the backward; a row that sees no key ends with
 // l = 0 (out 0, lse -inf), which the backward stages as lse +inf (zero gradients), as for the built-in masks. Scores
@@ -88,7 +87,7 @@ struct FlexHook {
   static constexpr bool kBlockSparse = BlockSparse;
   // Whether a kernel may take score' itself (score<Bounds, true>) and exponentiate with log2 e rather than scale
   // log2 e: with a score_mod, which scales the score anyway, that drops the product by 1 / scale per score (the
-  // Hopper kernels and the mma.sync backward do); without one the score stays x and the kernel's exponent scales it.
+  // tensor-core kernels do); without one the score stays x and the kernel's exponent scales it.
   static constexpr bool kScaledScores = kScoreModded;
   // A mask_mod without a score_mod: the mma.sync forward gives such a hook on_tile's full form (with a score_mod as
   // well ptxas spilled there).
