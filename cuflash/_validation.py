@@ -91,6 +91,14 @@ def check_mask(causal: Any, window_size: Any, seqlen_q: int, seqlen_k: int) -> M
     return mask_for_lengths(Mask.of(causal, (left, right)), seqlen_q, seqlen_k)
 
 
+def check_attention_chunk(attention_chunk: Any) -> int:
+    """FA3's attention_chunk: chunks of that many keys, 0 for none (cuflash/chunks.py runs them)."""
+    chunk = _check_int("attention_chunk", attention_chunk)
+    if not 0 <= chunk < 2**31:
+        raise ValueError(f"attention_chunk must be >= 0 (0: no chunks) and below 2**31, got {chunk}")
+    return chunk
+
+
 def mask_for_lengths(mask: Mask, seqlen_q: int, seqlen_k: int) -> Mask:
     """``mask`` with the bounds no row of a (seqlen_q, seqlen_k) problem can reach made -1 (check_mask's rule; a
     prepared call applies it again when a varlen or KV-cache call's lengths change)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import _validation as V
-from . import rotary
+from . import chunks, rotary
 from .sinks import sink_gradient, sink_logits_by_row
 from ._placement import Placement, ascontiguous, host_copy, place
 from .backends.program import SPARE_SCRATCH_BYTES, PreparedProgram
@@ -463,6 +463,10 @@ _OPTIONS_DOC = """
     - ``window_size=(left, right)``: a local band, -1 unbounded: query i sees key j iff
       (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right);
       ``causal=True`` sets right = 0.
+    - ``attention_chunk=c > 0`` (FA3's chunked attention, Llama 4's local layers; fa2): query
+      i sees only the keys of its diagonal's chunk, (i + off) // c == j // c, on top of the
+      window and causal mask. Runs as a varlen call over one sequence per chunk
+      (cuflash/chunks.py); not with dropout, nor with seqused_q / seqused_k.
     - ``softcap=c > 0``: the score is c * tanh(scale * q.k / c) instead of scale * q.k.
     - ``alibi_slopes``: float32, (nheads,) or (batch, nheads); -slope * |i + off - j| is
       added to the (softcapped) score of query head h (the lse includes it).
@@ -495,7 +499,14 @@ def attention(
     algorithm: str = "fa2",
     return_lse: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> Any:
+    if attention_chunk.__class__ is not int or attention_chunk:  # an int 0 (no chunks) costs this test alone
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            return _chunked_forward(q, k, v, chunk=chunk, causal=causal, softmax_scale=softmax_scale,
+                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    algorithm=algorithm, return_lse=return_lse, sinks=sinks)
     placement, per_head = place(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
     q, k, v = placement.arrays[:3]
 
@@ -530,7 +541,15 @@ def attention_backward(
     algorithm: str = "fa2",
     deterministic: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> tuple[Any, ...]:
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            return _chunked_backward(dout, q, k, v, out, lse, chunk=chunk, causal=causal,
+                                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                             alibi_slopes=alibi_slopes, algorithm=algorithm,
+                                             deterministic=deterministic, sinks=sinks)
     placement, per_head = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes, sinks)
     dout, q, k, v, out, lse = placement.arrays[:6]
     return _fixed_length_backward("attention_backward", placement, dout, q, k, v, out, lse, causal=causal,
@@ -578,7 +597,16 @@ def attention_varlen(
     algorithm: str = "fa2",
     return_lse: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> Any:
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            return _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, chunk=chunk, seqused_q=seqused_q,
+                                           seqused_k=seqused_k, causal=causal, window_size=window_size,
+                                           alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q,
+                                           max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
+                                           algorithm=algorithm, return_lse=return_lse)
     placement, per_head, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k,
                                                            seqused_q, seqused_k, alibi_slopes, sinks)
 
@@ -623,7 +651,16 @@ def attention_varlen_backward(
     algorithm: str = "fa2",
     deterministic: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> tuple[Any, ...]:
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            return _chunked_varlen_backward(
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, chunk=chunk, seqused_q=seqused_q,
+                seqused_k=seqused_k, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
+                algorithm=algorithm, deterministic=deterministic)
     placement, per_head, (dout, q, k, v, out, lse), varlen = _place_varlen(
         ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, seqused_q,
         seqused_k, alibi_slopes, sinks)
@@ -668,7 +705,11 @@ def attention_with_kvcache(
     sinks: Any = None,
     cache_batch_idx: Any = None,
     cache_leftpad: Any = None,
+    attention_chunk: int = 0,
 ) -> Any:
+    chunk = 0
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm)
     # The optional arrays given, by name (an int cache_seqlens is a value, not an array), placed with q and the
     # caches.
     seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
@@ -691,11 +732,14 @@ def attention_with_kvcache(
     lengths = host_copy(optional["cache_seqlens"]) if "cache_seqlens" in optional else cache_seqlens
     index = host_copy(optional["cache_batch_idx"]) if "cache_batch_idx" in optional else None
     leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
+    # Chunks: each sequence's keys start at its rows' chunk (chunks.kvcache_chunk_starts), as left padding on
+    # contiguous caches (the plan reads it, zero where none is given) or as pages dropped from the block table.
+    chunk_leftpad = leftpad if leftpad is not None or not chunk or table is not None else np.zeros(q.shape[0], np.int32)
 
     def prepare() -> KVCachePrepared:
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
                                      window_size=window_size, softcap=softcap, cache_batch_idx=index,
-                                     cache_leftpad=leftpad, **per_head)
+                                     cache_leftpad=chunk_leftpad, **per_head)
         problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
@@ -703,14 +747,16 @@ def attention_with_kvcache(
                                  f"strides non-negative)")
         prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
-        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, leftpad)
+        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, chunk_leftpad)
+        if chunk and table is not None:
+            chunks.check_pages(chunk, prepared.layout.page_size)
         prepared.rotary = rotary.check_rotary(optional.get("rotary_cos"), optional.get("rotary_sin"),
                                               rotary_interleaved, q, k, prepared.layout.capacity)
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
     prepared = _prepared(call_key("attention_with_kvcache", placement, window_size, type(cache_seqlens), causal,
-                                  softmax_scale, softcap, num_splits, algorithm, return_lse, rotary_interleaved),
+                                  softmax_scale, softcap, num_splits, algorithm, return_lse, rotary_interleaved, chunk),
                          prepare)
     layout = prepared.layout
     if table is not None:
@@ -722,13 +768,22 @@ def attention_with_kvcache(
     if leftpad is not None:
         keys = V.kvcache_keys(used, leftpad)
         longest = V.min_max(keys)[1] if keys.size else 0
-    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
+    if chunk:  # the keys from each sequence's rows' chunk on (checked before anything is written)
+        first_keys = chunks.kvcache_chunk_starts(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
         q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
-                        rotary_interleaved, rotary.query_rows_apart(causal, window_size))
+                        rotary_interleaved, rotary.query_rows_apart(bool(causal) or chunk > 0, window_size))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
+    if chunk:
+        if table is None:
+            leftpad = (first_keys if leftpad is None else leftpad + first_keys).astype(np.int32)
+        else:
+            table, used = chunks.pages_from(table, first_keys, layout.page_size), (used - first_keys).astype(np.int32)
+        keys = V.kvcache_keys(used, leftpad)
+        longest = V.min_max(keys)[1] if keys.size else 0
+    plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
     (q,) = prepared.contiguous_last_dim((q,))
 
     def side_inputs(backend: Any) -> dict[str, Any]:
@@ -756,6 +811,15 @@ def _packed_gradients(like: tuple[Any, ...], parts: tuple[int, ...]) -> Callable
     return allocate
 
 
+def _stacked(arrays: tuple[Any, ...], axis: int) -> Any:
+    """A chunked packed backward's gradients stacked into the packed layout (NumPy or CuPy, as placed)."""
+    if isinstance(arrays[0], np.ndarray):
+        return np.stack(arrays, axis=axis)
+    import cupy
+
+    return cupy.stack(arrays, axis=axis)
+
+
 def _in_callers_type(placement: Placement, result: Any) -> Any:
     """``attention``'s result (out, or (out, lse)) on placed views, handed back as the packed call's caller passed
     its arrays."""
@@ -772,9 +836,18 @@ def attention_qkvpacked_backward(dout: Any, qkv: Any, out: Any, lse: Any, *, cau
                                  softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                                  softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
                                  dropout_seed: int | None = None, algorithm: str = "fa2",
-                                 deterministic: bool = False, sinks: Any = None) -> Any:
+                                 deterministic: bool = False, sinks: Any = None, attention_chunk: int = 0) -> Any:
     placement, per_head = place(("dout", "qkv", "out", "lse"), (dout, qkv, out, lse), alibi_slopes, sinks)
     dout, qkv, out, lse = placement.arrays[:4]
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            grads = _chunked_backward(
+                dout, *V.packed_parts("qkv", qkv), out, lse, chunk=chunk, causal=causal, softmax_scale=softmax_scale,
+                window_size=window_size, softcap=softcap, alibi_slopes=per_head.get("alibi_slopes"),
+                algorithm=algorithm, deterministic=deterministic, sinks=per_head.get("sinks"))
+            gradients = placement.results(_stacked(grads[:3], axis=2), *grads[3:])
+            return gradients if sinks is not None else gradients[0]
     gradients = _fixed_length_backward(
         "attention_qkvpacked_backward", placement, dout, *V.packed_parts("qkv", qkv), out, lse, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, per_head=per_head,
@@ -793,14 +866,140 @@ def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, 
                                 softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                                 softcap: float = 0.0, alibi_slopes: Any = None, dropout_p: float = 0.0,
                                 dropout_seed: int | None = None, algorithm: str = "fa2",
-                                deterministic: bool = False, sinks: Any = None) -> tuple[Any, ...]:
+                                deterministic: bool = False, sinks: Any = None,
+                                attention_chunk: int = 0) -> tuple[Any, ...]:
     placement, per_head = place(("dout", "q", "kv", "out", "lse"), (dout, q, kv, out, lse), alibi_slopes, sinks)
     dout, q, kv, out, lse = placement.arrays[:5]
+    if attention_chunk.__class__ is not int or attention_chunk:
+        chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+        if chunk:
+            grads = _chunked_backward(
+                dout, q, *V.packed_parts("kv", kv), out, lse, chunk=chunk, causal=causal, softmax_scale=softmax_scale,
+                window_size=window_size, softcap=softcap, alibi_slopes=per_head.get("alibi_slopes"),
+                algorithm=algorithm, deterministic=deterministic, sinks=per_head.get("sinks"))
+            return placement.results(grads[0], _stacked(grads[1:3], axis=2), *grads[3:])
     return _fixed_length_backward(
         "attention_kvpacked_backward", placement, dout, q, *V.packed_parts("kv", kv), out, lse, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, per_head=per_head,
         dropout_p=dropout_p, dropout_seed=dropout_seed, algorithm=algorithm, deterministic=deterministic,
         packed=_packed_gradients((q, kv), (1, 2)))
+
+
+# ---- chunked attention (attention_chunk): a varlen call over one sequence per chunk (cuflash/chunks.py)
+
+
+def _chunk_slopes(slopes: Any, owner: np.ndarray, backend: Any) -> Any:
+    """ALiBi slopes for a chunked call's virtual batches: (batch, nheads) repeated per segment; (nheads,) as given."""
+    if slopes is None or slopes.ndim == 1:
+        return slopes
+    return ascontiguous(slopes[backend.upload(owner)])
+
+
+def _rows_packed(x: Any) -> Any:
+    """A fixed-length (batch, seqlen, heads, d) array as varlen's (batch * seqlen, heads, d): a view where the two
+    axes are contiguous, else a copy."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _chunked_forward(q: Any, k: Any, v: Any, *, chunk: int, causal: Any, softmax_scale: Any, window_size: Any,
+                     softcap: Any, alibi_slopes: Any, algorithm: Any, return_lse: Any, sinks: Any) -> Any:
+    """attention with chunks: the varlen forward of its virtual batches, out and lse in the fixed-length layouts."""
+    placement, per_head = place(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
+    q, k, v = placement.arrays[:3]
+    V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap, **per_head)
+    return_lse = V.check_bool("return_lse", return_lse)
+    batch, seqlen_q, nheads = q.shape[:3]
+    batches = chunks.fixed_length_batches(batch, seqlen_q, k.shape[1], causal, window_size, chunk)
+    backend = placement.backend()
+    out, lse = attention_varlen(
+        _rows_packed(q), _rows_packed(k), _rows_packed(v), backend.upload(batches.cu_seqlens_q),
+        backend.upload(batches.cu_seqlens_k), max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), algorithm=algorithm,
+        return_lse=True, sinks=per_head.get("sinks"))
+    out = out.reshape(batch, seqlen_q, nheads, out.shape[-1])
+    if not return_lse:
+        return placement.results(out)[0]
+    # varlen's (nheads, batch * seqlen_q) as (batch, nheads, seqlen_q)
+    lse = ascontiguous(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2))
+    return placement.results(out, lse)
+
+
+def _chunked_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, chunk: int, causal: Any,
+                      softmax_scale: Any, window_size: Any, softcap: Any, alibi_slopes: Any, algorithm: Any,
+                      deterministic: Any, sinks: Any) -> tuple[Any, ...]:
+    """attention_backward with chunks: the varlen backward of its virtual batches; (dq, dk, dv), and dsinks with
+    sinks."""
+    placement, per_head = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes, sinks)
+    dout, q, k, v, out, lse = placement.arrays[:6]
+    problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
+                          **per_head)
+    _check_backward(problem, dout, q, out, lse, None)
+    batch, seqlen_q, nheads = q.shape[:3]
+    batches = chunks.fixed_length_batches(batch, seqlen_q, k.shape[1], causal, window_size, chunk)
+    backend = placement.backend()
+    grads = attention_varlen_backward(
+        _rows_packed(dout), _rows_packed(q), _rows_packed(k), _rows_packed(v), _rows_packed(out),
+        ascontiguous(lse.transpose(1, 0, 2)).reshape(nheads, batch * seqlen_q),
+        backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
+        max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), algorithm=algorithm,
+        deterministic=deterministic, sinks=per_head.get("sinks"))
+    shaped = tuple(g.reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
+    return placement.results(*shaped, *grads[3:])
+
+
+def _chunked_placed_varlen(names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any,
+                           seqused_q: Any, seqused_k: Any, alibi_slopes: Any, sinks: Any):
+    """A chunked varlen call's placement, per-head inputs, placed tensors and host copies of its cu_seqlens."""
+    chunks.check_unused_prefixes(seqused_q, seqused_k)
+    placement, per_head = place((*names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k),
+                                alibi_slopes, sinks)
+    placed = placement.arrays
+    return placement, per_head, placed[:len(names)], host_copy(placed[len(names)]), host_copy(placed[len(names) + 1])
+
+
+def _chunked_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, chunk: int, seqused_q: Any,
+                    seqused_k: Any, causal: Any, window_size: Any, alibi_slopes: Any, sinks: Any,
+                    **options: Any) -> Any:
+    """attention_varlen with chunks: the same call over its virtual batches (rows and lse laid out alike).
+    ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm, return_lse."""
+    placement, per_head, (q, k, v), cu_q, cu_k = _chunked_placed_varlen(
+        ("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks)
+    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
+                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
+                       softcap=options["softcap"], **per_head)
+    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
+    backend = placement.backend()
+    result = attention_varlen(
+        q, k, v, backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
+        max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal, window_size=window_size,
+        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), sinks=per_head.get("sinks"),
+        **options)
+    results = placement.results(*(result if isinstance(result, tuple) else (result,)))
+    return results if isinstance(result, tuple) else results[0]
+
+
+def _chunked_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any,
+                             cu_seqlens_k: Any, *, chunk: int, seqused_q: Any, seqused_k: Any, causal: Any,
+                             window_size: Any, alibi_slopes: Any, sinks: Any, **options: Any) -> tuple[Any, ...]:
+    """attention_varlen_backward with chunks. ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm,
+    deterministic."""
+    placement, per_head, (dout, q, k, v, out, lse), cu_q, cu_k = _chunked_placed_varlen(
+        ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, seqused_q,
+        seqused_k, alibi_slopes, sinks)
+    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
+                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
+                       softcap=options["softcap"], **per_head)
+    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
+    backend = placement.backend()
+    grads = attention_varlen_backward(
+        dout, q, k, v, out, lse, backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
+        max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal, window_size=window_size,
+        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), sinks=per_head.get("sinks"),
+        **options)
+    return placement.results(*grads)
 
 
 class KVCachePrepared(Prepared):

@@ -5,12 +5,19 @@ Rule (FlashAttention's, bottom-right aligned): with ``off = seqlen_k - seqlen_q`
 -1 is unbounded, ``causal`` is ``(-1, 0)``. ``MaskPolicy`` answers the same questions as the C++ ``MaskPolicy``
 (method for method, with the same names; a simulator test compares them) for the reference, the test helpers and
 every family's plan and traffic code. Nothing else in cuflash decides visibility.
+
+Chunked attention (``chunk`` c > 0, FA3's ``attention_chunk``; Llama 4's local layers) adds
+``(i + off) // c == j // c``: a row sees only the keys of its diagonal's chunk. The kernels take no chunks: a chunked
+call runs as independent sequences, one per chunk (``MaskPolicy.chunk_segments``, vLLM's "virtual batches"), each
+with the window alone and aligned to its own lengths, which is exact (the method says why). So a chunked policy
+answers only the row-level questions (``key_begin``, ``key_end``, ``visible``, ``matrix``, ``rows_without_key``, its
+segments); a Problem, whose policy the kernels' plans read, carries none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,10 +64,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Mask:
-    """A frozen mask description: a local window ``(window_left, window_right)`` around the bottom-right diagonal."""
+    """A frozen mask description: a local window ``(window_left, window_right)`` around the bottom-right diagonal,
+    and chunks of ``chunk`` keys (0: none) that a row does not see out of."""
 
     window_left: int = -1
     window_right: int = -1
+    chunk: int = 0
 
     def __post_init__(self):
         for name in ("window_left", "window_right"):
@@ -68,16 +77,20 @@ class Mask:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
                 raise ValueError(f"Mask.{name} must be an int >= -1 (-1: unbounded), got {value!r}")
             object.__setattr__(self, name, int(value))
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, (int, np.integer)) or self.chunk < 0:
+            raise ValueError(f"Mask.chunk must be an int >= 0 (0: no chunks), got {self.chunk!r}")
+        object.__setattr__(self, "chunk", int(self.chunk))
 
     @classmethod
     def causal(cls, flag: bool = True) -> Mask:
         return cls(-1, 0) if flag else cls()
 
     @classmethod
-    def of(cls, causal: bool, window_size: tuple[int, int]) -> Mask:
-        """The mask of the API's ``causal`` and ``window_size=(left, right)``: causal sets right = 0."""
+    def of(cls, causal: bool, window_size: tuple[int, int], chunk: int = 0) -> Mask:
+        """The mask of the API's ``causal``, ``window_size=(left, right)`` and ``attention_chunk``: causal sets
+        right = 0."""
         left, right = window_size
-        return cls(left, 0 if causal else right)
+        return cls(left, 0 if causal else right, chunk)
 
     @classmethod
     def top_left(cls, left: int | None, right: int | None, seqlen_q: int, seqlen_k: int) -> Mask | None:
@@ -98,16 +111,22 @@ class Mask:
     @property
     def last_row_sees_every_key(self) -> bool:
         """Whether the last query row sees every key, whatever the lengths: its diagonal is the last key, so only a
-        left bound can hide keys from it. One query row under such a mask is unmasked attention."""
-        return self.window_left < 0
+        left bound (a window's or a chunk's) can hide keys from it. One query row under such a mask is unmasked
+        attention."""
+        return self.window_left < 0 and self.chunk == 0
 
     @property
     def is_causal(self) -> bool:
-        return self.window_left < 0 and self.window_right == 0
+        return self.window_left < 0 and self.window_right == 0 and self.chunk == 0
 
     @property
     def is_full(self) -> bool:
-        return self.window_left < 0 and self.window_right < 0
+        return self.window_left < 0 and self.window_right < 0 and self.chunk == 0
+
+    @property
+    def window(self) -> Mask:
+        """This mask without its chunks: what each of its virtual batches runs (MaskPolicy.chunk_segments)."""
+        return Mask(self.window_left, self.window_right)
 
     @property
     def without_window(self) -> bool:
@@ -115,7 +134,7 @@ class Mask:
         return self.is_full or self.is_causal
 
     def policy(self, seqlen_q: int, seqlen_k: int) -> MaskPolicy:
-        return MaskPolicy(seqlen_q, seqlen_k, self.window_left, self.window_right)
+        return MaskPolicy(seqlen_q, seqlen_k, self.window_left, self.window_right, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -126,21 +145,27 @@ class MaskPolicy:
     seqlen_k: int
     window_left: int = -1
     window_right: int = -1
+    chunk: int = 0
 
     def diagonal(self, row):
         return np.asarray(row) + (self.seqlen_k - self.seqlen_q)
 
+    def chunk_begin(self, row):
+        """The first key of the chunk of ``row``'s diagonal (chunked attention only)."""
+        return self.diagonal(row) // self.chunk * self.chunk
+
     def key_begin(self, row):
         row = np.asarray(row)
-        if self.window_left < 0:
-            return np.zeros_like(row)
-        return np.maximum(0, self.diagonal(row) - self.window_left)
+        begin = np.zeros_like(row) if self.window_left < 0 else np.maximum(0, self.diagonal(row) - self.window_left)
+        return np.maximum(begin, self.chunk_begin(row)) if self.chunk > 0 else begin
 
     def key_end(self, row):
         row = np.asarray(row)
         if self.window_right < 0:
-            return np.full_like(row, self.seqlen_k)
-        return np.minimum(self.seqlen_k, self.diagonal(row) + self.window_right + 1)
+            end = np.full_like(row, self.seqlen_k)
+        else:
+            end = np.minimum(self.seqlen_k, self.diagonal(row) + self.window_right + 1)
+        return np.minimum(end, self.chunk_begin(row) + self.chunk) if self.chunk > 0 else end
 
     def visible(self, row, key):
         """Whether row sees key (broadcasting); ``visible(rows[:, None], keys[None, :])`` is the whole mask."""
@@ -150,6 +175,52 @@ class MaskPolicy:
     def matrix(self) -> np.ndarray:
         """The (seqlen_q, seqlen_k) boolean mask."""
         return self.visible(np.arange(self.seqlen_q)[:, None], np.arange(self.seqlen_k)[None, :])
+
+    def chunk_segments(self) -> list[tuple[IndexRange, IndexRange]]:
+        """Chunked attention as independent sequences (vLLM's "virtual batches"): (query rows, keys) per segment, in
+        order, the rows tiling 0 .. seqlen_q and the keys tiling 0 .. seqlen_k. A segment holds the rows whose
+        diagonal lies in one chunk and that chunk's keys (the last clipped to seqlen_k); rows before key 0's chunk
+        (negative diagonals) come first with no key, and the chunks of keys before the first row's chunk (and of every
+        key when there is no row) are segments with no row: no segment holds more than a chunk of keys.
+        Run as its own sequence with this policy's window and no chunks, bottom-right aligned to its own lengths, a
+        segment sees exactly what its rows see here: row i's diagonal within it, (i - row_begin) + (keys - rows),
+        equals i + seqlen_k - seqlen_q - key_begin, whether its rows start at its chunk's first diagonal or at row 0
+        and whether its keys end at the chunk's end or at seqlen_k (tests/test_mask.py checks it element by element)."""
+        if self.chunk <= 0:
+            raise ValueError("chunk_segments needs a chunked policy (chunk > 0)")
+        off = self.seqlen_k - self.seqlen_q
+        segments = []
+        row = min(max(0, -off), self.seqlen_q)
+        if row:  # rows whose diagonal is negative
+            segments.append((IndexRange(0, row), IndexRange(0, 0)))
+        key = 0
+
+        def without_rows(end: int) -> None:  # keys no row's chunk holds, a sequence per chunk
+            nonlocal key
+            while key < end:
+                segments.append((IndexRange(row, row), IndexRange(key, min(end, key + self.chunk))))
+                key = segments[-1][1].end
+
+        while row < self.seqlen_q:
+            first_key = (row + off) // self.chunk * self.chunk
+            without_rows(first_key)
+            end_row = min(self.seqlen_q, first_key + self.chunk - off)
+            key = min(self.seqlen_k, first_key + self.chunk)
+            segments.append((IndexRange(row, end_row), IndexRange(first_key, key)))
+            row = end_row
+        without_rows(self.seqlen_k)
+        return segments
+
+    @staticmethod
+    def rows_chunk(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> tuple[Any, Any]:
+        """chunk_segments for sequences of ``keys`` keys each (an int array, NumPy's or jax.numpy's: a KV cache's
+        sequences) whose seqlen_q rows all lie in one chunk: per sequence, the first key of the chunk of its last
+        row's diagonal (0 without keys), and whether every row lies in that chunk (then its one segment with rows is
+        rows 0 .. seqlen_q with keys from there to the end: a call whose keys start there, with the window alone,
+        is the chunked one; a decode step's single row always does)."""
+        last = keys - 1  # the last row's diagonal
+        first_key = xp.where(keys > 0, last // chunk * chunk, 0)
+        return first_key, (keys <= 0) | (keys - seqlen_q >= first_key)
 
     def rows_without_key(self) -> np.ndarray:
         """Boolean (seqlen_q,): rows whose visible interval is empty."""

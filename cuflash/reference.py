@@ -285,13 +285,14 @@ def _prepare(arrays, dtype: np.dtype, acc: np.dtype):
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                        dropout_mask=None, dtype=np.float64, sinks=None, score_mod=None, mask_mod=None):
+                        dropout_mask=None, dtype=np.float64, sinks=None, score_mod=None, mask_mod=None,
+                        attention_chunk: int = 0):
     """Attention forward. Returns ``(out, lse)``.
 
     out has q's shape in ``dtype``; lse is (batch, nheads, seqlen_q) in ``accumulator_dtype(dtype)``.
-    ``softmax_scale`` defaults to 1/sqrt(headdim); ``window_size``, ``softcap`` and ``alibi_slopes`` mean what
-    they mean for ``cuflash.attention``. With ``dropout_p`` > 0, ``dropout_mask`` (bool, (batch, nheads,
-    seqlen_q, seqlen_k), True = kept; ``cuflash.dropout_mask`` makes the kernels' one) multiplies P by
+    ``softmax_scale`` defaults to 1/sqrt(headdim); ``window_size``, ``attention_chunk``, ``softcap`` and
+    ``alibi_slopes`` mean what they mean for ``cuflash.attention``. With ``dropout_p`` > 0, ``dropout_mask`` (bool,
+    (batch, nheads, seqlen_q, seqlen_k), True = kept; ``cuflash.dropout_mask`` makes the kernels' one) multiplies P by
     keep / (1 - dropout_p) before P V; the lse is unchanged. ``sinks`` (nheads,): head h's logit s_h joins each
     row's softmax denominator with no value (the lse includes it; a row that sees no key gets lse s_h).
     ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``: cuflash.flex_attention's mods
@@ -303,7 +304,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     q, k, v = _prepare((q, k, v), dtype, acc)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = _check_shapes(q, k, v)
     scale = _scale(softmax_scale, headdim)
-    mask = Mask.of(causal, window_size)
+    mask = Mask.of(causal, window_size, attention_chunk)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     sinks = _sinks(sinks, nheads, acc)
@@ -325,7 +326,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
 def attention_backward_reference(
     dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
     softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64, sinks=None,
-    score_mod=None, mask_mod=None, return_score_grads: bool = False
+    score_mod=None, mask_mod=None, return_score_grads: bool = False, attention_chunk: int = 0
 ):
     """Gradients of ``sum(out * dout)`` with respect to q, k and v. Returns ``(dq, dk, dv)`` in ``dtype``, and with
     ``sinks`` also d / d sinks, -sum_rows e^{s_h - lse} D (in the accumulator: (dq, dk, dv, dsinks)).
@@ -349,7 +350,7 @@ def attention_backward_reference(
         raise ValueError(f"dout must have q's shape with v's head dim, {(*q.shape[:3], v.shape[-1])}, got "
                          f"{dout.shape}")
     scale = _scale(softmax_scale, headdim)
-    mask = Mask.of(causal, window_size)
+    mask = Mask.of(causal, window_size, attention_chunk)
     scores_of = _Scores(scale, softcap, alibi_slopes, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout_of = _Dropout(dropout_p, dropout_mask, batch, nheads, seqlen_q, seqlen_k, acc)
     sinks = _sinks(sinks, nheads, acc)
@@ -414,7 +415,7 @@ def _sequence_options(b: int, rows: slice, keys: slice, alibi_slopes, dropout_ma
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
                                softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                                alibi_slopes=None, dropout_p: float = 0.0, dropout_mask=None, dtype=np.float64,
-                               sinks=None):
+                               sinks=None, attention_chunk: int = 0):
     """Varlen attention forward: ``attention_reference`` of each sequence alone. Returns ``(out, lse)``.
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d), cu_seqlens as for ``cuflash.attention_varlen``;
@@ -431,6 +432,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
         out_b, lse_b = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
                                            softmax_scale=scale, window_size=window_size, softcap=softcap,
                                            dropout_p=dropout_p, dtype=dtype, sinks=sinks,
+                                           attention_chunk=attention_chunk,
                                            **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
         out[rows] = out_b[0]
         lse[:, rows] = lse_b[0]
@@ -440,7 +442,8 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
 def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
                                         softmax_scale: float | None = None, window_size=(-1, -1),
                                         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                                        dropout_mask=None, dtype=np.float64, sinks=None):
+                                        dropout_mask=None, dtype=np.float64, sinks=None,
+                                        attention_chunk: int = 0):
     """Gradients of ``attention_varlen_reference``: ``attention_backward_reference`` of each sequence alone.
     Returns ``(dq, dk, dv)`` shaped like q, k, v, in ``dtype`` (with ``sinks``, and dsinks summed over the
     sequences)."""
@@ -455,6 +458,7 @@ def attention_varlen_backward_reference(dout, q, k, v, cu_seqlens_q, cu_seqlens_
         grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
                                              causal=causal, softmax_scale=scale, window_size=window_size,
                                              softcap=softcap, dropout_p=dropout_p, dtype=dtype, sinks=sinks,
+                                             attention_chunk=attention_chunk,
                                              **_sequence_options(b, rows, keys, alibi_slopes, dropout_mask))
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
         if dsinks is not None:
@@ -482,7 +486,7 @@ def kvcache_keys(cache, lengths, block_table=None, cache_batch_idx=None, cache_l
 def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, causal: bool = False,
                                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                                      alibi_slopes=None, dtype=np.float64, sinks=None, cache_batch_idx=None,
-                                     cache_leftpad=None):
+                                     cache_leftpad=None, attention_chunk: int = 0):
     """Attention of q over the cache rows [cache_leftpad[b], lengths[b]) of each sequence's cache row
     cache_batch_idx[b] (after any append; leftpad 0 and row b without them): an explicit loop of
     ``attention_reference`` per sequence, causal aligned bottom-right to its keys. Returns (out, lse)."""
@@ -499,6 +503,6 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_tabl
         row_slopes = slopes[b:b + 1] if slopes is not None and slopes.ndim == 2 else slopes
         out_b, lse_b = attention_reference(q[b:b + 1], keys[None], values[None], causal=causal, softmax_scale=scale,
                                            window_size=window_size, softcap=softcap, alibi_slopes=row_slopes,
-                                           dtype=dtype, sinks=sinks)
+                                           dtype=dtype, sinks=sinks, attention_chunk=attention_chunk)
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse

@@ -49,10 +49,10 @@ def check_rotary(rotary_cos: Any, rotary_sin: Any, rotary_interleaved: Any, q: A
     return True
 
 
-def query_rows_apart(causal: Any, window_size: Any) -> bool:
-    """FA2's rule for q's positions: consecutive (cache_seqlens[b] + i) when the call is causal or windowed, all at
-    cache_seqlens[b] otherwise (arguments already checked)."""
-    return bool(causal) or tuple(int(w) for w in window_size) != (-1, -1)
+def query_rows_apart(causal: Any, window_size: Any, attention_chunk: Any = 0) -> bool:
+    """FA2's rule for q's positions: consecutive (cache_seqlens[b] + i) when the call is causal, windowed or chunked
+    (FA3's: a chunked call is local), all at cache_seqlens[b] otherwise (arguments already checked)."""
+    return bool(causal) or tuple(int(w) for w in window_size) != (-1, -1) or int(attention_chunk) > 0
 
 
 def positions(starts: Any, rows: int, each_row_its_own: bool, xp: Any) -> Any:

@@ -44,7 +44,8 @@ def random_inputs(shape, dtype, seed):
     return q, k, v, dout
 
 
-def rows_without_key(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1)) -> np.ndarray:
-    """Boolean mask of the query rows that see no key (bottom-right aligned causal mask and local window, or no
-    keys at all)."""
-    return Mask.of(causal, window_size).policy(seqlen_q, seqlen_k).rows_without_key()
+def rows_without_key(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1),
+                     attention_chunk: int = 0) -> np.ndarray:
+    """Boolean mask of the query rows that see no key (bottom-right aligned causal mask, local window and chunks, or
+    no keys at all)."""
+    return Mask.of(causal, window_size, attention_chunk).policy(seqlen_q, seqlen_k).rows_without_key()

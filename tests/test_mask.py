@@ -1,7 +1,8 @@
 """The mask policy: one rule, one C++ home (cuda_src/common/mask.cuh), one NumPy twin (cuflash/mask.py).
 
 * The twin's every answer equals a brute-force reading of the rule, for causal, full and windowed masks,
-  seqlen_q above, below and equal to seqlen_k, and rows that see no key.
+  seqlen_q above, below and equal to seqlen_k, and rows that see no key; with chunks (chunked attention) its row-level
+  answers do, and its chunk segments, each run as a sequence of its own with the window alone, rebuild the mask.
 * The C++ policy equals the twin on every method, launched on the simulator (tests/kernels/mask_probe.cu).
 * No other file decides visibility: the arithmetic of the rule appears only in those two files.
 * The softcap's tanh (mask.cuh's tanh_by_exp2): within a few float32 ulps of 1 of tanh and exactly +-1 where tanh
@@ -36,11 +37,37 @@ SEQLENS = [(1, 1), (7, 7), (5, 11), (11, 5), (9, 1), (1, 9), (0, 4), (4, 0)]
 CASES = list(itertools.product(SEQLENS, WINDOWS))
 
 
-def brute(sq, sk, left, right):
-    """The rule of mask.cuh's opening comment, element by element."""
+def brute(sq, sk, left, right, chunk=0):
+    """The rule of mask.cuh's opening comment (and of cuflash/mask.py's chunks), element by element."""
     off = sk - sq
-    return np.array([[(left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right) for j in range(sk)]
+    return np.array([[(left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right)
+                      and (chunk == 0 or (i + off) // chunk == j // chunk) for j in range(sk)]
                      for i in range(sq)], dtype=bool).reshape(sq, sk)
+
+
+# Chunks: narrower than a block of either side (BLOCK_M 4, BLOCK_N 3), between, and wider than every sequence.
+CHUNKS = [1, 2, 5, 16]
+
+
+@pytest.mark.parametrize("seqlens, window, chunk", list(itertools.product(SEQLENS, WINDOWS, CHUNKS)))
+def test_chunked_policy_and_its_segments_match_the_rule(seqlens, window, chunk):
+    """Row-level answers under chunks, and the chunk segments (chunked attention as virtual batches): the rows and
+    the keys tiled in order, and each segment, run as a sequence of its own with the window alone (aligned to its
+    own lengths), seeing exactly what its rows see under the chunked mask."""
+    (sq, sk), (left, right) = seqlens, window
+    policy = Mask(left, right, chunk).policy(sq, sk)
+    truth = brute(sq, sk, left, right, chunk)
+    assert np.array_equal(policy.matrix(), truth)
+    assert np.array_equal(policy.rows_without_key(), ~truth.any(axis=1) if sq else np.zeros(0, bool))
+    rebuilt = np.zeros((sq, sk), bool)
+    row = key = 0
+    for rows, keys in policy.chunk_segments():
+        assert (rows.begin, keys.begin) == (row, key) and not (rows.empty and keys.empty)
+        row, key = rows.end, keys.end
+        assert len(keys) <= chunk
+        rebuilt[rows.begin:rows.end, keys.begin:keys.end] = Mask(left, right).policy(len(rows), len(keys)).matrix()
+    assert (row, key) == (sq, sk)
+    assert np.array_equal(rebuilt, truth)
 
 
 def hull(indices) -> IndexRange:
@@ -100,12 +127,35 @@ def test_numpy_twin_matches_the_rule_element_by_element(seqlens, window):
         assert (got if not got.empty else IndexRange(0, 0)) == blocks
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_rows_chunk_is_the_one_row_segment_of_chunk_segments(chunk):
+    """The KV-cache form of chunk_segments (first key of the rows' chunk, whether all rows lie in it), for every
+    key count and row count, against the segments themselves."""
+    for seqlen_q in range(0, 6):
+        keys = np.arange(0, 30)
+        first, single = MaskPolicy.rows_chunk(chunk, seqlen_q, keys)
+        for n, got_first, got_single in zip(keys, first, single):
+            with_rows = [(r, k) for r, k in Mask(-1, 0, chunk).policy(seqlen_q, int(n)).chunk_segments()
+                         if not r.empty]
+            assert got_single == (len(with_rows) <= 1), (seqlen_q, n)
+            if with_rows and got_single and n > 0:
+                assert with_rows[0][0] == IndexRange(0, seqlen_q) and with_rows[0][1].begin == got_first, (seqlen_q, n)
+
+
 def test_mask_description_validates_and_names_causal():
     assert Mask.causal() == Mask(-1, 0) and Mask.causal().is_causal and not Mask().is_causal
     assert Mask.causal(False) == Mask() and Mask().is_full
     for bad in (-2, 1.5, True, "3"):
         with pytest.raises(ValueError, match="Mask.window_left must be an int >= -1"):
             Mask(bad, 0)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="Mask.chunk must be an int >= 0"):
+            Mask(-1, 0, bad)
+    assert Mask.of(True, (-1, -1), 8) == Mask(-1, 0, 8) and Mask(-1, 0, 8).window == Mask(-1, 0)
+    assert not Mask(-1, 0, 8).is_causal and not Mask(-1, -1, 8).is_full and not Mask(-1, 0, 8).last_row_sees_every_key
+    # The kernels take no chunks: a Problem carrying some is refused (cuflash/chunks.py runs them as sequences).
+    with pytest.raises(ValueError, match="Problem.mask must have no chunks"):
+        Problem("float16", 1, 8, 8, 1, 1, 16, mask=Mask(-1, 0, 4))
     with pytest.raises(TypeError, match="Problem.mask must be a cuflash.mask.Mask"):
         Problem("float32", 1, 2, 2, 1, 1, 8, mask=True)
     assert Problem("float32", 1, 3, 5, 1, 1, 8, mask=Mask(2, 1)).mask_policy == MaskPolicy(3, 5, 2, 1)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
+from .. import chunks
 from ..dropout import SEED_ROW_WORDS, check_dropout_p
 from ..kernels import catalog
 from ..sinks import sink_gradient, sink_logits_by_row
@@ -35,6 +36,7 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> Any:
     """Scaled dot-product attention softmax(scale * q k^T) v on JAX arrays, through cuflash's kernels.
 
@@ -45,7 +47,7 @@ def attention(
     bottom-right corner (query i sees key j iff j <= i + seqlen_k - seqlen_q); a row that sees no
     key gives 0 and lse -inf.
     ``softmax_scale`` (a Python number, static) defaults to 1/sqrt(headdim).
-    ``window_size`` and ``softcap`` (static) and ``alibi_slopes`` (a float32 array,
+    ``window_size``, ``attention_chunk`` and ``softcap`` (static) and ``alibi_slopes`` (a float32 array,
     (nheads,) or (batch, nheads); no gradient flows to it) mean what they mean for
     ``cuflash.attention``. ``dropout_p`` (static) with ``dropout_rng``, a JAX PRNG key (required when
     dropout_p > 0; it may be traced): the kernels' 64-bit dropout seed is drawn from it
@@ -78,6 +80,20 @@ def attention(
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
+    chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+    if chunk:  # as cuflash.attention: a varlen call over one sequence per chunk (cuflash/chunks.py)
+        batch, seqlen_q, nheads = q.shape[:3]
+        batches = chunks.fixed_length_batches(batch, seqlen_q, k.shape[1], causal, window_size, chunk)
+        result = attention_varlen(
+            *(jnp.reshape(x, (x.shape[0] * x.shape[1], *x.shape[2:])) for x in (q, k, v)), batches.cu_seqlens_q,
+            batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=_per_segment(alibi_slopes, batches.owner), algorithm=algorithm, return_lse=True,
+            deterministic=deterministic, sinks=sinks)
+        out = jnp.reshape(result[0], (batch, seqlen_q, nheads, result[0].shape[-1]))
+        if not return_lse:
+            return out
+        return out, jnp.transpose(jnp.reshape(result[1], (nheads, batch, seqlen_q)), (1, 0, 2))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
                  algorithm=algorithm, return_lse=return_lse, sinks=sinks)
 
@@ -104,6 +120,7 @@ def attention_varlen(
     return_lse: bool = False,
     deterministic: bool = False,
     sinks: Any = None,
+    attention_chunk: int = 0,
 ) -> Any:
     """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,), optional int32 seqused_q / seqused_k
@@ -115,7 +132,8 @@ def attention_varlen(
     as they are (0 first, nondecreasing, last = total), as FlashAttention-2 takes them. Concrete cu_seqlens are
     checked like ``cuflash.attention_varlen``'s, and max_seqlen defaults to the longest sequence. vmap runs one
     call per mapped element. Under plain jit over inputs sharded along heads, each device runs the call on its
-    kv heads (whole GQA groups); the packed rows stay whole.
+    kv heads (whole GQA groups); the packed rows stay whole. ``attention_chunk`` needs concrete cu_seqlens (its
+    sequences' chunks become the call's sequences: cuflash/chunks.py) and no seqused_q / seqused_k.
     """
     counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
     for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
@@ -125,6 +143,18 @@ def attention_varlen(
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
     concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values())]
+    chunk = chunks.check(attention_chunk, algorithm, dropout_p)
+    if chunk:
+        chunks.check_unused_prefixes(seqused_q, seqused_k)
+        if concrete[0] is None or concrete[1] is None:
+            raise ValueError("attention_chunk needs concrete cu_seqlens_q and cu_seqlens_k (its sequences' chunks "
+                             "become the call's sequences), got traced ones")
+        V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        batches = chunks.varlen_batches(*concrete[:2], causal, window_size, chunk)
+        return attention_varlen(q, k, v, batches.cu_seqlens_q, batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q,
+                                max_seqlen_k=batches.max_seqlen_k, softmax_scale=softmax_scale,
+                                dropout_rng=dropout_rng, algorithm=algorithm, return_lse=return_lse,
+                                **dict(options, alibi_slopes=_per_segment(alibi_slopes, batches.owner)))
     if all(x is not None for x in concrete):
         used = dict(zip(counts, concrete[2:]))
         problem = V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -201,6 +231,13 @@ def ring_attention(
     out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout,
                             per_chunk=dropout_p > 0.0)
     return (out, lse) if return_lse else out
+
+
+def _per_segment(slopes, owner: np.ndarray):
+    """ALiBi slopes of a chunked call's virtual batches: (batch, nheads) repeated per segment; (nheads,) as given."""
+    if slopes is None or len(slopes.shape) == 1:
+        return slopes
+    return jnp.take(jnp.asarray(slopes), owner, axis=0)
 
 
 def _concrete(array) -> np.ndarray | None:

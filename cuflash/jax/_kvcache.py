@@ -12,11 +12,13 @@ import functools
 import numbers
 from typing import Any
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 
 from .. import _validation as V
-from .. import rotary
+from .. import chunks, rotary
 from ..kernels.program import gqa_decode_fold
 from ._attention import _call_operands, _concrete, _forward, _int32_words
 
@@ -44,6 +46,7 @@ def attention_with_kvcache(
     sinks: Any = None,
     cache_batch_idx: Any = None,
     cache_leftpad: Any = None,
+    attention_chunk: int = 0,
 ) -> tuple[Any, ...]:
     """``cuflash.attention_with_kvcache`` on JAX arrays, functionally: returns ``(out, k_cache, v_cache)``, or
     ``(out, lse, k_cache, v_cache)`` with ``return_lse``, the caches with the new ``k``, ``v`` rows written at
@@ -70,6 +73,8 @@ def attention_with_kvcache(
     too; ``sinks`` (float32 (nheads,)) as for ``cuflash.attention``. ``cache_batch_idx`` and ``cache_leftpad``
     as for the NumPy function (contiguous caches); traced values are taken on trust like cache_seqlens. With
     cache_batch_idx the new rows go in by one scatter into the whole caches, which sharded jit keeps whole.
+    ``attention_chunk`` as for the NumPy function; with traced cache_seqlens or cache_leftpad, for one query row per
+    sequence (a decode step, whose row always lies in one chunk).
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "sinks": sinks, "cache_batch_idx": cache_batch_idx,
@@ -82,8 +87,13 @@ def attention_with_kvcache(
     if lengths_given_as_array and not (hasattr(cache_seqlens, "shape") and hasattr(cache_seqlens, "dtype")):
         raise TypeError(f"cache_seqlens must be an int, None or an int32 array, got {type(cache_seqlens).__name__}")
 
+    chunk = chunks.check(attention_chunk, algorithm)
+    if chunk and cache_leftpad is None and block_table is None:  # chunks start keys as left padding (chunks.py)
+        cache_leftpad = np.zeros(q.shape[0], np.int32)
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
+    if chunk and block_table is not None:
+        chunks.check_pages(chunk, layout.page_size)
     table = None if block_table is None else _concrete(block_table)
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
@@ -100,12 +110,21 @@ def attention_with_kvcache(
     leftpad_known = cache_leftpad is None or leftpad is not None
     if lengths_known:
         V.check_kvcache_index_values(index, leftpad, used, layout)
+    first_keys = 0  # chunks: each sequence's keys from its rows' chunk on
+    if chunk and lengths_known and leftpad_known:
+        first_keys = chunks.kvcache_chunk_starts(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
+    elif chunk:
+        if q.shape[1] != 1:
+            raise ValueError(f"attention_chunk with traced cache_seqlens or cache_leftpad needs one query row per "
+                             f"sequence (a decode step: its chunk is its last key's), got {q.shape[1]}")
+        first_keys = chunks.kvcache_chunk_starts(chunk, 1, V.kvcache_keys(
+            jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad)), jnp)
     # The grid's extent: a bound on the longest sequence's keys where known (V.kvcache_key_extent: one static call
     # signature for many decode steps), else the capacity.
     if not lengths_known:
         seqlen_k = layout.capacity
     else:
-        longest = int((V.kvcache_keys(used, leftpad) if leftpad_known else used).max(initial=0))
+        longest = int((V.kvcache_keys(used, leftpad) - first_keys if leftpad_known else used).max(initial=0))
         seqlen_k = V.kvcache_key_extent(longest, layout.capacity)
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -116,7 +135,7 @@ def attention_with_kvcache(
     starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)  # cache rows of the new rows
     if with_rotary:  # at key positions: counted from the first key past the left padding
         cos, sin = jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
-        q_rows_apart = rotary.query_rows_apart(causal, window_size)
+        q_rows_apart = rotary.query_rows_apart(bool(causal) or chunk > 0, window_size)
         keys = V.kvcache_keys(jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad))
         first_new = keys - jnp.int32(layout.seqlen_new)
         q = rotary.rotate(jnp.asarray(q), cos, sin, rotary.positions(first_new, q.shape[1], q_rows_apart, jnp),
@@ -126,6 +145,11 @@ def attention_with_kvcache(
     if layout.seqlen_new:
         k_cache = _append(k_cache, jnp.asarray(k), starts, block_table, cache_batch_idx)
         v_cache = _append(v_cache, jnp.asarray(v), starts, block_table, cache_batch_idx)
+    if chunk and block_table is not None:  # keys from a page boundary on: pages dropped from the table
+        block_table = chunks.pages_from(jnp.asarray(block_table), first_keys, layout.page_size, jnp)
+        used = jnp.asarray(used) - first_keys
+    elif chunk:  # as left padding
+        cache_leftpad = jnp.asarray(cache_leftpad) + first_keys
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))
     words += tuple(_int32_words(x) for x in (cache_batch_idx, cache_leftpad) if x is not None)
     config, return_lse, (q_call, k_call, v_call, side) = _call_operands(

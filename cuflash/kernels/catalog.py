@@ -114,6 +114,15 @@ def check_options(algorithm: str, problem: Problem) -> None:
                          f"got algorithm={algorithm!r}")
 
 
+def check_option_of(algorithm: str, option: str, what: str) -> None:
+    """check_options for one option that a call needs of ``algorithm`` for ``what`` (which the message names): a
+    ValueError naming the algorithms that have it. Also raises for an unknown algorithm."""
+    if not any(option in v.options for v in variants(algorithm)):
+        having = [name for name, family in FAMILIES.items() if any(option in v.options for v in family)]
+        raise ValueError(f"{what} is supported by algorithm={' or '.join(map(repr, having))} only, "
+                         f"got algorithm={algorithm!r}")
+
+
 def instances(target: Target) -> list[KernelInstance]:
     """Every instantiation some plan may launch on ``target``, without duplicates, in a stable order."""
     seen: dict[KernelInstance, None] = {}

@@ -125,6 +125,9 @@ class Problem:
             raise ValueError("Problem.nheads must be a multiple of nheads_k")
         if not isinstance(self.mask, Mask):
             raise TypeError(f"Problem.mask must be a cuflash.mask.Mask, got {self.mask!r}")
+        if self.mask.chunk:
+            raise ValueError("Problem.mask must have no chunks: the kernels take none, a chunked call runs as one "
+                             "sequence per chunk (cuflash/chunks.py)")
         if not (isinstance(self.softcap, float) and self.softcap >= 0.0):
             raise ValueError(f"Problem.softcap must be a float >= 0, got {self.softcap!r}")
         if self.alibi not in ALIBI_LAYOUTS:

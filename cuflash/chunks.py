@@ -1,0 +1,137 @@
+"""Chunked attention (``attention_chunk``, FA3's option; Llama 4's local layers) as virtual batches.
+
+Under chunks of c keys a query row sees only the keys of its diagonal's chunk, on top of the window and the causal
+mask (cuflash/mask.py's rule). The kernels take no chunks: a chunked call runs as a varlen call over one sequence per
+(sequence, chunk), each with the call's window and causal mask alone (``MaskPolicy.chunk_segments``, exact; vLLM runs
+FA3's chunked layers as such "virtual batches" too). The segments tile every sequence's rows and keys, so the packed
+tensors are the caller's own, reshaped (a fixed-length call's (batch, seqlen) axes as one: a view where they are
+contiguous), and each segment's Q blocks visit only its own keys: block skipping is the varlen kernels'.
+
+What a chunked call costs beyond that varlen call: its checks, the segments' cu_seqlens (made once per lengths, mask
+and batch: ``virtual_batches``), their upload, and for a fixed-length call the lse between its layout
+(batch, nheads, seqlen_q) and varlen's (nheads, total_q) (a transposed copy: 4 bytes per row and head). The kernels
+were given chunks first, as a fourth tile edge: 12 instances then spilled (the closing note of 2026-11-29).
+
+Not with dropout (FA3 has none; a virtual batch would draw another mask than the call's sequence), nor with a
+varlen call's seqused_q / seqused_k; ALiBi slopes per sequence are repeated per segment. Functions here take the
+API's arguments; ``cuflash.api`` runs the varlen calls (its _chunked_* functions), ``cuflash.jax`` likewise.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _validation as V
+from .kernels import catalog
+from .mask import Mask, MaskPolicy
+
+
+@dataclass(frozen=True)
+class VirtualBatches:
+    """The sequences a chunked call runs as: cu_seqlens over the caller's packed rows and keys (int32, host), the
+    caller's sequence of each (``owner``, for per-sequence inputs: ALiBi slopes), and the longest."""
+
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    owner: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@functools.lru_cache(maxsize=256)
+def virtual_batches(lengths: tuple[tuple[int, int], ...], mask: Mask) -> VirtualBatches:
+    """The virtual batches of sequences of (query rows, keys) ``lengths``, packed one after the other, under the
+    chunked ``mask`` (cached: a signature's calls share them)."""
+    cu_q, cu_k, owner = [0], [0], []
+    row0 = key0 = 0
+    for sequence, (rows, keys) in enumerate(lengths):
+        for segment_rows, segment_keys in mask.policy(rows, keys).chunk_segments():
+            cu_q.append(row0 + segment_rows.end)
+            cu_k.append(key0 + segment_keys.end)
+            owner.append(sequence)
+        row0, key0 = row0 + rows, key0 + keys
+    cu_q, cu_k = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
+    for array in (cu_q, cu_k, np.array(owner, np.int32)):
+        array.flags.writeable = False  # shared by every call of the key
+    longest = (int(np.diff(cu_q).max(initial=0)), int(np.diff(cu_k).max(initial=0)))
+    return VirtualBatches(cu_q, cu_k, np.array(owner, np.int32), *longest)
+
+
+def check(attention_chunk: Any, algorithm: Any, dropout_p: Any = 0.0) -> int:
+    """The checked chunk (0: none) of a call with ``algorithm`` and ``dropout_p`` (already checked themselves, or
+    checked by the call after this): chunks run as varlen batches, which not every algorithm takes, and not with
+    dropout."""
+    chunk = V.check_attention_chunk(attention_chunk)
+    if chunk:
+        dropout_p = V.check_dropout_p(dropout_p)
+        catalog.check_option_of(algorithm, "varlen", "attention_chunk (run as varlen batches)")
+        if dropout_p:
+            raise ValueError("attention_chunk does not combine with dropout_p > 0 (FlashAttention-3 has no dropout; "
+                             "a chunk's virtual batch would draw another dropout mask than the call's sequence)")
+    return chunk
+
+
+def fixed_length_batches(batch: int, seqlen_q: int, seqlen_k: int, causal: Any, window_size: Any,
+                         chunk: int) -> VirtualBatches:
+    """The virtual batches of a fixed-length call, over its (batch * seqlen) packed rows and keys."""
+    return virtual_batches(((seqlen_q, seqlen_k),) * batch, _mask(causal, window_size, chunk))
+
+
+def varlen_batches(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, causal: Any, window_size: Any,
+                   chunk: int) -> VirtualBatches:
+    """The virtual batches of a varlen call (host copies of its checked cu_seqlens), over the same packed rows."""
+    lengths = tuple(zip(np.diff(cu_seqlens_q).tolist(), np.diff(cu_seqlens_k).tolist()))
+    batches = virtual_batches(lengths, _mask(causal, window_size, chunk))
+    if cu_seqlens_q[0] or cu_seqlens_k[0]:  # the packed rows start past 0: the caller's offsets, not ours
+        batches = VirtualBatches(batches.cu_seqlens_q + cu_seqlens_q[0], batches.cu_seqlens_k + cu_seqlens_k[0],
+                                 batches.owner, batches.max_seqlen_q, batches.max_seqlen_k)
+    return batches
+
+
+def kvcache_chunk_starts(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> Any:
+    """A KV-cache call's chunks: per sequence of ``keys`` keys (its cache rows in use past any left padding), the
+    first key of its rows' chunk, from which on the call with the window alone is the chunked one
+    (MaskPolicy.rows_chunk).
+    A ValueError where a sequence's rows span chunks (a prefill crossing a chunk's end; a decode step's one row never
+    does); ``xp`` jax.numpy for traced keys, which the caller checks by the row count instead."""
+    first, single = MaskPolicy.rows_chunk(chunk, seqlen_q, keys, xp)
+    if xp is np and not single.all():
+        b = int(np.argmin(single))
+        raise ValueError(f"attention_chunk with a KV cache needs each sequence's query rows within one chunk: "
+                         f"sequence {b}'s {seqlen_q} rows end at key {int(keys[b]) - 1} and start in the chunk "
+                         f"before (split the call at the chunk's end)")
+    return first
+
+
+def check_pages(chunk: int, page_size: int) -> None:
+    """A paged cache's chunks are whole pages: its keys then start at a page of the block table."""
+    if chunk % page_size:
+        raise ValueError(f"attention_chunk with a paged KV cache must be a multiple of its page size ({page_size}), "
+                         f"got {chunk}")
+
+
+def pages_from(table: Any, first_keys: Any, page_size: int, xp: Any = np) -> Any:
+    """The block table whose sequence b starts at its key first_keys[b] (a page boundary: check_pages): its row
+    moved left by that many pages (the pages past its end repeat its last one, never read)."""
+    pages = table.shape[1]
+    columns = xp.minimum(xp.arange(pages)[None, :] + (first_keys // page_size)[:, None], pages - 1)
+    return xp.take_along_axis(table, columns.astype(table.dtype), axis=1)
+
+
+def check_unused_prefixes(seqused_q: Any, seqused_k: Any) -> None:
+    _ragged("seqused_q", seqused_q)
+    _ragged("seqused_k", seqused_k)
+
+
+def _ragged(name: str, seqused: Any) -> None:
+    if seqused is not None:
+        raise ValueError(f"attention_chunk does not combine with {name}: chunks cut each sequence where its rows "
+                         f"and keys are, before any used prefix")
+
+
+def _mask(causal: Any, window_size: Any, chunk: int) -> Mask:
+    return Mask.of(bool(causal), (int(window_size[0]), int(window_size[1])), chunk)
