@@ -950,14 +950,28 @@ def _chunked_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, 
     return placement.results(*shaped, *grads[3:])
 
 
-def _chunked_placed_varlen(names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any,
-                           seqused_q: Any, seqused_k: Any, alibi_slopes: Any, sinks: Any):
-    """A chunked varlen call's placement, per-head inputs, placed tensors and host copies of its cu_seqlens."""
+def _chunked_varlen_call(names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any, *,
+                         chunk: int, seqused_q: Any, seqused_k: Any, causal: Any, window_size: Any, alibi_slopes: Any,
+                         sinks: Any, options: dict[str, Any]) -> tuple[Placement, tuple[Any, ...], dict[str, Any]]:
+    """A chunked varlen call's placement, its placed tensors, and the arguments of the varlen call over its virtual
+    batches (after the call's checks; ``options`` loses max_seqlen_q/k, which the virtual batches replace)."""
     chunks.check_unused_prefixes(seqused_q, seqused_k)
     placement, per_head = place((*names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k),
                                 alibi_slopes, sinks)
-    placed = placement.arrays
-    return placement, per_head, placed[:len(names)], host_copy(placed[len(names)]), host_copy(placed[len(names) + 1])
+    placed, at = placement.arrays, len(names)
+    cu_q, cu_k = host_copy(placed[at]), host_copy(placed[at + 1])
+    named = dict(zip(names, placed))
+    q, k, v = named["q"], named["k"], named["v"]
+    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
+                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
+                       softcap=options["softcap"], **per_head)
+    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
+    backend = placement.backend()
+    call = dict(cu_seqlens_q=backend.upload(batches.cu_seqlens_q), cu_seqlens_k=backend.upload(batches.cu_seqlens_k),
+                max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
+                window_size=window_size, sinks=per_head.get("sinks"),
+                alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), **options)
+    return placement, placed[:at], call
 
 
 def _chunked_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, chunk: int, seqused_q: Any,
@@ -965,18 +979,10 @@ def _chunked_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
                     **options: Any) -> Any:
     """attention_varlen with chunks: the same call over its virtual batches (rows and lse laid out alike).
     ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm, return_lse."""
-    placement, per_head, (q, k, v), cu_q, cu_k = _chunked_placed_varlen(
-        ("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks)
-    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
-                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
-                       softcap=options["softcap"], **per_head)
-    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
-    backend = placement.backend()
-    result = attention_varlen(
-        q, k, v, backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
-        max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal, window_size=window_size,
-        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), sinks=per_head.get("sinks"),
-        **options)
+    placement, placed, call = _chunked_varlen_call(
+        ("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k, chunk=chunk, seqused_q=seqused_q, seqused_k=seqused_k,
+        causal=causal, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, options=options)
+    result = attention_varlen(*placed, **call)
     results = placement.results(*(result if isinstance(result, tuple) else (result,)))
     return results if isinstance(result, tuple) else results[0]
 
@@ -986,20 +992,11 @@ def _chunked_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: A
                              window_size: Any, alibi_slopes: Any, sinks: Any, **options: Any) -> tuple[Any, ...]:
     """attention_varlen_backward with chunks. ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm,
     deterministic."""
-    placement, per_head, (dout, q, k, v, out, lse), cu_q, cu_k = _chunked_placed_varlen(
-        ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, seqused_q,
-        seqused_k, alibi_slopes, sinks)
-    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
-                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
-                       softcap=options["softcap"], **per_head)
-    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
-    backend = placement.backend()
-    grads = attention_varlen_backward(
-        dout, q, k, v, out, lse, backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
-        max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal, window_size=window_size,
-        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), sinks=per_head.get("sinks"),
-        **options)
-    return placement.results(*grads)
+    placement, placed, call = _chunked_varlen_call(
+        ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, chunk=chunk,
+        seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+        sinks=sinks, options=options)
+    return placement.results(*attention_varlen_backward(*placed, **call))
 
 
 class KVCachePrepared(Prepared):

@@ -54,11 +54,11 @@ def virtual_batches(lengths: tuple[tuple[int, int], ...], mask: Mask) -> Virtual
             cu_k.append(key0 + segment_keys.end)
             owner.append(sequence)
         row0, key0 = row0 + rows, key0 + keys
-    cu_q, cu_k = np.array(cu_q, np.int32), np.array(cu_k, np.int32)
-    for array in (cu_q, cu_k, np.array(owner, np.int32)):
+    arrays = tuple(np.array(x, np.int32) for x in (cu_q, cu_k, owner))
+    for array in arrays:
         array.flags.writeable = False  # shared by every call of the key
-    longest = (int(np.diff(cu_q).max(initial=0)), int(np.diff(cu_k).max(initial=0)))
-    return VirtualBatches(cu_q, cu_k, np.array(owner, np.int32), *longest)
+    cu_q, cu_k, _ = arrays
+    return VirtualBatches(*arrays, int(np.diff(cu_q).max(initial=0)), int(np.diff(cu_k).max(initial=0)))
 
 
 def check(attention_chunk: Any, algorithm: Any, dropout_p: Any = 0.0) -> int:

@@ -222,8 +222,11 @@ def test_kvcache_chunks(dtype, arch, seqlen_q, splits, paged, leftpad):
     kwargs = dict(cache_seqlens=lengths, num_splits=splits, return_lse=True, **options)
     if leftpad:
         kwargs["cache_leftpad"] = pads
-    with _targeting(arch):
+    with _targeting(arch), sim.record() as records:
         out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, **kwargs)
+    if seqlen_q == 1:  # the decode step's 4 query heads folded into rows of its 2 kv heads: 2 heads in the grid
+        assert records.launches[0].grid[1] == 2, records.launches[0].grid
+    with _targeting(arch):
         if paged:
             out_paged, lse_paged = cuflash.attention_with_kvcache(q, *paged_caches, block_table=table, **kwargs)
             assert np.array_equal(out_paged, out) and np.array_equal(lse_paged, lse)
