@@ -547,9 +547,9 @@ def attention_backward(
         chunk = chunks.check(attention_chunk, algorithm, dropout_p)
         if chunk:
             return _chunked_backward(dout, q, k, v, out, lse, chunk=chunk, causal=causal,
-                                             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                             alibi_slopes=alibi_slopes, algorithm=algorithm,
-                                             deterministic=deterministic, sinks=sinks)
+                                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, algorithm=algorithm, deterministic=deterministic,
+                                     sinks=sinks)
     placement, per_head = place(("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse), alibi_slopes, sinks)
     dout, q, k, v, out, lse = placement.arrays[:6]
     return _fixed_length_backward("attention_backward", placement, dout, q, k, v, out, lse, causal=causal,
@@ -603,10 +603,10 @@ def attention_varlen(
         chunk = chunks.check(attention_chunk, algorithm, dropout_p)
         if chunk:
             return _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, chunk=chunk, seqused_q=seqused_q,
-                                           seqused_k=seqused_k, causal=causal, window_size=window_size,
-                                           alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q,
-                                           max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
-                                           algorithm=algorithm, return_lse=return_lse)
+                                   seqused_k=seqused_k, causal=causal, window_size=window_size,
+                                   alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
+                                   algorithm=algorithm, return_lse=return_lse)
     placement, per_head, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k,
                                                            seqused_q, seqused_k, alibi_slopes, sinks)
 
@@ -773,7 +773,7 @@ def attention_with_kvcache(
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
         q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
-                        rotary_interleaved, rotary.query_rows_apart(bool(causal) or chunk > 0, window_size))
+                        rotary_interleaved, rotary.query_rows_apart(causal, window_size, chunk))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
     if chunk:

@@ -403,17 +403,19 @@ ROTARY_CASES = [  # (dtype, interleaved, options, paged, rotary_dim): causal and
     ("bfloat16", True, dict(), True, 40),
     ("float32", False, dict(window_size=(20, 3)), True, 16),
     ("float16", True, dict(causal=True), True, 40),
+    ("bfloat16", False, dict(attention_chunk=64), True, 32),  # chunked: local, so q's rows apart (FA3's rule)
 ]
 
 
 @pytest.mark.parametrize("dtype, interleaved, options, paged, rotary_dim", ROTARY_CASES)
 def test_rotary_equals_rotating_q_and_k_first(dtype, interleaved, options, paged, rotary_dim):
-    """FA2's rotary: q and the new rows rotated at their positions (q's rows apart when causal or windowed, else
-    all at cache_seqlens), then the plain call; bit for bit, caches included, and the cached rows untouched."""
+    """FA2's rotary: q and the new rows rotated at their positions (q's rows apart when causal, windowed or chunked,
+    else all at cache_seqlens), then the plain call; bit for bit, caches included, and the cached rows untouched."""
     shape = (3, 3, 4, 2, 40, 192)  # chunked prefill of 3 rows, GQA, head dim 40
     q, k_cache, v_cache, k_new, v_new, lengths, pages = _caches(shape, dtype, 3, 16 if paged else None, seed=11)
     cos, sin = _rotary_tables(192, rotary_dim, dtype, seed=12)
-    rows_apart = bool(options.get("causal")) or options.get("window_size", (-1, -1)) != (-1, -1)
+    rows_apart = (bool(options.get("causal")) or options.get("window_size", (-1, -1)) != (-1, -1)
+                  or options.get("attention_chunk", 0) > 0)
     q_at = lengths[:, None] + np.arange(q.shape[1])[None, :] * rows_apart
     k_at = lengths[:, None] + np.arange(3)[None, :]
     caches = dict(k_cache=pages[0], v_cache=pages[1], block_table=pages[2]) if paged else \

@@ -135,7 +135,7 @@ def attention_with_kvcache(
     starts = jnp.asarray(used) - jnp.int32(layout.seqlen_new)  # cache rows of the new rows
     if with_rotary:  # at key positions: counted from the first key past the left padding
         cos, sin = jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
-        q_rows_apart = rotary.query_rows_apart(bool(causal) or chunk > 0, window_size)
+        q_rows_apart = rotary.query_rows_apart(causal, window_size, chunk)
         keys = V.kvcache_keys(jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad))
         first_new = keys - jnp.int32(layout.seqlen_new)
         q = rotary.rotate(jnp.asarray(q), cos, sin, rotary.positions(first_new, q.shape[1], q_rows_apart, jnp),
