@@ -732,11 +732,13 @@ def attention_with_kvcache(
     lengths = host_copy(optional["cache_seqlens"]) if "cache_seqlens" in optional else cache_seqlens
     index = host_copy(optional["cache_batch_idx"]) if "cache_batch_idx" in optional else None
     leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
-    # Chunks: each sequence's keys start at its rows' chunk (chunks.kvcache_chunk_starts), as left padding on
-    # contiguous caches (the plan reads it, zero where none is given) or as pages dropped from the block table.
-    chunk_leftpad = leftpad if leftpad is not None or not chunk or table is not None else np.zeros(q.shape[0], np.int32)
 
     def prepare() -> KVCachePrepared:
+        # Chunks: each sequence's keys start at its rows' chunk (chunks.kvcache_chunk_starts), as left padding on
+        # contiguous caches (the plan reads it, zero where none is given) or as pages dropped from the block table.
+        chunk_leftpad = leftpad
+        if chunk and leftpad is None and table is None:
+            chunk_leftpad = np.zeros(q.shape[0], np.int32)
         problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
                                      window_size=window_size, softcap=softcap, cache_batch_idx=index,
                                      cache_leftpad=chunk_leftpad, **per_head)
@@ -765,9 +767,6 @@ def attention_with_kvcache(
     starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
-    if leftpad is not None:
-        keys = V.kvcache_keys(used, leftpad)
-        longest = V.min_max(keys)[1] if keys.size else 0
     if chunk:  # the keys from each sequence's rows' chunk on (checked before anything is written)
         first_keys = chunks.kvcache_chunk_starts(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
@@ -781,6 +780,7 @@ def attention_with_kvcache(
             leftpad = (first_keys if leftpad is None else leftpad + first_keys).astype(np.int32)
         else:
             table, used = chunks.pages_from(table, first_keys, layout.page_size), (used - first_keys).astype(np.int32)
+    if leftpad is not None or chunk:  # the keys start past row 0 (kvcache_rows' longest counts from it)
         keys = V.kvcache_keys(used, leftpad)
         longest = V.min_max(keys)[1] if keys.size else 0
     plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
@@ -888,13 +888,6 @@ def attention_kvpacked_backward(dout: Any, q: Any, kv: Any, out: Any, lse: Any, 
 # ---- chunked attention (attention_chunk): a varlen call over one sequence per chunk (cuflash/chunks.py)
 
 
-def _chunk_slopes(slopes: Any, owner: np.ndarray, backend: Any) -> Any:
-    """ALiBi slopes for a chunked call's virtual batches: (batch, nheads) repeated per segment; (nheads,) as given."""
-    if slopes is None or slopes.ndim == 1:
-        return slopes
-    return ascontiguous(slopes[backend.upload(owner)])
-
-
 def _rows_packed(x: Any) -> Any:
     """A fixed-length (batch, seqlen, heads, d) array as varlen's (batch * seqlen, heads, d): a view where the two
     axes are contiguous, else a copy."""
@@ -915,8 +908,8 @@ def _chunked_forward(q: Any, k: Any, v: Any, *, chunk: int, causal: Any, softmax
         _rows_packed(q), _rows_packed(k), _rows_packed(v), backend.upload(batches.cu_seqlens_q),
         backend.upload(batches.cu_seqlens_k), max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), algorithm=algorithm,
-        return_lse=True, sinks=per_head.get("sinks"))
+        alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)),
+        algorithm=algorithm, return_lse=True, sinks=per_head.get("sinks"))
     out = out.reshape(batch, seqlen_q, nheads, out.shape[-1])
     if not return_lse:
         return placement.results(out)[0]
@@ -944,8 +937,8 @@ def _chunked_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, 
         backend.upload(batches.cu_seqlens_q), backend.upload(batches.cu_seqlens_k),
         max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), algorithm=algorithm,
-        deterministic=deterministic, sinks=per_head.get("sinks"))
+        alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)),
+        algorithm=algorithm, deterministic=deterministic, sinks=per_head.get("sinks"))
     shaped = tuple(g.reshape(x.shape) for g, x in zip(grads[:3], (q, k, v)))
     return placement.results(*shaped, *grads[3:])
 
@@ -970,7 +963,7 @@ def _chunked_varlen_call(names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
     call = dict(cu_seqlens_q=backend.upload(batches.cu_seqlens_q), cu_seqlens_k=backend.upload(batches.cu_seqlens_k),
                 max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
                 window_size=window_size, sinks=per_head.get("sinks"),
-                alibi_slopes=_chunk_slopes(per_head.get("alibi_slopes"), batches.owner, backend), **options)
+                alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)), **options)
     return placement, placed[:at], call
 
 

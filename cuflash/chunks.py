@@ -122,6 +122,12 @@ def pages_from(table: Any, first_keys: Any, page_size: int, xp: Any = np) -> Any
     return xp.take_along_axis(table, columns.astype(table.dtype), axis=1)
 
 
+def per_segment(slopes: Any, owner: Any) -> Any:
+    """ALiBi slopes for the virtual batches: (batch, nheads) repeated per segment, by ``owner`` in the slopes' array
+    module (NumPy, CuPy or jax.numpy); (nheads,) as given."""
+    return slopes if slopes is None or slopes.ndim == 1 else slopes[owner]
+
+
 def check_unused_prefixes(seqused_q: Any, seqused_k: Any) -> None:
     _ragged("seqused_q", seqused_q)
     _ragged("seqused_k", seqused_k)

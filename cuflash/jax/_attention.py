@@ -88,7 +88,7 @@ def attention(
             *(jnp.reshape(x, (x.shape[0] * x.shape[1], *x.shape[2:])) for x in (q, k, v)), batches.cu_seqlens_q,
             batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=_per_segment(alibi_slopes, batches.owner), algorithm=algorithm, return_lse=True,
+            alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner), algorithm=algorithm, return_lse=True,
             deterministic=deterministic, sinks=sinks)
         out = jnp.reshape(result[0], (batch, seqlen_q, nheads, result[0].shape[-1]))
         if not return_lse:
@@ -154,7 +154,7 @@ def attention_varlen(
         return attention_varlen(q, k, v, batches.cu_seqlens_q, batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q,
                                 max_seqlen_k=batches.max_seqlen_k, softmax_scale=softmax_scale,
                                 dropout_rng=dropout_rng, algorithm=algorithm, return_lse=return_lse,
-                                **dict(options, alibi_slopes=_per_segment(alibi_slopes, batches.owner)))
+                                **dict(options, alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner)))
     if all(x is not None for x in concrete):
         used = dict(zip(counts, concrete[2:]))
         problem = V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -231,13 +231,6 @@ def ring_attention(
     out, lse = ring_forward(q, k, v, forward, axis_name=axis_name, causal=causal, layout=layout,
                             per_chunk=dropout_p > 0.0)
     return (out, lse) if return_lse else out
-
-
-def _per_segment(slopes, owner: np.ndarray):
-    """ALiBi slopes of a chunked call's virtual batches: (batch, nheads) repeated per segment; (nheads,) as given."""
-    if slopes is None or len(slopes.shape) == 1:
-        return slopes
-    return jnp.take(jnp.asarray(slopes), owner, axis=0)
 
 
 def _concrete(array) -> np.ndarray | None:

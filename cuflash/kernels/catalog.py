@@ -109,9 +109,7 @@ def check_options(algorithm: str, problem: Problem) -> None:
     Also raises for an unknown algorithm; the API calls it before anything is allocated."""
     supported = frozenset().union(*(v.options for v in variants(algorithm)))
     for option in sorted(problem.options - supported):
-        having = [name for name, family in FAMILIES.items() if any(option in v.options for v in family)]
-        raise ValueError(f"{option} is supported by algorithm={' or '.join(map(repr, having))} only, "
-                         f"got algorithm={algorithm!r}")
+        check_option_of(algorithm, option, option)
 
 
 def check_option_of(algorithm: str, option: str, what: str) -> None:
