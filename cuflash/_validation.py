@@ -177,6 +177,52 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
                           seqused_q=seqused_q is not None, seqused_k=seqused_k is not None, **options)
 
 
+def check_paged_varlen(q: Any, k: Any, v: Any, block_table: np.ndarray, cu_seqlens_q: np.ndarray,
+                       cu_seqlens_k: np.ndarray, *, max_seqlen_q: Any, max_seqlen_k: Any,
+                       seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None,
+                       **options: Any) -> Problem:
+    """check_varlen_qkv for keys in a paged KV cache (FA2's varlen block_table): packed q (total_q, nheads, d); k, v
+    paged (num_pages, page_size, nheads_k, d); a host copy of block_table (batch, pages_per_sequence), sequence b's
+    keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (so cu_seqlens_k's last entry counts
+    keys, not rows of k). A forward (inference): no dropout. The Problem is varlen and a paged KV cache's."""
+    total_q, nheads, headdim = _check_ndim("q", q, "(total_q, nheads, headdim)")
+    layout = "(num_pages, page_size, nheads_k, headdim)"
+    kshape = _check_ndim("k", k, layout)
+    _check_v_shape(kshape, _check_ndim("v", v, layout.replace("headdim", "headdim_v")))
+    num_pages, page_size, nheads_k, kheaddim = kshape
+    if check_dropout_p(options.get("dropout_p", 0.0)):
+        raise ValueError("attention_varlen with block_table is a forward over a paged KV cache (inference): "
+                         "dropout_p must be 0")
+    batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, paged_key_total(cu_seqlens_k),
+                                               max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    pages_per_sequence = check_block_table_shape(block_table, batch, page_size, "k")
+    check_paged_varlen_values(block_table, cu_seqlens_k, num_pages, page_size)
+    problem = _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+                       headdim=headdim, kheaddim=kheaddim, headdim_v=v.shape[-1], total_q=total_q,
+                       total_k=num_pages * page_size, seqused_q=seqused_q is not None,
+                       seqused_k=seqused_k is not None, **{"alibi_slopes": None, "deterministic": False, **options})
+    return dataclasses.replace(problem, kvcache=True, page_size=page_size, pages_per_sequence=pages_per_sequence)
+
+
+def paged_key_total(cu_seqlens_k: np.ndarray) -> int:
+    """The total varlen_extents checks a paged call's cu_seqlens_k against: its own last entry (paged keys are no
+    rows of k; check_cu_seqlens still refuses a malformed array)."""
+    return int(cu_seqlens_k[-1]) if len(cu_seqlens_k.shape) == 1 and cu_seqlens_k.shape[0] else 0
+
+
+def check_paged_varlen_values(block_table: np.ndarray, cu_seqlens_k: np.ndarray, num_pages: int,
+                              page_size: int) -> None:
+    """A paged varlen call's values, checked on every call: the pages block_table names exist, and each sequence's
+    keys fit in its pages."""
+    check_block_table_values(block_table, num_pages)
+    capacity = block_table.shape[1] * page_size
+    lengths = np.diff(cu_seqlens_k.astype(np.int64))
+    if lengths.size and lengths.max() > capacity:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"sequence {b} has {int(lengths[b])} keys (cu_seqlens_k), more than its "
+                         f"{block_table.shape[1]} pages of block_table hold ({capacity} rows)")
+
+
 def varlen_extents(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, total_q: int, total_k: int, max_seqlen_q: Any,
                    max_seqlen_k: Any, seqused_q: np.ndarray | None = None,
                    seqused_k: np.ndarray | None = None) -> tuple[int, int, int]:
@@ -481,13 +527,7 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
                    ("k_cache", "v_cache"))
     cache_rows, nheads_k, kheaddim = cache_shape[1:]
     if paged:
-        if (dtype_name(block_table) != "int32" or len(block_table.shape) != 2 or block_table.shape[0] != batch
-                or block_table.shape[1] == 0):
-            raise ValueError(f"block_table must be int32 (batch, max_blocks_per_seq) with batch = {batch} and at "
-                             f"least one page per sequence, got {dtype_name(block_table)} {tuple(block_table.shape)}")
-        if cache_rows % 16 or cache_rows == 0:
-            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {cache_rows}")
-        pages_per_sequence = block_table.shape[1]
+        pages_per_sequence = check_block_table_shape(block_table, batch, cache_rows, "k_cache")
         capacity = pages_per_sequence * cache_rows
     else:
         if cache_shape[0] != batch and cache_batch_idx is None:
@@ -514,6 +554,18 @@ def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, blo
                          page_size=cache_rows if paged else 0, pages_per_sequence=pages_per_sequence,
                          num_pages=cache_shape[0] if paged else 0, cache_batch=0 if paged else cache_shape[0],
                          cache_batch_idx=cache_batch_idx is not None, cache_leftpad=cache_leftpad is not None)
+
+
+def check_block_table_shape(block_table: Any, batch: int, page_size: int, cache_name: str) -> int:
+    """A block_table's dtype and shape, int32 (batch, pages_per_sequence) with a page at least, and the page size
+    (``cache_name``.shape[1]) a positive multiple of 16; returns pages_per_sequence."""
+    if (dtype_name(block_table) != "int32" or len(block_table.shape) != 2 or block_table.shape[0] != batch
+            or block_table.shape[1] == 0):
+        raise ValueError(f"block_table must be int32 (batch, max_blocks_per_seq) with batch = {batch} and at "
+                         f"least one page per sequence, got {dtype_name(block_table)} {tuple(block_table.shape)}")
+    if page_size % 16 or page_size == 0:
+        raise ValueError(f"the page size ({cache_name}.shape[1]) must be a positive multiple of 16, got {page_size}")
+    return block_table.shape[1]
 
 
 def check_kvcache_index_values(cache_batch_idx: np.ndarray | None, cache_leftpad: np.ndarray | None,

@@ -264,9 +264,14 @@ class VarlenInputs:
     (seqused_q/k, None when absent). Read on every call (they are data), uploaded as the kernels' side inputs."""
 
     def __init__(self, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqused_q: np.ndarray | None,
-                 seqused_k: np.ndarray | None):
+                 seqused_k: np.ndarray | None, block_table: np.ndarray | None = None):
         self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
         self.seqused_q, self.seqused_k = seqused_q, seqused_k
+        self.block_table = block_table  # keys in a paged KV cache (V.check_paged_varlen)
+
+    def key_total(self, k: Any) -> int:
+        """What cu_seqlens_k must end at: k's rows, or for paged keys its own last entry (V.paged_key_total)."""
+        return k.shape[0] if self.block_table is None else V.paged_key_total(self.cu_seqlens_k)
 
     def side_inputs(self, backend: Any) -> dict[str, Any]:
         # Checked host copies are int32 and C-contiguous: their words are a view (_int32_words without its checks).
@@ -276,6 +281,8 @@ class VarlenInputs:
             inputs["seqused_q"] = backend.upload(self.seqused_q.view(np.float32))
         if self.seqused_k is not None:
             inputs["seqused_k"] = backend.upload(self.seqused_k.view(np.float32))
+        if self.block_table is not None:
+            inputs["block_table"] = backend.upload(_int32_words(self.block_table))
         return inputs
 
     def unused_rows(self, side: str) -> np.ndarray | None:
@@ -290,21 +297,26 @@ class VarlenInputs:
 
 
 def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_seqlens_q: Any, cu_seqlens_k: Any,
-                  seqused_q: Any, seqused_k: Any, alibi_slopes: Any,
-                  sinks: Any) -> tuple[Placement, dict[str, Any], tuple, VarlenInputs]:
-    """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts given, ALiBi slopes and
-    sinks), the placed per-head inputs (place), the placed tensors and host copies of the integer inputs."""
+                  seqused_q: Any, seqused_k: Any, alibi_slopes: Any, sinks: Any,
+                  block_table: Any = None) -> tuple[Placement, dict[str, Any], tuple, VarlenInputs]:
+    """The placement of a varlen call (its tensors, cu_seqlens, the used-prefix counts and block table given, ALiBi
+    slopes and sinks), the placed per-head inputs (place), the placed tensors and host copies of the integer
+    inputs."""
     # Plain statements, no comprehension: this runs on every call of the host path.
     names, arrays = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k)
     if seqused_q is not None:
         names, arrays = (*names, "seqused_q"), (*arrays, seqused_q)
     if seqused_k is not None:
         names, arrays = (*names, "seqused_k"), (*arrays, seqused_k)
+    if block_table is not None:
+        names, arrays = (*names, "block_table"), (*arrays, block_table)
     placement, per_head = place(names, arrays, alibi_slopes, sinks)
     placed, at = placement.arrays, len(tensor_names)
-    used_q = None if seqused_q is None else host_copy(placed[at + 2])
-    used_k = None if seqused_k is None else host_copy(placed[at + 2 + (seqused_q is not None)])
-    inputs = VarlenInputs(host_copy(placed[at]), host_copy(placed[at + 1]), used_q, used_k)
+    optional = iter(placed[at + 2:])
+    used_q = None if seqused_q is None else host_copy(next(optional))
+    used_k = None if seqused_k is None else host_copy(next(optional))
+    table = None if block_table is None else host_copy(next(optional))
+    inputs = VarlenInputs(host_copy(placed[at]), host_copy(placed[at + 1]), used_q, used_k, table)
     return placement, per_head, placed[:at], inputs
 
 
@@ -598,6 +610,7 @@ def attention_varlen(
     return_lse: bool = False,
     sinks: Any = None,
     attention_chunk: int = 0,
+    block_table: Any = None,
 ) -> Any:
     if attention_chunk.__class__ is not int or attention_chunk:
         chunk = chunks.check(attention_chunk, algorithm, dropout_p)
@@ -606,23 +619,27 @@ def attention_varlen(
                                    seqused_k=seqused_k, causal=causal, window_size=window_size,
                                    alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
-                                   algorithm=algorithm, return_lse=return_lse)
+                                   algorithm=algorithm, return_lse=return_lse, block_table=block_table)
     placement, per_head, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k,
-                                                           seqused_q, seqused_k, alibi_slopes, sinks)
+                                                           seqused_q, seqused_k, alibi_slopes, sinks, block_table)
 
     def prepare() -> Prepared:
-        problem = V.check_varlen_qkv(q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                     max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
-                                     seqused_k=varlen.seqused_k, causal=causal, window_size=window_size,
-                                     softcap=softcap, dropout_p=dropout_p, **per_head)
+        check, paged = ((V.check_varlen_qkv, {}) if block_table is None else
+                        (V.check_paged_varlen, {"block_table": varlen.block_table}))
+        problem = check(q, k, v, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=varlen.seqused_q,
+                        seqused_k=varlen.seqused_k, causal=causal, window_size=window_size, softcap=softcap,
+                        dropout_p=dropout_p, **paged, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
     prepared = _prepared(call_key("attention_varlen", placement, window_size, causal, softmax_scale, softcap,
                                   dropout_p, algorithm, return_lse), prepare)
-    _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], k.shape[0],
+    _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], varlen.key_total(k),
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
+    if block_table is not None:
+        V.check_paged_varlen_values(varlen.block_table, varlen.cu_seqlens_k, k.shape[0], k.shape[1])
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, per_head=per_head,
                     dropout_seed=dropout_seed, varlen=varlen)
 
@@ -1098,6 +1115,12 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
     sequence's length): exactly ``attention_varlen`` on those prefixes alone, the mask aligned to the used
     lengths (off = seqused_k[b] - seqused_q[b]). Rows past a prefix are never read; their out is 0, their lse
     -inf and their gradients 0. Read on the host and checked like the cu_seqlens.
+
+    ``block_table`` (int32 (batch, pages_per_sequence), forward only; FA2's varlen paged KV cache): k and v are then
+    paged caches (num_pages, page_size, nheads_k, headdim), page_size a multiple of 16, and sequence b's keys are the
+    first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows (seqused_k[b] where given) of the pages its row names, in
+    order: cu_seqlens_k counts keys, not rows of k. No dropout. The table and each sequence's key count against
+    its pages are checked on the host on every call.
 
     Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
 """ + _OPTIONS_DOC

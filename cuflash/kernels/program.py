@@ -222,14 +222,15 @@ def gqa_decode_fold(problem: Problem) -> Problem | None:
     is laid out as query rows (FA2's decode fold): seqlen_q = group size, nheads = nheads_k, no mask. K and V are
     then read once per kv head instead of once per query head, and a Q block holds the group instead of one row.
     Exact only when every folded row attends as the one row did: it sees every key (the mask hides none from a
-    lone last row) and nothing depends on the row or head (no ALiBi, no dropout, no sinks). None when it does not
-    apply.
+    lone last row) and nothing depends on the row or head (no ALiBi, no dropout, no sinks), in a fixed-length batch
+    (a varlen one's rows are packed, not (batch, 1)). None when it does not apply.
 
     The caller views q and out (batch, 1, nheads, d) as (batch, group, nheads_k, d) (query head kh * group + m at
     row m of kv head kh: strides (batch, head, group * head)) and the lse (batch, nheads, 1) as (batch, nheads_k,
     group), the same memory."""
-    if not (problem.kvcache and problem.seqlen_q == 1 and problem.group_size > 1 and problem.alibi is None
-            and not problem.sinks and problem.dropout_p == 0.0 and problem.mask.last_row_sees_every_key):
+    if not (problem.kvcache and not problem.varlen and problem.seqlen_q == 1 and problem.group_size > 1
+            and problem.alibi is None and not problem.sinks and problem.dropout_p == 0.0
+            and problem.mask.last_row_sees_every_key):
         return None
     return dataclasses.replace(problem, seqlen_q=problem.group_size, nheads=problem.nheads_k, mask=Mask())
 
