@@ -179,8 +179,9 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
 
 def check_paged_varlen(q: Any, k: Any, v: Any, block_table: np.ndarray, cu_seqlens_q: np.ndarray,
                        cu_seqlens_k: np.ndarray, *, max_seqlen_q: Any, max_seqlen_k: Any,
-                       seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None,
-                       **options: Any) -> Problem:
+                       seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None, causal: Any,
+                       window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None,
+                       dropout_p: Any = 0.0, sinks: Any = None) -> Problem:
     """check_varlen_qkv for keys in a paged KV cache (FA2's varlen block_table): packed q (total_q, nheads, d); k, v
     paged (num_pages, page_size, nheads_k, d); a host copy of block_table (batch, pages_per_sequence), sequence b's
     keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (so cu_seqlens_k's last entry counts
@@ -190,7 +191,7 @@ def check_paged_varlen(q: Any, k: Any, v: Any, block_table: np.ndarray, cu_seqle
     kshape = _check_ndim("k", k, layout)
     _check_v_shape(kshape, _check_ndim("v", v, layout.replace("headdim", "headdim_v")))
     num_pages, page_size, nheads_k, kheaddim = kshape
-    if check_dropout_p(options.get("dropout_p", 0.0)):
+    if check_dropout_p(dropout_p):
         raise ValueError("attention_varlen with block_table is a forward over a paged KV cache (inference): "
                          "dropout_p must be 0")
     batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, paged_key_total(cu_seqlens_k),
@@ -200,7 +201,8 @@ def check_paged_varlen(q: Any, k: Any, v: Any, block_table: np.ndarray, cu_seqle
     problem = _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
                        headdim=headdim, kheaddim=kheaddim, headdim_v=v.shape[-1], total_q=total_q,
                        total_k=num_pages * page_size, seqused_q=seqused_q is not None,
-                       seqused_k=seqused_k is not None, **{"alibi_slopes": None, "deterministic": False, **options})
+                       seqused_k=seqused_k is not None, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False, sinks=sinks)
     return dataclasses.replace(problem, kvcache=True, page_size=page_size, pages_per_sequence=pages_per_sequence)
 
 

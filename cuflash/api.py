@@ -964,23 +964,36 @@ def _chunked_varlen_call(names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
                          chunk: int, seqused_q: Any, seqused_k: Any, causal: Any, window_size: Any, alibi_slopes: Any,
                          sinks: Any, options: dict[str, Any]) -> tuple[Placement, tuple[Any, ...], dict[str, Any]]:
     """A chunked varlen call's placement, its placed tensors, and the arguments of the varlen call over its virtual
-    batches (after the call's checks; ``options`` loses max_seqlen_q/k, which the virtual batches replace)."""
+    batches (after the call's checks; ``options`` loses max_seqlen_q/k, which the virtual batches replace, and a
+    forward's block_table, which becomes theirs: each starts at its first key's page, chunks.pages_from)."""
     chunks.check_unused_prefixes(seqused_q, seqused_k)
-    placement, per_head = place((*names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k),
+    block_table = options.pop("block_table", None)
+    extra = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    if block_table is not None:
+        extra += (("block_table", block_table),)
+    placement, per_head = place((*names, *(name for name, _ in extra)), (*tensors, *(x for _, x in extra)),
                                 alibi_slopes, sinks)
     placed, at = placement.arrays, len(names)
     cu_q, cu_k = host_copy(placed[at]), host_copy(placed[at + 1])
     named = dict(zip(names, placed))
     q, k, v = named["q"], named["k"], named["v"]
-    V.check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q=options.pop("max_seqlen_q"),
-                       max_seqlen_k=options.pop("max_seqlen_k"), causal=causal, window_size=window_size,
-                       softcap=options["softcap"], **per_head)
+    lengths = dict(max_seqlen_q=options.pop("max_seqlen_q"), max_seqlen_k=options.pop("max_seqlen_k"),
+                   causal=causal, window_size=window_size, softcap=options["softcap"], **per_head)
+    table = None
+    if block_table is None:
+        V.check_varlen_qkv(q, k, v, cu_q, cu_k, **lengths)
+    else:
+        table = host_copy(placed[at + 2])
+        V.check_paged_varlen(q, k, v, table, cu_q, cu_k, **lengths)
+        chunks.check_pages(chunk, k.shape[1])
     batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
     backend = placement.backend()
     call = dict(cu_seqlens_q=backend.upload(batches.cu_seqlens_q), cu_seqlens_k=backend.upload(batches.cu_seqlens_k),
                 max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
                 window_size=window_size, sinks=per_head.get("sinks"),
                 alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)), **options)
+    if table is not None:
+        call["block_table"] = backend.upload(chunks.segment_pages(table, cu_k, batches, k.shape[1]))
     return placement, placed[:at], call
 
 

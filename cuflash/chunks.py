@@ -122,6 +122,14 @@ def pages_from(table: Any, first_keys: Any, page_size: int, xp: Any = np) -> Any
     return xp.take_along_axis(table, columns.astype(table.dtype), axis=1)
 
 
+def segment_pages(table: np.ndarray, cu_seqlens_k: np.ndarray, batches: VirtualBatches, page_size: int) -> np.ndarray:
+    """A paged varlen call's block table for its virtual batches (host copies): each segment's row is its sequence's,
+    moved to the page of the segment's first key (a chunk's first key: a page boundary, check_pages)."""
+    owner = batches.owner.astype(np.int64)
+    first_keys = batches.cu_seqlens_k[:-1].astype(np.int64) - cu_seqlens_k[owner]
+    return pages_from(table[owner], first_keys, page_size).astype(np.int32)
+
+
 def per_segment(slopes: Any, owner: Any) -> Any:
     """ALiBi slopes for the virtual batches: (batch, nheads) repeated per segment, by ``owner`` in the slopes' array
     module (NumPy, CuPy or jax.numpy); (nheads,) as given."""

@@ -7,6 +7,8 @@ path): packed query rows, each sequence's keys in the pages its block_table row 
   head dims not a power of two, v's own head dim, zero-length sequences, rows that see no key.
 * A one-row-per-sequence call over GQA heads is not folded (its rows are packed, not (batch, 1)).
 * The paged call gives the unpaged varlen call's result over the same keys.
+* Chunks (attention_chunk, a multiple of the page size) over pages: each virtual batch's table row starts at its
+  chunk's first page.
 * Refusals name the argument, before any kernel runs: dropout, a malformed block table, pages outside the cache,
   sequences longer than their pages, a page size that is not a multiple of 16.
 """
@@ -144,6 +146,28 @@ def test_paged_gives_the_unpaged_result(dtype, arch):
         paged = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, causal=True)
         packed = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
     np.testing.assert_allclose(paged.astype(np.float32), packed.astype(np.float32), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype, arch, page_size, chunk, window_size", [
+    ("float16", None, 16, 32, (-1, -1)),
+    ("bfloat16", "sm_90", 64, 64, (20, -1)),
+    ("float32", None, 32, 96, (-1, -1)),
+])
+def test_chunks_over_pages(dtype, arch, page_size, chunk, window_size):
+    """attention_chunk with paged keys: each virtual batch's block table row starts at its chunk's first page."""
+    q, k, v, cu_q, cu_k, k_cache, v_cache, table = _inputs("gqa", dtype, page_size, seed=7)
+    options = dict(causal=True, window_size=window_size, attention_chunk=chunk)
+    with _targeting(arch):
+        out, lse = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, return_lse=True,
+                                            **options)
+    ref = attention_varlen_reference(q, k, v, cu_q, cu_k, **options)
+    low = attention_varlen_reference(q, k, v, cu_q, cu_k, dtype=q.dtype, **options)
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+    unchunked = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, window_size=window_size)[0]
+    assert np.abs(unchunked - ref[0]).max() > 0.05  # the chunks hide keys the call without them sees
+    with pytest.raises(ValueError, match=r"multiple of its page size"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, attention_chunk=page_size + 8)
 
 
 def test_one_row_per_sequence_over_gqa_heads_is_not_folded():
