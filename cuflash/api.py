@@ -784,14 +784,22 @@ def attention_with_kvcache(
     starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
+    spanning = False
     if chunk:  # the keys from each sequence's rows' chunk on (checked before anything is written)
-        first_keys = chunks.kvcache_chunk_starts(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
+        first_keys, spanning = chunks.kvcache_chunks(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
+        if spanning and table is None:
+            chunks.check_cache_as_packed(k_cache, v_cache, np.arange(q.shape[0]) if index is None else index)
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
         q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
                         rotary_interleaved, rotary.query_rows_apart(causal, window_size, chunk))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
+    if spanning:
+        out, lse = _kvcache_as_varlen(placement.backend(), q, k_cache, v_cache, used, leftpad, index, table, layout,
+                                      chunk=chunk, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap, algorithm=algorithm, **per_head)
+        return placement.results(out, lse) if prepared.return_lse else placement.results(out)[0]
     if chunk:
         if table is None:
             leftpad = (first_keys if leftpad is None else leftpad + first_keys).astype(np.int32)
@@ -816,6 +824,33 @@ def attention_with_kvcache(
 
     out, lse = _run_forward(placement, prepared, plan, q, k_cache, v_cache, side_inputs, sinks=per_head.get("sinks"))
     return (out, lse) if prepared.return_lse else out
+
+
+def _kvcache_as_varlen(backend: Any, q: Any, k_cache: Any, v_cache: Any, used: np.ndarray, leftpad: np.ndarray | None,
+                       index: np.ndarray | None, table: np.ndarray | None, layout: V.KVCacheLayout, *, chunk: int,
+                       alibi_slopes: Any = None, **options: Any) -> tuple[Any, Any]:
+    """A chunked KV-cache call whose rows span chunks (a prefill crossing a chunk's end), after its append: the
+    chunked varlen call over its sequences (q's rows packed; keys a paged cache's pages, or contiguous caches viewed
+    packed, chunks.cache_as_packed), so every chunk of rows is a virtual batch of its own. Returns (out, lse) in
+    the KV cache's layouts. ``options``: causal, softmax_scale, window_size, softcap, algorithm, sinks."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    if table is not None:
+        cu_q = np.arange(batch + 1, dtype=np.int32) * seqlen_q
+        cu_k = np.concatenate([[0], np.cumsum(used, dtype=np.int64)]).astype(np.int32)
+        keys, values, owner = k_cache, v_cache, None
+    else:
+        rows = np.arange(batch, dtype=np.int32) if index is None else index
+        cu_q, cu_k, owner = chunks.cache_as_packed(seqlen_q, used, leftpad, rows, layout.capacity, k_cache.shape[0])
+        keys, values = (c.reshape(c.shape[0] * c.shape[1], *c.shape[2:]) for c in (k_cache, v_cache))  # views
+    if owner is not None and alibi_slopes is not None:
+        alibi_slopes = chunks.per_segment(alibi_slopes, backend.upload(owner))
+    with backend.device():
+        out, lse = attention_varlen(_rows_packed(q), keys, values, backend.upload(cu_q), backend.upload(cu_k),
+                                    block_table=None if table is None else backend.upload(table),
+                                    attention_chunk=chunk, alibi_slopes=alibi_slopes, return_lse=True, **options)
+    # varlen's (nheads, batch * seqlen_q) as (batch, nheads, seqlen_q)
+    return (out.reshape(batch, seqlen_q, nheads, out.shape[-1]),
+            ascontiguous(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)))
 
 
 def _packed_gradients(like: tuple[Any, ...], parts: tuple[int, ...]) -> Callable:
@@ -1179,6 +1214,12 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     <= cache_seqlens[b]; the rows before it are padding, never read): its keys are rows cache_leftpad[b] ..
     cache_seqlens[b] + seqlen_new, the mask aligned to their count and rotary positions counted from the first.
     Checked on the host like cache_seqlens.
+
+    ``attention_chunk`` (as for ``attention``): each sequence's keys start at its rows' chunk (as left padding, or
+    pages dropped from the block table: chunks a multiple of the page size), which keeps a decode step's GQA fold and
+    split-KV. A call whose rows span chunks (a prefill crossing a chunk's end) appends first and then runs as the
+    chunked ``attention_varlen`` over the caches (paged, or contiguous caches viewed as packed rows: their batch
+    stride their rows', cache_batch_idx increasing), unsplit.
 """
 
 attention_qkvpacked.__doc__ = """``attention`` of q, k, v packed in one array: qkv (batch, seqlen, 3, nheads,

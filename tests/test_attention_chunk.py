@@ -236,14 +236,73 @@ def test_kvcache_chunks(dtype, arch, seqlen_q, splits, paged, leftpad):
     tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
 
 
-def test_kvcache_chunks_refused_where_rows_span_chunks_or_pages_split_them():
+@pytest.mark.parametrize("dtype, arch, layout, seqlen_q", [
+    ("float16", None, "contiguous", 70),          # rows over two chunks
+    ("bfloat16", "sm_90", "paged", 150),          # the Hopper forward over pages, rows over three chunks
+    ("float32", None, "leftpad-index", 40),       # keys past left padding, cache rows named by cache_batch_idx
+    ("float16", "sm_90", "contiguous-alibi-sinks", 100),
+])
+def test_kvcache_prefill_across_chunks(dtype, arch, layout, seqlen_q):
+    """A KV-cache call whose rows span chunks (a prefill crossing a chunk's end) runs as a chunked varlen call over
+    the caches (paged, or contiguous viewed packed): new rows appended first, then every chunk of rows a virtual
+    batch; rotary at the rows' positions."""
+    paged = layout == "paged"
+    q, k_cache, v_cache, table, paged_caches = _caches(dtype, seqlen_q, seqlen_q, paged)
+    rng = np.random.default_rng(seqlen_q)
+    batch, _, nheads, headdim = q.shape
+    lengths = np.array([30, 0, 100 - (seqlen_q > 100) * 96], np.int32)  # cached rows before the append
+    new_k, new_v = (rng.standard_normal((batch, seqlen_q, 2, headdim)).astype(q.dtype) for _ in range(2))
+    options = dict(attention_chunk=64, causal=True)
+    kwargs = dict(k=new_k, v=new_v, cache_seqlens=lengths, return_lse=True, **options)
+    index = pads = None
+    if layout == "leftpad-index":
+        big_k, big_v = (np.concatenate([c, c[:1]]) for c in (k_cache, v_cache))  # a spare cache row (row 3)
+        k_cache, v_cache, index = big_k, big_v, np.array([0, 1, 3], np.int32)
+        pads = np.array([7, 0, 64], np.int32)
+        kwargs.update(cache_batch_idx=index, cache_leftpad=pads)
+    if layout.endswith("alibi-sinks"):
+        kwargs.update(alibi_slopes=rng.uniform(0.05, 0.5, (batch, nheads)).astype(np.float32),
+                      sinks=rng.standard_normal(nheads).astype(np.float32))
+    caches = paged_caches if paged else [k_cache, v_cache]
+    before = [c.copy() for c in caches]
+    with _targeting(arch), sim.record() as records:
+        out, lse = cuflash.attention_with_kvcache(q, *caches, block_table=table, **kwargs)
+    kernels = {r.kernel.split("<")[0].split("::")[-1] for r in records.launches}
+    assert kernels == {EXPECTED_FORWARD[(dtype, arch)]}, kernels
+    # The reference over the caches as the call left them, after checking the append wrote just the new rows.
+    rows = lengths[:, None] + np.arange(seqlen_q)[None, :]
+    for b in range(batch):
+        for cache, old, new in zip(caches, before, (new_k, new_v)):
+            if paged:
+                old[table[b, rows[b] // 64], rows[b] % 64] = new[b]
+            else:
+                old[b if index is None else index[b], rows[b]] = new[b]
+    for cache, expected in zip(caches, before):
+        assert np.array_equal(cache, expected)
+    reference_options = dict(options, block_table=table, cache_batch_idx=index, cache_leftpad=pads,
+                             alibi_slopes=kwargs.get("alibi_slopes"), sinks=kwargs.get("sinks"))
+    ref = attention_with_kvcache_reference(q, *caches, lengths + seqlen_q, **reference_options)
+    low = attention_with_kvcache_reference(q, *caches, lengths + seqlen_q, dtype=q.dtype, **reference_options)
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+    unchunked = attention_with_kvcache_reference(q, *caches, lengths + seqlen_q, **dict(reference_options,
+                                                                                        attention_chunk=0))
+    assert np.abs(unchunked[0] - ref[0]).max() > 0.05  # the chunks hide keys the call without them sees
+
+
+def test_kvcache_chunks_refused_where_caches_cannot_run_packed_or_pages_split_them():
     q, k_cache, v_cache, table, paged_caches = _caches("float16", 4, 0, True)
-    before = k_cache.copy()
     new = np.ones((3, 4, 2, 64), np.float16)
-    with pytest.raises(ValueError, match="needs each sequence's query rows within one chunk: sequence 1's 4 rows"):
-        cuflash.attention_with_kvcache(q, k_cache, v_cache, k=new, v=new, attention_chunk=64, causal=True,
-                                       cache_seqlens=np.array([60, 62, 10], np.int32))
-    assert np.array_equal(k_cache, before)  # refused before anything is written
+    spanning = dict(k=new, v=new, attention_chunk=64, causal=True, cache_seqlens=np.array([60, 62, 10], np.int32))
+    wide = np.zeros((3, 300, 2, 64), np.float16)
+    before = wide.copy()
+    with pytest.raises(ValueError, match="runs over k_cache viewed as one packed array of rows: its batch stride"):
+        cuflash.attention_with_kvcache(q, wide[:, :256], v_cache, **spanning)
+    assert np.array_equal(wide, before)  # refused before anything is written
+    big = np.zeros((4, 256, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="cache_batch_idx must be increasing"):
+        cuflash.attention_with_kvcache(q, big, big.copy(), cache_batch_idx=np.array([2, 0, 3], np.int32), **spanning)
+    assert not big.any()
     with pytest.raises(ValueError, match=r"multiple of its page size \(64\), got 96"):
         cuflash.attention_with_kvcache(q, *paged_caches, block_table=table, cache_seqlens=100, attention_chunk=96)
 
