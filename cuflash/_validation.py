@@ -179,31 +179,50 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens_q: np.ndarray, cu_seqlen
 
 def check_paged_varlen(q: Any, k: Any, v: Any, block_table: np.ndarray, cu_seqlens_q: np.ndarray,
                        cu_seqlens_k: np.ndarray, *, max_seqlen_q: Any, max_seqlen_k: Any,
-                       seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None, causal: Any,
-                       window_size: Any = (-1, -1), softcap: Any = 0.0, alibi_slopes: Any = None,
-                       dropout_p: Any = 0.0, sinks: Any = None) -> Problem:
+                       seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None,
+                       **options: Any) -> Problem:
     """check_varlen_qkv for keys in a paged KV cache (FA2's varlen block_table): packed q (total_q, nheads, d); k, v
     paged (num_pages, page_size, nheads_k, d); a host copy of block_table (batch, pages_per_sequence), sequence b's
     keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (so cu_seqlens_k's last entry counts
-    keys, not rows of k). A forward (inference): no dropout. The Problem is varlen and a paged KV cache's."""
-    total_q, nheads, headdim = _check_ndim("q", q, "(total_q, nheads, headdim)")
+    keys, not rows of k). ``options`` as for paged_varlen_problem."""
+    _paged_varlen_shapes(q, k, v, options.get("dropout_p", 0.0))
+    batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, q.shape[0], paged_key_total(cu_seqlens_k),
+                                               max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    problem = paged_varlen_problem(q, k, v, block_table, batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+                                   seqused_q=seqused_q is not None, seqused_k=seqused_k is not None, **options)
+    check_paged_varlen_values(block_table, cu_seqlens_k, k.shape[0], k.shape[1])
+    return problem
+
+
+def paged_varlen_problem(q: Any, k: Any, v: Any, block_table: Any, *, batch: int, max_seqlen_q: int,
+                         max_seqlen_k: int, seqused_q: bool, seqused_k: bool, causal: Any, window_size: Any = (-1, -1),
+                         softcap: Any = 0.0, alibi_slopes: Any = None, dropout_p: Any = 0.0,
+                         sinks: Any = None) -> Problem:
+    """The Problem of a paged varlen call (varlen, and a paged KV cache's) from shapes alone (block_table's and the
+    cu_seqlens' values unread: JAX calls this directly when they are traced). A forward (inference): no dropout."""
+    (total_q, nheads, headdim), (num_pages, page_size, nheads_k, kheaddim) = _paged_varlen_shapes(q, k, v, dropout_p)
+    pages_per_sequence = check_block_table_shape(block_table, batch, page_size, "k")
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if _check_int(name, x) < 0:
+            raise ValueError(f"{name} must be >= 0, got {x}")
+    problem = _problem(q, k, v, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, nheads=nheads,
+                       nheads_k=nheads_k, headdim=headdim, kheaddim=kheaddim, headdim_v=v.shape[-1], total_q=total_q,
+                       total_k=num_pages * page_size, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0,
+                       deterministic=False, sinks=sinks)
+    return dataclasses.replace(problem, kvcache=True, page_size=page_size, pages_per_sequence=pages_per_sequence)
+
+
+def _paged_varlen_shapes(q: Any, k: Any, v: Any, dropout_p: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a paged varlen call's packed q and paged k (v: k's but for its head dim); no dropout."""
+    qshape = _check_ndim("q", q, "(total_q, nheads, headdim)")
     layout = "(num_pages, page_size, nheads_k, headdim)"
     kshape = _check_ndim("k", k, layout)
     _check_v_shape(kshape, _check_ndim("v", v, layout.replace("headdim", "headdim_v")))
-    num_pages, page_size, nheads_k, kheaddim = kshape
     if check_dropout_p(dropout_p):
         raise ValueError("attention_varlen with block_table is a forward over a paged KV cache (inference): "
                          "dropout_p must be 0")
-    batch, seqlen_q, seqlen_k = varlen_extents(cu_seqlens_q, cu_seqlens_k, total_q, paged_key_total(cu_seqlens_k),
-                                               max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    pages_per_sequence = check_block_table_shape(block_table, batch, page_size, "k")
-    check_paged_varlen_values(block_table, cu_seqlens_k, num_pages, page_size)
-    problem = _problem(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-                       headdim=headdim, kheaddim=kheaddim, headdim_v=v.shape[-1], total_q=total_q,
-                       total_k=num_pages * page_size, seqused_q=seqused_q is not None,
-                       seqused_k=seqused_k is not None, causal=causal, window_size=window_size, softcap=softcap,
-                       alibi_slopes=alibi_slopes, dropout_p=0.0, deterministic=False, sinks=sinks)
-    return dataclasses.replace(problem, kvcache=True, page_size=page_size, pages_per_sequence=pages_per_sequence)
+    return qshape, kshape
 
 
 def paged_key_total(cu_seqlens_k: np.ndarray) -> int:

@@ -788,7 +788,8 @@ def attention_with_kvcache(
     if chunk:  # the keys from each sequence's rows' chunk on (checked before anything is written)
         first_keys, spanning = chunks.kvcache_chunks(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
         if spanning and table is None:
-            chunks.check_cache_as_packed(k_cache, v_cache, np.arange(q.shape[0]) if index is None else index)
+            chunks.check_packed_view(k_cache, v_cache)
+            chunks.check_cache_rows_in_order(index)
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
         q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
@@ -831,17 +832,14 @@ def _kvcache_as_varlen(backend: Any, q: Any, k_cache: Any, v_cache: Any, used: n
                        alibi_slopes: Any = None, **options: Any) -> tuple[Any, Any]:
     """A chunked KV-cache call whose rows span chunks (a prefill crossing a chunk's end), after its append: the
     chunked varlen call over its sequences (q's rows packed; keys a paged cache's pages, or contiguous caches viewed
-    packed, chunks.cache_as_packed), so every chunk of rows is a virtual batch of its own. Returns (out, lse) in
+    packed: chunks.cache_as_varlen), so every chunk of rows is a virtual batch of its own. Returns (out, lse) in
     the KV cache's layouts. ``options``: causal, softmax_scale, window_size, softcap, algorithm, sinks."""
     batch, seqlen_q, nheads = q.shape[:3]
-    if table is not None:
-        cu_q = np.arange(batch + 1, dtype=np.int32) * seqlen_q
-        cu_k = np.concatenate([[0], np.cumsum(used, dtype=np.int64)]).astype(np.int32)
-        keys, values, owner = k_cache, v_cache, None
-    else:
-        rows = np.arange(batch, dtype=np.int32) if index is None else index
-        cu_q, cu_k, owner = chunks.cache_as_packed(seqlen_q, used, leftpad, rows, layout.capacity, k_cache.shape[0])
-        keys, values = (c.reshape(c.shape[0] * c.shape[1], *c.shape[2:]) for c in (k_cache, v_cache))  # views
+    cu_q, cu_k, owner = chunks.cache_as_varlen(seqlen_q, used, leftpad, index, table is not None, layout.capacity,
+                                               k_cache.shape[0])
+    keys, values = k_cache, v_cache
+    if table is None:  # views (chunks.check_packed_view)
+        keys, values = (c.reshape(c.shape[0] * c.shape[1], *c.shape[2:]) for c in (k_cache, v_cache))
     if owner is not None and alibi_slopes is not None:
         alibi_slopes = chunks.per_segment(alibi_slopes, backend.upload(owner))
     with backend.device():

@@ -14,8 +14,8 @@ were given chunks first, as a fourth tile edge: 12 instances then spilled (the c
 
 A KV-cache call runs with each sequence's keys shifted to its rows' chunk (kvcache_chunks) where its rows lie in one
 chunk (a decode step's always do); a prefill whose rows span chunks runs, after its append, as the chunked varlen call
-over the caches: paged ones through the paged varlen call (segment_pages), contiguous ones viewed as packed rows
-(cache_as_packed).
+over the caches (cache_as_varlen): paged ones through the paged varlen call (segment_pages), contiguous ones viewed
+as packed rows.
 
 Not with dropout (FA3 has none; a virtual batch would draw another mask than the call's sequence), nor with a
 varlen call's seqused_q / seqused_k; ALiBi slopes per sequence are repeated per segment. Functions here take the
@@ -115,31 +115,44 @@ def kvcache_chunk_starts(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> 
 def kvcache_chunks(chunk: int, seqlen_q: int, keys: np.ndarray) -> tuple[np.ndarray, bool]:
     """A KV-cache call's chunks (host values): per sequence of ``keys`` keys, the first key of its last row's chunk
     (MaskPolicy.rows_chunk), and whether some sequence's rows span chunks (a prefill crossing a chunk's end: the
-    call then runs as varlen sequences, cache_as_packed or a paged varlen call, not with its keys shifted)."""
+    call then runs as varlen sequences, cache_as_varlen, not with its keys shifted)."""
     first, single = MaskPolicy.rows_chunk(chunk, seqlen_q, keys)
     return first, not single.all()
 
 
-def check_cache_as_packed(k_cache: Any, v_cache: Any, cache_rows: np.ndarray) -> None:
-    """That contiguous caches can run as the packed keys of a varlen call (cache_as_packed): a view of each as
-    (cache batch * rows, heads, d), and the sequences' cache rows in increasing order (the packed keys' order)."""
+def check_packed_view(k_cache: Any, v_cache: Any) -> None:
+    """That contiguous NumPy or CuPy caches can be viewed as the packed keys of a varlen call (cache_as_varlen): as
+    (cache batch * rows, heads, d), their batch stride their rows' (a JAX array reshapes whatever its layout)."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.shape[0] > 1 and cache.strides[0] != cache.shape[1] * cache.strides[1]:
             raise ValueError(f"attention_chunk with query rows that span chunks runs over {name} viewed as one packed "
                              f"array of rows: its batch stride must be its rows' (seqlen_cache x row stride), got "
                              f"strides {tuple(cache.strides)} for shape {tuple(cache.shape)}")
-    if cache_rows.size > 1 and (np.diff(cache_rows.astype(np.int64)) <= 0).any():
+
+
+def check_cache_rows_in_order(cache_batch_idx: np.ndarray | None) -> None:
+    """Contiguous caches run as packed keys in the order of their batch rows (cache_as_varlen): the sequences'
+    rows, cache_batch_idx where given, must increase."""
+    rows = cache_batch_idx
+    if rows is not None and rows.size > 1 and (np.diff(rows.astype(np.int64)) <= 0).any():
         raise ValueError("attention_chunk with query rows that span chunks runs over the caches' rows in order: "
                          "cache_batch_idx must be increasing")
 
 
-def cache_as_packed(seqlen_q: int, used: np.ndarray, leftpad: np.ndarray | None, cache_rows: np.ndarray,
-                    capacity: int, cache_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A contiguous KV-cache call as varlen sequences over its caches viewed packed, (cache_batch * capacity) rows:
-    sequence b's keys are packed rows cache_rows[b] * capacity + leftpad[b] .. + used[b], with its seqlen_q query
-    rows, and the rows no sequence reads are sequences of their own with no query row (nothing reads them).
-    Returns cu_seqlens_q, cu_seqlens_k (int32) and each sequence's caller sequence (``owner``, 0 for the rowless
-    ones: per-sequence ALiBi slopes)."""
+def cache_as_varlen(seqlen_q: int, used: np.ndarray, leftpad: np.ndarray | None, cache_batch_idx: np.ndarray | None,
+                    paged: bool, capacity: int, cache_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A KV-cache call (host values: the rows in use after the append, left padding, cache_batch_idx) as varlen
+    sequences with seqlen_q query rows each: cu_seqlens_q, cu_seqlens_k (int32) and, where sequences were added,
+    each one's caller sequence (``owner``: per-sequence ALiBi slopes; else None).
+    Paged caches: sequence b's keys are the first used[b] rows of its pages (a paged varlen call, its block table
+    the call's). Contiguous caches viewed packed, (cache_batch * capacity) rows: sequence b's keys are packed rows
+    cache_batch_idx[b] * capacity + leftpad[b] .. + used[b], and the rows no sequence reads are sequences of their
+    own with no query row (nothing reads them; owner 0)."""
+    batch = len(used)
+    if paged:
+        cu_k = np.concatenate([[0], np.cumsum(used, dtype=np.int64)]).astype(np.int32)
+        return np.arange(batch + 1, dtype=np.int32) * seqlen_q, cu_k, None
+    cache_rows = range(batch) if cache_batch_idx is None else cache_batch_idx.tolist()
     cu_q, cu_k, owner = [0], [0], []
 
     def rowless(end: int) -> None:
@@ -148,7 +161,7 @@ def cache_as_packed(seqlen_q: int, used: np.ndarray, leftpad: np.ndarray | None,
             cu_k.append(end)
             owner.append(0)
 
-    for b, (row, in_use) in enumerate(zip(cache_rows.tolist(), used.tolist())):
+    for b, (row, in_use) in enumerate(zip(cache_rows, used.tolist())):
         rowless(row * capacity + (0 if leftpad is None else int(leftpad[b])))
         cu_q.append(cu_q[-1] + seqlen_q)
         cu_k.append(row * capacity + in_use)

@@ -392,3 +392,31 @@ def test_jax_kvcache_chunks_traced_lengths():
     q2 = np.concatenate([q, q], axis=1)
     with pytest.raises(ValueError, match="with traced cache_seqlens or cache_leftpad needs one query row"):
         step(q2, k_cache, v_cache, lengths)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_jax_kvcache_prefill_across_chunks_equals_the_numpy_call(paged):
+    """cuflash.jax.attention_with_kvcache with concrete lengths whose rows span chunks: the same chunked varlen call
+    over the caches (contiguous ones reshaped to packed rows), bit for bit the NumPy function's, caches included."""
+    jax = pytest.importorskip("jax")
+
+    import cuflash.jax as cj
+
+    q, k_cache, v_cache, table, paged_caches = _caches("float16", 50, 11, paged)
+    caches = paged_caches if paged else [k_cache, v_cache]
+    rng = np.random.default_rng(2)
+    new_k, new_v = (rng.standard_normal((3, 50, 2, 64)).astype(np.float16) for _ in range(2))
+    slopes = rng.uniform(0.05, 0.5, (3, 4)).astype(np.float32)
+    kwargs = dict(k=new_k, v=new_v, cache_seqlens=np.array([40, 0, 100], np.int32), block_table=table,
+                  attention_chunk=64, causal=True, alibi_slopes=slopes, return_lse=True)
+    out, lse, k_done, v_done = jax.jit(lambda q, a, b: cj.attention_with_kvcache(q, a, b, **kwargs))(q, *caches)
+    numpy_caches = [c.copy() for c in caches]
+    expected = cuflash.attention_with_kvcache(q, *numpy_caches, **kwargs)
+    for got, want in zip((out, lse, k_done, v_done), (*expected, *numpy_caches)):
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    with pytest.raises(ValueError, match="cache_batch_idx must be increasing"):
+        cj.attention_with_kvcache(q, np.concatenate([k_cache, k_cache]), np.concatenate([v_cache, v_cache]),
+                                  **dict(kwargs, block_table=None, cache_batch_idx=np.array([3, 1, 2], np.int32)))
+    if paged:
+        with pytest.raises(ValueError, match="rows that span chunks needs a concrete block_table"):
+            jax.jit(lambda t: cj.attention_with_kvcache(q, *caches, **dict(kwargs, block_table=t)))(table)

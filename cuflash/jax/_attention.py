@@ -121,6 +121,7 @@ def attention_varlen(
     deterministic: bool = False,
     sinks: Any = None,
     attention_chunk: int = 0,
+    block_table: Any = None,
 ) -> Any:
     """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,), optional int32 seqused_q / seqused_k
@@ -134,31 +135,50 @@ def attention_varlen(
     call per mapped element. Under plain jit over inputs sharded along heads, each device runs the call on its
     kv heads (whole GQA groups); the packed rows stay whole. ``attention_chunk`` needs concrete cu_seqlens (its
     sequences' chunks become the call's sequences: cuflash/chunks.py) and no seqused_q / seqused_k.
+
+    ``block_table`` as for the NumPy function (k and v paged caches; a forward: differentiating it raises a
+    TypeError); traced tables and cu_seqlens are taken on trust, as attention_with_kvcache takes them.
     """
     counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
+    tables = {} if block_table is None else {"block_table": block_table}
     for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        *counts.items()):
+                        *counts.items(), *tables.items()):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
+                   dropout_p=dropout_p, sinks=sinks)
+    if block_table is None:
+        options["deterministic"] = deterministic
     concrete = [_concrete(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values())]
+    table = None if block_table is None else _concrete(block_table)
     chunk = chunks.check(attention_chunk, algorithm, dropout_p)
     if chunk:
         chunks.check_unused_prefixes(seqused_q, seqused_k)
-        if concrete[0] is None or concrete[1] is None:
-            raise ValueError("attention_chunk needs concrete cu_seqlens_q and cu_seqlens_k (its sequences' chunks "
-                             "become the call's sequences), got traced ones")
-        V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        if concrete[0] is None or concrete[1] is None or (block_table is not None and table is None):
+            raise ValueError("attention_chunk needs concrete cu_seqlens_q and cu_seqlens_k (and block_table) (its "
+                             "sequences' chunks become the call's sequences), got traced ones")
+        extents = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        if table is None:
+            V.check_varlen_qkv(q, k, v, *concrete[:2], **extents)
+        else:
+            V.check_paged_varlen(q, k, v, table, *concrete[:2], **extents)
+            chunks.check_pages(chunk, k.shape[1])
         batches = chunks.varlen_batches(*concrete[:2], causal, window_size, chunk)
+        if table is not None:
+            tables["block_table"] = chunks.segment_pages(table, concrete[1], batches, k.shape[1])
         return attention_varlen(q, k, v, batches.cu_seqlens_q, batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q,
                                 max_seqlen_k=batches.max_seqlen_k, softmax_scale=softmax_scale,
                                 dropout_rng=dropout_rng, algorithm=algorithm, return_lse=return_lse,
-                                **dict(options, alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner)))
-    if all(x is not None for x in concrete):
+                                **dict(options, alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner)),
+                                **tables)
+    if all(x is not None for x in concrete) and (block_table is None or table is not None):
         used = dict(zip(counts, concrete[2:]))
-        problem = V.check_varlen_qkv(q, k, v, *concrete[:2], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                     seqused_q=used.get("seqused_q"), seqused_k=used.get("seqused_k"), **options)
+        extents = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=used.get("seqused_q"),
+                       seqused_k=used.get("seqused_k"), **options)
+        if table is None:
+            problem = V.check_varlen_qkv(q, k, v, *concrete[:2], **extents)
+        else:
+            problem = V.check_paged_varlen(q, k, v, table, *concrete[:2], **extents)
     else:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if V.dtype_name(cu) != "int32" or len(cu.shape) != 1 or cu.shape[0] < 1:
@@ -172,13 +192,33 @@ def attention_varlen(
                 raise ValueError(f"{name} (a Python int) is required when the cu_seqlens are traced")
         for name, count in counts.items():  # values taken on trust, as FA2 takes them
             V.check_seqused_type(name, count, cu_seqlens_q.shape[0] - 1)
-        problem = V.varlen_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
-                                   seqused_k="seqused_k" in counts, **options)
+        make_problem = V.varlen_problem if block_table is None else functools.partial(V.paged_varlen_problem,
+                                                                                      block_table=block_table)
+        problem = make_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
+                               seqused_k="seqused_k" in counts, **options)
+    if block_table is not None:
+        return _paged_varlen(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                             softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, algorithm=algorithm,
+                             return_lse=return_lse, sinks=sinks)
     # In side_input_names' order: cu_seqlens_q, cu_seqlens_k, then seqused_q and seqused_k where given.
     cu_words = tuple(_int32_words(x) for x in (cu_seqlens_q, cu_seqlens_k, *counts.values()))
     return _call(problem, q, k, v, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dropout_rng=dropout_rng,
                  algorithm=algorithm, return_lse=return_lse, cu_words=cu_words, sinks=sinks)
+
+
+def _paged_varlen(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, **options):
+    """attention_varlen over a paged KV cache, once its Problem is checked: the forward-only call, its keys in use
+    per sequence always given (side_input_names: a KV cache's seqused_k; cu_seqlens_k's lengths where the caller
+    gives none), then the block table."""
+    if seqused_k is None:
+        cu_k = jnp.asarray(cu_seqlens_k)
+        seqused_k = cu_k[1:] - cu_k[:-1]
+    words = (cu_seqlens_q, cu_seqlens_k, *(() if seqused_q is None else (seqused_q,)), seqused_k, block_table)
+    config, return_lse, (q, k, v, side) = _call_operands(problem, q, k, v, dropout_rng=None,
+                                                         int_words=tuple(_int32_words(x) for x in words), **options)
+    out, lse = _forward_only(dataclasses.replace(config, cache_shape=tuple(k.shape)), q, k, v, side)
+    return (out, lse) if return_lse else out
 
 
 def attention_qkvpacked(qkv: Any, **options: Any) -> Any:
@@ -335,6 +375,20 @@ def _share_varying_axes(*arrays):
 
 # ---------------------------------------------------------------------------
 # The two directions, with the no-launch cases of cuflash.attention handled at trace time.
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward_only(config, q, k_cache, v_cache, side):
+    """The forward of a call over a KV cache (attention_with_kvcache, a paged attention_varlen): inference, with no
+    derivative."""
+    return _forward(config, q, k_cache, v_cache, side)
+
+
+@_forward_only.defjvp
+def _no_derivative(config, primals, tangents):
+    raise TypeError("cuflash.jax.attention_with_kvcache has no derivative, nor has attention_varlen over a paged "
+                    "cache (KV-cache attention is inference, forward only): differentiate cuflash.jax.attention "
+                    "instead")
 
 
 def _forward(config: CallConfig, q, k, v, side=()):

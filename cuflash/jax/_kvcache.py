@@ -8,7 +8,6 @@ back as the updated caches, so a decoding step copies no cache.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from typing import Any
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from .. import _validation as V
 from .. import chunks, rotary
 from ..kernels.program import gqa_decode_fold
-from ._attention import _call_operands, _concrete, _forward, _int32_words
+from ._attention import _call_operands, _concrete, _forward_only, _int32_words, attention_varlen
 
 
 def attention_with_kvcache(
@@ -74,7 +73,9 @@ def attention_with_kvcache(
     as for the NumPy function (contiguous caches); traced values are taken on trust like cache_seqlens. With
     cache_batch_idx the new rows go in by one scatter into the whole caches, which sharded jit keeps whole.
     ``attention_chunk`` as for the NumPy function; with traced cache_seqlens or cache_leftpad, for one query row per
-    sequence (a decode step, whose row always lies in one chunk).
+    sequence (a decode step, whose row always lies in one chunk). Rows that span chunks run as the NumPy function
+    runs them (the chunked attention_varlen over the caches, contiguous ones reshaped to packed rows), which needs a
+    concrete block_table and cache_batch_idx.
     """
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "block_table": block_table,
              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "sinks": sinks, "cache_batch_idx": cache_batch_idx,
@@ -111,8 +112,15 @@ def attention_with_kvcache(
     if lengths_known:
         V.check_kvcache_index_values(index, leftpad, used, layout)
     first_keys = 0  # chunks: each sequence's keys from its rows' chunk on
+    spanning = False  # some sequence's rows span chunks: the call runs as varlen sequences (chunks.cache_as_varlen)
     if chunk and lengths_known and leftpad_known:
-        first_keys = chunks.kvcache_chunk_starts(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
+        first_keys, spanning = chunks.kvcache_chunks(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
+        traced_indexing = (block_table is not None and table is None) or (cache_batch_idx is not None and index is None)
+        if spanning and traced_indexing:
+            raise ValueError("attention_chunk with query rows that span chunks needs a concrete block_table and "
+                             "cache_batch_idx (the call runs as varlen sequences over the caches)")
+        if spanning:
+            chunks.check_cache_rows_in_order(index)
     elif chunk:
         if q.shape[1] != 1:
             raise ValueError(f"attention_chunk with traced cache_seqlens or cache_leftpad needs one query row per "
@@ -145,6 +153,11 @@ def attention_with_kvcache(
     if layout.seqlen_new:
         k_cache = _append(k_cache, jnp.asarray(k), starts, block_table, cache_batch_idx)
         v_cache = _append(v_cache, jnp.asarray(v), starts, block_table, cache_batch_idx)
+    if spanning:
+        out, lse = _as_varlen(q, k_cache, v_cache, used, leftpad, index, table, layout, chunk=chunk, causal=causal,
+                              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, algorithm=algorithm, sinks=sinks)
+        return (out, lse, k_cache, v_cache) if V.check_bool("return_lse", return_lse) else (out, k_cache, v_cache)
     if chunk and block_table is not None:  # keys from a page boundary on: pages dropped from the table
         block_table = chunks.pages_from(jnp.asarray(block_table), first_keys, layout.page_size, jnp)
         used = jnp.asarray(used) - first_keys
@@ -158,6 +171,25 @@ def attention_with_kvcache(
     config = dataclasses.replace(config, cache_shape=tuple(k_cache.shape))
     out, lse = _decode(config, q_call, k_call, v_call, side)
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+def _as_varlen(q, k_cache, v_cache, used, leftpad, index, table, layout, *, chunk, alibi_slopes, **options):
+    """A chunked call whose rows span chunks, after its append: the chunked attention_varlen over the caches (as the
+    NumPy function runs it: chunks.cache_as_varlen; contiguous caches reshaped to packed rows); (out, lse) in the
+    KV cache's layouts. ``options``: causal, softmax_scale, window_size, softcap, algorithm, sinks."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    cu_q, cu_k, owner = chunks.cache_as_varlen(seqlen_q, used, leftpad, index, table is not None, layout.capacity,
+                                               k_cache.shape[0])
+    keys, values, paged = k_cache, v_cache, {"block_table": table}
+    if table is None:
+        keys, values = (jnp.reshape(c, (c.shape[0] * c.shape[1], *c.shape[2:])) for c in (k_cache, v_cache))
+        paged = {}
+    if owner is not None and alibi_slopes is not None:
+        alibi_slopes = chunks.per_segment(jnp.asarray(alibi_slopes), owner)
+    out, lse = attention_varlen(jnp.reshape(q, (batch * seqlen_q, *q.shape[2:])), keys, values, cu_q, cu_k,
+                                attention_chunk=chunk, alibi_slopes=alibi_slopes, return_lse=True, **paged, **options)
+    return (jnp.reshape(out, (batch, seqlen_q, nheads, out.shape[-1])),
+            jnp.transpose(jnp.reshape(lse, (nheads, batch, seqlen_q)), (1, 0, 2)))
 
 
 def _append(cache, new, starts, block_table, cache_batch_idx=None):
@@ -234,13 +266,3 @@ def _reshape(x, shape, spec):
     out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
     return jax.lax.reshape(x, shape, out_sharding=out)
 
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward_only(config, q, k_cache, v_cache, side):
-    return _forward(config, q, k_cache, v_cache, side)
-
-
-@_forward_only.defjvp
-def _no_derivative(config, primals, tangents):
-    raise TypeError("cuflash.jax.attention_with_kvcache has no derivative (KV-cache decoding is inference, forward "
-                    "only): differentiate cuflash.jax.attention instead")
