@@ -478,7 +478,7 @@ _OPTIONS_DOC = """
     - ``attention_chunk=c > 0`` (FA3's chunked attention, Llama 4's local layers; fa2): query
       i sees only the keys of its diagonal's chunk, (i + off) // c == j // c, on top of the
       window and causal mask. Runs as a varlen call over one sequence per chunk
-      (cuflash/chunks.py); not with dropout, nor with seqused_q / seqused_k.
+      (cuflash/chunks.py); not with dropout.
     - ``softcap=c > 0``: the score is c * tanh(scale * q.k / c) instead of scale * q.k.
     - ``alibi_slopes``: float32, (nheads,) or (batch, nheads); -slope * |i + off - j| is
       added to the (softcapped) score of query head h (the lse includes it).
@@ -998,33 +998,34 @@ def _chunked_varlen_call(names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
                          sinks: Any, options: dict[str, Any]) -> tuple[Placement, tuple[Any, ...], dict[str, Any]]:
     """A chunked varlen call's placement, its placed tensors, and the arguments of the varlen call over its virtual
     batches (after the call's checks; ``options`` loses max_seqlen_q/k, which the virtual batches replace, and a
-    forward's block_table, which becomes theirs: each starts at its first key's page, chunks.pages_from)."""
-    chunks.check_unused_prefixes(seqused_q, seqused_k)
-    block_table = options.pop("block_table", None)
-    extra = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-    if block_table is not None:
-        extra += (("block_table", block_table),)
-    placement, per_head = place((*names, *(name for name, _ in extra)), (*tensors, *(x for _, x in extra)),
-                                alibi_slopes, sinks)
+    forward's block_table, which becomes theirs: each starts at its first key's page, chunks.segment_pages). Used
+    prefixes (seqused_q / seqused_k) become the virtual batches' own (chunks.virtual_batches)."""
+    given = {name: x for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                                     ("seqused_q", seqused_q), ("seqused_k", seqused_k),
+                                     ("block_table", options.pop("block_table", None))) if x is not None}
+    placement, per_head = place((*names, *given), (*tensors, *given.values()), alibi_slopes, sinks)
     placed, at = placement.arrays, len(names)
-    cu_q, cu_k = host_copy(placed[at]), host_copy(placed[at + 1])
+    host = {name: host_copy(x) for name, x in zip(given, placed[at:])}
+    cu_q, cu_k, table = host["cu_seqlens_q"], host["cu_seqlens_k"], host.get("block_table")
     named = dict(zip(names, placed))
     q, k, v = named["q"], named["k"], named["v"]
-    lengths = dict(max_seqlen_q=options.pop("max_seqlen_q"), max_seqlen_k=options.pop("max_seqlen_k"),
-                   causal=causal, window_size=window_size, softcap=options["softcap"], **per_head)
-    table = None
-    if block_table is None:
-        V.check_varlen_qkv(q, k, v, cu_q, cu_k, **lengths)
+    checked = dict(max_seqlen_q=options.pop("max_seqlen_q"), max_seqlen_k=options.pop("max_seqlen_k"),
+                   seqused_q=host.get("seqused_q"), seqused_k=host.get("seqused_k"), causal=causal,
+                   window_size=window_size, softcap=options["softcap"], **per_head)
+    if table is None:
+        V.check_varlen_qkv(q, k, v, cu_q, cu_k, **checked)
     else:
-        table = host_copy(placed[at + 2])
-        V.check_paged_varlen(q, k, v, table, cu_q, cu_k, **lengths)
+        V.check_paged_varlen(q, k, v, table, cu_q, cu_k, **checked)
         chunks.check_pages(chunk, k.shape[1])
-    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk)
+    batches = chunks.varlen_batches(cu_q, cu_k, causal, window_size, chunk, host.get("seqused_q"),
+                                    host.get("seqused_k"))
     backend = placement.backend()
     call = dict(cu_seqlens_q=backend.upload(batches.cu_seqlens_q), cu_seqlens_k=backend.upload(batches.cu_seqlens_k),
                 max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
                 window_size=window_size, sinks=per_head.get("sinks"),
                 alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)), **options)
+    if batches.seqused_q is not None:
+        call.update(seqused_q=backend.upload(batches.seqused_q), seqused_k=backend.upload(batches.seqused_k))
     if table is not None:
         call["block_table"] = backend.upload(chunks.segment_pages(table, cu_k, batches, k.shape[1]))
     return placement, placed[:at], call

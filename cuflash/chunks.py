@@ -17,9 +17,10 @@ chunk (a decode step's always do); a prefill whose rows span chunks runs, after 
 over the caches (cache_as_varlen): paged ones through the paged varlen call (segment_pages), contiguous ones viewed
 as packed rows.
 
-Not with dropout (FA3 has none; a virtual batch would draw another mask than the call's sequence), nor with a
-varlen call's seqused_q / seqused_k; ALiBi slopes per sequence are repeated per segment. Functions here take the
-API's arguments; ``cuflash.api`` runs the varlen calls (its _chunked_* functions), ``cuflash.jax`` likewise.
+A varlen call's used prefixes (seqused_q / seqused_k) are chunked as its sequences would be alone, the rows and keys
+past them one more virtual batch that uses none (virtual_batches). Not with dropout (FA3 has none; a virtual batch
+would draw another mask than the call's sequence); ALiBi slopes per sequence are repeated per segment. Functions here
+take the API's arguments; ``cuflash.api`` runs the varlen calls (its _chunked_* functions), ``cuflash.jax`` likewise.
 """
 
 from __future__ import annotations
@@ -38,32 +39,50 @@ from .mask import Mask, MaskPolicy
 @dataclass(frozen=True)
 class VirtualBatches:
     """The sequences a chunked call runs as: cu_seqlens over the caller's packed rows and keys (int32, host), the
-    caller's sequence of each (``owner``, for per-sequence inputs: ALiBi slopes), and the longest."""
+    caller's sequence of each (``owner``, for per-sequence inputs: ALiBi slopes), the longest, and where the caller
+    gave used prefixes (seqused_q / seqused_k) each sequence's own (None otherwise)."""
 
     cu_seqlens_q: np.ndarray
     cu_seqlens_k: np.ndarray
     owner: np.ndarray
     max_seqlen_q: int
     max_seqlen_k: int
+    seqused_q: np.ndarray | None = None
+    seqused_k: np.ndarray | None = None
 
 
 @functools.lru_cache(maxsize=256)
-def virtual_batches(lengths: tuple[tuple[int, int], ...], mask: Mask) -> VirtualBatches:
+def virtual_batches(lengths: tuple[tuple[int, int], ...], mask: Mask,
+                    used: tuple[tuple[int, int], ...] | None = None) -> VirtualBatches:
     """The virtual batches of sequences of (query rows, keys) ``lengths``, packed one after the other, under the
-    chunked ``mask`` (cached: a signature's calls share them)."""
-    cu_q, cu_k, owner = [0], [0], []
+    chunked ``mask`` (cached: a signature's calls share them). ``used``: per sequence the (rows, keys) of its used
+    prefixes (seqused_q / seqused_k, a whole length where one is not given), or None: the chunks then cut the
+    prefixes, and the rows and keys past them make one more sequence that uses none of them (out 0, lse -inf, zero
+    gradients: the varlen call's rule for unused rows)."""
+    cu_q, cu_k, owner, used_q, used_k = [0], [0], [], [], []
     row0 = key0 = 0
     for sequence, (rows, keys) in enumerate(lengths):
-        for segment_rows, segment_keys in mask.policy(rows, keys).chunk_segments():
+        prefix_rows, prefix_keys = (rows, keys) if used is None else used[sequence]
+        for segment_rows, segment_keys in mask.policy(prefix_rows, prefix_keys).chunk_segments():
             cu_q.append(row0 + segment_rows.end)
             cu_k.append(key0 + segment_keys.end)
             owner.append(sequence)
+            used_q.append(len(segment_rows))
+            used_k.append(len(segment_keys))
+        if prefix_rows < rows or prefix_keys < keys:
+            cu_q.append(row0 + rows)
+            cu_k.append(key0 + keys)
+            owner.append(sequence)
+            used_q.append(0)
+            used_k.append(0)
         row0, key0 = row0 + rows, key0 + keys
-    arrays = tuple(np.array(x, np.int32) for x in (cu_q, cu_k, owner))
+    arrays = tuple(np.array(x, np.int32) for x in (cu_q, cu_k, owner, used_q, used_k))
     for array in arrays:
         array.flags.writeable = False  # shared by every call of the key
-    cu_q, cu_k, _ = arrays
-    return VirtualBatches(*arrays, int(np.diff(cu_q).max(initial=0)), int(np.diff(cu_k).max(initial=0)))
+    cu_q, cu_k, owner, used_q, used_k = arrays
+    prefixes = (used_q, used_k) if used is not None else (None, None)
+    return VirtualBatches(cu_q, cu_k, owner, int(np.diff(cu_q).max(initial=0)), int(np.diff(cu_k).max(initial=0)),
+                          *prefixes)
 
 
 def check(attention_chunk: Any, algorithm: Any, dropout_p: Any = 0.0) -> int:
@@ -87,14 +106,17 @@ def fixed_length_batches(batch: int, seqlen_q: int, seqlen_k: int, causal: Any, 
 
 
 def varlen_batches(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, causal: Any, window_size: Any,
-                   chunk: int) -> VirtualBatches:
-    """The virtual batches of a varlen call (host copies of its checked cu_seqlens), over the same packed rows."""
+                   chunk: int, seqused_q: np.ndarray | None = None,
+                   seqused_k: np.ndarray | None = None) -> VirtualBatches:
+    """The virtual batches of a varlen call (host copies of its checked cu_seqlens and used prefixes), over the same
+    packed rows."""
     lengths = tuple(zip(np.diff(cu_seqlens_q).tolist(), np.diff(cu_seqlens_k).tolist()))
-    batches = virtual_batches(lengths, _mask(causal, window_size, chunk))
-    if cu_seqlens_q[0] or cu_seqlens_k[0]:  # the packed rows start past 0: the caller's offsets, not ours
-        batches = VirtualBatches(batches.cu_seqlens_q + cu_seqlens_q[0], batches.cu_seqlens_k + cu_seqlens_k[0],
-                                 batches.owner, batches.max_seqlen_q, batches.max_seqlen_k)
-    return batches
+    used = None
+    if seqused_q is not None or seqused_k is not None:
+        rows, keys = zip(*lengths) if lengths else ((), ())
+        used = tuple(zip(rows if seqused_q is None else seqused_q.tolist(),
+                         keys if seqused_k is None else seqused_k.tolist()))
+    return virtual_batches(lengths, _mask(causal, window_size, chunk), used)
 
 
 def kvcache_chunk_starts(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> Any:
@@ -152,6 +174,9 @@ def cache_as_varlen(seqlen_q: int, used: np.ndarray, leftpad: np.ndarray | None,
     if paged:
         cu_k = np.concatenate([[0], np.cumsum(used, dtype=np.int64)]).astype(np.int32)
         return np.arange(batch + 1, dtype=np.int32) * seqlen_q, cu_k, None
+    if cache_batch * capacity > V.MAX_SEQLEN:
+        raise ValueError(f"attention_chunk with query rows that span chunks runs over the caches as one packed array "
+                         f"of rows: {cache_batch} x {capacity} rows is more than a varlen call takes (2**31 - 1)")
     cache_rows = range(batch) if cache_batch_idx is None else cache_batch_idx.tolist()
     cu_q, cu_k, owner = [0], [0], []
 
@@ -197,17 +222,6 @@ def per_segment(slopes: Any, owner: Any) -> Any:
     """ALiBi slopes for the virtual batches: (batch, nheads) repeated per segment, by ``owner`` in the slopes' array
     module (NumPy, CuPy or jax.numpy); (nheads,) as given."""
     return slopes if slopes is None or slopes.ndim == 1 else slopes[owner]
-
-
-def check_unused_prefixes(seqused_q: Any, seqused_k: Any) -> None:
-    _ragged("seqused_q", seqused_q)
-    _ragged("seqused_k", seqused_k)
-
-
-def _ragged(name: str, seqused: Any) -> None:
-    if seqused is not None:
-        raise ValueError(f"attention_chunk does not combine with {name}: chunks cut each sequence where its rows "
-                         f"and keys are, before any used prefix")
 
 
 def _mask(causal: Any, window_size: Any, chunk: int) -> Mask:

@@ -9,7 +9,8 @@
 * Varlen (each sequence's chunks from its own key 0), the packed functions, KV caches (contiguous, paged, split-KV,
   left padding, a decode step's GQA fold; keys from the rows' chunk on), and cuflash.jax under jit and grad.
 * The blocks outside a row's chunk are not read: a chunked causal call reads a fraction of what the causal one does.
-* What chunks do not take is refused naming the argument: bad values, dropout, seqused, algorithms without varlen
+* Used prefixes (seqused_q / seqused_k): the chunks cut the prefixes; rows past them give 0, -inf, zero gradients.
+* What chunks do not take is refused naming the argument: bad values, dropout, algorithms without varlen
   kernels, traced cu_seqlens in JAX.
 """
 
@@ -333,11 +334,48 @@ def test_what_chunks_do_not_take_is_refused():
     with pytest.raises(ValueError, match=r"attention_chunk \(run as varlen batches\) is supported by "
                                          r"algorithm='fa2' only, got algorithm='fa1'"):
         cuflash.attention(q, k, v, attention_chunk=4, algorithm="fa1")
-    cu, used = np.array([0, 8], np.int32), np.array([5], np.int32)
-    with pytest.raises(ValueError, match="attention_chunk does not combine with seqused_k"):
-        cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, seqused_k=used, attention_chunk=4)
     # A chunk of 0 is no chunk: the plain call, bitwise.
     assert np.array_equal(cuflash.attention(q, k, v, attention_chunk=np.int32(0)), cuflash.attention(q, k, v))
+
+
+def _prefixes(x, cu, used):
+    """The used prefix of each packed sequence, packed (the reference's input), and its cu_seqlens."""
+    rows = np.concatenate([np.arange(cu[b], cu[b] + used[b]) for b in range(len(used))]).astype(np.int64)
+    return x[rows], np.concatenate([[0], np.cumsum(used)]).astype(np.int32), rows
+
+
+@pytest.mark.parametrize("dtype, arch, which", [("float16", None, "both"), ("bfloat16", "sm_90", "q"),
+                                                ("float32", None, "k")])
+def test_chunks_cut_used_prefixes(dtype, arch, which):
+    """seqused_q / seqused_k with chunks: each sequence's used prefixes are chunked as if packed alone; the rows
+    past them get out 0, lse -inf and zero gradients, the keys past them zero gradients (the varlen call's rule)."""
+    lengths_q, lengths_k = [40, 70, 9, 0], [50, 130, 30, 12]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    used_q = np.array([33, 70, 0, 0], np.int32) if which != "k" else np.array(lengths_q, np.int32)
+    used_k = np.array([41, 90, 30, 5], np.int32) if which != "q" else np.array(lengths_k, np.int32)
+    rng = np.random.default_rng(4)
+    dt = numpy_dtype(dtype)
+    q, dout = (rng.standard_normal((cu_q[-1], 4, 32)).astype(dt) for _ in range(2))
+    k, v = (rng.standard_normal((cu_k[-1], 2, 32)).astype(dt) for _ in range(2))
+    options = dict(attention_chunk=32, causal=True)
+    counts = {"seqused_q": used_q} if which != "k" else {}
+    counts.update({"seqused_k": used_k} if which != "q" else {})
+    with _targeting(arch):
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **counts, **options)
+        dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **counts, **options)
+    (q_used, cu_q_used, rows), (k_used, cu_k_used, keys) = _prefixes(q, cu_q, used_q), _prefixes(k, cu_k, used_k)
+    v_used, dout_used = v[keys], dout[rows]
+    ref = tol.forward_references(q_used, k_used, v_used, cu_seqlens=(cu_q_used, cu_k_used), **options)
+    tol.check_close("out", out[rows], ref.out, ref.out_lowp, tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse[:, rows], ref.lse, ref.lse_lowp, tol.FORWARD_FACTOR)
+    bref = tol.backward_references(dout_used, q_used, k_used, v_used, cu_seqlens=(cu_q_used, cu_k_used), **options)
+    for name, got, at in (("dq", dq, rows), ("dk", dk, keys), ("dv", dv, keys)):
+        tol.check_close(name, got[at], getattr(bref, name), getattr(bref, name + "_lowp"), tol.BACKWARD_FACTOR,
+                        atol=1e-5)
+    unused_rows, unused_keys = np.setdiff1d(np.arange(cu_q[-1]), rows), np.setdiff1d(np.arange(cu_k[-1]), keys)
+    assert not out[unused_rows].any() and np.all(lse[:, unused_rows] == -np.inf) and not dq[unused_rows].any()
+    assert not dk[unused_keys].any() and not dv[unused_keys].any()
+    assert unused_rows.size or unused_keys.size
 
 
 def test_jax_chunks_under_jit_and_grad():
@@ -420,3 +458,29 @@ def test_jax_kvcache_prefill_across_chunks_equals_the_numpy_call(paged):
     if paged:
         with pytest.raises(ValueError, match="rows that span chunks needs a concrete block_table"):
             jax.jit(lambda t: cj.attention_with_kvcache(q, *caches, **dict(kwargs, block_table=t)))(table)
+
+
+def test_jax_chunks_with_used_prefixes_equal_the_numpy_call():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.jax as cj
+
+    q, k, v, dout = (x[0] for x in random_inputs((1, 70, 90, 4, 2, 40), "float16", seed=6))
+    cu_q, cu_k = np.array([0, 30, 70], np.int32), np.array([0, 50, 90], np.int32)
+    counts = dict(seqused_q=np.array([25, 40], np.int32), seqused_k=np.array([50, 33], np.int32))
+    options = dict(attention_chunk=16, causal=True, **counts)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
+
+    def loss(q, k, v):
+        return jnp.sum(cj.attention_varlen(q, k, v, cu_q, cu_k, **options).astype(jnp.float32)
+                       * dout.astype(np.float32))
+
+    got = jax.jit(lambda q, k, v: cj.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options))(q, k, v)
+    assert np.array_equal(np.asarray(got[0]), out) and np.array_equal(np.asarray(got[1]), lse)
+    got_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got_grads, grads):
+        assert np.array_equal(np.asarray(a), b)
+    with pytest.raises(ValueError, match=r"needs concrete cu_seqlens_q and cu_seqlens_k \(and block_table, seqused"):
+        jax.jit(lambda u: cj.attention_varlen(q, k, v, cu_q, cu_k, **dict(options, seqused_k=u)))(counts["seqused_k"])

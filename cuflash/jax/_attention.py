@@ -134,15 +134,15 @@ def attention_varlen(
     checked like ``cuflash.attention_varlen``'s, and max_seqlen defaults to the longest sequence. vmap runs one
     call per mapped element. Under plain jit over inputs sharded along heads, each device runs the call on its
     kv heads (whole GQA groups); the packed rows stay whole. ``attention_chunk`` needs concrete cu_seqlens (its
-    sequences' chunks become the call's sequences: cuflash/chunks.py) and no seqused_q / seqused_k.
+    sequences' chunks become the call's sequences: cuflash/chunks.py; used prefixes concrete too).
 
     ``block_table`` as for the NumPy function (k and v paged caches; a forward: differentiating it raises a
     TypeError); traced tables and cu_seqlens are taken on trust, as attention_with_kvcache takes them.
     """
     counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
-    tables = {} if block_table is None else {"block_table": block_table}
+    int_inputs = {} if block_table is None else {"block_table": block_table}
     for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        *counts.items(), *tables.items()):
+                        *counts.items(), *int_inputs.items()):
         if not (hasattr(array, "shape") and hasattr(array, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(array).__name__}")
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -153,24 +153,29 @@ def attention_varlen(
     table = None if block_table is None else _concrete(block_table)
     chunk = chunks.check(attention_chunk, algorithm, dropout_p)
     if chunk:
-        chunks.check_unused_prefixes(seqused_q, seqused_k)
-        if concrete[0] is None or concrete[1] is None or (block_table is not None and table is None):
-            raise ValueError("attention_chunk needs concrete cu_seqlens_q and cu_seqlens_k (and block_table) (its "
-                             "sequences' chunks become the call's sequences), got traced ones")
-        extents = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        if any(x is None for x in concrete) or (block_table is not None and table is None):
+            raise ValueError("attention_chunk needs concrete cu_seqlens_q and cu_seqlens_k (and block_table, "
+                             "seqused_q, seqused_k) (its sequences' chunks become the call's sequences), got traced "
+                             "ones")
+        used = dict(zip(counts, concrete[2:]))
+        extents = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=used.get("seqused_q"),
+                       seqused_k=used.get("seqused_k"), **options)
         if table is None:
             V.check_varlen_qkv(q, k, v, *concrete[:2], **extents)
         else:
             V.check_paged_varlen(q, k, v, table, *concrete[:2], **extents)
             chunks.check_pages(chunk, k.shape[1])
-        batches = chunks.varlen_batches(*concrete[:2], causal, window_size, chunk)
+        batches = chunks.varlen_batches(*concrete[:2], causal, window_size, chunk, used.get("seqused_q"),
+                                        used.get("seqused_k"))
         if table is not None:
-            tables["block_table"] = chunks.segment_pages(table, concrete[1], batches, k.shape[1])
+            int_inputs["block_table"] = chunks.segment_pages(table, concrete[1], batches, k.shape[1])
+        if batches.seqused_q is not None:
+            int_inputs.update(seqused_q=batches.seqused_q, seqused_k=batches.seqused_k)
         return attention_varlen(q, k, v, batches.cu_seqlens_q, batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q,
                                 max_seqlen_k=batches.max_seqlen_k, softmax_scale=softmax_scale,
                                 dropout_rng=dropout_rng, algorithm=algorithm, return_lse=return_lse,
                                 **dict(options, alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner)),
-                                **tables)
+                                **int_inputs)
     if all(x is not None for x in concrete) and (block_table is None or table is not None):
         used = dict(zip(counts, concrete[2:]))
         extents = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=used.get("seqused_q"),
