@@ -225,6 +225,19 @@ def _paged_varlen_shapes(q: Any, k: Any, v: Any, dropout_p: Any) -> tuple[tuple[
     return qshape, kshape
 
 
+def key_offsets_from_used(seqused_k: Any, block_table: Any, xp: Any = np) -> Any:
+    """cu_seqlens_k of a paged varlen call that gives none (FA3's, vLLM's: each sequence's keys are the first
+    seqused_k[b] rows of its pages): 0 then the running sum of seqused_k, in ``xp`` (NumPy on host copies, jax.numpy
+    on traced values). Only keys in pages have no packed rows for cu_seqlens_k to place."""
+    if block_table is None or seqused_k is None:
+        raise ValueError("cu_seqlens_k may be None only for keys in a paged KV cache (block_table) whose seqused_k "
+                         "gives each sequence's keys")
+    if dtype_name(seqused_k) != "int32" or len(seqused_k.shape) != 1:
+        raise TypeError(f"seqused_k must be an int32 array of shape (batch,), got {dtype_name(seqused_k)} "
+                        f"{tuple(seqused_k.shape)}")
+    return xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(seqused_k, dtype=xp.int32)])
+
+
 def paged_key_total(cu_seqlens_k: np.ndarray) -> int:
     """The total varlen_extents checks a paged call's cu_seqlens_k against: its own last entry (paged keys are no
     rows of k; check_cu_seqlens still refuses a malformed array)."""

@@ -303,7 +303,9 @@ def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
     slopes and sinks), the placed per-head inputs (place), the placed tensors and host copies of the integer
     inputs."""
     # Plain statements, no comprehension: this runs on every call of the host path.
-    names, arrays = (*tensor_names, "cu_seqlens_q", "cu_seqlens_k"), (*tensors, cu_seqlens_q, cu_seqlens_k)
+    names, arrays = (*tensor_names, "cu_seqlens_q"), (*tensors, cu_seqlens_q)
+    if cu_seqlens_k is not None:
+        names, arrays = (*names, "cu_seqlens_k"), (*arrays, cu_seqlens_k)
     if seqused_q is not None:
         names, arrays = (*names, "seqused_q"), (*arrays, seqused_q)
     if seqused_k is not None:
@@ -312,11 +314,14 @@ def _place_varlen(tensor_names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
         names, arrays = (*names, "block_table"), (*arrays, block_table)
     placement, per_head = place(names, arrays, alibi_slopes, sinks)
     placed, at = placement.arrays, len(tensor_names)
-    optional = iter(placed[at + 2:])
+    optional = iter(placed[at + 1:])
+    cu_k = None if cu_seqlens_k is None else host_copy(next(optional))
     used_q = None if seqused_q is None else host_copy(next(optional))
     used_k = None if seqused_k is None else host_copy(next(optional))
     table = None if block_table is None else host_copy(next(optional))
-    inputs = VarlenInputs(host_copy(placed[at]), host_copy(placed[at + 1]), used_q, used_k, table)
+    if cu_k is None:
+        cu_k = V.key_offsets_from_used(used_k, table)
+    inputs = VarlenInputs(host_copy(placed[at]), cu_k, used_q, used_k, table)
     return placement, per_head, placed[:at], inputs
 
 
@@ -1006,7 +1011,8 @@ def _chunked_varlen_call(names: tuple[str, ...], tensors: tuple[Any, ...], cu_se
     placement, per_head = place((*names, *given), (*tensors, *given.values()), alibi_slopes, sinks)
     placed, at = placement.arrays, len(names)
     host = {name: host_copy(x) for name, x in zip(given, placed[at:])}
-    cu_q, cu_k, table = host["cu_seqlens_q"], host["cu_seqlens_k"], host.get("block_table")
+    cu_q, table = host["cu_seqlens_q"], host.get("block_table")
+    cu_k = host["cu_seqlens_k"] if "cu_seqlens_k" in host else V.key_offsets_from_used(host.get("seqused_k"), table)
     named = dict(zip(names, placed))
     q, k, v = named["q"], named["k"], named["v"]
     checked = dict(max_seqlen_q=options.pop("max_seqlen_q"), max_seqlen_k=options.pop("max_seqlen_k"),
@@ -1166,8 +1172,9 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
     ``block_table`` (int32 (batch, pages_per_sequence), forward only; FA2's varlen paged KV cache): k and v are then
     paged caches (num_pages, page_size, nheads_k, headdim), page_size a multiple of 16, and sequence b's keys are the
     first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows (seqused_k[b] where given) of the pages its row names, in
-    order: cu_seqlens_k counts keys, not rows of k. No dropout. The table and each sequence's key count against
-    its pages are checked on the host on every call.
+    order: cu_seqlens_k counts keys, not rows of k, and may be None when seqused_k gives them (FA3's and vLLM's
+    call). No dropout. The table and each sequence's key count against its pages are checked on the host on every
+    call.
 
     Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
 """ + _OPTIONS_DOC

@@ -218,3 +218,25 @@ def test_the_backward_takes_no_block_table():
     with pytest.raises(TypeError, match="block_table"):
         cuflash.attention_varlen_backward(args["q"], args["q"], args["k"], args["v"], args["q"], None,
                                           args["cu_seqlens_q"], args["cu_seqlens_k"], block_table=args["block_table"])
+
+
+def test_cu_seqlens_k_may_be_none_when_seqused_k_counts_the_keys():
+    """FA3's and vLLM's call: no cu_seqlens_k, each sequence's keys the first seqused_k[b] rows of its pages (NumPy
+    and JAX, chunks too); without a block table or seqused_k it is refused by name."""
+    q, k, v, cu_q, cu_k, k_cache, v_cache, table = _inputs("gqa", "float16", 32, seed=8)
+    used = np.diff(cu_k).astype(np.int32)
+    for options in (dict(causal=True), dict(causal=True, attention_chunk=64)):
+        expected = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, **options)
+        got = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, None, seqused_k=used, block_table=table, **options)
+        assert np.array_equal(got, expected)
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cfj
+
+    step = jax.jit(lambda q, a, b, u: cfj.attention_varlen(q, a, b, cu_q, None, seqused_k=u, block_table=table,
+                                                           causal=True, max_seqlen_q=70, max_seqlen_k=100))
+    assert np.array_equal(np.asarray(step(q, k_cache, v_cache, used)),
+                          cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, causal=True))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k may be None only for keys in a paged KV cache \(block_table\)"):
+        cuflash.attention_varlen(q, k, v, cu_q, None, seqused_k=used)
+    with pytest.raises(ValueError, match="cu_seqlens_k may be None only"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu_q, None, block_table=table)

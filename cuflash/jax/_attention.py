@@ -136,9 +136,14 @@ def attention_varlen(
     kv heads (whole GQA groups); the packed rows stay whole. ``attention_chunk`` needs concrete cu_seqlens (its
     sequences' chunks become the call's sequences: cuflash/chunks.py; used prefixes concrete too).
 
-    ``block_table`` as for the NumPy function (k and v paged caches; a forward: differentiating it raises a
-    TypeError); traced tables and cu_seqlens are taken on trust, as attention_with_kvcache takes them.
+    ``block_table`` as for the NumPy function (k and v paged caches, cu_seqlens_k None with seqused_k; a forward:
+    differentiating it raises a TypeError); traced tables and cu_seqlens are taken on trust, as
+    attention_with_kvcache takes them.
     """
+    if cu_seqlens_k is None:  # keys in pages counted by seqused_k alone (FA3's, vLLM's call)
+        used_k = None if seqused_k is None else _concrete(seqused_k)
+        cu_seqlens_k = (V.key_offsets_from_used(seqused_k, block_table, jnp) if used_k is None else
+                        V.key_offsets_from_used(used_k, block_table))
     counts = {name: x for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if x is not None}
     int_inputs = {} if block_table is None else {"block_table": block_table}
     for name, array in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
