@@ -475,16 +475,20 @@ def _relaid(cache, lengths, index, leftpad, capacity):
     return relaid
 
 
-INDEXING_CASES = [  # (dtype, new rows, options, num_splits, rotary)
-    ("float16", 1, dict(causal=True), 1, False),
-    ("bfloat16", 3, dict(window_size=(40, 2)), 2, True),
-    ("float32", 0, dict(), 0, False),
-    ("float16", 3, dict(causal=True, softcap=5.0), 3, True),
+INDEXING_CASES = [  # (dtype, new rows, options, num_splits, rotary, head dim)
+    ("float16", 1, dict(causal=True), 1, False, 40),
+    ("bfloat16", 3, dict(window_size=(40, 2)), 2, True, 40),
+    ("float32", 0, dict(), 0, False, 40),
+    ("float16", 3, dict(causal=True, softcap=5.0), 3, True, 40),
+    # At a compiled head dim the mma.sync forward copies whole K/V blocks from a base pointer of its own: from the
+    # named cache row, past the padding (it once took batch b's row 0: a wrong result over more than one block).
+    ("float16", 0, dict(causal=True), 1, False, 64),
+    ("bfloat16", 2, dict(window_size=(40, 2)), 1, False, 128),
 ]
 
 
-@pytest.mark.parametrize("dtype, new, options, splits, with_rotary", INDEXING_CASES)
-def test_cache_indexing_equals_the_call_on_relaid_caches(dtype, new, options, splits, with_rotary):
+@pytest.mark.parametrize("dtype, new, options, splits, with_rotary, headdim", INDEXING_CASES)
+def test_cache_indexing_equals_the_call_on_relaid_caches(dtype, new, options, splits, with_rotary, headdim):
     """cache_batch_idx and cache_leftpad: bit for bit the plain call on caches relaid so that each sequence's keys
     start at row 0 of its own batch row (its rotary positions counted from there too), with split-KV and rotary;
     the new rows land at cache_seqlens in the named cache rows, nothing else in the caches changes; and within

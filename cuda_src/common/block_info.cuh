@@ -113,7 +113,8 @@ struct BlockInfo {
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : static_cast<long long>(batch) * p.seqlen_k;
   }
 
-  // Element tensors at row 0 of this (batch, head).
+  // Element tensors at row 0 of this (batch, head). Not a KV cache's keys (another row of the caches' batch, left
+  // padding, pages): k_rows and v_rows find those.
   template <class T>
   __device__ __forceinline__ const T* q(const AttentionParams& p) const {
     return at<const T>(p.q, p.q_stride, q_start(p), head);

@@ -179,11 +179,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // found in its page (whole_in_page).
     const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
     const int whole_col = fa2tc::whole_tile_column<KVTile>(threadIdx.x);
-    const T* k_whole = kWholeCopies ? info.k<T>(p) + ((n_range.end - 2) * BlockN + whole_row) * p.k_stride.row +
-                                          whole_col
+    // From the sequence's key 0 as KeyRows finds it: a contiguous KV cache's row of the caches' batch
+    // (cache_batch_idx) past its left padding (cache_leftpad); BlockInfo::k's row 0 of batch b is neither.
+    const T* k_whole = kWholeCopies ? info.k_rows<T>(p, 0).head_base +
+                                          ((n_range.end - 2) * BlockN + whole_row) * p.k_stride.row + whole_col
                                     : nullptr;
-    const T* v_whole = kWholeCopies ? info.v<T>(p) + ((n_range.end - 1) * BlockN + whole_row) * p.v_stride.row +
-                                          whole_col
+    const T* v_whole = kWholeCopies ? info.v_rows<T>(p, 0).head_base +
+                                          ((n_range.end - 1) * BlockN + whole_row) * p.v_stride.row + whole_col
                                     : nullptr;
     auto whole_in_page = [&](const KeyRows<const T>& rows) {
       return rows.paged_row(rows.first_row + whole_row) + whole_col;
