@@ -32,8 +32,8 @@ from .backends.program import SPARE_SCRATCH_BYTES, PreparedProgram
 from .dropout import check_dropout_seed, seed_words
 from .kernels import catalog, plans
 from .kernels.params import VALUE_WIDTH_TENSORS
-from .kernels.program import Problem, gqa_decode_fold, value_column_chunks
-from .mask import Mask
+from .kernels.program import Problem, decode_window_left, gqa_decode_fold, value_column_chunks
+from .mask import Mask, MaskPolicy
 
 # The host path. A call's checks and plan depend on its static signature only (call_key: the entry point, each
 # array's type, shape, strides and dtype, the device or simulator target, every option value with its type), so a
@@ -756,22 +756,34 @@ def attention_with_kvcache(
     leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
 
     def prepare() -> KVCachePrepared:
-        # Chunks: each sequence's keys start at its rows' chunk (chunks.kvcache_chunk_starts), as left padding on
-        # contiguous caches (the plan reads it, zero where none is given) or as pages dropped from the block table.
-        chunk_leftpad = leftpad
-        if chunk and leftpad is None and table is None:
-            chunk_leftpad = np.zeros(q.shape[0], np.int32)
-        problem, _ = V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=causal,
-                                     window_size=window_size, softcap=softcap, cache_batch_idx=index,
-                                     cache_leftpad=chunk_leftpad, **per_head)
+        # Keys that start past row 0 for the call (as left padding on contiguous caches, which the plan then reads,
+        # zero where none is given; as pages dropped from the block table): at each sequence's rows' chunk
+        # (chunks.kvcache_chunks), and for a one-row decode folded under a window, at the row's first visible key
+        # (decode_window_left: the call then has no mask).
+        def checked(call_leftpad: np.ndarray | None, call_causal: Any, call_window: Any) -> Problem:
+            return V.check_kvcache(q, k_cache, v_cache, k, v, lengths, table, causal=call_causal,
+                                   window_size=call_window, softcap=softcap, cache_batch_idx=index,
+                                   cache_leftpad=call_leftpad, **per_head)[0]
+
+        moved_leftpad = np.zeros(q.shape[0], np.int32) if leftpad is None and table is None else leftpad
+        problem = checked(moved_leftpad if chunk else leftpad, causal, window_size)
+        # The window as given, not as clipped to this call's lengths: the plans of later calls clip it to theirs.
+        window_left = decode_window_left(dataclasses.replace(problem, mask=Mask.of(
+            bool(causal), (int(window_size[0]), int(window_size[1])))))
+        call_causal, call_window = causal, window_size
+        if window_left is not None:
+            call_causal, call_window = False, (-1, -1)
+            problem = checked(moved_leftpad, call_causal, call_window)
         problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
                 raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its "
                                  f"strides non-negative)")
-        prepared = KVCachePrepared.checked(problem, causal, window_size, algorithm=algorithm,
+        prepared = KVCachePrepared.checked(problem, call_causal, call_window, algorithm=algorithm,
                                            softmax_scale=softmax_scale, return_lse=return_lse)
-        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index, chunk_leftpad)
+        prepared.window_left = window_left
+        prepared.layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, table, index,
+                                                 moved_leftpad if chunk or window_left is not None else leftpad)
         if chunk and table is not None:
             chunks.check_pages(chunk, prepared.layout.page_size)
         prepared.rotary = rotary.check_rotary(optional.get("rotary_cos"), optional.get("rotary_sin"),
@@ -789,7 +801,7 @@ def attention_with_kvcache(
     starts, used, longest = V.kvcache_rows(lengths, layout)
     if index is not None or leftpad is not None:
         V.check_kvcache_index_values(index, leftpad, used, layout)
-    spanning = False
+    spanning, first_keys = False, None  # where each sequence's keys start for the call, past any left padding
     if chunk:  # the keys from each sequence's rows' chunk on (checked before anything is written)
         first_keys, spanning = chunks.kvcache_chunks(chunk, q.shape[1], V.kvcache_keys(used, leftpad))
         if spanning and table is None:
@@ -806,12 +818,15 @@ def attention_with_kvcache(
                                       chunk=chunk, causal=causal, softmax_scale=softmax_scale,
                                       window_size=window_size, softcap=softcap, algorithm=algorithm, **per_head)
         return placement.results(out, lse) if prepared.return_lse else placement.results(out)[0]
-    if chunk:
+    if prepared.window_left is not None:  # a folded windowed decode: from the row's first visible key
+        window_first = MaskPolicy.decode_first_key(prepared.window_left, V.kvcache_keys(used, leftpad))
+        first_keys = window_first if first_keys is None else np.maximum(first_keys, window_first)
+    if first_keys is not None:
         if table is None:
             leftpad = (first_keys if leftpad is None else leftpad + first_keys).astype(np.int32)
         else:
             table, used = chunks.pages_from(table, first_keys, layout.page_size), (used - first_keys).astype(np.int32)
-    if leftpad is not None or chunk:  # the keys start past row 0 (kvcache_rows' longest counts from it)
+    if leftpad is not None or first_keys is not None:  # the keys start past row 0 (longest counts from it)
         keys = V.kvcache_keys(used, leftpad)
         longest = V.min_max(keys)[1] if keys.size else 0
     plan = prepared.plan(q.shape[1], V.kvcache_key_extent(longest, layout.capacity))
@@ -1068,6 +1083,7 @@ class KVCachePrepared(Prepared):
 
     layout: V.KVCacheLayout
     rotary: bool
+    window_left: int | None  # a one-row decode folded under its window's left bound (decode_window_left)
 
 
 def _rotated(backend: Any, q: Any, k: Any, cos: Any, sin: Any, starts: np.ndarray, interleaved: bool,
@@ -1202,8 +1218,9 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     partial results). 1: no split; n (<= 128): n splits, at most one per K/V block; 0: FA2's heuristic, which
     splits only when the unsplit grid leaves SMs idle (the device's SM count; on the simulator the count of
     its target's representative part, cuflash/kernels/targets.py). A one-row decode over GQA/MQA heads runs
-    with each group's query heads as rows (K and V read once per kv head) when no window's left bound, no
-    ALiBi and no sinks depend on the row or head. cache_seqlens and block_table are read on the host and
+    with each group's query heads as rows (K and V read once per kv head) when no ALiBi and no sinks depend on the
+    row or head; under a window's left bound, on contiguous caches, with its keys from the row's first visible key
+    (as left padding: program.decode_window_left). cache_seqlens and block_table are read on the host and
     checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
     were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 

@@ -212,6 +212,12 @@ class MaskPolicy:
         return segments
 
     @staticmethod
+    def decode_first_key(window_left: int, keys: Any, xp: Any = np) -> Any:
+        """The first key a lone query row sees under a window's left bound, per sequence of ``keys`` keys (an int
+        array, NumPy's or jax.numpy's): its diagonal is the last key, keys - 1 (0 without a bound or a key)."""
+        return xp.maximum(keys - 1 - window_left, 0) if window_left >= 0 else xp.zeros_like(keys)
+
+    @staticmethod
     def rows_chunk(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> tuple[Any, Any]:
         """chunk_segments for sequences of ``keys`` keys each (an int array, NumPy's or jax.numpy's: a KV cache's
         sequences) whose seqlen_q rows all lie in one chunk: per sequence, the first key of the chunk of its last

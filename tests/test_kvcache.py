@@ -99,8 +99,9 @@ def test_kvcache_matches_reference_and_appends_in_place(dtype, new, page, shape_
     options = _options(option_name, shape[0], shape[2], seed=3)
     before = k_cache.copy()
     new_kwargs = dict(k=k_new, v=v_new) if new else {}
-    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
-                                              **new_kwargs, **options)
+    with sim.record() as contiguous_records:
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
+                                                  **new_kwargs, **options)
     used = lengths + new
     for b in range(shape[0]):  # the new rows, in place; the rest unchanged
         assert np.array_equal(k_cache[b, lengths[b]:used[b]], k_new[b])
@@ -113,10 +114,17 @@ def test_kvcache_matches_reference_and_appends_in_place(dtype, new, page, shape_
     tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR, atol=atol)
     if paged is not None:
         k_paged, v_paged, table = paged
-        out_paged, lse_paged = cuflash.attention_with_kvcache(q, k_paged, v_paged, cache_seqlens=lengths,
-                                                              block_table=table, return_lse=True, **new_kwargs,
-                                                              **options)
-        assert np.array_equal(out_paged, out) and np.array_equal(lse_paged, lse)
+        with sim.record() as paged_records:
+            out_paged, lse_paged = cuflash.attention_with_kvcache(q, k_paged, v_paged, cache_seqlens=lengths,
+                                                                  block_table=table, return_lse=True, **new_kwargs,
+                                                                  **options)
+        grids = {records.launches[0].grid[1] for records in (contiguous_records, paged_records)}
+        if len(grids) == 1:  # the same launch over the same keys: bit for bit
+            assert np.array_equal(out_paged, out) and np.array_equal(lse_paged, lse)
+        else:  # a windowed GQA decode folds on contiguous caches only (their keys start at the window): rounding
+            assert grids == {shape[3], shape[2]} and "window_size" in options and shape[1] == 1
+            tol.check_close("out (paged)", out_paged, ref[0], low[0], tol.FORWARD_FACTOR, atol=atol)
+            tol.check_close("lse (paged)", lse_paged, ref[1], low[1], tol.FORWARD_FACTOR, atol=atol)
         for got, want in zip(kvcache_keys(k_paged, used, table), kvcache_keys(k_cache, used)):
             assert np.array_equal(got, want)
 
@@ -495,7 +503,7 @@ def test_cache_indexing_equals_the_call_on_relaid_caches(dtype, new, options, sp
     FA2's rule of the float64 reference."""
     rng = np.random.default_rng(21)
     dt = numpy_dtype(dtype)
-    batch, cache_batch, seqlen_q, nheads, nheads_k, headdim, capacity = 3, 5, 2, 4, 2, 40, 160
+    batch, cache_batch, seqlen_q, nheads, nheads_k, capacity = 3, 5, 2, 4, 2, 160
     q = rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(dt)
     k_cache, v_cache = (rng.standard_normal((cache_batch, capacity, nheads_k, headdim)).astype(dt) for _ in range(2))
     k_new, v_new = (rng.standard_normal((batch, new, nheads_k, headdim)).astype(dt) for _ in range(2))
@@ -529,3 +537,66 @@ def test_cache_indexing_equals_the_call_on_relaid_caches(dtype, new, options, sp
                      for d in (np.float64, dt)]
         tol.check_close("out", out, reference[0][0], reference[1][0], tol.FORWARD_FACTOR)
         tol.check_close("lse", lse, reference[0][1], reference[1][1], tol.FORWARD_FACTOR)
+
+
+@pytest.mark.parametrize("dtype, window_size, splits, indexing", [
+    ("float16", (30, 0), 1, None),               # sliding-window decode (Mistral, Gemma's local layers)
+    ("bfloat16", (100, -1), 3, "leftpad"),       # split-KV, keys past left padding
+    ("float32", (0, 0), 0, "batch_idx"),         # the row sees its own key only; cache rows named by cache_batch_idx
+    ("float16", (70, 0), 1, "chunk"),            # with chunks: keys from the later of the window's and the chunk's
+])
+def test_windowed_gqa_decode_folds_on_contiguous_caches(dtype, window_size, splits, indexing):
+    """A one-row GQA decode under a window's left bound runs folded (the group's heads as rows) with its keys starting
+    at the row's first visible key (cache_leftpad moved, no mask): the float64 reference's result, the K/V of each
+    kv head read once and only the window's keys."""
+    batch, nheads, nheads_k, headdim, capacity = 3, 8, 2, 64, 256
+    rng = np.random.default_rng(4)
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, 1, nheads, headdim)).astype(dt)
+    k_cache, v_cache = (rng.standard_normal((batch + 1, capacity, nheads_k, headdim)).astype(dt) for _ in range(2))
+    new_k, new_v = (rng.standard_normal((batch, 1, nheads_k, headdim)).astype(dt) for _ in range(2))
+    lengths = np.array([200, 17, 255], np.int32)
+    options = dict(window_size=window_size, causal=True, num_splits=splits)
+    reference_options = dict(window_size=window_size, causal=True)
+    if indexing == "leftpad":
+        options["cache_leftpad"] = reference_options["cache_leftpad"] = np.array([5, 0, 150], np.int32)
+    if indexing == "batch_idx":
+        options["cache_batch_idx"] = reference_options["cache_batch_idx"] = np.array([3, 0, 1], np.int32)
+    if indexing == "chunk":
+        options["attention_chunk"] = reference_options["attention_chunk"] = 64
+    if indexing != "batch_idx":
+        k_cache, v_cache = k_cache[:batch].copy(), v_cache[:batch].copy()
+    with sim.record() as records:
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=new_k, v=new_v, cache_seqlens=lengths,
+                                                  return_lse=True, **options)
+    assert records.launches[0].grid[1] == nheads_k  # folded: a Q block per kv head
+    ref, low = (attention_with_kvcache_reference(q, k_cache, v_cache, lengths + 1, dtype=d, **reference_options)
+                for d in (np.float64, q.dtype))
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+
+
+def test_windowed_decode_fold_reads_the_window_once_per_kv_head():
+    """Exact Q, K and V rows the folded windowed decode reads (head dims 56 and 40 apart, as in the split test
+    above): each kv head's window of keys once, where the unfolded decode read it once per query head."""
+    batch, nheads, nheads_k, capacity, window = 3, 4, 2, 192, 40
+    lengths = np.array([192, 150, 30], np.int32)
+
+    def forward_bytes(headdim, **options):
+        rng = np.random.default_rng(10)
+        q = rng.standard_normal((batch, 1, nheads, headdim)).astype(np.float16)
+        k_cache, v_cache = (rng.standard_normal((batch, capacity, nheads_k, headdim)).astype(np.float16)
+                            for _ in range(2))
+        with sim.record() as records:
+            cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=1,
+                                           window_size=(window, 0), **options)
+        return records.launches[0].global_bytes_read
+
+    def rows_read(**options):
+        return (forward_bytes(56, **options) - forward_bytes(40, **options)) // ((56 - 40) * 2)
+
+    keys = int(np.minimum(lengths, window + 1).sum())
+    assert rows_read() == 2 * keys * nheads_k + batch * nheads
+    # Unfolded (zero ALiBi slopes keep each query head its own Q block): the window once per query head.
+    unfolded = rows_read(alibi_slopes=np.zeros(nheads, np.float32))
+    assert unfolded >= 2 * keys * nheads + batch * nheads, unfolded

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from .. import _validation as V
 from .. import chunks, rotary
-from ..kernels.program import gqa_decode_fold
+from ..kernels.program import decode_window_left, gqa_decode_fold
+from ..mask import Mask, MaskPolicy
 from ._attention import _call_operands, _concrete, _forward_only, _int32_words, attention_varlen
 
 
@@ -93,6 +94,16 @@ def attention_with_kvcache(
         cache_leftpad = np.zeros(q.shape[0], np.int32)
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
+    # A one-row GQA decode under a window's left bound folds with its keys from the row's first visible one, as the
+    # NumPy function runs it (decode_window_left): then as left padding, and the call has no mask.
+    window_left = decode_window_left(dataclasses.replace(
+        V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=layout.capacity, causal=causal,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks),
+        mask=Mask.of(bool(causal), (int(window_size[0]), int(window_size[1])))))
+    call_causal, call_window = (causal, window_size) if window_left is None else (False, (-1, -1))
+    if window_left is not None and cache_leftpad is None:
+        cache_leftpad = np.zeros(q.shape[0], np.int32)
+        layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     if chunk and block_table is not None:
         chunks.check_pages(chunk, layout.page_size)
     table = None if block_table is None else _concrete(block_table)
@@ -127,6 +138,11 @@ def attention_with_kvcache(
                              f"sequence (a decode step: its chunk is its last key's), got {q.shape[1]}")
         first_keys = chunks.kvcache_chunk_starts(chunk, 1, V.kvcache_keys(
             jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad)), jnp)
+    if window_left is not None:  # the folded windowed decode's keys: from the row's first visible one
+        xp = np if lengths_known and leftpad_known else jnp
+        window_first = MaskPolicy.decode_first_key(window_left, V.kvcache_keys(
+            xp.asarray(used), xp.asarray(leftpad if xp is np else cache_leftpad)), xp)
+        first_keys = xp.maximum(first_keys, window_first)
     # The grid's extent: a bound on the longest sequence's keys where known (V.kvcache_key_extent: one static call
     # signature for many decode steps), else the capacity.
     if not lengths_known:
@@ -134,8 +150,8 @@ def attention_with_kvcache(
     else:
         longest = int((V.kvcache_keys(used, leftpad) - first_keys if leftpad_known else used).max(initial=0))
         seqlen_k = V.kvcache_key_extent(longest, layout.capacity)
-    problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=causal,
-                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=call_causal,
+                                window_size=call_window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
     with_rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, layout.capacity)
 
@@ -161,7 +177,7 @@ def attention_with_kvcache(
     if chunk and block_table is not None:  # keys from a page boundary on: pages dropped from the table
         block_table = chunks.pages_from(jnp.asarray(block_table), first_keys, layout.page_size, jnp)
         used = jnp.asarray(used) - first_keys
-    elif chunk:  # as left padding
+    elif chunk or window_left is not None:  # as left padding
         cache_leftpad = jnp.asarray(cache_leftpad) + first_keys
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))
     words += tuple(_int32_words(x) for x in (cache_batch_idx, cache_leftpad) if x is not None)

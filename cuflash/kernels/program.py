@@ -235,6 +235,18 @@ def gqa_decode_fold(problem: Problem) -> Problem | None:
     return dataclasses.replace(problem, seqlen_q=problem.group_size, nheads=problem.nheads_k, mask=Mask())
 
 
+def decode_window_left(problem: Problem) -> int | None:
+    """The window's left bound of a one-row decode over a contiguous KV cache that gqa_decode_fold refuses only for
+    that bound (None otherwise): the lone row sees keys max(0, keys - 1 - bound) .. keys - 1, so a call whose keys
+    start there (its cache_leftpad moved by the caller, MaskPolicy.decode_first_key) and that has no mask sees the
+    same keys, and folds. A paged cache's keys can start only at a page."""
+    if problem.page_size or problem.mask.window_left < 0:
+        return None
+    if gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
+        return None
+    return problem.mask.window_left
+
+
 # The widest V any kernel takes (the largest compiled head dim), and the widest the API takes: FA3's qk 64 / v 512
 # pair. A wider V runs as column chunks (value_column_chunks).
 MAX_KERNEL_HEADDIM_V = 256

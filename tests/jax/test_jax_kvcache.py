@@ -2,7 +2,8 @@
 
 * jit: out, lse and the updated caches are bit for bit what cuflash.attention_with_kvcache gives on NumPy arrays
   (the same Problem, the same kernels), over float32 and float16, contiguous caches and pages of 16 and 32 rows,
-  0, 1 and 3 new rows, MHA, GQA (the one-row decode fold included) and MQA, causal or not, a window with softcap,
+  0, 1 and 3 new rows, MHA, GQA (the one-row decode fold included, windowed too) and MQA, causal or not, a window
+  with softcap,
   and cache_seqlens as an int, None, a concrete array and a traced array (with a traced block_table);
 * the custom call solves the NumPy call's Problem (folded for a one-row GQA decode as NumPy folds it; traced
   lengths widen seqlen_k to the capacity), and traced lengths below the capacity still give NumPy's results;
@@ -95,6 +96,11 @@ CASES = {
         np.float32, 16, 2, 1, 4, 2, np.array([0, 30], np.int32), dict(window_size=(20, -1), softcap=2.0)),
     "f16-contiguous-decode-gqa-full-none": (
         np.float16, None, 1, 1, 4, 2, None, dict(causal=True)),
+    # A windowed one-row GQA decode folds on contiguous caches, its keys from the window's first (left padding).
+    "f16-contiguous-decode-gqa-window-fold-array": (
+        np.float16, None, 1, 1, 4, 2, np.array([50, 3], np.int32), dict(causal=True, window_size=(20, 0))),
+    "f32-contiguous-decode-gqa-window-fold-traced": (
+        np.float32, None, 1, 1, 4, 2, ("traced", [CAPACITY - 1, 30]), dict(window_size=(9, -1), num_splits=1)),
 }
 
 
