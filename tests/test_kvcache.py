@@ -265,25 +265,31 @@ def test_split_program_and_heuristic():
         plans.forward_program("fa2", problem, large).num_kv_splits
 
 
-def test_splits_read_every_key_once_and_the_fold_reads_kv_once_per_kv_head():
-    """Exact K/V and Q traffic of the forward launch. The simulator also counts every thread's reads of the cache
-    lengths, so the test takes the difference between head dims 56 and 40, which share tiles, loop structure and copy
-    paths (both run on the d64 instance below its compiled head dim, so neither takes the whole-tile K/V copies,
-    which read no length): only the bytes of Q, K and V rows grow, by (56 - 40) * 2 bytes per row read."""
-    batch, nheads, nheads_k, capacity = 3, 4, 2, 192
-    lengths = np.array([192, 150, 64], np.int32)  # 3, 3 and 1 K/V blocks of 64 keys (the d64 tile)
-
-    def forward_bytes(headdim, **options):
+def _decode_rows_read(lengths, nheads, nheads_k, capacity=192, **options):
+    """The Q, K and V rows a one-row decode's forward launch reads over caches of ``capacity`` rows, from its
+    traffic at head dims 56 and 40 (see the test below)."""
+    def forward_bytes(headdim):
         rng = np.random.default_rng(10)
-        q = rng.standard_normal((batch, 1, nheads, headdim)).astype(np.float16)
-        k_cache, v_cache = (rng.standard_normal((batch, capacity, nheads_k, headdim)).astype(np.float16)
+        q = rng.standard_normal((len(lengths), 1, nheads, headdim)).astype(np.float16)
+        k_cache, v_cache = (rng.standard_normal((len(lengths), capacity, nheads_k, headdim)).astype(np.float16)
                             for _ in range(2))
         with sim.record() as records:
             cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **options)
         return records.launches[0].global_bytes_read
 
-    def rows_read(**options):  # Q, K and V rows the forward launch reads
-        return (forward_bytes(56, **options) - forward_bytes(40, **options)) // ((56 - 40) * 2)
+    return (forward_bytes(56) - forward_bytes(40)) // ((56 - 40) * 2)
+
+
+def test_splits_read_every_key_once_and_the_fold_reads_kv_once_per_kv_head():
+    """Exact K/V and Q traffic of the forward launch. The simulator also counts every thread's reads of the cache
+    lengths, so the test takes the difference between head dims 56 and 40, which share tiles, loop structure and copy
+    paths (both run on the d64 instance below its compiled head dim, so neither takes the whole-tile K/V copies,
+    which read no length): only the bytes of Q, K and V rows grow, by (56 - 40) * 2 bytes per row read."""
+    batch, nheads, nheads_k = 3, 4, 2
+    lengths = np.array([192, 150, 64], np.int32)  # 3, 3 and 1 K/V blocks of 64 keys (the d64 tile)
+
+    def rows_read(**options):
+        return _decode_rows_read(lengths, nheads, nheads_k, **options)
 
     keys = int(lengths.sum())
     # Folded: every kv head's keys once, and each query head's row once (its group's rows in one Q block).
@@ -579,21 +585,11 @@ def test_windowed_gqa_decode_folds_on_contiguous_caches(dtype, window_size, spli
 def test_windowed_decode_fold_reads_the_window_once_per_kv_head():
     """Exact Q, K and V rows the folded windowed decode reads (head dims 56 and 40 apart, as in the split test
     above): each kv head's window of keys once, where the unfolded decode read it once per query head."""
-    batch, nheads, nheads_k, capacity, window = 3, 4, 2, 192, 40
+    batch, nheads, nheads_k, window = 3, 4, 2, 40
     lengths = np.array([192, 150, 30], np.int32)
 
-    def forward_bytes(headdim, **options):
-        rng = np.random.default_rng(10)
-        q = rng.standard_normal((batch, 1, nheads, headdim)).astype(np.float16)
-        k_cache, v_cache = (rng.standard_normal((batch, capacity, nheads_k, headdim)).astype(np.float16)
-                            for _ in range(2))
-        with sim.record() as records:
-            cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=1,
-                                           window_size=(window, 0), **options)
-        return records.launches[0].global_bytes_read
-
     def rows_read(**options):
-        return (forward_bytes(56, **options) - forward_bytes(40, **options)) // ((56 - 40) * 2)
+        return _decode_rows_read(lengths, nheads, nheads_k, num_splits=1, window_size=(window, 0), **options)
 
     keys = int(np.minimum(lengths, window + 1).sum())
     assert rows_read() == 2 * keys * nheads_k + batch * nheads
