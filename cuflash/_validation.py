@@ -238,6 +238,12 @@ def key_offsets_from_used(seqused_k: Any, block_table: Any, xp: Any = np) -> Any
     return xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(seqused_k, dtype=xp.int32)])
 
 
+def one_row_per_sequence(cu_seqlens_q: np.ndarray) -> bool:
+    """Whether a (checked host copy of) cu_seqlens_q gives every sequence exactly one query row: 0, 1, 2, ..."""
+    batch = cu_seqlens_q.shape[0] - 1
+    return bool(batch >= 1 and int(cu_seqlens_q[-1]) == batch and (np.diff(cu_seqlens_q) == 1).all())
+
+
 def paged_key_total(cu_seqlens_k: np.ndarray) -> int:
     """The total varlen_extents checks a paged call's cu_seqlens_k against: its own last entry (paged keys are no
     rows of k; check_cu_seqlens still refuses a malformed array)."""

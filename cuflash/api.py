@@ -645,8 +645,28 @@ def attention_varlen(
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
     if block_table is not None:
         V.check_paged_varlen_values(varlen.block_table, varlen.cu_seqlens_k, k.shape[0], k.shape[1])
+        if varlen.seqused_q is None and V.one_row_per_sequence(varlen.cu_seqlens_q):
+            return _paged_decode(placement, q, k, v, varlen, prepared, causal=causal, window_size=window_size,
+                                 softcap=softcap, algorithm=algorithm, **per_head)
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, per_head=per_head,
                     dropout_seed=dropout_seed, varlen=varlen)
+
+
+def _paged_decode(placement: Placement, q: Any, k_cache: Any, v_cache: Any, varlen: VarlenInputs,
+                  prepared: Prepared, **options: Any) -> Any:
+    """A checked paged varlen call with one query row per sequence (a decode step, vLLM's): attention_with_kvcache's
+    call over the same pages, (batch, 1, nheads, d), so that it runs as a KV-cache decode does (FA2's GQA fold, FA3's
+    pack_gqa: K and V read once per kv head; split-KV by the device's SMs), its out and lse laid out as varlen's.
+    ``options``: causal, window_size, softcap, algorithm, and the placed alibi_slopes and sinks."""
+    keys = varlen.seqused_k if varlen.seqused_k is not None else np.diff(varlen.cu_seqlens_k).astype(np.int32)
+    backend = placement.backend()
+    out, lse = attention_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=backend.upload(keys),
+                                      block_table=backend.upload(varlen.block_table), softmax_scale=prepared.scale,
+                                      return_lse=True, **options)
+    out = out[:, 0]
+    if not prepared.return_lse:
+        return placement.results(out)[0]
+    return placement.results(out, ascontiguous(lse[:, :, 0].T))  # (batch, nheads, 1) as varlen's (nheads, batch)
 
 
 def attention_varlen_backward(
@@ -741,10 +761,12 @@ def attention_with_kvcache(
                 if x is not None}
     names = ("q", "k_cache", "v_cache", *optional)
     placement, per_head = place(names, (q, k_cache, v_cache, *optional.values()), alibi_slopes, sinks)
-    # The caches are written in place: refuse read-only ones (a JAX array, a NumPy array with writeable=False)
-    # before anything is read or written, on every backend alike.
-    placement.check_writable(("k_cache", "v_cache"), "attention_with_kvcache",
-                             "for JAX arrays cuflash.jax.attention_with_kvcache, which returns the updated caches")
+    # New rows are written into the caches in place: then refuse read-only ones (a JAX array, a NumPy array with
+    # writeable=False) before anything is read or written, on every backend alike. Without new rows the caches are
+    # only read.
+    if k is not None:
+        placement.check_writable(("k_cache", "v_cache"), "attention_with_kvcache",
+                                 "for JAX arrays cuflash.jax.attention_with_kvcache, which returns the updated caches")
     if placement.foreign_type is not None:  # arrays imported through DLPack: the placed ones are others
         placed = dict(zip(names, placement.arrays))
         q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
@@ -1190,7 +1212,8 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
     first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows (seqused_k[b] where given) of the pages its row names, in
     order: cu_seqlens_k counts keys, not rows of k, and may be None when seqused_k gives them (FA3's and vLLM's
     call). No dropout. The table and each sequence's key count against its pages are checked on the host on every
-    call.
+    call. A decode step (one query row per sequence, no seqused_q) runs as attention_with_kvcache's decode over the
+    same pages: its GQA fold (K and V read once per kv head) and split-KV.
 
     Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
 """ + _OPTIONS_DOC

@@ -5,7 +5,8 @@ path): packed query rows, each sequence's keys in the pages its block_table row 
   (sm_80) and the Hopper forward (the simulator targeting sm_90) with pages that hold whole K/V blocks (TMA boxes)
   and pages that do not (the load path); causal, windows, softcap with ALiBi per sequence, sinks, seqused_k, GQA/MQA,
   head dims not a power of two, v's own head dim, zero-length sequences, rows that see no key.
-* A one-row-per-sequence call over GQA heads is not folded (its rows are packed, not (batch, 1)).
+* A decode step (one query row per sequence) runs as attention_with_kvcache's decode over the same pages (GQA fold,
+  split-KV), NumPy and JAX alike; the varlen kernels themselves never fold (packed rows are not (batch, 1)).
 * The paged call gives the unpaged varlen call's result over the same keys.
 * Chunks (attention_chunk, a multiple of the page size) over pages: each virtual batch's table row starts at its
   chunk's first page.
@@ -16,13 +17,16 @@ path): packed query rows, each sequence's keys in the pages its block_table row 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
 
 import cuflash
 from cuflash import _tolerance as tol
+from cuflash import _validation as V
 from cuflash import sim
+from cuflash.kernels.program import gqa_decode_fold
 from cuflash.reference import attention_varlen_reference
 from cuflash.testing import numpy_dtype
 
@@ -170,9 +174,9 @@ def test_chunks_over_pages(dtype, arch, page_size, chunk, window_size):
         cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, attention_chunk=page_size + 8)
 
 
-def test_one_row_per_sequence_over_gqa_heads_is_not_folded():
-    """A decode-shaped varlen call (a row per sequence): the KV cache's GQA fold views q as (batch, 1, heads, d),
-    which packed rows are not; the grid keeps its query heads."""
+def test_the_varlen_kernels_never_fold_gqa_rows():
+    """Packed rows are not (batch, 1): a varlen Problem never takes the KV cache's GQA fold, so a one-row-per-sequence
+    call that stays on the varlen kernels (here through seqused_q) keeps its query heads in the grid."""
     rng = np.random.default_rng(2)
     cu_q = np.arange(4, dtype=np.int32)
     cu_k = np.array([0, 50, 51, 180], np.int32)
@@ -181,9 +185,13 @@ def test_one_row_per_sequence_over_gqa_heads_is_not_folded():
     v = rng.standard_normal((180, 2, 64)).astype(np.float16)
     k_cache, table = paged_copy(k, cu_k, 32, rng)
     v_cache = _laid_out(v, cu_k, table, k_cache.shape[0], 32, rng)
+    problem = V.check_paged_varlen(q, k_cache, v_cache, table, cu_q, cu_k, max_seqlen_q=None, max_seqlen_k=None,
+                                   causal=True)
+    assert problem.varlen and problem.kvcache and gqa_decode_fold(problem) is None
+    assert gqa_decode_fold(dataclasses.replace(problem, total_q=None, total_k=None)) is not None
     with sim.record() as records:
         out, lse = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, causal=True,
-                                            return_lse=True)
+                                            seqused_q=np.ones(3, np.int32), return_lse=True)
     assert records.launches[0].grid[1] == 8, records.launches[0].grid
     ref = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True)
     low = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, dtype=q.dtype)
@@ -240,3 +248,41 @@ def test_cu_seqlens_k_may_be_none_when_seqused_k_counts_the_keys():
         cuflash.attention_varlen(q, k, v, cu_q, None, seqused_k=used)
     with pytest.raises(ValueError, match="cu_seqlens_k may be None only"):
         cuflash.attention_varlen(q, k_cache, v_cache, cu_q, None, block_table=table)
+
+
+@pytest.mark.parametrize("dtype, arch, options", [
+    ("float16", None, dict(causal=True)),
+    ("bfloat16", "sm_90", dict(softcap=4.0, window_size=(50, 0))),
+    ("float32", None, dict(alibi=True)),
+])
+def test_one_row_per_sequence_runs_as_a_kvcache_decode(dtype, arch, options):
+    """A decode step through the paged varlen call (vLLM's: one query row per sequence, cu_seqlens_q 0, 1, 2, ...)
+    runs as attention_with_kvcache's decode over the same pages (its GQA fold where exact, its split-KV), its out and
+    lse laid out as varlen's; JAX's call runs the same, bit for bit. Read-only caches are fine: nothing is written."""
+    rng = np.random.default_rng(12)
+    dt = numpy_dtype(dtype)
+    lengths_k = [50, 1, 181, 0, 77]
+    cu_q, cu_k = np.arange(6, dtype=np.int32), np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((5, 8, 64)).astype(dt)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 64)).astype(dt) for _ in range(2))
+    k_cache, table = paged_copy(k, cu_k, 64, rng)
+    v_cache = _laid_out(v, cu_k, table, k_cache.shape[0], 64, rng)
+    k_cache.flags.writeable = v_cache.flags.writeable = False
+    options = _options("softcap-alibi-causal" if options.pop("alibi", False) else "full", 5, 8) | options
+    with _targeting(arch), sim.record() as records:
+        out, lse = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, return_lse=True,
+                                            **options)
+    folded = "alibi_slopes" not in options and "window_size" not in options
+    assert records.launches[0].grid[1] == (2 if folded else 8), records.launches[0].grid
+    ref = attention_varlen_reference(q, k, v, cu_q, cu_k, **options)
+    low = attention_varlen_reference(q, k, v, cu_q, cu_k, dtype=q.dtype, **options)
+    atol = 4 * options.get("softcap", 0.0) * 2.0**-23  # the kernels' tanh (see test_varlen.py)
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR, atol=atol)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR, atol=atol)
+    jax = pytest.importorskip("jax")
+    import cuflash.jax as cfj
+
+    with _targeting(arch):
+        got = jax.jit(lambda q: cfj.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table,
+                                                     return_lse=True, **options))(q)
+    assert np.array_equal(np.asarray(got[0]), out) and np.array_equal(np.asarray(got[1]), lse)

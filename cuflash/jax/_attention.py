@@ -207,6 +207,18 @@ def attention_varlen(
         problem = make_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
                                seqused_k="seqused_k" in counts, **options)
+    if block_table is not None and seqused_q is None and concrete[0] is not None and \
+            V.one_row_per_sequence(concrete[0]):  # a decode step: as cuflash.attention_varlen runs it
+        from ._kvcache import attention_with_kvcache  # (it imports this module)
+
+        if seqused_k is None:  # concrete lengths stay concrete: the call's plan is then the NumPy call's
+            seqused_k = (np.diff(concrete[1]).astype(np.int32) if concrete[1] is not None else
+                         jnp.asarray(cu_seqlens_k)[1:] - jnp.asarray(cu_seqlens_k)[:-1])
+        out, lse, _, _ = attention_with_kvcache(
+            q[:, None], k, v, cache_seqlens=seqused_k, block_table=block_table, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            algorithm=algorithm, return_lse=True, sinks=sinks)
+        return (out[:, 0], lse[:, :, 0].T) if return_lse else out[:, 0]
     if block_table is not None:
         return _paged_varlen(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                              softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, algorithm=algorithm,

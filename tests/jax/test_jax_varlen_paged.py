@@ -65,7 +65,7 @@ def test_chunks_over_pages_equal_the_numpy_call():
     expected = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, **options)
     got = jax.jit(lambda q, a, b: cfj.attention_varlen(q, a, b, cu_q, cu_k, **options))(q, k_cache, v_cache)
     assert np.array_equal(np.asarray(got), expected)
-    with pytest.raises(ValueError, match="needs concrete cu_seqlens_q and cu_seqlens_k \\(and block_table\\)"):
+    with pytest.raises(ValueError, match="needs concrete cu_seqlens_q and cu_seqlens_k \\(and block_table"):
         jax.jit(lambda t: cfj.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, **dict(options, block_table=t)))(
             table)
 
