@@ -119,27 +119,14 @@ def varlen_batches(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, causal: A
     return virtual_batches(lengths, _mask(causal, window_size, chunk), used)
 
 
-def kvcache_chunk_starts(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> Any:
+def kvcache_chunks(chunk: int, seqlen_q: int, keys: Any, xp: Any = np) -> tuple[Any, Any]:
     """A KV-cache call's chunks: per sequence of ``keys`` keys (its cache rows in use past any left padding), the
-    first key of its rows' chunk, from which on the call with the window alone is the chunked one
-    (MaskPolicy.rows_chunk).
-    A ValueError where a sequence's rows span chunks (a prefill crossing a chunk's end; a decode step's one row never
-    does); ``xp`` jax.numpy for traced keys, which the caller checks by the row count instead."""
+    first key of its last row's chunk (MaskPolicy.rows_chunk), from which on the call with the window alone is the
+    chunked one where the rows lie in that chunk; and whether some sequence's rows span chunks (a prefill crossing a
+    chunk's end: the call then runs as varlen sequences, cache_as_varlen). ``xp`` jax.numpy for traced keys (then
+    the second result is traced too: callers with traced keys take one query row, which never spans)."""
     first, single = MaskPolicy.rows_chunk(chunk, seqlen_q, keys, xp)
-    if xp is np and not single.all():
-        b = int(np.argmin(single))
-        raise ValueError(f"attention_chunk with a KV cache needs each sequence's query rows within one chunk: "
-                         f"sequence {b}'s {seqlen_q} rows end at key {int(keys[b]) - 1} and start in the chunk "
-                         f"before (split the call at the chunk's end)")
-    return first
-
-
-def kvcache_chunks(chunk: int, seqlen_q: int, keys: np.ndarray) -> tuple[np.ndarray, bool]:
-    """A KV-cache call's chunks (host values): per sequence of ``keys`` keys, the first key of its last row's chunk
-    (MaskPolicy.rows_chunk), and whether some sequence's rows span chunks (a prefill crossing a chunk's end: the
-    call then runs as varlen sequences, cache_as_varlen, not with its keys shifted)."""
-    first, single = MaskPolicy.rows_chunk(chunk, seqlen_q, keys)
-    return first, not single.all()
+    return first, ~xp.all(single)
 
 
 def check_packed_view(k_cache: Any, v_cache: Any) -> None:

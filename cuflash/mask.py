@@ -212,6 +212,12 @@ class MaskPolicy:
         return segments
 
     @staticmethod
+    def lone_row_left_bound(mask: Mask) -> int | None:
+        """What hides keys from a lone last query row (a decode step): only a window's left bound (its right bound and
+        the causal mask end at the row's own key, the last); None without one."""
+        return mask.window_left if mask.window_left >= 0 and mask.chunk == 0 else None
+
+    @staticmethod
     def decode_first_key(window_left: int, keys: Any, xp: Any = np) -> Any:
         """The first key a lone query row sees under a window's left bound, per sequence of ``keys`` keys (an int
         array, NumPy's or jax.numpy's): its diagonal is the last key, keys - 1 (0 without a bound or a key)."""

@@ -136,8 +136,8 @@ def attention_with_kvcache(
         if q.shape[1] != 1:
             raise ValueError(f"attention_chunk with traced cache_seqlens or cache_leftpad needs one query row per "
                              f"sequence (a decode step: its chunk is its last key's), got {q.shape[1]}")
-        first_keys = chunks.kvcache_chunk_starts(chunk, 1, V.kvcache_keys(
-            jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad)), jnp)
+        first_keys = chunks.kvcache_chunks(chunk, 1, V.kvcache_keys(
+            jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad)), jnp)[0]
     if window_left is not None:  # the folded windowed decode's keys: from the row's first visible one
         xp = np if lengths_known and leftpad_known else jnp
         window_first = MaskPolicy.decode_first_key(window_left, V.kvcache_keys(

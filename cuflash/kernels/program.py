@@ -240,11 +240,10 @@ def decode_window_left(problem: Problem) -> int | None:
     that bound (None otherwise): the lone row sees keys max(0, keys - 1 - bound) .. keys - 1, so a call whose keys
     start there (its cache_leftpad moved by the caller, MaskPolicy.decode_first_key) and that has no mask sees the
     same keys, and folds. A paged cache's keys can start only at a page."""
-    if problem.page_size or problem.mask.window_left < 0:
+    bound = MaskPolicy.lone_row_left_bound(problem.mask)
+    if problem.page_size or bound is None or gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
         return None
-    if gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
-        return None
-    return problem.mask.window_left
+    return bound
 
 
 # The widest V any kernel takes (the largest compiled head dim), and the widest the API takes: FA3's qk 64 / v 512
