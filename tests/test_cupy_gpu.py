@@ -152,6 +152,15 @@ def test_gpu_varlen_over_a_paged_cache(dtype, page_size):
     low = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, dtype=dt)
     tol.check_close("out", cupy.asnumpy(out), ref[0], low[0], tol.FORWARD_FACTOR)
     tol.check_close("lse", cupy.asnumpy(lse), ref[1], low[1], tol.FORWARD_FACTOR)
+    # A decode step (a row per sequence, seqused_k counting the keys, no cu_seqlens_k: vLLM's call) runs as the KV
+    # cache's decode over the same pages.
+    decode_q, cu_one = q[:4], np.arange(5, dtype=np.int32)
+    out = cuflash.attention_varlen(cupy.asarray(decode_q), *(cupy.asarray(c) for c in caches), cupy.asarray(cu_one),
+                                   None, seqused_k=cupy.asarray(np.array(lengths_k, np.int32)), causal=True,
+                                   block_table=cupy.asarray(table))
+    ref = attention_varlen_reference(decode_q, k, v, cu_one, cu_k, causal=True)
+    low = attention_varlen_reference(decode_q, k, v, cu_one, cu_k, causal=True, dtype=dt)
+    tol.check_close("decode out", cupy.asnumpy(out), ref[0], low[0], tol.FORWARD_FACTOR)
 
 
 @pytest.mark.parametrize("dtype, pair", [("bfloat16", (192, 128)), ("float16", (160, 64)), ("float16", (64, 512)),
