@@ -138,7 +138,8 @@ def attention_varlen(
 
     ``block_table`` as for the NumPy function (k and v paged caches, cu_seqlens_k None with seqused_k; a forward:
     differentiating it raises a TypeError); traced tables and cu_seqlens are taken on trust, as
-    attention_with_kvcache takes them.
+    attention_with_kvcache takes them. A decode step (one query row per sequence, concrete cu_seqlens_q) runs as
+    attention_with_kvcache's decode, as the NumPy function runs it.
     """
     if cu_seqlens_k is None:  # keys in pages counted by seqused_k alone (FA3's, vLLM's call)
         used_k = None if seqused_k is None else _concrete(seqused_k)
