@@ -210,7 +210,9 @@ def attention_varlen(
                                seqused_k="seqused_k" in counts, **options)
     if block_table is not None and seqused_q is None and concrete[0] is not None and \
             V.one_row_per_sequence(concrete[0]):  # a decode step: as cuflash.attention_varlen runs it
-        from ._kvcache import attention_with_kvcache  # (it imports this module)
+        # The public function, looked up when called: _kvcache imports this module (its prefills across chunks run
+        # attention_varlen), so the two call each other through the package, never import each other.
+        from . import attention_with_kvcache
 
         if seqused_k is None:  # concrete lengths stay concrete: the call's plan is then the NumPy call's
             seqused_k = (np.diff(concrete[1]).astype(np.int32) if concrete[1] is not None else
