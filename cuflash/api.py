@@ -888,9 +888,13 @@ def _kvcache_as_varlen(backend: Any, q: Any, k_cache: Any, v_cache: Any, used: n
         out, lse = attention_varlen(_rows_packed(q), keys, values, backend.upload(cu_q), backend.upload(cu_k),
                                     block_table=None if table is None else backend.upload(table),
                                     attention_chunk=chunk, alibi_slopes=alibi_slopes, return_lse=True, **options)
-    # varlen's (nheads, batch * seqlen_q) as (batch, nheads, seqlen_q)
-    return (out.reshape(batch, seqlen_q, nheads, out.shape[-1]),
-            ascontiguous(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)))
+    return out.reshape(batch, seqlen_q, nheads, out.shape[-1]), _fixed_length_lse(lse, batch, seqlen_q)
+
+
+def _fixed_length_lse(lse: Any, batch: int, seqlen_q: int) -> Any:
+    """A varlen call's lse, (nheads, batch * seqlen_q) over rows packed from a (batch, seqlen_q) layout, as a
+    fixed-length call's (batch, nheads, seqlen_q): one transposed copy."""
+    return ascontiguous(lse.reshape(lse.shape[0], batch, seqlen_q).transpose(1, 0, 2))
 
 
 def _packed_gradients(like: tuple[Any, ...], parts: tuple[int, ...]) -> Callable:
@@ -1005,8 +1009,7 @@ def _chunked_forward(q: Any, k: Any, v: Any, *, chunk: int, causal: Any, softmax
     out = out.reshape(batch, seqlen_q, nheads, out.shape[-1])
     if not return_lse:
         return placement.results(out)[0]
-    # varlen's (nheads, batch * seqlen_q) as (batch, nheads, seqlen_q)
-    lse = ascontiguous(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2))
+    lse = _fixed_length_lse(lse, batch, seqlen_q)
     return placement.results(out, lse)
 
 
