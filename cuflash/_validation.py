@@ -241,7 +241,11 @@ def key_offsets_from_used(seqused_k: Any, block_table: Any, xp: Any = np) -> Any
 def one_row_per_sequence(cu_seqlens_q: np.ndarray) -> bool:
     """Whether a (checked host copy of) cu_seqlens_q gives every sequence exactly one query row: 0, 1, 2, ..."""
     batch = cu_seqlens_q.shape[0] - 1
-    return bool(batch >= 1 and int(cu_seqlens_q[-1]) == batch and (np.diff(cu_seqlens_q) == 1).all())
+    if batch < 1 or int(cu_seqlens_q[-1]) != batch:
+        return False
+    if batch < _SMALL_ARRAY:  # a decode's few sequences: a list's comparison, without NumPy's per-call overhead
+        return cu_seqlens_q.tolist() == list(range(batch + 1))
+    return bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).all())
 
 
 def paged_key_total(cu_seqlens_k: np.ndarray) -> int:
@@ -256,8 +260,9 @@ def check_paged_varlen_values(block_table: np.ndarray, cu_seqlens_k: np.ndarray,
     keys fit in its pages."""
     check_block_table_values(block_table, num_pages)
     capacity = block_table.shape[1] * page_size
-    lengths = np.diff(cu_seqlens_k.astype(np.int64))
-    if lengths.size and lengths.max() > capacity:
+    wide = cu_seqlens_k.astype(np.int64)
+    lengths = wide[1:] - wide[:-1]  # np.diff's, without its Python overhead per call
+    if lengths.size and min_max(lengths)[1] > capacity:
         b = int(np.argmax(lengths))
         raise ValueError(f"sequence {b} has {int(lengths[b])} keys (cu_seqlens_k), more than its "
                          f"{block_table.shape[1]} pages of block_table hold ({capacity} rows)")

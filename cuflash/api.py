@@ -653,16 +653,20 @@ def attention_varlen(
 
 
 def _paged_decode(placement: Placement, q: Any, k_cache: Any, v_cache: Any, varlen: VarlenInputs,
-                  prepared: Prepared, **options: Any) -> Any:
+                  prepared: Prepared, *, causal: Any, window_size: Any, softcap: Any, algorithm: Any,
+                  **per_head: Any) -> Any:
     """A checked paged varlen call with one query row per sequence (a decode step, vLLM's): attention_with_kvcache's
     call over the same pages, (batch, 1, nheads, d), so that it runs as a KV-cache decode does (FA2's GQA fold, FA3's
     pack_gqa: K and V read once per kv head; split-KV by the device's SMs), its out and lse laid out as varlen's.
-    ``options``: causal, window_size, softcap, algorithm, and the placed alibi_slopes and sinks."""
+    The KV-cache body takes the varlen call's host copies of the keys in use and of the block table (no upload, no
+    copy back: on a GPU neither waits for the device), keyed by the varlen call's placement under an entry of its
+    own. ``per_head``: the placed alibi_slopes and sinks."""
     keys = varlen.seqused_k if varlen.seqused_k is not None else np.diff(varlen.cu_seqlens_k).astype(np.int32)
-    backend = placement.backend()
-    out, lse = attention_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=backend.upload(keys),
-                                      block_table=backend.upload(varlen.block_table), softmax_scale=prepared.scale,
-                                      return_lse=True, **options)
+    out, lse = _kvcache_forward(
+        "attention_varlen decode step", placement.unexported(), per_head, q[:, None], k_cache, v_cache, None, None,
+        keys, varlen.block_table, None, None, None, None, seqlens_type=np.ndarray, causal=causal,
+        softmax_scale=prepared.scale, window_size=window_size, softcap=softcap, num_splits=0, algorithm=algorithm,
+        return_lse=True, rotary_interleaved=False, chunk=0)
     out = out[:, 0]
     if not prepared.return_lse:
         return placement.results(out)[0]
@@ -771,11 +775,29 @@ def attention_with_kvcache(
         placed = dict(zip(names, placement.arrays))
         q, k_cache, v_cache = placed["q"], placed["k_cache"], placed["v_cache"]
         optional = {name: placed[name] for name in optional}
-    k, v = optional.get("k"), optional.get("v")
     table = host_copy(optional["block_table"]) if "block_table" in optional else None
     lengths = host_copy(optional["cache_seqlens"]) if "cache_seqlens" in optional else cache_seqlens
     index = host_copy(optional["cache_batch_idx"]) if "cache_batch_idx" in optional else None
     leftpad = host_copy(optional["cache_leftpad"]) if "cache_leftpad" in optional else None
+    return _kvcache_forward(
+        "attention_with_kvcache", placement, per_head, q, k_cache, v_cache, optional.get("k"), optional.get("v"),
+        lengths, table, index, leftpad, optional.get("rotary_cos"), optional.get("rotary_sin"),
+        seqlens_type=type(cache_seqlens), causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, num_splits=num_splits, algorithm=algorithm, return_lse=return_lse,
+        rotary_interleaved=rotary_interleaved, chunk=chunk)
+
+
+def _kvcache_forward(entry: str, placement: Placement, per_head: dict[str, Any], q: Any, k_cache: Any, v_cache: Any,
+                     k: Any, v: Any, lengths: Any, table: np.ndarray | None, index: np.ndarray | None,
+                     leftpad: np.ndarray | None, rotary_cos: Any, rotary_sin: Any, *, seqlens_type: type, causal: Any,
+                     softmax_scale: Any, window_size: Any, softcap: Any, num_splits: Any, algorithm: Any,
+                     return_lse: Any, rotary_interleaved: Any, chunk: int) -> Any:
+    """attention_with_kvcache's body, from its placed arrays and the host copies of its integer inputs (``lengths``:
+    cache_seqlens, an int or an array; ``table``: block_table; ``index``: cache_batch_idx; ``leftpad``:
+    cache_leftpad), unchecked: every check of the public call but the placement's runs here. ``entry`` and
+    ``placement`` key the prepared call (call_key): a caller that already holds the host copies (the paged varlen
+    call's decode step) passes its own entry name and placement, whose signature fixes every shape checked here, so
+    the integer inputs are neither uploaded nor copied back again."""
 
     def prepare() -> KVCachePrepared:
         # Keys that start past row 0 for the call (as left padding on contiguous caches, which the plan then reads,
@@ -808,14 +830,13 @@ def attention_with_kvcache(
                                                  moved_leftpad if chunk or window_left is not None else leftpad)
         if chunk and table is not None:
             chunks.check_pages(chunk, prepared.layout.page_size)
-        prepared.rotary = rotary.check_rotary(optional.get("rotary_cos"), optional.get("rotary_sin"),
-                                              rotary_interleaved, q, k, prepared.layout.capacity)
+        prepared.rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k,
+                                              prepared.layout.capacity)
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
-    prepared = _prepared(call_key("attention_with_kvcache", placement, window_size, type(cache_seqlens), causal,
-                                  softmax_scale, softcap, num_splits, algorithm, return_lse, rotary_interleaved, chunk),
-                         prepare)
+    prepared = _prepared(call_key(entry, placement, window_size, seqlens_type, causal, softmax_scale, softcap, num_splits,
+                                  algorithm, return_lse, rotary_interleaved, chunk), prepare)
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)
@@ -831,8 +852,8 @@ def attention_with_kvcache(
             chunks.check_cache_rows_in_order(index)
     if prepared.rotary:  # q and the new rows, at their key positions (rotary.py); every check is behind us
         first_new = V.kvcache_keys(used, leftpad) - k.shape[1]
-        q, k = _rotated(placement.backend(), q, k, optional["rotary_cos"], optional["rotary_sin"], first_new,
-                        rotary_interleaved, rotary.query_rows_apart(causal, window_size, chunk))
+        q, k = _rotated(placement.backend(), q, k, rotary_cos, rotary_sin, first_new, rotary_interleaved,
+                        rotary.query_rows_apart(causal, window_size, chunk))
     if k is not None and k.shape[1]:
         _append(k_cache, v_cache, k, v, starts, table, index)  # every check is behind us: now write
     if spanning:

@@ -11,6 +11,7 @@ import pytest
 import cuflash
 from cuflash import _validation as V
 from cuflash import api, sim
+from cuflash.backends.simulator import SimulatorBackend
 from cuflash.benchmarks import host
 from cuflash.kernels import plans
 
@@ -419,7 +420,35 @@ def _yardstick() -> int:
 # (before the cheaper call keys, addresses, allocation and renewal of scratch: 43 and 1.5, 64 and 2.1, 59 and 2.8;
 # before this bound covered them: 52 and 1.9, 75 and 2.9, 75 and 3.85); the host path before Prepared calls took
 # about 730 calls and 14 yardsticks for the KV-cache row.
-WARM_DECODE_BOUNDS = {"attention": (45, 1.6), "attention_varlen": (70, 2.5), "attention_with_kvcache": (60, 3.2)}
+# The paged varlen decode step (its varlen checks, then the KV-cache decode's body): 97 and 4.4 (109 and 5.2 before
+# the body took the varlen call's host copies).
+WARM_DECODE_BOUNDS = {"attention": (45, 1.6), "attention_varlen": (70, 2.5), "attention_with_kvcache": (60, 3.2),
+                      "attention_varlen paged": (140, 6.5)}
+
+
+def test_a_paged_varlen_decode_step_moves_each_integer_input_once(monkeypatch):
+    """The decode step of a paged varlen call (attention_varlen with one row per sequence, run as the KV-cache
+    decode): its integer inputs (cu_seqlens_q, seqused_k, block_table) are copied to the host once, by the varlen
+    checks, and only what the kernel reads is uploaded (the keys in use and the table), not those copies uploaded for
+    the KV-cache call to copy back again (on a GPU each copy back waits for the device)."""
+    moved = {"host copies": 0, "uploads": 0}
+    copy_to_host, upload = api.host_copy, SimulatorBackend.upload
+
+    def counted_copy(array):
+        moved["host copies"] += 1
+        return copy_to_host(array)
+
+    def counted_upload(self, array):
+        moved["uploads"] += 1
+        return upload(self, array)
+
+    with host.launches_do_nothing():
+        case = next(c for c in host.decode_cases(repeats=1) if c.call == "attention_varlen paged")
+        case.run()
+        monkeypatch.setattr(api, "host_copy", counted_copy)
+        monkeypatch.setattr(SimulatorBackend, "upload", counted_upload)
+        case.run()
+    assert moved == {"host copies": 3, "uploads": 2}
 
 
 @pytest.mark.parametrize("call", sorted(WARM_DECODE_BOUNDS))

@@ -7,7 +7,8 @@ allocation, validation, planning and packing all still run and only the kernels 
 
 Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
-int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended), and the first three
+int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended; ``attention_varlen paged``:
+the same keys in pages of 256 rows read by a paged varlen decode step, vLLM's call), and the first three
 at a training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
 nothing of that call cached yet), the median of warm calls after a warm-up (wall clock, and the thread's CPU time,
 which a loaded machine inflates less), the median of uncached calls (the API's prepared calls forgotten before
@@ -38,6 +39,7 @@ BACKEND_LABEL = BACKEND_LABELS["simulator"]
 PROFILE_TOP = 30  # rows of the cProfile table (--profile)
 
 DECODE = dict(batch=1, nheads=32, nheads_k=8, headdim=128, cached_keys=4096)
+PAGE_SIZE = 256  # the paged decode row's pages (FA2 takes multiples of 256; vLLM's default is 16)
 TRAINING = dict(batch=4, seqlen=2048, nheads=32, nheads_k=8, headdim=128)
 
 
@@ -101,8 +103,15 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     # made beforehand, so the row times cuflash alone), then starts over. A decode's seqlen_k grows every step; the
     # plan serves a range of it (V.kvcache_key_extent), and the row shows what a real decode step costs.
     lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
-    q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new = (
-        place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new))
+    # The same keys in pages of PAGE_SIZE rows, read by a paged varlen decode step (vLLM's: packed query rows, keys
+    # counted by seqused_k, no cu_seqlens_k), its keys in use growing a row per call as the KV-cache row's.
+    pages = n // PAGE_SIZE
+    table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
+    k_pages, v_pages = (x.reshape(b * pages, PAGE_SIZE, hk, d) for x in (k, v))
+    paged_lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+    q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, k_pages, v_pages, table = (
+        place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, k_pages, v_pages,
+                           table))
     shape = f"batch {b}, seqlen_q 1, heads {h}/{hk}, d {d}, keys {n}, float16, causal"
     return [
         Case("attention", shape, lambda: cuflash.attention(q, k, v, causal=True), repeats),
@@ -113,6 +122,10 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
         Case("attention_with_kvcache", shape + ", cache_seqlens int32 array growing a row per call, 1 new k/v row",
              lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                                                     cache_seqlens=next(lengths), causal=True), repeats),
+        Case("attention_varlen paged", shape + f", pages of {PAGE_SIZE} rows, seqused_k growing a row per call",
+             lambda: cuflash.attention_varlen(q[:, 0], k_pages, v_pages, cu_q, None, max_seqlen_q=1, max_seqlen_k=n,
+                                              seqused_k=next(paged_lengths), block_table=table, causal=True),
+             repeats),
     ]
 
 
