@@ -835,8 +835,8 @@ def _kvcache_forward(entry: str, placement: Placement, per_head: dict[str, Any],
         return prepared
 
     # An int cache_seqlens is a value like an array's: only its type is part of the signature.
-    prepared = _prepared(call_key(entry, placement, window_size, seqlens_type, causal, softmax_scale, softcap, num_splits,
-                                  algorithm, return_lse, rotary_interleaved, chunk), prepare)
+    prepared = _prepared(call_key(entry, placement, window_size, seqlens_type, causal, softmax_scale, softcap,
+                                  num_splits, algorithm, return_lse, rotary_interleaved, chunk), prepare)
     layout = prepared.layout
     if table is not None:
         V.check_block_table_values(table, layout.num_pages)

@@ -7,12 +7,13 @@ allocation, validation, planning and packing all still run and only the kernels 
 
 Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
-int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended; ``attention_varlen paged``:
-the same keys in pages of 256 rows read by a paged varlen decode step, vLLM's call), and the first three
-at a training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first call of its signature (cold:
-nothing of that call cached yet), the median of warm calls after a warm-up (wall clock, and the thread's CPU time,
-which a loaded machine inflates less), the median of uncached calls (the API's prepared calls forgotten before
-each: a new signature in a warm process); and the Python function calls a warm call makes (counted with sys.setprofile).
+int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended; ``attention_varlen
+paged``: the same keys in pages of 256 rows read by a paged varlen decode step, vLLM's call), and the first three at a
+training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first
+call of its signature (cold: nothing of that call cached yet), the median of warm calls after a warm-up (wall clock,
+and the thread's CPU time, which a loaded machine inflates less), the median of uncached calls (the API's prepared
+calls forgotten before each: a new signature in a warm process); and the Python function calls a warm call makes
+(counted with sys.setprofile).
 """
 
 from __future__ import annotations
