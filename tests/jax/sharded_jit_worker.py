@@ -20,7 +20,9 @@ import jax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
+from cuflash.jax._ffi import record_launches  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 # name: (spec of the (batch, seq, heads, d) tensors, spec of lse-shaped (batch, heads, seq) ones)
@@ -62,6 +64,48 @@ def compare_close(step, args, want) -> dict:
         "gathered": re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? all-gather\(", hlo),
         "shardings": [str(x.sharding.spec) for x in got],
     }
+
+
+def compare_paged_varlen(mesh, nheads: int, nheads_k: int, headdim: int) -> dict:
+    """attention_varlen over a paged KV cache (block_table, forward only) under jit, as tensor-parallel serving shards
+    it: q's heads and the pages' kv heads split over "model" (GQA: whole groups), the pages' own axes and the block
+    table (traced, like a server's) whole. A prefill (several query rows per sequence) and a decode step (one row
+    each, which runs as attention_with_kvcache's folded GQA decode). Per case: compare_sharded against the unsharded
+    call, whether that call is bitwise the NumPy cuflash.attention_varlen, and whether a split-KV combine ran.
+
+    8 pages of 16 rows per sequence: the decode's split-KV heuristic then gives the whole call and each device's
+    (with a quarter of its heads) the same 2 splits. On longer caches a device's smaller grid can take more splits,
+    and its results are then the unsharded ones only up to rounding (attention_varlen has no num_splits to pin)."""
+    rng = np.random.default_rng(9)
+    batch, page_size, pages_per_sequence = 4, 16, 8
+    num_pages = batch * pages_per_sequence + 3  # spare pages no sequence reads
+    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, nheads_k, headdim)).astype(np.float32)
+                        for _ in range(2))
+    table = rng.permutation(num_pages)[: batch * pages_per_sequence].astype(np.int32).reshape(batch, -1)
+    lengths_k = np.array([80, 14, 122, 40], np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    heads = NamedSharding(mesh, P(None, "model"))
+    pages = NamedSharding(mesh, P(None, None, "model"))
+    results = {}
+    for name, lengths_q in (("prefill", [5, 1, 26, 4]), ("decode", [1, 1, 1, 1])):
+        cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+        q = rng.standard_normal((cu_q[-1], nheads, headdim)).astype(np.float32)
+        options = dict(causal=True, softcap=4.0, return_lse=True)
+
+        def step(q, k_pages, v_pages, table, cu_q=cu_q, options=options, max_seqlen_q=max(lengths_q)):
+            return cfj.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=int(lengths_k.max()), **options)
+
+        plain = jax.jit(step)(q, k_pages, v_pages, table)
+        numpy_results = cuflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table, **options)
+        args = [jax.device_put(q, heads), jax.device_put(k_pages, pages), jax.device_put(v_pages, pages),
+                jax.device_put(table, NamedSharding(mesh, P()))]
+        with record_launches() as launches:
+            case = compare_sharded(step, args, plain)
+        case["numpy_bitwise"] = [bool(np.array_equal(np.asarray(a), b)) for a, b in zip(plain, numpy_results)]
+        case["split_kv"] = any("combine" in launch.kernel for launch in launches)
+        results[f"varlen paged {name}"] = case
+    return results
 
 
 def main() -> None:
@@ -222,6 +266,8 @@ def main() -> None:
         args = [jax.device_put(q_new, tensor)] + [jax.device_put(c, heads) for c in indexed]
         args += [jax.device_put(x, tensor) for x in (k_new, v_new)]
         results[f"{axis_type.name}:kvcache indexed"] = compare_sharded(indexed_decode, args, plain)
+        results.update({f"{axis_type.name}:{name}": case
+                        for name, case in compare_paged_varlen(mesh, nheads, nheads_k, headdim).items()})
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

@@ -57,8 +57,7 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
     the lse's cotangent; with dropout, also under vmap; for MHA and MQA; varlen calls along heads (with used
-    prefixes); KV-cache calls,
-    forward only).
+    prefixes); KV-cache calls and varlen calls over a paged cache (a prefill and a decode step), forward only).
     A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the same results; a
     causal one without runs as ring attention."""
     results = run_worker("sharded_jit_worker.py")
@@ -70,7 +69,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "kvcache paged rows=1", "kvcache paged rows=3", "vmap dropout",
                                          "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads",
                                          "kvcache indexed", "headdim_v batch+heads",
-                                         "headdim_v wide batch+heads")}
+                                         "headdim_v wide batch+heads", "varlen paged prefill",
+                                         "varlen paged decode")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -143,6 +143,17 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
         # any), the call still one per device, the results the unsharded call's bit for bit.
         case = results.pop(f"{mode}:kvcache indexed")
         assert case["bitwise"] == [True] * 4 and case["custom_calls"] == 1, (mode, case)
+        # Varlen over a paged KV cache, q's heads and the pages' kv heads split, the pages and the block table whole:
+        # a prefill and a decode step (run as attention_with_kvcache's), each one forward call per device, no
+        # collective (the pages never gathered), out and lse sharded along the heads and bitwise the unsharded call's,
+        # itself bitwise the NumPy call's. The decode ran split-KV on the shards (its combine kernel launched), each
+        # device splitting its keys as the whole call does at these cache lengths (see compare_paged_varlen).
+        for step in ("prefill", "decode"):
+            case = results.pop(f"{mode}:varlen paged {step}")
+            assert case["bitwise"] == [True] * 2 and case["numpy_bitwise"] == [True] * 2, (mode, step, case)
+            assert case["collectives"] == [] and case["custom_calls"] == 1, (mode, step, case)
+            assert case["shardings"] == ["P(None, 'model')", "P('model',)"], (mode, step, case)
+            assert case["split_kv"] == (step == "decode"), (mode, step, case)
         # Varlen with its heads sharded (tensor parallelism): per-device calls on the kv heads, no collective.
         for p in ("0.0", "0.25"):
             case = results.pop(f"{mode}:varlen heads p={p}")
