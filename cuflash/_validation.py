@@ -548,7 +548,9 @@ class KVCacheLayout:
     num_pages: int  # pages of the caches (paged only)
     cache_batch: int = 0  # rows of the caches' batch (contiguous only)
     cache_batch_idx: bool = False  # sequence b reads cache row cache_batch_idx[b] (contiguous only)
-    cache_leftpad: bool = False  # sequence b's keys start at cache row cache_leftpad[b] (contiguous only)
+    # Sequence b's keys start at cache row cache_leftpad[b]: the user's, contiguous caches only; a paged cache's are
+    # a folded windowed decode's (chunks.paged_keys_from).
+    cache_leftpad: bool = False
 
 
 def check_kvcache_shapes(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, block_table: Any,

@@ -818,6 +818,8 @@ def _kvcache_forward(entry: str, placement: Placement, per_head: dict[str, Any],
         if window_left is not None:
             call_causal, call_window = False, (-1, -1)
             problem = checked(moved_leftpad, call_causal, call_window)
+            if table is not None:  # a paged cache's keys from inside a page: its cache_leftpad (paged_keys_from)
+                problem = dataclasses.replace(problem, cache_leftpad=True)
         problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
@@ -868,7 +870,10 @@ def _kvcache_forward(entry: str, placement: Placement, per_head: dict[str, Any],
         if table is None:
             leftpad = (first_keys if leftpad is None else leftpad + first_keys).astype(np.int32)
         else:
-            table, used = chunks.pages_from(table, first_keys, layout.page_size), (used - first_keys).astype(np.int32)
+            table, used, in_page = chunks.paged_keys_from(table, used, first_keys, layout.page_size)
+            used = used.astype(np.int32)
+            if prepared.window_left is not None:  # (else chunks alone: their first keys start pages)
+                leftpad = in_page.astype(np.int32)
     if leftpad is not None or first_keys is not None:  # the keys start past row 0 (longest counts from it)
         keys = V.kvcache_keys(used, leftpad)
         longest = V.min_max(keys)[1] if keys.size else 0

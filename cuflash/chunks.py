@@ -197,6 +197,15 @@ def pages_from(table: Any, first_keys: Any, page_size: int, xp: Any = np) -> Any
     return xp.take_along_axis(table, columns.astype(table.dtype), axis=1)
 
 
+def paged_keys_from(table: Any, used: Any, first_keys: Any, page_size: int, xp: Any = np) -> tuple[Any, Any, Any]:
+    """A paged cache's sequences from their key first_keys[b] on, any row (a folded windowed decode's first visible
+    key; a chunk's first key, a page boundary): (block table, keys in use, left padding) with the pages before that
+    key's page dropped (pages_from), the keys in use counted from the new first page, and that key's row in it as
+    the left padding (block_info.cuh: a paged cache's cache_leftpad), 0 where first_keys are page boundaries."""
+    dropped = first_keys // page_size * page_size
+    return pages_from(table, dropped, page_size, xp), used - dropped, first_keys - dropped
+
+
 def segment_pages(table: np.ndarray, cu_seqlens_k: np.ndarray, batches: VirtualBatches, page_size: int) -> np.ndarray:
     """A paged varlen call's block table for its virtual batches (host copies): each segment's row is its sequence's,
     moved to the page of the segment's first key (a chunk's first key: a page boundary, check_pages)."""

@@ -265,14 +265,19 @@ def test_split_program_and_heuristic():
         plans.forward_program("fa2", problem, large).num_kv_splits
 
 
-def _decode_rows_read(lengths, nheads, nheads_k, capacity=192, **options):
-    """The Q, K and V rows a one-row decode's forward launch reads over caches of ``capacity`` rows, from its
-    traffic at head dims 56 and 40 (see the test below)."""
+def _decode_rows_read(lengths, nheads, nheads_k, capacity=192, page=None, **options):
+    """The Q, K and V rows a one-row decode's forward launch reads over caches of ``capacity`` rows (contiguous, or
+    in pages of ``page`` rows), from its traffic at head dims 56 and 40 (see the test below; the block table's reads
+    are the same at both)."""
     def forward_bytes(headdim):
         rng = np.random.default_rng(10)
         q = rng.standard_normal((len(lengths), 1, nheads, headdim)).astype(np.float16)
         k_cache, v_cache = (rng.standard_normal((len(lengths), capacity, nheads_k, headdim)).astype(np.float16)
                             for _ in range(2))
+        if page is not None:
+            table = np.arange(len(lengths) * capacity // page, dtype=np.int32).reshape(len(lengths), -1)
+            k_cache, v_cache = (_paged(c, table, page) for c in (k_cache, v_cache))
+            options["block_table"] = table
         with sim.record() as records:
             cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **options)
         return records.launches[0].global_bytes_read
@@ -582,6 +587,56 @@ def test_windowed_gqa_decode_folds_on_contiguous_caches(dtype, window_size, spli
     tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
 
 
+def _paged(cache, table, page, spare_pages=2, seed=9):
+    """Contiguous caches' rows laid into shuffled pages of ``page`` rows (table: sequence b's pages)."""
+    batch, capacity = cache.shape[:2]
+    pages = np.random.default_rng(seed).standard_normal((table.size + spare_pages, page, *cache.shape[2:]))
+    pages = pages.astype(cache.dtype)
+    for b in range(batch):
+        for i in range(table.shape[1]):
+            rows = cache[b, i * page:(i + 1) * page]
+            pages[table[b, i], :len(rows)] = rows
+    return pages
+
+
+@pytest.mark.parametrize("dtype, window_size, splits, page, target, chunk", [
+    ("float16", (150, 0), 1, 128, None, 0),     # mma.sync: pages of whole K/V blocks, keys from inside a page
+    ("bfloat16", (100, -1), 3, 16, None, 0),    # split-KV over pages smaller than a block
+    ("float32", (0, 0), 0, 48, None, 0),        # SIMT; the row sees its own key only
+    ("float16", (200, 0), 2, 128, "sm_90", 0),  # the Hopper forward: the load path (a TMA box reads one page)
+    ("bfloat16", (30, 0), 1, 32, None, 64),     # chunks too: keys from the later of the window's and the chunk's
+])
+def test_windowed_gqa_decode_folds_on_paged_caches(dtype, window_size, splits, page, target, chunk):
+    """A paged cache's windowed GQA decode folds too: the pages before the row's first visible key are dropped from
+    the table and its row in its page is the call's cache_leftpad (chunks.paged_keys_from). The float64 reference's
+    result, each kv head's pages read once, and bit for bit the contiguous caches' folded call."""
+    batch, nheads, nheads_k, headdim, capacity = 3, 8, 2, 64, 256
+    rng = np.random.default_rng(5)
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((batch, 1, nheads, headdim)).astype(dt)
+    k_cache, v_cache = (rng.standard_normal((batch, capacity, nheads_k, headdim)).astype(dt) for _ in range(2))
+    new_k, new_v = (rng.standard_normal((batch, 1, nheads_k, headdim)).astype(dt) for _ in range(2))
+    lengths = np.array([200, 17, 255], np.int32)
+    per_sequence = -(-capacity // page)
+    table = rng.permutation(batch * per_sequence + 2)[:batch * per_sequence].reshape(batch, per_sequence)
+    table = table.astype(np.int32)
+    k_pages, v_pages = _paged(k_cache, table, page), _paged(v_cache, table, page)
+    options = dict(window_size=window_size, causal=True, num_splits=splits, return_lse=True, attention_chunk=chunk)
+    with sim.targeting(target or "sm_80"):
+        with sim.record() as records:
+            out, lse = cuflash.attention_with_kvcache(q, k_pages, v_pages, k=new_k, v=new_v, cache_seqlens=lengths,
+                                                      block_table=table, **options)
+        contiguous = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=new_k, v=new_v, cache_seqlens=lengths,
+                                                    **options)
+    assert records.launches[0].grid[1] == nheads_k  # folded: a Q block per kv head
+    assert np.array_equal(out, contiguous[0]) and np.array_equal(lse, contiguous[1])
+    ref, low = (attention_with_kvcache_reference(q, k_pages, v_pages, lengths + 1, block_table=table, dtype=d,
+                                                 window_size=window_size, causal=True, attention_chunk=chunk)
+                for d in (np.float64, q.dtype))
+    tol.check_close("out", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    tol.check_close("lse", lse, ref[1], low[1], tol.FORWARD_FACTOR)
+
+
 def test_windowed_decode_fold_reads_the_window_once_per_kv_head():
     """Exact Q, K and V rows the folded windowed decode reads (head dims 56 and 40 apart, as in the split test
     above): each kv head's window of keys once, where the unfolded decode read it once per query head."""
@@ -593,6 +648,9 @@ def test_windowed_decode_fold_reads_the_window_once_per_kv_head():
 
     keys = int(np.minimum(lengths, window + 1).sum())
     assert rows_read() == 2 * keys * nheads_k + batch * nheads
+    # Paged, from inside a page: the same rows, plus the block table entry the copies look up per 16-byte chunk of a
+    # K/V row (5 chunks at head dim 40, 7 at 56: 8 bytes more per row, a quarter of the 32 its data grows by).
+    assert rows_read(page=16) == 2 * keys * nheads_k * 5 // 4 + batch * nheads
     # Unfolded (zero ALiBi slopes keep each query head its own Q block): the window once per query head.
     unfolded = rows_read(alibi_slopes=np.zeros(nheads, np.float32))
     assert unfolded >= 2 * keys * nheads + batch * nheads, unfolded

@@ -148,9 +148,10 @@ struct TensorStrides {
 //                joins every row's softmax denominator; null: no sinks
 //   cache_batch_idx  input (read only): contiguous KV cache only, int32 words (batch): sequence b reads row
 //                cache_batch_idx[b] of the caches' batch (which may hold more rows than q's); null: row b
-//   cache_leftpad input (read only): contiguous KV cache only, int32 words (batch): sequence b's keys start at cache
-//                row cache_leftpad[b] (the rows before it are padding, never read): its keys are rows
-//                cache_leftpad[b] .. seqused_k[b] and its seqlen_k their count; null: 0 (block_info.cuh)
+//   cache_leftpad input (read only): KV cache only, int32 words (batch): sequence b's keys start at cache row
+//                cache_leftpad[b] (the rows before it are padding, never read; of a paged cache, the rows of its pages
+//                in block_table order): its keys are rows cache_leftpad[b] .. seqused_k[b] and its seqlen_k their
+//                count; null: 0 (block_info.cuh)
 #define CUFLASH_PARAMS_SIDE_BUFFERS(X) \
   X(lse)                               \
   X(scores)                            \

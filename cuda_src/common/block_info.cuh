@@ -11,8 +11,8 @@
 // keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1]; p.seqlen_q and p.seqlen_k are then the longest lengths (the
 // grid's extent). Row indices inside a kernel are always positions within the sequence.
 // A contiguous KV cache may map sequence b to another row of the caches' batch (cache_batch_idx) and start its keys
-// past left padding (cache_leftpad); only key_rows and seqlen_k read them, so key 0 is the first valid key here
-// too.
+// past left padding (cache_leftpad), as may a paged one (cache_leftpad only: rows past its first page's row 0);
+// only key_rows, key_tma_coords and seqlen_k read them, so key 0 is the first valid key here too.
 //
 // Why the lengths are methods, not members: a fixed-length kernel reads them from the parameter bank
 // where it uses them and holds no register for them; a varlen one loads them from cu_seqlens where it
@@ -172,8 +172,8 @@ struct BlockInfo {
     return varlen(p) ? make_int2(q_start(p) + row, 0) : make_int2(row, batch);
   }
   __device__ __forceinline__ int2 key_tma_coords(const AttentionParams& p, int row) const {
-    if (p.block_table != nullptr) {
-      const PageSlot slot = PageSlot::of(pages(p), p.page_size, row);
+    if (p.block_table != nullptr) {  // (a box reads one page: with cache_leftpad the plans take the load path)
+      const PageSlot slot = PageSlot::of(pages(p), p.page_size, first_key_row(p) + row);
       return make_int2(slot.row, slot.page);
     }
     return make_int2(k_start(p) + first_key_row(p) + row, varlen(p) ? 0 : cache_batch(p));
@@ -260,7 +260,8 @@ struct BlockInfo {
     return varlen(p) ? cu_seqlen(p.cu_seqlens_k, batch) : 0;
   }
   // A contiguous KV cache's row of the caches' batch this sequence reads (cache_batch_idx), and the cache row of its
-  // key 0 (cache_leftpad); b and 0 without them. Null pointers in every call but a KV cache's that passes them.
+  // key 0 (cache_leftpad; a paged cache's: the row in its pages); b and 0 without them. Null pointers in every call
+  // but a KV cache's that passes them.
   __device__ __forceinline__ int cache_batch(const AttentionParams& p) const {
     return p.cache_batch_idx != nullptr ? cu_seqlen(p.cache_batch_idx, batch) : batch;
   }
@@ -279,7 +280,10 @@ struct BlockInfo {
                      static_cast<long long>(k_start(p) + first_key_row(p)) * s.row + kv_head * s.head;
       return KeyRows<T>{head_base, s.row, 0, nullptr, 0, first_row};
     }
-    return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages(p), p.page_size, first_row};
+    // A paged cache's first key may lie past row 0 of its first page (cache_leftpad: a windowed decode's keys start
+    // at the row's first visible one): then rows count from it, looked up page by page like any other.
+    return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages(p), p.page_size,
+                      first_key_row(p) + first_row};
   }
   template <class T, class Void>
   __device__ __forceinline__ T* at(Void* base, const TensorStrides& s, int row, int head_index) const {

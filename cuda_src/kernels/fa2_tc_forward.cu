@@ -166,12 +166,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const bool k_vector = info.k_rows<T>(p, 0).rows_16b_aligned();
     const bool v_vector = info.v_rows<T>(p, 0).rows_16b_aligned();
     // K and V blocks copied by load_whole_tile where whole (below): 16-byte aligned rows at the compiled head dim,
-    // contiguous or paged with every block inside one page (FA2's paged layout: pages a multiple of the block);
+    // contiguous or paged with every block inside one page (FA2's paged layout: pages a multiple of the block, keys
+    // from a page's row 0);
     // per block, every key row in the sequence.
     constexpr bool kWholeCopies = fa2tc::WholeTileCopy<KVTile, Tr::kThreads>::kAvailable && Tr::kWholeCopiesFit;
     // (Not with a block mask: the whole copies' addresses step one block back per visit.)
     const bool kv_whole = kWholeCopies && k_vector && v_vector && d == HeadDim && dim_v == HeadDim &&
-                         (p.block_table == nullptr || (Tr::kPagedWholeCopiesFit && p.page_size % BlockN == 0)) &&
+                         (p.block_table == nullptr || (Tr::kPagedWholeCopiesFit && p.page_size % BlockN == 0 &&
+                                                       p.cache_leftpad == nullptr)) &&
                          !Hook::kBlockSparse;
     // This thread's first chunk of the K block a step prefetches (n_block - 1) and of the V block it loads
     // (n_block), meaningful where kv_whole and contiguous: carried from step to step, one block back each (a 64-bit

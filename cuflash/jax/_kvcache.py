@@ -101,7 +101,9 @@ def attention_with_kvcache(
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks),
         mask=Mask.of(bool(causal), (int(window_size[0]), int(window_size[1])))))
     call_causal, call_window = (causal, window_size) if window_left is None else (False, (-1, -1))
-    if window_left is not None and cache_leftpad is None:
+    if window_left is not None and block_table is not None:  # keys from inside a page (chunks.paged_keys_from)
+        layout = dataclasses.replace(layout, cache_leftpad=True)
+    elif window_left is not None and cache_leftpad is None:
         cache_leftpad = np.zeros(q.shape[0], np.int32)
         layout = V.check_kvcache_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     if chunk and block_table is not None:
@@ -140,8 +142,8 @@ def attention_with_kvcache(
             jnp.asarray(used), None if cache_leftpad is None else jnp.asarray(cache_leftpad)), jnp)[0]
     if window_left is not None:  # the folded windowed decode's keys: from the row's first visible one
         xp = np if lengths_known and leftpad_known else jnp
-        window_first = MaskPolicy.decode_first_key(window_left, V.kvcache_keys(
-            xp.asarray(used), xp.asarray(leftpad if xp is np else cache_leftpad)), xp)
+        given_leftpad = None if cache_leftpad is None else xp.asarray(leftpad if xp is np else cache_leftpad)
+        window_first = MaskPolicy.decode_first_key(window_left, V.kvcache_keys(xp.asarray(used), given_leftpad), xp)
         first_keys = xp.maximum(first_keys, window_first)
     # The grid's extent: a bound on the longest sequence's keys where known (V.kvcache_key_extent: one static call
     # signature for many decode steps), else the capacity.
@@ -174,9 +176,11 @@ def attention_with_kvcache(
                               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes, algorithm=algorithm, sinks=sinks)
         return (out, lse, k_cache, v_cache) if V.check_bool("return_lse", return_lse) else (out, k_cache, v_cache)
-    if chunk and block_table is not None:  # keys from a page boundary on: pages dropped from the table
-        block_table = chunks.pages_from(jnp.asarray(block_table), first_keys, layout.page_size, jnp)
-        used = jnp.asarray(used) - first_keys
+    if (chunk or window_left is not None) and block_table is not None:  # pages before the first key's dropped
+        block_table, used, in_page = chunks.paged_keys_from(jnp.asarray(block_table), jnp.asarray(used), first_keys,
+                                                            layout.page_size, jnp)
+        if window_left is not None:  # (else chunks alone: their first keys start pages)
+            cache_leftpad = in_page
     elif chunk or window_left is not None:  # as left padding
         cache_leftpad = jnp.asarray(cache_leftpad) + first_keys
     words = (_int32_words(used),) + (() if block_table is None else (_int32_words(block_table),))

@@ -102,8 +102,10 @@ class Problem:
     # Attention sinks (sink.cuh): a float32 logit per query head (a side input of that name, (nheads,)) joins every
     # row's softmax denominator.
     sinks: bool = False
-    # A contiguous KV cache's indexing (block_info.cuh), values that are data (side inputs of these names):
-    # cache_batch_idx maps sequence b to a row of the caches' batch, cache_leftpad[b] is its first key's cache row.
+    # A KV cache's indexing (block_info.cuh), values that are data (side inputs of these names): cache_batch_idx maps
+    # sequence b to a row of a contiguous cache's batch, cache_leftpad[b] is its first key's cache row (of a paged
+    # cache: its row in the sequence's pages, which the API sets only for a folded windowed decode; the user's
+    # cache_leftpad indexes contiguous caches, as FA2's).
     cache_batch_idx: bool = False
     cache_leftpad: bool = False
     # V's head dim where it differs from q's and k's (MLA-style, attention_params.cuh): out and dout have it too.
@@ -150,9 +152,10 @@ class Problem:
             raise ValueError("Problem.page_size (a multiple of 16) needs kvcache and pages_per_sequence > 0")
         if not (isinstance(self.num_splits, int) and self.num_splits >= 0):
             raise ValueError(f"Problem.num_splits must be an int >= 0, got {self.num_splits!r}")
-        if (self.cache_batch_idx or self.cache_leftpad) and not (self.kvcache and not self.page_size):
-            raise ValueError("Problem.cache_batch_idx and cache_leftpad index a contiguous KV cache: they need "
-                             "kvcache without pages")
+        if self.cache_batch_idx and not (self.kvcache and not self.page_size):
+            raise ValueError("Problem.cache_batch_idx indexes a contiguous KV cache: it needs kvcache without pages")
+        if self.cache_leftpad and not self.kvcache:
+            raise ValueError("Problem.cache_leftpad indexes a KV cache: it needs kvcache")
         if not isinstance(self.sinks, bool):
             raise ValueError(f"Problem.sinks must be a bool, got {self.sinks!r}")
         if self.num_splits != 1 and not self.kvcache:
@@ -236,12 +239,12 @@ def gqa_decode_fold(problem: Problem) -> Problem | None:
 
 
 def decode_window_left(problem: Problem) -> int | None:
-    """The window's left bound of a one-row decode over a contiguous KV cache that gqa_decode_fold refuses only for
-    that bound (None otherwise): the lone row sees keys max(0, keys - 1 - bound) .. keys - 1, so a call whose keys
-    start there (its cache_leftpad moved by the caller, MaskPolicy.decode_first_key) and that has no mask sees the
-    same keys, and folds. A paged cache's keys can start only at a page."""
+    """The window's left bound of a one-row KV-cache decode that gqa_decode_fold refuses only for that bound (None
+    otherwise): the lone row sees keys max(0, keys - 1 - bound) .. keys - 1, so a call whose keys start there (its
+    cache_leftpad moved by the caller, MaskPolicy.decode_first_key; a paged cache's also its pages before that key
+    dropped, decode_pages_from) and that has no mask sees the same keys, and folds."""
     bound = MaskPolicy.lone_row_left_bound(problem.mask)
-    if problem.page_size or bound is None or gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
+    if bound is None or gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
         return None
     return bound
 

@@ -101,6 +101,11 @@ CASES = {
         np.float16, None, 1, 1, 4, 2, np.array([50, 3], np.int32), dict(causal=True, window_size=(20, 0))),
     "f32-contiguous-decode-gqa-window-fold-traced": (
         np.float32, None, 1, 1, 4, 2, ("traced", [CAPACITY - 1, 30]), dict(window_size=(9, -1), num_splits=1)),
+    # Paged too: the pages before the first visible key's dropped, its row in its page the kernels' left padding.
+    "f16-page16-decode-gqa-window-fold-array": (
+        np.float16, 16, 1, 1, 4, 2, np.array([50, 3], np.int32), dict(causal=True, window_size=(20, 0))),
+    "f32-page32-decode-gqa-window-fold-traced": (
+        np.float32, 32, None, 1, 4, 2, ("traced", [CAPACITY, 45]), dict(window_size=(9, -1), num_splits=1)),
 }
 
 

@@ -283,9 +283,9 @@ def forward_program(problem: Problem, target: Target) -> Program:
     split forward and fa2's combine kernel, with their float32 scratch (fa2.forward_program_of_tiles)."""
     traits = forward_traits(problem, target)
     program = fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
-    if problem.page_size % traits.block_n:
-        # A K/V block would straddle pages, which one box cannot read: q, k and v on the load path (one page lookup
-        # per row).
+    if problem.page_size % traits.block_n or (problem.page_size and problem.cache_leftpad):
+        # A K/V block would straddle pages (pages that do not hold whole blocks, or keys from past a page's row 0),
+        # which one box cannot read: q, k and v on the load path (one page lookup per row).
         return program
     # Q's box is the Q block, K's and V's the K/V block: 64 columns (one swizzled panel) each.
     boxes = (TmaBox("q", traits.block_m), TmaBox("k", traits.block_n), TmaBox("v", traits.block_n))
