@@ -123,6 +123,14 @@ def test_gpu_kvcache_split_kv_and_decode_fold(dtype):
     low = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table, dtype=dt)
     for splits, out in results.items():
         tol.check_close(f"out (num_splits={splits})", out, ref[0], low[0], tol.FORWARD_FACTOR)
+    # A sliding-window decode step over the same pages folds from the row's first visible key, inside a page (the
+    # kernels' cache_leftpad of a paged cache; on an H100 the 16-bit call takes the Hopper forward's load path).
+    window = dict(causal=True, window_size=(700, 0))
+    out = cuflash.attention_with_kvcache(cupy.asarray(q), gk, gv, cache_seqlens=cupy.asarray(lengths + 1),
+                                         block_table=cupy.asarray(table), **window)
+    ref = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table, **window)
+    low = attention_with_kvcache_reference(q, k_done, v_done, lengths + 1, block_table=table, dtype=dt, **window)
+    tol.check_close("windowed out", cupy.asnumpy(out), ref[0], low[0], tol.FORWARD_FACTOR)
 
 
 @pytest.mark.parametrize("dtype, page_size", [("float16", 128), ("bfloat16", 48), ("float32", 16)])
