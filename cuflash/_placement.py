@@ -9,6 +9,11 @@ DLPack rules kept here (the GPU-only halves live in backends/cupy_gpu.py):
   kernels still read;
 - whether an array arrived read-only (DLPack's READ_ONLY flag, NumPy's writeable flag) is recorded, so arrays a
   call would write in place (KV caches) are refused by name before anything is written.
+
+The integer inputs (HOST_READ_INPUTS) are read on the host by every entry point, which uploads what its kernels
+need: beside CUDA tensors they may be host arrays (NumPy, or a CPU array through DLPack), which a call then reads
+without a device-to-host copy (each such copy waits for the device: a decode loop that keeps its lengths and block
+table on the host, as servers do, runs ahead of the GPU).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import numpy as np
 from ._dlpack import immutable_array_type
 from .backends.simulator import SimulatorBackend
 
+# Integer inputs read on the host (host_copy) and uploaded by the entry points, never handed to a kernel as given.
+HOST_READ_INPUTS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "block_table",
+                              "cache_seqlens", "cache_batch_idx", "cache_leftpad"})
 _DL_CPU = 1
 _DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -44,12 +52,16 @@ class Placement:
         kinds = []
         for name, array in zip(names, arrays):
             kinds.append((name, _array_kind(name, array)))
-        native = {kind for _, kind in kinds if kind in ("numpy", "cupy")}
+        # NumPy integer inputs are read on the host wherever the tensors are (HOST_READ_INPUTS): they place nothing.
+        placing = [(name, kind) for name, kind in kinds if not (kind == "numpy" and name in HOST_READ_INPUTS)]
+        native = {kind for _, kind in placing if kind in ("numpy", "cupy")}
         if len(native) > 1:
-            first = {kind: name for name, kind in reversed(kinds)}
+            first = {kind: name for name, kind in reversed(placing)}
             raise TypeError(
                 f"{first['numpy']} is a NumPy array but {first['cupy']} is a CuPy array: "
-                "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU)"
+                "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU; integer inputs such as cu_seqlens, "
+                "cache_seqlens and block_table may also be NumPy arrays, read on the host without waiting for the "
+                "device)"
             )
         self.foreign_type = next((type(a) for (_, kind), a in zip(kinds, arrays) if kind == "dlpack"), None)
         self.read_only: dict[str, bool] | None = {}
@@ -59,11 +71,13 @@ class Placement:
         # Views of another library's CUDA memory: held until the kernels reading them are done (results()).
         self._foreign_cuda = tuple(a for (_, kind), a in zip(kinds, imported) if kind == "dlpack" and _is_cupy(a))
         on_gpu = {_is_cupy(a) for a in self.arrays}
+        if on_gpu == {True, False}:  # host integer inputs (HOST_READ_INPUTS) beside CUDA tensors are read there
+            on_gpu = {_is_cupy(a) for name, a in zip(names, self.arrays) if _is_cupy(a) or name not in HOST_READ_INPUTS}
         if len(on_gpu) > 1:
             raise TypeError("all arrays must be on the same device: some are on the CPU and some on a CUDA GPU")
         self.on_gpu = on_gpu.pop()
         if self.on_gpu:
-            devices = {name: a.device.id for name, a in zip(names, self.arrays)}
+            devices = {name: a.device.id for name, a in zip(names, self.arrays) if _is_cupy(a)}
             if len(set(devices.values())) > 1:
                 raise ValueError(f"all arrays must be on the same GPU, got devices {devices}")
             self.device_id = next(iter(devices.values()))

@@ -55,6 +55,46 @@ def test_numpy_mixed_with_cupy_is_rejected():
         cuflash.attention(q, cupy.asarray(k), cupy.asarray(v))
 
 
+def test_host_integer_inputs_are_read_without_waiting_for_the_device(monkeypatch):
+    """A decode loop that keeps its lengths and block table on the host (NumPy) beside CuPy tensors: no integer
+    input is copied back from the device (each such copy waits for the device), and the results are those of the
+    same call with every input on the device, bit for bit; varlen's cu_seqlens likewise."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import api
+
+    copy_to_host = api.host_copy
+    device_copies = []
+
+    def counted(array):
+        if not isinstance(array, np.ndarray):
+            device_copies.append(type(array))
+        return copy_to_host(array)
+
+    rng = np.random.default_rng(6)
+    q = cupy.asarray(rng.standard_normal((2, 1, 8, 128)).astype(np.float16))
+    k_pages, v_pages = (cupy.asarray(rng.standard_normal((20, 64, 2, 128)).astype(np.float16)) for _ in range(2))
+    table = rng.permutation(20)[:16].astype(np.int32).reshape(2, 8)
+    cu_q, cu_k = np.arange(3, dtype=np.int32), np.array([0, 300, 450], np.int32)
+    packed_k, packed_v = (cupy.asarray(rng.standard_normal((450, 2, 128)).astype(np.float16)) for _ in range(2))
+    on_device = []
+    for used in (300, 301, 302):  # three decode steps
+        lengths = np.array([used, 150], np.int32)
+        on_device.append(cupy.asnumpy(cuflash.attention_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=cupy.asarray(lengths), block_table=cupy.asarray(table), causal=True)))
+    on_device.append(cupy.asnumpy(cuflash.attention_varlen(q[:, 0], packed_k, packed_v, cupy.asarray(cu_q),
+                                                           cupy.asarray(cu_k), causal=True)))
+    monkeypatch.setattr(api, "host_copy", counted)
+    on_host = []
+    for used in (300, 301, 302):
+        lengths = np.array([used, 150], np.int32)
+        on_host.append(cupy.asnumpy(cuflash.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
+                                                                   block_table=table, causal=True)))
+    on_host.append(cupy.asnumpy(cuflash.attention_varlen(q[:, 0], packed_k, packed_v, cu_q, cu_k, causal=True)))
+    assert device_copies == []
+    for got, want in zip(on_host, on_device):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_arrays_on_different_gpus_are_rejected():
     cupy = pytest.importorskip("cupy")
     if cupy.cuda.runtime.getDeviceCount() < 2:

@@ -11,6 +11,7 @@ import pytest
 import cuflash
 from cuflash import _validation as V
 from cuflash import api, sim
+from cuflash._placement import Placement
 from cuflash.backends.simulator import SimulatorBackend
 from cuflash.benchmarks import host
 from cuflash.kernels import plans
@@ -539,3 +540,34 @@ def test_host_profile_lists_a_warm_calls_functions_per_call():
     assert entry, table
     own, total, calls = (float(x) for x in entry[0].split()[:3])
     assert calls == 1.0 and 0 < own <= total
+
+
+class _CudaArray:
+    """Stands in for a CuPy array where only the placement looks (Placement tells arrays apart by their module)."""
+
+    def __init__(self, device_id=0):
+        self.device = type("Device", (), {"id": device_id})()
+
+
+_CudaArray.__module__ = "cupy._stand_in"
+
+
+def test_host_integer_inputs_beside_cuda_tensors_place_on_the_gpu():
+    """cu_seqlens, seqused, block_table and a KV cache's integer inputs as NumPy arrays beside CUDA tensors: read on
+    the host as given (no device-to-host copy, which waits for the device); the call runs on the tensors' GPU.
+    Anything else on the host beside them (a float tensor, ALiBi slopes) is refused by name, as are CUDA integer
+    inputs beside host tensors."""
+    cuda, host_int = _CudaArray(), np.zeros(3, np.int32)
+    placement = Placement(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "block_table"),
+                          (cuda, cuda, cuda, host_int, host_int, np.zeros((2, 1), np.int32)))
+    assert placement.on_gpu and placement.device_id == 0
+    placement = Placement(("q", "k_cache", "v_cache", "cache_seqlens", "cache_leftpad"),
+                          (_CudaArray(1), _CudaArray(1), _CudaArray(1), host_int, host_int))
+    assert placement.on_gpu and placement.device_id == 1
+    with pytest.raises(TypeError, match="v is a NumPy array but q is a CuPy array"):
+        Placement(("q", "k", "v", "cu_seqlens_q"), (cuda, cuda, np.zeros(3, np.float16), host_int))
+    with pytest.raises(TypeError, match="alibi_slopes is a NumPy array but q is a CuPy array"):
+        Placement(("q", "k", "v", "alibi_slopes"), (cuda, cuda, cuda, np.zeros(3, np.float32)))
+    with pytest.raises(TypeError, match="q is a NumPy array but cu_seqlens_q is a CuPy array"):
+        Placement(("q", "k", "v", "cu_seqlens_q"), (*(np.zeros(3, np.float16),) * 3, cuda))
+    assert not Placement(("q", "cu_seqlens_q"), (np.zeros(3, np.float16), host_int)).on_gpu  # all on the host
