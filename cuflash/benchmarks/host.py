@@ -7,13 +7,14 @@ allocation, validation, planning and packing all still run and only the kernels 
 
 Rows: ``attention``, ``attention_backward``, ``attention_varlen`` and ``attention_with_kvcache`` at a decode shape
 (batch 1, one query row, GQA 32 query heads over 8 kv heads, head dim 128, 4096 cached keys; the KV-cache call with
-int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended; ``attention_varlen
-paged``: the same keys in pages of 256 rows read by a paged varlen decode step, vLLM's call), and the first three at a
-training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in microseconds: the first
-call of its signature (cold: nothing of that call cached yet), the median of warm calls after a warm-up (wall clock,
-and the thread's CPU time, which a loaded machine inflates less), the median of uncached calls (the API's prepared
-calls forgotten before each: a new signature in a warm process); and the Python function calls a warm call makes
-(counted with sys.setprofile).
+int32 cache_seqlens growing a row per call, as a decode loop's, and one new k/v row appended; ``kvcache host
+lengths``: the same call with cache_seqlens kept on the host, which on a GPU spares a device-to-host copy per call;
+``attention_varlen paged``: the same keys in pages of 256 rows read by a paged varlen decode step, vLLM's call), and
+the first three at a training shape (batch 4, seqlen 2048, 32/8 heads, head dim 128, float16, causal). Per row, in
+microseconds: the first call of its signature (cold: nothing of that call cached yet), the median of warm calls
+after a warm-up (wall clock, and the thread's CPU time, which a loaded machine inflates less), the median of uncached
+calls (the API's prepared calls forgotten before each: a new signature in a warm process); and the Python function
+calls a warm call makes (counted with sys.setprofile).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     # made beforehand, so the row times cuflash alone), then starts over. A decode's seqlen_k grows every step; the
     # plan serves a range of it (V.kvcache_key_extent), and the row shows what a real decode step costs.
     lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+    # The same lengths kept on the host (NumPy beside CuPy tensors: _placement.HOST_READ_INPUTS), as a server keeps
+    # them: no device-to-host copy per call. On the simulator the row is the one above.
+    host_lengths = itertools.cycle([np.full(b, used, np.int32) for used in range(n // 2, n - 1)])
     # The same keys in pages of PAGE_SIZE rows, read by a paged varlen decode step (vLLM's: packed query rows, keys
     # counted by seqused_k, no cu_seqlens_k), its keys in use growing a row per call as the KV-cache row's.
     pages = n // PAGE_SIZE
@@ -123,6 +127,9 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
         Case("attention_with_kvcache", shape + ", cache_seqlens int32 array growing a row per call, 1 new k/v row",
              lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                                                     cache_seqlens=next(lengths), causal=True), repeats),
+        Case("kvcache host lengths", shape + ", cache_seqlens a NumPy array (host) growing a row per call, 1 new k/v "
+             "row", lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                                           cache_seqlens=next(host_lengths), causal=True), repeats),
         Case("attention_varlen paged", shape + f", pages of {PAGE_SIZE} rows, seqused_k growing a row per call",
              lambda: cuflash.attention_varlen(q[:, 0], k_pages, v_pages, cu_q, None, max_seqlen_q=1, max_seqlen_k=n,
                                               seqused_k=next(paged_lengths), block_table=table, causal=True),
