@@ -267,8 +267,8 @@ def test_split_program_and_heuristic():
 
 def _decode_rows_read(lengths, nheads, nheads_k, capacity=192, page=None, **options):
     """The Q, K and V rows a one-row decode's forward launch reads over caches of ``capacity`` rows (contiguous, or
-    in pages of ``page`` rows), from its traffic at head dims 56 and 40 (see the test below; the block table's reads
-    are the same at both)."""
+    in pages of ``page`` rows), from its traffic at head dims 56 and 40 (see the test below; paged, the block table
+    lookups grow with the head dim too, one per 16-byte chunk of a row: see the windowed fold's traffic test)."""
     def forward_bytes(headdim):
         rng = np.random.default_rng(10)
         q = rng.standard_normal((len(lengths), 1, nheads, headdim)).astype(np.float16)
