@@ -53,10 +53,9 @@ class Placement:
         for name, array in zip(names, arrays):
             kinds.append((name, _array_kind(name, array)))
         # NumPy integer inputs are read on the host wherever the tensors are (HOST_READ_INPUTS): they place nothing.
-        placing = [(name, kind) for name, kind in kinds if not (kind == "numpy" and name in HOST_READ_INPUTS)]
-        native = {kind for _, kind in placing if kind in ("numpy", "cupy")}
+        native = {kind for name, kind in kinds if kind == "cupy" or (kind == "numpy" and name not in HOST_READ_INPUTS)}
         if len(native) > 1:
-            first = {kind: name for name, kind in reversed(placing)}
+            first = {kind: name for name, kind in reversed(kinds) if not (kind == "numpy" and name in HOST_READ_INPUTS)}
             raise TypeError(
                 f"{first['numpy']} is a NumPy array but {first['cupy']} is a CuPy array: "
                 "pass all arrays as NumPy (CPU simulator) or all as CuPy (GPU; integer inputs such as cu_seqlens, "

@@ -104,16 +104,19 @@ def decode_cases(repeats: int, backend: str = "simulator") -> list[Case]:
     # The caches gain a row per call, as in a decode loop: cache_seqlens runs through n/2 .. n-2 rows in use (arrays
     # made beforehand, so the row times cuflash alone), then starts over. A decode's seqlen_k grows every step; the
     # plan serves a range of it (V.kvcache_key_extent), and the row shows what a real decode step costs.
-    lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+    def growing(where: Callable[[Any], Any]) -> Iterator[Any]:
+        return itertools.cycle([where(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+
+    lengths = growing(place)
     # The same lengths kept on the host (NumPy beside CuPy tensors: _placement.HOST_READ_INPUTS), as a server keeps
     # them: no device-to-host copy per call. On the simulator the row is the one above.
-    host_lengths = itertools.cycle([np.full(b, used, np.int32) for used in range(n // 2, n - 1)])
+    host_lengths = growing(np.asarray)
     # The same keys in pages of PAGE_SIZE rows, read by a paged varlen decode step (vLLM's: packed query rows, keys
     # counted by seqused_k, no cu_seqlens_k), its keys in use growing a row per call as the KV-cache row's.
     pages = n // PAGE_SIZE
     table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
     k_pages, v_pages = (x.reshape(b * pages, PAGE_SIZE, hk, d) for x in (k, v))
-    paged_lengths = itertools.cycle([place(np.full(b, used, np.int32)) for used in range(n // 2, n - 1)])
+    paged_lengths = growing(place)
     q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, k_pages, v_pages, table = (
         place(x) for x in (q, k, v, out, lse, dout, cu_q, cu_k, k_cache, v_cache, k_new, v_new, k_pages, v_pages,
                            table))

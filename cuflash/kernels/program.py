@@ -242,7 +242,7 @@ def decode_window_left(problem: Problem) -> int | None:
     """The window's left bound of a one-row KV-cache decode that gqa_decode_fold refuses only for that bound (None
     otherwise): the lone row sees keys max(0, keys - 1 - bound) .. keys - 1, so a call whose keys start there (its
     cache_leftpad moved by the caller, MaskPolicy.decode_first_key; a paged cache's also its pages before that key
-    dropped, decode_pages_from) and that has no mask sees the same keys, and folds."""
+    dropped, chunks.paged_keys_from) and that has no mask sees the same keys, and folds."""
     bound = MaskPolicy.lone_row_left_bound(problem.mask)
     if bound is None or gqa_decode_fold(dataclasses.replace(problem, mask=Mask())) is None:
         return None
