@@ -727,8 +727,18 @@ def kvcache_problem(q: Any, k_cache: Any, v_cache: Any, layout: KVCacheLayout, *
 
 
 def check_num_splits(num_splits: Any) -> int:
-    """attention_with_kvcache's num_splits: 0 (the heuristic), 1 (no split) or up to the combine kernel's limit."""
+    """A forward's num_splits (split-KV): 0 (the heuristic), 1 (no split) or up to the combine kernel's limit."""
     value = _check_int("num_splits", num_splits)
     if not 0 <= value <= MAX_KV_SPLITS:
         raise ValueError(f"num_splits must be in [0, {MAX_KV_SPLITS}] (0: heuristic, 1: no split), got {value}")
     return value
+
+
+def with_num_splits(problem: Problem, num_splits: Any) -> Problem:
+    """A checked forward Problem with the call's num_splits (check_num_splits), which split-KV takes without dropout
+    only (FA2's rule: the split kernels write float32 partials and draw no dropout mask)."""
+    value = check_num_splits(num_splits)
+    if value != 1 and problem.dropout_p > 0.0:
+        raise ValueError(f"num_splits must be 1 when dropout_p > 0 (split-KV takes no dropout, as FA2's), got "
+                         f"num_splits={value} with dropout_p={problem.dropout_p}")
+    return problem if value == problem.num_splits else dataclasses.replace(problem, num_splits=value)

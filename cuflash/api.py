@@ -517,13 +517,14 @@ def attention(
     return_lse: bool = False,
     sinks: Any = None,
     attention_chunk: int = 0,
+    num_splits: int = 1,
 ) -> Any:
     if attention_chunk.__class__ is not int or attention_chunk:  # an int 0 (no chunks) costs this test alone
         chunk = chunks.check(attention_chunk, algorithm, dropout_p)
         if chunk:
             return _chunked_forward(q, k, v, chunk=chunk, causal=causal, softmax_scale=softmax_scale,
                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    algorithm=algorithm, return_lse=return_lse, sinks=sinks)
+                                    algorithm=algorithm, return_lse=return_lse, sinks=sinks, num_splits=num_splits)
     placement, per_head = place(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
     q, k, v = placement.arrays[:3]
 
@@ -531,11 +532,11 @@ def attention(
         problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                               dropout_p=dropout_p, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
-        return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
-                                return_lse=return_lse)
+        return Prepared.checked(V.with_num_splits(problem, num_splits), causal, window_size, algorithm=algorithm,
+                                softmax_scale=softmax_scale, return_lse=return_lse)
 
     prepared = _prepared(call_key("attention", placement, window_size, causal, softmax_scale, softcap, dropout_p,
-                                  algorithm, return_lse), prepare)
+                                  algorithm, return_lse, num_splits), prepare)
     plan = prepared.plan(q.shape[1], k.shape[1])
     return _forward(placement, prepared, plan, q, k, v, per_head=per_head, dropout_seed=dropout_seed)
 
@@ -616,6 +617,7 @@ def attention_varlen(
     sinks: Any = None,
     attention_chunk: int = 0,
     block_table: Any = None,
+    num_splits: int | None = None,
 ) -> Any:
     if attention_chunk.__class__ is not int or attention_chunk:
         chunk = chunks.check(attention_chunk, algorithm, dropout_p)
@@ -624,7 +626,8 @@ def attention_varlen(
                                    seqused_k=seqused_k, causal=causal, window_size=window_size,
                                    alibi_slopes=alibi_slopes, sinks=sinks, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, softcap=softcap,
-                                   algorithm=algorithm, return_lse=return_lse, block_table=block_table)
+                                   algorithm=algorithm, return_lse=return_lse, block_table=block_table,
+                                   num_splits=num_splits)
     placement, per_head, (q, k, v), varlen = _place_varlen(("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k,
                                                            seqused_q, seqused_k, alibi_slopes, sinks, block_table)
 
@@ -636,28 +639,31 @@ def attention_varlen(
                         seqused_k=varlen.seqused_k, causal=causal, window_size=window_size, softcap=softcap,
                         dropout_p=dropout_p, **paged, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
+        problem = V.with_num_splits(problem, 1 if num_splits is None else num_splits)
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
     prepared = _prepared(call_key("attention_varlen", placement, window_size, causal, softmax_scale, softcap,
-                                  dropout_p, algorithm, return_lse), prepare)
+                                  dropout_p, algorithm, return_lse, num_splits), prepare)
     _, seqlen_q, seqlen_k = V.varlen_extents(varlen.cu_seqlens_q, varlen.cu_seqlens_k, q.shape[0], varlen.key_total(k),
                                              max_seqlen_q, max_seqlen_k, varlen.seqused_q, varlen.seqused_k)
     if block_table is not None:
         V.check_paged_varlen_values(varlen.block_table, varlen.cu_seqlens_k, k.shape[0], k.shape[1])
         if varlen.seqused_q is None and V.one_row_per_sequence(varlen.cu_seqlens_q):
             return _paged_decode(placement, q, k, v, varlen, prepared, causal=causal, window_size=window_size,
-                                 softcap=softcap, algorithm=algorithm, **per_head)
+                                 softcap=softcap, algorithm=algorithm,
+                                 num_splits=0 if num_splits is None else num_splits, **per_head)
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, per_head=per_head,
                     dropout_seed=dropout_seed, varlen=varlen)
 
 
 def _paged_decode(placement: Placement, q: Any, k_cache: Any, v_cache: Any, varlen: VarlenInputs,
                   prepared: Prepared, *, causal: Any, window_size: Any, softcap: Any, algorithm: Any,
-                  **per_head: Any) -> Any:
+                  num_splits: int, **per_head: Any) -> Any:
     """A checked paged varlen call with one query row per sequence (a decode step, vLLM's): attention_with_kvcache's
     call over the same pages, (batch, 1, nheads, d), so that it runs as a KV-cache decode does (FA2's GQA fold, FA3's
-    pack_gqa: K and V read once per kv head; split-KV by the device's SMs), its out and lse laid out as varlen's.
+    pack_gqa: K and V read once per kv head; split-KV, by the device's SMs unless the call says ``num_splits``), its out
+    and lse laid out as varlen's.
     The KV-cache body takes the varlen call's host copies of the keys in use and of the block table (no upload, no
     copy back: on a GPU neither waits for the device), keyed by the varlen call's placement under an entry of its
     own. ``per_head``: the placed alibi_slopes and sinks."""
@@ -665,8 +671,8 @@ def _paged_decode(placement: Placement, q: Any, k_cache: Any, v_cache: Any, varl
     out, lse = _kvcache_forward(
         "attention_varlen decode step", placement.unexported(), per_head, q[:, None], k_cache, v_cache, None, None,
         keys, varlen.block_table, None, None, None, None, seqlens_type=np.ndarray, causal=causal,
-        softmax_scale=prepared.scale, window_size=window_size, softcap=softcap, num_splits=0, algorithm=algorithm,
-        return_lse=True, rotary_interleaved=False, chunk=0)
+        softmax_scale=prepared.scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
+        algorithm=algorithm, return_lse=True, rotary_interleaved=False, chunk=0)
     out = out[:, 0]
     if not prepared.return_lse:
         return placement.results(out)[0]
@@ -1017,7 +1023,8 @@ def _rows_packed(x: Any) -> Any:
 
 
 def _chunked_forward(q: Any, k: Any, v: Any, *, chunk: int, causal: Any, softmax_scale: Any, window_size: Any,
-                     softcap: Any, alibi_slopes: Any, algorithm: Any, return_lse: Any, sinks: Any) -> Any:
+                     softcap: Any, alibi_slopes: Any, algorithm: Any, return_lse: Any, sinks: Any,
+                     num_splits: Any) -> Any:
     """attention with chunks: the varlen forward of its virtual batches, out and lse in the fixed-length layouts."""
     placement, per_head = place(("q", "k", "v"), (q, k, v), alibi_slopes, sinks)
     q, k, v = placement.arrays[:3]
@@ -1031,7 +1038,7 @@ def _chunked_forward(q: Any, k: Any, v: Any, *, chunk: int, causal: Any, softmax
         backend.upload(batches.cu_seqlens_k), max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         alibi_slopes=chunks.per_segment(per_head.get("alibi_slopes"), backend.upload(batches.owner)),
-        algorithm=algorithm, return_lse=True, sinks=per_head.get("sinks"))
+        algorithm=algorithm, return_lse=True, sinks=per_head.get("sinks"), num_splits=num_splits)
     out = out.reshape(batch, seqlen_q, nheads, out.shape[-1])
     if not return_lse:
         return placement.results(out)[0]
@@ -1107,7 +1114,7 @@ def _chunked_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
                     seqused_k: Any, causal: Any, window_size: Any, alibi_slopes: Any, sinks: Any,
                     **options: Any) -> Any:
     """attention_varlen with chunks: the same call over its virtual batches (rows and lse laid out alike).
-    ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm, return_lse."""
+    ``options``: max_seqlen_q/k, softmax_scale, softcap, algorithm, return_lse, num_splits."""
     placement, placed, call = _chunked_varlen_call(
         ("q", "k", "v"), (q, k, v), cu_seqlens_q, cu_seqlens_k, chunk=chunk, seqused_q=seqused_q, seqused_k=seqused_k,
         causal=causal, window_size=window_size, alibi_slopes=alibi_slopes, sinks=sinks, options=options)
@@ -1203,6 +1210,13 @@ attention.__doc__ = """Scaled dot-product attention softmax(score) v, score = sc
 
     Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads, seqlen_q),
     the log-sum-exp of the scores of each query row.
+
+    ``num_splits`` (forward only, fa2, no dropout; FA3's): split-KV ("flash-decoding"): each sequence's keys are
+    cut into ranges of whole K/V blocks computed by separate thread blocks into float32 partial results, which a
+    combine kernel merges by their lse. 1 (the default, FA3's): no split, and the result does not depend on the
+    device (nor under JAX on how a call is sharded); n (<= 128): n splits, at most one per K/V block; 0: FA2's
+    heuristic, which splits only when the unsplit grid leaves SMs idle (short queries over long keys: few batch
+    x heads x Q blocks). The backward takes the out and lse of any split count.
 """ + _OPTIONS_DOC
 
 attention_backward.__doc__ = """Gradients (dq, dk, dv) of ``attention`` given dout = dL/dout.
@@ -1244,6 +1258,9 @@ attention_varlen.__doc__ = """Attention over a batch of variable-length sequence
     call. A decode step (one query row per sequence, no seqused_q) runs as attention_with_kvcache's decode over the
     same pages: its GQA fold (K and V read once per kv head) and split-KV.
 
+    ``num_splits`` as for ``attention``; None (the default) is 0 (the heuristic) for a decode step over pages, as
+    ``attention_with_kvcache`` splits, and 1 (no split) for every other call.
+
     Returns out (total_q, nheads, headdim), or (out, lse) with lse float32 (nheads, total_q).
 """ + _OPTIONS_DOC
 
@@ -1271,10 +1288,10 @@ attention_with_kvcache.__doc__ = """Attention of q over a KV cache, appending ne
     splits only when the unsplit grid leaves SMs idle (the device's SM count; on the simulator the count of
     its target's representative part, cuflash/kernels/targets.py). A one-row decode over GQA/MQA heads runs
     with each group's query heads as rows (K and V read once per kv head) when no ALiBi and no sinks depend on the
-    row or head; under a window's left bound, on contiguous caches, with its keys from the row's first visible key
-    (as left padding: program.decode_window_left). cache_seqlens and block_table are read on the host and
-    checked (capacity, page numbers) before anything is written: a rejected call leaves the caches as they
-    were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
+    row or head; under a window's left bound with its keys from the row's first visible key (as left padding, or
+    pages dropped and the rest of a page skipped: program.decode_window_left). cache_seqlens and block_table are
+    read on the host and checked (capacity, page numbers) before anything is written: a rejected call leaves the
+    caches as they were. Returns out (like q), or (out, lse) with lse float32 (batch, nheads, seqlen_q).
 
     Rotary embedding (FA2's): ``rotary_cos`` and ``rotary_sin`` (q's dtype, (seqlen_ro, rotary_dim / 2) with
     rotary_dim <= headdim and seqlen_ro at least the caches' capacity per sequence) rotate the first rotary_dim

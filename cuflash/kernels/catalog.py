@@ -109,7 +109,11 @@ def check_options(algorithm: str, problem: Problem) -> None:
     Also raises for an unknown algorithm; the API calls it before anything is allocated."""
     supported = frozenset().union(*(v.options for v in variants(algorithm)))
     for option in sorted(problem.options - supported):
-        check_option_of(algorithm, option, option)
+        check_option_of(algorithm, option, _ASKED_BY.get(option, option))
+
+
+# The argument that asks for an option, where its name is not the option's.
+_ASKED_BY = {"splitkv": "num_splits other than 1 (split-KV)"}
 
 
 def check_option_of(algorithm: str, option: str, what: str) -> None:

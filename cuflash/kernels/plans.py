@@ -43,4 +43,6 @@ def forward_program(algorithm: str, problem: Problem, target: Target) -> Program
 
 
 def backward_program(algorithm: str, problem: Problem, target: Target) -> Program:
+    if problem.num_splits != 1:  # a forward's choice, which a caller's backward drops (the gradients need no split)
+        raise ValueError(f"Problem.num_splits is the forward's (split-KV): a backward's is 1, got {problem.num_splits}")
     return variant_for(algorithm, problem, target, "backward").module.backward_program(problem, target)

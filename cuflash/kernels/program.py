@@ -95,9 +95,10 @@ class Problem:
     kvcache: bool = False
     page_size: int = 0
     pages_per_sequence: int = 0
-    # Split-KV (kvcache only): the keys of each sequence are cut into num_splits ranges of whole K/V blocks, each
-    # computed by its own thread blocks into float32 partial results that a combine kernel merges by their lse.
-    # 1: no split; 0: the family's heuristic for the target (its SM count) picks the number.
+    # Split-KV (any forward without dropout: a KV cache's decode, a fixed-length or varlen call): the keys of each
+    # sequence are cut into num_splits ranges of whole K/V blocks, each computed by its own thread blocks into float32
+    # partial results that a combine kernel merges by their lse. 1: no split; 0: the family's heuristic for the
+    # target (its SM count) picks the number.
     num_splits: int = 1
     # Attention sinks (sink.cuh): a float32 logit per query head (a side input of that name, (nheads,)) joins every
     # row's softmax denominator.
@@ -158,8 +159,9 @@ class Problem:
             raise ValueError("Problem.cache_leftpad indexes a KV cache: it needs kvcache")
         if not isinstance(self.sinks, bool):
             raise ValueError(f"Problem.sinks must be a bool, got {self.sinks!r}")
-        if self.num_splits != 1 and not self.kvcache:
-            raise ValueError("Problem.num_splits other than 1 (split-KV) needs kvcache")
+        if self.num_splits != 1 and self.dropout_p > 0.0:
+            raise ValueError("Problem.num_splits other than 1 (split-KV) needs dropout_p == 0: the split kernels "
+                             "write float32 partials and take no dropout (as FA2's)")
 
     @property
     def options(self) -> frozenset[str]:

@@ -5,7 +5,8 @@ the work partition, the traffic formulas and the masking rules); shared pieces i
 
 Programs
   forward:  one launch, ``fa2_forward_kernel`` over (Q blocks, nheads, batch); writes out and lse.
-            Split-KV (KV-cache decoding with num_kv_splits > 1, ``forward_program_of_tiles``, both variants): the
+            Split-KV (num_kv_splits > 1: KV-cache decoding, or a fixed-length or varlen call's num_splits;
+            ``forward_program_of_tiles``, both variants): the
             forward over (Q blocks x splits, nheads, batch) writes float32 partial results (``out_accum``,
             ``lse_accum``), then ``fa2_split_kv_combine_kernel`` merges them into out and lse.
   backward: ``fa2_dout_dot_out_kernel`` (D = rowsum(dO * O) into ``dout_dot_out``), ``fa2_backward_kernel`` over
@@ -343,9 +344,10 @@ def forward_program_of_tiles(problem: Problem, target: Target, traits, instance:
 
 
 def num_kv_splits(problem: Problem, target: Target, block_m: int, block_n: int) -> int:
-    """How many splits a forward over (block_m x block_n) tiles runs: 1 without a KV cache or when asked; the
-    asked number (at most one split per K/V block); or for num_splits = 0 FA2's heuristic on the target's SMs."""
-    if not problem.kvcache or problem.num_splits == 1:
+    """How many splits a forward over (block_m x block_n) tiles runs: 1 when asked; the asked number (at most one
+    split per K/V block); or for num_splits = 0 FA2's heuristic on the target's SMs (a varlen batch's grid: its
+    sequences x the longest's Q blocks, its K/V blocks the longest's)."""
+    if problem.num_splits == 1:
         return 1
     kv_blocks = ceil_div(problem.seqlen_k, block_n)
     if problem.num_splits > 0:

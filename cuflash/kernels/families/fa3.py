@@ -5,7 +5,7 @@ which is the FA2 forward's for the same tiles: ``fa2.forward_traffic_of_tiles``)
 producer's copy in ``fa3_forward_traits.cuh``.
 
 Program: one launch, ``fa3_forward_kernel`` over (Q blocks, nheads, batch), 1 producer + block_m / 64 consumer
-warpgroups; writes out and lse. With split-KV (a KV cache's num_splits) grid.x holds the splits too and fa2's
+warpgroups; writes out and lse. With split-KV (a call's num_splits) grid.x holds the splits too and fa2's
 combine kernel follows (fa2.forward_program_of_tiles: the same program shape and scratch as fa2's). TMA boxes for q,
 k and v unless a paged cache's pages do not hold whole K/V blocks (then the load path, a page lookup per row).
 
@@ -279,7 +279,7 @@ traits_of = traits_finder(_TILES, HOOKED_CHOICES.values(), "Hopper forward")
 
 
 def forward_program(problem: Problem, target: Target) -> Program:
-    """One launch over (Q blocks x splits, nheads, batch); with split-KV (a KV cache's num_splits, fa2's count) the
+    """One launch over (Q blocks x splits, nheads, batch); with split-KV (a call's num_splits, fa2's count) the
     split forward and fa2's combine kernel, with their float32 scratch (fa2.forward_program_of_tiles)."""
     traits = forward_traits(problem, target)
     program = fa2.forward_program_of_tiles(problem, target, traits, traits.instance(problem.dtype))
