@@ -37,6 +37,7 @@ def attention(
     deterministic: bool = False,
     sinks: Any = None,
     attention_chunk: int = 0,
+    num_splits: int = 1,
 ) -> Any:
     """Scaled dot-product attention softmax(scale * q k^T) v on JAX arrays, through cuflash's kernels.
 
@@ -68,6 +69,10 @@ def attention(
     ``deterministic=True`` asks the backward for bitwise-reproducible gradients.
     ``sinks`` (float32 (nheads,), optional): learnable attention sinks as for ``cuflash.attention``; gradients
     flow to them (d loss / d s_h = sum over the head's rows of e^{s_h - lse} (dlse - rowsum(dout * out))).
+    ``num_splits`` (static; no dropout, fa2) is ``cuflash.attention``'s split-KV: 1 (the default) no split, n (<= 128)
+    n splits, 0 FA2's heuristic; the backward takes the split forward's out and lse. 1 keeps results independent of
+    how a call is sharded; 0's heuristic sees each device's local problem under sharding (under vmap, each mapped
+    element's own problem: those run as separate calls).
 
     Runs on the CPU (the simulator: every CUDA thread a fiber; slow, exact to the
     CUDA programming model) and on CUDA GPUs (CUBINs from NVRTC, launched on XLA's
@@ -80,6 +85,7 @@ def attention(
     # Checked on the caller's dtypes, before jnp.asarray could narrow e.g. float64 to float32.
     problem = V.check_qkv(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic, sinks=sinks)
+    problem = V.with_num_splits(problem, num_splits)
     chunk = chunks.check(attention_chunk, algorithm, dropout_p)
     if chunk:  # as cuflash.attention: a varlen call over one sequence per chunk (cuflash/chunks.py)
         batch, seqlen_q, nheads = q.shape[:3]
@@ -89,7 +95,7 @@ def attention(
             batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q, max_seqlen_k=batches.max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner), algorithm=algorithm, return_lse=True,
-            deterministic=deterministic, sinks=sinks)
+            deterministic=deterministic, sinks=sinks, num_splits=num_splits)
         out = jnp.reshape(result[0], (batch, seqlen_q, nheads, result[0].shape[-1]))
         if not return_lse:
             return out
@@ -122,6 +128,7 @@ def attention_varlen(
     sinks: Any = None,
     attention_chunk: int = 0,
     block_table: Any = None,
+    num_splits: int | None = None,
 ) -> Any:
     """``cuflash.attention_varlen`` on JAX arrays: packed q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 cu_seqlens_q and cu_seqlens_k (batch + 1,), optional int32 seqused_q / seqused_k
@@ -140,6 +147,9 @@ def attention_varlen(
     differentiating it raises a TypeError); traced tables and cu_seqlens are taken on trust, as
     attention_with_kvcache takes them. A decode step (one query row per sequence, concrete cu_seqlens_q) runs as
     attention_with_kvcache's decode, as the NumPy function runs it.
+
+    ``num_splits`` as for ``attention``; None (the default) is 0 (the heuristic) for such a decode step, as
+    attention_with_kvcache splits, and 1 (no split) for every other call.
     """
     if cu_seqlens_k is None:  # keys in pages counted by seqused_k alone (FA3's, vLLM's call)
         used_k = None if seqused_k is None else _concrete(seqused_k)
@@ -180,6 +190,7 @@ def attention_varlen(
         return attention_varlen(q, k, v, batches.cu_seqlens_q, batches.cu_seqlens_k, max_seqlen_q=batches.max_seqlen_q,
                                 max_seqlen_k=batches.max_seqlen_k, softmax_scale=softmax_scale,
                                 dropout_rng=dropout_rng, algorithm=algorithm, return_lse=return_lse,
+                                num_splits=num_splits,
                                 **dict(options, alibi_slopes=chunks.per_segment(alibi_slopes, batches.owner)),
                                 **int_inputs)
     if all(x is not None for x in concrete) and (block_table is None or table is not None):
@@ -208,6 +219,7 @@ def attention_varlen(
         problem = make_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
                                seqused_k="seqused_k" in counts, **options)
+    problem = V.with_num_splits(problem, 1 if num_splits is None else num_splits)
     if block_table is not None and seqused_q is None and concrete[0] is not None and \
             V.one_row_per_sequence(concrete[0]):  # a decode step: as cuflash.attention_varlen runs it
         # The public function, looked up when called: _kvcache imports this module (its prefills across chunks run
@@ -220,7 +232,7 @@ def attention_varlen(
         out, lse, _, _ = attention_with_kvcache(
             q[:, None], k, v, cache_seqlens=seqused_k, block_table=block_table, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            algorithm=algorithm, return_lse=True, sinks=sinks)
+            algorithm=algorithm, return_lse=True, sinks=sinks, num_splits=0 if num_splits is None else num_splits)
         return (out[:, 0], lse[:, :, 0].T) if return_lse else out[:, 0]
     if block_table is not None:
         return _paged_varlen(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
@@ -450,7 +462,9 @@ def _unused_rows(problem, side, rows: str):
 
 
 def _backward(config: CallConfig, dout, q, k, v, out, lse, side=(), dlse=None):
-    problem = config.problem
+    # num_splits is the forward's: the backward takes no split, and the out and lse of any split count serve it.
+    problem = dataclasses.replace(config.problem, num_splits=1)
+    config = dataclasses.replace(config, problem=problem)
     axes = _varying_axes(q)
     if problem.seqlen_k == 0 or problem.seqlen_q == 0 or 0 in tensor_shape("out", problem):
         grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))

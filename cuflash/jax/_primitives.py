@@ -383,10 +383,11 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
     batch too, each mapped element's batches taking its own seed as its own batches (Problem's
     dropout_batches_per_seed), so the fold drops what each element's call drops.
     Varlen tensors are packed along their only outer axis, which has no batch to fold into; a KV cache's split-KV
-    heuristic depends on the batch, and a paged cache's block_table numbers the pages of one cache: in these cases
-    each mapped element runs its own call (on its slice of each mapped operand), so vmap equals a loop of
-    per-element calls, bitwise. Sinks shared by every mapped element stay as they are; mapped ones (a logit per
-    element and head) fold into the query heads with them, or else take the per-element calls too."""
+    heuristic (and any call's, num_splits=0) depends on the batch and heads, and a paged cache's block_table numbers
+    the pages of one cache: in these cases each mapped element runs its own call (on its slice of each mapped
+    operand), so vmap equals a loop of per-element calls, bitwise. Sinks shared by every mapped element stay as they
+    are; mapped ones (a logit per element and head) fold into the query heads with them, or else take the
+    per-element calls too."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names = operand_names(direction, config)
     problem = config.problem
@@ -395,7 +396,8 @@ def batched_call(direction: str, config: CallConfig, args, dims, bind):
                   and problem.dropout_p == 0.0 and problem.nheads * size <= V.MAX_GRID_YZ)
     mapped_sinks = problem.sinks and dims[names.index("sinks")] is not None
     # flex: the mods read b and h (and the sides and tile lists are per batch), so no fold keeps their meaning
-    if problem.varlen or problem.kvcache or (mapped_sinks and not heads_fold) or config.flex is not None:
+    if problem.varlen or problem.kvcache or problem.num_splits == 0 or (mapped_sinks and not heads_fold) or \
+            config.flex is not None:
         members = [bind(*(x if d is None else jnp.take(x, m, axis=d) for x, d in zip(args, dims)), config=config)
                    for m in range(size)]
         return [jnp.stack(parts) for parts in zip(*members)], [0] * len(members[0])
