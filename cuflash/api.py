@@ -826,7 +826,7 @@ def _kvcache_forward(entry: str, placement: Placement, per_head: dict[str, Any],
             problem = checked(moved_leftpad, call_causal, call_window)
             if table is not None:  # a paged cache's keys from inside a page: its cache_leftpad (paged_keys_from)
                 problem = dataclasses.replace(problem, cache_leftpad=True)
-        problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
+        problem = V.with_num_splits(problem, num_splits)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if V.needs_copy(cache):
                 raise ValueError(f"{name} is updated in place, so its last dimension must be contiguous (and its "

@@ -154,7 +154,7 @@ def attention_with_kvcache(
         seqlen_k = V.kvcache_key_extent(longest, layout.capacity)
     problem = V.kvcache_problem(q, k_cache, v_cache, layout, seqlen_k=seqlen_k, causal=call_causal,
                                 window_size=call_window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    problem = dataclasses.replace(problem, num_splits=V.check_num_splits(num_splits))
+    problem = V.with_num_splits(problem, num_splits)
     with_rotary = rotary.check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, k, layout.capacity)
 
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
