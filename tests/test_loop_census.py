@@ -79,6 +79,45 @@ def test_planted_marked_path_runs_its_source():
     assert [row.path for row in lc.census(PLANTED, PLANTED_WORK, {"prologue": frozenset({0x10})})] == ["plain"]
 
 
+# A K/V step whose row arithmetic has two arms, as block_info.cuh's key_rows: a paged cache's (one instruction here,
+# the cheaper) and the contiguous one (three). Unmarked, the cheapest walk takes the paged arm; marked, the plain walk
+# must take the contiguous arm (a plain call runs no paged code), and the paged row takes the paged one.
+TWO_ARMS = listing(
+    "S2R R0, SR_TID.X",                    # 0x00
+    "HMMA.16816.F32 R4, R8, R12, R4",      # 0x10 loop head
+    "@P1 BRA 0x60",                        # 0x20 paged?
+    "IMAD R2, R3, R4, R2",                 # 0x30 contiguous arm
+    "IMAD R2, R3, R5, R2",                 # 0x40
+    "BRA 0x70",                            # 0x50
+    "LDG.E R2, [R6.64]",                   # 0x60 paged arm: the page lookup
+    "HMMA.16816.F32 R4, R8, R14, R4",      # 0x70
+    "@P0 BRA 0x10",                        # 0x80 back edge
+    "EXIT",                                # 0x90
+)
+TWO_ARMS_WORK = lc.IterationWork(hmma=2, ldgsts=0, exponentials=0)
+
+
+def test_plain_walk_runs_no_marked_source():
+    (unmarked,) = lc.census(TWO_ARMS, TWO_ARMS_WORK)
+    assert unmarked.instructions == 5 and unmarked.classes["memory"] == 1  # through the (unmarked) paged arm
+    plain, paged = lc.census(TWO_ARMS, TWO_ARMS_WORK, {"paged": frozenset({0x60})})
+    assert (plain.path, plain.instructions, plain.classes["memory"]) == ("plain", 7, 0)
+    assert (paged.path, paged.instructions, paged.classes["memory"]) == ("paged", 5, 1)
+    assert plain.loop_static_instructions == paged.loop_static_instructions == 8
+    # The paged arm as the rest of the path's source (PATH_ONLY_SOURCE: paged_key_rows), the path named by code
+    # elsewhere (its row lookups, here the loop head's HMMA block, which every walk runs): the plain walk avoids the
+    # arm all the same, and the paged walk need not take it.
+    plain, paged = lc.census(TWO_ARMS, TWO_ARMS_WORK, {"paged": frozenset({0x10})}, {"paged": frozenset({0x60})})
+    assert [(r.path, r.instructions) for r in (plain, paged)] == [("plain", 7), ("paged", 5)]
+    # Marks on both arms (as where the compiler predicates both into one block): no walk avoids them, so the plain
+    # walk enters as few marked blocks as any walk can (one) and is the cheapest of those; each marked walk runs its
+    # own arm, never the other's.
+    plain, masked, paged = lc.census(TWO_ARMS, TWO_ARMS_WORK, {"masked": frozenset({0x40}),
+                                                               "paged": frozenset({0x60})})
+    assert [(r.path, r.instructions) for r in (plain, masked, paged)] == [("plain", 5), ("masked", 7), ("paged", 5)]
+    assert masked.classes["memory"] == 0 and paged.classes["memory"] == 1
+
+
 def test_path_lines_place_every_walked_instruction():
     # The plain walk of PLANTED by source line: the HMMA at one line, the rest at another or unplaced ("?", 0);
     # the copy loop's LDGSTS counts twice (walked twice); the sum is the path's count.
@@ -121,6 +160,16 @@ def test_marked_paths_are_the_mask_test_lines():
     # The page lookup (PageSlot::of, one home for where a paged row lives, inlined here) and the row's address.
     assert "PageSlot::of(pages, page_size, j)" in " ".join(block_info[n - 1] for n in paged_lines)
     assert lc.marked_addresses({0x60: ("/x/cuda_src/common/block_info.cuh", paged_lines[0])})["paged"] == {0x60}
+    # key_rows' paged arm (the rows of a K/V block from the sequence's pages) and the sequence's row of block_table:
+    # code only a paged call runs, which the plain walk must not borrow (test_plain_walk_runs_no_marked_source).
+    block_rows, pages = lc.PATH_ONLY_SOURCE["paged"]
+    arm = " ".join(block_info[n - 1] for n in sorted(lc.function_body_lines(*block_rows)))
+    assert "pages(p), p.page_size" in arm and "first_key_row(p) + first_row" in arm
+    (table_row,) = [block_info[n - 1] for n in lc.function_body_lines(*pages)]
+    assert "p.block_table" in table_row and "block_table_stride" in table_row
+    arm_line = min(lc.function_body_lines(*block_rows))
+    assert lc.marked_addresses({0x70: ("/x/cuda_src/common/block_info.cuh", arm_line)}, lc.PATH_ONLY_SOURCE) == {
+        "paged": frozenset({0x70})}
     with pytest.raises(ValueError, match="expected one"):
         lc.function_body_lines("common/mask.cuh", "__device__")
 

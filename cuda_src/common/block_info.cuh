@@ -280,8 +280,15 @@ struct BlockInfo {
                      static_cast<long long>(k_start(p) + first_key_row(p)) * s.row + kv_head * s.head;
       return KeyRows<T>{head_base, s.row, 0, nullptr, 0, first_row};
     }
-    // A paged cache's first key may lie past row 0 of its first page (cache_leftpad: a windowed decode's keys start
-    // at the row's first visible one): then rows count from it, looked up page by page like any other.
+    return paged_key_rows<T>(p, base, s, first_row);
+  }
+  // key_rows of a paged cache, a function of its own so that the loop census can tell its instructions from the
+  // contiguous arm's (loop_census.MARKED_PATHS). Its first key may lie past row 0 of its first page (cache_leftpad: a
+  // windowed decode's keys start at the row's first visible one): then rows count from it, looked up page by page
+  // like any other.
+  template <class T, class Void>
+  __device__ __forceinline__ KeyRows<T> paged_key_rows(const AttentionParams& p, Void* base, const TensorStrides& s,
+                                                       int first_row) const {
     return KeyRows<T>{static_cast<T*>(base) + kv_head * s.head, s.row, s.batch, pages(p), p.page_size,
                       first_key_row(p) + first_row};
   }

@@ -289,20 +289,28 @@ class NoPathError(ValueError):
 _GLOBAL_WRITES = ("RED", "REDG", "ATOM", "ATOMG", "STG")
 
 
+_AVOIDED = 10**9  # walk's cost of entering a block it avoids
+
+
 def walk(blocks: Sequence[Block], loop: Loop, work: IterationWork, path: str = "plain",
-         through: frozenset[int] = frozenset()) -> PathCensus:
+         through: frozenset[int] = frozenset(), avoid: frozenset[int] = frozenset()) -> PathCensus:
     """The cheapest walk from the loop's head back to it through its back edge that issues ``work`` (Dijkstra over
     (block, HMMA, LDGSTS and global writes so far, exponentials so far capped at the required number, and with
     ``work.tiles_copied`` the copies of each LDGSTS so far, each at most a tile's share); costs are instruction
     counts, so the walk is the path issuing the fewest instructions). With ``through`` (block indices), the walk
-    must visit one of those blocks (a path named by the source it runs: ``marked_paths``)."""
+    must visit one of those blocks (a path named by the source it runs: ``marked_paths``). Blocks of ``avoid`` (the
+    source of other paths) it enters as rarely as it can, before counting instructions: where a branch leads round
+    them the walk takes it, however much it costs, and where the compiler made one block of both arms (predicated
+    instructions, issued either way) the walk passes through, as every iteration does."""
     sites = sorted({i.address for b in loop.blocks for i in blocks[b].instructions if i.base == "LDGSTS"})
     site_cap = -(-work.ldgsts // work.tiles_copied) if work.tiles_copied else work.ldgsts
     # Per-site counts join the state only where a cap can bind (several sites, a cap below the step's copies).
     capped = sites if len(sites) > 1 and site_cap < work.ldgsts else []
     need = (work.hmma, work.ldgsts, work.global_writes, work.exponentials, *([site_cap] * len(capped)))
-    per_block = {b: (len(blocks[b].instructions), blocks[b].count("hmma"), blocks[b].count("ldgsts"),
-                     sum(i.base in _GLOBAL_WRITES for i in blocks[b].instructions),
+    # A block's cost: its instructions, plus _AVOIDED for a block of ``avoid`` (more than any walk issues, so one
+    # such block fewer always wins).
+    per_block = {b: (len(blocks[b].instructions) + _AVOIDED * (b in avoid), blocks[b].count("hmma"),
+                     blocks[b].count("ldgsts"), sum(i.base in _GLOBAL_WRITES for i in blocks[b].instructions),
                      blocks[b].count_opcode("MUFU.EX2"),
                      *(sum(i.address == a for i in blocks[b].instructions) for a in capped)) for b in loop.blocks}
     first = _add((0, 0, 0, 0, *([0] * len(capped))), per_block[loop.head][1:], need)
@@ -406,11 +414,17 @@ def _census(blocks: Sequence[Block], loop: Loop, walked: list[int], path: str, e
                       (blocks[loop.head].start, blocks[loop.latch].end), tuple(walked))
 
 
-def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | None = None) -> list[PathCensus]:
+def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | None = None,
+           path_only: dict[str, frozenset[int]] | None = None) -> list[PathCensus]:
     """The main loops of a function's SASS and the plain path of each, then the marked paths: for each name in
     ``marks`` (instruction addresses, marked_paths) the cheapest walk through a block holding one of them, of the
     plain row's loop where it holds one, else of the first other main loop that does (a kernel whose masked steps
-    run in a loop of their own), a row named by it (none where no main loop holds a marked instruction).
+    run in a loop of their own), a row named by it (none where no main loop holds a marked instruction). Each walk
+    avoids the other paths' source (``walk``'s avoid): their marks and ``path_only`` (addresses by path name, the
+    rest of a path's source: PATH_ONLY_SOURCE); the plain walk every such block, a marked walk the blocks that hold
+    another's source and none of its own. So a plain row never borrows an arm of a paged cache's code that happens
+    to be cheaper than its own: a walk's choices at separate branches are independent, a kernel's are not
+    (key_rows' paged arm goes with paged_row's lookups).
 
     A main loop is a loop one of whose iterations can issue ``work`` (a walk exists) and that encloses no other
     such loop: an inner loop holding only part of the MMAs (the backward's dQ column chunks) cannot, and a loop
@@ -421,13 +435,22 @@ def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | No
     candidates = mma_loops(blocks)
     if not candidates:
         raise NoPathError("no loop holding HMMA")
+    marks, path_only = marks or {}, path_only or {}
+
+    def marked_blocks(loop: Loop, names: Iterable[str], whole_source: bool = True) -> frozenset[int]:
+        """The loop's blocks that hold an instruction of one of the ``names``d paths' marks (and, with
+        ``whole_source``, of the rest of their source)."""
+        addresses = frozenset().union(*(marks[name] | (path_only.get(name, frozenset()) if whole_source else
+                                                       frozenset()) for name in names))
+        return frozenset(b for b in loop.blocks if any(i.address in addresses for i in blocks[b].instructions))
+
     found: list[tuple[Loop, PathCensus]] = []
     failure = None
     for loop in candidates:
         if any(loop.contains(inner) for inner, _ in found):
             continue
         try:
-            found.append((loop, walk(blocks, loop, work)))
+            found.append((loop, walk(blocks, loop, work, avoid=marked_blocks(loop, marks))))
         except NoPathError as error:
             failure = error
     if not found:
@@ -435,11 +458,12 @@ def census(sass: str, work: IterationWork, marks: dict[str, frozenset[int]] | No
     found.sort(key=lambda pair: pair[1].instructions)
     (plain_loop, plain), rest = found[0], [row for _, row in found[1:]]
     marked = []
-    for name, addresses in (marks or {}).items():
+    for name in marks:
         for loop in (plain_loop, *(loop for loop, _ in found[1:])):
-            through = frozenset(b for b in loop.blocks if any(i.address in addresses for i in blocks[b].instructions))
+            through = marked_blocks(loop, [name], whole_source=False)
             if through:
-                marked.append(walk(blocks, loop, work, name, through))
+                others = marked_blocks(loop, [other for other in marks if other != name]) - through
+                marked.append(walk(blocks, loop, work, name, through, avoid=others))
                 break
     return [plain, *marked] + [dataclasses.replace(row, path=f"loop at {row.loop_addresses[0]:#x}") for row in rest]
 
@@ -559,6 +583,12 @@ def traits_by_instance(arch: str) -> dict:
 MARKED_PATHS = {"masked": (("common/mask.cuh", "bool visible(int row, int key) const {"),
                            ("common/mask.cuh", "bool keeps(int dr, int dc) const {")),
                 "paged": (("common/block_info.cuh", "T* paged_row(int j) const {"),)}
+# The rest of a marked path's source: code that only the path's calls run but that does not name the path (its walk
+# need not run it), which every other walk avoids as it avoids the path's marks. ``paged``: the rows of a K/V block
+# set up from the sequence's pages (BlockInfo::paged_key_rows, pages): key_rows' paged arm is cheaper than its
+# contiguous one, so a plain walk that may take it counts a combination no call runs.
+PATH_ONLY_SOURCE = {"paged": (("common/block_info.cuh", "KeyRows<T> paged_key_rows(const AttentionParams& p"),
+                              ("common/block_info.cuh", "const int* pages(const AttentionParams& p) const {"))}
 
 
 def function_body_lines(source: str, opening: str) -> frozenset[int]:
@@ -579,10 +609,11 @@ def function_body_lines(source: str, opening: str) -> frozenset[int]:
     raise ValueError(f"{source}: no closing brace for {opening!r}")
 
 
-def marked_addresses(line_table: dict[int, tuple[str, int]]) -> dict[str, frozenset[int]]:
-    """For each of MARKED_PATHS, the SASS addresses whose source line is in the body of one of its functions."""
+def marked_addresses(line_table: dict[int, tuple[str, int]], paths: dict | None = None) -> dict[str, frozenset[int]]:
+    """For each of ``paths`` (default MARKED_PATHS; or PATH_ONLY_SOURCE), the SASS addresses whose source line is in
+    the body of one of its functions."""
     found = {}
-    for name, openings in MARKED_PATHS.items():
+    for name, openings in (MARKED_PATHS if paths is None else paths).items():
         bodies = [(source, function_body_lines(source, opening)) for source, opening in openings]
         found[name] = frozenset(address for address, (path, line) in line_table.items()
                                 if any(path.replace("\\", "/").endswith("/" + source) and line in body
@@ -629,9 +660,10 @@ def _instance_census(traits, dtype: str, arch: str, compiled) -> list[CensusRow]
         raise RuntimeError("cuobjdump/nvdisasm missing: install the test extra (nvidia-cuda-cuobjdump, -nvdisasm)")
     work = iteration_work(traits)
     tile = _tile(traits)
-    marks = marked_addresses(nvrtc.dump_line_table(compiled))
+    line_table = nvrtc.dump_line_table(compiled)
+    marks, path_only = marked_addresses(line_table), marked_addresses(line_table, PATH_ONLY_SOURCE)
     return [CensusRow(traits.instance(dtype).name_expr, arch, tile, work, path)
-            for path in census(sass, work, marks)]
+            for path in census(sass, work, marks, path_only)]
 
 
 def softcap_work(work: IterationWork) -> IterationWork:
