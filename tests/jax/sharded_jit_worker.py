@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import cuflash  # noqa: E402
 import cuflash.jax as cfj  # noqa: E402
 from cuflash.jax._ffi import record_launches  # noqa: E402
+from cuflash.sim import record as sim_record  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 # name: (spec of the (batch, seq, heads, d) tensors, spec of lse-shaped (batch, heads, seq) ones)
@@ -66,6 +67,26 @@ def compare_close(step, args, want) -> dict:
     }
 
 
+def forward_splits(launches) -> list[int]:
+    """The split counts the forward launches among ``launches`` ran: a forward's grid x is its Q blocks times its
+    splits, and the short-query calls this is asked about have one Q block (a decode's GQA group folds into it)."""
+    return sorted({launch.grid[0] for launch in launches if "forward_kernel" in launch.kernel})
+
+
+def heuristic_splits(function, *args, **options) -> int:
+    """The splits NumPy ``function`` (with one Q block, see forward_splits) runs with num_splits=0: what the heuristic
+    picks for a problem of that shape (the whole one, or one device's shard: first_shard), without a jit compile."""
+    with sim_record() as recorded:
+        function(*args, num_splits=0, **options)
+    (splits,) = forward_splits(recorded.launches)
+    return splits
+
+
+def first_shard(x) -> np.ndarray:
+    """The part of sharded ``x`` the first device holds: the local problem its custom call sees."""
+    return np.asarray(x.addressable_shards[0].data)
+
+
 def compare_paged_varlen(mesh, nheads: int, nheads_k: int, headdim: int) -> dict:
     """attention_varlen over a paged KV cache (block_table, forward only) under jit, as tensor-parallel serving shards
     it: q's heads and the pages' kv heads split over "model" (GQA: whole groups), the pages' own axes and the block
@@ -75,36 +96,97 @@ def compare_paged_varlen(mesh, nheads: int, nheads_k: int, headdim: int) -> dict
 
     8 pages of 16 rows per sequence: the decode's split-KV heuristic then gives the whole call and each device's
     (with a quarter of its heads) the same 2 splits. On longer caches a device's smaller grid can take more splits,
-    and its results are then the unsharded ones only up to rounding (attention_varlen has no num_splits to pin)."""
+    and its results are then the unsharded ones only up to rounding. The long-cache decode (up to 500 keys, where the
+    heuristic gives the whole call 4 splits and a device 8) pins num_splits=3 in the jit step and the NumPy call
+    alike, so every device splits as the whole call does; for the decodes, the splits the heuristic picks for the
+    whole call and for one device's shard (NumPy) and those the sharded call ran are reported too."""
     rng = np.random.default_rng(9)
     batch, page_size, pages_per_sequence = 4, 16, 8
-    num_pages = batch * pages_per_sequence + 3  # spare pages no sequence reads
-    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, nheads_k, headdim)).astype(np.float32)
-                        for _ in range(2))
-    table = rng.permutation(num_pages)[: batch * pages_per_sequence].astype(np.int32).reshape(batch, -1)
-    lengths_k = np.array([80, 14, 122, 40], np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
     heads = NamedSharding(mesh, P(None, "model"))
     pages = NamedSharding(mesh, P(None, None, "model"))
-    results = {}
-    for name, lengths_q in (("prefill", [5, 1, 26, 4]), ("decode", [1, 1, 1, 1])):
+
+    def draw_cache(pages_per_sequence):
+        num_pages = batch * pages_per_sequence + 3  # spare pages no sequence reads
+        k_pages, v_pages = (rng.standard_normal((num_pages, page_size, nheads_k, headdim)).astype(np.float32)
+                            for _ in range(2))
+        table = rng.permutation(num_pages)[: batch * pages_per_sequence].astype(np.int32).reshape(batch, -1)
+        return k_pages, v_pages, table
+
+    def run(lengths_q, lengths_k, k_pages, v_pages, table, **split):
         cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
         q = rng.standard_normal((cu_q[-1], nheads, headdim)).astype(np.float32)
         options = dict(causal=True, softcap=4.0, return_lse=True)
 
-        def step(q, k_pages, v_pages, table, cu_q=cu_q, options=options, max_seqlen_q=max(lengths_q)):
-            return cfj.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table, max_seqlen_q=max_seqlen_q,
-                                        max_seqlen_k=int(lengths_k.max()), **options)
+        def step(q, k_pages, v_pages, table):
+            return cfj.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table,
+                                        max_seqlen_q=max(lengths_q), max_seqlen_k=int(lengths_k.max()), **options,
+                                        **split)
 
         plain = jax.jit(step)(q, k_pages, v_pages, table)
-        numpy_results = cuflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table, **options)
+        numpy_results = cuflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, block_table=table, **options,
+                                                 **split)
         args = [jax.device_put(q, heads), jax.device_put(k_pages, pages), jax.device_put(v_pages, pages),
                 jax.device_put(table, NamedSharding(mesh, P()))]
         with record_launches() as launches:
             case = compare_sharded(step, args, plain)
         case["numpy_bitwise"] = [bool(np.array_equal(np.asarray(a), b)) for a, b in zip(plain, numpy_results)]
         case["split_kv"] = any("combine" in launch.kernel for launch in launches)
-        results[f"varlen paged {name}"] = case
+        if max(lengths_q) == 1:
+            case["heuristic_splits"] = [
+                heuristic_splits(cuflash.attention_varlen, *inputs, cu_q, cu_k, block_table=table, **options)
+                for inputs in ((q, k_pages, v_pages), [first_shard(x) for x in args[:3]])]
+            case["splits"] = forward_splits(launches)
+        return case
+
+    k_pages, v_pages, table = draw_cache(pages_per_sequence)
+    lengths_k = np.array([80, 14, 122, 40], np.int32)
+    results = {f"varlen paged {name}": run(lengths_q, lengths_k, k_pages, v_pages, table)
+               for name, lengths_q in (("prefill", [5, 1, 26, 4]), ("decode", [1, 1, 1, 1]))}
+    long_lengths_k = np.array([300, 40, 500, 170], np.int32)
+    results["varlen paged long decode"] = run([1] * batch, long_lengths_k, *draw_cache(32), num_splits=3)
+    return results
+
+
+def compare_pinned_splits(mesh) -> dict:
+    """cuflash.jax.attention with num_splits=3 on short queries over long keys (4 rows, 440 keys, GQA) under jit,
+    sharded along batch and along heads, with the vjp (whose backward runs unsplit): compare_sharded against the
+    unsharded call, whether that call's out and lse are bitwise NumPy cuflash.attention(num_splits=3)'s, the splits
+    the sharded forwards ran, and those the heuristic would pick for the whole call and for one device's shard
+    (3 for the whole call, but 4 along batch and 7 along heads: unpinned, the devices would split otherwise).
+
+    deterministic=True: in atomic mode dq's float32 atomics over several K/V blocks sum in no fixed order (two
+    unsharded runs differ). Deterministic, each device's dq takes one slice per K/V block, as the whole call's, only
+    while the 7 K/V blocks are at most ceil(SMs / (batch x kv heads)) = 7 on the simulator's default sm_80 (108 SMs);
+    on 460 keys a device's smaller problem takes more slices than the whole call, its dq then the unsharded one only
+    up to rounding."""
+    rng = np.random.default_rng(13)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = 4, 4, 440, 8, 4, 24
+    q, dout = (rng.standard_normal((batch, seqlen_q, nheads, headdim)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, headdim)).astype(np.float32) for _ in range(2))
+    dlse = rng.standard_normal((batch, nheads, seqlen_q)).astype(np.float32)
+
+    def step(q, k, v, dout, dlse):
+        def attention(q, k, v):
+            return cfj.attention(q, k, v, num_splits=3, deterministic=True, return_lse=True)
+        (out, lse), pull = jax.vjp(attention, q, k, v)
+        return (out, lse, *pull((dout, dlse)))
+
+    plain = jax.jit(step)(q, k, v, dout, dlse)
+    numpy_results = cuflash.attention(q, k, v, num_splits=3, return_lse=True)
+    whole = heuristic_splits(cuflash.attention, q, k, v)
+    results = {}
+    for name in ("batch", "heads"):
+        spec, lse_spec = CASES[name]
+        args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, dout)]
+        args.append(jax.device_put(dlse, NamedSharding(mesh, lse_spec)))
+        with record_launches() as launches:
+            case = compare_sharded(step, args, plain)
+        case["numpy_bitwise"] = [bool(np.array_equal(np.asarray(a), b)) for a, b in zip(plain, numpy_results)]
+        case["split_kv"] = any("combine" in launch.kernel for launch in launches)
+        case["splits"] = forward_splits(launches)
+        case["heuristic_splits"] = [whole, heuristic_splits(cuflash.attention, *map(first_shard, args[:3]))]
+        results[f"num_splits=3 {name}"] = case
     return results
 
 
@@ -268,6 +350,7 @@ def main() -> None:
         results[f"{axis_type.name}:kvcache indexed"] = compare_sharded(indexed_decode, args, plain)
         results.update({f"{axis_type.name}:{name}": case
                         for name, case in compare_paged_varlen(mesh, nheads, nheads_k, headdim).items()})
+        results.update({f"{axis_type.name}:{name}": case for name, case in compare_pinned_splits(mesh).items()})
         # The sequence sharded, causal, no ALiBi or window: the sharding rule runs ring attention over "model"
         # (and splits batch over "data"), forward and backward.
         def ring_step(q, k, v, dout, dlse):

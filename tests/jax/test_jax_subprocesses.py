@@ -57,9 +57,11 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
     forward and one backward custom call per device on its shard, no collective in the compiled HLO, results
     sharded like the inputs and bitwise the unsharded ones (with a window, softcap, per-(batch, head) ALiBi and
     the lse's cotangent; with dropout, also under vmap; for MHA and MQA; varlen calls along heads (with used
-    prefixes); KV-cache calls and varlen calls over a paged cache (a prefill and a decode step), forward only).
-    A sequence sharded with ALiBi and a window is gathered (the documented fallback) with the same results; a
-    causal one without runs as ring attention."""
+    prefixes); KV-cache calls and varlen calls over a paged cache (a prefill, a decode step, and one over long
+    caches with num_splits=3), forward only; split-KV with num_splits=3 on short queries over long keys, with the
+    vjp, pinned where each device's heuristic would split its local problem otherwise). A sequence sharded with
+    ALiBi and a window is gathered (the documented fallback) with the same results; a causal one without runs as
+    ring attention."""
     results = run_worker("sharded_jit_worker.py")
     assert set(results) == {f"{mode}:{case}" for mode in ("Auto", "Explicit")
                             for case in ("batch", "heads", "batch+heads", "sequence", "ring", "dropout batch",
@@ -70,7 +72,8 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
                                          "ring dropout", "sinks batch", "sinks heads", "sinks batch+heads",
                                          "kvcache indexed", "headdim_v batch+heads",
                                          "headdim_v wide batch+heads", "varlen paged prefill",
-                                         "varlen paged decode")}
+                                         "varlen paged decode", "varlen paged long decode", "num_splits=3 batch",
+                                         "num_splits=3 heads")}
     for mode in ("Auto", "Explicit"):
         # [jax-scale] 2 through the rule: a causal call on a sequence sharded over "model" (batch over "data") runs
         # as ring attention, forward and backward: collective-permutes only, results sharded like the inputs,
@@ -147,13 +150,33 @@ def test_plain_jit_over_batch_and_head_shards_runs_per_shard_without_collectives
         # a prefill and a decode step (run as attention_with_kvcache's), each one forward call per device, no
         # collective (the pages never gathered), out and lse sharded along the heads and bitwise the unsharded call's,
         # itself bitwise the NumPy call's. The decode ran split-KV on the shards (its combine kernel launched), each
-        # device splitting its keys as the whole call does at these cache lengths (see compare_paged_varlen).
-        for step in ("prefill", "decode"):
+        # device splitting its keys as the whole call does at these cache lengths (see compare_paged_varlen). On the
+        # long caches the heuristic would split a device's keys otherwise than the whole call's; num_splits=3 pins
+        # every device's split count, so the results are still bitwise.
+        for step in ("prefill", "decode", "long decode"):
             case = results.pop(f"{mode}:varlen paged {step}")
             assert case["bitwise"] == [True] * 2 and case["numpy_bitwise"] == [True] * 2, (mode, step, case)
             assert case["collectives"] == [] and case["custom_calls"] == 1, (mode, step, case)
             assert case["shardings"] == ["P(None, 'model')", "P('model',)"], (mode, step, case)
-            assert case["split_kv"] == (step == "decode"), (mode, step, case)
+            assert case["split_kv"] == (step != "prefill"), (mode, step, case)
+            if step == "decode":
+                whole, device = case["heuristic_splits"]
+                assert whole == device > 1 and case["splits"] == [whole], (mode, step, case)
+            elif step == "long decode":
+                whole, device = case["heuristic_splits"]
+                assert whole != device and case["splits"] == [3], (mode, step, case)
+        # Fixed-length short queries over long keys with num_splits=3, sharded along batch or heads, with the vjp
+        # (deterministic): one forward and one backward call per device, no collective, out, lse and the gradients
+        # bitwise the unsharded call's, whose out and lse are NumPy's; every device's forward ran the 3 splits
+        # (combine launched) where the heuristic would have split its local problem otherwise than the whole one.
+        for split in ("batch", "heads"):
+            case = results.pop(f"{mode}:num_splits=3 {split}")
+            assert case["bitwise"] == [True] * 5 and case["numpy_bitwise"] == [True] * 2, (mode, split, case)
+            assert case["collectives"] == [] and case["custom_calls"] == 2, (mode, split, case)
+            tensor, rows = expected_specs[split]
+            assert case["shardings"] == [tensor, rows, tensor, tensor, tensor], (mode, split, case)
+            whole, device = case["heuristic_splits"]
+            assert case["split_kv"] and case["splits"] == [3] and whole != device, (mode, split, case)
         # Varlen with its heads sharded (tensor parallelism): per-device calls on the kv heads, no collective.
         for p in ("0.0", "0.25"):
             case = results.pop(f"{mode}:varlen heads p={p}")
