@@ -454,6 +454,26 @@ LEAN_PAGED_PER_HMMA = {
 }
 
 
+# The forwards whose K and V blocks go through load_tile alone (no whole copies: d96 and d192 at their planned
+# tiles), holding the sequence's K and V rows from key 0 through the loop (ForwardTraits::kHoldKeyRows): a ratchet as
+# LEAN_PER_HMMA. Before, each block's rows found by key_rows: sm_80 d96 1251 / 192, d192 1103 / 192; sm_90 1273 and
+# 1123 (the census's plain walk then avoiding paged code, PATH_ONLY_SOURCE).
+LEAN_LOAD_TILE_PER_HMMA = {
+    ("sm_80", 96): 6.047,   # 128x64x4: 1161 / 192
+    ("sm_90", 96): 6.089,   # 128x64x4: 1169 / 192
+    ("sm_80", 192): 5.276,  # 128x64x8: 1013 / 192
+    ("sm_90", 192): 5.307,  # 128x64x8: 1019 / 192
+}
+
+
+@pytest.mark.parametrize("arch, head_dim", sorted(LEAN_LOAD_TILE_PER_HMMA))
+def test_load_tile_forward_holds_its_key_rows(arch, head_dim):
+    traits = fa2_tc.forward_traits(head_dim, targets.target(arch))
+    plain, *_ = lc.instance_census(traits, CENSUS_DTYPE, arch)
+    assert plain.path.path == "plain"
+    assert plain.path.instructions_per_hmma <= LEAN_LOAD_TILE_PER_HMMA[arch, head_dim] * 1.03, plain.as_json()
+
+
 @pytest.mark.parametrize("direction, arch, head_dim", sorted(LEAN_PER_HMMA))
 def test_main_loop_stays_lean(direction, arch, head_dim):
     traits = (fa2_tc.forward_traits if direction == "forward" else fa2_tc.backward_traits)(head_dim,

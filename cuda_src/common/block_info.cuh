@@ -60,6 +60,13 @@ struct KeyRows {
     const PageSlot slot = PageSlot::of(pages, page_size, j);
     return head_base + static_cast<long long>(slot.page) * page_stride + static_cast<long long>(slot.row) * row_stride;
   }
+  // The same sequence's rows from `rows` further on: what key_rows gives for first_row + rows, without finding the
+  // sequence's base again (its offsets and the cache's indexing: loads and tests a loop need not repeat per block).
+  __device__ __forceinline__ KeyRows from(int rows) const {
+    KeyRows shifted = *this;
+    shifted.first_row += rows;
+    return shifted;
+  }
   // Whether every row starts 16-byte aligned (the tensor-core loads then use 16-byte cp.async).
   __device__ __forceinline__ bool rows_16b_aligned() const {
     return (reinterpret_cast<unsigned long long>(head_base) & 15) == 0 && (row_stride * sizeof(T)) % 16 == 0 &&

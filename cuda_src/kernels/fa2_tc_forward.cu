@@ -78,6 +78,12 @@ struct ForwardTraits {
   // cost sm_90 a block per SM (157 -> 174 registers: 3 -> 2 blocks).
   // Whether paged blocks take them too (each block's source looked up in its page): not at d256 under CUDA 12,
   // whose ptxas spilled 64 x 64 on 4 warps with the lookup (16 bytes on sm_90, 8 on sm_86; 13's does not).
+  // Whether a K/V loop without whole copies holds the sequence's K and V rows from key 0 (KeyRows::from) rather than
+  // finding each block's (key_rows re-reads the sequence's offsets and the cache's indexing: 45 instructions an
+  // iteration at d96 and d192 on sm_80, for 5 to 14 more registers). Not at d32, whose 166 registers would pass 168
+  // (173 on sm_80, 179 on sm_90) and cost a block per SM (3 -> 2). With whole copies (d64, d128, d256) the loop
+  // finds each ragged block's rows: holding them there cost 1 to 20 instructions an iteration instead.
+  static constexpr bool kHoldKeyRows = HeadDim > 32;
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
   static constexpr bool kWholeCopiesFit = kPinKBases && HeadDim > 32;
   static constexpr bool kPagedWholeCopiesFit = HeadDim < 256;
@@ -192,6 +198,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     auto whole_in_page = [&](const KeyRows<const T>& rows) {
       return rows.paged_row(rows.first_row + whole_row) + whole_col;
     };
+    // A block's K or V rows from its first key: the rows from key 0 shifted where the loop holds them
+    // (ForwardTraits::kHoldKeyRows, without whole copies), else found for the block.
+    constexpr bool kHoldRows = Tr::kHoldKeyRows && !kWholeCopies;
+    const KeyRows<const T> k_rows = info.k_rows<T>(p, 0);  // (unused unless kHoldRows)
+    const KeyRows<const T> v_rows = info.v_rows<T>(p, 0);
+    auto k_rows_from = [&](int key0) {
+      if constexpr (kHoldRows) return k_rows.from(key0);
+      else return info.k_rows<T>(p, key0);
+    };
+    auto v_rows_from = [&](int key0) {
+      if constexpr (kHoldRows) return v_rows.from(key0);
+      else return info.v_rows<T>(p, key0);
+    };
     // A flex hook with a score_mod gives score' itself (FlexHook::kScaledScores, every tile hooked): its exponent's
     // factor is log2 e.
     const float scale_log2 = Hook::kScaledScores ? kLog2e : p.softmax_scale_log2;
@@ -215,7 +234,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     const auto v_at = fa2tc::LaneBases<KVTile>::of(fa2tc::b_kn_lane<KVTile>(lane)).pinned(lane);
 
     fa2tc::load_tile<QTile, Tr::kThreads>(q_tile, q, p.q_stride.row, block_rows(), d, q_vector, threadIdx.x);
-    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, visits.tile(visits.end - 1) * BlockN),
+    fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k_rows_from(visits.tile(visits.end - 1) * BlockN),
                                            block_keys(visits.tile(visits.end - 1)), d, k_vector, threadIdx.x);
     arch::cp_async_commit();
 
@@ -232,7 +251,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
               Tr::kPagedWholeCopiesFit && p.block_table != nullptr ? whole_in_page(info.v_rows<T>(p, key0)) : v_whole,
               p.v_stride.row, threadIdx.x);
       } else {
-        fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, info.v_rows<T>(p, key0), block_keys(n_block), dim_v, v_vector,
+        fa2tc::load_tile<KVTile, Tr::kThreads>(v_tile, v_rows_from(key0), block_keys(n_block), dim_v, v_vector,
                                                ragged_thread_index);
       }
       arch::cp_async_commit();
@@ -276,7 +295,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
                                                                      : k_whole,
                 p.k_stride.row, threadIdx.x);
         } else {
-          fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, info.k_rows<T>(p, next_key0), block_keys(next_block),
+          fa2tc::load_tile<KVTile, Tr::kThreads>(k_tile, k_rows_from(next_key0), block_keys(next_block),
                                                  d, k_vector, threadIdx.x);
         }
         arch::cp_async_commit();
