@@ -734,6 +734,14 @@ def check_num_splits(num_splits: Any) -> int:
     return value
 
 
+def varlen_num_splits(num_splits: Any, decode_step: bool) -> Any:
+    """attention_varlen's num_splits as the call runs it: None (its default) is 0, the heuristic, for a decode step
+    over pages (which runs as attention_with_kvcache's decode, whose default that is) and 1 for any other call."""
+    if num_splits is not None:
+        return num_splits
+    return 0 if decode_step else 1
+
+
 def with_num_splits(problem: Problem, num_splits: Any) -> Problem:
     """A checked forward Problem with the call's num_splits (check_num_splits), which split-KV takes without dropout
     only (FA2's rule: the split kernels write float32 partials and draw no dropout mask)."""

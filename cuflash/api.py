@@ -639,7 +639,7 @@ def attention_varlen(
                         seqused_k=varlen.seqused_k, causal=causal, window_size=window_size, softcap=softcap,
                         dropout_p=dropout_p, **paged, **per_head)
         check_dropout_seed(dropout_seed, problem.dropout_p)
-        problem = V.with_num_splits(problem, 1 if num_splits is None else num_splits)
+        problem = V.with_num_splits(problem, V.varlen_num_splits(num_splits, decode_step=False))
         return Prepared.checked(problem, causal, window_size, algorithm=algorithm, softmax_scale=softmax_scale,
                                 return_lse=return_lse)
 
@@ -652,7 +652,7 @@ def attention_varlen(
         if varlen.seqused_q is None and V.one_row_per_sequence(varlen.cu_seqlens_q):
             return _paged_decode(placement, q, k, v, varlen, prepared, causal=causal, window_size=window_size,
                                  softcap=softcap, algorithm=algorithm,
-                                 num_splits=0 if num_splits is None else num_splits, **per_head)
+                                 num_splits=V.varlen_num_splits(num_splits, decode_step=True), **per_head)
     return _forward(placement, prepared, prepared.plan(seqlen_q, seqlen_k), q, k, v, per_head=per_head,
                     dropout_seed=dropout_seed, varlen=varlen)
 

@@ -201,7 +201,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // A block's K or V rows from its first key: the rows from key 0 shifted where the loop holds them
     // (ForwardTraits::kHoldKeyRows, without whole copies), else found for the block.
     constexpr bool kHoldRows = Tr::kHoldKeyRows && !kWholeCopies;
-    const KeyRows<const T> k_rows = info.k_rows<T>(p, 0);  // (unused unless kHoldRows)
+    // (Unused unless kHoldRows. k_vector, v_vector, k_whole and v_whole above find key 0's rows themselves: read
+    // from these, the whole-copy instances' loops grew, sm_90 d128 by 16 instructions an iteration.)
+    const KeyRows<const T> k_rows = info.k_rows<T>(p, 0);
     const KeyRows<const T> v_rows = info.v_rows<T>(p, 0);
     auto k_rows_from = [&](int key0) {
       if constexpr (kHoldRows) return k_rows.from(key0);

@@ -219,7 +219,7 @@ def attention_varlen(
         problem = make_problem(q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, seqused_q="seqused_q" in counts,
                                seqused_k="seqused_k" in counts, **options)
-    problem = V.with_num_splits(problem, 1 if num_splits is None else num_splits)
+    problem = V.with_num_splits(problem, V.varlen_num_splits(num_splits, decode_step=False))
     if block_table is not None and seqused_q is None and concrete[0] is not None and \
             V.one_row_per_sequence(concrete[0]):  # a decode step: as cuflash.attention_varlen runs it
         # The public function, looked up when called: _kvcache imports this module (its prefills across chunks run
@@ -232,7 +232,8 @@ def attention_varlen(
         out, lse, _, _ = attention_with_kvcache(
             q[:, None], k, v, cache_seqlens=seqused_k, block_table=block_table, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            algorithm=algorithm, return_lse=True, sinks=sinks, num_splits=0 if num_splits is None else num_splits)
+            algorithm=algorithm, return_lse=True, sinks=sinks,
+            num_splits=V.varlen_num_splits(num_splits, decode_step=True))
         return (out[:, 0], lse[:, :, 0].T) if return_lse else out[:, 0]
     if block_table is not None:
         return _paged_varlen(problem, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
