@@ -390,13 +390,14 @@ def test_forward_kv_copies_step_their_rows(arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_forward_whole_kv_tiles_copy_in_one_straight_run(arch, head_dim):
     # Interior K and V blocks (contiguous, 16-byte aligned rows, the compiled head dim: fa2_tc_tiles.cuh's
     # load_whole_tile, taken per block) are copied as FA2 copies them: each thread's 16-byte cp.async of a tile in one
     # branch-free run, every shared-memory address a base register plus an immediate (one base where a thread's rows
-    # are 8k apart; two where they are 4 apart, sm_90's d256 64 x 64 on 4 warps: the XOR key alternates). Ragged, paged
-    # or misaligned blocks keep load_tile (test_forward_kv_copies_step_their_rows).
+    # are 8k apart; two where they are 4 apart, sm_90's d256 64 x 64 on 4 warps: the XOR key alternates; one per
+    # column part at d96 and d192, whose rows copy as 8 + 4 and 16 + 8 chunks). Ragged, paged or misaligned blocks
+    # keep load_tile (test_forward_kv_copies_step_their_rows).
     traits = fa2_tc.forward_traits(head_dim, target(arch))
     copies = traits.block_n * traits.head_dim // 8 // traits.threads  # per thread and tile
     runs, run = [], []

@@ -126,8 +126,9 @@ struct BackwardTraits {
   // the stepped loop's extra registers made ptxas spill 4 bytes on sm_90 beside dK and dV.
   static constexpr bool kStepQRows = HeadDim < 256;
   // Whole Q and dO blocks (every row, the compiled head dim, 16-byte rows; block-uniform) are copied by
-  // load_whole_tile: a thread's cp.async unrolled from one source pointer, shared offsets immediates, where the
-  // threads cover whole rows (not at d96 and d192: 12 and 24 chunks per row).
+  // load_whole_tile: a thread's cp.async unrolled from one source pointer per column part (two at d96 and d192,
+  // whose 12 and 24 chunks per row divide no thread count: WholeTileCopy), shared offsets immediates. At d96 and
+  // d192 the census's step fell from 727 to 546 and 729 to 549 instructions (sm_80) with the two parts.
   static constexpr bool kWholeQCopies = WholeTileCopy<SwizzledTile<BlockM, HeadDim>, kThreads>::kAvailable;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
   // Whether the lanes' ldmatrix bases (BackwardLaneBases, 4 sets of up to 4 registers) are made once per K/V block
@@ -222,7 +223,8 @@ struct StepRows {
 
   __device__ __forceinline__ static long long thread_offset(long long row_stride, int thread) {
     if constexpr (Tr::kWholeQCopies)
-      return whole_tile_row<QTile>(thread) * row_stride + whole_tile_column<QTile>(thread);
+      return whole_tile_row<QTile, Tr::kThreads>(thread) * row_stride +
+             whole_tile_column<QTile, Tr::kThreads>(thread);
     else
       return 0;
   }

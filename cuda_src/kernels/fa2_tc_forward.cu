@@ -29,8 +29,8 @@
 //   Copies: a K or V block with every key row, on 16-byte aligned rows at the compiled head dim, contiguous or in
 //   one page of a paged cache, goes through load_whole_tile (each thread's cp.async unrolled from one source
 //   pointer, shared offsets immediates: FA2's LDGSTS; the pointer carried from block to block, or looked up in the
-//   block's page); ragged or misaligned blocks, pages smaller than a block and other head dims through load_tile.
-//   The test is block-uniform; both issue the same chunks in the same order.
+//   block's page; at d96 and d192 one pointer per column part, WholeTileCopy); ragged or misaligned blocks, pages
+//   smaller than a block and other head dims through load_tile. The test is block-uniform.
 //   Epilogue: O / l rounded to 16 bits into the warp's own rows of the Q buffer (only this warp ever read
 //   them), then 16-byte coalesced stores; lse = m * scale + log(l).
 //   Split-KV (KV-cache decoding, p.num_kv_splits > 1): grid.x is (Q blocks) x splits; block x takes Q block
@@ -80,9 +80,11 @@ struct ForwardTraits {
   // whose ptxas spilled 64 x 64 on 4 warps with the lookup (16 bytes on sm_90, 8 on sm_86; 13's does not).
   // Whether a K/V loop without whole copies holds the sequence's K and V rows from key 0 (KeyRows::from) rather than
   // finding each block's (key_rows re-reads the sequence's offsets and the cache's indexing: 45 instructions an
-  // iteration at d96 and d192 on sm_80, for 5 to 14 more registers). Not at d32, whose 166 registers would pass 168
-  // (173 on sm_80, 179 on sm_90) and cost a block per SM (3 -> 2). With whole copies (d64, d128, d256) the loop
-  // finds each ragged block's rows: holding them there cost 1 to 20 instructions an iteration instead.
+  // iteration at d96 and d192 on sm_80 while they had no whole copies, for 5 to 14 more registers). Since d96 and
+  // d192 copy whole blocks in two column parts (WholeTileCopy), that loop is d96 at 128 x 64 on 4 warps under CUDA
+  // 12 alone. Not at d32, whose 166 registers would pass 168 (173 on sm_80, 179 on sm_90) and cost a block per SM
+  // (3 -> 2). With whole copies the loop finds each ragged block's rows: holding them there cost 1 to 20
+  // instructions an iteration instead.
   static constexpr bool kHoldKeyRows = HeadDim > 32;
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ < 13
   static constexpr bool kWholeCopiesFit = kPinKBases && HeadDim > 32;
@@ -185,8 +187,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) fa2_tc_forward_kernel(const Att
     // (n_block), meaningful where kv_whole and contiguous: carried from step to step, one block back each (a 64-bit
     // subtraction), where a base plus key0 * stride cost 9 instructions per copy. Paged, a block's first chunk is
     // found in its page (whole_in_page).
-    const int whole_row = fa2tc::whole_tile_row<KVTile>(threadIdx.x);
-    const int whole_col = fa2tc::whole_tile_column<KVTile>(threadIdx.x);
+    const int whole_row = fa2tc::whole_tile_row<KVTile, Tr::kThreads>(threadIdx.x);
+    const int whole_col = fa2tc::whole_tile_column<KVTile, Tr::kThreads>(threadIdx.x);
     // From the sequence's key 0 as KeyRows finds it: a contiguous KV cache's row of the caches' batch
     // (cache_batch_idx) past its left padding (cache_leftpad); BlockInfo::k's row 0 of batch b is neither.
     const T* k_whole = kWholeCopies ? info.k_rows<T>(p, 0).head_base +

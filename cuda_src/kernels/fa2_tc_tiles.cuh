@@ -171,50 +171,83 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const KeyRows<con
   }
 }
 
-// Whether load_whole_tile can copy a Tile with kThreads threads: each thread's chunks are one column of rows
-// kRowStep apart and the rows divide evenly. kRowStep a multiple of 4: the XOR key (period 8 rows) of rows
-// r + 2 i kRowStep is r's and that of rows r + (2 i + 1) kRowStep is that of r + kRowStep, so a thread's shared
-// offsets are two bases (one where kRowStep is a multiple of 8) plus immediates.
+// Whether load_whole_tile can copy a Tile with kThreads threads, and how. A row's chunks go in at most two column
+// parts of power-of-two widths, the wider first: one where the row's chunk count is a power of two (d64: 8, d128:
+// 16, d256: 32), two where it is not (d96: 8 + 4, d192: 16 + 8; 12 and 24 chunks divide no thread count, so one
+// part could not give each thread one column of rows). In each part the threads cover whole rows kRowStep at a
+// time: a thread's chunks there are one column of rows kRowStep apart, and the rows divide evenly. kRowStep a
+// multiple of 4: the XOR key (period 8 rows) of rows r + 2 i kRowStep is r's and that of rows r + (2 i + 1)
+// kRowStep is that of r + kRowStep, so a part's shared offsets are two bases (one where kRowStep is a multiple of
+// 8) plus immediates.
 template <class Tile, int kThreads>
 struct WholeTileCopy {
-  static constexpr int kRowStep = kThreads / Tile::kChunksPerRow;
-  static constexpr bool kAvailable = kThreads % Tile::kChunksPerRow == 0 && kRowStep % 4 == 0 &&
-                                     Tile::kRows % kRowStep == 0;
+  template <int kChunks>
+  struct Part {
+    static constexpr int kRowStep = kChunks > 0 ? kThreads / kChunks : 0;
+    static constexpr bool kFits = kChunks == 0 || (kThreads % kChunks == 0 && kRowStep % 4 == 0 &&
+                                                   Tile::kRows % kRowStep == 0);
+  };
+  __host__ __device__ static constexpr int highest_power_of_two(int n) {
+    return n < 2 ? n : 2 * highest_power_of_two(n / 2);
+  }
+  static constexpr int kFirstChunks = highest_power_of_two(Tile::kChunksPerRow);
+  static constexpr int kSecondChunks = Tile::kChunksPerRow - kFirstChunks;
+  static constexpr bool kAvailable = Part<kFirstChunks>::kFits && Part<kSecondChunks>::kFits &&
+                                     kSecondChunks == highest_power_of_two(kSecondChunks);
 };
 
-// The first row and column of a thread's chunks in load_whole_tile.
-template <class Tile>
+// The first row and column of a thread's chunks in load_whole_tile's first part (its source pointer's).
+template <class Tile, int kThreads>
 __device__ __forceinline__ int whole_tile_row(int thread) {
-  return thread / Tile::kChunksPerRow;
+  return thread / WholeTileCopy<Tile, kThreads>::kFirstChunks;
 }
-template <class Tile>
+template <class Tile, int kThreads>
 __device__ __forceinline__ int whole_tile_column(int thread) {
-  return (thread % Tile::kChunksPerRow) * kChunkElems;
+  return (thread % WholeTileCopy<Tile, kThreads>::kFirstChunks) * kChunkElems;
+}
+
+// One column part of load_whole_tile: kChunks chunks of every row, `from` this thread's first (row `row`, chunk
+// `chunk`), unrolled.
+template <class Tile, int kThreads, int kChunks, class T>
+__device__ __forceinline__ void load_whole_tile_part(unsigned char* tile, const T* from, long long row_stride,
+                                                     int row, int chunk) {
+  constexpr int kRowStep = WholeTileCopy<Tile, kThreads>::template Part<kChunks>::kRowStep;
+  unsigned char* to = tile + Tile::chunk_offset(row, chunk);
+  // Odd steps: row + kRowStep's offset, less the step's rows (the same as `to` where kRowStep % 8 == 0).
+  unsigned char* to_odd = kRowStep % 8 == 0
+                              ? to
+                              : tile + Tile::chunk_offset(row + kRowStep, chunk) - kRowStep * Tile::kRowBytes;
+#pragma unroll
+  for (int i = 0; i < Tile::kRows / kRowStep; ++i) {
+    arch::cp_async<16>((i % 2 ? to_odd : to) + i * kRowStep * Tile::kRowBytes, from);
+    from += kRowStep * row_stride;
+  }
 }
 
 // tile = rows [0, Tile::kRows) x columns [0, Tile::kCols) of contiguous rows `row_stride` elements apart: the copy
 // of an interior tile, every row valid, every chunk whole (head dim = Tile::kCols), rows 16-byte aligned, not paged
 // (the caller tests this per block; load_tile stays the general path). `from` is this thread's first chunk: row
-// whole_tile_row, column whole_tile_column. Each thread's copies are unrolled: one source pointer stepped by
-// kRowStep rows and shared offsets that are immediates from one or two per-thread bases, so a 16-byte cp.async
-// costs a pointer step instead of load_tile's loop. The same chunks as load_tile, in the same order per thread.
+// whole_tile_row, column whole_tile_column. Each thread's copies are unrolled: per column part one source pointer
+// stepped by kRowStep rows (the second part's a per-thread offset from the first's) and shared offsets that are
+// immediates from one or two per-thread bases, so a 16-byte cp.async costs a pointer step instead of load_tile's
+// loop. Where the row's chunks are a power of two (one part), the same chunks as load_tile, in the same order per
+// thread; with two parts (d96, d192) a thread's chunks differ from load_tile's general loop, which the loop's
+// cp.async wait and barrier make irrelevant.
 template <class Tile, int kThreads, class T>
 __device__ __forceinline__ void load_whole_tile(unsigned char* tile, const T* from, long long row_stride, int thread) {
   using Copy = WholeTileCopy<Tile, kThreads>;
-  static_assert(Copy::kAvailable, "the threads cover whole rows, 4k at a time");
+  static_assert(Copy::kAvailable, "each column part's threads cover whole rows, 4k at a time");
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
-  const int row = whole_tile_row<Tile>(thread);
-  const int chunk = whole_tile_column<Tile>(thread) / kChunkElems;
-  unsigned char* to = tile + Tile::chunk_offset(row, chunk);
-  // Odd steps: row + kRowStep's offset, less the step's rows (the same as `to` where kRowStep % 8 == 0).
-  unsigned char* to_odd = Copy::kRowStep % 8 == 0
-                              ? to
-                              : tile + Tile::chunk_offset(row + Copy::kRowStep, chunk) -
-                                    Copy::kRowStep * Tile::kRowBytes;
-#pragma unroll
-  for (int i = 0; i < Tile::kRows / Copy::kRowStep; ++i) {
-    arch::cp_async<16>((i % 2 ? to_odd : to) + i * Copy::kRowStep * Tile::kRowBytes, from);
-    from += Copy::kRowStep * row_stride;
+  const int row = whole_tile_row<Tile, kThreads>(thread);
+  const int column = whole_tile_column<Tile, kThreads>(thread);
+  load_whole_tile_part<Tile, kThreads, Copy::kFirstChunks>(tile, from, row_stride, row, column / kChunkElems);
+  if constexpr (Copy::kSecondChunks > 0) {
+    // The second part's first chunk: row thread / kSecondChunks, chunk kFirstChunks + thread % kSecondChunks.
+    const int second_row = thread / Copy::kSecondChunks;
+    const int second_column = (Copy::kFirstChunks + thread % Copy::kSecondChunks) * kChunkElems;
+    load_whole_tile_part<Tile, kThreads, Copy::kSecondChunks>(
+        tile, from + (second_row - row) * row_stride + (second_column - column), row_stride, second_row,
+        second_column / kChunkElems);
   }
 }
 
