@@ -92,3 +92,16 @@ def test_host_command_without_host_py_refuses_in_one_line(monkeypatch, capsys):
     # the other commands do not import it
     with pytest.raises(SystemExit):
         cli.main(["first-gpu", "--help"])
+
+
+def test_splitkv_command_hands_its_options_to_splitkv_py(monkeypatch, tmp_path):
+    from cuflash.benchmarks import splitkv
+
+    seen = {}
+    monkeypatch.setattr(splitkv, "main", lambda out, **options: seen.update(out=out, **options) or 3)
+    assert cli.main(["splitkv", "--out", str(tmp_path), "--dtypes", "float16", "--splits", "0", "8",
+                     "--budget-s", "35"]) == 3
+    assert seen == {"out": tmp_path, "dtypes": ("float16",), "counts": (0, 8), "warmup": 3, "repeats": 10,
+                    "budget_s": 35.0}
+    cli.main(["splitkv"])
+    assert seen["counts"] == splitkv.SPLIT_COUNTS and seen["dtypes"] == ("bfloat16", "float16")

@@ -460,7 +460,7 @@ def test_each_peer_adapter_passes_its_check_and_times(key):
 
 @pytest.mark.skipif(gpu_count() > 0, reason="a GPU is present: the speed benchmark runs instead")
 @pytest.mark.parametrize("command", [["speed"], ["seeds"], ["validate-gpu", "--out", "{out}"],
-                                     ["first-gpu", "--out", "{out}"]])
+                                     ["first-gpu", "--out", "{out}"], ["splitkv", "--out", "{out}"]])
 def test_gpu_commands_refuse_without_a_gpu_and_write_nothing(command, tmp_path, monkeypatch):
     import subprocess
     import sys

@@ -51,6 +51,18 @@ RECORDED = json.loads(json.dumps({
              ],
              "checks": [], "skipped": [{"system": "cuflash-fa2", "workload": "b1 s16384 h16 d128 full float16",
                                         "reason": "over budget: expected 40 s, 12 s left"}]}}},
+        {"name": "splitkv", "status": "pass", "seconds": 30.0, "timeout_s": 94.0, "rc": 0, "command": "splitkv ...",
+         "detail": "1 shapes, 0 skipped; speedup 0/1 4.00x to 4.00x; checks pass", "data": {"result": {
+             "device": "NVIDIA H100 80GB HBM3", "timing": "busy start", "counts": [1, 0, 16], "check_seqlen_k": 1999,
+             "shapes": [{"label": "b1 q1 k32768 h32/8 d128 full bfloat16",
+                         "check": "b1 q1 k1999 h32/8 d128 full bfloat16"}],
+             "checks": {"b1 q1 k1999 h32/8 d128 full bfloat16": {"cuflash-fa2": {
+                 n: {"passed": True, "detail": "max error 0.3 of the bound", "splits": s}
+                 for n, s in (("1", 1), ("0", 4), ("16", 16))}, "seqlen_k": 1999}},
+             "measurements": [{"shape": "b1 q1 k32768 h32/8 d128 full bfloat16", "system": "cuflash-fa2",
+                               "num_splits": n, "splits": s, "milliseconds": ms, "kv_gb_per_s": 67.1 / ms}
+                              for n, s, ms in ((1, 1, 0.48), (0, 4, 0.12), (16, 16, 0.06))],
+             "skipped": [{"shape": "all", "system": "torch-flash", "reason": "unavailable: no PyTorch"}]}}},
         {"name": "ncu", "status": "pass", "seconds": 41.0, "timeout_s": 109.0, "rc": 0, "command": "ncu --csv ...",
          "detail": "2 kernels profiled", "data": {"kernels": [
              {"kernel": "fa2_tc_forward_kernel<128>", "tensor_pipe_pct": 61.5,
@@ -70,7 +82,7 @@ def test_summary_holds_every_recorded_outcome_and_figure(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "# cuflash first-gpu on NVIDIA H100 80GB HBM3" in md
     for name, status in [("toolchain", "pass"), ("tests", "fail"), ("validate", "fail"), ("speed", "pass"),
-                         ("ncu", "pass"), ("host", "timeout")]:
+                         ("splitkv", "pass"), ("ncu", "pass"), ("host", "timeout")]:
         assert f"| {name} | {status} |" in md
     assert "- tests.test_cupy_gpu::test_fa2_bf16" in md and "- tests.test_cupy_gpu::test_varlen" in md
     assert "sanitizer memcheck: **pass**" in md and "sanitizer racecheck: **fail**" in md
@@ -87,18 +99,27 @@ def test_summary_holds_every_recorded_outcome_and_figure(tmp_path):
     assert "| fa2_tc_backward_kernel<128> | 42.2 | short_scoreboard 2.50 |" in md
     assert "| attention | decode | simulator | 187.3 | - |" in md
     assert "## Toolchain\n\n```\nsm_90\n```" in md
+    # split-KV: ms and splits per count, the heuristic's speedup over no split, the skips
+    assert "## Split-KV decode (splitkv.py)" in md
+    assert ("| b1 q1 k32768 h32/8 d128 full bfloat16 | 0.480 (1) | 0.120 (4) | 0.060 (16) | 4.00 | - | 1118 | pass |"
+            in md)
+    assert "- torch-flash all: unavailable: no PyTorch" in md
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["steps"] == RECORDED["steps"]
     ratios = {(r["direction"], r["seqlen"]): r["ratio_to_best_peer"] for r in data["speed_rows"]}
     assert ratios == {("forward", 512): pytest.approx(0.9), ("forward+backward", 512): pytest.approx(1.2)}
+    assert [(r["shape"], r["speedup"]) for r in data["splitkv_rows"]] == [
+        ("b1 q1 k32768 h32/8 d128 full bfloat16", pytest.approx(4.0))]
     assert (tmp_path / "summary.png").stat().st_size > 10_000
 
 
 def test_summary_without_speed_still_writes_three_files(tmp_path):
-    record = {**RECORDED, "steps": [s for s in RECORDED["steps"] if s["name"] != "speed"]}
+    record = {**RECORDED, "steps": [s for s in RECORDED["steps"] if s["name"] not in ("speed", "splitkv")]}
     first_gpu.write_summary(tmp_path, record)
     assert "## Speed" not in (tmp_path / "summary.md").read_text()
-    assert json.loads((tmp_path / "summary.json").read_text())["speed_rows"] == []
+    assert "## Split-KV" not in (tmp_path / "summary.md").read_text()
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["speed_rows"] == [] and data["splitkv_rows"] == []
     assert (tmp_path / "summary.png").stat().st_size > 1_000
 
 
@@ -138,6 +159,17 @@ def test_step_limits_give_each_step_its_budget_plus_what_earlier_steps_left():
     assert first_gpu.step_timeout(STEPS, 1, 5.0) == STEPS[1].budget_s + STEPS[0].budget_s - 5
     # never the time reserved for the steps after it
     assert first_gpu.step_timeout(STEPS, 2, 600.0) == 0.0
+
+
+def test_splitkv_runs_after_speed_on_time_taken_from_it():
+    """The split-KV step follows the speed sweep (whose d128 forward kernels it runs split) with 35 s that were the
+    sweep's: the steps still fit the 9 minutes."""
+    names = [s.name for s in STEPS]
+    assert names == ["toolchain", "smoke", "tests", "validate", "speed", "splitkv", "ncu", "host"]
+    budgets = {s.name: s.budget_s for s in STEPS}
+    assert (budgets["speed"], budgets["splitkv"]) == (135, 35) and first_gpu.TOTAL_S == 540
+    assert sum(budgets.values()) + first_gpu.SUMMARY_RESERVE_S == first_gpu.TOTAL_S
+    assert budgets["splitkv"] - first_gpu.SPLITKV_OUTPUT_S >= 25  # start-up and output leave the shapes 25 s
 
 
 class FakeRun:
@@ -243,6 +275,9 @@ def test_commands_fit_the_step_limits(monkeypatch, tmp_path):
     validate = cmds["validate"]
     assert validate[validate.index("--step-timeout") + 1] == "50"  # memcheck, racecheck and ncu share 150 s
     assert "tensor-core" in validate and validate[validate.index("--skip") + 1:][:2] == ["tests", "speed"]
+    splitkv = cmds["splitkv"]
+    assert splitkv[-5:] == ["splitkv", "--out", str(tmp_path / "splitkv"), "--budget-s",
+                            str(160 - first_gpu.SPLITKV_OUTPUT_S)]
     assert cmds["host"][-7:] == ["host", "--out", str(tmp_path / "host"), "--backend", "cupy", "--profile",
                                  str(first_gpu.HOST_PROFILE_CALLS)]
     monkeypatch.setattr(first_gpu, "_tool", lambda name: "/usr/local/cuda/bin/ncu")
@@ -262,6 +297,13 @@ def test_step_data_reads_what_each_step_wrote(tmp_path):
     assert first_gpu.step_data("speed", tmp_path, "")["result"] == {"measurements": [], "skipped": []}
     assert first_gpu.step_data("tests", tmp_path, "") == {}  # no XML: pytest died before writing it
     assert first_gpu.step_data("ncu", tmp_path, "") == {"kernels": []}
+    assert first_gpu.step_data("splitkv", tmp_path, "") == {"result": None}  # killed before its first shape
+    (tmp_path / "splitkv").mkdir()
+    splitkv = next(s for s in RECORDED["steps"] if s["name"] == "splitkv")["data"]["result"]
+    (tmp_path / "splitkv" / "splitkv.json").write_text(json.dumps(splitkv))
+    data = first_gpu.step_data("splitkv", tmp_path, "")
+    assert data == {"result": splitkv}
+    assert first_gpu._detail("splitkv", 0, data, "") == "1 shapes, 1 skipped; speedup 0/1 4.00x to 4.00x; checks pass"
 
 
 def test_validate_step_reads_the_verdicts_validate_gpu_wrote(tmp_path):

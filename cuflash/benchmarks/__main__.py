@@ -6,16 +6,19 @@
     python3 -m cuflash.benchmarks seeds [--out DIR]
     python3 -m cuflash.benchmarks validate-gpu --out DIR
     python3 -m cuflash.benchmarks first-gpu --out DIR
+    python3 -m cuflash.benchmarks splitkv [--out DIR] [--dtypes bfloat16 float16] [--splits 1 0 16] [--budget-s S]
     python3 -m cuflash.benchmarks host --out DIR
     python3 -m cuflash.benchmarks traffic [--out DIR] [--seqlens ...] [--headdims ...] [--flex VARIANT ...]
     python3 -m cuflash.benchmarks profile [--out DIR] [--arch sm_80 sm_90]
 
-``speed``, ``seeds``, ``validate-gpu`` and ``first-gpu`` time kernels on a CUDA
+``speed``, ``seeds``, ``validate-gpu``, ``first-gpu`` and ``splitkv`` time kernels on a CUDA
 GPU (device ms with the L2 flushed before every timed run, and host us per call;
 timing.py) beside the peers found in the environment; without a GPU they refuse
 with a one-line reason and write nothing. ``first-gpu`` is the first command for
-a new GPU machine: toolchain, gpu tests, sanitizers, the sweep, Nsight Compute
-and the host benchmark within 9 minutes, one summary (first_gpu.py). ``host``
+a new GPU machine: toolchain, gpu tests, sanitizers, the sweep, split-KV, Nsight
+Compute and the host benchmark within 9 minutes, one summary (first_gpu.py).
+``splitkv`` times short-query, long-key forwards with num_splits 1, 0 (the
+heuristic) and a fixed count, checked against the unsplit call (splitkv.py). ``host``
 times cuflash's host path per call (host.py). ``traffic`` and ``profile`` are
 counts from the CPU simulator and the compile report, never times.
 """
@@ -119,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("first-gpu", help="first command on a new GPU machine: every check and figure in 9 minutes")
     f.add_argument("--out", type=Path, required=True)
 
+    k = sub.add_parser("splitkv", help="split-KV decode: num_splits 1, 0 (heuristic) and n on short-query, long-key "
+                                       "shapes")
+    k.add_argument("--out", type=Path, default=Path("cuflash-splitkv"), help="folder for splitkv.json and splitkv.md")
+    k.add_argument("--dtypes", nargs="+", choices=["float16", "bfloat16"], default=["bfloat16", "float16"])
+    k.add_argument("--splits", nargs="+", type=int, default=None, help="num_splits values timed (default 1 0 16)")
+    k.add_argument("--repeats", type=int, default=10)
+    k.add_argument("--warmup", type=int, default=3)
+    k.add_argument("--budget-s", type=float, default=None,
+                   help="seconds the run may take: a shape is started only while the time left exceeds what the "
+                        "latest shape took (the rest are listed as skipped)")
+
     h = sub.add_parser("host", help="host microseconds per call of cuflash's API (host.py)")
     host_module = _host_module() if _command_of(argv) == "host" else None
     if host_module is not None:
@@ -171,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             from . import first_gpu
 
             return first_gpu.main(args.out)
+        elif args.command == "splitkv":
+            from . import splitkv
+
+            return splitkv.main(args.out, dtypes=tuple(args.dtypes), counts=tuple(args.splits or splitkv.SPLIT_COUNTS),
+                                warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
         elif args.command == "host":
             if host_module is None:
                 print("error: the host benchmark is not installed here (cuflash/benchmarks/host.py is missing)",

@@ -14,9 +14,12 @@ Steps, in this order, each a subprocess with its own time budget (``STEPS``) who
    seqlen 4k to 16k, forward, backward, forward+backward), and cuflash's flex variants (document mask, prefix-LM,
    relative bias) at the same points, within the step's time: shortest seqlens first, a point expected to overrun
    is skipped and listed (speed.Budget);
-6. ``ncu``: Nsight Compute's tensor-pipe utilization and warp stall reasons (WarpStateStats,
+6. ``splitkv``: ``python3 -m cuflash.benchmarks splitkv``: short-query, long-key forwards (decode steps) with
+   num_splits 1, 0 (the heuristic) and a fixed count, each checked against the unsplit call, and PyTorch flash
+   beside them (splitkv.py), after the speed step so that their kernels are compiled;
+7. ``ncu``: Nsight Compute's tensor-pipe utilization and warp stall reasons (WarpStateStats,
    ComputeWorkloadAnalysis) of the d128 forward and backward tensor-core kernels;
-7. ``host``: ``python3 -m cuflash.benchmarks host`` (host microseconds per call).
+8. ``host``: ``python3 -m cuflash.benchmarks host`` (host microseconds per call).
 
 A step may use the time earlier steps left unused, never the time reserved for the steps after it
 (``step_timeout``). Then ``write_summary``, a pure function of the recorded steps, writes DIR/summary.md,
@@ -51,6 +54,7 @@ SPEED_SETTING = dict(headdims=(128,), dtypes=("bfloat16", "float16"),
 # The FA2 sweep's peers, and cuflash's fa2 (its other algorithms are the README's, not the peers' rivals).
 SPEED_SYSTEMS = ("cuflash-fa2", "cupy-standard", "jax-xla", "jax-cudnn", "torch-flash", "torch-cudnn")
 SPEED_OUTPUT_S = 40  # what the speed subprocess needs after its sweep: start-up, writing JSON and plots
+SPLITKV_OUTPUT_S = 10  # what the splitkv subprocess needs besides its shapes: start-up (CuPy, PyTorch) and output
 NCU_KERNELS = "regex:(fa2_tc|fa3)_(forward|backward)_kernel"  # fa3 on sm_90 16-bit
 HOST_PROFILE_CALLS = 500  # warm decode calls host.py profiles (profile.txt)
 HOST_PROFILE_LINES = 20  # of which the summary shows the first
@@ -74,7 +78,10 @@ STEPS = (
     Step("tests", 110, "gpu-marked tests"),
     Step("validate", 80, "validate-gpu: compute-sanitizer memcheck + racecheck (tensor-core forward and backward), "
                          "Nsight Compute beside the simulator"),
-    Step("speed", 170, "the speed sweep against every peer found"),
+    # 35 s of the speed sweep's time (the sweep's d128 points, the issue's target, come first); a split forward runs
+    # the sweep's d128 forward kernel (compiled there by then) and a small combine kernel
+    Step("speed", 135, "the speed sweep against every peer found"),
+    Step("splitkv", 35, "split-KV decode: num_splits 1, 0 (heuristic) and a fixed count, short queries over long keys"),
     Step("ncu", 50, "Nsight Compute: tensor pipe and stall reasons, d128 tensor-core forward and backward"),
     Step("host", 30, "host microseconds per call"),
 )
@@ -122,6 +129,8 @@ def commands(out: Path, timeout_s: float, python: str = sys.executable) -> dict[
                        "--causal", "both", "--flex", *SPEED_SETTING["flex"], "--systems", *SPEED_SYSTEMS,
                        "--repeats", "3", "--warmup", "1",
                        "--budget-s", str(max(0, int(timeout_s - SPEED_OUTPUT_S)))]
+    result["splitkv"] = [*bench, "splitkv", "--out", str(out / "splitkv"),
+                         "--budget-s", str(max(0, int(timeout_s - SPLITKV_OUTPUT_S)))]
     ncu = _tool("ncu")
     if ncu is None:
         result["ncu"] = "ncu not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"
@@ -209,6 +218,8 @@ def step_data(name: str, out: Path, text: str) -> dict:
         return {"steps": summary.get("steps", {})}
     if name == "speed":
         return {"result": _read_json(out / "speed" / "speed.json")}
+    if name == "splitkv":
+        return {"result": _read_json(out / "splitkv" / "splitkv.json")}
     if name == "ncu":
         log = out / "ncu" / "ncu.csv"
         return {"kernels": parse_ncu(log.read_text()) if log.exists() else []}
@@ -230,6 +241,10 @@ def _detail(name: str, rc: int | None, data: dict, text: str) -> str:
     if name == "speed" and data.get("result"):
         r = data["result"]
         return f"{len(r['measurements'])} timings, {len(r['skipped'])} skipped"
+    if name == "splitkv" and data.get("result"):
+        from .splitkv import summary_detail
+
+        return summary_detail(data["result"])
     if name == "ncu" and data.get("kernels"):
         return f"{len(data['kernels'])} kernels profiled"
     if name == "host" and data.get("rows"):
@@ -367,6 +382,8 @@ def write_summary(out: Path, record: dict, plot: bool = True) -> list[Path]:
     """DIR/summary.md, DIR/summary.json and (with ``plot``) DIR/summary.png from ``record`` ({"device", "seconds",
     "steps": [...]}, and "partial": True while steps remain: main writes one after every step, so a run killed
     before its end, as a lent machine's time limit may, still leaves the summary of the steps it finished)."""
+    from .splitkv import markdown_lines as splitkv_markdown, splitkv_rows
+
     out = Path(out)
     steps = {s["name"]: s for s in record["steps"]}
     lines = [f"# cuflash first-gpu on {record.get('device', '?')}", "",
@@ -400,6 +417,10 @@ def write_summary(out: Path, record: dict, plot: bool = True) -> list[Path]:
     if speed and speed.get("measurements"):
         lines += ["", "## Speed", ""] + _speed_markdown(speed)
 
+    splitkv = steps.get("splitkv", {}).get("data", {}).get("result")
+    if splitkv and splitkv.get("shapes"):
+        lines += ["", "## Split-KV decode (splitkv.py)", ""] + splitkv_markdown(splitkv)
+
     kernels = steps.get("ncu", {}).get("data", {}).get("kernels", [])
     if kernels:
         lines += ["", "## Nsight Compute (d128 tensor-core kernels)", "",
@@ -422,7 +443,8 @@ def write_summary(out: Path, record: dict, plot: bool = True) -> list[Path]:
 
     written = [out / "summary.md", out / "summary.json"] + ([out / "summary.png"] if plot else [])
     written[0].write_text("\n".join(lines) + "\n")
-    derived = {"speed_rows": speed_rows(speed) if speed else []}
+    derived = {"speed_rows": speed_rows(speed) if speed else [],
+               "splitkv_rows": splitkv_rows(splitkv) if splitkv else []}
     written[1].write_text(json.dumps({**record, **derived}, indent=1, default=str))
     if plot:
         _summary_plot(speed, record.get("device", "?"), written[2])

@@ -362,17 +362,20 @@ class TorchSdpa(System):
             return f"PyTorch is not available ({type(err).__name__}: {err})"
         return None
 
-    def _sdpa(self, causal: bool):
+    def _sdpa(self, causal: bool, enable_gqa: bool = False):
+        """(attend, gradients) restricted to the backend; ``enable_gqa`` (PyTorch >= 2.5) for k and v with fewer
+        heads than q (splitkv.py's decode shapes), asked only then so older PyTorch runs the rest."""
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[self.backend]
+        gqa = {"enable_gqa": True} if enable_gqa else {}
 
         def attend(q, k, v):
             # PyTorch's own layout, (batch, heads, seqlen, dim), contiguous: what its users pass.
             with sdpa_kernel(backend):
-                return scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
         def gradients(out, q, k, v, dout):
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
