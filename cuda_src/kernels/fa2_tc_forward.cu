@@ -74,8 +74,9 @@ struct ForwardTraits {
   // (about 14 instructions).
   static constexpr bool kPinKBases = !(kMTiles == 2 && kMTiles * (kDimTiles + kKeyTiles) * 4 >= 160);
   // Whether the K/V loop takes load_whole_tile for whole blocks: not on those tiles under CUDA 12, whose ptxas spilled
-  // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not); nor at d32, where the copies' registers
-  // cost sm_90 a block per SM (157 -> 174 registers: 3 -> 2 blocks).
+  // 4 bytes at d128 128 x 32 on sm_90 with the unrolled copies (13's does not), and 4 at d96 128 x 64 on sm_90 with
+  // the two-part copies (12.9); nor at d32, where the copies' registers cost sm_90 a block per SM (157 -> 174
+  // registers: 3 -> 2 blocks).
   // Whether paged blocks take them too (each block's source looked up in its page): not at d256 under CUDA 12,
   // whose ptxas spilled 64 x 64 on 4 warps with the lookup (16 bytes on sm_90, 8 on sm_86; 13's does not).
   // Whether a K/V loop without whole copies holds the sequence's K and V rows from key 0 (KeyRows::from) rather than
