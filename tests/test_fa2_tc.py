@@ -127,12 +127,12 @@ ASAN_BACKWARD_CASES = one_dtype_per_tile(BACKWARD_CASES)
 
 def test_instance_cases_cover_every_tensor_core_instance():
     for cases, traits_of, kernel, count in ((FORWARD_CASES, fa2_tc.forward_traits, "fa2_tc_forward", 18),
-                                            (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 18)):
+                                            (BACKWARD_CASES, fa2_tc.backward_traits, "fa2_tc_backward", 20)):
         covered = {traits_of(hd, target(arch)).instance(dt) for arch, hd, dt in cases}
         planned = {i for arch in PLANNED_ARCHS for i in fa2_tc.instances(target(arch))
                    if kernel in i.name_expr and not i.name_expr.endswith(", true>")}  # without dropout
-        # 18 backward instances: d64's 128 x 128 (sm_90) and 64 x 128, d128's 64 x 128 (sm_80, sm_90) and 64 x 64
-        # (the 99 KB targets), in both dtypes.
+        # 20 backward instances: d64's 128 x 128 (sm_90) and 64 x 128, d96's and d128's 64 x 128 (sm_80, sm_90) and
+        # 64 x 64 (the 99 KB targets), in both dtypes.
         assert covered == planned and len(cases) == len(planned) == count
     for cases, asan in ((FORWARD_CASES, ASAN_FORWARD_CASES), (BACKWARD_CASES, ASAN_BACKWARD_CASES)):
         assert set(asan) <= set(cases)
@@ -307,17 +307,19 @@ def test_tile_tables():
     with pytest.raises(ValueError, match="takes"):
         fa2_tc.ForwardTraits(64, 128, 64, 4).instance("float32")
     # Backward: 8 warps with FA2's 99 KB tiles up to head dim 96, FA2's 128 x 128 at 64 where a block has its 145 KB
-    # and the installed NVRTC is CUDA 13's (12.9's ptxas spills it) and its 64 x 128 at 128 where it fits (the 99 KB
-    # targets take 64 x 64, as does sm_100, whose ptxas spills the larger one), the 99 KB targets' own row at 256.
+    # and the installed NVRTC is CUDA 13's (12.9's ptxas spills it) and its 64 x 128 at 96 and 128 where it fits (the
+    # 99 KB targets take 64 x 64, as does sm_100 at 128, whose ptxas spills the larger one there), the 99 KB targets'
+    # own row at 256.
     cuda12 = fa2_tc._nvrtc_major() == 12
     for arch in ("sm_80", "sm_86", "sm_90", "sm_100"):
         for head_dim in fa2_tc.HEAD_DIMS:
             traits = fa2_tc.backward_traits(head_dim, target(arch))
             assert traits.smem_bytes <= target(arch).smem_per_block_bytes
-            second = ((arch == "sm_86" and head_dim in (128, 256)) or (arch == "sm_100" and head_dim == 128)
+            second = ((arch == "sm_86" and head_dim in (96, 128, 256)) or (arch == "sm_100" and head_dim == 128)
                       or (head_dim == 64 and (arch == "sm_86" or cuda12)))
             assert traits == fa2_tc.BACKWARD_CHOICES[head_dim][1 if second else 0]
     assert (fa2_tc.backward_traits(128, SM80).block_n, fa2_tc.backward_traits(128, target("sm_100")).block_n) == (128, 64)
+    assert [fa2_tc.backward_traits(96, target(arch)).block_n for arch in ("sm_80", "sm_86", "sm_100")] == [128, 64, 128]
     assert {fa2_tc.backward_traits(64, target(arch)).block_m for arch in ("sm_80", "sm_90")} == {64 if cuda12 else 128}
     assert fa2_tc.backward_traits(128, SM80, dropout=True).block_n == 64
     assert fa2_tc.backward_traits(64, target("sm_90"), dropout=True).block_m == 64

@@ -174,8 +174,9 @@ class BackwardTraits(fa2.TileTraits):
 
 
 # The backward tiles (Q step x K/V block), 8 warps, from FA2's table (anchors.md) for blocks of at most 99 KB:
-# 64 x 128 up to head dim 64, 64 x 64 at 96 and 128; at 128, FA2's 64 x 128 where a block may take its 144.5 KB. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to
-# 24 bytes on sm_80 / sm_90: dK + dV alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
+# 64 x 128 up to head dim 64, 64 x 64 at 96 and 128; at 96 and 128, FA2's 64 x 128 where a block may take its 116.5
+# and 144.5 KB. At 192 and 256 FA2's 64 x 64 makes ptxas spill here (16 to 24 bytes on sm_80 / sm_90: dK + dV
+# alone are 96 / 128 floats per thread), so the Q step halves instead (32 x 64,
 # keeping the K/V block and so the number of dQ updates and Q/dO re-reads); at 256 the 99 KB targets take 32 x 32
 # with 4 warps (32 x 64 needs 120 KB with Q double-buffered). The same tiles with dropout, but at d256 only 32 x 32
 # on 4 warps (32 x 64 on 8 spills 4 to 8 bytes on sm_80 / sm_90 with dropout's ring offsets; d192's fits since the
@@ -202,7 +203,12 @@ BACKWARD_CHOICES = {
     64: (BackwardTraits(64, block_m=128, block_n=128, warps=8,
                         spills_under_cuda12_on=("sm_80", "sm_87", "sm_90", "sm_90a", "sm_100")),
          BackwardTraits(64, block_m=64, block_n=128, warps=8)),
-    96: (BackwardTraits(96, block_m=64, block_n=64, warps=8),),
+    # d96: FA2's 64 x 128 where a block has its 116.5 KB (the 99 KB targets keep 64 x 64), with or without dropout:
+    # the loop census's step (NVRTC 13.5, sm_80, plain) 808 instructions for 240 HMMA (3.37 per HMMA; sm_90 822)
+    # where 64 x 64 issues 546 for 120 (4.55; 563), and each Q and dO block read and dQ block added half as often
+    # per FLOP; 237-255 registers without spills under NVRTC 13.5 and 12.9 on sm_80, sm_87, sm_90 and sm_100 (64 x
+    # 64: 178-188); one block of 8 warps per SM either way (registers).
+    96: (BackwardTraits(96, block_m=64, block_n=128, warps=8), BackwardTraits(96, block_m=64, block_n=64, warps=8)),
     # d128: FA2's 64 x 128 (NVRTC 13, fp16 and bf16 alike) issues 1059 instructions per step for 320 HMMA on sm_80
     # (3.31 per HMMA) and 1081 on sm_90 (3.38), where 64 x 64 issues 662 for 160 (4.14) and 678 (4.24); it reads
     # each Q and dO block and adds each dQ block half as often per FLOP. 254-255 registers without spills under
