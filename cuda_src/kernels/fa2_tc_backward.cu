@@ -127,8 +127,8 @@ struct BackwardTraits {
   static constexpr bool kStepQRows = HeadDim < 256;
   // Whole Q and dO blocks (every row, the compiled head dim, 16-byte rows; block-uniform) are copied by
   // load_whole_tile: a thread's cp.async unrolled from one source pointer per column part (two at d96 and d192,
-  // whose 12 and 24 chunks per row divide no thread count: WholeTileCopy), shared offsets immediates. At d96 and
-  // d192 the census's step fell from 727 to 546 and 729 to 549 instructions (sm_80) with the two parts.
+  // whose 12 and 24 chunks per row divide no thread count: WholeTileCopy), shared offsets immediates. With the two
+  // parts the census's step (sm_80) fell from 727 to 546 instructions at d96 (64 x 64) and 729 to 549 at d192.
   static constexpr bool kWholeQCopies = WholeTileCopy<SwizzledTile<BlockM, HeadDim>, kThreads>::kAvailable;
   static_assert(Dq::kNTiles % kDqChunks == 0, "whole chunks");
   // Whether the lanes' ldmatrix bases (BackwardLaneBases, 4 sets of up to 4 registers) are made once per K/V block

@@ -238,6 +238,8 @@ __device__ __forceinline__ void load_whole_tile(unsigned char* tile, const T* fr
   using Copy = WholeTileCopy<Tile, kThreads>;
   static_assert(Copy::kAvailable, "each column part's threads cover whole rows, 4k at a time");
   static_assert(sizeof(T) == 2, "tensor-core tiles hold 16-bit elements");
+  // The first part's chunk as the callers find their pointer's (whole_tile_row, whole_tile_column): written as
+  // thread % kFirstChunks instead, ptxas scheduled the one-part instances otherwise (sm_90 d128 backward +6 a step).
   const int row = whole_tile_row<Tile, kThreads>(thread);
   const int column = whole_tile_column<Tile, kThreads>(thread);
   load_whole_tile_part<Tile, kThreads, Copy::kFirstChunks>(tile, from, row_stride, row, column / kChunkElems);
