@@ -146,6 +146,22 @@ class Budget:
         self._seen.setdefault(system, []).append((workload.flops("forward+backward"), seconds))
 
 
+def error_line(err: BaseException) -> str:
+    """One line naming what stopped a call: its exception's type and the first line of its message."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def wrong_result_line(err: AssertionError) -> str:
+    """One line for a result outside the FlashAttention rule (cuflash._tolerance.check_close's AssertionError)."""
+    return f"wrong result: {err}".splitlines()[0]
+
+
+def share_of_bound(measured) -> str:
+    """A passing check's figure: the largest error of ``measured`` (check_close results) as a share of its bound."""
+    worst = max(m.max_error / m.bound if m.bound else 0.0 for m in measured)
+    return f"max error {worst:.2f} of the bound"
+
+
 def check_against_reference(system: System, dtype: str, headdim: int, causal: bool, seed: int = 0,
                             flex: str | None = None) -> Check:
     """Run ``system`` once on a small problem and judge out and gradients by the FlashAttention rule (with ``flex``,
@@ -172,11 +188,10 @@ def check_against_reference(system: System, dtype: str, headdim: int, causal: bo
             measured.append(tol.check_close(name, got, getattr(bref, name), getattr(bref, name + "_lowp"),
                                             tol.BACKWARD_FACTOR, atol=1e-5 if causal or flex else 0.0))
     except AssertionError as err:
-        return Check(system.key, dtype, headdim, causal, False, f"wrong result: {err}".splitlines()[0], flex)
+        return Check(system.key, dtype, headdim, causal, False, wrong_result_line(err), flex)
     except Exception as err:  # the system cannot run this setting at all
-        return Check(system.key, dtype, headdim, causal, False, f"{type(err).__name__}: {err}".splitlines()[0], flex)
-    worst = max(m.max_error / m.bound if m.bound else 0.0 for m in measured)
-    return Check(system.key, dtype, headdim, causal, True, f"max error {worst:.2f} of the bound", flex)
+        return Check(system.key, dtype, headdim, causal, False, error_line(err), flex)
+    return Check(system.key, dtype, headdim, causal, True, share_of_bound(measured), flex)
 
 
 class Progress:
@@ -242,7 +257,7 @@ def run_sweep(systems: Iterable[System], workloads: Iterable[Workload], *, direc
                     result.measurements.append(Measurement(system.key, workload, direction, sample,
                                                            system.variant(workload, direction)))
             except Exception as err:  # out of memory, an unsupported shape: say so and go on
-                result.skipped.append(Skip(system.key, workload.label(), f"{type(err).__name__}: {err}".splitlines()[0]))
+                result.skipped.append(Skip(system.key, workload.label(), error_line(err)))
             finally:
                 prepared = None
                 system.release()

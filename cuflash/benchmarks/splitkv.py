@@ -30,13 +30,15 @@ from typing import Callable
 
 import numpy as np
 
+from cuflash._dtypes import element_dtype
+
+from .speed import error_line, share_of_bound, wrong_result_line
 from .timing import Sample, Timer, measure
 from .workloads import DTYPES
 
 SPLIT_COUNTS = (1, 0, 16)  # no split, FA2's heuristic, and a fixed count the heuristic takes for none of the shapes
 CHECK_SEQLEN_K = 1999  # keys of the check problem: a ragged last K/V block, and enough blocks that the heuristic splits
 HEADDIM = 128
-ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 TORCH_SYSTEM = "torch-flash"
 CUFLASH_SYSTEM = "cuflash-fa2"
 
@@ -72,7 +74,7 @@ class SplitShape:
     def kv_bytes(self) -> int:
         """Bytes of K and V one forward reads (every key: a bottom-right causal mask with seqlen_q <= seqlen_k hides
         only keys past the last row's, which no row of a short query block skips whole)."""
-        return 2 * self.batch * self.seqlen_k * self.nheads_k * self.headdim * ELEMENT_BYTES[self.dtype]
+        return 2 * self.batch * self.seqlen_k * self.nheads_k * self.headdim * element_dtype(self.dtype).itemsize
 
     def checked_at(self) -> SplitShape:
         """The shape the correctness check runs: the same but its keys cut to CHECK_SEQLEN_K."""
@@ -149,11 +151,6 @@ def _inputs(shape: SplitShape, seed: int):
                       shape.dtype)
 
 
-def _of_bound(measured) -> str:
-    """A passing check's figure: its largest error as a share of the rule's bound (speed.check_against_reference's)."""
-    return f"max error {measured.max_error / measured.bound if measured.bound else 0.0:.2f} of the bound"
-
-
 def check_counts(shape: SplitShape, counts, to_device, to_host, torch_peer: TorchPeer | None = None,
                  seed: int = 0) -> dict:
     """Verdicts by system and count at ``shape.checked_at()``: {"cuflash-fa2": {str(n): {passed, detail, splits}},
@@ -175,20 +172,20 @@ def check_counts(shape: SplitShape, counts, to_device, to_host, torch_peer: Torc
             if n != 1 and 1 in outs:  # the split output against the unsplit one (tests/test_kvcache.py's rule)
                 tol.check_close(f"out (num_splits={n}) vs num_splits=1", outs[n], outs[1].astype(np.float64),
                                 ref.out_lowp, 2 * tol.FORWARD_FACTOR)
-            verdict = {"passed": True, "detail": _of_bound(measured)}
+            verdict = {"passed": True, "detail": share_of_bound([measured])}
         except AssertionError as err:
-            verdict = {"passed": False, "detail": f"wrong result: {err}".splitlines()[0]}
+            verdict = {"passed": False, "detail": wrong_result_line(err)}
         except Exception as err:  # the call cannot run at all
-            verdict = {"passed": False, "detail": f"{type(err).__name__}: {err}".splitlines()[0]}
+            verdict = {"passed": False, "detail": error_line(err)}
         verdicts[str(n)] = {**verdict, "splits": splits}
     result = {CUFLASH_SYSTEM: verdicts, "seqlen_k": checked.seqlen_k}
     if torch_peer is not None and shape.torch_refusal() is None:
         try:
             measured = tol.check_close("torch out", torch_peer.compute(q, k, v, checked.causal), ref.out,
                                        ref.out_lowp, tol.FORWARD_FACTOR)
-            result[TORCH_SYSTEM] = {"passed": True, "detail": _of_bound(measured)}
+            result[TORCH_SYSTEM] = {"passed": True, "detail": share_of_bound([measured])}
         except Exception as err:
-            result[TORCH_SYSTEM] = {"passed": False, "detail": f"{type(err).__name__}: {err}".splitlines()[0]}
+            result[TORCH_SYSTEM] = {"passed": False, "detail": error_line(err)}
     return result
 
 
@@ -246,7 +243,7 @@ def run_splitkv(shapes, *, to_device: Callable, to_host: Callable, cuflash_timer
                 result["measurements"].append(_record(shape, CUFLASH_SYSTEM, sample, n, splits, variant))
             except Exception as err:  # out of memory, an unsupported shape: say so and go on
                 result["skipped"].append({"shape": shape.label(), "system": f"{CUFLASH_SYSTEM} num_splits={n}",
-                                          "reason": f"{type(err).__name__}: {err}".splitlines()[0]})
+                                          "reason": error_line(err)})
         if torch_peer is not None:
             reason = shape.torch_refusal()
             if reason is None and not check.get(TORCH_SYSTEM, {}).get("passed"):
@@ -257,7 +254,7 @@ def run_splitkv(shapes, *, to_device: Callable, to_host: Callable, cuflash_timer
                                      repeats=repeats)
                     result["measurements"].append(_record(shape, TORCH_SYSTEM, sample))
                 except Exception as err:
-                    reason = f"{type(err).__name__}: {err}".splitlines()[0]
+                    reason = error_line(err)
             if reason is not None:
                 result["skipped"].append({"shape": shape.label(), "system": TORCH_SYSTEM, "reason": reason})
         latest = clock() - began
